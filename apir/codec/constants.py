@@ -1,0 +1,198 @@
+"""Protocol constants of APIR, as the C code names them.
+
+Theory of operation: every number that crosses the wire and has a name in the C
+(`backend/shared/api_remoting.h`, `apir_backend.h`, `apir_backend.gen.h`,
+`include/apir_hw.h`, `virtgpu.h`) has its twin here, as an `IntEnum` where the C has
+an enum or a family of #defines, so logs and exceptions can print the C name.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+__all__ = [
+    "APIR_HANDSHAKE_MAGIC",
+    "APIR_PROTOCOL_0_1",
+    "APIR_PROTOCOL_0_2",
+    "APIR_PROTOCOL_VERSIONS",
+    "APIR_PROTOCOL_MAJOR",
+    "APIR_PROTOCOL_MINOR",
+    "VENUS_COMMAND_TYPE_LENGTH",
+    "VIRTGPU_DRM_CAPSET_VENUS",
+    "VIRTGPU_DRM_CAPSET_APIR",
+    "SHMEM_DATA_SIZE",
+    "SHMEM_REPLY_SIZE",
+    "APIR_HANDSHAKE_MAX_WAIT_S",
+    "APIR_LOADLIBRARY_MAX_WAIT_S",
+    "ApirCommandType",
+    "ApirLoadLibraryReturnCode",
+    "ApirForwardReturnCode",
+    "ApirBackendInitializeReturnCode",
+    "ApirBackendCommandType",
+    "APIR_BACKEND_FORWARD_INDEX_INVALID",
+    "CapsetApir",
+    "CONFIG_KEY_LOAD_LIBRARY_PATH",
+    "CONFIG_KEY_GGML_LIBRARY_PATH",
+    "CONFIG_KEY_GGML_LIBRARY_REG",
+    "ENV_BACKEND_LIBRARY",
+    "ENV_GGML_LIBRARY_PATH",
+    "ENV_GGML_LIBRARY_REG",
+    "ENV_USE_APIR_CAPSET",
+    "DEFAULT_GGML_LIBRARY_REG",
+]
+
+# --- HandShake ---------------------------------------------------------------------------------
+APIR_HANDSHAKE_MAGIC = 0xAB1E  # the HandShake's return code when the host accepts
+
+APIR_PROTOCOL_0_1 = (0, 1)  # ggml 0.10.x; device_get_props carries 4 booleans
+APIR_PROTOCOL_0_2 = (0, 2)  # ggml 0.20.x; device_get_props adds mmap_support (5 booleans)
+APIR_PROTOCOL_VERSIONS = (APIR_PROTOCOL_0_1, APIR_PROTOCOL_0_2)
+APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR = APIR_PROTOCOL_0_2  # what apir speaks by default
+
+# --- capsets (virtgpu.h, include/apir_hw.h) -----------------------------------------------------
+VIRTGPU_DRM_CAPSET_VENUS = 4
+VIRTGPU_DRM_CAPSET_APIR = 10
+# Over the Venus capset the guest adds this to every APIR command type (Venus->APIR transition).
+VENUS_COMMAND_TYPE_LENGTH = 331
+
+# Sizes of the guest's two standing blobs (virtgpu.h).
+SHMEM_DATA_SIZE = 0x1830000  # 24 MiB + 192 KiB: the data window for tensor transfers and graphs
+SHMEM_REPLY_SIZE = 0x4000  # 16 KiB: reply notification word + reply payload
+
+# Guest-side wait limits of the C (virtgpu.cpp), in seconds.
+APIR_HANDSHAKE_MAX_WAIT_S = 2.0
+APIR_LOADLIBRARY_MAX_WAIT_S = 60.0
+
+# --- configuration keys and their environment fallbacks (virglrenderer src/apir) --------------
+CONFIG_KEY_LOAD_LIBRARY_PATH = "apir.load_library.path"
+CONFIG_KEY_GGML_LIBRARY_PATH = "ggml.library.path"
+CONFIG_KEY_GGML_LIBRARY_REG = "ggml.library.reg"
+ENV_BACKEND_LIBRARY = "VIRGL_APIR_BACKEND_LIBRARY"
+ENV_GGML_LIBRARY_PATH = "APIR_LLAMA_CPP_GGML_LIBRARY_PATH"
+ENV_GGML_LIBRARY_REG = "APIR_LLAMA_CPP_GGML_LIBRARY_REG"
+DEFAULT_GGML_LIBRARY_REG = "ggml_backend_init"
+# The C guest uses the APIR capset only when this is set (else Venus).
+ENV_USE_APIR_CAPSET = "GGML_REMOTING_USE_APIR_CAPSET"
+
+
+class ApirCommandType(enum.IntEnum):
+    """The first u32 of every command (api_remoting.h `ApirCommandType`)."""
+
+    HANDSHAKE = 0
+    LOADLIBRARY = 1
+    FORWARD = 2
+
+    @property
+    def c_name(self) -> str:
+        return {0: "HandShake", 1: "LoadLibrary", 2: "Forward"}[self.value]
+
+
+class ApirLoadLibraryReturnCode(enum.IntEnum):
+    """LoadLibrary's return code (api_remoting.h). Codes >= INIT_BASE_INDEX carry the backend
+    library's `apir_backend_initialize` return code n as INIT_BASE_INDEX + n."""
+
+    SUCCESS = 0
+    HYPERCALL_INITIALIZATION_ERROR = 1
+    ALREADY_LOADED = 2
+    ENV_VAR_MISSING = 3
+    CANNOT_OPEN = 4
+    SYMBOL_MISSING = 5
+    INIT_BASE_INDEX = 6
+
+
+class ApirForwardReturnCode(enum.IntEnum):
+    """Forward's return code (api_remoting.h). Codes >= BASE_INDEX carry the backend
+    function's own return code n as BASE_INDEX + n."""
+
+    SUCCESS = 0
+    NO_DISPATCH_FCT = 1
+    TIMEOUT = 2
+    FAILED_TO_SYNC_STREAMS = 3
+    BASE_INDEX = 4
+
+
+class ApirBackendInitializeReturnCode(enum.IntEnum):
+    """`apir_backend_initialize`'s return code (apir_backend.h APIR_BACKEND_INITIALIZE_*)."""
+
+    SUCCESS = 0
+    CANNOT_OPEN_BACKEND_LIBRARY = 1
+    CANNOT_OPEN_GGML_LIBRARY = 2
+    MISSING_BACKEND_SYMBOLS = 3
+    MISSING_GGML_SYMBOLS = 4
+    BACKEND_FAILED = 5
+    BACKEND_REG_FAILED = 6
+    ALREADY_INITED = 7
+    NO_DEVICE = 8
+    BACKEND_INIT_FAILED = 9
+
+
+# The dispatcher's return code for a function id out of range (apir_backend.h).
+APIR_BACKEND_FORWARD_INDEX_INVALID = 6
+
+
+class ApirBackendCommandType(enum.IntEnum):
+    """Forward's flags: which backend function to run (apir_backend.gen.h).
+
+    `c_name` gives the name the C logs (`apir_dispatch_command_name`)."""
+
+    # device
+    DEVICE_GET_DEVICE_COUNT = 0
+    DEVICE_GET_COUNT = 1
+    DEVICE_GET_NAME = 2
+    DEVICE_GET_DESCRIPTION = 3
+    DEVICE_GET_TYPE = 4
+    DEVICE_GET_MEMORY = 5
+    DEVICE_SUPPORTS_OP = 6
+    DEVICE_GET_BUFFER_TYPE = 7
+    DEVICE_GET_PROPS = 8
+    DEVICE_BUFFER_FROM_PTR = 9
+    # buffer type
+    BUFFER_TYPE_GET_NAME = 10
+    BUFFER_TYPE_GET_ALIGNMENT = 11
+    BUFFER_TYPE_GET_MAX_SIZE = 12
+    BUFFER_TYPE_IS_HOST = 13  # deprecated in the C guest, still served
+    BUFFER_TYPE_ALLOC_BUFFER = 14
+    BUFFER_TYPE_GET_ALLOC_SIZE = 15
+    # buffer
+    BUFFER_GET_BASE = 16
+    BUFFER_SET_TENSOR = 17
+    BUFFER_GET_TENSOR = 18
+    BUFFER_CPY_TENSOR = 19
+    BUFFER_CLEAR = 20
+    BUFFER_FREE_BUFFER = 21
+    # backend
+    BACKEND_GRAPH_COMPUTE = 22
+
+    @property
+    def c_name(self) -> str:
+        return self.name.lower()
+
+
+assert len(ApirBackendCommandType) == 23  # APIR_BACKEND_DISPATCH_TABLE_COUNT
+
+
+class CapsetApir:
+    """`struct virgl_renderer_capset_apir` (include/apir_hw.h): 24 bytes,
+    ``u32 apir_version; u32 supports_blob_resources; u32 reserved[4]``."""
+
+    STRUCT = struct.Struct("<II4I")
+    SIZE = STRUCT.size  # 24
+
+    def __init__(self, apir_version: int, supports_blob_resources: bool):
+        self.apir_version = apir_version
+        self.supports_blob_resources = bool(supports_blob_resources)
+
+    def pack(self) -> bytes:
+        return self.STRUCT.pack(self.apir_version, int(self.supports_blob_resources), 0, 0, 0, 0)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "CapsetApir":
+        """Raises ValueError when `data` is shorter than 24 bytes."""
+        if len(data) < cls.SIZE:
+            raise ValueError(f"capset APIR is {cls.SIZE} bytes, got {len(data)}")
+        version, blob, *_ = cls.STRUCT.unpack_from(data)
+        return cls(version, bool(blob))
+
+    def __repr__(self) -> str:
+        return f"CapsetApir(apir_version={self.apir_version}, supports_blob_resources={self.supports_blob_resources})"

@@ -1,0 +1,128 @@
+"""Fixed-size records of the wire: `apir_rpc_tensor` and the raw `ggml_tensor`.
+
+Theory of operation: both are C structs copied byte for byte, so each is a numpy structured
+dtype with the C offsets spelled out (padding holes included), built from ggml's four size
+constants. The defaults are ggml 0.20.2's; `apir.ggml.layout` checks them against the loaded
+libggml at start-up, and callers pass `GgmlLimits` read from another build where it differs.
+
+`apir_rpc_tensor` (backend/shared/apir_cs_rpc.h), 304 bytes with the defaults:
+
+    off  size  field                       off  size  field
+      0     8  id (sender's address)        124    4  flags
+      8     4  type                         128   80  src[10] (ids)
+     12     4  (hole, not zeroed by C)      208    8  view_src (id)
+     16     8  buffer (host handle)         216    8  view_offs
+     24    16  ne[4]  u32 (narrowed)        224    8  data (offset from buffer base)
+     40    16  nb[4]  u32 (narrowed)        232   64  name
+     56     4  op                           296    4  padding
+     60    64  op_params[16] i32            300    4  (tail hole)
+
+`ggml_tensor` (ggml.h), 336 bytes: the same fields at their own offsets with ne/nb 64-bit,
+pointers for buffer/src/view_src/data, then `extra` and 8 bytes of padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "GgmlLimits",
+    "GGML_0_20_LIMITS",
+    "rpc_tensor_dtype",
+    "ggml_tensor_dtype",
+    "RPC_TENSOR_DTYPE",
+    "GGML_TENSOR_DTYPE",
+    "rpc_tensor_undefined_mask",
+]
+
+
+@dataclass(frozen=True)
+class GgmlLimits:
+    """ggml's compile-time sizes that shape the records (ggml.h GGML_MAX_*)."""
+
+    max_dims: int = 4
+    max_src: int = 10
+    max_op_params: int = 64  # bytes
+    max_name: int = 64
+
+
+GGML_0_20_LIMITS = GgmlLimits()
+
+
+def _align(off: int, a: int) -> int:
+    return (off + a - 1) & ~(a - 1)
+
+
+def _build(fields, total_align: int = 8) -> np.dtype:
+    """A dtype from (name, format, count, alignment) in C order, inserting C's holes."""
+    names, formats, offsets = [], [], []
+    off = 0
+    for name, fmt, count, align in fields:
+        off = _align(off, align)
+        names.append(name)
+        formats.append(fmt if count == 1 else (fmt, (count,)))
+        offsets.append(off)
+        off += np.dtype(fmt).itemsize * count
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets,
+                     "itemsize": _align(off, total_align)})
+
+
+def rpc_tensor_dtype(limits: GgmlLimits = GGML_0_20_LIMITS) -> np.dtype:
+    """`struct apir_rpc_tensor` for ggml built with `limits` (304 bytes for 0.20.2)."""
+    return _build([
+        ("id", "<u8", 1, 8),
+        ("type", "<u4", 1, 4),
+        ("buffer", "<u8", 1, 8),
+        ("ne", "<u4", limits.max_dims, 4),
+        ("nb", "<u4", limits.max_dims, 4),
+        ("op", "<u4", 1, 4),
+        ("op_params", "<i4", limits.max_op_params // 4, 4),
+        ("flags", "<i4", 1, 4),
+        ("src", "<u8", limits.max_src, 8),
+        ("view_src", "<u8", 1, 8),
+        ("view_offs", "<u8", 1, 8),
+        ("data", "<u8", 1, 8),
+        ("name", "S1", limits.max_name, 1),
+        ("padding", "S1", 4, 1),
+    ])
+
+
+def ggml_tensor_dtype(limits: GgmlLimits = GGML_0_20_LIMITS) -> np.dtype:
+    """`struct ggml_tensor` on a 64-bit little-endian host (336 bytes for 0.20.2).
+    Pointers are u8 addresses."""
+    return _build([
+        ("type", "<u4", 1, 4),
+        ("buffer", "<u8", 1, 8),
+        ("ne", "<i8", limits.max_dims, 8),
+        ("nb", "<u8", limits.max_dims, 8),
+        ("op", "<u4", 1, 4),
+        ("op_params", "<i4", limits.max_op_params // 4, 4),
+        ("flags", "<i4", 1, 4),
+        ("src", "<u8", limits.max_src, 8),
+        ("view_src", "<u8", 1, 8),
+        ("view_offs", "<u8", 1, 8),
+        ("data", "<u8", 1, 8),
+        ("name", "S1", limits.max_name, 1),
+        ("extra", "<u8", 1, 8),
+        ("padding", "S1", 8, 1),
+    ])
+
+
+RPC_TENSOR_DTYPE = rpc_tensor_dtype()
+GGML_TENSOR_DTYPE = ggml_tensor_dtype()
+assert RPC_TENSOR_DTYPE.itemsize == 304 and GGML_TENSOR_DTYPE.itemsize == 336
+
+
+def rpc_tensor_undefined_mask(dtype: np.dtype = RPC_TENSOR_DTYPE) -> np.ndarray:
+    """Bool array over one record's bytes: True where the C sender leaves stack garbage
+    (holes, `padding`). Name bytes after the NUL are garbage too; callers mask those per
+    record, since they depend on the name's length."""
+    mask = np.ones(dtype.itemsize, dtype=bool)
+    for name in dtype.names:
+        if name == "padding":
+            continue
+        fmt, off = dtype.fields[name][:2]
+        mask[off : off + fmt.itemsize] = False
+    return mask
