@@ -30,9 +30,11 @@ from apir.host.handles import HostBuffer, HostBufferType, VirtualAddressSpace, n
 from apir.host.library import LibraryHost
 from apir.host.resources import Resource
 
-__all__ = ["PythonBackendLibrary", "GGML_BACKEND_DEVICE_TYPE_CPU"]
+__all__ = ["PythonBackendLibrary", "GGML_BACKEND_DEVICE_TYPE_CPU", "CONFIG_KEY_BUFFER_BUDGET"]
 
 GGML_BACKEND_DEVICE_TYPE_CPU = 0  # enum ggml_backend_dev_type (ggml-backend.h)
+# apir's own key (no C twin): bytes of buffers one context may hold.
+CONFIG_KEY_BUFFER_BUDGET = "apir.host.buffer_budget"
 
 
 class PythonBackendLibrary:
@@ -156,6 +158,20 @@ class PythonBackendLibrary:
         buf = self.buffers.pop(handle)
         if buf is not None:
             self.g.ggml_backend_buffer_free(buf.ptr)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the buffers this context allocated (not the guest memory it wraps)."""
+        return sum(buf.size for _, buf in self.buffers.items() if buf.res_id is None)
+
+    def budget(self, device_total: int) -> int:
+        """Bytes this context may allocate: config `apir.host.buffer_budget`, else the
+        device's total memory. A guest cannot make the host commit more than this."""
+        value = self.host.get_config(CONFIG_KEY_BUFFER_BUDGET)
+        try:
+            return int(value) if value is not None else (device_total or 1 << 64)
+        except ValueError:
+            log.error("ctx %d: %s=%r is not a number", self.host.ctx_id, CONFIG_KEY_BUFFER_BUDGET, value)
+            return 0
 
     def shmem(self, res_id: int, what: str) -> Resource:
         res = self.host.get_shmem(res_id)

@@ -7,7 +7,9 @@ hand out is refused (the C casts it to a pointer). Replies:
     get_max_size      size_t (SIZE_MAX when the type has no limit)
     is_host           bool, always false (deprecated; the C answers false and reads nothing)
     alloc_buffer      argument size_t size; reply u64 buffer handle, 0 when ggml could not
-                      allocate (or the size exceeds the type's max size or the device's memory)
+                      allocate, or when the size exceeds the type's max size or what is left of this
+                      context's budget (config `apir.host.buffer_budget`, default: the
+                      device's total memory)
     get_alloc_size    argument: an inline tensor; reply size_t
 """
 
@@ -61,7 +63,7 @@ def alloc_buffer(lib, dec, enc) -> int:
         raise Refused("buffer_type_alloc_buffer: this buffer type only wraps guest memory")
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
     g.ggml_backend_dev_memory(lib.dev, ctypes.byref(free), ctypes.byref(total))
-    limit = min(g.ggml_backend_buft_get_max_size(buft.ptr), total.value or (1 << 64))
+    limit = min(g.ggml_backend_buft_get_max_size(buft.ptr), lib.budget(total.value) - lib.allocated_bytes())
     ptr = g.ggml_backend_buft_alloc_buffer(buft.ptr, size) if size <= limit else None
     if not ptr:
         # The C replies a null buffer when ggml cannot allocate; so does apir, also for a

@@ -107,7 +107,9 @@ class TensorChecker:
             return 0
         ts, blck = self.type_size[type_], self.blck_size[type_]
         blocks0 = ne[0] // blck
-        row = max(blocks0 * ts, blocks0 * nb[0], (blocks0 - 1) * nb[0] + ts)
+        row = max(blocks0 * ts, (blocks0 - 1) * nb[0] + ts)
+        if blck > 1:
+            row = max(row, blocks0 * nb[0])  # ggml_nbytes' own formula for block types
         return row + sum((ne[i] - 1) * nb[i] for i in range(1, len(ne)))
 
     # --- rpc tensors ----------------------------------------------------------------------

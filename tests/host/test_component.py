@@ -168,3 +168,18 @@ def test_resource_sizes_are_real(guest):
     guest.ctx.remove_resource(DATA_RES)
     assert guest.ctx.get_shmem(DATA_RES) is None
     guest.ctx.remove_resource(12345)  # unknown: ignored
+
+
+def test_close_frees_exactly_this_contexts_buffers(ggml, monkeypatch):
+    a, b = Guest(HostContext(20)), Guest(HostContext(21))
+    a_bufs = {a.ctx._library.buffers.get(a.alloc(n)).ptr for n in (64, 128)}
+    b_buf = b.alloc(64)
+    freed = []
+    real_free = ggml.ggml_backend_buffer_free
+    monkeypatch.setattr(ggml, "ggml_backend_buffer_free", lambda p: (freed.append(p), real_free(p)))
+    a.close()
+    assert set(freed) == a_bufs
+    assert b.base(b_buf)  # the other context's buffer is untouched and still served
+    a.ctx.submit(struct.pack("<III", 2, 0, REPLY_RES))  # dropped, no crash
+    b.close()
+    assert len(freed) == 3

@@ -41,3 +41,17 @@ def test_get_alloc_size(guest, ggml):
                               lambda e, t=t: (e.handle(h), e.blob(inline_tensor(ggml, t))))
         assert rc == 0 and d.size_t() == ggml.ggml_backend_buft_get_alloc_size(_buft(ggml), t)
     s.close()
+
+
+def test_buffer_budget(ggml):
+    from apir.host import HostContext
+    from tests.host.hostkit import Guest
+
+    g = Guest(HostContext(30, {"apir.host.buffer_budget": "10000"}))
+    h = g.buffer_type()
+    first = g.forward(Cmd.BUFFER_TYPE_ALLOC_BUFFER, lambda e: (e.handle(h), e.size_t(6000)))[1].handle()
+    assert first
+    assert g.forward(Cmd.BUFFER_TYPE_ALLOC_BUFFER, lambda e: (e.handle(h), e.size_t(6000)))[1].handle() == 0
+    assert g.forward(Cmd.BUFFER_FREE_BUFFER, lambda e: e.handle(first))[0] == 0
+    assert g.forward(Cmd.BUFFER_TYPE_ALLOC_BUFFER, lambda e: (e.handle(h), e.size_t(6000)))[1].handle()
+    g.close()
