@@ -110,6 +110,11 @@ SIGNATURES: Dict[str, str] = {
     # ggml-alloc.h
     "ggml_gallocr_new": "p:p", "ggml_gallocr_free": "v:p", "ggml_gallocr_alloc_graph": "b:pp",
     "ggml_gallocr_reserve": "b:pp", "ggml_gallocr_get_buffer_size": "z:pi",
+    # --- host (apir/host): shape checks, buffer copies, device props, status names ---
+    "ggml_can_repeat": "b:pp", "ggml_are_same_shape": "b:pp", "ggml_is_contiguous": "b:p",
+    "ggml_is_contiguous_rows": "b:p", "ggml_get_unary_op": "i:p", "ggml_unary_op_name": "s:i",
+    "ggml_backend_buffer_copy_tensor": "b:pp", "ggml_backend_dev_host_buffer_type": "p:p",
+    "ggml_status_to_string": "s:i", "ggml_backend_cpu_reg": "p:",
 }
 
 

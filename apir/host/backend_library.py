@@ -1,0 +1,180 @@
+"""The built-in backend library: ggml's backend, run from Python, with per-context tables.
+
+Theory of operation: the twin of ggml's `libggml-virtgpu-backend.so` (`backend.cpp`,
+`backend-dispatched.cpp`), as a `BackendLibrary`. `initialize` picks the ggml backend: with
+no `ggml.library.path` configured, the CPU device of the loaded ggml's registry
+(`ggml_backend_dev_by_type(CPU)`); with one, that shared library's registration symbol
+(`ggml.library.reg`, default `ggml_backend_init`), like the C. Device 0 of the registration
+serves every command; one `ggml_backend_t` runs the graphs.
+
+Unlike the C, whose buffer list is process-wide, everything a guest can name lives in this
+object, one per context: buffer types and buffers by opaque id (`apir.host.handles`), each
+buffer with its virtual base. `deinit` frees exactly these buffers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+from apir.codec.constants import (
+    CONFIG_KEY_GGML_LIBRARY_PATH,
+    CONFIG_KEY_GGML_LIBRARY_REG,
+    DEFAULT_GGML_LIBRARY_REG,
+    ApirBackendInitializeReturnCode as InitRc,
+    ApirLoadLibraryReturnCode as LoadRc,
+)
+from apir.codec.wire import Decoder, Encoder
+from apir.host.errors import Refused, log
+from apir.host.handles import HostBuffer, HostBufferType, VirtualAddressSpace, new_tables
+from apir.host.library import LibraryHost
+from apir.host.resources import Resource
+
+__all__ = ["PythonBackendLibrary", "GGML_BACKEND_DEVICE_TYPE_CPU", "CONFIG_KEY_BUFFER_BUDGET"]
+
+GGML_BACKEND_DEVICE_TYPE_CPU = 0  # enum ggml_backend_dev_type (ggml-backend.h)
+# apir's own key (no C twin): bytes of buffers one context may hold.
+CONFIG_KEY_BUFFER_BUDGET = "apir.host.buffer_budget"
+
+
+class PythonBackendLibrary:
+    """A `BackendLibrary` running the 23 backend functions in Python over ggml."""
+
+    def __init__(self):
+        self.host: Optional[LibraryHost] = None
+        self.g = None
+        self.reg = self.dev = self.backend = None
+        self._ggml_cdll = None
+        self.bufts, self.buffers = new_tables()
+        self.vspace = VirtualAddressSpace()
+        self.checker = None
+
+    # --- BackendLibrary -------------------------------------------------------------------
+    def initialize(self, host: LibraryHost) -> int:
+        """`apir_backend_initialize`: LoadLibrary codes 3/4/5, else 6 + APIR_BACKEND_INITIALIZE_*."""
+        import apir.ggml
+        from apir.ggml.lib import GgmlLoadError
+        from apir.host.tensors import TensorChecker
+
+        if self.reg is not None:
+            return LoadRc.INIT_BASE_INDEX + InitRc.ALREADY_INITED
+        self.host = host
+        try:
+            self.g = g = apir.ggml.load()
+        except GgmlLoadError as exc:
+            log.error("ctx %d: cannot load ggml: %s", host.ctx_id, exc)
+            return LoadRc.CANNOT_OPEN
+        path = host.get_config(CONFIG_KEY_GGML_LIBRARY_PATH)
+        if path is None:
+            dev = g.ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
+            if not dev:
+                log.error("ctx %d: ggml has no CPU device", host.ctx_id)
+                return LoadRc.INIT_BASE_INDEX + InitRc.NO_DEVICE
+            reg = g.ggml_backend_dev_backend_reg(dev)
+        else:
+            symbol = host.get_config(CONFIG_KEY_GGML_LIBRARY_REG) or DEFAULT_GGML_LIBRARY_REG
+            try:
+                self._ggml_cdll = ctypes.CDLL(path)
+            except OSError as exc:
+                log.error("ctx %d: cannot open the ggml backend library: %s", host.ctx_id, exc)
+                return LoadRc.CANNOT_OPEN
+            try:
+                reg_fn = getattr(self._ggml_cdll, symbol)
+            except AttributeError:
+                log.error("ctx %d: %s has no registration symbol %r", host.ctx_id, path, symbol)
+                return LoadRc.SYMBOL_MISSING
+            reg_fn.restype, reg_fn.argtypes = ctypes.c_void_p, []
+            reg = reg_fn()
+        if not reg:
+            log.error("ctx %d: ggml backend registration failed", host.ctx_id)
+            return LoadRc.INIT_BASE_INDEX + InitRc.BACKEND_REG_FAILED
+        if g.ggml_backend_reg_dev_count(reg) == 0:
+            log.error("ctx %d: ggml backend %s has no device", host.ctx_id, g.ggml_backend_reg_name(reg))
+            return LoadRc.INIT_BASE_INDEX + InitRc.NO_DEVICE
+        dev = g.ggml_backend_reg_dev_get(reg, 0)
+        if not dev:
+            return LoadRc.INIT_BASE_INDEX + InitRc.NO_DEVICE
+        backend = g.ggml_backend_dev_init(dev, None)
+        if not backend:
+            log.error("ctx %d: ggml backend initialization failed", host.ctx_id)
+            return LoadRc.INIT_BASE_INDEX + InitRc.BACKEND_INIT_FAILED
+        self.reg, self.dev, self.backend = reg, dev, backend
+        self.checker = TensorChecker(g)
+        return LoadRc.INIT_BASE_INDEX + InitRc.SUCCESS
+
+    def dispatch(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
+        from apir.host.dispatcher import dispatch
+
+        return dispatch(self, function_id, dec, enc)
+
+    def deinit(self) -> None:
+        """`apir_backend_deinit`, for this context only: frees its buffers and its backend."""
+        for handle, _ in self.buffers.items():
+            self.free_buffer(handle)
+        if self.backend:
+            self.g.ggml_backend_free(self.backend)
+        self.backend = self.dev = self.reg = None
+
+    def forget_resource(self, res_id: int) -> None:
+        """The hypervisor is removing blob `res_id`: free the buffers that wrap it."""
+        for handle, buf in self.buffers.items():
+            if buf.res_id == res_id:
+                log.warning("ctx %d: resource %d removed under buffer 0x%x: buffer freed",
+                            self.host.ctx_id, res_id, handle)
+                self.free_buffer(handle)
+
+    # --- tables -----------------------------------------------------------------------------
+    def buft_handle(self, ptr: int, allocatable: bool) -> int:
+        """The id of buffer type `ptr` in this context, registering it on first use."""
+        for handle, buft in self.bufts.items():
+            if buft.ptr == ptr:
+                return handle
+        return self.bufts.add(HostBufferType(ptr, allocatable))
+
+    def buft(self, handle: int) -> HostBufferType:
+        buft = self.bufts.get(handle)
+        if buft is None:
+            raise Refused(f"unknown buffer type handle 0x{handle:x}")
+        return buft
+
+    def buffer(self, handle: int) -> HostBuffer:
+        buf = self.buffers.get(handle)
+        if buf is None:
+            raise Refused(f"unknown buffer handle 0x{handle:x}")
+        return buf
+
+    def add_buffer(self, ptr: int, res_id: Optional[int] = None) -> int:
+        """Registers a ggml buffer this context now owns; returns its id."""
+        g = self.g
+        buft_ptr = g.ggml_backend_buffer_get_type(ptr)
+        size = g.ggml_backend_buffer_get_size(ptr)
+        base = g.ggml_backend_buffer_get_base(ptr) or 0
+        align = g.ggml_backend_buft_get_alignment(buft_ptr)
+        buft_handle = self.buft_handle(buft_ptr, allocatable=res_id is None)
+        return self.buffers.add(HostBuffer(ptr, base, size, self.vspace.reserve(size, align),
+                                           buft_handle, res_id))
+
+    def free_buffer(self, handle: int) -> None:
+        buf = self.buffers.pop(handle)
+        if buf is not None:
+            self.g.ggml_backend_buffer_free(buf.ptr)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the buffers this context allocated (not the guest memory it wraps)."""
+        return sum(buf.size for _, buf in self.buffers.items() if buf.res_id is None)
+
+    def budget(self, device_total: int) -> int:
+        """Bytes this context may allocate: config `apir.host.buffer_budget`, else the
+        device's total memory. A guest cannot make the host commit more than this."""
+        value = self.host.get_config(CONFIG_KEY_BUFFER_BUDGET)
+        try:
+            return int(value) if value is not None else (device_total or 1 << 64)
+        except ValueError:
+            log.error("ctx %d: %s=%r is not a number", self.host.ctx_id, CONFIG_KEY_BUFFER_BUDGET, value)
+            return 0
+
+    def shmem(self, res_id: int, what: str) -> Resource:
+        res = self.host.get_shmem(res_id)
+        if res is None:
+            raise Refused(f"{what}: unknown shared-memory resource {res_id}")
+        return res

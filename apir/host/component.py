@@ -1,0 +1,289 @@
+"""The APIR component: one `HostContext` per guest context (virglrenderer's `apir_context`).
+
+Theory of operation: the hypervisor creates a context for a guest (`HostContext(ctx_id,
+config, capset_id=...)`), registers each blob the guest creates (`add_resource`), and hands
+every EXECBUFFER payload to `submit`. A payload starts with three u32 (command type, flags,
+reply resource id). The context looks the reply resource up, runs the command, writes the
+reply payload 4 bytes into that resource, and then stores `return_code + 1` in its first 4
+bytes: the notification word the guest polls.
+
+    HandShake   (0)  guest major, minor -> host major, minor; returns APIR_HANDSHAKE_MAGIC.
+                     Guests 0.1 and 0.2 are accepted; the guest's version is kept so replies
+                     match it (device_get_props: 4 booleans for 0.1, 5 for 0.2).
+    LoadLibrary (1)  loads the backend library (see `apir.host.library`); the C codes.
+    Forward     (2)  flags = backend function id; returns 4 + the function's return code,
+                     or 1 (APIR_FORWARD_NO_DISPATCH_FCT) when no library is loaded.
+
+Over the Venus capset (4) the guest adds 331 to the command type; it is subtracted here.
+
+Unlike the C component, which writes no reply (and so hangs the guest) for an unknown
+command type, a truncated header or a bad reply resource, every command gets a reply
+whenever a reply resource is known: the one the header names, else the last one this context
+replied through. Such replies carry `COMMAND_MALFORMED` (1), which every guest reads as a
+failure of any of the three commands. `submit` never raises for guest input.
+
+Configuration: `get_config(key)` reads the context's key/value table (the C
+`virgl_apir_configure_kv`), then the environment variable the C falls back to.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from typing import Callable, Dict, Mapping, Optional, Tuple
+
+from apir.codec.constants import (
+    APIR_HANDSHAKE_MAGIC,
+    APIR_PROTOCOL_MAJOR,
+    APIR_PROTOCOL_MINOR,
+    APIR_PROTOCOL_VERSIONS,
+    CONFIG_KEY_GGML_LIBRARY_PATH,
+    CONFIG_KEY_GGML_LIBRARY_REG,
+    CONFIG_KEY_LOAD_LIBRARY_PATH,
+    ENV_BACKEND_LIBRARY,
+    ENV_GGML_LIBRARY_PATH,
+    ENV_GGML_LIBRARY_REG,
+    VENUS_COMMAND_TYPE_LENGTH,
+    VIRTGPU_DRM_CAPSET_APIR,
+    VIRTGPU_DRM_CAPSET_VENUS,
+    ApirCommandType,
+    ApirForwardReturnCode,
+    ApirLoadLibraryReturnCode,
+    ApirBackendInitializeReturnCode,
+)
+from apir.codec.wire import Decoder, Encoder
+from apir.host.errors import log
+from apir.host.library import BackendLibrary, LibraryLoadError, default_library_factory
+from apir.host.resources import Resource
+
+__all__ = ["HostContext", "COMMAND_MALFORMED", "NOTIFICATION_SIZE", "CONFIG_ENV_FALLBACKS"]
+
+# The return code of a command the host could not even decode. 1 is a failure for each of
+# the three commands (HandShake expects the magic, LoadLibrary 0, Forward >= 4), and is
+# what the C component answers when it cannot sync its reply encoder.
+COMMAND_MALFORMED = 1
+NOTIFICATION_SIZE = 4  # the u32 reply notification word at byte 0 of the reply resource
+_HEADER = struct.Struct("<III")  # command type, flags, reply resource id
+
+CONFIG_ENV_FALLBACKS: Dict[str, str] = {
+    CONFIG_KEY_LOAD_LIBRARY_PATH: ENV_BACKEND_LIBRARY,
+    CONFIG_KEY_GGML_LIBRARY_PATH: ENV_GGML_LIBRARY_PATH,
+    CONFIG_KEY_GGML_LIBRARY_REG: ENV_GGML_LIBRARY_REG,
+}
+
+try:  # another helper is adding the codec's atomics; use them once they are on main
+    from apir.codec.atomics import store_release_u32 as _store_release_u32  # type: ignore
+except ImportError:  # pragma: no cover - depends on what main holds
+    _store_release_u32 = None
+
+
+def _store_notification(memory: memoryview, value: int) -> None:
+    """Stores the reply notification word at byte 0 after the payload is written."""
+    if _store_release_u32 is not None:
+        _store_release_u32(memory, 0, value)
+        return
+    # TODO(atomics): replace with apir.codec.atomics.store_release_u32 once it is on main.
+    # Meanwhile: one aligned 4-byte store (memoryview 'I' packs with a single u32 write; the
+    # blob's byte 0 is page-aligned for an mmap), after every payload byte was written by
+    # the interpreter, whose own locking orders the stores on x86 and arm64 alike.
+    memory[:NOTIFICATION_SIZE].cast("I")[0] = value & 0xFFFFFFFF
+
+
+def _builtin_library() -> BackendLibrary:
+    from apir.host.backend_library import PythonBackendLibrary  # noqa: E402 - loads ggml lazily
+
+    return PythonBackendLibrary()
+
+
+class HostContext:
+    """One guest context of the APIR component.
+
+    `config`: the C's key/value configuration (`apir.load_library.path`, `ggml.library.path`,
+    `ggml.library.reg`), falling back to the environment. `capset_id`: 10 (APIR) or 4 (Venus).
+    `library_factory(path)`: opens a configured backend library (a `BackendLibrary`, or raises
+    `LibraryLoadError`); the built-in Python dispatcher serves when no path is configured.
+    """
+
+    def __init__(self, ctx_id: int, config: Optional[Mapping[str, str]] = None, *,
+                 capset_id: int = VIRTGPU_DRM_CAPSET_APIR,
+                 library_factory: Callable[[str], BackendLibrary] = default_library_factory):
+        if capset_id not in (VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS):
+            raise ValueError(f"APIR context with capset {capset_id}: expected "
+                             f"{VIRTGPU_DRM_CAPSET_APIR} (APIR) or {VIRTGPU_DRM_CAPSET_VENUS} (Venus)")
+        self.ctx_id = ctx_id
+        self.capset_id = capset_id
+        self.config: Dict[str, str] = dict(config or {})
+        self.guest_version: Tuple[int, int] = (APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR)
+        self.host_version: Tuple[int, int] = (APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR)
+        self._library_factory = library_factory
+        self._library: Optional[BackendLibrary] = None
+        self._resources: Dict[int, Resource] = {}
+        self._last_reply_res_id: Optional[int] = None
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # --- configuration and resources (hypervisor side) ------------------------------------
+    def set_config(self, key: str, value: str) -> None:
+        """`virgl_apir_configure_kv`: sets one configuration key of this context."""
+        self.config[key] = value
+
+    def get_config(self, key: str) -> Optional[str]:
+        """The value of `key`: this context's configuration, else its environment fallback."""
+        value = self.config.get(key)
+        if value is None and key in CONFIG_ENV_FALLBACKS:
+            value = os.environ.get(CONFIG_ENV_FALLBACKS[key])
+        return value
+
+    def add_resource(self, res_id: int, memory) -> None:
+        """Registers a blob: `memory` is any writable contiguous buffer (an mmap); its length
+        is the resource's size. Raises ValueError for a duplicate id or an unusable buffer."""
+        with self._lock:
+            if res_id in self._resources:
+                raise ValueError(f"resource {res_id} already exists in context {self.ctx_id}")
+            self._resources[res_id] = Resource.wrap(res_id, memory)
+
+    def remove_resource(self, res_id: int) -> None:
+        """Forgets a blob. Buffers that wrap it (buffer_from_ptr) are freed first, so no ggml
+        buffer outlives the memory it points into. Unknown ids are ignored, like the C."""
+        with self._lock:
+            res = self._resources.pop(res_id, None)
+            if res is None:
+                return
+            forget = getattr(self._library, "forget_resource", None)
+            if forget is not None:
+                forget(res_id)
+            if self._last_reply_res_id == res_id:
+                self._last_reply_res_id = None
+            res.release()
+
+    def get_shmem(self, res_id: int) -> Optional[Resource]:
+        """The blob `res_id` of this context, or None (`get_shmem_ptr`, plus the size)."""
+        return self._resources.get(res_id)
+
+    def close(self) -> None:
+        """Deinitializes the backend library, freeing exactly this context's buffers, and
+        drops the resources. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._library is not None:
+                self._library.deinit()
+                self._library = None
+            for res in self._resources.values():
+                res.release()
+            self._resources.clear()
+
+    def __enter__(self) -> "HostContext":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- commands ---------------------------------------------------------------------------
+    def submit(self, command) -> None:
+        """Runs one EXECBUFFER payload and writes its reply. Never raises for guest input."""
+        with self._lock:
+            if self._closed:
+                log.error("ctx %d: command on a closed context dropped", self.ctx_id)
+                return
+            try:
+                self._submit(memoryview(command).cast("B"))
+            except Exception:  # noqa: BLE001 - a host bug must not take the hypervisor down
+                log.exception("ctx %d: internal error while serving a command", self.ctx_id)
+
+    def _submit(self, cmd: memoryview) -> None:
+        if len(cmd) < _HEADER.size:
+            log.error("ctx %d: truncated command header (%d bytes)", self.ctx_id, len(cmd))
+            self._reply_malformed()
+            return
+        cmd_type, flags, reply_res_id = _HEADER.unpack_from(cmd, 0)
+        if self.capset_id == VIRTGPU_DRM_CAPSET_VENUS and cmd_type >= VENUS_COMMAND_TYPE_LENGTH:
+            cmd_type -= VENUS_COMMAND_TYPE_LENGTH
+        reply = self._reply_resource(reply_res_id)
+        if reply is None:
+            self._reply_malformed()
+            return
+        if cmd_type not in ApirCommandType._value2member_map_:
+            log.error("ctx %d: invalid command type %d", self.ctx_id, cmd_type)
+            self._send(reply, COMMAND_MALFORMED)
+            return
+        dec = Decoder(cmd, _HEADER.size)
+        enc = Encoder(reply.memory, NOTIFICATION_SIZE, reply.size)
+        kind = ApirCommandType(cmd_type)
+        if kind is ApirCommandType.HANDSHAKE:
+            rc = self._handshake(dec, enc)
+        elif kind is ApirCommandType.LOADLIBRARY:
+            rc = self._load_library()
+        else:
+            rc = self._forward(flags, dec, enc)
+        if enc.fatal:
+            log.error("ctx %d: %s reply does not fit reply resource %d (%d bytes)",
+                      self.ctx_id, kind.c_name, reply.res_id, reply.size)
+            rc = COMMAND_MALFORMED
+        self._send(reply, rc)
+
+    def _reply_resource(self, res_id: int) -> Optional[Resource]:
+        res = self._resources.get(res_id)
+        if res is None or res.size < NOTIFICATION_SIZE:
+            log.error("ctx %d: reply resource %d %s", self.ctx_id, res_id,
+                      "unknown" if res is None else f"too small ({res.size} bytes)")
+            return None
+        self._last_reply_res_id = res_id
+        return res
+
+    def _reply_malformed(self) -> None:
+        """Replies COMMAND_MALFORMED through the last reply resource, if one is known."""
+        res = self._resources.get(self._last_reply_res_id) if self._last_reply_res_id else None
+        if res is None:
+            log.error("ctx %d: no reply resource known: the command gets no reply", self.ctx_id)
+            return
+        self._send(res, COMMAND_MALFORMED)
+
+    def _send(self, reply: Resource, rc: int) -> None:
+        """`send_response`: the payload is already in place; publish `rc + 1`."""
+        _store_notification(reply.memory, rc + 1)
+
+    def _handshake(self, dec: Decoder, enc: Encoder) -> int:
+        major, minor = dec.u32(), dec.u32()
+        if dec.fatal:
+            log.error("ctx %d: HandShake without a guest version", self.ctx_id)
+            return COMMAND_MALFORMED
+        enc.u32(self.host_version[0])
+        enc.u32(self.host_version[1])
+        if (major, minor) in APIR_PROTOCOL_VERSIONS:
+            self.guest_version = (major, minor)
+        else:
+            # The C only logs a mismatch; apir does too, and keeps speaking its own version.
+            log.error("ctx %d: guest APIR %d.%d is not one of %s; replying as %d.%d", self.ctx_id,
+                      major, minor, APIR_PROTOCOL_VERSIONS, *self.host_version)
+            self.guest_version = self.host_version
+        log.info("ctx %d: HandShake: guest %d.%d, host %d.%d", self.ctx_id, major, minor, *self.host_version)
+        return APIR_HANDSHAKE_MAGIC
+
+    def _load_library(self) -> int:
+        if self._library is not None:
+            log.info("ctx %d: backend library already loaded", self.ctx_id)
+            return ApirLoadLibraryReturnCode.ALREADY_LOADED
+        path = self.get_config(CONFIG_KEY_LOAD_LIBRARY_PATH)
+        try:
+            library = _builtin_library() if path is None else self._library_factory(path)
+        except LibraryLoadError as exc:
+            log.error("ctx %d: LoadLibrary: %s", self.ctx_id, exc)
+            return exc.code
+        init_rc = library.initialize(self)
+        base = ApirLoadLibraryReturnCode.INIT_BASE_INDEX
+        if init_rc not in (ApirLoadLibraryReturnCode.SUCCESS, base + ApirBackendInitializeReturnCode.SUCCESS):
+            log.error("ctx %d: LoadLibrary: backend library initialization returned %d", self.ctx_id, init_rc)
+            library.deinit()
+            return base + init_rc  # the C component's encoding of a backend init failure
+        self._library = library
+        log.info("ctx %d: LoadLibrary: backend library loaded (%s)", self.ctx_id, path or "built-in")
+        return ApirLoadLibraryReturnCode.SUCCESS
+
+    def _forward(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
+        if self._library is None:
+            log.error("ctx %d: Forward before LoadLibrary", self.ctx_id)
+            return ApirForwardReturnCode.NO_DISPATCH_FCT
+        return ApirForwardReturnCode.BASE_INDEX + self._library.dispatch(function_id, dec, enc)

@@ -1,0 +1,52 @@
+"""Backend handler (C `backend-dispatched-backend.cpp`): graph_compute.
+
+Arguments: u32 res_id, size_t cgraph_size; the serialized graph is bytes [0, cgraph_size) of
+that shared-memory resource. Reply: the `enum ggml_status` (i32) of the compute. The size is
+checked against the resource's real size (the C has a placeholder there), the graph is
+parsed and checked (`parse_graph`, `apir.host.graph`), and only a graph that passes is
+computed; one that does not is refused (BACKEND_RC_ERROR, no status).
+"""
+
+from __future__ import annotations
+
+from apir.host.errors import BACKEND_RC_OK, Refused
+
+try:  # the codec's parser, once it is on main
+    from apir.codec.graph import GraphError, parse_graph  # type: ignore
+except ImportError:  # pragma: no cover - depends on what main holds
+    from apir.host._graph_parse import GraphError, parse_graph
+
+from apir.ggml.backend_props import unary_ops
+from apir.host.graph import build_graph
+from apir.host.tensors import Scratch
+
+__all__ = ["graph_compute"]
+
+
+def graph_compute(lib, dec, enc) -> int:
+    g, chk = lib.g, lib.checker
+    res_id, size = dec.u32(), dec.size_t()
+    if dec.fatal:
+        raise Refused("backend_graph_compute: truncated arguments")
+    res = lib.shmem(res_id, "backend_graph_compute")
+    if size == 0 or size > res.size:
+        raise Refused(f"backend_graph_compute: graph of {size} bytes in resource {res_id} ({res.size} bytes)")
+    try:
+        parsed = parse_graph(res.memory, 0, size, limits=g.limits, op_count=g.op_count,
+                             type_valid=chk.valid_types)
+    except GraphError as exc:
+        raise Refused(f"backend_graph_compute: {exc}") from None
+    unary_count = _unary_count(lib)
+    with Scratch(g, len(parsed.tensors), max(len(parsed.node_index), 1)) as scratch:
+        graph = build_graph(lib, parsed, scratch, unary_count)
+        status = g.ggml_backend_graph_compute(lib.backend, graph)
+        g.ggml_backend_synchronize(lib.backend)
+    enc.i32(status)
+    return BACKEND_RC_OK
+
+
+def _unary_count(lib) -> int:
+    count = getattr(lib, "_unary_count", None)
+    if count is None:
+        count = lib._unary_count = unary_ops(lib.g)["COUNT"]
+    return count

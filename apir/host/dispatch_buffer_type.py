@@ -1,0 +1,85 @@
+"""Buffer-type handlers (C `backend-dispatched-buffer-type.cpp`).
+
+Every handler but is_host takes a u64 buffer type handle first; an id this context did not
+hand out is refused (the C casts it to a pointer). Replies:
+    get_name          string
+    get_alignment     size_t
+    get_max_size      size_t (SIZE_MAX when the type has no limit)
+    is_host           bool, always false (deprecated; the C answers false and reads nothing)
+    alloc_buffer      argument size_t size; reply u64 buffer handle, 0 when ggml could not
+                      allocate, or when the size exceeds the type's max size or what is left of this
+                      context's budget (config `apir.host.buffer_budget`, default: the
+                      device's total memory)
+    get_alloc_size    argument: an inline tensor; reply size_t
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from apir.host.errors import BACKEND_RC_OK, Refused, log
+from apir.host.tensors import Scratch, decode_inline_tensor
+
+__all__ = ["get_name", "get_alignment", "get_max_size", "is_host", "alloc_buffer", "get_alloc_size"]
+
+
+def _buft(lib, dec, what: str):
+    handle = dec.handle()
+    if dec.fatal:
+        raise Refused(f"{what}: truncated arguments")
+    return lib.buft(handle)
+
+
+def get_name(lib, dec, enc) -> int:
+    buft = _buft(lib, dec, "buffer_type_get_name")
+    enc.string(lib.g.ggml_backend_buft_name(buft.ptr))
+    return BACKEND_RC_OK
+
+
+def get_alignment(lib, dec, enc) -> int:
+    buft = _buft(lib, dec, "buffer_type_get_alignment")
+    enc.size_t(lib.g.ggml_backend_buft_get_alignment(buft.ptr))
+    return BACKEND_RC_OK
+
+
+def get_max_size(lib, dec, enc) -> int:
+    buft = _buft(lib, dec, "buffer_type_get_max_size")
+    enc.size_t(lib.g.ggml_backend_buft_get_max_size(buft.ptr))
+    return BACKEND_RC_OK
+
+
+def is_host(lib, dec, enc) -> int:
+    enc.bool(False)
+    return BACKEND_RC_OK
+
+
+def alloc_buffer(lib, dec, enc) -> int:
+    g = lib.g
+    buft = _buft(lib, dec, "buffer_type_alloc_buffer")
+    size = dec.size_t()
+    if dec.fatal:
+        raise Refused("buffer_type_alloc_buffer: truncated arguments")
+    if not buft.allocatable:
+        raise Refused("buffer_type_alloc_buffer: this buffer type only wraps guest memory")
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    g.ggml_backend_dev_memory(lib.dev, ctypes.byref(free), ctypes.byref(total))
+    limit = min(g.ggml_backend_buft_get_max_size(buft.ptr), lib.budget(total.value) - lib.allocated_bytes())
+    ptr = g.ggml_backend_buft_alloc_buffer(buft.ptr, size) if size <= limit else None
+    if not ptr:
+        # The C replies a null buffer when ggml cannot allocate; so does apir, also for a
+        # size no allocation of this device could satisfy.
+        log.warning("ctx %d: buffer_type_alloc_buffer: no buffer of %d bytes (limit %d)",
+                    lib.host.ctx_id, size, limit)
+        enc.handle(0)
+        return BACKEND_RC_OK
+    enc.handle(lib.add_buffer(ptr))
+    return BACKEND_RC_OK
+
+
+def get_alloc_size(lib, dec, enc) -> int:
+    buft = _buft(lib, dec, "buffer_type_get_alloc_size")
+    chk = lib.checker
+    with Scratch(lib.g, 2 + chk.limits.max_src) as scratch:
+        t = decode_inline_tensor(chk, dec, scratch, "buffer_type_get_alloc_size")
+        enc.size_t(lib.g.ggml_backend_buft_get_alloc_size(buft.ptr, t))
+    return BACKEND_RC_OK

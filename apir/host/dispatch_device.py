@@ -1,0 +1,134 @@
+"""Device handlers (C `backend-dispatched-device.cpp`): device 0 of the loaded registration.
+
+Replies, in order (APIR wire values):
+    get_device_count, get_count  i32 device count of the registration
+    get_name, get_description    string (u64 size with NUL, bytes padded to 4)
+    get_type                     u32 enum ggml_backend_dev_type
+    get_memory                   size_t free, size_t total
+    supports_op                  bool; argument: an inline tensor (see apir.host.tensors)
+    get_buffer_type              u64 buffer type handle (opaque id)
+    get_props                    bool async, host_buffer, buffer_from_host_ptr, events
+                                 [, mmap_support]: 4 for an APIR 0.1 guest, 5 for 0.2
+    buffer_from_ptr              arguments u32 res_id, size_t size, size_t max_tensor_size;
+                                 reply u64 buffer handle, u64 buffer type handle
+"""
+
+from __future__ import annotations
+
+from apir.codec.constants import APIR_PROTOCOL_0_1
+from apir.ggml.backend_props import get_dev_props
+from apir.host.errors import BACKEND_RC_OK, Refused, log
+from apir.host.tensors import Scratch, decode_inline_tensor
+
+__all__ = ["get_device_count", "get_count", "get_name", "get_description", "get_type", "get_memory",
+           "supports_op", "get_buffer_type", "get_props", "buffer_from_ptr"]
+
+# The caps booleans each guest version reads, in wire order.
+_PROPS_0_1 = ("async", "host_buffer", "buffer_from_host_ptr", "events")
+_PROPS_0_2 = _PROPS_0_1 + ("mmap_support",)
+
+
+def get_device_count(lib, dec, enc) -> int:
+    enc.i32(lib.g.ggml_backend_reg_dev_count(lib.reg))
+    return BACKEND_RC_OK
+
+
+def get_count(lib, dec, enc) -> int:
+    enc.i32(lib.g.ggml_backend_reg_dev_count(lib.reg))
+    return BACKEND_RC_OK
+
+
+def get_name(lib, dec, enc) -> int:
+    enc.string(lib.g.ggml_backend_dev_name(lib.dev))
+    return BACKEND_RC_OK
+
+
+def get_description(lib, dec, enc) -> int:
+    enc.string(lib.g.ggml_backend_dev_description(lib.dev))
+    return BACKEND_RC_OK
+
+
+def get_type(lib, dec, enc) -> int:
+    enc.u32(lib.g.ggml_backend_dev_type(lib.dev))
+    return BACKEND_RC_OK
+
+
+def get_memory(lib, dec, enc) -> int:
+    import ctypes
+
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    lib.g.ggml_backend_dev_memory(lib.dev, ctypes.byref(free), ctypes.byref(total))
+    enc.size_t(free.value)
+    enc.size_t(total.value)
+    return BACKEND_RC_OK
+
+
+def supports_op(lib, dec, enc) -> int:
+    chk = lib.checker
+    with Scratch(lib.g, 2 + chk.limits.max_src) as scratch:
+        op = decode_inline_tensor(chk, dec, scratch, "device_supports_op")
+        missing = _missing_srcs(lib, op)
+        if missing:
+            # ggml's supports_op dereferences these sources: a guest that omits them asks
+            # about a tensor no ggml constructor builds.
+            raise Refused(f"device_supports_op: {lib.g.op_names[_op_of(lib, op)]} without src{missing}")
+        enc.bool(lib.g.ggml_backend_dev_supports_op(lib.dev, op))
+    return BACKEND_RC_OK
+
+
+def get_buffer_type(lib, dec, enc) -> int:
+    enc.handle(lib.buft_handle(lib.g.ggml_backend_dev_buffer_type(lib.dev), allocatable=True))
+    return BACKEND_RC_OK
+
+
+def get_props(lib, dec, enc) -> int:
+    caps = get_dev_props(lib.g, lib.dev)
+    names = _PROPS_0_1 if tuple(lib.host.guest_version) == APIR_PROTOCOL_0_1 else _PROPS_0_2
+    for name in names:
+        enc.bool(caps.get(name, False))
+    return BACKEND_RC_OK
+
+
+def buffer_from_ptr(lib, dec, enc) -> int:
+    g = lib.g
+    res_id, size, max_tensor_size = dec.u32(), dec.size_t(), dec.size_t()
+    if dec.fatal:
+        raise Refused("device_buffer_from_ptr: truncated arguments")
+    res = lib.shmem(res_id, "device_buffer_from_ptr")
+    if size == 0 or size > res.size:
+        raise Refused(f"device_buffer_from_ptr: size {size} does not fit resource {res_id} ({res.size} bytes)")
+    if not get_dev_props(g, lib.dev).get("buffer_from_host_ptr", False):
+        raise Refused("device_buffer_from_ptr: the device cannot wrap host memory")
+    align = g.ggml_backend_buft_get_alignment(g.ggml_backend_dev_buffer_type(lib.dev))
+    if res.address % align:
+        raise Refused(f"device_buffer_from_ptr: resource {res_id} is not {align}-byte aligned")
+    ptr = g.ggml_backend_dev_buffer_from_host_ptr(lib.dev, res.address, size, max_tensor_size)
+    if not ptr:
+        log.error("ctx %d: device_buffer_from_ptr: ggml returned no buffer", lib.host.ctx_id)
+        enc.handle(0)
+        enc.handle(0)
+        return BACKEND_RC_OK
+    handle = lib.add_buffer(ptr, res_id=res_id)
+    enc.handle(handle)
+    enc.handle(lib.buffers.get(handle).buft_handle)
+    return BACKEND_RC_OK
+
+
+# --- helpers ---------------------------------------------------------------------------------
+# Sources ggml-cpu's supports_op reads for these ops (ggml-cpu.cpp), by op name.
+_REQUIRED_SRCS = {"MUL_MAT": 2, "OUT_PROD": 2, "IM2COL_BACK": 2, "GET_ROWS_BACK": 1, "CONV_2D": 1,
+                  "SOFT_MAX_BACK": 2, "SSM_SCAN": 4}
+
+
+def _op_of(lib, t: int) -> int:
+    from apir.ggml.layout import tensor_record
+
+    return int(tensor_record(t, lib.g.tensor_dtype)["op"])
+
+
+def _missing_srcs(lib, t: int):
+    from apir.ggml.layout import tensor_record
+
+    rec = tensor_record(t, lib.g.tensor_dtype)
+    need = _REQUIRED_SRCS.get(lib.g.op_names.get(int(rec["op"]), ""), 0)
+    return [i for i in range(need) if not int(rec["src"][i])]

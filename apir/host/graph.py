@@ -1,0 +1,79 @@
+"""The host-side graph builder: a checked `ggml_cgraph` from a parsed wire graph.
+
+Theory of operation: `parse_graph` (codec) has already checked the wire's counts, ids, types,
+ops, names and acyclicity. Here every tensor record is checked against this context
+(`TensorChecker.check_rpc`: a known buffer, data + extent inside it, no custom op), each
+view against its source (same buffer, `data == source data + view_offs`, its extent inside
+the source's), every tensor of the graph must have data (a kernel writes through it), and
+each node's shape goes through `apir.host.shapes.check_node`. Only then are tensors created
+in a host `ggml_context` (no data allocated: `data` points into the checked buffers), in
+sources-first order, and the nodes added to a graph in the guest's node order.
+
+Errors: `Refused` (with the tensor or node index) for anything the checks reject.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from apir.ggml.layout import tensor_record
+from apir.host.errors import Refused
+from apir.host.shapes import TensorInfo, check_node
+from apir.host.tensors import Scratch
+
+__all__ = ["build_graph"]
+
+
+def build_graph(lib, parsed, scratch: Scratch, unary_count: int) -> int:
+    """A host cgraph (in `scratch`) for `parsed`; raises Refused."""
+    g, chk = lib.g, lib.checker
+    recs = parsed.tensors
+    n = len(recs)
+    infos: List[Optional[TensorInfo]] = [None] * n
+    bufs = [None] * n
+    offsets = [0] * n
+    extents = [0] * n
+    for i in range(n):
+        rec = recs[i]
+        buf, extent = chk.check_rpc(rec, lib.buffers, f"graph tensor {i}")
+        if buf is None or not buf.base:
+            raise Refused(f"graph tensor {i}: no buffer with data")
+        bufs[i], offsets[i], extents[i] = buf, int(rec["data"]), extent
+        type_, op = int(rec["type"]), int(rec["op"])
+        infos[i] = TensorInfo(
+            index=i, type_name=g.type_names[type_], ne=[int(x) for x in rec["ne"]],
+            nb=[int(x) for x in rec["nb"]], op_name=g.op_names[op], op_params=rec["op_params"].copy(),
+            type_size=chk.type_size[type_], blck_size=chk.blck_size[type_],
+            is_leaf=op == g.ops["NONE"], address=buf.base + offsets[i])
+    for i in range(n):
+        v = int(parsed.view_src_index[i])
+        if v < 0:
+            continue
+        if bufs[v] is not bufs[i]:
+            raise Refused(f"graph tensor {i}: view in another buffer than its source {v}")
+        offs = int(recs[i]["view_offs"])
+        if offsets[i] != offsets[v] + offs or offs + extents[i] > extents[v]:
+            raise Refused(f"graph tensor {i}: view [{offs}, {offs + extents[i]}) outside its "
+                          f"source's {extents[v]} bytes")
+    for i in range(n):
+        srcs = [infos[j] if j >= 0 else None for j in parsed.src_index[i]]
+        while srcs and srcs[-1] is None:
+            srcs.pop()
+        check_node(infos[i], srcs, unary_count)
+
+    host = [0] * n
+    for i in (int(x) for x in parsed.order):
+        t = chk.host_from_rpc(scratch, recs[i], bufs[i])
+        rec = tensor_record(t, chk.tensor_dtype)
+        for k, j in enumerate(parsed.src_index[i]):
+            if j >= 0:
+                rec["src"][k] = host[j]
+        v = int(parsed.view_src_index[i])
+        if v >= 0:
+            rec["view_src"] = host[v]
+            rec["view_offs"] = int(recs[i]["view_offs"])
+        host[i] = t
+    graph = g.ggml_new_graph_custom(scratch.ctx, max(len(parsed.node_index), 1), False)
+    for j in parsed.node_index:
+        g.ggml_graph_add_node(graph, host[int(j)])
+    return graph

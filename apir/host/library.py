@@ -1,0 +1,68 @@
+"""What LoadLibrary loads: the backend library protocol and how the component picks one.
+
+Theory of operation: virglrenderer's APIR component dlopens a backend library
+(`apir.load_library.path`) and calls three symbols of it. apir mirrors that seam as a small
+protocol, `BackendLibrary`:
+
+    initialize(host) -> int          apir_backend_initialize(ctx_id, callbacks)
+    dispatch(function_id, dec, enc)  apir_backend_dispatcher(ctx_id, callbacks, cmd_type, ...)
+    deinit()                         apir_backend_deinit(ctx_id)
+
+`host` is the `LibraryHost` the component passes, the twin of `virgl_apir_callbacks`:
+`get_config(key)`, `get_shmem(res_id)` (a `Resource`, with its size, where the C gives a bare
+pointer), plus `ctx_id` and `guest_version`. `initialize` returns the C's codes: 3/4/5 for a
+missing configuration, an unopenable library or a missing symbol, and 6 + n for the ggml
+dispatcher's own `APIR_BACKEND_INITIALIZE_*` code n (so 6 is success, like 0).
+
+With no backend library configured, the built-in Python dispatcher
+(`apir.host.dispatcher.PythonBackendLibrary`) is used. A configured path goes to the
+`library_factory` the `HostContext` was given; the default factory cannot open C libraries
+yet, so it answers CANNOT_OPEN (a ctypes adapter for `libggml-virtgpu-backend.so` plugs in
+here as another `BackendLibrary`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol, Tuple
+
+from apir.codec.constants import ApirLoadLibraryReturnCode
+from apir.codec.wire import Decoder, Encoder
+from apir.host.resources import Resource
+
+__all__ = ["BackendLibrary", "LibraryHost", "LibraryLoadError", "default_library_factory"]
+
+
+class LibraryHost(Protocol):
+    """The component as a backend library sees it (`virgl_apir_callbacks` + context)."""
+
+    ctx_id: int
+    guest_version: Tuple[int, int]
+
+    def get_config(self, key: str) -> Optional[str]: ...
+
+    def get_shmem(self, res_id: int) -> Optional[Resource]: ...
+
+
+class BackendLibrary(Protocol):
+    """A loaded backend library of one context (see the module docstring)."""
+
+    def initialize(self, host: LibraryHost) -> int: ...
+
+    def dispatch(self, function_id: int, dec: Decoder, enc: Encoder) -> int: ...
+
+    def deinit(self) -> None: ...
+
+
+class LibraryLoadError(Exception):
+    """A backend library could not be loaded; `code` is the LoadLibrary return code."""
+
+    def __init__(self, code: ApirLoadLibraryReturnCode, message: str):
+        super().__init__(message)
+        self.code = ApirLoadLibraryReturnCode(code)
+
+
+def default_library_factory(path: str) -> BackendLibrary:
+    """Opens the backend library at `path`. apir has no adapter for C backend libraries yet:
+    always raises LibraryLoadError(CANNOT_OPEN)."""
+    raise LibraryLoadError(ApirLoadLibraryReturnCode.CANNOT_OPEN,
+                           f"cannot open the APIR backend library {path!r}: no C library adapter in apir")

@@ -1,0 +1,45 @@
+"""Shared-memory resources (blobs) of one context, with their real sizes.
+
+Theory of operation: virglrenderer maps each blob of a context and keeps res_id -> (fd,
+mapping, size). Here a resource is any writable buffer the caller hands over (an mmap in
+production, a bytearray in tests). The host keeps a byte view of it, its length, and its
+address for ggml calls; the ctypes anchor that yields the address also pins the buffer, so
+it cannot be unmapped or resized under a ggml buffer that wraps it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+__all__ = ["Resource"]
+
+
+@dataclass(eq=False)
+class Resource:
+    """One blob: `memory` (writable byte view), `size` in bytes, `address` of byte 0."""
+
+    res_id: int
+    memory: memoryview
+    size: int
+    address: int
+    _anchor: object
+
+    @classmethod
+    def wrap(cls, res_id: int, buffer) -> "Resource":
+        """Raises TypeError / ValueError for a read-only, empty or non-contiguous buffer."""
+        view = memoryview(buffer)
+        if view.readonly:
+            raise ValueError(f"resource {res_id}: buffer is read-only")
+        if not view.c_contiguous:
+            raise ValueError(f"resource {res_id}: buffer is not contiguous")
+        view = view.cast("B") if (view.format != "B" or view.ndim != 1) else view
+        if len(view) == 0:
+            raise ValueError(f"resource {res_id}: empty buffer")
+        anchor = (ctypes.c_char * len(view)).from_buffer(view)
+        return cls(res_id, view, len(view), ctypes.addressof(anchor), anchor)
+
+    def release(self) -> None:
+        """Drops the pin; the memory must not be used through this object afterwards."""
+        self._anchor = None
+        self.memory.release()

@@ -1,0 +1,212 @@
+"""Guest tensors made safe: validation of wire tensors and host ggml tensors built from them.
+
+Theory of operation: the guest describes tensors two ways. `apir_rpc_tensor` records (set /
+get / cpy tensor, graphs) carry a buffer handle and a data offset from that buffer's virtual
+base; inline tensors (device_supports_op, buffer_type_get_alloc_size) are the sender's raw
+`ggml_tensor` structs, pointers and all. Neither is ever used in place: every field the host
+needs is read into Python, checked, and written into a fresh tensor of a host `ggml_context`
+(`Scratch`, no_alloc, freed after the command: the C leaks one context per tensor). Guest
+pointers are never followed: an inline tensor's buffer, data, view_src and src pointers only
+say which structs follow it on the wire, and its host twin has no buffer and no data.
+
+Checks, each raising `Refused`: type is one this ggml build has; op is below GGML_OP_COUNT
+and not a custom op (their op_params hold function pointers); quantized `ne[0]` is a
+multiple of the block size; ne >= 0; the name is NUL-terminated; an rpc tensor's buffer is
+this context's and its data (offset + extent) lies inside that buffer; `buffer == 0` with
+non-zero data is refused. The extent is an upper bound of what any kernel touches: ggml's
+own `ggml_nbytes`, or a contiguous first row when `nb[0]` is smaller than an element.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from apir.codec.records import rpc_tensor_dtype
+from apir.codec.wire import Decoder
+from apir.ggml.layout import tensor_record
+from apir.ggml.lib import InitParams
+from apir.host.errors import Refused
+from apir.host.handles import HostBuffer
+
+__all__ = ["Scratch", "TensorChecker", "decode_inline_tensor", "CUSTOM_OPS"]
+
+CUSTOM_OPS = ("CUSTOM", "MAP_CUSTOM1", "MAP_CUSTOM2", "MAP_CUSTOM3")
+_NE_MAX = 1 << 62  # ne fits int64 with room for products of two
+
+
+class Scratch:
+    """A host `ggml_context` with room for `n_tensors` tensor headers (no data) and, if
+    `graph_size`, one graph of that many nodes. Use as a context manager."""
+
+    def __init__(self, g, n_tensors: int, graph_size: int = 0):
+        self.g = g
+        size = g.ggml_tensor_overhead() * (n_tensors + 1) + 1024
+        if graph_size:
+            size += g.ggml_graph_overhead_custom(graph_size, False)
+        self.ctx = g.ggml_init(InitParams(size, None, True))
+        if not self.ctx:
+            raise MemoryError(f"ggml_init of a {size}-byte context failed")
+
+    def close(self) -> None:
+        if self.ctx:
+            self.g.ggml_free(self.ctx)
+            self.ctx = None
+
+    def __enter__(self) -> "Scratch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class TensorChecker:
+    """The checks and the host-tensor builder of one loaded ggml build."""
+
+    def __init__(self, g):
+        self.g = g
+        self.limits = g.limits
+        self.rpc_dtype = rpc_tensor_dtype(g.limits)
+        self.tensor_dtype = g.tensor_dtype
+        self.type_size = {t: g.ggml_type_size(t) for t in g.type_names}
+        self.blck_size = {t: g.ggml_blck_size(t) for t in g.type_names}
+        self.custom_ops = {g.ops[name] for name in CUSTOM_OPS if name in g.ops}
+        # A type with no block size or element size is a placeholder ggml keeps for removed
+        # types; nothing can be computed on it.
+        self.valid_types = np.zeros(max(g.type_names) + 1, dtype=bool)
+        for t in g.type_names:
+            if self.type_size[t] > 0 and self.blck_size[t] > 0:
+                self.valid_types[t] = True
+
+    # --- field checks ---------------------------------------------------------------------
+    def type_ok(self, type_: int) -> bool:
+        return 0 <= type_ < len(self.valid_types) and bool(self.valid_types[type_])
+
+    def check_common(self, what: str, type_: int, op: int, ne: Sequence[int], name: bytes) -> None:
+        """Type, op, ne and name checks shared by rpc and inline tensors."""
+        if not self.type_ok(type_):
+            raise Refused(f"{what}: tensor type {type_} is not a type of this ggml")
+        if not 0 <= op < self.g.op_count:
+            raise Refused(f"{what}: op {op} out of range (GGML_OP_COUNT {self.g.op_count})")
+        if op in self.custom_ops:
+            raise Refused(f"{what}: custom op {self.g.op_names[op]} refused (op_params hold host pointers)")
+        for n in ne:
+            if not 0 <= n < _NE_MAX:
+                raise Refused(f"{what}: ne {list(ne)} out of range")
+        blck = self.blck_size[type_]
+        if ne[0] % blck:
+            raise Refused(f"{what}: ne[0] = {ne[0]} is not a multiple of the block size {blck} "
+                          f"of {self.g.type_names[type_]}")
+        if b"\0" not in name:
+            raise Refused(f"{what}: name is not NUL-terminated")
+
+    def extent(self, type_: int, ne: Sequence[int], nb: Sequence[int]) -> int:
+        """Bytes from a tensor's data that a kernel may touch (>= ggml_nbytes)."""
+        if any(n <= 0 for n in ne):
+            return 0
+        ts, blck = self.type_size[type_], self.blck_size[type_]
+        blocks0 = ne[0] // blck
+        row = max(blocks0 * ts, (blocks0 - 1) * nb[0] + ts)
+        if blck > 1:
+            row = max(row, blocks0 * nb[0])  # ggml_nbytes' own formula for block types
+        return row + sum((ne[i] - 1) * nb[i] for i in range(1, len(ne)))
+
+    # --- rpc tensors ----------------------------------------------------------------------
+    def rpc_record(self, dec: Decoder, what: str) -> np.void:
+        """One `apir_rpc_tensor` off the wire (copied out of shared memory)."""
+        raw = dec.inplace(self.rpc_dtype.itemsize)
+        if raw is None:
+            raise Refused(f"{what}: truncated apir_rpc_tensor")
+        return np.frombuffer(bytes(raw), dtype=self.rpc_dtype, count=1)[0]
+
+    def check_rpc(self, rec, buffers, what: str) -> Tuple[Optional[HostBuffer], int]:
+        """Checks one rpc record; returns (its buffer or None, its extent in bytes).
+        `buffers` is the context's buffer table."""
+        type_, op = int(rec["type"]), int(rec["op"])
+        ne = [int(x) for x in rec["ne"]]
+        nb = [int(x) for x in rec["nb"]]
+        self.check_common(what, type_, op, ne, bytes(rec["name"]))
+        handle, data = int(rec["buffer"]), int(rec["data"])
+        extent = self.extent(type_, ne, nb)
+        if handle == 0:
+            if data != 0:
+                raise Refused(f"{what}: tensor without a buffer has data 0x{data:x}")
+            return None, extent
+        buf = buffers.get(handle)
+        if buf is None:
+            raise Refused(f"{what}: unknown buffer handle 0x{handle:x}")
+        if data + extent > buf.size:
+            raise Refused(f"{what}: data [{data}, {data + extent}) outside its {buf.size}-byte buffer")
+        return buf, extent
+
+    def host_tensor(self, scratch: Scratch, type_: int, ne, nb, op: int, op_params, flags: int,
+                    name: bytes, buffer: int = 0, data: int = 0) -> int:
+        """A tensor header in `scratch` with these (already checked) fields; no src."""
+        g = self.g
+        t = g.ggml_new_tensor_1d(scratch.ctx, type_, self.blck_size[type_])
+        if not t:
+            raise MemoryError("scratch ggml_context full")
+        rec = tensor_record(t, self.tensor_dtype)
+        rec["ne"][:] = ne
+        rec["nb"][:] = nb
+        rec["op"] = op
+        rec["op_params"][:] = op_params
+        rec["flags"] = flags
+        rec["buffer"] = buffer
+        rec["data"] = data
+        g.ggml_set_name(t, name.split(b"\0", 1)[0][: self.limits.max_name - 1])
+        return t
+
+    def host_from_rpc(self, scratch: Scratch, rec, buf: Optional[HostBuffer]) -> int:
+        """The host twin of a checked rpc record: data = real base + offset; no src/view."""
+        return self.host_tensor(
+            scratch, int(rec["type"]), [int(x) for x in rec["ne"]], [int(x) for x in rec["nb"]],
+            int(rec["op"]), rec["op_params"], int(rec["flags"]), bytes(rec["name"]),
+            buf.ptr if buf else 0, buf.base + int(rec["data"]) if buf else 0)
+
+
+def decode_inline_tensor(chk: TensorChecker, dec: Decoder, scratch: Scratch, what: str) -> int:
+    """Reads an inline tensor (`apir_encode_ggml_tensor_inline`) and returns its host twin.
+
+    Wire: the 336-byte struct; a u64 buffer handle if its `buffer` is non-null (the C guest
+    sends garbage there, and apir never needs the buffer: ignored); the view_src struct if
+    `view_src` is non-null; one struct per non-null `src[i]` up to the first null (bounded by
+    GGML_MAX_SRC). The twin and its view_src/src twins have no buffer and no data."""
+    size = chk.tensor_dtype.itemsize
+
+    def struct_(label: str):
+        raw = dec.inplace(size)
+        if raw is None:
+            raise Refused(f"{what}: truncated inline tensor ({label})")
+        return np.frombuffer(bytes(raw), dtype=chk.tensor_dtype, count=1)[0]
+
+    head = struct_("tensor")
+    if int(head["buffer"]):
+        dec.u64()
+    view = struct_("view_src") if int(head["view_src"]) else None
+    srcs: List[np.void] = []
+    for i in range(chk.limits.max_src):
+        if not int(head["src"][i]):
+            break
+        srcs.append(struct_(f"src[{i}]"))
+    if dec.fatal:
+        raise Refused(f"{what}: truncated inline tensor")
+
+    def twin(rec, label: str) -> int:
+        ne = [int(x) for x in rec["ne"]]
+        nb = [int(x) for x in rec["nb"]]
+        if any(x < 0 for x in nb):
+            raise Refused(f"{label}: nb out of range")
+        chk.check_common(label, int(rec["type"]), int(rec["op"]), ne, bytes(rec["name"]))
+        return chk.host_tensor(scratch, int(rec["type"]), ne, nb, int(rec["op"]), rec["op_params"],
+                               int(rec["flags"]), bytes(rec["name"]))
+
+    t = twin(head, what)
+    rec = tensor_record(t, chk.tensor_dtype)
+    if view is not None:
+        rec["view_src"] = twin(view, f"{what} view_src")
+        rec["view_offs"] = int(head["view_offs"])
+    for i, s in enumerate(srcs):
+        rec["src"][i] = twin(s, f"{what} src[{i}]")
+    return t

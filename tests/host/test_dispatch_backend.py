@@ -1,0 +1,117 @@
+"""graph_compute: real ggml graphs through the host give ggml CPU's own bytes."""
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from apir.codec.constants import ApirBackendCommandType as Cmd
+from tests.host.hostkit import DATA_RES, GgmlScratch, place_tensors, rpc_bytes, rpc_record, serialize_graph
+
+
+def _attention_like(g, ctx):
+    """softmax(scale * (W x) + b) with a mask, plus a permute+cont and get_rows: the ops
+    a small transformer layer uses."""
+    f32 = g.types["F32"]
+    w = g.ggml_new_tensor_2d(ctx, g.types["F16"], 32, 24)
+    x = g.ggml_new_tensor_2d(ctx, f32, 32, 5)
+    b = g.ggml_new_tensor_1d(ctx, f32, 24)
+    mask = g.ggml_new_tensor_2d(ctx, f32, 24, 5)
+    emb = g.ggml_new_tensor_2d(ctx, f32, 24, 10)
+    rows = g.ggml_new_tensor_1d(ctx, g.types["I32"], 5)
+    inputs = [w, x, b, mask, emb, rows]
+    for i, t in enumerate(inputs):
+        g.ggml_set_name(t, f"in{i}".encode())
+        g.ggml_set_input(t)
+    y = g.ggml_add(ctx, g.ggml_mul_mat(ctx, w, x), b)
+    y = g.ggml_add(ctx, y, g.ggml_get_rows(ctx, emb, rows))
+    y = g.ggml_soft_max_ext(ctx, y, mask, 0.125, 0.0)
+    y = g.ggml_cont(ctx, g.ggml_transpose(ctx, y))
+    y = g.ggml_norm(ctx, y, 1e-5)
+    g.ggml_set_output(y)
+    graph = g.ggml_new_graph(ctx)
+    g.ggml_build_forward_expand(graph, y)
+    return graph, inputs, y
+
+
+def _input_data(g, inputs):
+    rng = np.random.default_rng(5)
+    out = []
+    for t in inputs:
+        n = g.ggml_nelements(t)
+        ttype = g.type_names[int(np.frombuffer(ctypes.string_at(t, 4), np.uint32)[0])]
+        if ttype == "F16":
+            out.append(rng.standard_normal(n).astype(np.float16).tobytes())
+        elif ttype == "I32":
+            out.append(rng.integers(0, 10, n).astype(np.int32).tobytes())
+        else:
+            out.append(rng.standard_normal(n).astype(np.float32).tobytes())
+    return out
+
+
+def _direct(g, data):
+    """The same graph computed with ggml CPU directly."""
+    s = GgmlScratch(g)
+    graph, inputs, y = _attention_like(g, s.ctx)
+    dev = g.ggml_backend_dev_by_type(0)
+    buf = g.ggml_backend_alloc_ctx_tensors_from_buft(s.ctx, g.ggml_backend_dev_buffer_type(dev))
+    backend = g.ggml_backend_dev_init(dev, None)
+    for t, d in zip(inputs, data):
+        g.ggml_backend_tensor_set(t, d, 0, len(d))
+    assert g.ggml_backend_graph_compute(backend, graph) == 0
+    out = ctypes.create_string_buffer(g.ggml_nbytes(y))
+    g.ggml_backend_tensor_get(y, out, 0, len(out.raw))
+    g.ggml_backend_free(backend)
+    g.ggml_backend_buffer_free(buf)
+    s.close()
+    return out.raw
+
+
+def _remote(guest, g, data):
+    s = GgmlScratch(g)
+    graph, inputs, y = _attention_like(g, s.ctx)
+    offsets = place_tensors(g, graph, 64)
+    buf = guest.alloc(offsets[0])
+    for t, d in zip(inputs, data):
+        assert guest.set_tensor(buf, rpc_bytes(rpc_record(g, t, buf, offsets[t])), d) == 0
+    wire = serialize_graph(g, graph, buf, offsets)
+    guest.data[: len(wire)] = wire
+    rc, dec = guest.forward(Cmd.BACKEND_GRAPH_COMPUTE, lambda e: (e.u32(DATA_RES), e.size_t(len(wire))))
+    assert rc == 0
+    status = dec.i32()
+    rc, out = guest.get_tensor(buf, rpc_bytes(rpc_record(g, y, buf, offsets[y])), g.ggml_nbytes(y))
+    assert rc == 0
+    s.close()
+    return status, out, wire
+
+
+def test_graph_compute_matches_ggml_cpu(guest, ggml):
+    s = GgmlScratch(ggml)
+    _, inputs, _ = _attention_like(ggml, s.ctx)
+    data = _input_data(ggml, inputs)
+    s.close()
+    expect = _direct(ggml, data)
+    status, got, _ = _remote(guest, ggml, data)
+    assert status == 0
+    assert got == expect
+    assert np.isfinite(np.frombuffer(got, np.float32)).all()
+
+
+def test_graph_compute_twice_is_stable(guest, ggml):
+    s = GgmlScratch(ggml)
+    _, inputs, _ = _attention_like(ggml, s.ctx)
+    data = _input_data(ggml, inputs)
+    s.close()
+    assert _remote(guest, ggml, data)[1] == _remote(guest, ggml, data)[1]
+
+
+@pytest.mark.parametrize("size_delta", [-1, 1])
+def test_graph_size_must_match(guest, ggml, size_delta):
+    s = GgmlScratch(ggml)
+    _, inputs, _ = _attention_like(ggml, s.ctx)
+    data = _input_data(ggml, inputs)
+    s.close()
+    _, _, wire = _remote(guest, ggml, data)
+    rc, _ = guest.forward(Cmd.BACKEND_GRAPH_COMPUTE,
+                          lambda e: (e.u32(DATA_RES), e.size_t(len(wire) + size_delta)))
+    assert rc == 1

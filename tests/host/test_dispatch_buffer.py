@@ -1,0 +1,63 @@
+"""Buffer functions: virtual base, tensor set/get/copy, clear, free."""
+
+import numpy as np
+
+from apir.codec.constants import ApirBackendCommandType as Cmd
+from tests.host.hostkit import GgmlScratch, rpc_bytes, rpc_record
+
+
+def test_get_base_is_virtual_and_aligned(guest, ggml):
+    b1, b2 = guest.alloc(10000), guest.alloc(100)
+    lib = guest.ctx._library
+    base1, base2 = guest.base(b1), guest.base(b2)
+    real1 = lib.buffers.get(b1).base
+    align = ggml.ggml_backend_buft_get_alignment(ggml.ggml_backend_dev_buffer_type(ggml.ggml_backend_dev_by_type(0)))
+    assert base1 != real1 and base1 % align == 0 and base2 % align == 0
+    assert base2 >= base1 + 10000  # ranges do not overlap
+
+
+def test_set_get_roundtrip_and_offset(guest, ggml):
+    s = GgmlScratch(ggml)
+    t = ggml.ggml_new_tensor_2d(s.ctx, ggml.types["F32"], 16, 4)
+    buf = guest.alloc(4096)
+    rpc = rpc_bytes(rpc_record(ggml, t, buf, data=256))
+    values = np.arange(64, dtype=np.float32)
+    assert guest.set_tensor(buf, rpc, values.tobytes()) == 0
+    rc, got = guest.get_tensor(buf, rpc, 256)
+    assert rc == 0 and got == values.tobytes()
+    # the bytes are at base + 256 of the real buffer
+    real = guest.ctx._library.buffers.get(buf).base
+    import ctypes
+    assert ctypes.string_at(real + 256, 256) == values.tobytes()
+    # partial write with an offset
+    assert guest.set_tensor(buf, rpc, np.float32([-1, -2]).tobytes(), offset=8) == 0
+    rc, got = guest.get_tensor(buf, rpc, 16)
+    assert np.frombuffer(got, np.float32).tolist() == [0, 1, -1, -2]
+    s.close()
+
+
+def test_cpy_tensor(guest, ggml):
+    s = GgmlScratch(ggml)
+    a = ggml.ggml_new_tensor_1d(s.ctx, ggml.types["F32"], 32)
+    b = ggml.ggml_new_tensor_1d(s.ctx, ggml.types["F32"], 32)
+    buf = guest.alloc(1024)
+    ra, rb = rpc_bytes(rpc_record(ggml, a, buf, 0)), rpc_bytes(rpc_record(ggml, b, buf, 512))
+    data = np.linspace(0, 1, 32, dtype=np.float32).tobytes()
+    assert guest.set_tensor(buf, ra, data) == 0
+    rc, d = guest.forward(Cmd.BUFFER_CPY_TENSOR, lambda e: (e.handle(buf), e.blob(ra), e.blob(rb)))
+    assert rc == 0 and d.bool() is True
+    assert guest.get_tensor(buf, rb, 128) == (0, data)
+    s.close()
+
+
+def test_clear_and_free(guest, ggml):
+    s = GgmlScratch(ggml)
+    t = ggml.ggml_new_tensor_1d(s.ctx, ggml.types["I8"], 100)
+    buf = guest.alloc(100)
+    rpc = rpc_bytes(rpc_record(ggml, t, buf, 0))
+    assert guest.forward(Cmd.BUFFER_CLEAR, lambda e: (e.handle(buf), e.u8(0xA5)))[0] == 0
+    assert guest.get_tensor(buf, rpc, 100) == (0, b"\xa5" * 100)
+    assert guest.forward(Cmd.BUFFER_FREE_BUFFER, lambda e: e.handle(buf))[0] == 0
+    assert guest.forward(Cmd.BUFFER_GET_BASE, lambda e: e.handle(buf))[0] == 1  # gone
+    assert guest.forward(Cmd.BUFFER_FREE_BUFFER, lambda e: e.handle(buf))[0] == 1  # no double free
+    s.close()

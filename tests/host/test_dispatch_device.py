@@ -1,0 +1,88 @@
+"""Device functions, each reply field checked against what ggml CPU reports directly."""
+
+import ctypes
+import struct
+
+from apir.codec.constants import ApirBackendCommandType as Cmd
+from apir.ggml.backend_props import get_dev_props
+from tests.host.hostkit import DATA_RES, GgmlScratch, inline_tensor
+
+
+def _cpu(ggml):
+    return ggml.ggml_backend_dev_by_type(0)
+
+
+def test_counts_name_description_type(guest, ggml):
+    dev = _cpu(ggml)
+    count = ggml.ggml_backend_reg_dev_count(ggml.ggml_backend_dev_backend_reg(dev))
+    for cmd in (Cmd.DEVICE_GET_DEVICE_COUNT, Cmd.DEVICE_GET_COUNT):
+        rc, d = guest.forward(cmd)
+        assert rc == 0 and d.i32() == count
+    rc, d = guest.forward(Cmd.DEVICE_GET_NAME)
+    assert rc == 0 and d.string() == ggml.ggml_backend_dev_name(dev).decode()
+    rc, d = guest.forward(Cmd.DEVICE_GET_DESCRIPTION)
+    assert rc == 0 and d.string() == ggml.ggml_backend_dev_description(dev).decode()
+    rc, d = guest.forward(Cmd.DEVICE_GET_TYPE)
+    assert rc == 0 and d.u32() == ggml.ggml_backend_dev_type(dev)
+
+
+def test_memory(guest, ggml):
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    ggml.ggml_backend_dev_memory(_cpu(ggml), ctypes.byref(free), ctypes.byref(total))
+    rc, d = guest.forward(Cmd.DEVICE_GET_MEMORY)
+    assert rc == 0
+    got_free, got_total = d.size_t(), d.size_t()
+    assert got_total == total.value
+    assert abs(got_free - free.value) < total.value // 10  # free memory moves between calls
+
+
+def test_props(guest, ggml):
+    caps = get_dev_props(ggml, _cpu(ggml))
+    rc, d = guest.forward(Cmd.DEVICE_GET_PROPS)
+    assert rc == 0
+    got = [d.bool() for _ in range(5)]
+    assert got == [caps[k] for k in ("async", "host_buffer", "buffer_from_host_ptr", "events", "mmap_support")]
+
+
+def test_buffer_type_handle_is_opaque(guest, ggml):
+    buft = guest.buffer_type()
+    real = ggml.ggml_backend_dev_buffer_type(_cpu(ggml))
+    assert buft != real and 0 < buft < 1 << 32
+    assert guest.buffer_type() == buft  # the same buffer type keeps its id
+
+
+def test_supports_op_matches_ggml(guest, ggml):
+    s = GgmlScratch(ggml)
+    f32, f16 = ggml.types["F32"], ggml.types["F16"]
+    a = ggml.ggml_new_tensor_2d(s.ctx, f16, 64, 8)
+    b = ggml.ggml_new_tensor_2d(s.ctx, f32, 64, 4)
+    mm = ggml.ggml_mul_mat(s.ctx, a, b)
+    add = ggml.ggml_add(s.ctx, mm, ggml.ggml_new_tensor_2d(s.ctx, f32, 8, 4))
+    view = ggml.ggml_view_1d(s.ctx, b, 16, 0)
+    cpy = ggml.ggml_cpy(s.ctx, ggml.ggml_new_tensor_1d(s.ctx, f32, 256),
+                        ggml.ggml_new_tensor_1d(s.ctx, ggml.types["IQ2_XXS"], 256))
+    for t in (mm, add, view, cpy):
+        rc, d = guest.forward(Cmd.DEVICE_SUPPORTS_OP, lambda e, t=t: e.blob(inline_tensor(ggml, t)))
+        assert rc == 0
+        assert d.bool() == ggml.ggml_backend_dev_supports_op(_cpu(ggml), t)
+    # cpy to IQ2_XXS is the one ggml CPU declines: the test can tell the answers apart
+    assert not ggml.ggml_backend_dev_supports_op(_cpu(ggml), cpy)
+    s.close()
+
+
+def test_buffer_from_ptr(guest, ggml):
+    rc, d = guest.forward(Cmd.DEVICE_BUFFER_FROM_PTR,
+                          lambda e: (e.u32(DATA_RES), e.size_t(65536), e.size_t(65536)))
+    assert rc == 0
+    buffer, buft = d.handle(), d.handle()
+    assert buffer and buft and buft != guest.buffer_type()
+    rc, d = guest.forward(Cmd.BUFFER_TYPE_GET_NAME, lambda e: e.handle(buft))
+    assert rc == 0 and d.string() == "CPU_Mapped"
+    # the buffer is the guest's memory: clearing it writes the resource
+    guest.data[0:4] = b"\0\0\0\0"
+    assert guest.forward(Cmd.BUFFER_CLEAR, lambda e: (e.handle(buffer), e.u8(0x5A)))[0] == 0
+    assert bytes(guest.data[0:4]) == b"\x5a" * 4 and guest.data[65536] == 0
+    # removing the resource frees the buffer that wraps it
+    guest.ctx.remove_resource(DATA_RES)
+    assert guest.forward(Cmd.BUFFER_GET_BASE, lambda e: e.handle(buffer))[0] == 1
+    assert struct.calcsize("<Q") == 8
