@@ -3,6 +3,9 @@
 - `constants`: command types, return codes, backend function ids, capset.
 - `wire`: `Encoder` / `Decoder`, 4-byte aligned values over any buffer.
 - `records`: `apir_rpc_tensor` and `ggml_tensor` as numpy structured dtypes.
+- `graph`: cgraph serialization (guest) and the validating parse (host). Imported on use:
+  it loads Numba.
+- `copy`: bounds-checked bulk copies (Numba too).
 """
 
 from apir.codec.constants import *  # noqa: F401,F403 - the constants are the public surface

@@ -1,0 +1,522 @@
+"""Every Numba kernel of the codec, behind one JIT helper.
+
+Theory of operation: the hot paths (serializing a ggml_cgraph straight out of ggml's structs,
+validating a graph the guest sent, bulk copies) work on raw memory. Four tiny typed loads and
+three stores (`load_u8/u32/i32/i64`, `store_u8/u32/i64`, all alignment 1, addresses as int64)
+are plain Python functions over ctypes; inside jitted code a `numba.extending.overload` swaps
+each for an `intrinsic` that emits an LLVM `inttoptr` + load/store. So every kernel here is
+also a working plain-Python function: `kernel.py_func` is its twin, and tests compare the two.
+
+Rules kept throughout (see docs/numba-notes.md of the project):
+- addresses and 64-bit values are int64 (mixing uint64 and int64 would promote to float64);
+- work arrays are fixed-size arguments; a kernel that runs out of room returns a negative
+  code and the caller retries with double the size (never grow arrays inside a hot loop);
+- kernels return error codes instead of raising, with details in a small `info` array.
+
+Nothing here checks addresses: the callers pass only memory they own (the guest its own ggml
+context; the host a private copy of the guest's bytes). A bad address crashes the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, overload, register_jitable
+
+__all__ = [
+    "jit", "load_u8", "load_u32", "load_i32", "load_i64", "store_u8", "store_u32", "store_i64",
+    "memmove", "memmove_kernel", "serialize_graph_kernel", "serialize_tensor_kernel", "parse_graph_kernel",
+    "TL_FIELDS", "RL_FIELDS", "LIM_FIELDS",
+    "SER_OUT_FULL", "SER_SET_FULL", "SER_NARROW", "SER_UNKNOWN_BUFFER", "SER_DATA_NO_BUFFER",
+    "PARSE_ZERO_ID", "PARSE_DUP_ID", "PARSE_BAD_TYPE", "PARSE_BAD_OP", "PARSE_NAME",
+    "PARSE_UNKNOWN_SRC", "PARSE_UNKNOWN_VIEW_SRC", "PARSE_UNKNOWN_NODE", "PARSE_CYCLE",
+]
+
+
+def jit(fn):
+    """The one JIT helper: nopython, cached on disk, GIL released while it runs."""
+    return numba.njit(cache=True, nogil=True)(fn)
+
+
+# Helpers the kernels share: compiled into their callers when jitted, plain Python otherwise,
+# so a kernel's `.py_func` runs no compiled code at all.
+helper = register_jitable
+
+
+# --- raw memory: Python twins (ctypes) and their jitted intrinsics ------------------------------
+
+def load_u8(addr):
+    return ctypes.c_uint8.from_address(int(addr)).value
+
+
+def load_u32(addr):
+    return ctypes.c_uint32.from_address(int(addr)).value
+
+
+def load_i32(addr):
+    return ctypes.c_int32.from_address(int(addr)).value
+
+
+def load_i64(addr):
+    return ctypes.c_int64.from_address(int(addr)).value
+
+
+def store_u8(addr, value):
+    ctypes.c_uint8.from_address(int(addr)).value = int(value) & 0xFF
+
+
+def store_u32(addr, value):
+    ctypes.c_uint32.from_address(int(addr)).value = int(value) & 0xFFFFFFFF
+
+
+def store_i64(addr, value):
+    ctypes.c_int64.from_address(int(addr)).value = int(value)
+
+
+def memmove(dst, src, size):
+    """Copies `size` bytes from address `src` to address `dst` (regions may overlap)."""
+    ctypes.memmove(int(dst), int(src), int(size))
+
+
+def _ptr(builder, addr, bits):
+    return builder.inttoptr(addr, ir.IntType(bits).as_pointer())
+
+
+def _make_load(nbits, is_signed):
+    """An intrinsic loading an `nbits` integer at an address, widened to int64 (zero- or
+    sign-extended) so kernels compute in one integer type."""
+
+    @intrinsic
+    def _load(typingctx, addr):
+        if not isinstance(addr, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            a = context.cast(builder, args[0], sig.args[0], types.int64)
+            value = builder.load(_ptr(builder, a, nbits), align=1)
+            if nbits == 64:
+                return value
+            return builder.sext(value, ir.IntType(64)) if is_signed else builder.zext(value, ir.IntType(64))
+
+        return types.int64(addr), codegen
+
+    return _load
+
+
+def _make_store(nbits):
+    """An intrinsic storing the low `nbits` of an integer at an address."""
+
+    @intrinsic
+    def _store(typingctx, addr, value):
+        if not (isinstance(addr, types.Integer) and isinstance(value, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            a = context.cast(builder, args[0], sig.args[0], types.int64)
+            v = context.cast(builder, args[1], sig.args[1], types.int64)
+            if nbits != 64:
+                v = builder.trunc(v, ir.IntType(nbits))
+            builder.store(v, _ptr(builder, a, nbits), align=1)
+            return context.get_dummy_value()
+
+        return types.void(addr, value), codegen
+
+    return _store
+
+
+_i_load_u8 = _make_load(8, False)
+_i_load_u32 = _make_load(32, False)
+_i_load_i32 = _make_load(32, True)
+_i_load_i64 = _make_load(64, True)
+_i_store_u8 = _make_store(8)
+_i_store_u32 = _make_store(32)
+_i_store_i64 = _make_store(64)
+
+
+@intrinsic
+def _i_memmove(typingctx, dst, src, size):
+    if not all(isinstance(t, types.Integer) for t in (dst, src, size)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        d = context.cast(builder, args[0], sig.args[0], types.int64)
+        s = context.cast(builder, args[1], sig.args[1], types.int64)
+        n = context.cast(builder, args[2], sig.args[2], types.int64)
+        i8p = ir.IntType(8).as_pointer()
+        fn = builder.module.declare_intrinsic("llvm.memmove", [i8p, i8p, ir.IntType(64)])
+        builder.call(fn, [builder.inttoptr(d, i8p), builder.inttoptr(s, i8p), n, ir.Constant(ir.IntType(1), 0)])
+        return context.get_dummy_value()
+
+    return types.void(dst, src, size), codegen
+
+
+@overload(load_u8)
+def _ol_load_u8(addr):
+    return lambda addr: _i_load_u8(addr)
+
+
+@overload(load_u32)
+def _ol_load_u32(addr):
+    return lambda addr: _i_load_u32(addr)
+
+
+@overload(load_i32)
+def _ol_load_i32(addr):
+    return lambda addr: _i_load_i32(addr)
+
+
+@overload(load_i64)
+def _ol_load_i64(addr):
+    return lambda addr: _i_load_i64(addr)
+
+
+@overload(store_u8)
+def _ol_store_u8(addr, value):
+    return lambda addr, value: _i_store_u8(addr, value)
+
+
+@overload(store_u32)
+def _ol_store_u32(addr, value):
+    return lambda addr, value: _i_store_u32(addr, value)
+
+
+@overload(store_i64)
+def _ol_store_i64(addr, value):
+    return lambda addr, value: _i_store_i64(addr, value)
+
+
+@overload(memmove)
+def _ol_memmove(dst, src, size):
+    return lambda dst, src, size: _i_memmove(dst, src, size)
+
+
+@jit
+def memmove_kernel(dst, src, size):
+    """`memmove` with the GIL released: for large copies from Python threads."""
+    memmove(dst, src, size)
+
+
+# --- layout tables passed to the kernels ----------------------------------------------------------
+# Byte offsets of ggml_tensor (tl) and apir_rpc_tensor (rl) fields, in this order; rl has two
+# more entries: the record size and the `padding` offset. lim holds ggml's GGML_MAX_* sizes.
+TL_FIELDS = ("type", "buffer", "ne", "nb", "op", "op_params", "flags", "src", "view_src",
+             "view_offs", "data", "name")
+RL_FIELDS = ("id",) + TL_FIELDS + ("padding",)
+LIM_FIELDS = ("max_dims", "max_src", "n_op_params", "max_name")
+(T_TYPE, T_BUFFER, T_NE, T_NB, T_OP, T_OP_PARAMS, T_FLAGS, T_SRC, T_VIEW_SRC, T_VIEW_OFFS,
+ T_DATA, T_NAME) = range(12)
+(R_ID, R_TYPE, R_BUFFER, R_NE, R_NB, R_OP, R_OP_PARAMS, R_FLAGS, R_SRC, R_VIEW_SRC, R_VIEW_OFFS,
+ R_DATA, R_NAME, R_PADDING, R_SIZE) = range(15)
+L_MAX_DIMS, L_MAX_SRC, L_N_OP_PARAMS, L_MAX_NAME = range(4)
+
+# --- serializer (guest): ggml_cgraph in memory -> wire bytes ---------------------------------------
+SER_OUT_FULL = -1  # the output array is too small: retry with double
+SER_SET_FULL = -2  # the visited set / stack are too small: retry with double
+SER_NARROW = -3  # info = (tensor address, 0 for ne / 1 for nb, dim, value)
+SER_UNKNOWN_BUFFER = -4  # info = (tensor address, buffer pointer)
+SER_DATA_NO_BUFFER = -5  # info = (tensor address, data pointer)
+
+_U32_MAX = 0xFFFFFFFF
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: Fibonacci hashing
+
+
+@helper
+def _slot(key, mask):
+    # Multiplicative hash; (k * G) >> 32 has the same low bits whether the product wraps at
+    # 64 bits (jitted) or not (Python), so both twins probe the same slots.
+    return ((key * _GOLDEN) >> 32) & mask
+
+
+@helper
+def _set_insert(keys, key):
+    """Inserts non-zero `key` into the open-addressing set `keys` (0 = empty, size a power
+    of two). Returns 1 if inserted, 0 if present."""
+    mask = keys.shape[0] - 1
+    i = _slot(key, mask)
+    while True:
+        k = keys[i]
+        if k == key:
+            return 0
+        if k == 0:
+            keys[i] = key
+            return 1
+        i = (i + 1) & mask
+
+
+@helper
+def _buffer_lookup(ptrs, buf_ptr):
+    """Index of `buf_ptr` in the sorted int64 array `ptrs`, or -1."""
+    lo = 0
+    hi = ptrs.shape[0]
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if ptrs[mid] < buf_ptr:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo < ptrs.shape[0] and ptrs[lo] == buf_ptr:
+        return lo
+    return -1
+
+
+@helper
+def _serialize_tensor(t, dst, tl, rl, lim, buf_ptrs, buf_handles, buf_bases, info):
+    """Writes the apir_rpc_tensor of the ggml_tensor at address `t` to address `dst`
+    (the C `apir_serialize_tensor`), every byte defined: holes and name tail zeroed.
+    Returns 0 or a SER_* error with details in `info`."""
+    size = rl[R_SIZE]
+    for off in range(0, size, 8):
+        store_i64(dst + off, 0)
+    store_i64(dst + rl[R_ID], t)
+    store_u32(dst + rl[R_TYPE], load_u32(t + tl[T_TYPE]))
+    buf = load_i64(t + tl[T_BUFFER])
+    base = 0
+    if buf != 0:
+        b = _buffer_lookup(buf_ptrs, buf)
+        if b < 0:
+            info[0] = t
+            info[1] = buf
+            return SER_UNKNOWN_BUFFER
+        store_i64(dst + rl[R_BUFFER], buf_handles[b])
+        base = buf_bases[b]
+    for d in range(lim[L_MAX_DIMS]):
+        ne = load_i64(t + tl[T_NE] + 8 * d)
+        nb = load_i64(t + tl[T_NB] + 8 * d)  # size_t: >= 2**63 reads negative
+        if ne < 0 or ne > _U32_MAX or nb < 0 or nb > _U32_MAX:
+            info[0] = t
+            info[1] = 0 if (ne < 0 or ne > _U32_MAX) else 1
+            info[2] = d
+            info[3] = ne if info[1] == 0 else nb
+            return SER_NARROW
+        store_u32(dst + rl[R_NE] + 4 * d, ne)
+        store_u32(dst + rl[R_NB] + 4 * d, nb)
+    store_u32(dst + rl[R_OP], load_u32(t + tl[T_OP]))
+    for p in range(lim[L_N_OP_PARAMS]):
+        store_u32(dst + rl[R_OP_PARAMS] + 4 * p, load_u32(t + tl[T_OP_PARAMS] + 4 * p))
+    store_u32(dst + rl[R_FLAGS], load_u32(t + tl[T_FLAGS]))
+    for s in range(lim[L_MAX_SRC]):
+        store_i64(dst + rl[R_SRC] + 8 * s, load_i64(t + tl[T_SRC] + 8 * s))
+    store_i64(dst + rl[R_VIEW_SRC], load_i64(t + tl[T_VIEW_SRC]))
+    store_i64(dst + rl[R_VIEW_OFFS], load_i64(t + tl[T_VIEW_OFFS]))
+    data = load_i64(t + tl[T_DATA])
+    if data != 0:
+        if buf == 0:
+            info[0] = t
+            info[1] = data
+            return SER_DATA_NO_BUFFER
+        data -= base
+    store_i64(dst + rl[R_DATA], data)
+    # snprintf(name, GGML_MAX_NAME, "%s"): at most max_name - 1 bytes, then NUL (already 0).
+    for c in range(lim[L_MAX_NAME] - 1):
+        ch = load_u8(t + tl[T_NAME] + c)
+        if ch == 0:
+            break
+        store_u8(dst + rl[R_NAME] + c, ch)
+    return 0
+
+
+@jit
+def serialize_tensor_kernel(t, dst, tl, rl, lim, buf_ptrs, buf_handles, buf_bases, info):
+    """One tensor: see `_serialize_tensor` (used by guest set/get_tensor)."""
+    return _serialize_tensor(t, dst, tl, rl, lim, buf_ptrs, buf_handles, buf_bases, info)
+
+
+@jit
+def serialize_graph_kernel(nodes_addr, n_nodes, tl, rl, lim, buf_ptrs, buf_handles, buf_bases,
+                           out_addr, out_size, set_keys, stack_t, stack_k, info):
+    """Serializes the cgraph whose node pointer array is at `nodes_addr` into `out_size`
+    bytes at `out_addr`: ``u32 n_nodes | u64 ids[n_nodes] | u32 n_tensors | records``.
+
+    Tensors are visited as the C `apir_add_tensor` does: src[0..max_src), then view_src,
+    then the tensor itself, each once. `set_keys` (zeroed, size a power of two) is the
+    visited set; `stack_t`/`stack_k` (same size) the explicit DFS stack. Returns the number
+    of bytes written, or a SER_* error (SER_OUT_FULL / SER_SET_FULL: retry with double)."""
+    rec = rl[R_SIZE]
+    max_src = lim[L_MAX_SRC]
+    tensors_at = out_addr + 8 + 8 * n_nodes
+    if 8 + 8 * n_nodes > out_size:
+        return SER_OUT_FULL
+    cap_tensors = (out_size - 8 - 8 * n_nodes) // rec
+    max_fill = set_keys.shape[0] // 2
+    n_seen = 0
+    n_tensors = 0
+    store_u32(out_addr, n_nodes)
+    for i in range(n_nodes):
+        root = load_i64(nodes_addr + 8 * i)
+        store_i64(out_addr + 4 + 8 * i, root)
+        if root == 0 or _set_insert(set_keys, root) == 0:
+            continue
+        n_seen += 1
+        if n_seen > max_fill:
+            return SER_SET_FULL
+        sp = 0
+        stack_t[0] = root
+        stack_k[0] = 0
+        while sp >= 0:
+            t = stack_t[sp]
+            k = stack_k[sp]
+            if k <= max_src:
+                stack_k[sp] = k + 1
+                child = load_i64(t + tl[T_SRC] + 8 * k) if k < max_src else load_i64(t + tl[T_VIEW_SRC])
+                if child != 0 and _set_insert(set_keys, child) == 1:
+                    n_seen += 1
+                    if n_seen > max_fill:
+                        return SER_SET_FULL
+                    sp += 1
+                    stack_t[sp] = child
+                    stack_k[sp] = 0
+                continue
+            if n_tensors == cap_tensors:
+                return SER_OUT_FULL
+            err = _serialize_tensor(t, tensors_at + rec * n_tensors, tl, rl, lim,
+                                          buf_ptrs, buf_handles, buf_bases, info)
+            if err != 0:
+                return err
+            n_tensors += 1
+            sp -= 1
+    store_u32(out_addr + 4 + 8 * n_nodes, n_tensors)
+    return 8 + 8 * n_nodes + rec * n_tensors
+
+
+# --- validating parser (host): wire bytes -> indices -------------------------------------------------
+PARSE_ZERO_ID = -1  # info = (tensor index,)
+PARSE_DUP_ID = -2  # info = (tensor index, id)
+PARSE_BAD_TYPE = -3  # info = (tensor index, type)
+PARSE_BAD_OP = -4  # info = (tensor index, op)
+PARSE_NAME = -5  # info = (tensor index,)
+PARSE_UNKNOWN_SRC = -6  # info = (tensor index, src slot, id)
+PARSE_UNKNOWN_VIEW_SRC = -7  # info = (tensor index, id)
+PARSE_UNKNOWN_NODE = -8  # info = (node index, id)
+PARSE_CYCLE = -9  # info = (tensor index,)
+
+
+@helper
+def _map_find(keys, vals, key):
+    mask = keys.shape[0] - 1
+    i = _slot(key, mask)
+    while True:
+        k = keys[i]
+        if k == key:
+            return vals[i]
+        if k == 0:
+            return -1
+        i = (i + 1) & mask
+
+
+@jit
+def parse_graph_kernel(addr, n_nodes, n_tensors, rl, lim, op_count, type_valid,
+                       node_index, src_index, view_src_index, order,
+                       map_keys, map_vals, state, stack_t, stack_k, info):
+    """Validates a graph at `addr` (a private copy: ids at addr + 4, records at
+    addr + 8 + 8 * n_nodes, counts already checked against the size) and fills the index
+    arrays. `map_keys` (zeroed, a power of two >= 2 * n_tensors) / `map_vals` map ids to
+    tensor indices; `state` (zeroed int8), `stack_t` / `stack_k` (int32, n_tensors) are the
+    cycle check's DFS. Returns 0 or a PARSE_* error with details in `info`."""
+    rec = rl[R_SIZE]
+    max_src = lim[L_MAX_SRC]
+    max_name = lim[L_MAX_NAME]
+    tensors_at = addr + 8 + 8 * n_nodes
+    n_types = type_valid.shape[0]
+    mask = map_keys.shape[0] - 1
+    for i in range(n_tensors):
+        r = tensors_at + rec * i
+        tid = load_i64(r + rl[R_ID])
+        if tid == 0:
+            info[0] = i
+            return PARSE_ZERO_ID
+        j = _slot(tid, mask)
+        while True:
+            k = map_keys[j]
+            if k == tid:
+                info[0] = i
+                info[1] = tid
+                return PARSE_DUP_ID
+            if k == 0:
+                map_keys[j] = tid
+                map_vals[j] = i
+                break
+            j = (j + 1) & mask
+        ty = load_u32(r + rl[R_TYPE])
+        if ty >= n_types or not type_valid[ty]:
+            info[0] = i
+            info[1] = ty
+            return PARSE_BAD_TYPE
+        op = load_u32(r + rl[R_OP])
+        if op >= op_count:
+            info[0] = i
+            info[1] = op
+            return PARSE_BAD_OP
+        terminated = False
+        for c in range(max_name):
+            if load_u8(r + rl[R_NAME] + c) == 0:
+                terminated = True
+                break
+        if not terminated:
+            info[0] = i
+            return PARSE_NAME
+    for i in range(n_tensors):
+        r = tensors_at + rec * i
+        for s in range(max_src):
+            sid = load_i64(r + rl[R_SRC] + 8 * s)
+            idx = -1
+            if sid != 0:
+                idx = _map_find(map_keys, map_vals, sid)
+                if idx < 0:
+                    info[0] = i
+                    info[1] = s
+                    info[2] = sid
+                    return PARSE_UNKNOWN_SRC
+            src_index[i, s] = idx
+        vid = load_i64(r + rl[R_VIEW_SRC])
+        idx = -1
+        if vid != 0:
+            idx = _map_find(map_keys, map_vals, vid)
+            if idx < 0:
+                info[0] = i
+                info[1] = vid
+                return PARSE_UNKNOWN_VIEW_SRC
+        view_src_index[i] = idx
+    for i in range(n_nodes):
+        nid = load_i64(addr + 4 + 8 * i)
+        idx = -1
+        if nid != 0:
+            idx = _map_find(map_keys, map_vals, nid)
+        if idx < 0:
+            info[0] = i
+            info[1] = nid
+            return PARSE_UNKNOWN_NODE
+        node_index[i] = idx
+    # Depth-first post-order over src and view_src edges; a grey tensor met again is a cycle.
+    n_done = 0
+    for root in range(n_tensors):
+        if state[root] != 0:
+            continue
+        state[root] = 1
+        sp = 0
+        stack_t[0] = root
+        stack_k[0] = 0
+        while sp >= 0:
+            t = stack_t[sp]
+            k = stack_k[sp]
+            if k <= max_src:
+                stack_k[sp] = k + 1
+                c = src_index[t, k] if k < max_src else view_src_index[t]
+                if c >= 0:
+                    if state[c] == 1:
+                        info[0] = t
+                        return PARSE_CYCLE
+                    if state[c] == 0:
+                        state[c] = 1
+                        sp += 1
+                        stack_t[sp] = c
+                        stack_k[sp] = 0
+                continue
+            state[t] = 2
+            order[n_done] = t
+            n_done += 1
+            sp -= 1
+    return 0
