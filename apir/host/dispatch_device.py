@@ -15,8 +15,11 @@ Replies, in order (APIR wire values):
 
 from __future__ import annotations
 
+import ctypes
+
 from apir.codec.constants import APIR_PROTOCOL_0_1
 from apir.ggml.backend_props import get_dev_props
+from apir.ggml.layout import tensor_record
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.tensors import Scratch, decode_inline_tensor
 
@@ -54,8 +57,6 @@ def get_type(lib, dec, enc) -> int:
 
 
 def get_memory(lib, dec, enc) -> int:
-    import ctypes
-
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
     lib.g.ggml_backend_dev_memory(lib.dev, ctypes.byref(free), ctypes.byref(total))
     enc.size_t(free.value)
@@ -67,11 +68,7 @@ def supports_op(lib, dec, enc) -> int:
     chk = lib.checker
     with Scratch(lib.g, 2 + chk.limits.max_src) as scratch:
         op = decode_inline_tensor(chk, dec, scratch, "device_supports_op")
-        missing = _missing_srcs(lib, op)
-        if missing:
-            # ggml's supports_op dereferences these sources: a guest that omits them asks
-            # about a tensor no ggml constructor builds.
-            raise Refused(f"device_supports_op: {lib.g.op_names[_op_of(lib, op)]} without src{missing}")
+        _check_required_srcs(lib, op)
         enc.bool(lib.g.ggml_backend_dev_supports_op(lib.dev, op))
     return BACKEND_RC_OK
 
@@ -115,20 +112,16 @@ def buffer_from_ptr(lib, dec, enc) -> int:
 
 
 # --- helpers ---------------------------------------------------------------------------------
-# Sources ggml-cpu's supports_op reads for these ops (ggml-cpu.cpp), by op name.
+# Sources ggml-cpu's supports_op dereferences for these ops (ggml-cpu.cpp), by op name.
 _REQUIRED_SRCS = {"MUL_MAT": 2, "OUT_PROD": 2, "IM2COL_BACK": 2, "GET_ROWS_BACK": 1, "CONV_2D": 1,
                   "SOFT_MAX_BACK": 2, "SSM_SCAN": 4}
 
 
-def _op_of(lib, t: int) -> int:
-    from apir.ggml.layout import tensor_record
-
-    return int(tensor_record(t, lib.g.tensor_dtype)["op"])
-
-
-def _missing_srcs(lib, t: int):
-    from apir.ggml.layout import tensor_record
-
+def _check_required_srcs(lib, t: int) -> None:
+    """A guest that omits these sources asks about a tensor no ggml constructor builds, and
+    ggml's supports_op would read through the missing pointer."""
     rec = tensor_record(t, lib.g.tensor_dtype)
-    need = _REQUIRED_SRCS.get(lib.g.op_names.get(int(rec["op"]), ""), 0)
-    return [i for i in range(need) if not int(rec["src"][i])]
+    name = lib.g.op_names.get(int(rec["op"]), "")
+    missing = [i for i in range(_REQUIRED_SRCS.get(name, 0)) if not int(rec["src"][i])]
+    if missing:
+        raise Refused(f"device_supports_op: {name} without src{missing}")

@@ -14,7 +14,7 @@ from its tensor pointers, so serialized `data` fields arrive as offsets into the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Generic, Iterator, Optional, Tuple, TypeVar
 
 __all__ = ["HandleTable", "VirtualAddressSpace", "HostBuffer", "HostBufferType"]
@@ -100,7 +100,6 @@ class HostBuffer:
     virtual_base: int
     buft_handle: int
     res_id: Optional[int] = None
-    extra: dict = field(default_factory=dict)
 
 
 def new_tables() -> Tuple[HandleTable[HostBufferType], HandleTable[HostBuffer]]:

@@ -5,14 +5,14 @@ context's handles) with byte mutations, truncations and extensions of them, and 
 bytes. After every stream the host must still answer a valid command, and every command whose
 header names the reply blob must have been answered.
 
-Case counts: `APIR_FUZZ_EXAMPLES` (default 2,000 streams of up to 6 commands, about 12,000
-commands, ~15 s). The `slow` run (`-m slow`) does 10,000 streams.
+Case counts: `APIR_FUZZ_EXAMPLES` streams of 1-6 commands by default (1,000, ~10 s). The
+`slow` test (`pytest -m slow tests/host/test_fuzz.py`) runs 10,000 streams (about 35,000
+commands; 280 s on the shared 2-core machine).
 """
 
 import os
 import struct
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -23,7 +23,7 @@ from tests.host.hostkit import (
     DATA_RES, REPLY_RES, Guest, GgmlScratch, inline_tensor, place_tensors, rpc_bytes, rpc_record, serialize_graph,
 )
 
-EXAMPLES = int(os.environ.get("APIR_FUZZ_EXAMPLES", "2000"))
+EXAMPLES = int(os.environ.get("APIR_FUZZ_EXAMPLES", "1000"))
 GRAPH_RES = 3  # the graph lives apart from DATA_RES, which get_tensor overwrites
 
 
@@ -166,4 +166,3 @@ def test_templates_are_valid(world):
             continue
         rc = world.guest.raw(payload)
         assert rc in (4, 0xAB1E, 2), (i, rc)  # Forward ok, HandShake magic, already loaded
-    assert np.int32(1) == 1
