@@ -11,11 +11,7 @@ from __future__ import annotations
 
 from apir.host.errors import BACKEND_RC_OK, Refused
 
-try:  # the codec's parser, once it is on main
-    from apir.codec.graph import GraphError, parse_graph  # type: ignore
-except ImportError:  # pragma: no cover - depends on what main holds
-    from apir.host._graph_parse import GraphError, parse_graph
-
+from apir.codec.graph import GraphError, parse_graph
 from apir.ggml.backend_props import unary_ops
 from apir.host.graph import build_graph
 from apir.host.tensors import Scratch

@@ -1,7 +1,7 @@
 """The host-side graph builder: a checked `ggml_cgraph` from a parsed wire graph.
 
-Theory of operation: `parse_graph` (codec) has already checked the wire's counts, ids, types,
-ops, names and acyclicity. Here every tensor record is checked against this context
+Theory of operation: `apir.codec.graph.parse_graph` has already checked the wire's counts,
+ids, types, ops, names and acyclicity. Here a node listed twice is refused, every tensor record is checked against this context
 (`TensorChecker.check_rpc`: a known buffer, data + extent inside it, no custom op), each
 view against its source (same buffer, `data == source data + view_offs`, its extent inside
 the source's), every tensor of the graph must have data (a kernel writes through it), and
@@ -29,6 +29,8 @@ def build_graph(lib, parsed, scratch: Scratch, unary_count: int) -> int:
     g, chk = lib.g, lib.checker
     recs = parsed.tensors
     n = len(recs)
+    if len(set(parsed.node_index.tolist())) != len(parsed.node_index):
+        raise Refused("graph: a node is listed twice")
     infos: List[Optional[TensorInfo]] = [None] * n
     bufs = [None] * n
     offsets = [0] * n

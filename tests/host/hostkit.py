@@ -4,7 +4,8 @@
 (mmaps, page-aligned), builds commands with apir.codec.wire.Encoder, submits them and reads
 the notification word. The tensor encoders build wire bytes straight from real ggml tensors
 (raw struct bytes for inline tensors, `apir_rpc_tensor` records like the C
-`apir_serialize_tensor`), so the host sees what a ggml guest would send.
+`apir_serialize_tensor`; graphs through the codec's `serialize_graph`), so the host sees what
+a ggml guest would send.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 import ctypes
 import mmap
 import struct
-from typing import Callable, Dict, Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from apir.codec.constants import ApirBackendCommandType as Cmd, ApirCommandType
+from apir.codec.graph import BufferTable, rpc_tensor_from_ggml, serialize_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.codec.wire import Decoder, Encoder
 from apir.ggml.layout import tensor_record
@@ -156,53 +158,23 @@ def rpc_bytes(rec) -> bytes:
     return rec.tobytes()
 
 
-def serialize_graph(g, graph: int, handle: int, offsets: Dict[int, int]) -> bytes:
-    """The C `apir_serialize_graph` wire of `graph`: every tensor in buffer `handle` at
-    `offsets[address]` (views: their source's offset + view_offs)."""
-    n_nodes = g.ggml_graph_n_nodes(graph)
-    nodes = [g.ggml_graph_node(graph, i) for i in range(n_nodes)]
-    seen, records = set(), []
+class RemoteGraph:
+    """A guest-side graph laid out for the host: its tensors are allocated in a local CPU
+    buffer (the guest's stand-in for a remote buffer), a host buffer of the same size is
+    allocated through `guest`, and the codec's `serialize_graph` maps one to the other."""
 
-    def add(t):
-        if not t or t in seen:
-            return
-        seen.add(t)
-        rec = tensor_record(t, g.tensor_dtype)
-        for s in rec["src"]:
-            add(int(s))
-        add(int(rec["view_src"]))
-        records.append(rpc_record(g, t, handle, offsets[t]))
+    def __init__(self, guest: Guest, g, ctx: int, graph: int):
+        self.g = g
+        dev = g.ggml_backend_dev_by_type(0)
+        self.local = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, g.ggml_backend_dev_buffer_type(dev))
+        assert self.local
+        self.handle = guest.alloc(g.ggml_backend_buffer_get_size(self.local))
+        self.table = BufferTable()
+        self.table.register(self.local, self.handle, g.ggml_backend_buffer_get_base(self.local))
+        self.wire = serialize_graph(g, graph, self.table).tobytes()
 
-    for t in nodes:
-        add(t)
-    out = struct.pack("<I", n_nodes) + struct.pack(f"<{n_nodes}Q", *nodes)
-    out += struct.pack("<I", len(records)) + b"".join(r.tobytes() for r in records)
-    return out
+    def rpc(self, t: int) -> bytes:
+        return rpc_tensor_from_ggml(self.g, t, self.table).tobytes()
 
-
-def place_tensors(g, graph: int, align: int) -> Dict[int, int]:
-    """Offsets in one buffer for every tensor of `graph`, views at their source's offset."""
-    offsets: Dict[int, int] = {}
-    pos = 0
-    order = []
-
-    def visit(t):
-        if not t or t in offsets or t in order:
-            return
-        rec = tensor_record(t, g.tensor_dtype)
-        for s in rec["src"]:
-            visit(int(s))
-        visit(int(rec["view_src"]))
-        order.append(t)
-
-    for i in range(g.ggml_graph_n_nodes(graph)):
-        visit(g.ggml_graph_node(graph, i))
-    for t in order:
-        rec = tensor_record(t, g.tensor_dtype)
-        if int(rec["view_src"]):
-            offsets[t] = offsets[int(rec["view_src"])] + int(rec["view_offs"])
-        else:
-            offsets[t] = pos
-            pos += (g.ggml_nbytes(t) + align - 1) // align * align
-    offsets[0] = pos  # total bytes needed
-    return offsets
+    def close(self) -> None:
+        self.g.ggml_backend_buffer_free(self.local)

@@ -9,9 +9,7 @@ import pytest
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.codec.records import rpc_tensor_dtype
 from apir.host import HostContext
-from tests.host.hostkit import (
-    DATA_RES, Guest, GgmlScratch, inline_tensor, place_tensors, rpc_bytes, rpc_record, serialize_graph,
-)
+from tests.host.hostkit import DATA_RES, Guest, GgmlScratch, RemoteGraph, inline_tensor, rpc_bytes, rpc_record
 
 ERROR = 1  # BACKEND_RC_ERROR
 
@@ -195,9 +193,8 @@ class GraphCase:
         self.out = g.ggml_soft_max(s.ctx, g.ggml_add(s.ctx, self.mm, self.b))
         graph = g.ggml_new_graph(s.ctx)
         g.ggml_build_forward_expand(graph, self.out)
-        self.offsets = place_tensors(g, graph, 64)
-        self.buf = guest.alloc(self.offsets[0])
-        wire = serialize_graph(g, graph, self.buf, self.offsets)
+        self.remote = RemoteGraph(guest, g, s.ctx, graph)
+        wire = self.remote.wire
         (self.n_nodes,) = struct.unpack_from("<I", wire, 0)
         self.nodes = np.frombuffer(wire, "<u8", self.n_nodes, 4).copy()
         off = 4 + 8 * self.n_nodes + 4
@@ -224,7 +221,8 @@ def graph(guest, ggml, small):
     case = GraphCase(guest, ggml, small)
     rc, d = guest.forward(Cmd.BACKEND_GRAPH_COMPUTE, case.send(case.wire()))
     assert rc == 0 and d.i32() == 0  # the unmutated graph computes
-    return case
+    yield case
+    case.remote.close()
 
 
 def test_graph_unknown_and_zero_and_duplicate_ids(graph, refused):
@@ -291,9 +289,8 @@ def test_graph_view_outside_source(guest, refused, ggml, small):
     out = g.ggml_scale(small.ctx, g.ggml_cont(small.ctx, view), 2.0)
     graph = g.ggml_new_graph(small.ctx)
     g.ggml_build_forward_expand(graph, out)
-    offsets = place_tensors(g, graph, 64)
-    buf = guest.alloc(offsets[0] + 4096)
-    wire = bytearray(serialize_graph(g, graph, buf, offsets))
+    remote = RemoteGraph(guest, g, small.ctx, graph)
+    wire = bytearray(remote.wire)
     n_nodes = struct.unpack_from("<I", wire, 0)[0]
     off = 4 + 8 * n_nodes + 4
     dtype = rpc_tensor_dtype(g.limits)
@@ -307,6 +304,7 @@ def test_graph_view_outside_source(guest, refused, ggml, small):
     bad = bytes(wire[:off]) + recs.tobytes()
     guest.data[: len(bad)] = bad
     refused(Cmd.BACKEND_GRAPH_COMPUTE, lambda e: (e.u32(DATA_RES), e.size_t(len(bad))))
+    remote.close()
 
 
 def test_graph_get_rows_ids_out_of_range(guest, refused, ggml, small):
@@ -316,13 +314,12 @@ def test_graph_get_rows_ids_out_of_range(guest, refused, ggml, small):
     out = g.ggml_get_rows(small.ctx, emb, ids)
     graph = g.ggml_new_graph(small.ctx)
     g.ggml_build_forward_expand(graph, out)
-    offsets = place_tensors(g, graph, 64)
-    buf = guest.alloc(offsets[0])
-    rec_ids = rpc_bytes(rpc_record(g, ids, buf, offsets[ids]))
-    wire = serialize_graph(g, graph, buf, offsets)
+    remote = RemoteGraph(guest, g, small.ctx, graph)
+    buf, rec_ids, wire = remote.handle, remote.rpc(ids), remote.wire
     guest.set_tensor(buf, rec_ids, np.int32([0, 9, 3]).tobytes())
     guest.data[: len(wire)] = wire
     assert guest.forward(Cmd.BACKEND_GRAPH_COMPUTE, lambda e: (e.u32(DATA_RES), e.size_t(len(wire))))[0] == 0
     guest.set_tensor(buf, rec_ids, np.int32([0, 10, 3]).tobytes())
     guest.data[: len(wire)] = wire
     refused(Cmd.BACKEND_GRAPH_COMPUTE, lambda e: (e.u32(DATA_RES), e.size_t(len(wire))))
+    remote.close()
