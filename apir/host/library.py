@@ -15,7 +15,7 @@ missing configuration, an unopenable library or a missing symbol, and 6 + n for 
 dispatcher's own `APIR_BACKEND_INITIALIZE_*` code n (so 6 is success, like 0).
 
 With no backend library configured, the built-in Python dispatcher
-(`apir.host.dispatcher.PythonBackendLibrary`) is used. A configured path goes to the
+(`apir.host.backend_library.PythonBackendLibrary`) is used. A configured path goes to the
 `library_factory` the `HostContext` was given; the default factory cannot open C libraries
 yet, so it answers CANNOT_OPEN (a ctypes adapter for `libggml-virtgpu-backend.so` plugs in
 here as another `BackendLibrary`).
