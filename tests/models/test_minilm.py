@@ -1,0 +1,158 @@
+"""apir.models.minilm: the ggml graph's embeddings against the independent numpy model."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tests.models import reference
+
+LONG = " ".join(
+    "The committee reviewed the proposal in detail, weighing its costs against the expected "
+    "benefits for the town's residents, and asked for a revised budget before the next meeting."
+    for _ in range(12))
+
+SENTENCES = [
+    "Hi.",
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "The girl is carrying a baby.",
+    "A man is riding a white horse on an enclosed ground.",
+    "Two men pushed carts through the woods while a monkey played a drum nearby.",
+    "Quantum chromodynamics describes the strong interaction between quarks and gluons, "
+    "mediated by the exchange of massless vector bosons that carry colour charge.",
+    "In 1887 the engineers, having surveyed the river twice, finally agreed on where the bridge "
+    "should stand; construction began the following spring and took nearly four years.",
+    LONG,
+]
+
+
+def _cosine(a, b):
+    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.fixture(scope="module")
+def embedded(minilm):
+    return minilm.embed(SENTENCES, batch_size=4)
+
+
+def test_sentences_cover_lengths_up_to_max(minilm):
+    lengths = minilm.tokenize(SENTENCES).lengths
+    assert len(set(lengths.tolist())) == len(SENTENCES) >= 8
+    assert lengths.max() == minilm.config.max_seq_length == 256
+
+
+def test_shape_dtype_unit_rows(embedded):
+    assert embedded.shape == (len(SENTENCES), 384) and embedded.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(embedded, axis=1), 1.0, atol=1e-5)
+
+
+def test_matches_numpy_reference(minilm, weights64, embedded):
+    # Batched with padding and masking (batch_size=4 mixes lengths) against one unpadded sentence
+    # at a time in float64.
+    tokens = minilm.tokenize(SENTENCES)
+    for i, sentence in enumerate(SENTENCES):
+        n = tokens.lengths[i]
+        ref = reference.sentence_embedding(weights64, minilm.config, tokens.ids[i, :n], tokens.type_ids[i, :n])
+        cos = _cosine(embedded[i], ref)
+        assert cos >= 0.9999, (i, n, cos)
+        np.testing.assert_allclose(embedded[i], ref, atol=1e-5)  # measured: about 5e-8
+
+
+def test_padding_does_not_change_result(minilm, embedded):
+    # Each sentence alone (no padding) versus inside padded batches.
+    for i in (0, 4, 7):
+        alone = minilm.embed([SENTENCES[i]])[0]
+        np.testing.assert_allclose(alone, embedded[i], atol=2e-5)
+
+
+def test_batch_order_restored(minilm, embedded):
+    # Same sentences reversed, other batch split: the rows follow the input order.
+    rev = minilm.embed(SENTENCES[::-1], batch_size=3)[::-1]
+    np.testing.assert_allclose(rev, embedded, atol=2e-5)
+
+
+def test_similar_sentences_score_higher(embedded):
+    sim = embedded @ embedded.T
+    eating, bread, baby, horse = 1, 2, 3, 4
+    assert sim[eating, bread] > 0.5
+    assert sim[eating, bread] > sim[eating, baby] + 0.3
+    assert sim[eating, horse] > sim[baby, 6]  # two men-activities closer than baby vs physics
+    assert sim[eating, bread] > max(sim[bread, 6], sim[bread, 8])
+
+
+def test_small_random_bert_matches_reference(assets):
+    # Another shape through the same graph code: 2 layers, hidden 64, 4 heads, random weights.
+    from apir.models.assets import Assets
+    from apir.models.minilm import MiniLM
+
+    cfg = dataclasses.replace(assets.config, hidden_size=64, num_attention_heads=4, intermediate_size=96,
+                              num_hidden_layers=2, vocab_size=50, max_position_embeddings=40)
+    rng = np.random.default_rng(6)
+    shapes = {"embeddings.word_embeddings.weight": (50, 64), "embeddings.position_embeddings.weight": (40, 64),
+              "embeddings.token_type_embeddings.weight": (2, 64), "embeddings.LayerNorm.weight": (64,),
+              "embeddings.LayerNorm.bias": (64,)}
+    for i in range(2):
+        p = f"encoder.layer.{i}."
+        for name in ("query", "key", "value"):
+            shapes[p + f"attention.self.{name}.weight"] = (64, 64)
+            shapes[p + f"attention.self.{name}.bias"] = (64,)
+        shapes.update({p + "attention.output.dense.weight": (64, 64), p + "attention.output.dense.bias": (64,),
+                       p + "attention.output.LayerNorm.weight": (64,), p + "attention.output.LayerNorm.bias": (64,),
+                       p + "intermediate.dense.weight": (96, 64), p + "intermediate.dense.bias": (96,),
+                       p + "output.dense.weight": (64, 96), p + "output.dense.bias": (64,),
+                       p + "output.LayerNorm.weight": (64,), p + "output.LayerNorm.bias": (64,)})
+    w = {k: rng.normal(0, 0.5, s).astype(np.float32) for k, s in shapes.items()}
+    tiny = Assets(assets.path, cfg, assets.pooling, w, assets.tokenizer)
+    from apir.models.assets import TokenBatch
+
+    lengths = [40, 7, 1, 23]
+    ids = np.zeros((4, 40), np.int32)
+    type_ids = np.zeros((4, 40), np.int32)
+    mask = np.zeros((4, 40), np.int32)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = rng.integers(1, 50, n)
+        type_ids[i, :n] = rng.integers(0, 2, n)
+        mask[i, :n] = 1
+    with MiniLM(assets=tiny) as model:
+        got = model.embed_tokens(TokenBatch(ids, type_ids, mask))
+    w64 = {k: v.astype(np.float64) for k, v in w.items()}
+    for i, n in enumerate(lengths):
+        ref = reference.sentence_embedding(w64, cfg, ids[i, :n], type_ids[i, :n])
+        assert _cosine(got[i], ref) >= 0.9999, (i, n)
+        np.testing.assert_allclose(got[i], ref, atol=1e-4)
+
+
+def test_upload_progress_reaches_total(assets):
+    from apir.models.minilm import MiniLM
+
+    calls = []
+    with MiniLM(assets=assets, progress=lambda done, total: calls.append((done, total))) as model:
+        assert model.upload_bytes == assets.n_weight_bytes > 80e6
+    assert calls[0] == (0, assets.n_weight_bytes) and calls[-1] == (assets.n_weight_bytes,) * 2
+    dones = [d for d, _ in calls]
+    assert dones == sorted(dones) and len(calls) > 20
+
+
+def test_module_embed_on_given_backend(ggml, minilm):
+    # The backend and buffer type are parameters: an explicitly created CPU backend.
+    from apir.models.minilm import MiniLM
+
+    backend = ggml.ggml_backend_cpu_init()
+    try:
+        buft = ggml.ggml_backend_get_default_buffer_type(backend)
+        with MiniLM(backend=backend, buft=buft, assets=minilm.assets) as model:
+            got = model.embed(SENTENCES[:3])
+        assert ggml.ggml_backend_name(backend) == b"CPU"
+    finally:
+        ggml.ggml_backend_free(backend)
+    np.testing.assert_allclose(got, minilm.embed(SENTENCES[:3]), atol=1e-6)
+
+
+def test_too_long_batch_rejected(minilm):
+    from apir.models.assets import TokenBatch
+
+    n = minilm.config.max_position_embeddings + 1
+    ones = np.ones((1, n), np.int32)
+    with pytest.raises(ValueError):
+        minilm.embed_tokens(TokenBatch(ones * 101, ones * 0, ones))
