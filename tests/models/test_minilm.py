@@ -103,3 +103,25 @@ def test_module_embed_on_given_backend(ggml, minilm):
     finally:
         ggml.ggml_backend_free(backend)
     np.testing.assert_allclose(got, minilm.embed(SENTENCES[:3]), atol=1e-6)
+
+
+def test_cpu_result_independent_of_thread_count(minilm):
+    # Precondition for "remote equals local byte for byte": the host's ggml CPU may use another
+    # thread count than this process.
+    from apir.models.minilm import MiniLM
+
+    with MiniLM(assets=minilm.assets, n_threads=1) as one:
+        got = one.embed(SENTENCES[:6], batch_size=3)
+    assert np.array_equal(got, minilm.embed(SENTENCES[:6], batch_size=3))
+
+
+def test_remote_equals_local_byte_for_byte(minilm, embedded):
+    from apir.models.backends import BackendUnavailable, open_backend
+    from apir.models.minilm import MiniLM
+
+    try:
+        opened = open_backend(allow_fallback=False)  # the embedded APIR host
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+    with opened, MiniLM(opened.backend, opened.buft, assets=minilm.assets) as remote:
+        assert np.array_equal(remote.embed(SENTENCES, batch_size=4), embedded)
