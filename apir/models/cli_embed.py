@@ -20,8 +20,6 @@ import sys
 import time
 from typing import List, Optional
 
-import numpy as np
-
 __all__ = ["add_parser", "run", "main", "DEFAULT_SHOWN"]
 
 DEFAULT_SHOWN = 8  # values of each embedding printed in text mode

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from apir.models.minilm import MiniLM
 from tests.models import reference
 
 LONG = " ".join(
@@ -66,22 +67,19 @@ def test_padding_does_not_change_result(minilm, embedded):
 
 def test_batch_order_restored(minilm, embedded):
     # Same sentences reversed, other batch split: the rows follow the input order.
-    rev = minilm.embed(SENTENCES[::-1], batch_size=3)[::-1]
-    np.testing.assert_allclose(rev, embedded, atol=2e-5)
+    rev = minilm.embed(SENTENCES[-2::-1], batch_size=3)[::-1]  # the 256-token one left out: time
+    np.testing.assert_allclose(rev, embedded[:-1], atol=2e-5)
 
 
 def test_similar_sentences_score_higher(embedded):
     sim = embedded @ embedded.T
-    eating, bread, baby, horse = 1, 2, 3, 4
-    assert sim[eating, bread] > 0.5
-    assert sim[eating, bread] > sim[eating, baby] + 0.3
-    assert sim[eating, horse] > sim[baby, 6]  # two men-activities closer than baby vs physics
-    assert sim[eating, bread] > max(sim[bread, 6], sim[bread, 8])
+    eating, bread, baby, horse, physics, committee = 1, 2, 3, 4, 6, 8
+    assert sim[eating, bread] > 0.5  # a paraphrase pair
+    assert sim[eating, bread] > max(sim[eating, baby], sim[bread, physics], sim[bread, committee]) + 0.3
+    assert sim[eating, horse] > sim[baby, physics]  # two men doing things vs. unrelated topics
 
 
 def test_upload_progress_reaches_total(assets):
-    from apir.models.minilm import MiniLM
-
     calls = []
     with MiniLM(assets=assets, progress=lambda done, total: calls.append((done, total))) as model:
         assert model.upload_bytes == assets.n_weight_bytes > 80e6
@@ -92,9 +90,8 @@ def test_upload_progress_reaches_total(assets):
 
 def test_module_embed_on_given_backend(ggml, minilm):
     # The backend and buffer type are parameters: an explicitly created CPU backend.
-    from apir.models.minilm import MiniLM
-
     backend = ggml.ggml_backend_cpu_init()
+    ggml.ggml_backend_cpu_set_n_threads(backend, 1)
     try:
         buft = ggml.ggml_backend_get_default_buffer_type(backend)
         with MiniLM(backend=backend, buft=buft, assets=minilm.assets) as model:
@@ -108,8 +105,6 @@ def test_module_embed_on_given_backend(ggml, minilm):
 def test_cpu_result_independent_of_thread_count(minilm):
     # Precondition for "remote equals local byte for byte": the host's ggml CPU may use another
     # thread count than this process.
-    from apir.models.minilm import MiniLM
-
     with MiniLM(assets=minilm.assets, n_threads=1) as one:
         got = one.embed(SENTENCES[:6], batch_size=3)
     assert np.array_equal(got, minilm.embed(SENTENCES[:6], batch_size=3))
@@ -117,8 +112,6 @@ def test_cpu_result_independent_of_thread_count(minilm):
 
 def test_remote_equals_local_byte_for_byte(minilm, embedded):
     from apir.models.backends import BackendUnavailable, open_backend
-    from apir.models.minilm import MiniLM
-
     try:
         opened = open_backend(allow_fallback=False)  # the embedded APIR host
     except BackendUnavailable as exc:
