@@ -133,10 +133,11 @@ class MiniLM:
 
     def embed_tokens(self, batch: TokenBatch) -> np.ndarray:
         """Embeddings (n_sentences, hidden) float32 of one padded batch, in one graph compute.
-        Raises MiniLMError, ValueError (a batch longer than the position table)."""
+        Raises MiniLMError, ValueError (a batch longer than the position table, an empty row)."""
         g = self.g
         B, T = batch.ids.shape
-        timing = {}
+        if (batch.lengths < 1).any():
+            raise ValueError("every sentence of a batch needs at least one unmasked token")
         t0 = time.perf_counter()
         ctx = g.ggml_init(InitParams(g.ggml_tensor_overhead() * GRAPH_SIZE
                                      + g.ggml_graph_overhead_custom(GRAPH_SIZE, False), None, True))

@@ -118,3 +118,12 @@ def test_remote_equals_local_byte_for_byte(minilm, embedded):
         pytest.skip(str(exc))
     with opened, MiniLM(opened.backend, opened.buft, assets=minilm.assets) as remote:
         assert np.array_equal(remote.embed(SENTENCES, batch_size=4), embedded)
+
+
+def test_empty_row_rejected(minilm):
+    from apir.models.assets import TokenBatch
+
+    ids = np.array([[101, 102], [0, 0]], np.int32)
+    mask = np.array([[1, 1], [0, 0]], np.int32)
+    with pytest.raises(ValueError):
+        minilm.embed_tokens(TokenBatch(ids, ids * 0, mask))
