@@ -12,7 +12,8 @@ so the host decodes straight out of a guest's shared memory. No I/O happens here
 Errors: a decoder that would read past its end sets `fatal`, returns zeros and does not
 move (the C `apir_decoder_peek_internal`); it never raises and never reads out of bounds,
 so a handler can decode everything and check `fatal` once. An encoder that would write
-past its end sets `fatal` and writes nothing (the C asserts instead); `check()` raises.
+past its end sets `fatal` and from then on writes nothing (the C asserts instead), so what
+it wrote is always a prefix of the intended message; `check()` raises.
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ class Encoder:
         `fatal` set. For values the caller fills in place (tensor data, graphs)."""
         padded = align4(size)
         pos = self.pos
-        if size < 0 or padded > self.end - pos:
+        if self.fatal or size < 0 or padded > self.end - pos:
             self.fatal = True
             return -1
         self.pos = pos + padded
@@ -232,7 +233,7 @@ class Encoder:
     # --- scalars -------------------------------------------------------------------------
     def _pack(self, st: struct.Struct, value) -> None:
         pos = self.pos
-        if st.size > self.end - pos:
+        if self.fatal or st.size > self.end - pos:
             self.fatal = True
             return
         st.pack_into(self.buf, pos, value)

@@ -148,6 +148,20 @@ static uint64_t pack8(const void * p, size_t n) {
     return v;
 }
 
+// A decoded C string as its user sees it: the bytes up to the first NUL.
+static uint64_t pack_cstr(char * s, size_t n) {
+    size_t len = strnlen(s, n);
+    memset(s + len, 0, n - len);
+    return pack8(s, n);
+}
+
+// The byte a bool was decoded into (values other than 0/1 are what the sender wrote).
+static uint64_t bool_byte(const bool * b) {
+    uint8_t v;
+    memcpy(&v, b, 1);
+    return v != 0;
+}
+
 // Decodes what ref_encode_all wrote (from buf[0:size], possibly truncated) into out[]
 // (one u64 per value, array elements each their own); returns the fatal flag.
 int ref_decode_all(const uint8_t * buf, size_t size, uint64_t * out) {
@@ -184,12 +198,12 @@ int ref_decode_all(const uint8_t * buf, size_t size, uint64_t * out) {
     out[n++] = pack8(blob, 5);
     char chars[6];
     apir_decode_char_array(&dec, chars, 6);
-    out[n++] = pack8(chars, 6);
+    out[n++] = pack_cstr(chars, 6);
     bool b1, b2;
     apir_decode_bool_t(&dec, &b1);
     apir_decode_bool_t(&dec, &b2);
-    out[n++] = b1;
-    out[n++] = b2;
+    out[n++] = bool_byte(&b1);
+    out[n++] = bool_byte(&b2);
     apir_buffer_type_host_handle_t buft;
     apir_decode_apir_buffer_type_host_handle_t(&dec, &buft);
     out[n++] = buft;
@@ -212,7 +226,7 @@ int ref_decode_all(const uint8_t * buf, size_t size, uint64_t * out) {
     if (str_size <= sizeof(str)) {
         apir_decode_char_array(&dec, str, str_size);
     }
-    out[n++] = pack8(str, 8);
+    out[n++] = pack_cstr(str, 8);
     const apir_rpc_tensor * rec = apir_decode_apir_rpc_tensor_inplace(&dec);
     out[n++] = rec ? rec->id : 0;
     return apir_decoder_get_fatal(&dec);

@@ -1,0 +1,102 @@
+"""apir.codec._kernels: each jitted kernel against its plain-Python twin (`.py_func`)."""
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from apir.codec import _kernels as K
+from apir.codec.graph import _layout, _rpc_layout, parse_graph, serialize_graph
+from tests.codec.graphs import build_graph
+
+
+@pytest.fixture(scope="module")
+def small(ggml):
+    bg = build_graph(ggml, 2)
+    yield bg
+    bg.free(ggml)
+
+
+def test_raw_loads_and_stores_jit_vs_python():
+    @K.jit
+    def probe(addr):  # every load/store at an unaligned address
+        K.store_i64(addr + 1, -2)
+        K.store_u32(addr + 9, 0x1_FFFF_FFFE)  # truncated to u32
+        K.store_u8(addr + 13, 0x1AB)  # truncated to u8
+        return K.load_i64(addr + 1), K.load_u32(addr + 9), K.load_i32(addr + 9), K.load_u8(addr + 13)
+
+    for fn in (probe, probe.py_func):
+        buf = ctypes.create_string_buffer(16)
+        assert fn(ctypes.addressof(buf)) == (-2, 0xFFFF_FFFE, -2, 0xAB)
+        assert buf.raw == b"\0" + b"\xfe" + b"\xff" * 7 + b"\xfe\xff\xff\xff" + b"\xab\0\0"
+
+
+def test_memmove_kernel_vs_python():
+    for fn in (K.memmove_kernel, K.memmove_kernel.py_func):
+        a = np.arange(100, dtype=np.uint8)
+        fn(a.ctypes.data + 3, a.ctypes.data, 50)
+        assert list(a[3:53]) == list(range(50)) and list(a[:3]) == [0, 1, 2]
+
+
+def test_serialize_graph_kernel_vs_python(ggml, small):
+    jit = serialize_graph(ggml, small.cgraph, small.buffers)
+    py = serialize_graph(ggml, small.cgraph, small.buffers, _kernel=K.serialize_graph_kernel.py_func)
+    assert jit.tobytes() == py.tobytes()
+
+
+def test_serialize_tensor_kernel_vs_python(ggml, small):
+    from apir.codec.graph import rpc_tensor_from_ggml
+
+    for t in small.tensors[:12]:
+        a = rpc_tensor_from_ggml(ggml, t, small.buffers)
+        b = rpc_tensor_from_ggml(ggml, t, small.buffers, _kernel=K.serialize_tensor_kernel.py_func)
+        assert a.tobytes() == b.tobytes()
+
+
+def test_serialize_graph_kernel_reports_small_work_arrays(ggml, small):
+    tl, rl, lim, rpc = _layout(ggml.tensor_dtype, ggml.limits)
+    n = ggml.ggml_graph_n_nodes(small.cgraph)
+    nodes = ggml.ggml_graph_nodes(small.cgraph)
+    ptrs, handles, bases = small.buffers.arrays()
+    info = np.zeros(4, np.int64)
+    for fn in (K.serialize_graph_kernel, K.serialize_graph_kernel.py_func):
+        def run(out_size, set_cap):
+            out = np.empty(out_size, np.uint8)
+            return fn(nodes, n, tl, rl, lim, ptrs, handles, bases, out.ctypes.data, out_size,
+                      np.zeros(set_cap, np.int64), np.empty(set_cap, np.int64), np.empty(set_cap, np.int64), info)
+        assert run(8 + 8 * n + 304 * 3, 1024) == K.SER_OUT_FULL
+        assert run(4, 1024) == K.SER_OUT_FULL
+        assert run(1 << 20, 16) == K.SER_SET_FULL
+        assert run(1 << 20, 1024) > 0
+
+
+def parse_both(ggml, raw, type_valid):
+    out = []
+    for kernel in (None, K.parse_graph_kernel.py_func):
+        try:
+            p = parse_graph(raw, op_count=ggml.op_count, type_valid=type_valid, _kernel=kernel)
+            out.append((p.order.tolist(), p.node_index.tolist(), p.src_index.tolist(), p.view_src_index.tolist()))
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_parse_graph_kernel_vs_python(ggml, small):
+    valid = np.zeros(ggml.type_count, bool)
+    valid[list(ggml.type_names)] = True
+    raw = serialize_graph(ggml, small.cgraph, small.buffers).tobytes()
+    n = int.from_bytes(raw[:4], "little")
+    rpc = _rpc_layout(ggml.limits)[2]
+    rng = np.random.default_rng(7)
+    cases = [raw]
+    for _ in range(12):  # ids, types, ops, names, src slots of random tensors scribbled on
+        data = bytearray(raw)
+        k = int(rng.integers(0, (len(raw) - 8 - 8 * n) // rpc.itemsize))
+        field = ["id", "type", "op", "name", "src", "view_src"][int(rng.integers(0, 6))]
+        off = 8 + 8 * n + rpc.itemsize * k + rpc.fields[field][1] + int(rng.integers(0, 4))
+        data[off] ^= 1 << int(rng.integers(0, 8))
+        cases.append(bytes(data))
+    results = [parse_both(ggml, c, valid) for c in cases]
+    assert all(a == b for a, b in results)
+    assert isinstance(results[0][0], tuple)  # the unmutated graph parses
+    assert any(isinstance(r[0], str) for r in results)  # and some mutations are caught
