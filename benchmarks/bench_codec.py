@@ -1,0 +1,93 @@
+"""Codec speed against the C, measured in the same run (no assertions; numbers printed).
+
+1. Serializing a 10,000-node ggml graph: apir's `serialize_graph` (Numba kernel over ggml's
+   structs) against ggml-virtgpu's C++ `apir_serialize_graph` (built here from the C
+   reference, timed in C so no ctypes overhead is charged to it). Target: ours <= 1.0x the C.
+2. Copying 256 MiB with `copy_bytes` against a plain memcpy (`ctypes.memmove`) of the same
+   bytes. Target: >= 80% of memcpy's throughput.
+3. Parsing (validating) the serialized graph on the host, for reference (no C twin: the C
+   host does not validate).
+
+Run: APIR_CREF_CACHE=<cache> python benchmarks/bench_codec.py  (builds the C reference on
+first use, about 2 minutes; the C harness in about 3 s).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import apir.ggml  # noqa: E402
+from apir.codec.copy import copy_bytes  # noqa: E402
+from apir.codec.graph import parse_graph, serialize_graph  # noqa: E402
+from tests import cref  # noqa: E402
+from tests.codec import cbuild  # noqa: E402
+from tests.codec.graphs import build_graph  # noqa: E402
+
+
+def best_of(fn, reps: int, rounds: int = 5) -> float:
+    """Best mean seconds per call over `rounds` rounds of `reps` calls."""
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def bench_graph(g, ref) -> None:
+    bg = build_graph(g, 500, ref.ref_new_buffer, graph_size=16384)
+    try:
+        n_nodes = g.ggml_graph_n_nodes(bg.cgraph)
+        out = serialize_graph(g, bg.cgraph, bg.buffers)  # compiles / loads the cache
+        n_tensors = (len(out) - 8 - 8 * n_nodes) // 304
+        reps = 20
+        ours = best_of(lambda: serialize_graph(g, bg.cgraph, bg.buffers), reps)
+        theirs = min(ref.ref_time_serialize_graph(bg.cgraph, reps) for _ in range(5)) * 1e-9
+        print(f"serialize graph: {n_nodes} nodes, {n_tensors} tensors, {len(out) / 1e6:.2f} MB")
+        print(f"  apir serialize_graph      {ours * 1e3:8.3f} ms/graph  {ours * 1e9 / n_nodes:6.1f} ns/node")
+        print(f"  C++ apir_serialize_graph  {theirs * 1e3:8.3f} ms/graph  {theirs * 1e9 / n_nodes:6.1f} ns/node")
+        print(f"  ratio ours/C              {ours / theirs:8.2f}x   (target <= 1.0x)")
+        valid = np.zeros(g.type_count, bool)
+        valid[list(g.type_names)] = True
+        data = out.tobytes()
+        parse = best_of(lambda: parse_graph(data, op_count=g.op_count, type_valid=valid, limits=g.limits), reps)
+        print(f"  apir parse_graph (host)   {parse * 1e3:8.3f} ms/graph  {parse * 1e9 / n_nodes:6.1f} ns/node")
+    finally:
+        bg.free(g)
+
+
+def bench_copy() -> None:
+    size = 256 << 20
+    src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    dst = np.zeros(size, np.uint8)
+    copy_bytes(dst, src)  # compile, and fault the pages in
+    ctypes.memmove(dst.ctypes.data, src.ctypes.data, size)
+    s_addr, d_addr = src.ctypes.data, dst.ctypes.data
+    ours = best_of(lambda: copy_bytes(dst, src), 3)
+    plain = best_of(lambda: ctypes.memmove(d_addr, s_addr, size), 3)
+    assert (dst[:: 1 << 20] == src[:: 1 << 20]).all()
+    print(f"bulk copy: {size >> 20} MiB numpy -> numpy")
+    print(f"  apir copy_bytes           {ours * 1e3:8.2f} ms  {size / ours / 1e9:6.2f} GB/s")
+    print(f"  memcpy (ctypes.memmove)   {plain * 1e3:8.2f} ms  {size / plain / 1e9:6.2f} GB/s")
+    print(f"  ours / memcpy throughput  {plain / ours * 100:7.1f}%   (target >= 80%)")
+
+
+def main() -> None:
+    g = apir.ggml.load()
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = cbuild.load(cbuild.build(cref.build("0.20"), Path(tmp)))
+        bench_graph(g, ref)
+    bench_copy()
+
+
+if __name__ == "__main__":
+    main()
