@@ -35,7 +35,7 @@ from apir.codec import _kernels as K
 from apir.codec.records import GGML_0_20_LIMITS, GgmlLimits, rpc_tensor_dtype
 
 __all__ = ["BufferTable", "GraphError", "ParsedGraph", "serialize_graph", "parse_graph",
-           "rpc_tensor_from_ggml", "graph_size"]
+           "rpc_tensor_from_ggml", "graph_size", "type_valid_table"]
 
 _U32 = struct.Struct("<I")
 
@@ -191,6 +191,14 @@ def rpc_tensor_from_ggml(g, tensor_addr: int, buffers: BufferTable, *, _kernel=N
 def graph_size(n_nodes: int, n_tensors: int, limits: GgmlLimits = GGML_0_20_LIMITS) -> int:
     """Bytes of a serialized graph with these counts."""
     return 8 + 8 * n_nodes + rpc_tensor_dtype(limits).itemsize * n_tensors
+
+
+def type_valid_table(g) -> np.ndarray:
+    """bool[GGML_TYPE_COUNT] of the loaded ggml `g`: True for the types it has (removed
+    types are holes in the enum). The `type_valid` argument of `parse_graph`."""
+    valid = np.zeros(g.type_count, dtype=np.bool_)
+    valid[list(g.type_names)] = True
+    return valid
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from apir.codec.graph import BufferTable, GraphError, parse_graph, rpc_tensor_from_ggml, serialize_graph
+from apir.codec.graph import (BufferTable, GraphError, parse_graph, rpc_tensor_from_ggml, serialize_graph,
+                              type_valid_table)
 from apir.codec.records import rpc_tensor_dtype
 from apir.ggml import InitParams
 from apir.ggml.layout import tensor_record
@@ -39,8 +40,8 @@ def rpc(ggml):
 
 @pytest.fixture(scope="module")
 def type_valid(ggml):
-    valid = np.zeros(ggml.type_count, dtype=bool)
-    valid[list(ggml.type_names)] = True
+    valid = type_valid_table(ggml)
+    assert valid[ggml.types["F32"]] and valid[ggml.types["Q4_0"]] and not valid[4]  # 4, 5: removed Q4_2/Q4_3
     return valid
 
 
