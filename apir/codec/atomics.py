@@ -1,0 +1,172 @@
+"""Acquire loads and release stores of a u32 in shared memory (the reply notification word).
+
+Theory of operation: the guest zeroes the first u32 of its reply blob, sends a command, and
+waits until the host stores a non-zero value there after writing the reply (the C uses
+`std::atomic_thread_fence` + `std::atomic<uint32_t>` on the mapped word, virtgpu.cpp /
+`apir_backend_...` reply notification). The reply bytes must be visible to the guest once it
+sees the word, which needs a *release* store on the writer's side and an *acquire* load on
+the reader's. On x86-64 a plain aligned load/store already has these semantics, but on ARM64
+it does not: a plain read may see the word before the reply bytes. So these are real atomics:
+a Numba intrinsic emits LLVM `load atomic i32 ... acquire, align 4` and
+`store atomic i32 ... release, align 4` (ldar/stlr on ARM64).
+
+Every function takes any writable buffer (mmap, bytearray, numpy array) and a byte offset;
+the word must be 4-byte aligned in memory. Values are in the machine's byte order (guest and
+host share one machine; every platform apir supports is little-endian, as the wire is).
+The jitted functions run with the GIL released, so an embedded host serving from another
+thread of the same process keeps running while the guest spins.
+
+`spin_until_nonzero_u32` does a bounded number of acquire loads in one call, so a waiter
+spins without returning to Python for every load.
+
+Each public function has a plain-Python twin (`*_py`) that tests compare against; the twins
+are not atomic and are not used for real waits.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+__all__ = [
+    "load_acquire_u32",
+    "store_release_u32",
+    "spin_until_nonzero_u32",
+    "as_word_array",
+    "load_acquire_u32_py",
+    "store_release_u32_py",
+    "spin_until_nonzero_u32_py",
+]
+
+_U32 = struct.Struct("=I")
+
+# Intrinsics and the functions using them live in one file: Numba's on-disk cache of a
+# function is invalidated only by changes to its own file (see docs numba-notes).
+_jit = njit(cache=True, nogil=True)
+
+
+def _word_pointer(context, builder, arrty, arr, offset):
+    """An `i32*` to byte `offset` of a 1-d uint8 array's data."""
+    ary = context.make_array(arrty)(context, builder, arr)
+    byte_ptr = builder.gep(builder.bitcast(ary.data, ir.IntType(8).as_pointer()), [offset])
+    return builder.bitcast(byte_ptr, ir.IntType(32).as_pointer())
+
+
+@intrinsic
+def _load_acquire_intrinsic(typingctx, arr, offset):
+    sig = types.uint32(arr, types.intp)
+
+    def codegen(context, builder, signature, args):
+        offset = context.cast(builder, args[1], signature.args[1], types.intp)
+        ptr = _word_pointer(context, builder, signature.args[0], args[0], offset)
+        return builder.load_atomic(ptr, "acquire", 4)
+
+    return sig, codegen
+
+
+@intrinsic
+def _store_release_intrinsic(typingctx, arr, offset, value):
+    sig = types.void(arr, types.intp, types.uint32)
+
+    def codegen(context, builder, signature, args):
+        offset = context.cast(builder, args[1], signature.args[1], types.intp)
+        value = context.cast(builder, args[2], signature.args[2], types.uint32)
+        ptr = _word_pointer(context, builder, signature.args[0], args[0], offset)
+        builder.store_atomic(value, ptr, "release", 4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_jit
+def _load_acquire(arr, offset):
+    return _load_acquire_intrinsic(arr, offset)
+
+
+@_jit
+def _store_release(arr, offset, value):
+    _store_release_intrinsic(arr, offset, np.uint32(value))
+
+
+@_jit
+def _spin_until_nonzero(arr, offset, spins):
+    value = np.uint32(0)
+    for _ in range(spins):
+        value = _load_acquire_intrinsic(arr, offset)
+        if value != 0:
+            break
+    return value
+
+
+def as_word_array(buf) -> np.ndarray:
+    """A writable 1-d uint8 numpy view of `buf` (mmap, bytearray, numpy array, memoryview).
+
+    Callers that touch the same word many times make this view once and pass it instead of
+    the buffer, to skip the per-call conversion. The view holds a buffer export: an mmap
+    cannot be closed while it lives. Raises ValueError for a read-only buffer.
+    """
+    if isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1:
+        arr = buf
+    else:
+        arr = np.frombuffer(buf, dtype=np.uint8)
+    if not arr.flags.writeable:
+        raise ValueError("atomic u32 access needs a writable buffer")
+    if not arr.flags.c_contiguous:
+        raise ValueError("atomic u32 access needs a contiguous buffer")
+    return arr
+
+
+def _checked(buf, offset: int) -> np.ndarray:
+    arr = as_word_array(buf)
+    if offset < 0 or offset + 4 > arr.size:
+        raise ValueError(f"u32 at offset {offset} outside a {arr.size}-byte buffer")
+    if (arr.ctypes.data + offset) % 4:
+        raise ValueError(f"u32 at offset {offset} is not 4-byte aligned in memory")
+    return arr
+
+
+def load_acquire_u32(buf, offset: int) -> int:
+    """The u32 at byte `offset` of `buf`, loaded with acquire ordering.
+
+    Raises ValueError when the word is out of bounds, misaligned or `buf` is read-only."""
+    return int(_load_acquire(_checked(buf, offset), offset))
+
+
+def store_release_u32(buf, offset: int, value: int) -> None:
+    """Stores `value` (0 .. 2**32-1) as the u32 at byte `offset` of `buf` with release
+    ordering: every earlier write of this thread is visible to an acquire load that sees it.
+
+    Raises ValueError like `load_acquire_u32`, or when `value` does not fit in a u32."""
+    if not 0 <= value <= 0xFFFFFFFF:
+        raise ValueError(f"{value} does not fit in a u32")
+    _store_release(_checked(buf, offset), offset, value)
+
+
+def spin_until_nonzero_u32(buf, offset: int, spins: int) -> int:
+    """Up to `spins` acquire loads of the u32 at `offset`; the first non-zero value, or 0.
+
+    Runs without the GIL. Raises ValueError like `load_acquire_u32`."""
+    return int(_spin_until_nonzero(_checked(buf, offset), offset, max(int(spins), 1)))
+
+
+# --- plain-Python twins (not atomic; for tests) -------------------------------------------
+def load_acquire_u32_py(buf, offset: int) -> int:
+    return _U32.unpack_from(_checked(buf, offset), offset)[0]
+
+
+def store_release_u32_py(buf, offset: int, value: int) -> None:
+    if not 0 <= value <= 0xFFFFFFFF:
+        raise ValueError(f"{value} does not fit in a u32")
+    _U32.pack_into(_checked(buf, offset), offset, value)
+
+
+def spin_until_nonzero_u32_py(buf, offset: int, spins: int) -> int:
+    for _ in range(max(int(spins), 1)):
+        value = load_acquire_u32_py(buf, offset)
+        if value:
+            return value
+    return 0
