@@ -1,0 +1,84 @@
+"""The guest's transport seam: the virtgpu device interface and its shared-memory blobs.
+
+Theory of operation: everything the guest needs from virtio-gpu is seven calls, named after
+the DRM ioctls they stand for (GETPARAM, GET_CAPS, CONTEXT_INIT, RESOURCE_CREATE_BLOB + MAP,
+GEM_CLOSE, EXECBUFFER) plus close. `DrmDevice` (apir.guest.drm) does them with a real
+`/dev/dri/renderD*`; other transports (a host process over a socket, a host in this
+process) implement the same `VirtgpuDevice` protocol, and nothing above this seam (remote
+call, client, ggml backend) knows which one it has.
+
+A `Blob` is one host-visible, guest-mappable resource: the host knows it by `res_id`, the
+guest's kernel by `bo_handle`, and the guest reads and writes it through `memory`, a mapped
+writable buffer (an mmap) of `size` bytes. Sizes are rounded up to `BLOB_ALIGNMENT` (16 KiB)
+by `blob_size`, as the C `virtgpu_shmem_create` does, before they reach `create_blob`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["Blob", "VirtgpuDevice", "BLOB_ALIGNMENT", "blob_size"]
+
+BLOB_ALIGNMENT = 16384  # virtgpu-shm.cpp: align64(size, 16384)
+
+
+def blob_size(size: int) -> int:
+    """`size` rounded up to a multiple of 16 KiB (at least 16 KiB). Raises ValueError for a
+    negative size."""
+    if size < 0:
+        raise ValueError(f"negative blob size {size}")
+    return max(BLOB_ALIGNMENT, (size + BLOB_ALIGNMENT - 1) // BLOB_ALIGNMENT * BLOB_ALIGNMENT)
+
+
+@dataclass
+class Blob:
+    """A mapped blob resource (`struct virtgpu_shmem`).
+
+    `res_id`: the resource id the host sees (commands carry it); `bo_handle`: the guest
+    kernel's GEM handle; `size`: bytes mapped; `memory`: the mapping, a writable buffer
+    (mmap for DRM) valid until `destroy_blob`."""
+
+    res_id: int
+    bo_handle: int
+    size: int
+    memory: Any
+
+
+@runtime_checkable
+class VirtgpuDevice(Protocol):
+    """What the guest needs from a virtio-gpu device (docs/design.md, "Guest seam").
+
+    Every method raises `apir.guest.errors.DeviceError` (or a subclass) on failure."""
+
+    def get_param(self, param: int) -> int:
+        """DRM_IOCTL_VIRTGPU_GETPARAM: the value of `VIRTGPU_PARAM_*` `param` (0 when the
+        device does not know it)."""
+        ...
+
+    def get_caps(self, capset_id: int, size: int) -> bytes:
+        """DRM_IOCTL_VIRTGPU_GET_CAPS: up to `size` bytes of capset `capset_id`, version 0."""
+        ...
+
+    def context_init(self, capset_id: int, num_rings: int = 1) -> None:
+        """DRM_IOCTL_VIRTGPU_CONTEXT_INIT with this capset, `num_rings` rings and no fence
+        events (POLL_RINGS_MASK 0). Once per device."""
+        ...
+
+    def create_blob(self, size: int) -> Blob:
+        """DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB (HOST3D, MAPPABLE) of `size` bytes, then
+        MAP + mmap. `size` should already be rounded by `blob_size`."""
+        ...
+
+    def destroy_blob(self, blob: Blob) -> None:
+        """Unmaps the blob and closes its GEM handle (the host then drops the resource)."""
+        ...
+
+    def execbuffer(self, payload, ring_idx: int = 0) -> None:
+        """DRM_IOCTL_VIRTGPU_EXECBUFFER: submits the bytes of `payload` (any bytes-like) to
+        the host on ring `ring_idx`. Returns once submitted; replies come through a blob."""
+        ...
+
+    def close(self) -> None:
+        """Releases the device (remaining blobs are released with it)."""
+        ...
