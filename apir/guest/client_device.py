@@ -1,0 +1,103 @@
+"""The device group of backend functions (the C guest's virtgpu-forward-device.cpp).
+
+Each method is one Forward; reply layouts are the C's: counts i32, type u32, sizes and
+handles u64, booleans one u32 slot each, strings u64 size (NUL included) + bytes.
+`device_get_props` reads 4 booleans from an APIR 0.1 host and 5 from 0.2 (mmap_support).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from apir.codec.constants import APIR_PROTOCOL_0_2, ApirBackendCommandType as F
+from apir.guest.client_tensor import encode_ggml_tensor_inline
+from apir.guest.device import Blob, blob_size
+
+__all__ = ["DeviceProps", "DeviceCalls"]
+
+
+@dataclass(frozen=True)
+class DeviceProps:
+    """`ggml_backend_dev_caps` as device_get_props returns it; `mmap_support` is None from
+    an APIR 0.1 host, which does not send it."""
+
+    async_: bool
+    host_buffer: bool
+    buffer_from_host_ptr: bool
+    events: bool
+    mmap_support: Optional[bool]
+
+
+class DeviceCalls:
+    """Mixed into ApirClient, which provides `_forward`, `remote`, `host_version`."""
+
+    def device_get_device_count(self) -> int:
+        """The backend registry's device count (function 0, which the C guest never calls)."""
+        return self._forward(F.DEVICE_GET_DEVICE_COUNT, None, lambda dec: dec.i32())
+
+    def device_get_count(self) -> int:
+        """`apir_device_get_count`: i32."""
+        return self._forward(F.DEVICE_GET_COUNT, None, lambda dec: dec.i32())
+
+    def device_get_name(self) -> str:
+        """`apir_device_get_name`."""
+        return self._forward(F.DEVICE_GET_NAME, None, lambda dec: dec.string())
+
+    def device_get_description(self) -> str:
+        """`apir_device_get_description`."""
+        return self._forward(F.DEVICE_GET_DESCRIPTION, None, lambda dec: dec.string())
+
+    def device_get_type(self) -> int:
+        """`apir_device_get_type`: an `enum ggml_backend_dev_type` value."""
+        return self._forward(F.DEVICE_GET_TYPE, None, lambda dec: dec.u32())
+
+    def device_get_memory(self) -> Tuple[int, int]:
+        """`apir_device_get_memory`: (free, total) in bytes."""
+        return self._forward(F.DEVICE_GET_MEMORY, None, lambda dec: (dec.size_t(), dec.size_t()))
+
+    def device_supports_op(self, tensor_addr: int, buffer_handle: int = 0) -> bool:
+        """`apir_device_supports_op`: whether the host device runs the op of the ggml_tensor
+        at `tensor_addr` (sent inline with its view_src and srcs; `buffer_handle` is its
+        buffer's host handle, if it has a buffer). Raises ValueError (see client_tensor)."""
+        dtype = self.tensor_dtype
+        return self._forward(F.DEVICE_SUPPORTS_OP,
+                             lambda enc: encode_ggml_tensor_inline(enc, tensor_addr, buffer_handle, dtype),
+                             lambda dec: dec.bool())
+
+    def device_get_buffer_type(self) -> int:
+        """`apir_device_get_buffer_type`: the host handle of the device's buffer type."""
+        return self._forward(F.DEVICE_GET_BUFFER_TYPE, None, lambda dec: dec.handle())
+
+    def device_get_props(self) -> DeviceProps:
+        """`apir_device_get_props`: 4 booleans (APIR 0.1 host) or 5 (0.2)."""
+        five = self.host_version >= APIR_PROTOCOL_0_2
+
+        def decode(dec):
+            flags = [dec.bool() for _ in range(4)]
+            return DeviceProps(*flags, mmap_support=dec.bool() if five else None)
+
+        return self._forward(F.DEVICE_GET_PROPS, None, decode)
+
+    def device_buffer_from_ptr(self, size: int, max_tensor_size: int) -> Tuple[Blob, int, int]:
+        """`apir_device_buffer_from_ptr`: a new shared blob of `size` bytes (rounded up to
+        16 KiB) that the host wraps in a buffer of its device. Returns (blob, buffer host
+        handle, buffer type host handle); release the blob with `destroy_blob` after
+        `buffer_free_buffer`. The blob is destroyed if the call fails."""
+        blob = self.remote.device.create_blob(blob_size(size))
+
+        def encode(enc):
+            enc.u32(blob.res_id)
+            enc.size_t(size)
+            enc.size_t(max_tensor_size)
+
+        try:
+            buffer, buft = self._forward(F.DEVICE_BUFFER_FROM_PTR, encode, lambda dec: (dec.handle(), dec.handle()))
+        except BaseException:
+            self.remote.device.destroy_blob(blob)
+            raise
+        return blob, buffer, buft
+
+    def destroy_blob(self, blob: Blob) -> None:
+        """Releases a blob from `device_buffer_from_ptr`."""
+        self.remote.device.destroy_blob(blob)

@@ -1,0 +1,242 @@
+"""`Remote`: one APIR context on a virtgpu device, and the remote call over it.
+
+Theory of operation (the C `create_virtgpu` + `remote_call*`, virtgpu.cpp):
+
+1. Capset: APIR (10) when the device offers it (GETPARAM SUPPORTED_CAPSET_IDs), else Venus
+   (4), over which every command type is sent plus 331 (the Venus->APIR transition in
+   virglrenderer). `GGML_REMOTING_USE_APIR_CAPSET` in the environment, or
+   `use_apir_capset=True`, forces APIR as in the C. The capset is read (GET_CAPS) and the
+   context created with one ring and no fence events (CONTEXT_INIT).
+2. Shared memory: two host-visible blobs made at start and kept: the reply blob (16 KiB;
+   its first u32 is the reply notification word, the reply payload follows) and the data
+   window (24 MiB + 192 KiB by default, `data_size` to change it) for tensor bytes and graphs.
+3. A call: encode the header (command type, flags, reply res_id) and the arguments, zero
+   the notification word, EXECBUFFER, wait until the host stores `return code + 1` in the
+   word (release store on its side, acquire load here), then decode the reply payload.
+   The wait spins for a short, adaptive time with the GIL released (Numba, nogil: an
+   embedded host in another thread keeps running), then sleeps with growing intervals, and
+   raises `ApirTimeout` at its limit: 2 s for HandShake, 60 s for LoadLibrary (the C's),
+   `forward_timeout_s` for Forward (the C waits forever there).
+4. One lock (re-entrant) covers header, data window, submission, wait and the decoding of
+   the reply, so concurrent callers never interleave on the shared blobs.
+
+A late reply after a timeout can still land in the reply blob; the next call zeroes the
+word first, but a reply arriving during that next call would be taken for its own. A host
+that misses a deadline should be treated as lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from typing import Callable, Iterator, Optional, Tuple
+
+import numpy as np
+
+from apir.codec.atomics import as_word_array, load_acquire_u32, spin_until_nonzero_u32, store_release_u32
+from apir.codec.constants import (
+    APIR_HANDSHAKE_MAX_WAIT_S,
+    APIR_LOADLIBRARY_MAX_WAIT_S,
+    ENV_USE_APIR_CAPSET,
+    SHMEM_DATA_SIZE,
+    SHMEM_REPLY_SIZE,
+    VENUS_COMMAND_TYPE_LENGTH,
+    VIRTGPU_DRM_CAPSET_APIR,
+    VIRTGPU_DRM_CAPSET_VENUS,
+    ApirBackendCommandType,
+    ApirCommandType,
+    CapsetApir,
+)
+from apir.codec.wire import Decoder, Encoder
+from apir.guest.device import Blob, VirtgpuDevice, blob_size
+from apir.guest.errors import ApirTimeout, MissingCapability
+
+__all__ = ["Remote", "select_capset", "DEFAULT_FORWARD_TIMEOUT_S", "COMMAND_BUFFER_SIZE"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FORWARD_TIMEOUT_S = 300.0  # a graph may run long; the C has no limit at all
+COMMAND_BUFFER_SIZE = 64 * 1024  # the command itself; bulk bytes go through the data window
+_PARAM_SUPPORTED_CAPSET_IDS = 7  # VIRTGPU_PARAM_SUPPORTED_CAPSET_IDs
+
+# Wait tuning: spin at least _SPIN_MIN_S, at most _SPIN_MAX_S (twice the recent reply
+# latency when that fits), in chunks of _SPIN_CHUNK acquire loads; then sleep from
+# _SLEEP_MIN_S doubling to _SLEEP_MAX_S.
+_SPIN_MIN_S = 20e-6
+_SPIN_MAX_S = 500e-6
+_SPIN_CHUNK = 2048
+_SLEEP_MIN_S = 10e-6
+_SLEEP_MAX_S = 1e-3
+
+
+def select_capset(device: VirtgpuDevice, use_apir_capset: Optional[bool] = None) -> int:
+    """The capset id for this device: APIR (10) when forced (`use_apir_capset` True, or
+    None and GGML_REMOTING_USE_APIR_CAPSET set) or offered, else Venus (4). Raises
+    MissingCapability when the device offers neither (an empty mask means the kernel
+    predates the query: Venus is tried, as the C does)."""
+    if use_apir_capset is None:
+        use_apir_capset = os.environ.get(ENV_USE_APIR_CAPSET) is not None
+    if use_apir_capset:
+        return VIRTGPU_DRM_CAPSET_APIR
+    mask = device.get_param(_PARAM_SUPPORTED_CAPSET_IDS)
+    if mask & (1 << VIRTGPU_DRM_CAPSET_APIR):
+        return VIRTGPU_DRM_CAPSET_APIR
+    if mask == 0 or mask & (1 << VIRTGPU_DRM_CAPSET_VENUS):
+        return VIRTGPU_DRM_CAPSET_VENUS
+    raise MissingCapability(getattr(device, "name", repr(device)), "capset 10 (APIR) or 4 (Venus)",
+                            f"offered capsets mask {mask:#x}")
+
+
+class Remote:
+    """One APIR context: capset, context, reply blob, data window, and `call`.
+
+    `device`: a VirtgpuDevice, owned from now on (closed by `close`, or when this
+    constructor fails). Raises MissingCapability (capset), DeviceError (context, blobs)."""
+
+    def __init__(self, device: VirtgpuDevice, *, data_size: int = SHMEM_DATA_SIZE,
+                 use_apir_capset: Optional[bool] = None,
+                 forward_timeout_s: float = DEFAULT_FORWARD_TIMEOUT_S):
+        self.device = device
+        self.name = getattr(device, "name", type(device).__name__)
+        self.forward_timeout_s = forward_timeout_s
+        self.lock = threading.RLock()
+        self._command = bytearray(COMMAND_BUFFER_SIZE)
+        self._latency_s = _SPIN_MIN_S
+        self.reply: Optional[Blob] = None
+        self.data: Optional[Blob] = None
+        self.closed = False
+        try:
+            self.capset_id = select_capset(device, use_apir_capset)
+            self.command_type_offset = (0 if self.capset_id == VIRTGPU_DRM_CAPSET_APIR
+                                        else VENUS_COMMAND_TYPE_LENGTH)
+            caps = device.get_caps(self.capset_id, CapsetApir.SIZE)
+            # Only the APIR capset has this layout (the C reads Venus's into it too, unchecked).
+            self.capset = CapsetApir.unpack(caps) if self.capset_id == VIRTGPU_DRM_CAPSET_APIR else None
+            if self.capset is not None and not self.capset.supports_blob_resources:
+                raise MissingCapability(self.name, "blob resources in capset 10 (APIR)")
+            device.context_init(self.capset_id, 1)
+            self.reply = device.create_blob(blob_size(SHMEM_REPLY_SIZE))
+            self.data = device.create_blob(blob_size(data_size))
+        except BaseException:
+            self.close()  # the device is ours: released on failure too
+            raise
+        self._reply_words = as_word_array(self.reply.memory)
+        self.data_view = np.frombuffer(self.data.memory, dtype=np.uint8)  # the data window, as bytes
+
+    @property
+    def data_size(self) -> int:
+        return self.data.size
+
+    def default_timeout(self, cmd_type: int) -> float:
+        if cmd_type == ApirCommandType.HANDSHAKE:
+            return APIR_HANDSHAKE_MAX_WAIT_S
+        if cmd_type == ApirCommandType.LOADLIBRARY:
+            return APIR_LOADLIBRARY_MAX_WAIT_S
+        return self.forward_timeout_s
+
+    def call(self, cmd_type: int, flags: int = 0,
+             encode_fn: Optional[Callable[[Encoder], None]] = None,
+             timeout_s: Optional[float] = None,
+             decode_fn: Optional[Callable[[int, Decoder], object]] = None) -> Tuple[int, object]:
+        """One remote call (`remote_call_prepare` + `remote_call`).
+
+        `cmd_type`: ApirCommandType; `flags`: the backend function id for Forward;
+        `encode_fn(enc)` appends the arguments (it may also fill the data window);
+        `timeout_s`: the wait limit (default by command type); `decode_fn(ret, dec)` reads
+        the reply. Returns (return code, decode_fn's result, or the Decoder itself when no
+        decode_fn is given, valid only while the caller holds `lock`).
+
+        Raises ApirTimeout, EncoderOverflow, DeviceError."""
+        if timeout_s is None:
+            timeout_s = self.default_timeout(cmd_type)
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("remote call on a closed Remote")
+            enc = Encoder(self._command)
+            enc.i32(int(cmd_type) + self.command_type_offset)
+            enc.i32(int(flags))
+            enc.u32(self.reply.res_id)
+            if encode_fn is not None:
+                encode_fn(enc)
+            enc.check()
+            store_release_u32(self._reply_words, 0, 0)
+            self.device.execbuffer(memoryview(self._command)[: enc.written])
+            word = self._wait(timeout_s, cmd_type, flags)
+            dec = Decoder(self.reply.memory, 4, self.reply.size)
+            ret = word - 1
+            if decode_fn is None:
+                return ret, dec
+            return ret, decode_fn(ret, dec)
+
+    def _wait(self, limit_s: float, cmd_type: int, flags: int) -> int:
+        """The notification word once non-zero; ApirTimeout after `limit_s` seconds."""
+        words = self._reply_words
+        start = time.perf_counter()
+        deadline = start + limit_s
+        spin_s = min(max(2 * self._latency_s, _SPIN_MIN_S), _SPIN_MAX_S)
+        word = 0
+        while True:  # spin (GIL released inside)
+            word = spin_until_nonzero_u32(words, 0, _SPIN_CHUNK)
+            if word or time.perf_counter() - start >= spin_s:
+                break
+        sleep_s = _SLEEP_MIN_S
+        while not word:
+            now = time.perf_counter()
+            if now >= deadline:
+                word = load_acquire_u32(words, 0)
+                if word:
+                    break
+                raise ApirTimeout(_command_name(cmd_type, flags), limit_s)
+            time.sleep(min(sleep_s, deadline - now))
+            sleep_s = min(sleep_s * 2, _SLEEP_MAX_S)
+            word = load_acquire_u32(words, 0)
+        # replies slower than the longest spin are not worth spinning for next time
+        elapsed = time.perf_counter() - start
+        self._latency_s = 0.75 * self._latency_s + 0.25 * min(elapsed, 4 * _SPIN_MAX_S)
+        return word
+
+    @contextlib.contextmanager
+    def temporary_blob(self, size: int) -> Iterator[Blob]:
+        """A blob of at least `size` bytes for one transfer larger than the data window
+        (the C's temp_shmem); destroyed afterwards."""
+        blob = self.device.create_blob(blob_size(size))
+        try:
+            yield blob
+        finally:
+            self.device.destroy_blob(blob)
+
+    def close(self) -> None:
+        """Destroys both blobs and closes the device. Idempotent."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._reply_words = None
+            self.data_view = None
+            for blob in (self.reply, self.data):
+                if blob is not None:
+                    self.device.destroy_blob(blob)
+            self.reply = self.data = None
+            self.device.close()
+
+    def __enter__(self) -> "Remote":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _command_name(cmd_type: int, flags: int) -> str:
+    try:
+        name = ApirCommandType(cmd_type).c_name
+    except ValueError:
+        return f"command {cmd_type}"
+    if cmd_type == ApirCommandType.FORWARD:
+        try:
+            return f"Forward {ApirBackendCommandType(flags).c_name}"
+        except ValueError:
+            return f"Forward {flags}"
+    return name
