@@ -189,6 +189,8 @@ class Remote:
                 word = load_acquire_u32(words, 0)
                 if word:
                     break
+                # a kept traceback must not pin the reply mapping (it could not be unmapped)
+                words = None
                 raise ApirTimeout(_command_name(cmd_type, flags), limit_s)
             time.sleep(min(sleep_s, deadline - now))
             sleep_s = min(sleep_s * 2, _SLEEP_MAX_S)
@@ -218,7 +220,10 @@ class Remote:
             self.data_view = None
             for blob in (self.reply, self.data):
                 if blob is not None:
-                    self.device.destroy_blob(blob)
+                    try:
+                        self.device.destroy_blob(blob)
+                    except BufferError:  # a view of the mapping is still alive somewhere
+                        log.warning("%s: blob %d is still in use; left mapped", self.name, blob.res_id)
             self.reply = self.data = None
             self.device.close()
 
