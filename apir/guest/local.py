@@ -77,7 +77,7 @@ class LocalDevice:
     def __init__(self, path: str, connect_timeout_s: float = 5.0, io_timeout_s: float = 60.0,
                  exec_wait_s: float = 2.0):
         self.path = os.fspath(path)
-        self.node = f"local:{self.path}"
+        self.node = self.name = f"local:{self.path}"
         self.io_timeout_s = io_timeout_s
         self.exec_wait_s = exec_wait_s
         self._lock = threading.Lock()

@@ -89,16 +89,23 @@ def default_context_factory(ctx_id: int, capset_id: int, config: Optional[dict])
     """A fresh `apir.host.component.HostContext` for context `ctx_id` on capset `capset_id`."""
     from apir.host.component import HostContext
 
-    ctx = HostContext(ctx_id, config=config)
-    ctx.capset_id = capset_id
-    return ctx
+    return HostContext(ctx_id, config, capset_id=capset_id)
 
 
 def ggml_buffer_count(ctx: Any) -> Optional[int]:
-    """How many ggml buffers `ctx` holds, when the HostContext can tell (else None)."""
+    """How many ggml buffers `ctx` holds, when the HostContext can tell (else None).
+
+    Uses `ctx.buffer_count()` when the HostContext has it; until then, the length of the
+    built-in dispatcher's buffer table (a stopgap that reads a private attribute)."""
     count = getattr(ctx, "buffer_count", None)
     if callable(count):
         count = count()
+    elif count is None:
+        library = getattr(ctx, "_library", None)
+        buffers = getattr(library, "buffers", None)
+        if library is None:
+            return 0  # nothing loaded yet: no buffer can exist
+        count = len(buffers) if buffers is not None else None
     return count if isinstance(count, int) else None
 
 
@@ -212,24 +219,31 @@ class KernelContext:
         self.memfile.free(blob)
 
     # --- commands --------------------------------------------------------------------------
-    def execbuffer(self, flags: int, ring_idx: int, command) -> None:
-        """DRM_IOCTL_VIRTGPU_EXECBUFFER, run to completion: `HostContext.submit(command)`.
-
-        Only the RING_IDX flag (no fences). EINVAL for a bad flag, ring or size, or before
-        CONTEXT_INIT; EIO if submit raises (a host bug: submit answers bad input in the reply)."""
+    def check_execbuffer(self, flags: int, ring_idx: int, size: int) -> None:
+        """The ioctl's own checks of an EXECBUFFER: only the RING_IDX flag (no fences), a ring
+        of the context, a command of at most MAX_EXEC_COMMAND bytes, a context. EINVAL."""
         if self.ctx is None:
             raise KernelError(errno.EINVAL, "EXECBUFFER before CONTEXT_INIT")
         if flags & ~VIRTGPU_EXECBUF_RING_IDX:
             raise KernelError(errno.EINVAL, f"unsupported EXECBUFFER flags {flags:#x} (no fences here)")
         if flags & VIRTGPU_EXECBUF_RING_IDX and ring_idx >= self.num_rings:
             raise KernelError(errno.EINVAL, f"ring {ring_idx} of {self.num_rings}")
-        if len(command) > MAX_EXEC_COMMAND:
-            raise KernelError(errno.EINVAL, f"command of {len(command)} bytes")
+        if size > MAX_EXEC_COMMAND:
+            raise KernelError(errno.EINVAL, f"command of {size} bytes")
+
+    def submit(self, command) -> None:
+        """Runs one checked command with `HostContext.submit`. EIO if submit raises (a host
+        bug: submit answers bad guest input in the reply blob, never by raising)."""
         try:
             self.ctx.submit(command)
         except Exception as exc:
             log.exception("%s: submit raised", self.name)
             raise KernelError(errno.EIO, f"submit raised {type(exc).__name__}: {exc}") from None
+
+    def execbuffer(self, flags: int, ring_idx: int, command) -> None:
+        """DRM_IOCTL_VIRTGPU_EXECBUFFER, run to completion: check_execbuffer, then submit."""
+        self.check_execbuffer(flags, ring_idx, len(command))
+        self.submit(command)
 
     # --- counts and teardown ---------------------------------------------------------------
     @property
