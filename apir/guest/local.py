@@ -48,6 +48,7 @@ VIRTGPU_BLOB_MEM_HOST3D = 0x0002
 VIRTGPU_BLOB_FLAG_USE_MAPPABLE = 0x0001
 VIRTGPU_EXECBUF_RING_IDX = 0x04
 
+_HOST_GONE = "the apir host closed the connection (it exited or crashed)"
 _IOCTL_NAMES = {
     Op.GETPARAM: "DRM_IOCTL_VIRTGPU_GETPARAM",
     Op.GET_CAPS: "DRM_IOCTL_VIRTGPU_GET_CAPS",
@@ -117,8 +118,8 @@ class LocalDevice:
     def _read_reply(self, op: int, seq: int) -> tuple[bytes, list[int]]:
         try:
             header, body, fds = recv_message(self.sock)
-        except ConnectionClosed:
-            raise self._fail("the apir host closed the connection (it exited or crashed)") from None
+        except (ConnectionClosed, ConnectionResetError):
+            raise self._fail(_HOST_GONE) from None
         except socket.timeout:
             raise self._fail(f"no answer from the apir host within {self.io_timeout_s:g} s") from None
         except (WireError, OSError) as exc:
@@ -147,6 +148,8 @@ class LocalDevice:
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         try:
             send_message(self.sock, op, self._seq, payload)
+        except (BrokenPipeError, ConnectionResetError):
+            raise self._fail(_HOST_GONE) from None
         except OSError as exc:
             raise self._fail(f"sending to the apir host failed: {exc.strerror or exc}") from None
         return self._seq

@@ -100,11 +100,11 @@ def ggml_buffer_count(ctx: Any) -> Optional[int]:
     count = getattr(ctx, "buffer_count", None)
     if callable(count):
         count = count()
-    elif count is None:
-        library = getattr(ctx, "_library", None)
-        buffers = getattr(library, "buffers", None)
+    elif count is None and hasattr(ctx, "_library"):
+        library = ctx._library
         if library is None:
             return 0  # nothing loaded yet: no buffer can exist
+        buffers = getattr(library, "buffers", None)
         count = len(buffers) if buffers is not None else None
     return count if isinstance(count, int) else None
 
