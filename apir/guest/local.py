@@ -205,14 +205,16 @@ class LocalDevice:
         return blob
 
     def destroy_blob(self, blob: Blob) -> None:
-        """munmap + DRM_IOCTL_GEM_CLOSE. Raises DeviceError if the mapping is still exported
-        (a numpy view or memoryview of it is alive)."""
+        """munmap + DRM_IOCTL_GEM_CLOSE. If a view of the mapping is still alive (numpy array,
+        memoryview), the mapping stays until that view is dropped (a warning is logged); the
+        host frees the blob either way. Destroying twice is a no-op."""
+        if self._blobs.pop(blob.bo_handle, None) is None:
+            return
         try:
             blob.memory.close()
         except BufferError:
-            raise DeviceError(f"{self.node}: blob {blob.res_id} is still in use (a view of its "
-                              "memory is alive)") from None
-        self._blobs.pop(blob.bo_handle, None)
+            log.warning("%s: blob %d destroyed while a view of its memory is alive; unmapped "
+                        "when the view goes", self.node, blob.res_id)
         self._call(Op.GEM_CLOSE, blob.bo_handle, 0)
 
     def execbuffer(self, payload, ring_idx: int = 0) -> None:
