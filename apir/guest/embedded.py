@@ -1,0 +1,188 @@
+"""`EmbeddedDevice`: the virtgpu device interface with the host inside this process.
+
+Theory of operation: the same kernel-plus-hypervisor stand-in as the socket server
+(apir.host.local_kernel.KernelContext, one HostContext and one shared memory file) runs on a
+thread of its own, the "host thread", which alone touches the context. Every device call is a job
+handed to it through a `queue.SimpleQueue`; calls other than execbuffer wait for their job
+(bounded by `io_timeout_s`). execbuffer returns once the command is queued, as the ioctl returns
+once submitted: the caller then waits on the reply notification word (apir.guest.remote), which
+the host thread stores when `submit` is done; that wait spins with the GIL released, so the host
+thread runs meanwhile and the hand-off costs one thread wake-up. `exec_wait_s` > 0 makes
+execbuffer wait for the command instead (a second wake-up, no spinning).
+
+Blobs need no fd: the guest's `Blob.memory` is the host's own mapping of the blob's range.
+This is the default device when neither a socket nor a DRM node is given
+(apir.guest.connect.open_device).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any, Callable, Optional
+
+from apir.guest.device import Blob
+from apir.guest.errors import DeviceError, IoctlError
+from apir.host.local_kernel import (
+    VIRTGPU_BLOB_FLAG_USE_MAPPABLE,
+    VIRTGPU_BLOB_MEM_HOST3D,
+    VIRTGPU_EXECBUF_RING_IDX,
+    ContextFactory,
+    KernelContext,
+    KernelError,
+    default_context_factory,
+)
+
+__all__ = ["EmbeddedDevice"]
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class _Job:
+    __slots__ = ("fn", "args", "done", "result", "error")
+
+    def __init__(self, fn: Callable, args: tuple, wait: bool):
+        self.fn = fn
+        self.args = args
+        self.done: Optional[threading.Lock] = None
+        if wait:
+            self.done = threading.Lock()
+            self.done.acquire()
+        self.result: Any = None
+        self.error: Optional[BaseException] = None
+
+
+class EmbeddedDevice:
+    """A virtgpu device whose host (a HostContext) runs on a thread of this process.
+
+    `config` is the HostContext configuration (``ggml.library.path``, ``ggml.library.reg``,
+    ...); `context_factory(ctx_id, capset_id, config)` builds the context (default:
+    `apir.host.component.HostContext`). Errors: `IoctlError` for a refused call (the errno the
+    kernel would set), `DeviceError` when the host thread is gone or does not answer within
+    `io_timeout_s`.
+    """
+
+    node = name = "embedded"
+
+    def __init__(self, config: Optional[dict] = None,
+                 context_factory: ContextFactory = default_context_factory,
+                 io_timeout_s: float = 60.0, exec_wait_s: float = 1.0,
+                 max_bytes: int = 1 << 36):
+        self.io_timeout_s = io_timeout_s
+        self.exec_wait_s = exec_wait_s
+        self.kernel = KernelContext("embedded", config, context_factory, max_bytes)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._host_loop, name="apir-embedded-host", daemon=True)
+        self._thread.start()
+
+    # --- the host thread -----------------------------------------------------------------
+    def _host_loop(self) -> None:
+        jobs = self._jobs
+        while True:
+            job = jobs.get()
+            if job is _STOP:
+                break
+            try:
+                job.result = job.fn(*job.args)
+            except BaseException as exc:  # delivered to the waiter, or logged when none waits
+                job.error = exc
+                if job.done is None:
+                    if isinstance(exc, KernelError):
+                        log.warning("embedded host: %s", exc)
+                    else:
+                        log.exception("embedded host: job failed")
+            if job.done is not None:
+                job.done.release()
+        try:
+            self.kernel.close()
+        except Exception:
+            log.exception("embedded host: close failed")
+
+    def _run(self, request: str, fn: Callable, *args, wait: bool = True, wait_s: Optional[float] = None):
+        if self._closed:
+            raise DeviceError("embedded: device is closed")
+        if not self._thread.is_alive():
+            raise DeviceError("embedded: the host thread is gone")
+        job = _Job(fn, args, wait)
+        self._jobs.put(job)
+        if not wait:
+            return None
+        limit = self.io_timeout_s if wait_s is None else wait_s
+        if not job.done.acquire(timeout=limit):
+            raise DeviceError(f"embedded: {request} got no answer from the host thread within {limit:g} s")
+        if job.error is not None:
+            if isinstance(job.error, KernelError):
+                raise IoctlError(self.node, request, job.error.err, str(job.error)) from None
+            raise DeviceError(f"embedded: {request} failed in the host: {job.error!r}") from job.error
+        return job.result
+
+    # --- VirtgpuDevice -------------------------------------------------------------------
+    def get_param(self, param: int) -> int:
+        """DRM_IOCTL_VIRTGPU_GETPARAM; 0 for an unknown param."""
+        try:
+            return self._run("DRM_IOCTL_VIRTGPU_GETPARAM", self.kernel.get_param, param)
+        except IoctlError:
+            return 0
+
+    def get_caps(self, capset_id: int, size: int) -> bytes:
+        """DRM_IOCTL_VIRTGPU_GET_CAPS, version 0: up to `size` bytes."""
+        return self._run("DRM_IOCTL_VIRTGPU_GET_CAPS", self.kernel.get_caps, capset_id, 0, size)
+
+    def context_init(self, capset_id: int, num_rings: int = 1) -> None:
+        """DRM_IOCTL_VIRTGPU_CONTEXT_INIT: creates the HostContext on the host thread."""
+        self._run("DRM_IOCTL_VIRTGPU_CONTEXT_INIT", self.kernel.context_init, capset_id, num_rings)
+
+    def create_blob(self, size: int) -> Blob:
+        """RESOURCE_CREATE_BLOB (HOST3D, MAPPABLE); the Blob's memory is the host's mapping."""
+        res_id, bo_handle, host_blob = self._run(
+            "DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB", self.kernel.create_blob,
+            VIRTGPU_BLOB_MEM_HOST3D, VIRTGPU_BLOB_FLAG_USE_MAPPABLE, size, 0)
+        return Blob(res_id=res_id, bo_handle=bo_handle, size=host_blob.size, memory=host_blob.memory)
+
+    def destroy_blob(self, blob: Blob) -> None:
+        """DRM_IOCTL_GEM_CLOSE: the host drops the resource and unmaps it."""
+        self._run("DRM_IOCTL_GEM_CLOSE", self.kernel.gem_close, blob.bo_handle)
+
+    def execbuffer(self, payload, ring_idx: int = 0) -> None:
+        """DRM_IOCTL_VIRTGPU_EXECBUFFER: queues the command for the host thread and returns
+        (or waits up to `exec_wait_s` for it to run). Flag and ring checks happen here, as in
+        the ioctl: IoctlError(EINVAL)."""
+        command = bytes(payload)  # the ioctl copies: the caller may reuse its buffer at once
+        try:
+            self.kernel.check_execbuffer(VIRTGPU_EXECBUF_RING_IDX, ring_idx, len(command))
+        except KernelError as exc:
+            raise IoctlError(self.node, "DRM_IOCTL_VIRTGPU_EXECBUFFER", exc.err, str(exc)) from None
+        wait = self.exec_wait_s > 0
+        self._run("DRM_IOCTL_VIRTGPU_EXECBUFFER", self.kernel.submit, command,
+                  wait=wait, wait_s=self.exec_wait_s if wait else None)
+
+    def stats(self) -> dict:
+        """This device's counts, as the socket host's STAT: contexts, blobs, blob_bytes,
+        file_bytes, ggml_buffers (-1 when the HostContext cannot count them)."""
+        def count():
+            k = self.kernel
+            n = k.ggml_buffers
+            return {"contexts": int(k.ctx is not None and not k.closed), "blobs": k.memfile.blob_count,
+                    "blob_bytes": k.memfile.blob_bytes, "file_bytes": k.memfile.file_size,
+                    "ggml_buffers": -1 if n is None else n}
+        return self._run("STAT", count)
+
+    def close(self) -> None:
+        """Stops the host thread, which closes the context and frees every blob."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(_STOP)
+        self._thread.join(self.io_timeout_s)
+        if self._thread.is_alive():
+            log.warning("embedded: the host thread did not stop within %g s", self.io_timeout_s)
+
+    def __enter__(self) -> "EmbeddedDevice":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,278 @@
+"""`LocalDevice`: the virtgpu device interface over the local transport's Unix socket.
+
+Theory of operation: connecting to an apir host process (`apir host serve --socket PATH`) is
+opening a render node: the HELLO reply brings the context's shared memory file (SCM_RIGHTS), and
+every device call is one request and one reply (apir.host.local_wire; docs/local-transport.md).
+`create_blob` is CREATE_BLOB + MAP + ``mmap(fd, size, offset)``, exactly as a DRM guest maps a
+blob, so the host and the guest share the blob's pages and no bulk data crosses the socket.
+
+`execbuffer` sends the command and then waits, up to `exec_wait_s`, for the host's EXECBUFFER reply,
+which the host sends once the command has run: the reply notification word is then already set,
+and a host that dies mid-call shows up at once as `HostConnectionLost` instead of as a timeout.
+When the command runs longer, execbuffer returns and the caller's wait on the notification word
+(apir.guest.remote) takes over with its own timeout; the late reply is read before the next
+request. Every other socket read is bounded by `io_timeout_s`, so the guest never hangs forever.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import logging
+import mmap
+import os
+import select
+import socket
+import threading
+from typing import Optional
+
+from apir.guest.device import Blob
+from apir.guest.errors import DeviceError, IoctlError
+from apir.host.local_wire import (
+    HELLO_MAGIC,
+    REPLY,
+    REQUEST,
+    WIRE_VERSION,
+    ConnectionClosed,
+    Op,
+    WireError,
+    recv_message,
+    send_message,
+)
+
+__all__ = ["LocalDevice", "HostConnectionLost", "host_stats"]
+
+log = logging.getLogger(__name__)
+
+# virtgpu_drm.h values the requests carry.
+VIRTGPU_BLOB_MEM_HOST3D = 0x0002
+VIRTGPU_BLOB_FLAG_USE_MAPPABLE = 0x0001
+VIRTGPU_EXECBUF_RING_IDX = 0x04
+
+_HOST_GONE = "the apir host closed the connection (it exited or crashed)"
+_IOCTL_NAMES = {
+    Op.GETPARAM: "DRM_IOCTL_VIRTGPU_GETPARAM",
+    Op.GET_CAPS: "DRM_IOCTL_VIRTGPU_GET_CAPS",
+    Op.CONTEXT_INIT: "DRM_IOCTL_VIRTGPU_CONTEXT_INIT",
+    Op.CREATE_BLOB: "DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB",
+    Op.MAP: "DRM_IOCTL_VIRTGPU_MAP",
+    Op.GEM_CLOSE: "DRM_IOCTL_GEM_CLOSE",
+    Op.EXECBUFFER: "DRM_IOCTL_VIRTGPU_EXECBUFFER",
+    Op.STAT: "STAT",
+}
+
+
+class HostConnectionLost(DeviceError):
+    """The apir host closed the connection or broke the wire (it exited, crashed or was
+    killed); the context and its buffers are gone with it."""
+
+
+class LocalDevice:
+    """A virtgpu device served by an apir host process over the Unix socket `path`.
+
+    `connect_timeout_s` bounds the connection and HELLO; `io_timeout_s` every later read but
+    EXECBUFFER's; `exec_wait_s` how long execbuffer waits for the command to complete before
+    leaving the wait to the caller. Raises `DeviceError` when nothing serves `path`,
+    `HostConnectionLost` when the host goes away, `IoctlError` for a refused request.
+    """
+
+    def __init__(self, path: str, connect_timeout_s: float = 5.0, io_timeout_s: float = 60.0,
+                 exec_wait_s: float = 2.0):
+        self.path = os.fspath(path)
+        self.node = self.name = f"local:{self.path}"
+        self.io_timeout_s = io_timeout_s
+        self.exec_wait_s = exec_wait_s
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._exec_seqs: list[int] = []  # seqs of EXECBUFFER replies not read yet (still running)
+        self._blobs: dict[int, Blob] = {}
+        self._broken: Optional[str] = None
+        self.fd = -1
+        self.sock: Optional[socket.socket] = None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(connect_timeout_s)
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            raise DeviceError(f"{self.node}: no apir host is serving there ({exc.strerror or exc})") from None
+        self.sock = sock
+        try:
+            body, fds = self._request(Op.HELLO, REQUEST[Op.HELLO].pack(HELLO_MAGIC, WIRE_VERSION))
+            magic, version, self.blob_alignment, _ = REPLY[Op.HELLO].unpack(body)
+            if magic != HELLO_MAGIC or version != WIRE_VERSION or len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                raise HostConnectionLost(f"{self.node}: not an apir host (magic {magic:#x}, "
+                                         f"wire version {version}, {len(fds)} fds)")
+            self.fd = fds[0]
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(io_timeout_s)
+
+    # --- the exchange --------------------------------------------------------------------
+    def _fail(self, why: str) -> HostConnectionLost:
+        self._broken = why
+        return HostConnectionLost(f"{self.node}: {why}")
+
+    def _read_reply(self, op: int, seq: int) -> tuple[bytes, list[int]]:
+        try:
+            header, body, fds = recv_message(self.sock)
+        except (ConnectionClosed, ConnectionResetError):
+            raise self._fail(_HOST_GONE) from None
+        except socket.timeout:
+            raise self._fail(f"no answer from the apir host within {self.io_timeout_s:g} s") from None
+        except (WireError, OSError) as exc:
+            raise self._fail(f"connection to the apir host failed: {exc}") from None
+        if header.op != op or header.seq != seq:
+            for fd in fds:
+                os.close(fd)
+            raise self._fail(f"reply {header.op}/{header.seq} to request {op}/{seq}")
+        if header.err:
+            for fd in fds:
+                os.close(fd)
+            name = _IOCTL_NAMES.get(op, Op(op).name)
+            raise IoctlError(self.node, name, header.err, os.strerror(header.err))
+        return body, fds
+
+    def _drain_pending(self) -> None:
+        """Read the EXECBUFFER replies of commands that outlived execbuffer's wait."""
+        while self._exec_seqs:
+            self._read_reply(Op.EXECBUFFER, self._exec_seqs.pop(0))
+
+    def _send(self, op: int, payload: bytes) -> int:
+        if self._broken is not None:
+            raise HostConnectionLost(f"{self.node}: {self._broken}")
+        if self.sock is None:
+            raise DeviceError(f"{self.node}: device is closed")
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        try:
+            send_message(self.sock, op, self._seq, payload)
+        except (BrokenPipeError, ConnectionResetError):
+            raise self._fail(_HOST_GONE) from None
+        except OSError as exc:
+            raise self._fail(f"sending to the apir host failed: {exc.strerror or exc}") from None
+        return self._seq
+
+    def _request(self, op: int, payload: bytes) -> tuple[bytes, list[int]]:
+        with self._lock:
+            self._drain_pending()
+            seq = self._send(op, payload)
+            return self._read_reply(op, seq)
+
+    def _call(self, op: int, *args) -> tuple:
+        body, _ = self._request(op, REQUEST[op].pack(*args))
+        fmt = REPLY[op]
+        if fmt is not None and len(body) != fmt.size:
+            raise self._fail(f"{Op(op).name} reply of {len(body)} bytes, expected {fmt.size}")
+        return fmt.unpack(body) if fmt is not None else (body,)
+
+    # --- VirtgpuDevice -------------------------------------------------------------------
+    def get_param(self, param: int) -> int:
+        """DRM_IOCTL_VIRTGPU_GETPARAM; 0 for a param the host does not know."""
+        try:
+            return self._call(Op.GETPARAM, param)[0]
+        except IoctlError as exc:
+            if exc.errno == errno_mod.EINVAL:
+                return 0
+            raise
+
+    def get_caps(self, capset_id: int, size: int) -> bytes:
+        """DRM_IOCTL_VIRTGPU_GET_CAPS, version 0: up to `size` bytes."""
+        return self._call(Op.GET_CAPS, capset_id, 0, size, 0)[0]
+
+    def context_init(self, capset_id: int, num_rings: int = 1) -> None:
+        """DRM_IOCTL_VIRTGPU_CONTEXT_INIT (POLL_RINGS_MASK 0)."""
+        self._call(Op.CONTEXT_INIT, capset_id, num_rings, 0)
+
+    def create_blob(self, size: int) -> Blob:
+        """RESOURCE_CREATE_BLOB (HOST3D, MAPPABLE) + MAP + mmap of the shared file at the
+        returned offset. The Blob's size is the host's (rounded to 16 KiB)."""
+        res_id, bo_handle, real_size = self._call(
+            Op.CREATE_BLOB, VIRTGPU_BLOB_MEM_HOST3D, VIRTGPU_BLOB_FLAG_USE_MAPPABLE, size, 0)
+        try:
+            (offset,) = self._call(Op.MAP, bo_handle, 0)
+            memory = mmap.mmap(self.fd, real_size, mmap.MAP_SHARED,
+                               mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+        except BaseException:
+            try:
+                self._call(Op.GEM_CLOSE, bo_handle, 0)
+            except DeviceError:
+                pass
+            raise
+        blob = Blob(res_id=res_id, bo_handle=bo_handle, size=real_size, memory=memory)
+        self._blobs[bo_handle] = blob
+        return blob
+
+    def destroy_blob(self, blob: Blob) -> None:
+        """munmap + DRM_IOCTL_GEM_CLOSE. If a view of the mapping is still alive (numpy array,
+        memoryview), the mapping stays until that view is dropped (a warning is logged); the
+        host frees the blob either way. Destroying twice is a no-op."""
+        if self._blobs.pop(blob.bo_handle, None) is None:
+            return
+        try:
+            blob.memory.close()
+        except BufferError:
+            log.warning("%s: blob %d destroyed while a view of its memory is alive; unmapped "
+                        "when the view goes", self.node, blob.res_id)
+        self._call(Op.GEM_CLOSE, blob.bo_handle, 0)
+
+    def execbuffer(self, payload, ring_idx: int = 0) -> None:
+        """DRM_IOCTL_VIRTGPU_EXECBUFFER; returns when the host has run the command or after
+        `exec_wait_s` (the reply notification word says which)."""
+        command = bytes(payload)
+        header = REQUEST[Op.EXECBUFFER].pack(VIRTGPU_EXECBUF_RING_IDX, len(command), ring_idx, 0)
+        with self._lock:
+            self._drain_pending()
+            seq = self._send(Op.EXECBUFFER, header + command)
+            if self._readable(self.exec_wait_s):
+                self._read_reply(Op.EXECBUFFER, seq)
+            else:
+                self._exec_seqs.append(seq)
+
+    def _readable(self, timeout_s: float) -> bool:
+        try:
+            ready, _, _ = select.select([self.sock], [], [], timeout_s)
+        except (OSError, ValueError):
+            return True  # let the read report it
+        return bool(ready)
+
+    # --- debug and teardown --------------------------------------------------------------
+    def stats(self) -> dict:
+        """The host's STAT: host-wide counts of contexts, blobs, blob bytes, shared file bytes
+        and ggml buffers (-1 when the host cannot count them)."""
+        return host_stats_from_tuple(self._call(Op.STAT))
+
+    def close(self) -> None:
+        """Unmap every blob and disconnect; the host then closes the context and frees it all."""
+        with self._lock:
+            for blob in list(self._blobs.values()):
+                try:
+                    blob.memory.close()
+                except BufferError:
+                    log.warning("%s: blob %d still referenced at close", self.node, blob.res_id)
+            self._blobs.clear()
+            if self.sock is not None:
+                self.sock.close()
+                self.sock = None
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+
+    def __enter__(self) -> "LocalDevice":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def host_stats_from_tuple(values: tuple) -> dict:
+    keys = ("contexts", "blobs", "blob_bytes", "file_bytes", "ggml_buffers")
+    return dict(zip(keys, values))
+
+
+def host_stats(path: str, timeout_s: float = 5.0) -> dict:
+    """Host-wide counts from the apir host at `path`, over a short-lived connection of its own
+    (which creates no context and no blob)."""
+    with LocalDevice(path, connect_timeout_s=timeout_s, io_timeout_s=timeout_s) as dev:
+        return dev.stats()

@@ -1,0 +1,313 @@
+"""The local host: a Unix-socket server playing the virtio-gpu kernel driver and the hypervisor.
+
+Theory of operation: each accepted connection is one guest's opened render node and, after
+CONTEXT_INIT, one APIR context (`apir.host.component.HostContext`). A thread per connection reads
+requests (apir.host.local_wire), answers each with one reply, and owns the context's shared memory
+file (apir.host.local_memfile) through a KernelContext (apir.host.local_kernel), which plays the
+driver for that guest: CREATE_BLOB places a blob in the file and registers its host
+mapping with the context as a resource; MAP returns its offset; GEM_CLOSE removes it; EXECBUFFER
+runs the command synchronously with `HostContext.submit` (which writes the APIR reply into the
+reply blob) and then replies, so a guest waiting on the socket learns both completion and, through
+EOF, the host's death. When the connection ends for any reason (close, guest crash, protocol
+error), the context is closed and every blob of it freed.
+
+Every guest byte is hostile: an unknown op, a wrong length, an unknown handle or an oversized blob
+gets an errno reply; a length the stream cannot survive (over MAX_PAYLOAD) or a bad HELLO closes
+the connection. Nothing a guest sends raises out of its connection thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import socket
+import stat
+import threading
+from typing import Optional
+
+from apir.host.local_kernel import ContextFactory, KernelContext, KernelError, default_context_factory
+from apir.host.local_wire import (
+    BLOB_ALIGNMENT,
+    HELLO_MAGIC,
+    MAX_GET_CAPS,
+    REPLY,
+    REQUEST,
+    WIRE_VERSION,
+    ConnectionClosed,
+    Op,
+    WireError,
+    recv_message,
+    send_message,
+)
+
+__all__ = ["LocalServer", "ServerStats"]
+
+log = logging.getLogger(__name__)
+
+
+class ServerStats:
+    """Host-wide counts (the STAT reply): contexts, blobs, blob bytes, file bytes, ggml buffers
+    (-1 when a HostContext cannot count them)."""
+
+    __slots__ = ("contexts", "blobs", "blob_bytes", "file_bytes", "ggml_buffers")
+
+    def __init__(self, contexts=0, blobs=0, blob_bytes=0, file_bytes=0, ggml_buffers=0):
+        self.contexts = contexts
+        self.blobs = blobs
+        self.blob_bytes = blob_bytes
+        self.file_bytes = file_bytes
+        self.ggml_buffers = ggml_buffers
+
+    def as_tuple(self) -> tuple[int, int, int, int, int]:
+        return (self.contexts, self.blobs, self.blob_bytes, self.file_bytes, self.ggml_buffers)
+
+    def __repr__(self) -> str:
+        return "ServerStats(" + ", ".join(f"{k}={getattr(self, k)}" for k in self.__slots__) + ")"
+
+
+class _Connection:
+    """One guest: its socket and its KernelContext (created on a valid HELLO)."""
+
+    def __init__(self, server: "LocalServer", sock: socket.socket, conn_id: int):
+        self.server = server
+        self.sock = sock
+        self.conn_id = conn_id
+        self.kernel: Optional[KernelContext] = None
+        self.thread = threading.Thread(target=self.run, name=f"apir-local-{conn_id}", daemon=True)
+
+    def run(self) -> None:
+        try:
+            self._serve()
+        except ConnectionClosed:
+            log.info("guest %d disconnected", self.conn_id)
+        except (WireError, OSError) as exc:
+            log.warning("guest %d: connection dropped: %s", self.conn_id, exc)
+        except Exception:  # a host bug must not take the whole server down
+            log.exception("guest %d: internal error; dropping the connection", self.conn_id)
+        finally:
+            self.cleanup()
+
+    def _serve(self) -> None:
+        header, payload, fds = recv_message(self.sock)
+        _close_fds(fds)  # a guest has no business sending fds
+        if header.op != Op.HELLO or len(payload) != REQUEST[Op.HELLO].size:
+            raise WireError(f"expected HELLO, got op {header.op} with {len(payload)} bytes")
+        magic, version = REQUEST[Op.HELLO].unpack(payload)
+        if magic != HELLO_MAGIC or version != WIRE_VERSION:
+            send_message(self.sock, Op.HELLO, header.seq, err=errno.EPROTONOSUPPORT)
+            raise WireError(f"bad HELLO (magic {magic:#x}, wire version {version})")
+        srv = self.server
+        self.kernel = KernelContext(f"guest-{self.conn_id}", srv.config, srv.context_factory,
+                                    srv.max_context_bytes)
+        reply = REPLY[Op.HELLO].pack(HELLO_MAGIC, WIRE_VERSION, BLOB_ALIGNMENT, 0)
+        send_message(self.sock, Op.HELLO, header.seq, reply, fds=(self.kernel.memfile.fd,))
+        log.info("guest %d connected", self.conn_id)
+
+        while True:
+            header, payload, fds = recv_message(self.sock)
+            _close_fds(fds)
+            try:
+                body, err = self._handle(header.op, payload), 0
+            except KernelError as exc:
+                log.info("guest %d: %s refused (%s): %s", self.conn_id, _op_name(header.op),
+                         errno.errorcode.get(exc.err, exc.err), exc)
+                body, err = b"", exc.err
+            send_message(self.sock, header.op, header.seq, body, err=err)
+
+    def _handle(self, op: int, payload: bytes) -> bytes:
+        """The reply payload of one request; KernelError for an errno reply."""
+        try:
+            fmt = REQUEST[Op(op)]
+        except ValueError:
+            raise KernelError(errno.ENOSYS, f"unknown op {op}") from None
+        if op == Op.HELLO:
+            raise KernelError(errno.EINVAL, "HELLO twice")
+        size = fmt.size
+        if len(payload) < size or (op != Op.EXECBUFFER and len(payload) != size):
+            raise KernelError(errno.EINVAL, f"payload of {len(payload)} bytes, expected {size}")
+        args = fmt.unpack_from(payload)
+        k = self.kernel
+        if op == Op.EXECBUFFER:
+            flags, cmd_size, ring_idx, _pad = args
+            command = memoryview(payload)[size:]
+            if cmd_size != len(command):
+                raise KernelError(errno.EINVAL, f"command size {cmd_size}, {len(command)} bytes sent")
+            k.execbuffer(flags, ring_idx, command)
+            return b""
+        if op == Op.GETPARAM:
+            return REPLY[op].pack(k.get_param(args[0]))
+        if op == Op.GET_CAPS:
+            capset_id, capset_ver, caps_size, _pad = args
+            return k.get_caps(capset_id, capset_ver, min(caps_size, MAX_GET_CAPS))
+        if op == Op.CONTEXT_INIT:
+            capset_id, num_rings, _poll_rings_mask = args
+            k.context_init(capset_id, num_rings)
+            return b""
+        if op == Op.CREATE_BLOB:
+            res_id, bo_handle, blob = k.create_blob(*args)
+            return REPLY[op].pack(res_id, bo_handle, blob.size)
+        if op == Op.MAP:
+            return REPLY[op].pack(k.map(args[0]))
+        if op == Op.GEM_CLOSE:
+            k.gem_close(args[0])
+            return b""
+        if op == Op.STAT:
+            return REPLY[op].pack(*self.server.stats().as_tuple())
+        raise KernelError(errno.ENOSYS, f"unhandled op {op}")
+
+    def cleanup(self) -> None:
+        """Close the context and free its blobs; runs once, when the connection ends."""
+        try:
+            if self.kernel is not None:
+                self.kernel.close()
+        except Exception:
+            log.exception("guest %d: cleanup failed", self.conn_id)
+        finally:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+            self.server._forget(self)
+            log.debug("guest %d: context and blobs freed", self.conn_id)
+
+
+def _op_name(op: int) -> str:
+    try:
+        return Op(op).name
+    except ValueError:
+        return f"op {op}"
+
+
+def _close_fds(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class LocalServer:
+    """Serves guests on a Unix socket at `path`, one HostContext per connection.
+
+    `config` is the HostContext configuration (the C keys: ``ggml.library.path``,
+    ``ggml.library.reg``, ...); `context_factory(ctx_id, capset_id, config)` builds a context
+    (default: `apir.host.component.HostContext`). `max_context_bytes` bounds one context's shared
+    memory file. Raises OSError (EADDRINUSE) if another server already listens at `path`.
+    """
+
+    def __init__(self, path: str, config: Optional[dict] = None,
+                 context_factory: ContextFactory = default_context_factory,
+                 max_context_bytes: int = 1 << 36):
+        self.path = os.fspath(path)
+        self.config = config
+        self.context_factory = context_factory
+        self.max_context_bytes = max_context_bytes
+        self._lock = threading.Lock()
+        self._conns: set[_Connection] = set()
+        self._conn_ids = itertools.count(1)
+        self._closed = False
+        self._remove_stale_socket()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.path)
+        self.sock.listen(16)
+        self._accept_thread: Optional[threading.Thread] = None
+        log.info("serving on %s", self.path)
+
+    def _remove_stale_socket(self) -> None:
+        try:
+            mode = os.stat(self.path).st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(mode):
+            raise FileExistsError(errno.EEXIST, "exists and is not a socket", self.path)
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(self.path)
+        except OSError:
+            os.unlink(self.path)  # nobody listens: a leftover of a dead server
+        else:
+            raise OSError(errno.EADDRINUSE, "another apir host is serving", self.path)
+        finally:
+            probe.close()
+
+    # --- stats ---------------------------------------------------------------------------
+    def _forget(self, conn: _Connection) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+
+    def stats(self) -> ServerStats:
+        """Counts over the live connections (a guest's blobs vanish from it once it is gone)."""
+        st = ServerStats()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            k = c.kernel
+            if k is None or k.closed:
+                continue
+            if k.ctx is not None:
+                st.contexts += 1
+                n = k.ggml_buffers
+                st.ggml_buffers = -1 if n is None or st.ggml_buffers < 0 else st.ggml_buffers + n
+            st.blobs += k.memfile.blob_count
+            st.blob_bytes += k.memfile.blob_bytes
+            st.file_bytes += k.memfile.file_size
+        return st
+
+    # --- serving -------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        """Accept guests until close(); each gets its own thread."""
+        while True:
+            try:
+                sock, _ = self.sock.accept()
+            except OSError:
+                if self._closed:
+                    return
+                raise
+            conn = _Connection(self, sock, next(self._conn_ids))
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                self._conns.add(conn)
+            conn.thread.start()
+
+    def start(self) -> "LocalServer":
+        """serve_forever() in a background thread."""
+        self._accept_thread = threading.Thread(target=self.serve_forever, name="apir-local-accept",
+                                               daemon=True)
+        self._accept_thread.start()
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop accepting, drop every guest (closing their contexts) and remove the socket."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        for c in conns:
+            try:
+                c.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for c in conns:
+            c.thread.join(timeout)
+        if self._accept_thread is not None:
+            self._accept_thread.join(timeout)
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+    def __enter__(self) -> "LocalServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,185 @@
+"""The local transport's socket wire: fixed-size little-endian messages over a Unix socket.
+
+Theory of operation: without a VM, a host process plays the virtio-gpu kernel driver and the
+hypervisor. A guest connects to its Unix stream socket (one connection = one opened render node =
+one APIR context) and sends requests that mirror the virtgpu DRM ioctls; the host answers each
+request with exactly one reply, in order. Every message is a 16-byte header
+``{u32 op; u32 err; u32 len; u32 seq}`` followed by ``len`` payload bytes whose layout is fixed per
+op (only GET_CAPS replies and EXECBUFFER requests carry a variable tail). Requests carry err = 0;
+a reply's err is 0 or a positive errno, as the ioctl would set it. Blob memory never travels on the
+socket: the HELLO reply passes the context's shared memory file with SCM_RIGHTS, and a blob's MAP
+offset is its offset in that file. docs/local-transport.md is the reference for a port.
+
+This module only packs and unpacks (plus two small socket helpers); it imports nothing from the
+host or the guest, so both ends share it.
+"""
+
+from __future__ import annotations
+
+import array
+import enum
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = [
+    "HEADER",
+    "HELLO_MAGIC",
+    "WIRE_VERSION",
+    "BLOB_ALIGNMENT",
+    "MAX_EXEC_COMMAND",
+    "MAX_GET_CAPS",
+    "MAX_PAYLOAD",
+    "Op",
+    "REQUEST",
+    "REPLY",
+    "Header",
+    "WireError",
+    "ConnectionClosed",
+    "pack_message",
+    "send_message",
+    "recv_message",
+]
+
+HEADER = struct.Struct("<IIII")  # op, err, len, seq
+HELLO_MAGIC = 0x52495041  # the bytes b"APIR" read as a little-endian u32
+WIRE_VERSION = 1
+# Every blob starts and ends on this boundary in the shared file: the C guest rounds blob sizes to
+# 16 KiB (virtgpu_shmem_create) and mmap offsets must be page aligned on 4 KiB and 16 KiB kernels.
+BLOB_ALIGNMENT = 16384
+# An APIR command is small (the C guest's encoder buffer is 4 KiB); bulk data goes by memory.
+MAX_EXEC_COMMAND = 65536
+MAX_GET_CAPS = 4096
+# A request announcing more than this is a protocol error: the host closes the connection.
+MAX_PAYLOAD = 16 + MAX_EXEC_COMMAND
+
+
+class Op(enum.IntEnum):
+    """Message types; each names the virtgpu ioctl it stands for."""
+
+    HELLO = 1  # open(): exchanges versions, passes the shared memory file
+    GETPARAM = 2  # DRM_IOCTL_VIRTGPU_GETPARAM
+    GET_CAPS = 3  # DRM_IOCTL_VIRTGPU_GET_CAPS
+    CONTEXT_INIT = 4  # DRM_IOCTL_VIRTGPU_CONTEXT_INIT
+    CREATE_BLOB = 5  # DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB
+    MAP = 6  # DRM_IOCTL_VIRTGPU_MAP
+    GEM_CLOSE = 7  # DRM_IOCTL_GEM_CLOSE
+    EXECBUFFER = 8  # DRM_IOCTL_VIRTGPU_EXECBUFFER; replied once the command has run
+    STAT = 9  # debug: host-wide counts of contexts, blobs and ggml buffers
+
+
+# Fixed payload layouts. None = no fixed layout (see the op's notes in docs/local-transport.md).
+REQUEST: dict[Op, Optional[struct.Struct]] = {
+    Op.HELLO: struct.Struct("<II"),  # magic, wire_version
+    Op.GETPARAM: struct.Struct("<Q"),  # param
+    Op.GET_CAPS: struct.Struct("<IIII"),  # cap_set_id, cap_set_ver, size, pad
+    Op.CONTEXT_INIT: struct.Struct("<IIQ"),  # capset_id, num_rings, poll_rings_mask
+    Op.CREATE_BLOB: struct.Struct("<IIQQ"),  # blob_mem, blob_flags, size, blob_id
+    Op.MAP: struct.Struct("<II"),  # bo_handle, pad
+    Op.GEM_CLOSE: struct.Struct("<II"),  # bo_handle, pad
+    Op.EXECBUFFER: struct.Struct("<IIII"),  # flags, size, ring_idx, pad; then `size` bytes
+    Op.STAT: struct.Struct(""),
+}
+REPLY: dict[Op, Optional[struct.Struct]] = {
+    Op.HELLO: struct.Struct("<IIII"),  # magic, wire_version, blob_alignment, pad; + 1 fd
+    Op.GETPARAM: struct.Struct("<Q"),  # value
+    Op.GET_CAPS: None,  # min(size, capset size) bytes of the capset
+    Op.CONTEXT_INIT: struct.Struct(""),
+    Op.CREATE_BLOB: struct.Struct("<IIQ"),  # res_handle, bo_handle, size (rounded up)
+    Op.MAP: struct.Struct("<Q"),  # offset in the shared memory file
+    Op.GEM_CLOSE: struct.Struct(""),
+    Op.EXECBUFFER: struct.Struct(""),
+    # contexts, blobs, blob_bytes, file_bytes, ggml_buffers (-1: the host cannot count them)
+    Op.STAT: struct.Struct("<IIQQq"),
+}
+
+
+@dataclass(frozen=True)
+class Header:
+    """One message header. `err` is a positive errno in a failed reply, else 0."""
+
+    op: int
+    err: int
+    length: int
+    seq: int
+
+
+class WireError(Exception):
+    """The peer broke the wire format (bad length, bad magic, short message)."""
+
+
+class ConnectionClosed(WireError):
+    """The peer closed the connection (or died) before a whole message arrived."""
+
+
+def pack_message(op: int, seq: int, payload: bytes = b"", err: int = 0) -> bytes:
+    """Header + payload as one bytes object."""
+    return HEADER.pack(op, err, len(payload), seq) + payload
+
+
+def send_message(sock: socket.socket, op: int, seq: int, payload: bytes = b"", err: int = 0,
+                 fds: tuple[int, ...] = ()) -> None:
+    """Send one message; `fds` ride with it as SCM_RIGHTS (attached to its first byte)."""
+    data = pack_message(op, seq, payload, err)
+    if fds:
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+        sent = sock.sendmsg([data], anc)
+        if sent < len(data):
+            sock.sendall(data[sent:])
+    else:
+        sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    if size == 0:
+        return b""
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionClosed(f"peer closed the connection ({got} of {size} bytes read)")
+        got += n
+    return bytes(buf)
+
+
+_FD_SPACE = socket.CMSG_SPACE(4 * 4)  # room for up to 4 fds; more are closed and rejected
+
+
+def recv_message(sock: socket.socket, max_payload: int = MAX_PAYLOAD) -> tuple[Header, bytes, list[int]]:
+    """Receive one message: (header, payload, received fds).
+
+    Raises ConnectionClosed on EOF, WireError when the header announces more than
+    `max_payload` bytes (the stream cannot be trusted after that). The caller owns the fds.
+    """
+    data, anc, _flags, _addr = sock.recvmsg(HEADER.size, _FD_SPACE)
+    fds: list[int] = []
+    for level, kind, cdata in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(cdata[: len(cdata) - len(cdata) % arr.itemsize])
+            fds.extend(arr)
+    try:
+        if len(data) == 0:
+            raise ConnectionClosed("peer closed the connection")
+        if len(data) < HEADER.size:
+            data += _recv_exact(sock, HEADER.size - len(data))
+        header = Header(*HEADER.unpack(data))
+        if header.length > max_payload:
+            raise WireError(f"message of {header.length} bytes exceeds the {max_payload}-byte limit")
+        payload = _recv_exact(sock, header.length)
+    except BaseException:
+        for fd in fds:
+            _close_quietly(fd)
+        raise
+    return header, payload, fds
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass

@@ -1,0 +1,233 @@
+"""The socket host: the wire against hostile input, shared blob memory, and what happens when
+a guest or the host dies."""
+
+import errno
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from apir.guest.client import ApirClient
+from apir.guest.errors import IoctlError
+from apir.guest.local import HostConnectionLost, LocalDevice, host_stats
+from apir.host.local_server import LocalServer
+from apir.host.local_wire import HEADER, HELLO_MAGIC, WIRE_VERSION, Op, recv_message
+from tests.local.hostproc import HostProcess
+
+
+class EchoContext:
+    """A HostContext stand-in: submit(u32 src_res, u32 dst_res) copies 4 bytes of src into
+    dst+4 and stores 1 in dst's notification word, through the registered memory."""
+
+    def __init__(self, ctx_id, capset_id, config):
+        self.res = {}
+        self.closed = False
+
+    def add_resource(self, res_id, memory):
+        self.res[res_id] = memory
+
+    def remove_resource(self, res_id):
+        del self.res[res_id]
+
+    def submit(self, command):
+        src, dst = struct.unpack_from("<II", command)
+        self.res[dst][4:8] = self.res[src][0:4]
+        self.res[dst][0:4] = struct.pack("<I", 1)
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = LocalServer(str(tmp_path / "s.sock"), context_factory=EchoContext).start()
+    yield srv
+    srv.close()
+
+
+def raw(server):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(server.path)
+    return s
+
+
+def hello(s):
+    s.sendall(HEADER.pack(Op.HELLO, 0, 8, 1) + struct.pack("<II", HELLO_MAGIC, WIRE_VERSION))
+    header, body, fds = recv_message(s)
+    assert header.err == 0 and len(fds) == 1
+    return fds[0]
+
+
+def request(s, op, payload, seq=2):
+    s.sendall(HEADER.pack(op, 0, len(payload), seq) + payload)
+    header, body, fds = recv_message(s)
+    assert (header.op, header.seq, fds) == (op, seq, [])
+    return header.err, body
+
+
+def wait_for(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_blobs_are_shared_memory_at_their_map_offsets(server):
+    with LocalDevice(server.path) as dev:
+        assert dev.get_param(7) == (1 << 4) | (1 << 10)
+        assert dev.get_caps(10, 24) == struct.pack("<II4I", 1, 1, 0, 0, 0, 0)
+        dev.context_init(10)
+        a, b = dev.create_blob(100), dev.create_blob(3 * 16384)
+        assert (a.size, b.size) == (16384, 3 * 16384)
+        a.memory[0:4] = b"WXYZ"
+        dev.execbuffer(struct.pack("<II", a.res_id, b.res_id))
+        assert bytes(b.memory[0:8]) == b"\x01\0\0\0WXYZ"  # written by the host, read here
+        assert dev.stats() == {"contexts": 1, "blobs": 2, "blob_bytes": 4 * 16384,
+                               "file_bytes": 4 * 16384, "ggml_buffers": -1}
+        dev.destroy_blob(a)
+        c = dev.create_blob(16384)  # reuses a's range: zero-filled again
+        assert bytes(c.memory[0:4]) == b"\0\0\0\0"
+        assert dev.stats()["file_bytes"] == 4 * 16384
+
+
+def test_hostile_requests_get_errno_replies(server):
+    s = raw(server)
+    fd = hello(s)
+    os.close(fd)
+    assert request(s, 99, b"")[0] == errno.ENOSYS
+    assert request(s, Op.GETPARAM, b"\0" * 4)[0] == errno.EINVAL  # wrong length
+    assert request(s, Op.GETPARAM, struct.pack("<Q", 1234))[0] == errno.EINVAL
+    assert request(s, Op.CREATE_BLOB, struct.pack("<IIQQ", 2, 1, 16384, 0))[0] == errno.EINVAL  # no context
+    assert request(s, Op.EXECBUFFER, struct.pack("<IIII", 4, 0, 0, 0))[0] == errno.EINVAL
+    assert request(s, Op.CONTEXT_INIT, struct.pack("<IIQ", 7, 1, 0))[0] == errno.EINVAL
+    assert request(s, Op.CONTEXT_INIT, struct.pack("<IIQ", 10, 0, 0))[0] == errno.EINVAL
+    assert request(s, Op.CONTEXT_INIT, struct.pack("<IIQ", 10, 1, 0)) == (0, b"")
+    assert request(s, Op.CONTEXT_INIT, struct.pack("<IIQ", 10, 1, 0))[0] == errno.EEXIST
+    assert request(s, Op.CREATE_BLOB, struct.pack("<IIQQ", 1, 1, 16384, 0))[0] == errno.EINVAL  # GUEST mem
+    assert request(s, Op.CREATE_BLOB, struct.pack("<IIQQ", 2, 0, 16384, 0))[0] == errno.EINVAL  # not mappable
+    assert request(s, Op.CREATE_BLOB, struct.pack("<IIQQ", 2, 1, 0, 0))[0] == errno.EINVAL
+    assert request(s, Op.CREATE_BLOB, struct.pack("<IIQQ", 2, 1, 1 << 62, 0))[0] == errno.ENOMEM
+    assert request(s, Op.MAP, struct.pack("<II", 77, 0))[0] == errno.ENOENT
+    assert request(s, Op.GEM_CLOSE, struct.pack("<II", 77, 0))[0] == errno.ENOENT
+    assert request(s, Op.EXECBUFFER, struct.pack("<IIII", 1, 0, 0, 0))[0] == errno.EINVAL  # fence flag
+    assert request(s, Op.EXECBUFFER, struct.pack("<IIII", 4, 0, 1, 0))[0] == errno.EINVAL  # ring 1 of 1
+    assert request(s, Op.EXECBUFFER, struct.pack("<IIII", 4, 9, 0, 0) + b"x")[0] == errno.EINVAL  # size lies
+    # A length the stream cannot survive: the host hangs up, and frees what it had.
+    s.sendall(HEADER.pack(Op.EXECBUFFER, 0, 1 << 30, 3))
+    assert s.recv(16) == b""
+    s.close()
+    assert wait_for(lambda: server.stats().contexts == 0)
+
+
+def test_bad_hello_is_refused(server):
+    s = raw(server)
+    s.sendall(HEADER.pack(Op.HELLO, 0, 8, 1) + struct.pack("<II", HELLO_MAGIC, 999))
+    header, _, fds = recv_message(s)
+    assert (header.err, fds) == (errno.EPROTONOSUPPORT, [])
+    assert s.recv(16) == b""
+    s2 = raw(server)
+    s2.sendall(HEADER.pack(Op.GETPARAM, 0, 8, 1) + bytes(8))  # no HELLO first
+    assert s2.recv(16) == b""
+
+
+def test_several_guests_each_their_own_context(server):
+    devs = [LocalDevice(server.path) for _ in range(3)]
+    try:
+        for i, d in enumerate(devs):
+            d.context_init(10)
+            for _ in range(i + 1):
+                d.create_blob(16384)
+        st = server.stats()
+        assert (st.contexts, st.blobs) == (3, 6)
+        devs[1].close()
+        assert wait_for(lambda: server.stats().blobs == 4)
+        assert server.stats().contexts == 2
+    finally:
+        for d in devs:
+            d.close()
+
+
+_GUEST = r"""
+import sys, time
+from apir.guest.client import ApirClient
+from apir.guest.local import LocalDevice
+c = ApirClient.connect(LocalDevice(sys.argv[1]), data_size=65536)
+buft = c.device_get_buffer_type()
+handles = [c.buffer_type_alloc_buffer(buft, 1 << 20) for _ in range(3)]
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    h = HostProcess(tmp_path_factory.mktemp("kill") / "apir.sock")
+    yield h
+    h.stop()
+
+
+def test_killing_a_guest_frees_its_buffers_on_the_host(host):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    guest = subprocess.Popen([sys.executable, "-c", _GUEST, host.path], stdout=subprocess.PIPE, env=env)
+    try:
+        assert guest.stdout.readline() == b"ready\n"
+        before = host_stats(host.path)
+        # its reply blob + data window, and the three ggml buffers it allocated
+        assert (before["contexts"], before["blobs"], before["ggml_buffers"]) == (1, 2, 3)
+        guest.send_signal(signal.SIGKILL)
+        guest.wait()
+        assert wait_for(lambda: host_stats(host.path)["contexts"] == 0)
+        assert host_stats(host.path) == {"contexts": 0, "blobs": 0, "blob_bytes": 0,
+                                         "file_bytes": 0, "ggml_buffers": 0}
+    finally:
+        if guest.poll() is None:
+            guest.kill()
+            guest.wait()
+
+
+def test_killing_the_host_mid_call_is_a_clear_error_at_once(tmp_path):
+    h = HostProcess(tmp_path / "apir.sock")
+    try:
+        client = ApirClient.connect(LocalDevice(h.path), data_size=65536)
+        assert client.device_get_type() == 0  # GGML_BACKEND_DEVICE_TYPE_CPU (the CPU backend)
+        h.signal(signal.SIGSTOP)  # the next call stays in flight
+        outcome = {}
+
+        def call():
+            t0 = time.monotonic()
+            try:
+                client.device_get_type()
+            except Exception as exc:
+                outcome["error"] = exc
+            outcome["elapsed"] = time.monotonic() - t0
+
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(0.3)
+        assert t.is_alive()
+        h.signal(signal.SIGKILL)
+        t.join(10)
+        assert isinstance(outcome["error"], HostConnectionLost)
+        assert "closed the connection" in str(outcome["error"])
+        assert outcome["elapsed"] < 2.0  # far inside the call's 300 s limit
+        with pytest.raises(HostConnectionLost):
+            client.device_get_name()
+    finally:
+        h.stop()
+
+
+def test_refused_ioctl_is_an_ioctl_error(server):
+    with LocalDevice(server.path) as dev:
+        with pytest.raises(IoctlError) as info:
+            dev.create_blob(16384)
+        assert info.value.errno == errno.EINVAL
+        assert info.value.request == "DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB"

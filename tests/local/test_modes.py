@@ -1,0 +1,49 @@
+"""The guest's client test suite (tests/guest/test_client.py) over the local transports: an
+embedded host (a thread of this process) and a separate `apir host serve` process, both
+serving the real HostContext over the CPU backend of libggml-python."""
+
+import pytest
+
+from apir.guest.client import ApirClient
+from apir.guest.embedded import EmbeddedDevice
+from apir.guest.local import LocalDevice
+from tests.local.hostproc import HostProcess
+
+guest_suite = pytest.importorskip("tests.guest.test_client")
+WINDOW = guest_suite.WINDOW  # the guest suite's small data window: transfers get chunked
+
+
+@pytest.fixture(scope="module", params=["embedded", "socket"])
+def client(request, tmp_path_factory):
+    host = None
+    if request.param == "embedded":
+        device = EmbeddedDevice()
+    else:
+        host = HostProcess(tmp_path_factory.mktemp("host") / "apir.sock")
+        device = LocalDevice(host.path)
+    c = ApirClient.connect(device, data_size=WINDOW)
+    yield c
+    c.close()
+    if host is not None:
+        host.stop()
+
+
+g = guest_suite.g
+buffer = guest_suite.buffer
+
+# The client-path tests of the guest suite, unchanged; they take `client` from here. (Its
+# eight-thread test reads the test device's own counters, so it has no twin here.)
+test_device_functions_match_the_cpu_backend = guest_suite.test_device_functions_match_the_cpu_backend
+test_buffer_type_functions = guest_suite.test_buffer_type_functions
+test_inline_tensors_supports_op_and_alloc_size = guest_suite.test_inline_tensors_supports_op_and_alloc_size
+test_set_get_chunked_roundtrip_and_base = guest_suite.test_set_get_chunked_roundtrip_and_base
+test_cpy_clear_and_graph_compute = guest_suite.test_cpy_clear_and_graph_compute
+test_graph_larger_than_the_window_uses_a_temporary_blob = \
+    guest_suite.test_graph_larger_than_the_window_uses_a_temporary_blob
+test_buffer_clear = guest_suite.test_buffer_clear
+test_buffer_from_ptr_is_zero_copy = guest_suite.test_buffer_from_ptr_is_zero_copy
+
+
+def test_handshake_over_the_transport(client):
+    assert client.host_version == (0, 2)
+    assert client.remote.capset_id == 10
