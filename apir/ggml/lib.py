@@ -115,6 +115,8 @@ SIGNATURES: Dict[str, str] = {
     "ggml_is_contiguous_rows": "b:p", "ggml_get_unary_op": "i:p", "ggml_unary_op_name": "s:i",
     "ggml_backend_buffer_copy_tensor": "b:pp", "ggml_backend_dev_host_buffer_type": "p:p",
     "ggml_status_to_string": "s:i", "ggml_backend_cpu_reg": "p:",
+    # guest ggml backend (apir/guest/backend) and its numpy helpers
+    "ggml_n_dims": "i:p",
 }
 
 
