@@ -98,6 +98,11 @@ def alloc_buffer(owner, buft: int, size: int) -> int:
     return ptr
 
 
+def _bytes_at(address: int, size: int) -> memoryview:
+    """A writable byte ("B") view of C memory ggml handed us, valid for the callback's duration."""
+    return memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
+
+
 def _checked_span(g, rb: RemoteBuffer, tensor: int, offset: int, size: int) -> int:
     """Address of `size` bytes at `offset` into the tensor's data, inside `rb`'s mapping."""
     addr = tensor_field(g, tensor, "data") + offset
@@ -128,16 +133,14 @@ def build_buffer_iface(owner):
         if rb.is_from_ptr:
             ctypes.memmove(_checked_span(g, rb, tensor, offset, size), data, size)
         else:
-            owner.client.buffer_set_tensor(rb.host_handle, rpc(tensor), offset,
-                                           memoryview((ctypes.c_char * size).from_address(data)))
+            owner.client.buffer_set_tensor(rb.host_handle, rpc(tensor), offset, _bytes_at(data, size))
 
     def get_tensor(buf, tensor, data, offset, size):
         rb = owner.buffer(buf)
         if rb.is_from_ptr:
             ctypes.memmove(data, _checked_span(g, rb, tensor, offset, size), size)
         else:
-            owner.client.buffer_get_tensor(rb.host_handle, rpc(tensor), offset,
-                                           memoryview((ctypes.c_char * size).from_address(data)))
+            owner.client.buffer_get_tensor(rb.host_handle, rpc(tensor), offset, _bytes_at(data, size))
 
     def memset_tensor(buf, tensor, value, offset, size):
         rb = owner.buffer(buf)
