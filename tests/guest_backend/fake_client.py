@@ -78,8 +78,8 @@ class FakeClient:
         self._log("device_get_buffer_type")
         return 0xB0F7
 
-    def device_supports_op(self, tensor_addr):
-        self._log("device_supports_op", tensor_addr)
+    def device_supports_op(self, tensor_addr, buffer_handle=0):
+        self._log("device_supports_op", tensor_addr, buffer_handle)
         return False
 
     def device_buffer_from_ptr(self, size, max_tensor_size):
@@ -117,8 +117,8 @@ class FakeClient:
         self.buffers[handle] = bytearray(size)
         return handle
 
-    def buffer_type_get_alloc_size(self, buft, tensor_addr):
-        self._log("buffer_type_get_alloc_size", buft, tensor_addr)
+    def buffer_type_get_alloc_size(self, buft, tensor_addr, buffer_handle=0):
+        self._log("buffer_type_get_alloc_size", buft, tensor_addr, buffer_handle)
         return 4096
 
     def _new_handle(self):

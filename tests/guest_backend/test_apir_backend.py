@@ -85,7 +85,7 @@ def test_supports_op_local_by_default_remote_when_asked(ggml, ctx):
     be.close()
     client, be = make(g, remote_supports_op=True)
     assert not g.ggml_backend_dev_supports_op(be.device, t)
-    assert client.calls[-1] == ("device_supports_op", t)
+    assert client.calls[-1] == ("device_supports_op", t, 0)
     be.close()
 
 
@@ -263,3 +263,20 @@ def test_close_with_a_live_buffer_keeps_callbacks(ggml, ctx):
     gc.collect()
     g.ggml_backend_buffer_free(buf)  # still lands on live callbacks, still frees the host buffer
     assert len(client.freed) == 1
+
+
+def test_get_alloc_size_asks_the_host_only_for_its_own_buffers(ggml, ctx):
+    g = ggml
+    client, be = make(g, remote_supports_op=True)
+    t = g.ggml_new_tensor_1d(ctx, g.types["F32"], 10)
+    # Not in a buffer yet (what the allocators see): ggml_nbytes, no remote call.
+    assert g.ggml_backend_buft_get_alloc_size(be.buffer_type, t) == 40
+    assert "buffer_type_get_alloc_size" not in client.names()
+    buf = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, be.buffer_type)
+    (handle,) = client.buffers
+    assert g.ggml_backend_buft_get_alloc_size(be.buffer_type, t) == 4096
+    assert client.calls[-1] == ("buffer_type_get_alloc_size", 0xB0F7, t, handle)
+    g.ggml_backend_dev_supports_op(be.device, t)
+    assert client.calls[-1] == ("device_supports_op", t, handle)
+    g.ggml_backend_buffer_free(buf)
+    be.close()

@@ -33,7 +33,9 @@ def build_buffer_type_iface(owner):
         if abi.BufferType.from_address(abi.Buffer.from_address(buf).buft).device != device:
             return nbytes
         try:
-            return max(nbytes, int(owner.client.buffer_type_get_alloc_size(info.buft_handle, tensor)))
+            size = owner.client.buffer_type_get_alloc_size(info.buft_handle, tensor,
+                                                           buffer_handle=owner.buffer(buf).host_handle)
+            return max(nbytes, int(size))
         except Exception as exc:  # ggml has no error path here: fall back to ggml's default
             record_error("buffer_type.get_alloc_size", exc)
             return nbytes

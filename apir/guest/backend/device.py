@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import ctypes
 
+from apir.guest.backend.buffer import tensor_field
+
 __all__ = ["build_device_iface", "build_device"]
 
 
@@ -52,7 +54,9 @@ def build_device_iface(owner):
     def supports_op(dev, op):
         if not owner.remote_supports_op:
             return True
-        return bool(owner.client.device_supports_op(op))
+        buf = tensor_field(owner.g, op, "buffer")
+        handle = owner.buffer(buf).host_handle if buf and owner.has_buffer(buf) else 0
+        return bool(owner.client.device_supports_op(op, buffer_handle=handle))
 
     def supports_buft(dev, buft):
         return abi.BufferType.from_address(buft).device == dev
