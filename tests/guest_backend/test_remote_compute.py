@@ -162,3 +162,34 @@ def test_device_answers_come_from_the_host(ggml, backend, client):
     # Cached at start, as the C: the total is the host's, the free memory what it was then.
     assert total.value == client.device_get_memory()[1]
     assert free.value == backend.info.memory_free
+
+
+def test_threads_share_one_backend(ggml, backend):
+    g = ggml
+    n_threads, rounds = 4, 10
+    ctx = Ctx(g, 2 * n_threads)
+    errors = []
+    try:
+        tensors = [g.ggml_new_tensor_1d(ctx.ptr, g.types["F32"], 3000) for _ in range(n_threads)]
+        buf = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx.ptr, backend.buffer_type)
+
+        def work(i):
+            try:
+                for r in range(rounds):
+                    x = np.full(3000, i * 1000 + r, np.float32)
+                    tensor_set(g, tensors[i], x)
+                    assert (tensor_get(g, tensors[i]) == x).all()
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        import threading
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        g.ggml_backend_buffer_free(buf)
+    finally:
+        ctx.free()
+    assert errors == []
