@@ -115,15 +115,14 @@ class ApirBackend:
         dev_iface = build_device_iface(self)
         buft_iface = build_buffer_type_iface(self)
         self._devices: Dict[int, _Device] = {}
-        self.device_ptrs: List[int] = []
+        self.devices: List[int] = []
         for i in range(self.info.device_count):
             dev = build_device(self, dev_iface, self.reg)
             dev_ptr = ctypes.addressof(dev)
             buft = build_buffer_type(self, buft_iface, dev_ptr)
             self._devices[dev_ptr] = _Device(i, dev, dev_ptr, buft, ctypes.addressof(buft))
-            self.device_ptrs.append(dev_ptr)
-        self.devices = list(self.device_ptrs)
-        self.device = self.device_ptrs[0]
+            self.devices.append(dev_ptr)
+        self.device = self.devices[0]
         self.buffer_type = self._devices[self.device].buffer_type_ptr
         self.backend = self.init_backend(self.device)
 

@@ -26,13 +26,10 @@ a memset in the mapping, or a `buffer_set_tensor` of repeated bytes.
 from __future__ import annotations
 
 import ctypes
-import logging
 from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["RemoteBuffer", "alloc_buffer", "build_buffer_iface", "memory_address", "tensor_field"]
-
-log = logging.getLogger("apir.guest.backend")
 
 
 @dataclass
@@ -72,16 +69,17 @@ def alloc_buffer(owner, buft: int, size: int) -> int:
     blob = None
     if owner.zero_copy:
         blob, handle, _buft = client.device_buffer_from_ptr(size, size)
-        base = memory_address(blob.memory)
-        if len(blob.memory) < size:
-            raise RuntimeError(f"device_buffer_from_ptr: blob of {len(blob.memory)} bytes for {size}")
     else:
         handle = client.buffer_type_alloc_buffer(info.buft_handle, size)
     if not handle:
         owner.release_blob(blob)
         raise MemoryError(f"the host could not allocate a buffer of {size} bytes")
     try:
-        if blob is None:
+        if blob is not None:
+            if len(blob.memory) < size:
+                raise RuntimeError(f"device_buffer_from_ptr: blob of {len(blob.memory)} bytes for {size}")
+            base = memory_address(blob.memory)
+        else:
             # The C asks lazily in get_base; ggml asks right after allocating anyway, and
             # asking here lets a failure become a NULL buffer instead of an abort in get_base.
             base = client.buffer_get_base(handle)

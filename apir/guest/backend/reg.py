@@ -57,19 +57,19 @@ def fetch_remote_info(client) -> RemoteInfo:
 
 def build_reg(owner):
     """The `ggml_backend_reg` struct of `owner` (an ApirBackend): a Python-owned ctypes
-    instance that ggml never frees. Its iface reads `owner.info` and `owner.device_ptrs`."""
+    instance that ggml never frees. Its iface reads `owner.info` and `owner.devices`."""
     abi, cb = owner.abi, owner.callbacks
     name = cb.cstring(REG_NAME)
 
     def get_device(reg, index):
-        ptrs = owner.device_ptrs
+        ptrs = owner.devices
         if index >= len(ptrs):  # the C asserts; ggml only asks below get_device_count
             raise IndexError(f"device {index} of {len(ptrs)}")
         return ptrs[index]
 
     iface = cb.iface(abi.RegI, abi.protos["ggml_backend_reg_i"], {
         "get_name": (lambda reg: name, None),
-        "get_device_count": (lambda reg: len(owner.device_ptrs), 0),
+        "get_device_count": (lambda reg: len(owner.devices), 0),
         "get_device": (get_device, None),
     }, "reg")
     return cb.keep(abi.Reg(api_version=abi.backend_api_version, iface=iface, context=None))

@@ -12,8 +12,6 @@ Failures inside apir's backend callbacks are recorded per thread and raised here
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
 from apir.guest.backend.callbacks import clear_errors, raise_errors
