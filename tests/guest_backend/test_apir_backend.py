@@ -280,3 +280,14 @@ def test_get_alloc_size_asks_the_host_only_for_its_own_buffers(ggml, ctx):
     assert client.calls[-1] == ("device_supports_op", t, handle)
     g.ggml_backend_buffer_free(buf)
     be.close()
+
+
+def test_unknown_ggml_version_is_refused_before_any_remote_call(ggml):
+    from types import SimpleNamespace
+
+    from apir.guest.backend import UnsupportedGgmlVersion
+
+    client = FakeClient(ggml)
+    with pytest.raises(UnsupportedGgmlVersion, match="0.99.0"):
+        ApirBackend(client, SimpleNamespace(version="0.99.0", lib_dir="/nowhere"))
+    assert client.calls == []
