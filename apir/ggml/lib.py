@@ -117,6 +117,8 @@ SIGNATURES: Dict[str, str] = {
     "ggml_status_to_string": "s:i", "ggml_backend_cpu_reg": "p:",
     # models (apir.models: the all-MiniLM-L6-v2 graph)
     "ggml_l2_norm": "p:ppf",
+    # guest ggml backend (apir/guest/backend) and its numpy helpers
+    "ggml_n_dims": "i:p",
 }
 
 

@@ -1,0 +1,167 @@
+"""Remote buffers (`ggml_backend_buffer`), twin of the C guest's ggml-backend-buffer.cpp and
+of `ggml_backend_remoting_buffer_type_alloc_buffer`.
+
+Theory of operation: a buffer lives on the host, named by the host's handle (u64). ggml owns
+the `ggml_backend_buffer` struct (made by `ggml_backend_buffer_init`, deleted by
+`ggml_backend_buffer_free` after our `free_buffer`); apir keeps a `RemoteBuffer` per struct
+address and registers (address, handle, base) in the backend's `BufferTable`, which the
+graph serializer uses to turn `tensor->buffer` into a handle and `tensor->data` into an offset.
+
+Two kinds, chosen at allocation like the C:
+- host-only (`buffer_type_alloc_buffer`): the base is the host's address, asked once with
+  `buffer_get_base` and only ever used to compute offsets; tensor data moves with
+  `buffer_set_tensor` / `buffer_get_tensor` through the client's data window.
+- guest-mapped (`device_buffer_from_ptr`, when the host offers buffer_from_host_ptr): the
+  buffer is a shared blob mapped here too, so the base is the mapping's address and tensor
+  data is copied in and out with memmove, zero-copy for the host. apir checks each copy
+  against the mapping's bounds (the C trusts ggml's asserts).
+
+`clear`, `cpy_tensor` and `free_buffer` are remote calls for both kinds. `cpy_tensor`
+answers false (ggml then copies through the guest) when the source is not one of this
+backend's buffers, where the C would send the host a handle it does not know.
+`memset_tensor`, NULL in the C (ggml_backend_tensor_memset then asserts), is filled here:
+a memset in the mapping, or a `buffer_set_tensor` of repeated bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["RemoteBuffer", "alloc_buffer", "build_buffer_iface", "memory_address", "tensor_field"]
+
+
+@dataclass
+class RemoteBuffer:
+    """apir's side of one `ggml_backend_buffer_t` (the C `ggml_backend_remoting_buffer_context`)."""
+
+    ptr: int  # the ggml_backend_buffer struct's address
+    host_handle: int  # apir_buffer_host_handle_t
+    base: int  # guest address tensor offsets are taken from (host's base, or the mapping's)
+    size: int  # bytes
+    blob: Optional[object] = None  # the guest-mapped blob (device_buffer_from_ptr), else None
+
+    @property
+    def is_from_ptr(self) -> bool:
+        return self.blob is not None
+
+
+def memory_address(memory) -> int:
+    """Address of the first byte of a writable buffer (an mmap), without keeping an export
+    on it (so the mmap can still be closed)."""
+    view = (ctypes.c_char * 1).from_buffer(memory)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
+
+
+def tensor_field(g, tensor: int, name: str) -> int:
+    """A pointer-sized field ("data", "buffer") of the ggml_tensor at `tensor`."""
+    return ctypes.c_void_p.from_address(tensor + g.tensor_dtype.fields[name][1]).value or 0
+
+
+def alloc_buffer(owner, buft: int, size: int) -> int:
+    """A new remote buffer of `size` bytes with buffer type `buft`; returns the
+    ggml_backend_buffer_t (int). Raises on failure (the callback turns that into NULL)."""
+    client, info = owner.client, owner.info
+    blob = None
+    if owner.zero_copy:
+        blob, handle, _buft = client.device_buffer_from_ptr(size, size)
+    else:
+        handle = client.buffer_type_alloc_buffer(info.buft_handle, size)
+    if not handle:
+        owner.release_blob(blob)
+        raise MemoryError(f"the host could not allocate a buffer of {size} bytes")
+    try:
+        if blob is not None:
+            if len(blob.memory) < size:
+                raise RuntimeError(f"device_buffer_from_ptr: blob of {len(blob.memory)} bytes for {size}")
+            base = memory_address(blob.memory)
+        else:
+            # The C asks lazily in get_base; ggml asks right after allocating anyway, and
+            # asking here lets a failure become a NULL buffer instead of an abort in get_base.
+            base = client.buffer_get_base(handle)
+        ptr = owner.abi.buffer_init(owner.g)(buft, owner.buffer_iface, None, size)
+        if not ptr:
+            raise MemoryError("ggml_backend_buffer_init returned NULL")
+    except BaseException:
+        try:
+            client.buffer_free_buffer(handle)
+        finally:
+            owner.release_blob(blob)
+        raise
+    owner.add_buffer(RemoteBuffer(ptr, int(handle), int(base), size, blob))
+    return ptr
+
+
+def _bytes_at(address: int, size: int) -> memoryview:
+    """A writable byte ("B") view of C memory ggml handed us, valid for the callback's duration."""
+    return memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
+
+
+def _checked_span(g, rb: RemoteBuffer, tensor: int, offset: int, size: int) -> int:
+    """Address of `size` bytes at `offset` into the tensor's data, inside `rb`'s mapping."""
+    addr = tensor_field(g, tensor, "data") + offset
+    if addr < rb.base or addr + size > rb.base + rb.size:
+        raise ValueError(f"tensor 0x{tensor:x}: [{addr:#x}, +{size}) is outside its buffer "
+                         f"[{rb.base:#x}, +{rb.size})")
+    return addr
+
+
+def build_buffer_iface(owner):
+    """The `ggml_backend_buffer_i` shared by all of `owner`'s buffers."""
+    from apir.codec.graph import rpc_tensor_from_ggml
+
+    g, abi, cb = owner.g, owner.abi, owner.callbacks
+
+    def rpc(tensor):
+        return rpc_tensor_from_ggml(g, tensor, owner.buffer_table)
+
+    def free_buffer(buf):
+        rb = owner.remove_buffer(buf)
+        try:
+            owner.client.buffer_free_buffer(rb.host_handle)
+        finally:
+            owner.release_blob(rb.blob)
+
+    def set_tensor(buf, tensor, data, offset, size):
+        rb = owner.buffer(buf)
+        if rb.is_from_ptr:
+            ctypes.memmove(_checked_span(g, rb, tensor, offset, size), data, size)
+        else:
+            owner.client.buffer_set_tensor(rb.host_handle, rpc(tensor), offset, _bytes_at(data, size))
+
+    def get_tensor(buf, tensor, data, offset, size):
+        rb = owner.buffer(buf)
+        if rb.is_from_ptr:
+            ctypes.memmove(data, _checked_span(g, rb, tensor, offset, size), size)
+        else:
+            owner.client.buffer_get_tensor(rb.host_handle, rpc(tensor), offset, _bytes_at(data, size))
+
+    def memset_tensor(buf, tensor, value, offset, size):
+        rb = owner.buffer(buf)
+        if rb.is_from_ptr:
+            ctypes.memset(_checked_span(g, rb, tensor, offset, size), value, size)
+        else:
+            owner.client.buffer_set_tensor(rb.host_handle, rpc(tensor), offset, bytes([value]) * size)
+
+    def cpy_tensor(buf, src, dst):
+        rb = owner.buffer(buf)
+        if not owner.has_buffer(tensor_field(g, src, "buffer")):
+            return False
+        return bool(owner.client.buffer_cpy_tensor(rb.host_handle, rpc(src), rpc(dst)))
+
+    def clear(buf, value):
+        owner.client.buffer_clear(owner.buffer(buf).host_handle, value)
+
+    return cb.iface(abi.BufferI, abi.protos["ggml_backend_buffer_i"], {
+        "free_buffer": (free_buffer, None),
+        "get_base": (lambda buf: owner.buffer(buf).base, None),
+        "memset_tensor": (memset_tensor, None),
+        "set_tensor": (set_tensor, None),
+        "get_tensor": (get_tensor, None),
+        "cpy_tensor": (cpy_tensor, False),
+        "clear": (clear, None),
+    }, "buffer")
