@@ -3,8 +3,8 @@
 Theory of operation: `main` builds one argparse parser whose subcommands come from modules; each
 module has ``add_parser(subparsers, parents)`` which adds its parser(s) and sets
 ``run=<callable(args) -> int>`` as a default. This file's own commands are `apir host serve` and
-`apir info`; other modules join by being named in `SUBCOMMAND_MODULES` (a module there that does
-not exist yet is skipped). Logging goes through the standard logging module (``--log-level``);
+`apir info`; other modules join by being named in `SUBCOMMAND_MODULES` (`apir embed` comes from
+apir.models.cli_embed). Logging goes through the standard logging module (``--log-level``);
 any failure becomes one line ``apir: error: ...`` on stderr and a non-zero exit status (1 for an
 error, 2 for bad usage, 130 for Ctrl-C).
 """
@@ -32,7 +32,7 @@ __all__ = ["main", "build_parser", "SUBCOMMAND_MODULES", "host_config_from_args"
 log = logging.getLogger("apir.cli")
 
 # Modules adding subcommands (each with add_parser(subparsers, parents)); this one first.
-SUBCOMMAND_MODULES = ["apir.cli", "apir.models.cli"]
+SUBCOMMAND_MODULES = ["apir.cli", "apir.models.cli_embed"]
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -190,12 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="API Remoting (APIR) for ggml, in Python.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in SUBCOMMAND_MODULES:
-        try:
-            module = sys.modules[__name__] if name == __name__ else importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name is not None and name.startswith(exc.name):
-                continue  # that module is not there (yet): its commands are simply absent
-            raise
+        module = sys.modules[__name__] if name == __name__ else importlib.import_module(name)
         module.add_parser(subparsers, [common])
     return parser
 

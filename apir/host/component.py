@@ -33,6 +33,7 @@ import struct
 import threading
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
+from apir.codec.atomics import store_release_u32
 from apir.codec.constants import (
     APIR_HANDSHAKE_MAGIC,
     APIR_PROTOCOL_MAJOR,
@@ -72,22 +73,10 @@ CONFIG_ENV_FALLBACKS: Dict[str, str] = {
     CONFIG_KEY_GGML_LIBRARY_REG: ENV_GGML_LIBRARY_REG,
 }
 
-try:  # another helper is adding the codec's atomics; use them once they are on main
-    from apir.codec.atomics import store_release_u32 as _store_release_u32  # type: ignore
-except ImportError:  # pragma: no cover - depends on what main holds
-    _store_release_u32 = None
-
-
 def _store_notification(memory: memoryview, value: int) -> None:
-    """Stores the reply notification word at byte 0 after the payload is written."""
-    if _store_release_u32 is not None:
-        _store_release_u32(memory, 0, value)
-        return
-    # TODO(atomics): replace with apir.codec.atomics.store_release_u32 once it is on main.
-    # Meanwhile: one aligned 4-byte store (memoryview 'I' packs with a single u32 write; the
-    # blob's byte 0 is page-aligned for an mmap), after every payload byte was written by
-    # the interpreter, whose own locking orders the stores on x86 and arm64 alike.
-    memory[:NOTIFICATION_SIZE].cast("I")[0] = value & 0xFFFFFFFF
+    """Stores the reply notification word at byte 0, after the payload, with release
+    ordering: a guest that sees the word (acquire load) sees the whole payload."""
+    store_release_u32(memory, 0, value & 0xFFFFFFFF)
 
 
 def _builtin_library() -> BackendLibrary:

@@ -3,13 +3,10 @@
 Theory of operation: workloads take a `ggml_backend_t` and a buffer type and never ask where
 they are. `open_backend(socket=None, drm=None)` picks one for the `apir embed` command and the
 benchmark: through APIR (the guest ggml backend, `apir.guest.backend`) over the embedded host
-by default, a local host's Unix socket (`socket`) or a virtio-gpu render node (`drm`). Until
-that guest backend exists in this build, the default falls back to ggml's CPU backend in this
-process and says so (`OpenedBackend.fallback`, `.description`); an explicit `socket` or `drm`
-raises BackendUnavailable instead of quietly computing somewhere else.
-
-`_open_apir` is the one function to wire to apir.guest.backend: it must return an
-`OpenedBackend` whose `close` frees what it opened.
+by default, a local host's Unix socket (`socket`) or a virtio-gpu render node (`drm`). If the
+embedded host cannot start, the default falls back to ggml's CPU backend in this process and
+says so (`OpenedBackend.fallback`, `.description`); an explicit `socket` or `drm` raises
+BackendUnavailable instead of quietly computing somewhere else.
 """
 
 from __future__ import annotations
@@ -78,15 +75,35 @@ def open_local_cpu(n_threads: Optional[int] = None, fallback_reason: Optional[st
 
 
 def _open_apir(socket: Optional[str], drm: Optional[str]) -> OpenedBackend:
-    """The APIR guest backend over the chosen transport. Raises BackendUnavailable."""
+    """The APIR guest backend (apir.guest.backend) over the chosen transport: a host's Unix
+    socket, a render node, or with neither the embedded host. Raises BackendUnavailable when
+    the device or the host cannot be reached."""
+    from apir.guest.backend import ApirBackend
+    from apir.guest.connect import device_kind, open_client
+    from apir.guest.errors import ApirError
+
+    transport = device_kind(socket, drm)
     try:
-        from apir.guest import backend as guest_backend  # noqa: F401
-    except ImportError as exc:
-        raise BackendUnavailable("the APIR guest ggml backend (apir.guest.backend) is not in this build yet") from exc
-    # Wire here: open the device (EmbeddedDevice / LocalDevice(socket) / DrmDevice(drm)), build
-    # the guest backend on it and return OpenedBackend(backend, buft, transport, description,
-    # _close=...). Until then this says so rather than guess at an interface still being written.
-    raise BackendUnavailable("apir.guest.backend exists but apir.models.backends._open_apir is not wired to it yet")
+        client = open_client(socket=socket, drm=drm)
+    except (ApirError, OSError) as exc:
+        raise BackendUnavailable(f"cannot open the APIR {transport} device: {exc}") from exc
+    try:
+        apir_backend = ApirBackend(client)
+    except BaseException:
+        client.close()
+        raise
+    g = apir_backend.g
+    name = g.ggml_backend_dev_name(apir_backend.device).decode()
+    where = {"embedded": "embedded host in this process", "socket": f"host at {socket}",
+             "drm": f"virtio-gpu node {drm}"}[transport]
+    description = f"{name} through APIR {'.'.join(map(str, client.host_version))} ({where})"
+
+    def close() -> None:
+        apir_backend.close()
+        client.close()
+
+    return OpenedBackend(apir_backend.backend, apir_backend.buffer_type, transport, description,
+                         _close=close)
 
 
 def open_backend(socket: Optional[str] = None, drm: Optional[str] = None,

@@ -25,14 +25,15 @@ __all__ = ["add_parser", "run", "main", "DEFAULT_SHOWN"]
 DEFAULT_SHOWN = 8  # values of each embedding printed in text mode
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Adds `embed` to an `ArgumentParser.add_subparsers()` object; sets `func=run`."""
+def add_parser(subparsers, parents=()) -> argparse.ArgumentParser:
+    """Adds `embed` to an `ArgumentParser.add_subparsers()` object (apir.cli's subcommand
+    convention: `parents` carries the shared options); sets `run=run`."""
     p = subparsers.add_parser(
-        "embed", help="sentence embeddings with all-MiniLM-L6-v2 through APIR",
+        "embed", parents=list(parents), help="sentence embeddings with all-MiniLM-L6-v2 through APIR",
         description="Embed sentences with all-MiniLM-L6-v2 (384 values, unit length) on the host's "
                     "ggml backend through APIR; prints the first values and the cosine-similarity matrix.")
     _configure(p)
-    p.set_defaults(func=run)
+    p.set_defaults(run=run)
     return p
 
 

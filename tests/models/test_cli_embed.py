@@ -19,7 +19,7 @@ def _args(*argv):
 
 def test_json_has_everything(capsys, minilm):
     args = _args("--json", "--local-cpu", *SENTENCES)
-    assert args.func is cli_embed.run
+    assert args.run is cli_embed.run
     assert cli_embed.run(args, assets=minilm.assets) == 0
     doc = json.loads(capsys.readouterr().out)
     emb = np.array(doc["embeddings"], np.float64)
