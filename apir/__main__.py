@@ -1,0 +1,7 @@
+"""`python -m apir ...` runs the `apir` command (apir.cli), with no PATH set-up needed."""
+
+import sys
+
+from apir.cli import main
+
+sys.exit(main())
