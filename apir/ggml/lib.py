@@ -127,7 +127,7 @@ SIGNATURES: Dict[str, str] = {
     "ggml_count_equal": "p:ppp", "ggml_repeat": "p:ppp", "ggml_repeat_back": "p:ppp",
     "ggml_concat": "p:pppi", "ggml_pad_ext": "p:ppiiiiiiii", "ggml_arange": "p:pfff",
     "ggml_timestep_embedding": "p:ppii", "ggml_argsort": "p:ppi", "ggml_top_k": "p:ppi",
-    "ggml_set_rows": "p:pppp",
+    "ggml_set_rows": "p:pppp", "ggml_rope_ext": "p:ppppiiiffffff", "ggml_rope_multi": "p:ppppipiiffffff",
 }
 
 

@@ -33,6 +33,7 @@ class OpEnums:
 
     unary_count: int
     glu: Dict[str, int] = field(default_factory=dict)  # `enum ggml_glu_op`, COUNT included
+    rope: Dict[str, int] = field(default_factory=dict)  # the GGML_ROPE_TYPE_* modes
 
     @property
     def glu_count(self) -> int:
@@ -40,13 +41,17 @@ class OpEnums:
 
 
 def op_enums(g) -> OpEnums:
-    """`OpEnums` of build `g`, from its ggml.h (`enum ggml_unary_op`, `enum ggml_glu_op`)."""
+    """`OpEnums` of build `g`, from its ggml.h (`enum ggml_unary_op`, `enum ggml_glu_op`,
+    `#define GGML_ROPE_TYPE_*`)."""
+    import re
+
     from apir.ggml.lib import _parse_enum
 
     text = (g.include_dir / "ggml.h").read_text()
     unary = _parse_enum(text, "ggml_unary_op", "GGML_UNARY_OP_")["COUNT"]
     glu = _parse_enum(text, "ggml_glu_op", "GGML_GLU_OP_") if "enum ggml_glu_op" in text else {}
-    return OpEnums(unary, glu)
+    rope = {m.group(1): int(m.group(2)) for m in re.finditer(r"#\s*define\s+GGML_ROPE_TYPE_(\w+)\s+(\d+)", text)}
+    return OpEnums(unary, glu, rope)
 
 __all__ = ["TensorInfo", "OpEnums", "op_enums", "check_node", "CHECKED_OPS"]
 
@@ -539,6 +544,41 @@ def _set_rows(node, srcs, _enums=None):
     _check_row_ids(node, c, a.ne[1])
 
 
+def _rope(node, srcs, enums):
+    """ROPE (ggml_rope_impl and the CPU's rope_flt): src0 F32/F16 with the result's shape,
+    positions I32 (4 per row of ne[2] for the multi-section modes), optional F32 frequency
+    factors. The kernel rotates pairs inside the first n_dims (or, in vision mode, both
+    halves), copies the rest two at a time, and reads one frequency factor per pair of ne[0]."""
+    a, pos = _need(node, srcs, 2)
+    ff = srcs[2] if len(srcs) > 2 else None
+    modes = enums.rope
+    n_dims, mode = _param_i32(node, 1), _param_i32(node, 2)
+    if not modes or mode not in modes.values():
+        _fail(node, f"rope mode {mode} unknown")
+    multi = bool(mode & modes.get("MROPE", 0))
+    vision = mode == modes.get("VISION")
+    _same_shape(node, a, "src0")
+    if a.type_name not in ("F32", "F16") or node.type_name != a.type_name:
+        _fail(node, f"types {a.type_name} -> {node.type_name}")
+    if not (a.rows_contiguous() and node.rows_contiguous()):
+        _fail(node, "rows are not contiguous")
+    ne0 = a.ne[0]
+    # Odd ne[0] would make the pairwise copy past n_dims read one element past the row.
+    if ne0 % 2 or not 0 < n_dims <= ne0 or n_dims % 2 or (vision and n_dims != ne0 // 2):
+        _fail(node, f"n_dims {n_dims} does not fit ne[0] {ne0} (mode {mode})")
+    want = a.ne[2] * (4 if multi else 1)
+    if pos.type_name != "I32" or pos.ne != [want, 1, 1, 1] or not pos.contiguous():
+        _fail(node, f"positions {pos.type_name} {pos.ne}: need I32 [{want}]")
+    if multi:
+        sections = [_param_i32(node, 11 + i) for i in range(4)]
+        if any(not 0 <= x <= ne0 for x in sections) or not 0 < sum(sections) <= ne0 or not any(sections[:3]):
+            _fail(node, f"sections {sections} do not fit ne[0] {ne0}")
+    if ff is not None:
+        # ggml asserts ne[0] >= n_dims / 2, but the cache reads one factor per pair of ne[0].
+        if ff.type_name != "F32" or ff.ne[0] < (ne0 + 1) // 2 or not ff.contiguous():
+            _fail(node, f"frequency factors {ff.type_name} {ff.ne} do not cover ne[0] {ne0}")
+
+
 # Destination types with a CPU from_float.
 _SET_ROWS_DST = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
 
@@ -556,7 +596,7 @@ CHECKED_OPS: Dict[str, Callable] = {
     "SUM": _sum, "SUM_ROWS": _row_reduce, "MEAN": _row_reduce, "ARGMAX": _argmax,
     "COUNT_EQUAL": _count_equal, "REPEAT": _repeat, "REPEAT_BACK": _repeat_back,
     "CONCAT": _concat, "PAD": _pad, "ARANGE": _arange, "TIMESTEP_EMBEDDING": _timestep_embedding,
-    "ARGSORT": _argsort, "TOP_K": _top_k,
+    "ARGSORT": _argsort, "TOP_K": _top_k, "ROPE": _rope,
 }
 
 

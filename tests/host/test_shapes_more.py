@@ -72,6 +72,22 @@ def _set_rows(g, ctx):
     return g.ggml_set_rows(ctx, dst, src, ids), [dst, src, ids]
 
 
+def _rope(mode_name, ff=False, multi=False):
+    def build(g, ctx):
+        mode = op_enums(g).rope[mode_name]
+        vision = mode_name == "VISION"
+        a = _in(g, ctx, "F32", 16, 2, 3)
+        pos = _in(g, ctx, "I32", 3 * (4 if multi else 1))
+        c = _in(g, ctx, "F32", 8) if ff else None
+        ins = [a, pos] + ([c] if ff else [])
+        args = (10000.0, 1.0, 0.0, 1.0, 32.0, 1.0)
+        if multi:
+            sections = (ctypes.c_int * 4)(*((4, 4, 0, 0) if vision else (2, 3, 3, 0)))
+            return g.ggml_rope_multi(ctx, a, pos, c, 8 if vision else 12, sections, mode, 0, *args), ins
+        return g.ggml_rope_ext(ctx, a, pos, c, 12, mode, 0, *args), ins
+    return build
+
+
 def _ints(hi, dtype=np.int32):
     return lambda n, rng: rng.permutation(hi)[:n].astype(dtype) if n <= hi else rng.integers(0, hi, n).astype(dtype)
 
@@ -110,6 +126,10 @@ CASES = [
         _in(g, c, "F32", 5))),
     Case("ARGSORT", _one(lambda g, c, a: g.ggml_argsort(c, a, 1))),
     Case("TOP_K", _one(lambda g, c, a: g.ggml_top_k(c, a, 3)), lie=(-1, 1, -1)),
+    Case("ROPE", _rope("NORMAL"), lie=(1, 0, -1), data={1: _ints(100)}),
+    Case("ROPE", _rope("NEOX", ff=True), lie=(2, 0, -6), data={1: _ints(100), 2: lambda n, r: r.random(n).astype(np.float32) + 1}),
+    Case("ROPE", _rope("MROPE", multi=True), lie=(1, 0, -3), data={1: _ints(100)}),
+    Case("ROPE", _rope("VISION", multi=True), lie=(-1, 0, -2), data={1: _ints(100)}),
     Case("SET_ROWS", _set_rows, lie=(-1, 1, -1), data={2: _ints(10, np.int64)}),
 ]
 IDS = [f"{c.op}-{i}" for i, c in enumerate(CASES)]
@@ -244,6 +264,7 @@ def test_set_rows_ids_out_of_range(guest, ggml, bad, caplog):
 @pytest.mark.parametrize("op_param,value", [
     ("L2_NORM", np.float32(np.nan)), ("L2_NORM", np.float32(-1.0)), ("GROUP_NORM", 0),
     ("ARGSORT", 2), ("DIAG_MASK_INF", -1), ("GLU", 99), ("CONCAT", 4), ("PAD", -1),
+    ("ROPE", 7), ("ROPE", 3), ("ROPE", 18),
 ])
 def test_bad_op_params_are_refused(guest, ggml, op_param, value, caplog):
     """op_params a kernel GGML_ASSERTs or aborts on (eps >= 0, group count, sort order,
@@ -252,7 +273,7 @@ def test_bad_op_params_are_refused(guest, ggml, op_param, value, caplog):
     r = Remote(guest, ggml, case)
     recs = r.recs.copy()
     i = r.index(r.out)
-    slot = 1 if op_param == "PAD" else 0
+    slot = 1 if op_param in ("PAD", "ROPE") else 0  # ROPE: n_dims (odd, too large)
     recs["op_params"][i][slot] = np.array([value]).astype(np.float32 if isinstance(value, np.floating) else np.int32).view(np.int32)[0]
     with caplog.at_level(logging.WARNING, logger="apir.host"):
         rc, _ = r.compute(recs)
