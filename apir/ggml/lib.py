@@ -119,6 +119,15 @@ SIGNATURES: Dict[str, str] = {
     "ggml_l2_norm": "p:ppf",
     # guest ggml backend (apir/guest/backend) and its numpy helpers
     "ggml_n_dims": "i:p",
+    # host shape rules (apir/host/shapes.py tests): ops built with ggml's own constructors
+    "ggml_log": "p:pp", "ggml_sin": "p:pp", "ggml_cos": "p:pp", "ggml_clamp": "p:ppff",
+    "ggml_leaky_relu": "p:ppfb", "ggml_group_norm": "p:ppif", "ggml_add1": "p:ppp",
+    "ggml_diag_mask_inf": "p:ppi", "ggml_diag_mask_zero": "p:ppi", "ggml_soft_max_add_sinks": "v:pp",
+    "ggml_glu": "p:ppib", "ggml_glu_split": "p:pppi", "ggml_sum": "p:pp", "ggml_argmax": "p:pp",
+    "ggml_count_equal": "p:ppp", "ggml_repeat": "p:ppp", "ggml_repeat_back": "p:ppp",
+    "ggml_concat": "p:pppi", "ggml_pad_ext": "p:ppiiiiiiii", "ggml_arange": "p:pfff",
+    "ggml_timestep_embedding": "p:ppii", "ggml_argsort": "p:ppi", "ggml_top_k": "p:ppi",
+    "ggml_set_rows": "p:pppp", "ggml_rope_ext": "p:ppppiiiffffff", "ggml_rope_multi": "p:ppppipiiffffff",
 }
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from apir.host.errors import BACKEND_RC_OK, Refused
 
 from apir.codec.graph import GraphError, parse_graph
-from apir.ggml.backend_props import unary_ops
 from apir.host.graph import build_graph
+from apir.host.shapes import op_enums
 from apir.host.tensors import Scratch
 
 __all__ = ["graph_compute"]
@@ -32,17 +32,17 @@ def graph_compute(lib, dec, enc) -> int:
                              type_valid=chk.valid_types)
     except GraphError as exc:
         raise Refused(f"backend_graph_compute: {exc}") from None
-    unary_count = _unary_count(lib)
+    enums = _op_enums(lib)
     with Scratch(g, len(parsed.tensors), max(len(parsed.node_index), 1)) as scratch:
-        graph = build_graph(lib, parsed, scratch, unary_count)
+        graph = build_graph(lib, parsed, scratch, enums)
         status = g.ggml_backend_graph_compute(lib.backend, graph)
         g.ggml_backend_synchronize(lib.backend)
     enc.i32(status)
     return BACKEND_RC_OK
 
 
-def _unary_count(lib) -> int:
-    count = getattr(lib, "_unary_count", None)
-    if count is None:
-        count = lib._unary_count = unary_ops(lib.g)["COUNT"]
-    return count
+def _op_enums(lib):
+    enums = getattr(lib, "_op_enums", None)
+    if enums is None:
+        enums = lib._op_enums = op_enums(lib.g)
+    return enums

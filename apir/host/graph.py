@@ -18,13 +18,13 @@ from typing import List, Optional
 
 from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
-from apir.host.shapes import TensorInfo, check_node
+from apir.host.shapes import OpEnums, TensorInfo, check_node
 from apir.host.tensors import Scratch
 
 __all__ = ["build_graph"]
 
 
-def build_graph(lib, parsed, scratch: Scratch, unary_count: int) -> int:
+def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
     """A host cgraph (in `scratch`) for `parsed`; raises Refused."""
     g, chk = lib.g, lib.checker
     recs = parsed.tensors
@@ -61,7 +61,7 @@ def build_graph(lib, parsed, scratch: Scratch, unary_count: int) -> int:
         srcs = [infos[j] if j >= 0 else None for j in parsed.src_index[i]]
         while srcs and srcs[-1] is None:
             srcs.pop()
-        check_node(infos[i], srcs, unary_count)
+        check_node(infos[i], srcs, enums)
 
     host = [0] * n
     for i in (int(x) for x in parsed.order):

@@ -278,7 +278,7 @@ def test_graph_lying_shapes(graph, refused, ggml):
     recs["nb"][mm][0] = 8  # strided destination the kernel would not honour
     refused(Cmd.BACKEND_GRAPH_COMPUTE, graph.send(graph.wire(recs=recs)))
     recs = graph.recs.copy()
-    recs["op"][mm] = ggml.ops["ROPE"]  # an op this host has no shape check for
+    recs["op"][mm] = ggml.ops["IM2COL"]  # an op this host has no shape check for
     refused(Cmd.BACKEND_GRAPH_COMPUTE, graph.send(graph.wire(recs=recs)))
 
 

@@ -1,0 +1,348 @@
+"""apir.host.shapes, the rules beyond the first transformer ops: each op, built with ggml's
+own constructor, computes through the host to ggml CPU's own bytes; a lying shape (the
+node's or a source's ne) is refused by that op's rule, and the host serves on."""
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import numpy as np
+import pytest
+
+from apir.codec.constants import ApirBackendCommandType as Cmd
+from apir.host.shapes import op_enums
+from tests.host.hostkit import DATA_RES, GgmlScratch, RemoteGraph
+
+ERROR = 1  # BACKEND_RC_ERROR
+
+
+@dataclass
+class Case:
+    """`build(g, ctx, f32) -> (out, inputs)`; `lie` = (input index or -1 for the node, dim,
+    delta) applied to ne; `data` fills input i (else standard normal of its type)."""
+
+    op: str
+    build: Callable
+    lie: Tuple[int, int, int] = (-1, 0, -1)
+    data: Optional[Dict[int, Callable]] = None
+
+
+def _in(g, ctx, type_name, *ne):
+    t = getattr(g, f"ggml_new_tensor_{len(ne)}d")(ctx, g.types[type_name], *ne)
+    g.ggml_set_input(t)
+    return t
+
+
+def _one(fn):
+    """A case of one F32 [8, 3, 2] source through `fn(g, ctx, a)`."""
+    def build(g, ctx):
+        a = _in(g, ctx, "F32", 8, 3, 2)
+        return fn(g, ctx, a), [a]
+    return build
+
+
+def _glu(name, split=False, swapped=False):
+    def build(g, ctx):
+        op = op_enums(g).glu[name]
+        a = _in(g, ctx, "F32", 8, 3)
+        if split:
+            b = _in(g, ctx, "F32", 8, 3)
+            return g.ggml_glu_split(ctx, a, b, op), [a, b]
+        return g.ggml_glu(ctx, a, op, swapped), [a]
+    return build
+
+
+def _sinks(g, ctx):
+    a, mask, sinks = _in(g, ctx, "F32", 6, 4, 3), _in(g, ctx, "F16", 6, 4), _in(g, ctx, "F32", 3)
+    out = g.ggml_soft_max_ext(ctx, a, mask, 0.5, 0.0)
+    g.ggml_soft_max_add_sinks(out, sinks)
+    return out, [a, mask, sinks]
+
+
+def _two(fn, ne_b=(8, 3, 2), type_name="F32"):
+    def build(g, ctx):
+        a, b = _in(g, ctx, type_name, 8, 3, 2), _in(g, ctx, type_name, *ne_b)
+        return fn(g, ctx, a, b), [a, b]
+    return build
+
+
+def _set_rows(g, ctx):
+    dst, src, ids = _in(g, ctx, "F16", 8, 10, 2), _in(g, ctx, "F32", 8, 3, 2), _in(g, ctx, "I64", 3, 2)
+    return g.ggml_set_rows(ctx, dst, src, ids), [dst, src, ids]
+
+
+def _rope(mode_name, ff=False, multi=False):
+    def build(g, ctx):
+        mode = op_enums(g).rope[mode_name]
+        vision = mode_name == "VISION"
+        a = _in(g, ctx, "F32", 16, 2, 3)
+        pos = _in(g, ctx, "I32", 3 * (4 if multi else 1))
+        c = _in(g, ctx, "F32", 8) if ff else None
+        ins = [a, pos] + ([c] if ff else [])
+        args = (10000.0, 1.0, 0.0, 1.0, 32.0, 1.0)
+        if multi:
+            sections = (ctypes.c_int * 4)(*((4, 4, 0, 0) if vision else (2, 3, 3, 0)))
+            return g.ggml_rope_multi(ctx, a, pos, c, 8 if vision else 12, sections, mode, 0, *args), ins
+        return g.ggml_rope_ext(ctx, a, pos, c, 12, mode, 0, *args), ins
+    return build
+
+
+def _ints(hi, dtype=np.int32):
+    return lambda n, rng: rng.permutation(hi)[:n].astype(dtype) if n <= hi else rng.integers(0, hi, n).astype(dtype)
+
+
+CASES = [
+    Case("SQR", _one(lambda g, c, a: g.ggml_sqr(c, a))),
+    Case("SQRT", _one(lambda g, c, a: g.ggml_sqrt(c, a)), data={0: lambda n, r: r.random(n).astype(np.float32)}),
+    Case("LOG", _one(lambda g, c, a: g.ggml_log(c, a)), data={0: lambda n, r: r.random(n).astype(np.float32) + 0.1}),
+    Case("SIN", _one(lambda g, c, a: g.ggml_sin(c, a))),
+    Case("COS", _one(lambda g, c, a: g.ggml_cos(c, a))),
+    Case("CLAMP", _one(lambda g, c, a: g.ggml_clamp(c, a, -0.5, 0.5))),
+    Case("LEAKY_RELU", _one(lambda g, c, a: g.ggml_leaky_relu(c, a, 0.1, False))),
+    Case("L2_NORM", _one(lambda g, c, a: g.ggml_l2_norm(c, a, 1e-6))),
+    Case("GROUP_NORM", _one(lambda g, c, a: g.ggml_group_norm(c, a, 2, 1e-6)), lie=(-1, 1, -1)),
+    Case("ADD1", _two(lambda g, c, a, b: g.ggml_add1(c, a, b), ne_b=(1,))),
+    Case("DIAG_MASK_INF", _one(lambda g, c, a: g.ggml_diag_mask_inf(c, a, 2))),
+    Case("DIAG_MASK_ZERO", _one(lambda g, c, a: g.ggml_diag_mask_zero(c, a, 1))),
+    Case("SOFT_MAX", _sinks, lie=(2, 0, -1)),
+    Case("GLU", _glu("SWIGLU")),
+    Case("GLU", _glu("GEGLU", swapped=True)),
+    Case("GLU", _glu("REGLU", split=True), lie=(1, 1, -1)),
+    Case("SUM", _one(lambda g, c, a: g.ggml_sum(c, a))),
+    Case("SUM_ROWS", _one(lambda g, c, a: g.ggml_sum_rows(c, a)), lie=(-1, 1, -1)),
+    Case("MEAN", _one(lambda g, c, a: g.ggml_mean(c, a)), lie=(-1, 2, -1)),
+    Case("ARGMAX", lambda g, c: (lambda a: (g.ggml_argmax(c, a), [a]))(_in(g, c, "F32", 8, 5))),
+    Case("COUNT_EQUAL", lambda g, c: (lambda a, b: (g.ggml_count_equal(c, a, b), [a, b]))(
+        _in(g, c, "I32", 50, 4), _in(g, c, "I32", 50, 4)), lie=(1, 0, -1),
+        data={0: lambda n, r: r.integers(0, 3, n).astype(np.int32), 1: lambda n, r: r.integers(0, 3, n).astype(np.int32)}),
+    Case("REPEAT", _two(lambda g, c, a, b: g.ggml_repeat(c, b, a), ne_b=(4, 1, 2))),
+    Case("REPEAT_BACK", _two(lambda g, c, a, b: g.ggml_repeat_back(c, a, b), ne_b=(4, 3, 1))),
+    Case("CONCAT", _two(lambda g, c, a, b: g.ggml_concat(c, a, b, 1), ne_b=(8, 5, 2)), lie=(-1, 1, -1)),
+    Case("CONCAT", _two(lambda g, c, a, b: g.ggml_concat(c, a, b, 0), ne_b=(3, 3, 2), type_name="F16")),
+    Case("PAD", _one(lambda g, c, a: g.ggml_pad_ext(c, a, 1, 2, 0, 1, 2, 0, 0, 1))),
+    Case("ARANGE", lambda g, c: (g.ggml_arange(c, 1.5, 9.0, 0.75), [])),
+    Case("TIMESTEP_EMBEDDING", lambda g, c: (lambda t: (g.ggml_timestep_embedding(c, t, 7, 1000), [t]))(
+        _in(g, c, "F32", 5))),
+    Case("ARGSORT", _one(lambda g, c, a: g.ggml_argsort(c, a, 1))),
+    Case("TOP_K", _one(lambda g, c, a: g.ggml_top_k(c, a, 3)), lie=(-1, 1, -1)),
+    Case("ROPE", _rope("NORMAL"), lie=(1, 0, -1), data={1: _ints(100)}),
+    Case("ROPE", _rope("NEOX", ff=True), lie=(2, 0, -6), data={1: _ints(100), 2: lambda n, r: r.random(n).astype(np.float32) + 1}),
+    Case("ROPE", _rope("MROPE", multi=True), lie=(1, 0, -3), data={1: _ints(100)}),
+    Case("ROPE", _rope("VISION", multi=True), lie=(-1, 0, -2), data={1: _ints(100)}),
+    Case("SET_ROWS", _set_rows, lie=(-1, 1, -1), data={2: _ints(10, np.int64)}),
+]
+IDS = [f"{c.op}-{i}" for i, c in enumerate(CASES)]
+
+
+def _data(g, case, inputs, seed=3):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, t in enumerate(inputs):
+        n = g.ggml_nelements(t)
+        type_name = g.type_names[int(np.frombuffer(ctypes.string_at(t, 4), np.uint32)[0])]
+        if case.data and i in case.data:
+            arr = case.data[i](n, rng)
+        else:
+            arr = rng.standard_normal(n).astype(np.float16 if type_name == "F16" else np.float32)
+        out.append(arr.tobytes())
+    return out
+
+
+def _graph(g, ctx, case):
+    out, inputs = case.build(g, ctx)
+    g.ggml_set_output(out)
+    graph = g.ggml_new_graph(ctx)
+    g.ggml_build_forward_expand(graph, out)
+    return graph, out, inputs
+
+
+def _direct(g, case):
+    s = GgmlScratch(g)
+    graph, out, inputs = _graph(g, s.ctx, case)
+    data = _data(g, case, inputs)
+    dev = g.ggml_backend_dev_by_type(0)
+    buf = g.ggml_backend_alloc_ctx_tensors_from_buft(s.ctx, g.ggml_backend_dev_buffer_type(dev))
+    backend = g.ggml_backend_dev_init(dev, None)
+    for t, d in zip(inputs, data):
+        g.ggml_backend_tensor_set(t, d, 0, len(d))
+    assert g.ggml_backend_graph_compute(backend, graph) == 0
+    got = ctypes.create_string_buffer(g.ggml_nbytes(out))
+    g.ggml_backend_tensor_get(out, got, 0, len(got.raw))
+    g.ggml_backend_free(backend)
+    g.ggml_backend_buffer_free(buf)
+    s.close()
+    return got.raw
+
+
+class Remote:
+    """The case's graph laid out in a host buffer, its inputs written there."""
+
+    def __init__(self, guest, g, case):
+        self.s = GgmlScratch(g)
+        graph, self.out, inputs = _graph(g, self.s.ctx, case)
+        self.remote = RemoteGraph(guest, g, self.s.ctx, graph)
+        for t, d in zip(inputs, _data(g, case, inputs)):
+            assert guest.set_tensor(self.remote.handle, self.remote.rpc(t), d) == 0
+        self.inputs, self.g, self.guest = inputs, g, guest
+        n_nodes = int(np.frombuffer(self.remote.wire, "<u4", 1)[0])
+        self.head = 4 + 8 * n_nodes + 4
+        self.recs = np.frombuffer(self.remote.wire[self.head:], self._dtype()).copy()
+
+    def _dtype(self):
+        from apir.codec.records import rpc_tensor_dtype
+
+        return rpc_tensor_dtype(self.g.limits)
+
+    def index(self, t):
+        return int(np.nonzero(self.recs["id"] == t)[0][0])
+
+    def compute(self, recs=None):
+        wire = self.remote.wire if recs is None else self.remote.wire[: self.head] + recs.tobytes()
+        self.guest.data[: len(wire)] = wire
+        return self.guest.forward(Cmd.BACKEND_GRAPH_COMPUTE, lambda e: (e.u32(DATA_RES), e.size_t(len(wire))))
+
+    def result(self):
+        rc, got = self.guest.get_tensor(self.remote.handle, self.remote.rpc(self.out), self.g.ggml_nbytes(self.out))
+        assert rc == 0
+        return got
+
+    def close(self):
+        self.remote.close()
+        self.s.close()
+
+
+@pytest.fixture
+def remote(guest, ggml, request):
+    r = Remote(guest, ggml, request.param)
+    yield r
+    r.close()
+
+
+@pytest.mark.parametrize("remote", CASES, ids=IDS, indirect=True)
+def test_op_matches_ggml_cpu(remote, ggml, request):
+    case = request.node.callspec.params["remote"]
+    assert case.op in ggml.ops
+    rc, dec = remote.compute()
+    assert rc == 0 and dec.i32() == 0
+    got, expect = remote.result(), _direct(ggml, case)
+    assert got == expect
+    assert len(set(got)) > 1  # not an untouched buffer
+
+
+@pytest.mark.parametrize("remote", CASES, ids=IDS, indirect=True)
+def test_lying_shape_is_refused(remote, guest, ggml, request, caplog):
+    case = request.node.callspec.params["remote"]
+    which, dim, delta = case.lie
+    t = remote.out if which < 0 else remote.inputs[which]
+    recs = remote.recs.copy()
+    i = remote.index(t)
+    recs["ne"][i][dim] = int(recs["ne"][i][dim]) + delta
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="apir.host"):
+        rc, _ = remote.compute(recs)
+    assert rc == ERROR
+    assert f"({case.op})" in caplog.text, caplog.text  # refused by the op's own rule
+    rc, dec = remote.compute()  # the host serves the next valid command
+    assert rc == 0 and dec.i32() == 0
+
+
+def _ids_case(op, build, ids_index, bad):
+    return Case(op, build, data={ids_index: lambda n, r: np.array(bad, dtype=np.int64)[:n]})
+
+
+@pytest.mark.parametrize("bad", [[0, 10, 1, 2, 3, 4], [0, -1, 1, 2, 3, 4]])
+def test_set_rows_ids_out_of_range(guest, ggml, bad, caplog):
+    r = Remote(guest, ggml, _ids_case("SET_ROWS", _set_rows, 2, bad))
+    with caplog.at_level(logging.WARNING, logger="apir.host"):
+        rc, _ = r.compute()
+    assert rc == ERROR and "row id out of [0, 10)" in caplog.text
+    assert guest.forward(Cmd.DEVICE_GET_COUNT)[0] == 0
+    r.close()
+
+
+@pytest.mark.parametrize("op_param,value", [
+    ("L2_NORM", np.float32(np.nan)), ("L2_NORM", np.float32(-1.0)), ("GROUP_NORM", 0),
+    ("ARGSORT", 2), ("DIAG_MASK_INF", -1), ("GLU", 99), ("CONCAT", 4), ("PAD", -1),
+    ("ROPE", 7), ("ROPE", 3), ("ROPE", 18),
+])
+def test_bad_op_params_are_refused(guest, ggml, op_param, value, caplog):
+    """op_params a kernel GGML_ASSERTs or aborts on (eps >= 0, group count, sort order,
+    n_past >= 0, glu op, dim) or that would walk it off its tensors (negative padding)."""
+    case = next(c for c in CASES if c.op == op_param)
+    r = Remote(guest, ggml, case)
+    recs = r.recs.copy()
+    i = r.index(r.out)
+    slot = 1 if op_param in ("PAD", "ROPE") else 0  # ROPE: n_dims (odd, too large)
+    recs["op_params"][i][slot] = np.array([value]).astype(np.float32 if isinstance(value, np.floating) else np.int32).view(np.int32)[0]
+    with caplog.at_level(logging.WARNING, logger="apir.host"):
+        rc, _ = r.compute(recs)
+    assert rc == ERROR and f"({op_param})" in caplog.text, caplog.text
+    rc, dec = r.compute()
+    assert rc == 0 and dec.i32() == 0
+    r.close()
+
+
+def _minilm_graph(g, ctx):
+    """A 2-layer, 64-wide BERT through apir.models.bert_graph (the MiniLM graph's ops)."""
+    from apir.models.assets import BertConfig
+    from apir.models.bert_graph import build_graph, weight_ne
+    from tests.models.test_bert_graph import _tiny_weights
+
+    cfg = BertConfig(50, 64, 2, 4, 96, 40, 2, 1e-12, "gelu", 40)
+    w = _tiny_weights(np.random.default_rng(1), 64, 96, 2, 50, 40)
+    tensors = {}
+    for name, arr in w.items():
+        ne = weight_ne(arr.shape)
+        tensors[name] = g.ggml_new_tensor(ctx, g.types["F32"], len(ne), (ctypes.c_int64 * len(ne))(*ne))
+    bg = build_graph(g, ctx, tensors, cfg, 3, 17)
+    data = [(tensors[k], v.tobytes()) for k, v in w.items()]
+    rng = np.random.default_rng(2)
+    for t in vars(bg.inputs).values():
+        n = g.ggml_nelements(t)
+        type_name = g.type_names[int(np.frombuffer(ctypes.string_at(t, 4), np.uint32)[0])]
+        arr = {"I32": lambda: rng.integers(0, 2, n).astype(np.int32),  # valid ids, types, positions
+               "F16": lambda: rng.random(n).astype(np.float16)}.get(type_name, lambda: rng.random(n).astype(np.float32))()
+        data.append((t, arr.tobytes()))
+    return bg, data
+
+
+def test_minilm_graph_matches_ggml_cpu(guest, ggml):
+    from apir.ggml import InitParams
+    from apir.models.bert_graph import GRAPH_SIZE
+
+    g = ggml
+    size = g.ggml_tensor_overhead() * (GRAPH_SIZE + 200) + g.ggml_graph_overhead_custom(GRAPH_SIZE, False)
+    outs = []
+    for through_host in (False, True):
+        ctx = g.ggml_init(InitParams(size, None, True))
+        bg, data = _minilm_graph(g, ctx)
+        nbytes = g.ggml_nbytes(bg.output)
+        if through_host:
+            remote = RemoteGraph(guest, g, ctx, bg.graph)
+            for t, d in data:
+                assert guest.set_tensor(remote.handle, remote.rpc(t), d) == 0
+            wire = remote.wire
+            guest.data[: len(wire)] = wire
+            rc, dec = guest.forward(Cmd.BACKEND_GRAPH_COMPUTE, lambda e: (e.u32(DATA_RES), e.size_t(len(wire))))
+            assert rc == 0 and dec.i32() == 0
+            rc, got = guest.get_tensor(remote.handle, remote.rpc(bg.output), nbytes)
+            assert rc == 0
+            remote.close()
+        else:
+            dev = g.ggml_backend_dev_by_type(0)
+            buf = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, g.ggml_backend_dev_buffer_type(dev))
+            backend = g.ggml_backend_dev_init(dev, None)
+            for t, d in data:
+                g.ggml_backend_tensor_set(t, d, 0, len(d))
+            assert g.ggml_backend_graph_compute(backend, bg.graph) == 0
+            out = ctypes.create_string_buffer(nbytes)
+            g.ggml_backend_tensor_get(bg.output, out, 0, nbytes)
+            got = out.raw
+            g.ggml_backend_free(backend)
+            g.ggml_backend_buffer_free(buf)
+        g.ggml_free(ctx)
+        outs.append(got)
+    assert outs[1] == outs[0]
+    emb = np.frombuffer(outs[0], np.float32).reshape(3, 64)
+    np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, rtol=1e-5)  # L2_NORM ran
