@@ -102,7 +102,8 @@ class EmbeddedDevice:
         except Exception:
             log.exception("embedded host: close failed")
 
-    def _run(self, request: str, fn: Callable, *args, wait: bool = True, wait_s: Optional[float] = None):
+    def _run(self, request: str, fn: Callable, *args, wait: bool = True, wait_s: Optional[float] = None,
+             late_ok: bool = False):
         if self._closed:
             raise DeviceError("embedded: device is closed")
         if not self._thread.is_alive():
@@ -113,6 +114,8 @@ class EmbeddedDevice:
             return None
         limit = self.io_timeout_s if wait_s is None else wait_s
         if not job.done.acquire(timeout=limit):
+            if late_ok:
+                return None  # still running: the caller learns the outcome some other way
             raise DeviceError(f"embedded: {request} got no answer from the host thread within {limit:g} s")
         if job.error is not None:
             if isinstance(job.error, KernelError):
@@ -149,8 +152,10 @@ class EmbeddedDevice:
 
     def execbuffer(self, payload, ring_idx: int = 0) -> None:
         """DRM_IOCTL_VIRTGPU_EXECBUFFER: queues the command for the host thread and returns
-        (or waits up to `exec_wait_s` for it to run). Flag and ring checks happen here, as in
-        the ioctl: IoctlError(EINVAL)."""
+        once it ran or after `exec_wait_s`, whichever is first (waiting saves the caller a
+        sleep on the reply word for short commands; a long graph compute simply goes on, and
+        the caller waits on the reply notification with its own timeout, as over a kernel).
+        Flag and ring checks happen here, as in the ioctl: IoctlError(EINVAL)."""
         command = bytes(payload)  # the ioctl copies: the caller may reuse its buffer at once
         try:
             self.kernel.check_execbuffer(VIRTGPU_EXECBUF_RING_IDX, ring_idx, len(command))
@@ -158,7 +163,7 @@ class EmbeddedDevice:
             raise IoctlError(self.node, "DRM_IOCTL_VIRTGPU_EXECBUFFER", exc.err, str(exc)) from None
         wait = self.exec_wait_s > 0
         self._run("DRM_IOCTL_VIRTGPU_EXECBUFFER", self.kernel.submit, command,
-                  wait=wait, wait_s=self.exec_wait_s if wait else None)
+                  wait=wait, wait_s=self.exec_wait_s if wait else None, late_ok=True)
 
     def stats(self) -> dict:
         """This device's counts, as the socket host's STAT: contexts, blobs, blob_bytes,
