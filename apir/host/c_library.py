@@ -30,8 +30,20 @@ Two ggml builds in one process do not mix: libggml-virtgpu-backend.so needs `lib
 and binds to whichever copy the process loaded first, while the ggml backend library it dlopens
 (`ggml.library.path`) brings its own. Run the C library in a process whose only ggml is the C
 build's (e.g. `APIR_GGML_LIB_DIR` / `APIR_GGML_INCLUDE_DIR` pointing at a build-c-reference.sh
-output, as docs/interop.md shows); `CLibrary.open` refuses a library that resolved
-`libggml-base` to another file than the one `apir.ggml` already loaded.
+output, as docs/interop.md shows). `initialize` refuses, with the C's own code
+6 + APIR_BACKEND_INITIALIZE_CANNOT_OPEN_GGML_LIBRARY, when the libggml-base the C library bound
+to is not the one beside the configured ggml library.
+
+Buffers. The C buffer_free_buffer handler and apir_backend_deinit call `buffer->iface.free_buffer`
+without the NULL check ggml's own `ggml_backend_buffer_free` has; ggml CPU's buffers made by
+`buffer_from_host_ptr` (what device_buffer_from_ptr answers, and what the C guest uses whenever
+the device reports buffer_from_host_ptr, as CPU does) have none, so the C host crashes on the
+first free of such a buffer. The adapter therefore serves buffer_free_buffer itself with the C
+library's own pieces: `apir_untrack_backend_buffer(buffer)` (the same check and bookkeeping as the
+C handler, same return codes, no reply payload) and then ggml's `ggml_backend_buffer_free`. It
+also notes the buffer handles that device_buffer_from_ptr and buffer_type_alloc_buffer return to
+each context and frees that context's leftovers when it is closed, so a context's teardown frees
+exactly its buffers (the C deinit would free every context's) and the C deinit finds none.
 
 Unlike apir's own dispatcher the C code trusts the guest: hostile bytes can crash the host
 process. That is the C's behaviour, kept on purpose; use it for interoperability, not as a
@@ -43,11 +55,17 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import struct
 import threading
 from pathlib import Path
 from typing import Dict, Optional
 
-from apir.codec.constants import ApirLoadLibraryReturnCode
+from apir.codec.constants import (
+    CONFIG_KEY_GGML_LIBRARY_PATH,
+    ApirBackendCommandType,
+    ApirBackendInitializeReturnCode,
+    ApirLoadLibraryReturnCode,
+)
 from apir.codec.wire import Decoder, Encoder
 from apir.host.library import LibraryHost, LibraryLoadError
 
@@ -72,6 +90,13 @@ class VirglApirCallbacks(ctypes.Structure):
 # apir_backend_initialize registers the ggml backend again instead of answering ALREADY_INITED.
 _C_GLOBALS = ("reg", "dev", "bck")
 _RC_SUCCESS = ApirLoadLibraryReturnCode.INIT_BASE_INDEX  # 6 + APIR_BACKEND_INITIALIZE_SUCCESS
+# bool apir_untrack_backend_buffer(ggml_backend_buffer_t) (backend/apir_cs_ggml-rpc-back.cpp), C++
+_UNTRACK_SYMBOL = "_Z27apir_untrack_backend_bufferP19ggml_backend_buffer"
+# Functions whose reply starts with a new buffer handle, and the one the adapter serves itself.
+_BUFFER_CREATORS = (ApirBackendCommandType.DEVICE_BUFFER_FROM_PTR, ApirBackendCommandType.BUFFER_TYPE_ALLOC_BUFFER)
+_FREE_BUFFER = ApirBackendCommandType.BUFFER_FREE_BUFFER
+_RC_OK, _RC_ERROR = 0, 1  # what the C handlers return
+_U64 = struct.Struct("<Q")
 
 
 class _Shared:
@@ -99,6 +124,19 @@ class _Shared:
         self.dispatcher_fn.restype = ctypes.c_uint32
         self.deinit_fn.argtypes = [ctypes.c_uint32]
         self.deinit_fn.restype = None
+        try:
+            self.untrack_fn = getattr(self.cdll, _UNTRACK_SYMBOL)
+            # resolved through the library's own dependencies: its libggml-base
+            self.buffer_free_fn = self.cdll.ggml_backend_buffer_free
+        except AttributeError as exc:
+            raise LibraryLoadError(ApirLoadLibraryReturnCode.SYMBOL_MISSING,
+                                   f"{path}: missing symbol the adapter needs: {exc}") from exc
+        self.untrack_fn.argtypes = [ctypes.c_void_p]
+        self.untrack_fn.restype = ctypes.c_bool
+        self.buffer_free_fn.argtypes = [ctypes.c_void_p]
+        self.buffer_free_fn.restype = None
+        # The libggml-base this library bound to: the first copy the process loaded.
+        self.ggml_base = _file_of_symbol(self.cdll, "ggml_backend_buffer_get_base")
         self.lock = threading.RLock()
         self.hosts: Dict[int, LibraryHost] = {}
         self.initialized = False
@@ -135,6 +173,14 @@ class _Shared:
             log.exception("get_shmem_ptr(%d, %d) failed", ctx_id, res_id)
             return None
 
+    def free_buffer(self, handle: int) -> bool:
+        """The C buffer_free_buffer with ggml's NULL-safe free; False for an unknown handle.
+        Call with self.lock held."""
+        if not handle or not self.untrack_fn(handle):
+            return False
+        self.buffer_free_fn(handle)
+        return True
+
     def reset_globals(self) -> None:
         for name in _C_GLOBALS:
             try:
@@ -148,25 +194,36 @@ _shared: Dict[str, _Shared] = {}
 _shared_lock = threading.Lock()
 
 
-def _same_ggml_base(cdll: ctypes.CDLL) -> Optional[str]:
-    """None when `cdll` resolves ggml to the build `apir.ggml` loaded (or none is loaded yet),
-    else a message naming the mismatch."""
-    from apir.ggml import lib as ggml_lib
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
 
-    loaded = list(ggml_lib._loaded.values())
-    if not loaded:
-        return None
-    name = "ggml_backend_buffer_get_base"
+
+def _file_of_symbol(cdll: ctypes.CDLL, name: str) -> Optional[str]:
+    """The shared object that `name`, as `cdll` resolves it, comes from (dladdr), or None."""
     try:
-        theirs = ctypes.cast(getattr(cdll, name), ctypes.c_void_p).value
+        addr = ctypes.cast(getattr(cdll, name), ctypes.c_void_p).value
     except AttributeError:
-        return f"it does not resolve {name}"
-    for g in loaded:
-        ours = ctypes.cast(getattr(g.cdlls[0], name), ctypes.c_void_p).value
-        if ours == theirs:
-            return None
-    return (f"it binds libggml-base to another copy than apir's ggml ({loaded[0].lib_dir}); "
-            f"set APIR_GGML_LIB_DIR / APIR_GGML_INCLUDE_DIR to the C library's ggml build")
+        return None
+    libc = ctypes.CDLL(None)
+    libc.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    info = _DlInfo()
+    if not libc.dladdr(addr, ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return os.path.realpath(info.dli_fname.decode())
+
+
+def _ggml_mismatch(bound_base: Optional[str], ggml_library: Optional[str]) -> Optional[str]:
+    """None when the libggml-base the C library bound to is the one beside the ggml backend
+    library it is configured to dlopen (or either is unknown), else a message."""
+    if bound_base is None or not ggml_library:
+        return None
+    sibling = Path(ggml_library).resolve().parent / "libggml-base.so"
+    if not sibling.exists() or os.path.samefile(sibling, bound_base):
+        return None
+    return (f"the C backend library bound libggml-base to {bound_base}, but the ggml library "
+            f"{ggml_library} belongs to {sibling}: two ggml builds would mix in one process "
+            f"(run this host with APIR_GGML_LIB_DIR / APIR_GGML_INCLUDE_DIR set to that build)")
 
 
 class CLibrary:
@@ -176,23 +233,20 @@ class CLibrary:
         self._shared = shared
         self._host: Optional[LibraryHost] = None
         self._active = False  # counted in shared.hosts for this context
+        self._buffers: set = set()  # buffer handles the C created for this context
 
     @classmethod
     def open(cls, path: str) -> "CLibrary":
         """Loads (once per process) the backend library at `path`.
 
-        Raises LibraryLoadError: CANNOT_OPEN when dlopen fails or the library would mix ggml
-        builds in this process, SYMBOL_MISSING when an apir_backend_* symbol is absent.
+        Raises LibraryLoadError: CANNOT_OPEN when dlopen fails, SYMBOL_MISSING when an
+        apir_backend_* symbol is absent.
         """
         key = os.path.realpath(path)
         with _shared_lock:
             shared = _shared.get(key)
             if shared is None:
                 shared = _Shared(path)
-                mismatch = _same_ggml_base(shared.cdll)
-                if mismatch is not None:
-                    raise LibraryLoadError(ApirLoadLibraryReturnCode.CANNOT_OPEN,
-                                           f"{path}: refusing to mix two ggml builds: {mismatch}")
                 _shared[key] = shared
         return cls(shared)
 
@@ -214,6 +268,10 @@ class CLibrary:
             self._active = True
             if sh.initialized:
                 return _RC_SUCCESS
+            mismatch = _ggml_mismatch(sh.ggml_base, host.get_config(CONFIG_KEY_GGML_LIBRARY_PATH))
+            if mismatch is not None:
+                log.error("ctx %d: %s", host.ctx_id, mismatch)
+                return _RC_SUCCESS + ApirBackendInitializeReturnCode.CANNOT_OPEN_GGML_LIBRARY
             rc = int(sh.initialize_fn(host.ctx_id, ctypes.byref(sh.callbacks)))
             if rc == _RC_SUCCESS:
                 sh.initialized = True
@@ -223,18 +281,21 @@ class CLibrary:
     def dispatch(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
         """`apir_backend_dispatcher` over the decoder's remaining bytes and the encoder's room.
         Returns the C's code (0 success, 1 failure, 6 invalid function id); the encoder advances
-        by what the C wrote."""
+        by what the C wrote. buffer_free_buffer is served here (see the module docstring)."""
         sh = self._shared
         host = self._host
         if host is None or not sh.initialized:
             log.error("Forward to %s before it was initialized", sh.path)
-            return 1
+            return _RC_ERROR
+        if function_id == _FREE_BUFFER:
+            return self._free_buffer(dec)
         n_in = dec.end - dec.pos
         # One spare byte: a zero-length ctypes array has no address to give the C.
         cmd = (ctypes.c_char * (n_in + 1)).from_buffer_copy(bytes(dec.buf[dec.pos:dec.end]) + b"\0")
         cmd_addr = ctypes.addressof(cmd)
-        room = enc.end - enc.pos
-        out = (ctypes.c_char * room).from_buffer(enc.buf, enc.pos) if room > 0 else ctypes.create_string_buffer(1)
+        start = enc.pos
+        room = enc.end - start
+        out = (ctypes.c_char * room).from_buffer(enc.buf, start) if room > 0 else ctypes.create_string_buffer(1)
         out_addr = ctypes.addressof(out)
         after = ctypes.c_void_p(out_addr)
         with sh.lock:
@@ -249,11 +310,27 @@ class CLibrary:
             enc.fatal = True
             return rc
         enc.pos += written
+        if function_id in _BUFFER_CREATORS and rc == _RC_OK and written >= _U64.size:
+            handle = _U64.unpack_from(enc.buf, start)[0]
+            if handle:
+                self._buffers.add(handle)
         return rc
 
+    def _free_buffer(self, dec: Decoder) -> int:
+        handle = dec.handle()
+        if dec.fatal or not handle:
+            log.error("ctx %d: buffer_free_buffer: invalid buffer handle", self._host.ctx_id)
+            return _RC_ERROR
+        with self._shared.lock:
+            if not self._shared.free_buffer(handle):
+                log.warning("ctx %d: buffer_free_buffer: unknown buffer %#x", self._host.ctx_id, handle)
+                return _RC_ERROR
+        self._buffers.discard(handle)
+        return _RC_OK
+
     def deinit(self) -> None:
-        """Drops this context; the last one runs `apir_backend_deinit` (which frees every
-        buffer the C tracks) and resets the C globals so the library can initialize again."""
+        """Frees this context's buffers and drops the context; the last one runs
+        `apir_backend_deinit` and resets the C globals so the library can initialize again."""
         sh = self._shared
         with sh.lock:
             if not self._active:
@@ -261,6 +338,11 @@ class CLibrary:
             self._active = False
             ctx_id = self._host.ctx_id
             sh.hosts.pop(ctx_id, None)
+            # This context's leftovers (another context may have freed one: untrack says so).
+            freed = sum(sh.free_buffer(h) for h in self._buffers)
+            if freed:
+                log.info("ctx %d: freed %d buffer(s) the guest left", ctx_id, freed)
+            self._buffers.clear()
             if sh.hosts or not sh.initialized:
                 return
             sh.deinit_fn(ctx_id)
