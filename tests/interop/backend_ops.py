@@ -1,0 +1,161 @@
+"""ggml's test-backend-ops, in test mode, on the virtgpu device served by apir's host.
+
+Theory of operation: test-backend-ops (built with the C reference) lists every ggml backend device;
+with the shim preloaded its ggml-virtgpu device is apir's host behind a Unix socket, named
+"[virtgpu] CPU" (the C guest prefixes the host device's name). `-b` picks that device, `-o` an
+op, and every test case is computed on it and on ggml CPU (the reference implementation) and
+compared. The same binary with `-b CPU` gives the counts on ggml CPU directly.
+
+Each op runs in its own test-backend-ops process. The C guest aborts the whole process when a
+backend function fails (GGML_ABORT in REMOTE_CALL), so one refused or crashed case would hide all
+the cases after it: when a run ends early, the op's remaining cases (known from the CPU run) are
+run one per process, and the case that was running when it ended counts as failed ("crashed").
+
+Console lines look like ``  OP(params): OK`` / ``FAIL`` / ``not supported [...]`` /
+``skipping large tensors for speed``; `parse` turns them into [(case, status)] (a suite may
+list the same case twice; each run counts).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Tuple
+
+OK, FAIL, NOT_SUPPORTED, SKIPPED, CRASHED = "ok", "fail", "not supported", "skipped", "crashed"
+VIRTGPU_DEVICE = "[virtgpu] CPU"
+_CASE = re.compile(r"^  ([A-Z][A-Z0-9_]*)\((.*)\): (.*)$")
+_PARTIAL = re.compile(r"^  ([A-Z][A-Z0-9_]*)\((.*)\): ?$")
+
+
+def parse(stdout: str) -> List[Tuple[str, str]]:
+    """[("OP(params)", status)] from test-backend-ops' console output; a line that has a case
+    but no status (the process died computing it) is CRASHED."""
+    cases: List[Tuple[str, str]] = []
+    lines = stdout.splitlines()
+    for i, line in enumerate(lines):
+        m = _CASE.match(line)
+        if m and m.group(3).strip():
+            status = m.group(3)
+            if "not supported" in status:
+                value = NOT_SUPPORTED
+            elif "skipping" in status:
+                value = SKIPPED
+            elif "FAIL" in status:
+                value = FAIL
+            elif "OK" in status:
+                value = OK
+            else:  # a case whose status line was cut by the process's death
+                value = CRASHED
+            cases.append((f"{m.group(1)}({m.group(2)})", value))
+            continue
+        m = _PARTIAL.match(line)
+        if m:
+            cases.append((f"{m.group(1)}({m.group(2)})", CRASHED))
+    return cases
+
+
+def list_ops(test_backend_ops: str) -> List[str]:
+    out = subprocess.run([test_backend_ops, "--list-ops"], capture_output=True, text=True, check=True).stdout
+    return [line.strip() for line in out.splitlines()[1:] if line.strip()]
+
+
+@dataclass
+class OpRun:
+    """One op on one device: [(case, status)], wall seconds, and how many processes it took."""
+
+    op: str
+    cases: List[Tuple[str, str]] = field(default_factory=list)
+    seconds: float = 0.0
+    processes: int = 0
+    notes: List[str] = field(default_factory=list)
+
+    def count(self, status: str) -> int:
+        return sum(1 for _, s in self.cases if s == status)
+
+    def names(self) -> List[str]:
+        """The distinct case names, in order."""
+        return list(dict.fromkeys(c for c, _ in self.cases))
+
+    def status_of(self, case: str) -> Optional[str]:
+        """OK if any run of `case` passed, else the last status seen, else None."""
+        seen = [s for c, s in self.cases if c == case]
+        return OK if OK in seen else (seen[-1] if seen else None)
+
+
+def run_cases(test_backend_ops: str, device: str, filters: str, env: Optional[dict],
+              timeout: float, params: Optional[str] = None) -> tuple:
+    """One test-backend-ops process (`-o filters`, `-p params` regex); (cases, returncode,
+    stderr tail)."""
+    cmd = [test_backend_ops, "test", "-b", device, "-o", filters] + (["-p", params] if params else [])
+    try:
+        p = subprocess.run(cmd, env=env,
+                           capture_output=True, text=True, timeout=timeout)
+        return parse(p.stdout), p.returncode, p.stderr[-2000:]
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return parse(out), None, "timeout"
+
+
+def run_op(test_backend_ops: str, op: str, device: str, env: Optional[dict] = None,
+           expected: Iterable[str] = (), timeout: float = 600.0, max_resume: int = 10_000,
+           params: Optional[str] = None) -> OpRun:
+    """All cases of `op` (those whose parameters match the regex `params`, if given) on
+    `device`. `expected`: the op's case names (from the CPU run), used to resume case by case
+    after the process ended early."""
+    run = OpRun(op)
+    t0 = time.monotonic()
+    cases, rc, err = run_cases(test_backend_ops, device, op, env, timeout, params)
+    run.processes += 1
+    run.cases.extend(cases)
+    if rc != 0:
+        run.notes.append(f"{op}: process ended with {rc} ({_last_line(err)})")
+        done = set(run.names())
+        remaining = [c for c in dict.fromkeys(expected) if c not in done]
+        for case in remaining[:max_resume]:
+            cases, rc, err = run_cases(test_backend_ops, device, case, env, timeout)
+            run.processes += 1
+            run.cases.extend(cases or [(case, CRASHED)])
+            if rc != 0:
+                run.notes.append(f"{case}: process ended with {rc} ({_last_line(err)})")
+        if len(remaining) > max_resume:
+            run.notes.append(f"{op}: {len(remaining) - max_resume} cases not resumed")
+    run.seconds = time.monotonic() - t0
+    return run
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    for ln in lines:
+        if "ggml-virtgpu" in ln and ("failed" in ln or "error" in ln.lower()):
+            return ln.strip()[:200]
+    return lines[-1].strip()[:200] if lines else ""
+
+
+def summarize(runs: Dict[str, OpRun]) -> Dict[str, int]:
+    total = {OK: 0, FAIL: 0, NOT_SUPPORTED: 0, SKIPPED: 0, CRASHED: 0}
+    for r in runs.values():
+        for _, s in r.cases:
+            total[s] += 1
+    return total
+
+
+def regressions(cpu: Dict[str, OpRun], apir: Dict[str, OpRun]) -> List[str]:
+    """Cases that pass on ggml CPU directly but not through apir."""
+    bad = []
+    for op, r in cpu.items():
+        other = apir.get(op, OpRun(op))
+        for case in r.names():
+            if r.status_of(case) == OK and other.status_of(case) != OK:
+                bad.append(f"{case}: CPU ok, apir {other.status_of(case) or 'missing'}")
+    return bad
+
+
+def default_paths_env(version: str) -> Path:
+    from tests import cref
+
+    cref.build(version)
+    return cref.cache_dir() / version / "build" / "paths.env"

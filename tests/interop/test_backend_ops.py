@@ -1,0 +1,78 @@
+"""A representative subset of ggml's test-backend-ops on the virtgpu device served by apir's
+host (Python dispatcher), against the same cases on ggml CPU directly. The whole suite:
+scripts/run-test-backend-ops.py."""
+
+import pytest
+
+from tests.interop import backend_ops as bo
+from tests.interop.harness import HostProcess, build_shim, guest_env
+
+# (op, parameter regex or None): unary and binary element-wise ops, reductions/normalisation,
+# data movement, and mat-mul over float and quantized types — a cross-section of what a model
+# graph uses, chosen to run in about a minute per ggml version.
+SUBSET = [
+    ("ABS", None),
+    ("GELU", None),
+    ("SILU", None),
+    ("SCALE", None),
+    ("ADD", r"type=f32,.*perm1=0"),
+    ("MUL", r"type=f32,ne=\[10,5,4,3\],.*perm1=0"),
+    ("SOFT_MAX", r"type=f32,ne=\[16,2,32,1\],mask=[01],sinks=0"),
+    ("RMS_NORM", r"type=f32,ne=\[64,5,4,3\]"),
+    ("GET_ROWS", r"type=(f32|f16|q4_0),n=256,m=5,r=4,be1=1,be2=1,v=0"),
+    ("CPY", r"type_src=f32,type_dst=(f16|q4_0|q8_0),ne(_src)?=\[256,4,4,4\]|type_src=f32,type_dst=f16,ne(_src)?=\[256,2,3,4\]"),
+    ("MUL_MAT", r"type_a=(f32|f16|q4_0|q8_0),type_b=f32,m=16,n=1,k=256,bs=\[1,1\],nr=\[1,1\]"),
+]
+
+
+@pytest.fixture(scope="module")
+def apir_host(cref_paths, tmp_path_factory):
+    with HostProcess(cref_paths, tmp_path_factory.mktemp("tbo") / "host.sock") as host:
+        yield host
+
+
+def run_both(paths, host, op, params):
+    tbo = paths["TEST_BACKEND_OPS"]
+    cpu = bo.run_op(tbo, op, "CPU", None, params=params, max_resume=0, timeout=300)
+    env = guest_env(paths, build_shim(paths), host.socket_path)
+    apir = bo.run_op(tbo, op, bo.VIRTGPU_DEVICE, env, expected=cpu.names(), params=params, timeout=300)
+    return cpu, apir
+
+
+@pytest.mark.parametrize("op,params", SUBSET, ids=[op for op, _ in SUBSET])
+def test_op_through_apir_matches_cpu(cref_paths, apir_host, op, params):
+    cpu, apir = run_both(cref_paths, apir_host, op, params)
+    assert cpu.count(bo.OK) > 0, f"no {op} case ran on CPU: the subset's filter matches nothing"
+    bad = bo.regressions({op: cpu}, {op: apir})
+    assert not bad, "\n".join(bad + apir.notes[:3])
+    assert apir.count(bo.OK) >= cpu.count(bo.OK)
+    assert apir.count(bo.FAIL) == apir.count(bo.CRASHED) == 0
+    assert apir_host.alive(), apir_host.log
+
+
+# Known gaps of apir's host, found by this suite: each is refused in backend_graph_compute while
+# device_supports_op says yes, so the C guest aborts. strict: an XPASS means the host was fixed.
+@pytest.mark.xfail(strict=True, reason="apir host refuses ADD with a permuted (non-contiguous rows) "
+                                       "source that ggml CPU computes: 'sources' rows are not contiguous'")
+def test_add_with_permuted_source(cref_paths, apir_host):
+    cpu, apir = run_both(cref_paths, apir_host, "ADD", r"type=f32,ne=\[10,5,4,3\],nr=\[1,1,1,1\],nf=1,perm1=1")
+    assert cpu.count(bo.OK) == 1
+    assert not bo.regressions({"ADD": cpu}, {"ADD": apir})
+
+
+@pytest.mark.xfail(strict=True, reason="apir host refuses SOFT_MAX with attention sinks (src2) that "
+                                       "ggml CPU computes, and device_supports_op does not say so")
+def test_soft_max_with_sinks(cref_paths, apir_host):
+    cpu, apir = run_both(cref_paths, apir_host, "SOFT_MAX",
+                         r"type=f32,ne=\[16,2,32,1\],mask=0,sinks=1,m_prec=f32,nr23=\[1,1\],scale=0.1.*inplace=0")
+    assert cpu.count(bo.OK) == 1
+    assert not bo.regressions({"SOFT_MAX": cpu}, {"SOFT_MAX": apir})
+
+
+@pytest.mark.xfail(strict=True, reason="apir host refuses CPY from a permuted f32 source to a quantized "
+                                       "type that ggml CPU computes")
+def test_cpy_permuted_to_quantized(cref_paths, apir_host):
+    cpu, apir = run_both(cref_paths, apir_host, "CPY",
+                         r"type_src=f32,type_dst=q8_0,ne(_src)?=\[256,2,3,4\],permute(_src)?=\[0,2,1,3\]")
+    assert cpu.count(bo.OK) == 1
+    assert not bo.regressions({"CPY": cpu}, {"CPY": apir})
