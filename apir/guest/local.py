@@ -2,7 +2,7 @@
 
 Theory of operation: connecting to an apir host process (`apir host serve --socket PATH`) is
 opening a render node: the HELLO reply brings the context's shared memory file (SCM_RIGHTS), and
-every device call is one request and one reply (apir.host.local_wire; docs/local-transport.md).
+every device call is one request and one reply (apir.codec.local_wire; docs/local-transport.md).
 `create_blob` is CREATE_BLOB + MAP + ``mmap(fd, size, offset)``, exactly as a DRM guest maps a
 blob, so the host and the guest share the blob's pages and no bulk data crosses the socket.
 
@@ -25,9 +25,7 @@ import socket
 import threading
 from typing import Optional
 
-from apir.guest.device import Blob
-from apir.guest.errors import DeviceError, IoctlError
-from apir.host.local_wire import (
+from apir.codec.local_wire import (
     HELLO_MAGIC,
     REPLY,
     REQUEST,
@@ -38,6 +36,8 @@ from apir.host.local_wire import (
     recv_message,
     send_message,
 )
+from apir.guest.device import Blob
+from apir.guest.errors import DeviceError, IoctlError
 
 __all__ = ["LocalDevice", "HostConnectionLost", "host_stats"]
 

@@ -18,8 +18,8 @@ import threading
 from typing import Any, Callable, Optional
 
 from apir.codec.constants import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS, CapsetApir
+from apir.codec.local_wire import MAX_EXEC_COMMAND
 from apir.host.local_memfile import HostBlob, MemFile, MemFileFull
-from apir.host.local_wire import MAX_EXEC_COMMAND
 
 __all__ = [
     "KernelContext",

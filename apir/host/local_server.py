@@ -2,7 +2,7 @@
 
 Theory of operation: each accepted connection is one guest's opened render node and, after
 CONTEXT_INIT, one APIR context (`apir.host.component.HostContext`). A thread per connection reads
-requests (apir.host.local_wire), answers each with one reply, and owns the context's shared memory
+requests (apir.codec.local_wire), answers each with one reply, and owns the context's shared memory
 file (apir.host.local_memfile) through a KernelContext (apir.host.local_kernel), which plays the
 driver for that guest: CREATE_BLOB places a blob in the file and registers its host
 mapping with the context as a resource; MAP returns its offset; GEM_CLOSE removes it; EXECBUFFER
@@ -27,8 +27,7 @@ import stat
 import threading
 from typing import Optional
 
-from apir.host.local_kernel import ContextFactory, KernelContext, KernelError, default_context_factory
-from apir.host.local_wire import (
+from apir.codec.local_wire import (
     BLOB_ALIGNMENT,
     HELLO_MAGIC,
     MAX_GET_CAPS,
@@ -41,6 +40,7 @@ from apir.host.local_wire import (
     recv_message,
     send_message,
 )
+from apir.host.local_kernel import ContextFactory, KernelContext, KernelError, default_context_factory
 
 __all__ = ["LocalServer", "ServerStats"]
 

@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from apir.host.local_wire import (
+from apir.codec.local_wire import (
     HEADER, MAX_PAYLOAD, REPLY, REQUEST, ConnectionClosed, Op, WireError, pack_message,
     recv_message, send_message,
 )
