@@ -75,6 +75,7 @@ class EmbeddedDevice:
         self.exec_wait_s = exec_wait_s
         self.kernel = KernelContext("embedded", config, context_factory, max_bytes)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._blobs: dict[int, Blob] = {}  # by bo_handle: the blobs not destroyed yet
         self._closed = False
         self._thread = threading.Thread(target=self._host_loop, name="apir-embedded-host", daemon=True)
         self._thread.start()
@@ -144,11 +145,19 @@ class EmbeddedDevice:
         res_id, bo_handle, host_blob = self._run(
             "DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB", self.kernel.create_blob,
             VIRTGPU_BLOB_MEM_HOST3D, VIRTGPU_BLOB_FLAG_USE_MAPPABLE, size, 0)
-        return Blob(res_id=res_id, bo_handle=bo_handle, size=host_blob.size, memory=host_blob.memory)
+        blob = Blob(res_id=res_id, bo_handle=bo_handle, size=host_blob.size, memory=host_blob.memory)
+        self._blobs[bo_handle] = blob
+        return blob
 
     def destroy_blob(self, blob: Blob) -> None:
         """DRM_IOCTL_GEM_CLOSE: the host drops the resource and unmaps it."""
         self._run("DRM_IOCTL_GEM_CLOSE", self.kernel.gem_close, blob.bo_handle)
+        self._blobs.pop(blob.bo_handle, None)
+
+    @property
+    def blobs(self) -> dict[int, Blob]:
+        """The live blobs this device created and has not destroyed, by res_id (a snapshot)."""
+        return {b.res_id: b for b in list(self._blobs.values())}
 
     def execbuffer(self, payload, ring_idx: int = 0) -> None:
         """DRM_IOCTL_VIRTGPU_EXECBUFFER: queues the command for the host thread and returns
@@ -181,6 +190,7 @@ class EmbeddedDevice:
         if self._closed:
             return
         self._closed = True
+        self._blobs.clear()  # the host thread frees them all as it stops
         self._jobs.put(_STOP)
         self._thread.join(self.io_timeout_s)
         if self._thread.is_alive():

@@ -238,6 +238,11 @@ class LocalDevice:
         return bool(ready)
 
     # --- debug and teardown --------------------------------------------------------------
+    @property
+    def blobs(self) -> dict[int, Blob]:
+        """The live blobs this device created and has not destroyed, by res_id (a snapshot)."""
+        return {blob.res_id: blob for blob in list(self._blobs.values())}
+
     def stats(self) -> dict:
         """The host's STAT: host-wide counts of contexts, blobs, blob bytes, shared file bytes
         and ggml buffers (-1 when the host cannot count them)."""
