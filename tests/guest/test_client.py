@@ -36,6 +36,12 @@ def host(request, cref_020):
 
 
 @pytest.fixture(scope="module")
+def is_c_host(host):
+    """Whether the client's host is the C reference host (it cannot free from-ptr buffers)."""
+    return isinstance(host, CHostContext)
+
+
+@pytest.fixture(scope="module")
 def client(host):
     c = ApirClient.connect(SyncDevice(host, owns_host=False), data_size=WINDOW, forward_timeout_s=30)
     yield c
@@ -213,7 +219,7 @@ def test_buffer_clear(client, g):
     assert info.value.function == "buffer_get_tensor" and info.value.function_code == 1  # both hosts
 
 
-def test_buffer_from_ptr_is_zero_copy(client, g, host):
+def test_buffer_from_ptr_is_zero_copy(client, g, is_c_host):
     blob, handle, buft = client.device_buffer_from_ptr(40_000, 40_000)
     assert handle and buft and blob.size == 49152
     assert client.buffer_get_base(handle) != 0
@@ -223,7 +229,7 @@ def test_buffer_from_ptr_is_zero_copy(client, g, host):
     assert np.array_equal(out, np.arange(100, dtype=np.float32))
     client.buffer_set_tensor(handle, rpc(g, 1, handle, 100, 0), 0, np.full(100, 7, np.float32))
     assert np.frombuffer(blob.memory, np.float32, 100).tolist() == [7.0] * 100
-    if not isinstance(host, CHostContext):
+    if not is_c_host:
         client.buffer_free_buffer(handle)
         client.destroy_blob(blob)
     # Not freed on the C host: it calls the CPU from-ptr buffer's free_buffer, which is NULL, and

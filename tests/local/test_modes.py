@@ -28,6 +28,11 @@ def client(request, tmp_path_factory):
         host.stop()
 
 
+@pytest.fixture(scope="module")
+def is_c_host():
+    return False  # both transports serve apir.host's HostContext
+
+
 g = guest_suite.g
 buffer = guest_suite.buffer
 
