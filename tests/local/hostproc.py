@@ -43,6 +43,21 @@ class HostProcess:
     def signal(self, signum):
         self.proc.send_signal(signum)
 
+    def pause(self, timeout_s=10.0):
+        """SIGSTOP, and return once the host has really stopped. kill() only queues the signal:
+        the thread that takes it stops the others, and until it gets a CPU (a loaded machine)
+        the host keeps serving. The parent learns of the stop from waitpid(WUNTRACED)."""
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.proc.pid, os.WUNTRACED | os.WNOHANG)
+            if pid and os.WIFSTOPPED(status):
+                return
+            if pid:
+                raise RuntimeError(f"apir host ended while being paused (status {status:#x})")
+            time.sleep(0.005)
+        raise RuntimeError(f"apir host did not stop within {timeout_s:g} s")
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -194,31 +194,51 @@ def test_killing_a_guest_frees_its_buffers_on_the_host(host):
             guest.wait()
 
 
+class _SendWatchingDevice(LocalDevice):
+    """A LocalDevice that tells when an EXECBUFFER request has left for the host."""
+
+    def __init__(self, *args, **kwargs):
+        self.exec_sent = threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def _send(self, op, payload):
+        seq = super()._send(op, payload)
+        if op == Op.EXECBUFFER:
+            self.exec_sent.set()
+        return seq
+
+
 def test_killing_the_host_mid_call_is_a_clear_error_at_once(tmp_path):
     h = HostProcess(tmp_path / "apir.sock")
     try:
-        client = ApirClient.connect(LocalDevice(h.path), data_size=65536)
+        # exec_wait_s far above the few seconds a loaded machine may take here: the error must
+        # come from the host's end of the socket, not from a wait running out
+        dev = _SendWatchingDevice(h.path, exec_wait_s=60.0)
+        client = ApirClient.connect(dev, data_size=65536)
         assert client.device_get_type() == 0  # GGML_BACKEND_DEVICE_TYPE_CPU (the CPU backend)
-        h.signal(signal.SIGSTOP)  # the next call stays in flight
+        h.pause()  # stopped for real: the next call stays in flight
+        dev.exec_sent.clear()
         outcome = {}
 
         def call():
-            t0 = time.monotonic()
             try:
-                client.device_get_type()
+                outcome["value"] = client.device_get_type()
             except Exception as exc:
                 outcome["error"] = exc
-            outcome["elapsed"] = time.monotonic() - t0
+            outcome["done"] = time.monotonic()
 
         t = threading.Thread(target=call)
         t.start()
-        time.sleep(0.3)
-        assert t.is_alive()
+        assert dev.exec_sent.wait(10)  # the command is with the host
+        time.sleep(0.2)
+        assert t.is_alive() and outcome == {}  # a stopped host cannot have answered
+        killed = time.monotonic()
         h.signal(signal.SIGKILL)
         t.join(10)
-        assert isinstance(outcome["error"], HostConnectionLost)
+        assert not t.is_alive()
+        assert isinstance(outcome.get("error"), HostConnectionLost), outcome
         assert "closed the connection" in str(outcome["error"])
-        assert outcome["elapsed"] < 2.0  # far inside the call's 300 s limit
+        assert outcome["done"] - killed < 2.0  # at once: far inside exec_wait_s and the 300 s limit
         with pytest.raises(HostConnectionLost):
             client.device_get_name()
     finally:
