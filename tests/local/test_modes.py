@@ -37,7 +37,8 @@ g = guest_suite.g
 buffer = guest_suite.buffer
 
 # The client-path tests of the guest suite, unchanged; they take `client` from here. (Its
-# eight-thread test reads the test device's own counters, so it has no twin here.)
+# eight-thread test counts the commands its test device ran; neither transport's host reports
+# such a count yet (STAT has none), so it has no twin here.)
 test_device_functions_match_the_cpu_backend = guest_suite.test_device_functions_match_the_cpu_backend
 test_buffer_type_functions = guest_suite.test_buffer_type_functions
 test_inline_tensors_supports_op_and_alloc_size = guest_suite.test_inline_tensors_supports_op_and_alloc_size
