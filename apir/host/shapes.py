@@ -20,7 +20,7 @@ a rule must prove is that the kernel walks each tensor only within its own ne an
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
 
 import numpy as np
 
@@ -29,11 +29,15 @@ from apir.host.errors import Refused
 
 @dataclass(frozen=True)
 class OpEnums:
-    """Sizes of the enums some ops carry in op_params[0], of the loaded ggml build."""
+    """Facts of the loaded ggml build the rules need: sizes of the enums some ops carry in
+    op_params, and which types its CPU backend can convert rows of F32 into."""
 
     unary_count: int
     glu: Dict[str, int] = field(default_factory=dict)  # `enum ggml_glu_op`, COUNT included
     rope: Dict[str, int] = field(default_factory=dict)  # the GGML_ROPE_TYPE_* modes
+    # types whose `ggml_type_traits_cpu.from_float` is set (CPY / DUP into them; without it
+    # the CPU kernel aborts)
+    from_float: FrozenSet[str] = frozenset()
 
     @property
     def glu_count(self) -> int:
@@ -42,7 +46,9 @@ class OpEnums:
 
 def op_enums(g) -> OpEnums:
     """`OpEnums` of build `g`, from its ggml.h (`enum ggml_unary_op`, `enum ggml_glu_op`,
-    `#define GGML_ROPE_TYPE_*`)."""
+    `#define GGML_ROPE_TYPE_*`) and `ggml_get_type_traits_cpu` (whose first field is
+    `from_float`)."""
+    import ctypes
     import re
 
     from apir.ggml.lib import _parse_enum
@@ -51,7 +57,12 @@ def op_enums(g) -> OpEnums:
     unary = _parse_enum(text, "ggml_unary_op", "GGML_UNARY_OP_")["COUNT"]
     glu = _parse_enum(text, "ggml_glu_op", "GGML_GLU_OP_") if "enum ggml_glu_op" in text else {}
     rope = {m.group(1): int(m.group(2)) for m in re.finditer(r"#\s*define\s+GGML_ROPE_TYPE_(\w+)\s+(\d+)", text)}
-    return OpEnums(unary, glu, rope)
+    from_float = set()
+    for t, name in g.type_names.items():
+        traits = g.ggml_get_type_traits_cpu(t)
+        if traits and ctypes.c_void_p.from_address(traits).value:
+            from_float.add(name)
+    return OpEnums(unary, glu, rope, frozenset(from_float))
 
 __all__ = ["TensorInfo", "OpEnums", "op_enums", "check_node", "CHECKED_OPS"]
 
@@ -146,8 +157,10 @@ def _binary(node, srcs, _enums=None):
         _fail(node, f"src1 {b.ne} cannot be repeated to src0 {a.ne}")
     if a.type_name not in _FLOAT or node.type_name != a.type_name or b.type_name not in ("F32", a.type_name):
         _fail(node, f"types {a.type_name}, {b.type_name} -> {node.type_name}")
-    if not (a.rows_contiguous() and b.rows_contiguous()):
-        _fail(node, "sources' rows are not contiguous")
+    # apply_binary_op GGML_ASSERTs src0's (and dst's) nb[0] is the element size; src1 is read
+    # at i10 * nb10 within its own ne and nb, so any src1 strides stay inside its extent.
+    if not a.rows_contiguous():
+        _fail(node, "src0's rows are not contiguous")
     _dst_contiguous(node)
 
 
@@ -228,31 +241,40 @@ def _unary(node, srcs, enums):
     _same_shape(node, a, "src0")
     if a.type_name not in ("F32", "F16") or node.type_name != a.type_name:
         _fail(node, f"types {a.type_name} -> {node.type_name}")
-    if not a.rows_packed():  # some unary kernels walk all rows as i * nb[1]
-        _fail(node, "src0's rows are not packed")
+    # Every unary kernel walks rows at i1*nb01 + i2*nb02 + i3*nb03 and reads ne[0] elements
+    # of each (apply_unary_op GGML_ASSERTs nb00 is the element size).
+    if not a.rows_contiguous():
+        _fail(node, "src0's rows are not contiguous")
     _dst_contiguous(node)
 
 
-def _copy_types(node, src: TensorInfo, dst: TensorInfo):
+def _copy_types(node, src: TensorInfo, dst: TensorInfo, enums: OpEnums):
     if src.nelements() != dst.nelements():
         _fail(node, f"{src.nelements()} elements copied into {dst.nelements()}")
     if src.type_name not in _FLOAT:
         _fail(node, f"cannot convert from {src.type_name}")
     if dst.type_name not in _FLOAT:
-        if src.type_name != "F32" or not (src.contiguous() and dst.contiguous()) or dst.type_name.startswith("IQ"):
+        # ggml_compute_forward_dup_to_q: dst contiguous, src rows of elements (nb00 == size),
+        # each src row converted to F32 in a work buffer the graph plan sizes by the result's
+        # ne[0] (so src ne[0] may not exceed it), then quantized as whole blocks.
+        if dst.type_name not in enums.from_float:
             _fail(node, f"cannot convert {src.type_name} to {dst.type_name} here")
+        if not (src.rows_contiguous() and dst.contiguous()):
+            _fail(node, f"copy into {dst.type_name} needs contiguous rows and a contiguous result")
+        if src.ne[0] > dst.ne[0] or src.ne[0] % dst.blck_size:
+            _fail(node, f"src0 rows of {src.ne[0]} do not fit {dst.type_name} rows of {dst.ne[0]}")
 
 
-def _cpy(node, srcs, _enums=None):
+def _cpy(node, srcs, enums):
     a, b = _need(node, srcs, 2)
     if node.ne != b.ne or node.nb != b.nb or node.type_name != b.type_name:
         _fail(node, "result is not a view of src1")
-    _copy_types(node, a, b)
+    _copy_types(node, a, b, enums)
 
 
-def _dup(node, srcs, _enums=None):
+def _dup(node, srcs, enums):
     (a,) = _need(node, srcs, 1)
-    _copy_types(node, a, node)
+    _copy_types(node, a, node, enums)
     _dst_contiguous(node)
 
 

@@ -88,6 +88,47 @@ def _rope(mode_name, ff=False, multi=False):
     return build
 
 
+def _permuted(g, ctx, type_name, *ne):
+    """An input of ne (8, 3, 2) permuted (1, 2, 0, 3) to [2, 8, 3]: nb[0] is not the element size."""
+    t = _in(g, ctx, type_name, *ne)
+    return t, g.ggml_permute(ctx, t, 1, 2, 0, 3)
+
+
+def _bin_permuted(name):
+    """src1 permuted (test-backend-ops' perm1=1): read at i10 * nb10."""
+    def build(g, ctx):
+        a = _in(g, ctx, "F32", 2, 8, 3)
+        b, bp = _permuted(g, ctx, "F32", 8, 3, 2)
+        return getattr(g, name)(ctx, a, bp), [a, b]
+    return build
+
+
+def _gelu_of_view(g, ctx):
+    """A unary op on a view with gaps between rows (test-backend-ops' v=1)."""
+    a = _in(g, ctx, "F32", 12, 6, 2)
+    v = g.ggml_view_3d(ctx, a, 8, 3, 2, g_nb(g, a, 1), g_nb(g, a, 2), 0)
+    return g.ggml_gelu(ctx, v), [a]
+
+
+def _cpy_permuted_to(type_name):
+    """F32 source permuted (0, 2, 1, 3) (rows still of elements) into a quantized tensor."""
+    def build(g, ctx):
+        a = _in(g, ctx, "F32", 64, 3, 2)
+        dst = _in(g, ctx, type_name, 64, 2, 3)
+        return g.ggml_cpy(ctx, g.ggml_permute(ctx, a, 0, 2, 1, 3), dst), [a, dst]
+    return build
+
+
+def _zero_blocks(block_bytes, blck=32):
+    return lambda n, rng: np.zeros(n // blck * block_bytes, np.uint8)
+
+
+def g_nb(g, t, i):
+    from apir.ggml.layout import tensor_record
+
+    return int(tensor_record(t, g.tensor_dtype)["nb"][i])
+
+
 def _ints(hi, dtype=np.int32):
     return lambda n, rng: rng.permutation(hi)[:n].astype(dtype) if n <= hi else rng.integers(0, hi, n).astype(dtype)
 
@@ -131,6 +172,11 @@ CASES = [
     Case("ROPE", _rope("MROPE", multi=True), lie=(1, 0, -3), data={1: _ints(100)}),
     Case("ROPE", _rope("VISION", multi=True), lie=(-1, 0, -2), data={1: _ints(100)}),
     Case("SET_ROWS", _set_rows, lie=(-1, 1, -1), data={2: _ints(10, np.int64)}),
+    Case("ADD", _bin_permuted("ggml_add")),
+    Case("MUL", _bin_permuted("ggml_mul")),
+    Case("UNARY", _gelu_of_view),
+    Case("CPY", _cpy_permuted_to("Q8_0"), lie=(-1, 1, -1), data={1: _zero_blocks(34)}),
+    Case("CPY", _cpy_permuted_to("Q5_1"), lie=(-1, 2, -1), data={1: _zero_blocks(24)}),
 ]
 IDS = [f"{c.op}-{i}" for i, c in enumerate(CASES)]
 
@@ -280,6 +326,21 @@ def test_bad_op_params_are_refused(guest, ggml, op_param, value, caplog):
     assert rc == ERROR and f"({op_param})" in caplog.text, caplog.text
     rc, dec = r.compute()
     assert rc == 0 and dec.i32() == 0
+    r.close()
+
+
+def test_cpy_to_quantized_with_longer_source_rows_is_refused(guest, ggml, caplog):
+    """ggml_cpy only checks element counts, but the CPU converts each source row in a work
+    buffer sized by the result's ne[0]: F32 rows of 64 into Q8_0 rows of 32 would overrun it."""
+    def build(g, ctx):
+        a, dst = _in(g, ctx, "F32", 64, 2), _in(g, ctx, "Q8_0", 32, 4)
+        return g.ggml_cpy(ctx, a, dst), [a, dst]
+
+    r = Remote(guest, ggml, Case("CPY", build, data={1: _zero_blocks(34)}))
+    with caplog.at_level(logging.WARNING, logger="apir.host"):
+        rc, _ = r.compute()
+    assert rc == ERROR and "(CPY): src0 rows of 64 do not fit Q8_0 rows of 32" in caplog.text, caplog.text
+    assert guest.forward(Cmd.DEVICE_GET_COUNT)[0] == 0
     r.close()
 
 
