@@ -12,8 +12,7 @@ from __future__ import annotations
 from apir.host.errors import BACKEND_RC_OK, Refused
 
 from apir.codec.graph import GraphError, parse_graph
-from apir.host.graph import build_graph
-from apir.host.shapes import op_enums
+from apir.host.graph import build_graph, lib_op_enums
 from apir.host.tensors import Scratch
 
 __all__ = ["graph_compute"]
@@ -32,7 +31,7 @@ def graph_compute(lib, dec, enc) -> int:
                              type_valid=chk.valid_types)
     except GraphError as exc:
         raise Refused(f"backend_graph_compute: {exc}") from None
-    enums = _op_enums(lib)
+    enums = lib_op_enums(lib)
     with Scratch(g, len(parsed.tensors), max(len(parsed.node_index), 1)) as scratch:
         graph = build_graph(lib, parsed, scratch, enums)
         status = g.ggml_backend_graph_compute(lib.backend, graph)
@@ -40,9 +39,3 @@ def graph_compute(lib, dec, enc) -> int:
     enc.i32(status)
     return BACKEND_RC_OK
 
-
-def _op_enums(lib):
-    enums = getattr(lib, "_op_enums", None)
-    if enums is None:
-        enums = lib._op_enums = op_enums(lib.g)
-    return enums

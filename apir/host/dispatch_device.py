@@ -5,7 +5,12 @@ Replies, in order (APIR wire values):
     get_name, get_description    string (u64 size with NUL, bytes padded to 4)
     get_type                     u32 enum ggml_backend_dev_type
     get_memory                   size_t free, size_t total
-    supports_op                  bool; argument: an inline tensor (see apir.host.tensors)
+    supports_op                  bool; argument: an inline tensor (see apir.host.tensors).
+                                 True only where ggml's device says yes AND the node passes
+                                 its op's shape rule (apir.host.shapes) as far as it can be
+                                 checked without data: what graph_compute would refuse is
+                                 reported unsupported, so a guest schedules it elsewhere
+                                 instead of failing at compute
     get_buffer_type              u64 buffer type handle (opaque id)
     get_props                    bool async, host_buffer, buffer_from_host_ptr, events
                                  [, mmap_support]: 4 for an APIR 0.1 guest, 5 for 0.2
@@ -21,6 +26,8 @@ from apir.codec.constants import APIR_PROTOCOL_0_1
 from apir.ggml.backend_props import get_dev_props
 from apir.ggml.layout import tensor_record
 from apir.host.errors import BACKEND_RC_OK, Refused, log
+from apir.host.graph import lib_op_enums, tensor_info
+from apir.host.shapes import node_refusal
 from apir.host.tensors import Scratch, decode_inline_tensor
 
 __all__ = ["get_device_count", "get_count", "get_name", "get_description", "get_type", "get_memory",
@@ -69,7 +76,8 @@ def supports_op(lib, dec, enc) -> int:
     with Scratch(lib.g, 2 + chk.limits.max_src) as scratch:
         op = decode_inline_tensor(chk, dec, scratch, "device_supports_op")
         _check_required_srcs(lib, op)
-        enc.bool(lib.g.ggml_backend_dev_supports_op(lib.dev, op))
+        ok = bool(lib.g.ggml_backend_dev_supports_op(lib.dev, op)) and _rule_accepts(lib, op)
+        enc.bool(ok)
     return BACKEND_RC_OK
 
 
@@ -115,6 +123,23 @@ def buffer_from_ptr(lib, dec, enc) -> int:
 # Sources ggml-cpu's supports_op dereferences for these ops (ggml-cpu.cpp), by op name.
 _REQUIRED_SRCS = {"MUL_MAT": 2, "OUT_PROD": 2, "IM2COL_BACK": 2, "GET_ROWS_BACK": 1, "CONV_2D": 1,
                   "SOFT_MAX_BACK": 2, "SSM_SCAN": 4}
+
+
+def _rule_accepts(lib, t: int) -> bool:
+    """Whether the op's shape rule accepts inline tensor `t` (its twin) and the sources sent
+    with it. The inline encoding stops at the first null source, so a later source (e.g.
+    soft_max's sinks without a mask) is not seen here; graph_compute still checks it."""
+    dtype = lib.g.tensor_dtype
+    rec = tensor_record(t, dtype)
+    srcs = []
+    for i, p in enumerate(int(x) for x in rec["src"]):
+        if not p:
+            break
+        srcs.append(tensor_info(lib, i + 1, tensor_record(p, dtype), None))
+    why = node_refusal(tensor_info(lib, 0, rec, None), srcs, lib_op_enums(lib))
+    if why is not None:
+        log.debug("ctx %d: device_supports_op: false, %s", lib.host.ctx_id, why)
+    return why is None
 
 
 def _check_required_srcs(lib, t: int) -> None:

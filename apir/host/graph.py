@@ -18,10 +18,30 @@ from typing import List, Optional
 
 from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
-from apir.host.shapes import OpEnums, TensorInfo, check_node
+from apir.host.shapes import OpEnums, TensorInfo, check_node, op_enums
 from apir.host.tensors import Scratch
 
-__all__ = ["build_graph"]
+__all__ = ["build_graph", "tensor_info", "lib_op_enums"]
+
+
+def tensor_info(lib, index: int, rec, address: Optional[int]) -> TensorInfo:
+    """The `TensorInfo` the shape rules see of tensor record `rec` (an rpc record or a
+    `ggml_tensor`: both have type, op, ne, nb and op_params) of the dispatcher `lib`."""
+    g, chk = lib.g, lib.checker
+    type_, op = int(rec["type"]), int(rec["op"])
+    return TensorInfo(
+        index=index, type_name=g.type_names[type_], ne=[int(x) for x in rec["ne"]],
+        nb=[int(x) for x in rec["nb"]], op_name=g.op_names[op], op_params=rec["op_params"].copy(),
+        type_size=chk.type_size[type_], blck_size=chk.blck_size[type_],
+        is_leaf=op == g.ops["NONE"], address=address)
+
+
+def lib_op_enums(lib) -> OpEnums:
+    """`op_enums` of the dispatcher's ggml, computed once per dispatcher."""
+    enums = getattr(lib, "_op_enums", None)
+    if enums is None:
+        enums = lib._op_enums = op_enums(lib.g)
+    return enums
 
 
 def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
@@ -41,12 +61,7 @@ def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
         if buf is None or not buf.base:
             raise Refused(f"graph tensor {i}: no buffer with data")
         bufs[i], offsets[i], extents[i] = buf, int(rec["data"]), extent
-        type_, op = int(rec["type"]), int(rec["op"])
-        infos[i] = TensorInfo(
-            index=i, type_name=g.type_names[type_], ne=[int(x) for x in rec["ne"]],
-            nb=[int(x) for x in rec["nb"]], op_name=g.op_names[op], op_params=rec["op_params"].copy(),
-            type_size=chk.type_size[type_], blck_size=chk.blck_size[type_],
-            is_leaf=op == g.ops["NONE"], address=buf.base + offsets[i])
+        infos[i] = tensor_info(lib, i, rec, buf.base + offsets[i])
     for i in range(n):
         v = int(parsed.view_src_index[i])
         if v < 0:

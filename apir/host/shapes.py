@@ -64,7 +64,7 @@ def op_enums(g) -> OpEnums:
             from_float.add(name)
     return OpEnums(unary, glu, rope, frozenset(from_float))
 
-__all__ = ["TensorInfo", "OpEnums", "op_enums", "check_node", "CHECKED_OPS"]
+__all__ = ["TensorInfo", "OpEnums", "op_enums", "check_node", "node_refusal", "CHECKED_OPS"]
 
 
 @dataclass
@@ -80,7 +80,9 @@ class TensorInfo:
     type_size: int
     blck_size: int
     is_leaf: bool  # op NONE: its data is only what the guest wrote
-    address: int  # real address of its data (for GET_ROWS row ids); 0 without data
+    # real address of its data (for GET_ROWS row ids); 0 without data; None where no data is
+    # known (device_supports_op): checks of the data are then left to graph_compute
+    address: Optional[int]
 
     def nelements(self) -> int:
         return int(np.prod(self.ne, dtype=object))
@@ -285,9 +287,9 @@ def _check_row_ids(node: TensorInfo, ids: TensorInfo, n_rows: int) -> None:
     dtype = {"I32": np.int32, "I64": np.int64}.get(ids.type_name)
     if dtype is None or not ids.contiguous():
         _fail(node, f"row ids must be contiguous I32 or I64, not {ids.type_name} nb {ids.nb}")
-    if not ids.is_leaf or not ids.address:
+    if not ids.is_leaf or ids.address == 0:
         _fail(node, "row ids must be an input tensor of the graph")
-    n = ids.nelements()
+    n = ids.nelements() if ids.address is not None else 0
     if n:
         import ctypes
 
@@ -628,3 +630,13 @@ def check_node(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]], enums: Op
     if rule is None:
         raise Refused(f"node {node.index}: op {node.op_name} has no shape check on this host")
     rule(node, srcs, enums)
+
+
+def node_refusal(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]], enums: OpEnums) -> Optional[str]:
+    """Why check_node would refuse `node`, or None: device_supports_op's view of the rules
+    (with `address=None` infos the checks of row ids' values are skipped)."""
+    try:
+        check_node(node, srcs, enums)
+    except Refused as exc:
+        return str(exc)
+    return None

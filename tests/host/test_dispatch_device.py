@@ -69,6 +69,35 @@ def test_supports_op_matches_ggml(guest, ggml):
     s.close()
 
 
+def _supports(guest, ggml, t) -> bool:
+    rc, d = guest.forward(Cmd.DEVICE_SUPPORTS_OP, lambda e: e.blob(inline_tensor(ggml, t)))
+    assert rc == 0
+    return d.bool()
+
+
+def test_supports_op_says_no_where_compute_would_refuse(guest, ggml):
+    """ggml CPU says yes to all of these; the host's shape rules accept the first two and
+    refuse the others at graph_compute, so device_supports_op says no to those."""
+    from apir.ggml.layout import tensor_record
+
+    s = GgmlScratch(ggml)
+    f32, q8 = ggml.types["F32"], ggml.types["Q8_0"]
+    # ADD with a permuted src1 (computed: binary kernels read src1 at any stride)
+    add = ggml.ggml_add(s.ctx, ggml.ggml_new_tensor_3d(s.ctx, f32, 2, 8, 3),
+                        ggml.ggml_permute(s.ctx, ggml.ggml_new_tensor_3d(s.ctx, f32, 8, 3, 2), 1, 2, 0, 3))
+    cpy_ok = ggml.ggml_cpy(s.ctx, ggml.ggml_new_tensor_2d(s.ctx, f32, 64, 2), ggml.ggml_new_tensor_2d(s.ctx, q8, 64, 2))
+    # rows of 64 into Q8_0 rows of 32: the rule refuses (the CPU work buffer is sized by 32)
+    cpy_bad = ggml.ggml_cpy(s.ctx, ggml.ggml_new_tensor_2d(s.ctx, f32, 64, 2), ggml.ggml_new_tensor_2d(s.ctx, q8, 32, 4))
+    # an op with no rule on this host: an ADD relabelled ACC (ggml CPU's default is yes)
+    acc = ggml.ggml_add(s.ctx, ggml.ggml_new_tensor_1d(s.ctx, f32, 8), ggml.ggml_new_tensor_1d(s.ctx, f32, 8))
+    tensor_record(acc, ggml.tensor_dtype)["op"] = ggml.ops["ACC"]
+    dev = _cpu(ggml)
+    for t in (add, cpy_ok, cpy_bad, acc):
+        assert ggml.ggml_backend_dev_supports_op(dev, t)
+    assert [_supports(guest, ggml, t) for t in (add, cpy_ok, cpy_bad, acc)] == [True, True, False, False]
+    s.close()
+
+
 def test_buffer_from_ptr(guest, ggml):
     rc, d = guest.forward(Cmd.DEVICE_BUFFER_FROM_PTR,
                           lambda e: (e.u32(DATA_RES), e.size_t(65536), e.size_t(65536)))
