@@ -16,9 +16,11 @@ dispatcher's own `APIR_BACKEND_INITIALIZE_*` code n (so 6 is success, like 0).
 
 With no backend library configured, the built-in Python dispatcher
 (`apir.host.backend_library.PythonBackendLibrary`) is used. A configured path goes to the
-`library_factory` the `HostContext` was given; the default factory cannot open C libraries
-yet, so it answers CANNOT_OPEN (a ctypes adapter for `libggml-virtgpu-backend.so` plugs in
-here as another `BackendLibrary`).
+`library_factory` the `HostContext` was given; the default one opens it as a C backend library
+(`libggml-virtgpu-backend.so`) through `apir.host.c_library.CLibrary`, so `apir host serve
+--backend-library PATH` serves it from configuration alone. That adapter refuses to initialize
+(6 + APIR_BACKEND_INITIALIZE_CANNOT_OPEN_GGML_LIBRARY) when the C library bound to another
+ggml build's libggml-base than the configured ggml library's (docs/interop.md).
 """
 
 from __future__ import annotations
@@ -62,7 +64,10 @@ class LibraryLoadError(Exception):
 
 
 def default_library_factory(path: str) -> BackendLibrary:
-    """Opens the backend library at `path`. apir has no adapter for C backend libraries yet:
-    always raises LibraryLoadError(CANNOT_OPEN)."""
-    raise LibraryLoadError(ApirLoadLibraryReturnCode.CANNOT_OPEN,
-                           f"cannot open the APIR backend library {path!r}: no C library adapter in apir")
+    """Opens the C backend library at `path` (`apir.host.c_library.c_library_factory`).
+
+    Raises LibraryLoadError: CANNOT_OPEN when dlopen fails, SYMBOL_MISSING when an
+    apir_backend_* symbol is absent."""
+    from apir.host.c_library import c_library_factory  # c_library imports this module
+
+    return c_library_factory(path)
