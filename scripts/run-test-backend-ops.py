@@ -2,15 +2,17 @@
 """ggml's test-backend-ops through apir's host, next to the same suite on ggml CPU directly.
 
     scripts/run-test-backend-ops.py [--version 0.20|0.10] [--ops ADD,MUL_MAT,...] [--c-library]
-                                    [--json FILE] [--timeout S]
+                                    [-j N] [--json FILE] [--timeout S]
 
 Builds (or reuses) the C reference of --version and the shim, starts an apir host process on the
 C build's ggml (apir's Python dispatcher, or with --c-library the C backend library), then runs
 every op (default: all of `test-backend-ops --list-ops`) twice: `-b CPU` without the shim (ggml
 CPU directly) and `-b "[virtgpu] CPU"` with the shim (through apir). Prints per-op and total
 passed / failed / not supported counts for both, and every case that passes on CPU but not
-through apir. Exit status 1 when there is such a case. Run from the repository root (or anywhere:
-it puts the root on sys.path). See docs/interop.md.
+through apir. Exit status 1 when there is such a case. `-j N` runs N ops at a time (threads
+driving the test-backend-ops processes), each worker with its own apir host process; `--json`
+writes the counts (per op and in total), those cases and every case's status. Run from the
+repository root (or anywhere: it puts the root on sys.path). See docs/interop.md.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,12 +34,48 @@ from tests.interop import backend_ops as bo  # noqa: E402
 from tests.interop.harness import HostProcess, build_shim, guest_env  # noqa: E402
 
 
+def _counts(run: bo.OpRun) -> dict:
+    return {k: run.count(k) for k in (bo.OK, bo.FAIL, bo.NOT_SUPPORTED, bo.SKIPPED, bo.CRASHED)}
+
+
+class _Worker:
+    """One apir host process per worker thread (a host that dies takes only its worker's op
+    with it, and is restarted for the next)."""
+
+    def __init__(self, paths, sock_dir: Path, c_library: bool):
+        self.paths, self.sock_dir, self.c_library = paths, sock_dir, c_library
+        self.local = threading.local()
+        self.hosts = []
+        self.lock = threading.Lock()
+
+    def host(self) -> HostProcess:
+        h = getattr(self.local, "host", None)
+        if h is not None and not h.alive():
+            print(f"# host died; restarting: {h.log[-500:]}", flush=True)
+            h.stop()
+            h = None
+        if h is None:
+            with self.lock:
+                n = len(self.hosts)
+                h = HostProcess(self.paths, self.sock_dir / f"host{n}.sock", c_library=self.c_library)
+                self.hosts.append(h)
+            self.local.host = h
+        return h
+
+    def stop(self) -> None:
+        for h in self.hosts:
+            h.stop()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--version", default="0.20", choices=sorted(cref.SDISTS))
     ap.add_argument("--ops", help="comma-separated op names (default: all)")
     ap.add_argument("--c-library", action="store_true", help="serve with the C backend library")
-    ap.add_argument("--json", help="write every case's status to this file")
+    ap.add_argument("--json", help="write the summary (counts per op and in total, the cases passing on "
+                                   "CPU but not through apir) and every case's status to this file")
+    ap.add_argument("-j", "--jobs", type=int, default=1,
+                    help="ops run in parallel (each: its CPU run, then its apir run on the worker's own host)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per test-backend-ops process")
     ap.add_argument("--max-resume", type=int, default=10_000,
                     help="cases to re-run one by one after a run ended early, per op")
@@ -45,38 +85,42 @@ def main(argv=None) -> int:
     tbo = paths["TEST_BACKEND_OPS"]
     ops = args.ops.split(",") if args.ops else bo.list_ops(tbo)
     shim = build_shim(paths)
-    sock_dir = tempfile.mkdtemp(prefix="apir-tbo-")
-    host = HostProcess(paths, Path(sock_dir) / "host.sock", c_library=args.c_library)
+    sock_dir = Path(tempfile.mkdtemp(prefix="apir-tbo-"))
+    workers = _Worker(paths, sock_dir, args.c_library)
     cpu_runs, apir_runs = {}, {}
-    t_cpu = t_apir = 0.0
+    t0 = time.monotonic()
     print(f"test-backend-ops {args.version} ({tbo}); host: "
-          f"{'C backend library' if args.c_library else 'apir dispatcher'}", flush=True)
+          f"{'C backend library' if args.c_library else 'apir dispatcher'}; {args.jobs} job(s)", flush=True)
     print(f"{'op':24} {'CPU ok/fail/ns':>18} {'apir ok/fail/ns/crash':>24} {'CPU s':>7} {'apir s':>7}", flush=True)
+
+    def one(op: str):
+        cpu = bo.run_op(tbo, op, "CPU", None, timeout=args.timeout, max_resume=0)
+        env = guest_env(paths, shim, workers.host().socket_path)
+        ap_run = bo.run_op(tbo, op, bo.VIRTGPU_DEVICE, env, expected=cpu.names(),
+                           timeout=args.timeout, max_resume=args.max_resume)
+        return op, cpu, ap_run
+
     try:
-        for op in ops:
-            cpu = bo.run_op(tbo, op, "CPU", None, timeout=args.timeout, max_resume=0)
-            cpu_runs[op] = cpu
-            if not host.alive():
-                print(f"# host died; restarting: {host.log[-500:]}", flush=True)
-                host.stop()
-                host = HostProcess(paths, Path(sock_dir) / "host.sock", c_library=args.c_library)
-            env = guest_env(paths, shim, host.socket_path)
-            ap_run = bo.run_op(tbo, op, bo.VIRTGPU_DEVICE, env, expected=cpu.names(),
-                               timeout=args.timeout, max_resume=args.max_resume)
-            apir_runs[op] = ap_run
-            t_cpu += cpu.seconds
-            t_apir += ap_run.seconds
-            print(f"{op:24} {cpu.count(bo.OK):>8}/{cpu.count(bo.FAIL)}/{cpu.count(bo.NOT_SUPPORTED):<6} "
-                  f"{ap_run.count(bo.OK):>10}/{ap_run.count(bo.FAIL)}/{ap_run.count(bo.NOT_SUPPORTED)}/"
-                  f"{ap_run.count(bo.CRASHED):<6} {cpu.seconds:7.1f} {ap_run.seconds:7.1f}", flush=True)
-            for note in ap_run.notes[:3]:
-                print(f"    {note}", flush=True)
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            for fut in as_completed([pool.submit(one, op) for op in ops]):
+                op, cpu, ap_run = fut.result()
+                cpu_runs[op], apir_runs[op] = cpu, ap_run
+                print(f"{op:24} {cpu.count(bo.OK):>8}/{cpu.count(bo.FAIL)}/{cpu.count(bo.NOT_SUPPORTED):<6} "
+                      f"{ap_run.count(bo.OK):>10}/{ap_run.count(bo.FAIL)}/{ap_run.count(bo.NOT_SUPPORTED)}/"
+                      f"{ap_run.count(bo.CRASHED):<6} {cpu.seconds:7.1f} {ap_run.seconds:7.1f}", flush=True)
+                for note in ap_run.notes[:3]:
+                    print(f"    {note}", flush=True)
     finally:
-        host.stop()
+        workers.stop()
+    wall = time.monotonic() - t0
+    cpu_runs = {op: cpu_runs[op] for op in ops}  # list order, whatever order they finished in
+    apir_runs = {op: apir_runs[op] for op in ops}
+    t_cpu = sum(r.seconds for r in cpu_runs.values())
+    t_apir = sum(r.seconds for r in apir_runs.values())
     tc, ta = bo.summarize(cpu_runs), bo.summarize(apir_runs)
     bad = bo.regressions(cpu_runs, apir_runs)
     print()
-    print(f"ops: {len(ops)}")
+    print(f"ops: {len(ops)}  (wall {wall:.0f} s with {args.jobs} job(s))")
     print(f"ggml CPU directly : passed {tc[bo.OK]}, failed {tc[bo.FAIL]}, not supported {tc[bo.NOT_SUPPORTED]}, "
           f"skipped {tc[bo.SKIPPED]}  ({t_cpu:.0f} s)")
     print(f"through apir      : passed {ta[bo.OK]}, failed {ta[bo.FAIL]}, not supported {ta[bo.NOT_SUPPORTED]}, "
@@ -87,9 +131,14 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "version": args.version, "c_library": args.c_library, "time": time.time(),
+            "jobs": args.jobs, "wall_seconds": wall, "ops": ops,
+            "summary": {
+                "cpu": tc, "apir": ta, "regressions": bad,
+                "per_op": {op: {"cpu": _counts(cpu_runs[op]), "apir": _counts(apir_runs[op])} for op in ops},
+            },
+            "seconds": {"cpu": t_cpu, "apir": t_apir},
             "cpu": {op: r.cases for op, r in cpu_runs.items()},
             "apir": {op: r.cases for op, r in apir_runs.items()},
-            "seconds": {"cpu": t_cpu, "apir": t_apir},
             "notes": {op: r.notes for op, r in apir_runs.items() if r.notes},
         }, indent=1))
     return 1 if bad else 0

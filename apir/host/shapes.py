@@ -19,6 +19,7 @@ a rule must prove is that the kernel walks each tensor only within its own ne an
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
 
@@ -38,6 +39,8 @@ class OpEnums:
     # types whose `ggml_type_traits_cpu.from_float` is set (CPY / DUP into them; without it
     # the CPU kernel aborts)
     from_float: FrozenSet[str] = frozenset()
+    # quantized types whose `ggml_type_traits.to_float` is set (CPY from them into F32)
+    to_float: FrozenSet[str] = frozenset()
 
     @property
     def glu_count(self) -> int:
@@ -48,7 +51,6 @@ def op_enums(g) -> OpEnums:
     """`OpEnums` of build `g`, from its ggml.h (`enum ggml_unary_op`, `enum ggml_glu_op`,
     `#define GGML_ROPE_TYPE_*`) and `ggml_get_type_traits_cpu` (whose first field is
     `from_float`)."""
-    import ctypes
     import re
 
     from apir.ggml.lib import _parse_enum
@@ -57,12 +59,26 @@ def op_enums(g) -> OpEnums:
     unary = _parse_enum(text, "ggml_unary_op", "GGML_UNARY_OP_")["COUNT"]
     glu = _parse_enum(text, "ggml_glu_op", "GGML_GLU_OP_") if "enum ggml_glu_op" in text else {}
     rope = {m.group(1): int(m.group(2)) for m in re.finditer(r"#\s*define\s+GGML_ROPE_TYPE_(\w+)\s+(\d+)", text)}
-    from_float = set()
+    from_float, to_float = set(), set()
     for t, name in g.type_names.items():
         traits = g.ggml_get_type_traits_cpu(t)
         if traits and ctypes.c_void_p.from_address(traits).value:
             from_float.add(name)
-    return OpEnums(unary, glu, rope, frozenset(from_float))
+        base = _TypeTraits.from_address(g.ggml_get_type_traits(t))
+        # The mirrored layout is trusted only where it reads back what ggml reports.
+        if (base.is_quantized and base.to_float and base.blck_size == g.ggml_blck_size(t)
+                and base.type_size == g.ggml_type_size(t)):
+            to_float.add(name)
+    return OpEnums(unary, glu, rope, frozenset(from_float), frozenset(to_float))
+
+
+class _TypeTraits(ctypes.Structure):
+    """`struct ggml_type_traits` (ggml.h, the same in ggml 0.10 and 0.20)."""
+
+    _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64),
+                ("blck_size_interleave", ctypes.c_int64), ("type_size", ctypes.c_size_t),
+                ("is_quantized", ctypes.c_bool), ("to_float", ctypes.c_void_p),
+                ("from_float_ref", ctypes.c_void_p)]
 
 __all__ = ["TensorInfo", "OpEnums", "op_enums", "check_node", "node_refusal", "CHECKED_OPS"]
 
@@ -250,16 +266,39 @@ def _unary(node, srcs, enums):
     _dst_contiguous(node)
 
 
-def _copy_types(node, src: TensorInfo, dst: TensorInfo, enums: OpEnums):
+# Conversions ggml_compute_forward_dup_flt instantiates besides float to float.
+_INT_CONVERSIONS = {("F32", "I32"), ("I32", "F32")}
+
+
+def _copy_types(node, src: TensorInfo, dst: TensorInfo, enums: OpEnums, is_cpy: bool = False):
     if src.nelements() != dst.nelements():
         _fail(node, f"{src.nelements()} elements copied into {dst.nelements()}")
+    if src.blck_size > 1 and dst.type_name == "F32" and is_cpy and src.type_name in enums.to_float:
+        # ggml_compute_forward_dup_from_q (reads the result's layout from src1, so CPY only):
+        # whole blocks dequantized to blck_size floats at a flat index mapped through the
+        # result's ne/nb; GGML_ASSERTs nb[0] is 4 and rows hold whole blocks or it is contiguous.
+        if not dst.rows_contiguous() or not (dst.ne[0] % src.blck_size == 0 or dst.contiguous()):
+            _fail(node, f"{src.type_name} dequantized into F32 {dst.ne} nb {dst.nb}")
+        return
+    if src.type_name == dst.type_name:
+        # ggml_compute_forward_dup_bytes: any type, each tensor walked within its ne and nb;
+        # except that with a contiguous result and a source that is not, it copies
+        # ne[0] * type_size bytes per row, i.e. blck_size times a quantized row: only the
+        # same-shape row copy (both rows contiguous) is taken before that path.
+        if (src.blck_size > 1 and dst.contiguous() and not src.contiguous()
+                and not (src.ne == dst.ne and src.rows_contiguous() and dst.rows_contiguous())):
+            _fail(node, f"{src.type_name} copy of a non-contiguous source into a contiguous result")
+        return
+    if (src.type_name, dst.type_name) in _INT_CONVERSIONS:
+        return
     if src.type_name not in _FLOAT:
         _fail(node, f"cannot convert from {src.type_name}")
     if dst.type_name not in _FLOAT:
         # ggml_compute_forward_dup_to_q: dst contiguous, src rows of elements (nb00 == size),
         # each src row converted to F32 in a work buffer the graph plan sizes by the result's
         # ne[0] (so src ne[0] may not exceed it), then quantized as whole blocks.
-        if dst.type_name not in enums.from_float:
+        # (the work buffer exists only for a quantized result: ggml_is_quantized(node->type))
+        if dst.blck_size == 1 or dst.type_name not in enums.from_float:
             _fail(node, f"cannot convert {src.type_name} to {dst.type_name} here")
         if not (src.rows_contiguous() and dst.contiguous()):
             _fail(node, f"copy into {dst.type_name} needs contiguous rows and a contiguous result")
@@ -271,7 +310,7 @@ def _cpy(node, srcs, enums):
     a, b = _need(node, srcs, 2)
     if node.ne != b.ne or node.nb != b.nb or node.type_name != b.type_name:
         _fail(node, "result is not a view of src1")
-    _copy_types(node, a, b, enums)
+    _copy_types(node, a, b, enums, is_cpy=True)
 
 
 def _dup(node, srcs, enums):

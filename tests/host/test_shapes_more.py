@@ -119,6 +119,25 @@ def _cpy_permuted_to(type_name):
     return build
 
 
+def _cpy_quantized_to_f32(g, ctx):
+    """Q8_0 blocks dequantized into an F32 tensor of another shape (dup_from_q)."""
+    a, dst = _in(g, ctx, "Q8_0", 64, 3), _in(g, ctx, "F32", 32, 6)
+    return g.ggml_cpy(ctx, a, dst), [a, dst]
+
+
+def _cont_of_view(type_name):
+    """CONT of a column slice (rows with gaps): a same-type copy (dup_bytes)."""
+    def build(g, ctx):
+        a = _in(g, ctx, type_name, 12, 5, 2)
+        v = g.ggml_view_3d(ctx, a, 7, 5, 2, g_nb(g, a, 1), g_nb(g, a, 2), 2 * g_nb(g, a, 0))
+        return g.ggml_cont(ctx, v), [a]
+    return build
+
+
+def _random_blocks(block_bytes, blck=32):
+    return lambda n, rng: rng.integers(0, 256, n // blck * block_bytes).astype(np.uint8)
+
+
 def _zero_blocks(block_bytes, blck=32):
     return lambda n, rng: np.zeros(n // blck * block_bytes, np.uint8)
 
@@ -177,6 +196,9 @@ CASES = [
     Case("UNARY", _gelu_of_view),
     Case("CPY", _cpy_permuted_to("Q8_0"), lie=(-1, 1, -1), data={1: _zero_blocks(34)}),
     Case("CPY", _cpy_permuted_to("Q5_1"), lie=(-1, 2, -1), data={1: _zero_blocks(24)}),
+    Case("CPY", _cpy_quantized_to_f32, lie=(-1, 1, -1), data={0: _random_blocks(34), 1: _zero_blocks(4, 1)}),
+    Case("CONT", _cont_of_view("I32"), lie=(-1, 1, -1), data={0: lambda n, r: r.integers(-9, 9, n).astype(np.int32)}),
+    Case("CONT", _cont_of_view("F16")),
 ]
 IDS = [f"{c.op}-{i}" for i, c in enumerate(CASES)]
 
@@ -341,6 +363,21 @@ def test_cpy_to_quantized_with_longer_source_rows_is_refused(guest, ggml, caplog
         rc, _ = r.compute()
     assert rc == ERROR and "(CPY): src0 rows of 64 do not fit Q8_0 rows of 32" in caplog.text, caplog.text
     assert guest.forward(Cmd.DEVICE_GET_COUNT)[0] == 0
+    r.close()
+
+
+def test_quantized_copy_walked_as_elements_is_refused(guest, ggml, caplog):
+    """dup_bytes copies ne[0] * type_size bytes per row into a contiguous result when the
+    source is not contiguous and the shapes differ: blck_size times a Q8_0 row."""
+    def build(g, ctx):
+        a = _in(g, ctx, "Q8_0", 64, 4)
+        v = g.ggml_view_2d(ctx, a, 32, 4, g_nb(g, a, 1), 0)
+        return g.ggml_cpy(ctx, v, _in(g, ctx, "Q8_0", 64, 2)), [a]
+
+    r = Remote(guest, ggml, Case("CPY", build, data={0: _zero_blocks(34)}))
+    with caplog.at_level(logging.WARNING, logger="apir.host"):
+        rc, _ = r.compute()
+    assert rc == ERROR and "Q8_0 copy of a non-contiguous source into a contiguous result" in caplog.text
     r.close()
 
 
