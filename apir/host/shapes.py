@@ -41,6 +41,7 @@ class OpEnums:
     from_float: FrozenSet[str] = frozenset()
     # quantized types whose `ggml_type_traits.to_float` is set (CPY from them into F32)
     to_float: FrozenSet[str] = frozenset()
+    version: tuple = (0, 0, 0)  # ggml_version(), for kernels that changed between versions
 
     @property
     def glu_count(self) -> int:
@@ -69,7 +70,8 @@ def op_enums(g) -> OpEnums:
         if (base.is_quantized and base.to_float and base.blck_size == g.ggml_blck_size(t)
                 and base.type_size == g.ggml_type_size(t)):
             to_float.add(name)
-    return OpEnums(unary, glu, rope, frozenset(from_float), frozenset(to_float))
+    version = tuple(int(x) for x in re.findall(r"\d+", g.ggml_version().decode())[:3])
+    return OpEnums(unary, glu, rope, frozenset(from_float), frozenset(to_float), version)
 
 
 class _TypeTraits(ctypes.Structure):
@@ -521,13 +523,23 @@ def _repeat_back(node, srcs, _enums=None):
         _fail(node, "rows are not contiguous")
 
 
-def _concat(node, srcs, _enums=None):
+# ggml 0.20's concat walks quantized rows block by block (ggml 0.10's walks them as elements,
+# blck_size times past each row).
+_CONCAT_BLOCKS_SINCE = (0, 20, 0)
+
+
+def _concat(node, srcs, enums):
     a, b = _need(node, srcs, 2)
     dim = _param_i32(node, 0)
     if not 0 <= dim < 4:
         _fail(node, f"dim {dim} out of range")
-    if a.type_name != b.type_name or node.type_name != a.type_name or a.blck_size != 1:
+    if a.type_name != b.type_name or node.type_name != a.type_name:
         _fail(node, f"types {a.type_name}, {b.type_name} -> {node.type_name}")
+    if a.blck_size != 1:
+        if enums.version < _CONCAT_BLOCKS_SINCE:
+            _fail(node, f"this ggml cannot concatenate {a.type_name}")
+        if not (a.rows_contiguous() and b.rows_contiguous()):  # GGML_ASSERTed
+            _fail(node, "sources' rows are not contiguous")
     want = [a.ne[d] + b.ne[d] if d == dim else a.ne[d] for d in range(4)]
     if any(a.ne[d] != b.ne[d] for d in range(4) if d != dim) or node.ne != want:
         _fail(node, f"shape {node.ne}, concat of {a.ne} and {b.ne} on {dim} gives {want}")

@@ -203,6 +203,7 @@ CASES = [
 IDS = [f"{c.op}-{i}" for i, c in enumerate(CASES)]
 
 
+
 def _data(g, case, inputs, seed=3):
     rng = np.random.default_rng(seed)
     out = []
@@ -363,6 +364,25 @@ def test_cpy_to_quantized_with_longer_source_rows_is_refused(guest, ggml, caplog
         rc, _ = r.compute()
     assert rc == ERROR and "(CPY): src0 rows of 64 do not fit Q8_0 rows of 32" in caplog.text, caplog.text
     assert guest.forward(Cmd.DEVICE_GET_COUNT)[0] == 0
+    r.close()
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_concat_quantized(guest, ggml, dim):
+    """ggml 0.20 concatenates quantized rows block by block: computed, to ggml CPU's bytes;
+    ggml 0.10 would walk them as elements: refused."""
+    def build(g, ctx):
+        a, b = _in(g, ctx, "Q8_0", 64, 3, 2), _in(g, ctx, "Q8_0", *((32, 3, 2) if dim == 0 else (64, 2, 2)))
+        return g.ggml_concat(ctx, a, b, dim), [a, b]
+
+    case = Case("CONCAT", build, data={0: _random_blocks(34), 1: _random_blocks(34)})
+    r = Remote(guest, ggml, case)
+    rc, dec = r.compute()
+    if op_enums(ggml).version < (0, 20, 0):
+        assert rc == ERROR
+    else:
+        assert rc == 0 and dec.i32() == 0
+        assert r.result() == _direct(ggml, case)
     r.close()
 
 
