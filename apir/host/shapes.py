@@ -403,6 +403,21 @@ def _leaky_relu(node, srcs, _enums=None):
     _same_rows(node, srcs, ("F32", "F16"))
 
 
+# ggml 0.20's l2_norm reads and writes each element at i00 * nb[0] (0.10's copies whole rows).
+_L2_NORM_STRIDED_SINCE = (0, 20, 0)
+
+
+def _l2_norm(node, srcs, enums):
+    (a,) = _need(node, srcs, 1)
+    if enums.version < _L2_NORM_STRIDED_SINCE:
+        return _norm(node, srcs)
+    _same_shape(node, a, "src0")
+    if a.type_name != "F32" or node.type_name != "F32":
+        _fail(node, "F32 only")
+    if not _param_f32(node, 0) >= 0.0:
+        _fail(node, f"eps {_param_f32(node, 0)} is not >= 0")
+
+
 def _group_norm(node, srcs, _enums=None):
     (a,) = _need(node, srcs, 1)
     _same_shape(node, a, "src0")
@@ -661,7 +676,7 @@ _SET_ROWS_DST = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "
 CHECKED_OPS: Dict[str, Callable] = {
     "NONE": _leaf, "ADD": _binary, "SUB": _binary, "MUL": _binary, "DIV": _binary,
     "MUL_MAT": _mul_mat, "SOFT_MAX": _soft_max, "SCALE": _scale, "NORM": _norm,
-    "RMS_NORM": _norm, "L2_NORM": _norm, "GROUP_NORM": _group_norm, "CPY": _cpy, "DUP": _dup,
+    "RMS_NORM": _norm, "L2_NORM": _l2_norm, "GROUP_NORM": _group_norm, "CPY": _cpy, "DUP": _dup,
     "CONT": _dup, "GET_ROWS": _get_rows, "SET_ROWS": _set_rows,
     "VIEW": _view, "PERMUTE": _view, "TRANSPOSE": _view, "RESHAPE": _reshape,
     "UNARY": _unary, "GLU": _glu,

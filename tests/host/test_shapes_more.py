@@ -199,6 +199,8 @@ CASES = [
     Case("CPY", _cpy_quantized_to_f32, lie=(-1, 1, -1), data={0: _random_blocks(34), 1: _zero_blocks(4, 1)}),
     Case("CONT", _cont_of_view("I32"), lie=(-1, 1, -1), data={0: lambda n, r: r.integers(-9, 9, n).astype(np.int32)}),
     Case("CONT", _cont_of_view("F16")),
+    # ggml >= 0.20 (the default ggml here): strided rows
+    Case("L2_NORM", _one(lambda g, c, a: g.ggml_l2_norm(c, g.ggml_permute(c, a, 1, 0, 2, 3), 1e-6))),
 ]
 IDS = [f"{c.op}-{i}" for i, c in enumerate(CASES)]
 
