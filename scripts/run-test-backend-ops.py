@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 import threading
@@ -100,6 +101,8 @@ def main(argv=None) -> int:
                            timeout=args.timeout, max_resume=args.max_resume)
         return op, cpu, ap_run
 
+    # SIGTERM ends like Ctrl-C: the finally below stops the host processes.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             for fut in as_completed([pool.submit(one, op) for op in ops]):
