@@ -31,7 +31,8 @@ from apir.host.errors import Refused
 @dataclass(frozen=True)
 class OpEnums:
     """Facts of the loaded ggml build the rules need: sizes of the enums some ops carry in
-    op_params, and which types its CPU backend can convert rows of F32 into."""
+    op_params, which types its CPU backend converts rows of F32 into and out of, and its
+    version."""
 
     unary_count: int
     glu: Dict[str, int] = field(default_factory=dict)  # `enum ggml_glu_op`, COUNT included
@@ -50,8 +51,8 @@ class OpEnums:
 
 def op_enums(g) -> OpEnums:
     """`OpEnums` of build `g`, from its ggml.h (`enum ggml_unary_op`, `enum ggml_glu_op`,
-    `#define GGML_ROPE_TYPE_*`) and `ggml_get_type_traits_cpu` (whose first field is
-    `from_float`)."""
+    `#define GGML_ROPE_TYPE_*`), `ggml_get_type_traits_cpu` (whose first field is
+    `from_float`), `ggml_get_type_traits` (`to_float`) and `ggml_version`."""
     import re
 
     from apir.ggml.lib import _parse_enum
@@ -81,6 +82,7 @@ class _TypeTraits(ctypes.Structure):
                 ("blck_size_interleave", ctypes.c_int64), ("type_size", ctypes.c_size_t),
                 ("is_quantized", ctypes.c_bool), ("to_float", ctypes.c_void_p),
                 ("from_float_ref", ctypes.c_void_p)]
+
 
 __all__ = ["TensorInfo", "OpEnums", "op_enums", "check_node", "node_refusal", "CHECKED_OPS"]
 
