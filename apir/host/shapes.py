@@ -405,13 +405,15 @@ def _leaky_relu(node, srcs, _enums=None):
     _same_rows(node, srcs, ("F32", "F16"))
 
 
-# ggml 0.20's l2_norm reads and writes each element at i00 * nb[0] (0.10's copies whole rows).
-_L2_NORM_STRIDED_SINCE = (0, 20, 0)
+# ggml 0.20's norm and l2_norm read and write each element at i00 * nb[0] unless rows are
+# packed (0.10's assert or assume packed rows).
+_NORM_STRIDED_SINCE = (0, 20, 0)
 
 
-def _l2_norm(node, srcs, enums):
+def _strided_norm(node, srcs, enums):
+    """NORM, L2_NORM: rows of any strides on ggml >= 0.20, else as `_norm`."""
     (a,) = _need(node, srcs, 1)
-    if enums.version < _L2_NORM_STRIDED_SINCE:
+    if enums.version < _NORM_STRIDED_SINCE:
         return _norm(node, srcs)
     _same_shape(node, a, "src0")
     if a.type_name != "F32" or node.type_name != "F32":
@@ -483,8 +485,9 @@ def _sum(node, srcs, _enums=None):
     (a,) = _need(node, srcs, 1)
     if a.type_name not in _FLOAT or node.type_name != a.type_name or not node.is_scalar():
         _fail(node, f"sum of {a.type_name} gives a scalar of the same type, not {node.type_name} {node.ne}")
-    if not a.rows_contiguous():
-        _fail(node, "src0's rows are not contiguous")
+    # The kernel sums ne[0] packed elements from each row's start whatever nb[0] is (ggml only
+    # asserts it); the checked extent includes a packed row at every row start
+    # (TensorChecker.extent), so any strides stay inside the tensor, as ggml CPU computes it.
 
 
 def _row_reduce(node, srcs, _enums=None):
@@ -677,8 +680,8 @@ _SET_ROWS_DST = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "
 
 CHECKED_OPS: Dict[str, Callable] = {
     "NONE": _leaf, "ADD": _binary, "SUB": _binary, "MUL": _binary, "DIV": _binary,
-    "MUL_MAT": _mul_mat, "SOFT_MAX": _soft_max, "SCALE": _scale, "NORM": _norm,
-    "RMS_NORM": _norm, "L2_NORM": _l2_norm, "GROUP_NORM": _group_norm, "CPY": _cpy, "DUP": _dup,
+    "MUL_MAT": _mul_mat, "SOFT_MAX": _soft_max, "SCALE": _scale, "NORM": _strided_norm,
+    "RMS_NORM": _norm, "L2_NORM": _strided_norm, "GROUP_NORM": _group_norm, "CPY": _cpy, "DUP": _dup,
     "CONT": _dup, "GET_ROWS": _get_rows, "SET_ROWS": _set_rows,
     "VIEW": _view, "PERMUTE": _view, "TRANSPOSE": _view, "RESHAPE": _reshape,
     "UNARY": _unary, "GLU": _glu,

@@ -201,6 +201,8 @@ CASES = [
     Case("CONT", _cont_of_view("F16")),
     # ggml >= 0.20 (the default ggml here): strided rows
     Case("L2_NORM", _one(lambda g, c, a: g.ggml_l2_norm(c, g.ggml_permute(c, a, 1, 0, 2, 3), 1e-6))),
+    Case("NORM", _one(lambda g, c, a: g.ggml_norm(c, g.ggml_permute(c, a, 1, 0, 2, 3), 1e-6))),
+    Case("SUM", _one(lambda g, c, a: g.ggml_sum(c, g.ggml_permute(c, a, 1, 0, 2, 3)))),
 ]
 IDS = [f"{c.op}-{i}" for i, c in enumerate(CASES)]
 
