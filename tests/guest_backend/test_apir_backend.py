@@ -218,11 +218,14 @@ def test_callback_failures_surface_as_exceptions(ggml, ctx):
 
     # Graph compute: a failed remote call gives GGML_STATUS_FAILED to ggml, an exception here.
     client.fail.add("backend_graph_compute")
-    out = g.ggml_scale(ctx, t, 2.0)
-    gf = g.ggml_new_graph(ctx)
-    g.ggml_build_forward_expand(gf, out)
     g.ggml_backend_buffer_free(buf)
-    buf = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, be.buffer_type)
+    # A fresh context: `t` pointed into the buffer just freed, and a graph over it would
+    # (rightly) be refused by the serializer before any remote call.
+    gctx = g.ggml_init(InitParams(8 * g.ggml_tensor_overhead() + g.ggml_graph_overhead(), None, True))
+    out = g.ggml_scale(gctx, g.ggml_new_tensor_1d(gctx, g.types["F32"], 4), 2.0)
+    gf = g.ggml_new_graph(gctx)
+    g.ggml_build_forward_expand(gf, out)
+    buf = g.ggml_backend_alloc_ctx_tensors_from_buft(gctx, be.buffer_type)
     assert g.ggml_backend_graph_compute(be.backend, gf) == -1
     with pytest.raises(BackendCallbackError, match="graph_compute"):
         be.graph_compute(gf)
@@ -233,6 +236,7 @@ def test_callback_failures_surface_as_exceptions(ggml, ctx):
         be.graph_compute(gf)
     assert ei.value.status == 1
     g.ggml_backend_buffer_free(buf)
+    g.ggml_free(gctx)
 
     # The host cannot allocate: ggml gets a NULL buffer, nothing is left registered.
     client.alloc_handle = 0
