@@ -15,6 +15,7 @@ buffer with its virtual base. `deinit` frees exactly these buffers.
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Optional
 
 from apir.codec.constants import (
@@ -30,11 +31,16 @@ from apir.host.handles import HostBuffer, HostBufferType, VirtualAddressSpace, n
 from apir.host.library import LibraryHost
 from apir.host.resources import Resource
 
-__all__ = ["PythonBackendLibrary", "GGML_BACKEND_DEVICE_TYPE_CPU", "CONFIG_KEY_BUFFER_BUDGET"]
+__all__ = ["PythonBackendLibrary", "GGML_BACKEND_DEVICE_TYPE_CPU", "CONFIG_KEY_BUFFER_BUDGET",
+           "CONFIG_KEY_N_THREADS"]
 
 GGML_BACKEND_DEVICE_TYPE_CPU = 0  # enum ggml_backend_dev_type (ggml-backend.h)
 # apir's own key (no C twin): bytes of buffers one context may hold.
 CONFIG_KEY_BUFFER_BUDGET = "apir.host.buffer_budget"
+# Threads of a CPU-like backend (one that offers ggml_backend_set_n_threads); default: the
+# machine's cores. ggml's own default (GGML_DEFAULT_N_THREADS = 4) oversubscribes small
+# hosts, and its spinning worker threads then slow a graph down several times.
+CONFIG_KEY_N_THREADS = "apir.host.n_threads"
 
 
 class PythonBackendLibrary:
@@ -99,8 +105,24 @@ class PythonBackendLibrary:
             log.error("ctx %d: ggml backend initialization failed", host.ctx_id)
             return LoadRc.INIT_BASE_INDEX + InitRc.BACKEND_INIT_FAILED
         self.reg, self.dev, self.backend = reg, dev, backend
+        self._set_n_threads(host)
         self.checker = TensorChecker(g)
         return LoadRc.INIT_BASE_INDEX + InitRc.SUCCESS
+
+    def _set_n_threads(self, host) -> None:
+        """`ggml_backend_set_n_threads` through the registry (ggml's way to find it for any
+        backend that has threads), with config `apir.host.n_threads` or the core count."""
+        fn_ptr = self.g.ggml_backend_reg_get_proc_address(self.reg, b"ggml_backend_set_n_threads")
+        if not fn_ptr:
+            return
+        value = host.get_config(CONFIG_KEY_N_THREADS)
+        try:
+            n_threads = int(value) if value else (os.cpu_count() or 1)
+        except ValueError:
+            log.error("ctx %d: %s=%r is not a number", host.ctx_id, CONFIG_KEY_N_THREADS, value)
+            n_threads = os.cpu_count() or 1
+        set_n_threads = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int)(fn_ptr)
+        set_n_threads(self.backend, max(1, n_threads))
 
     def dispatch(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
         from apir.host.dispatcher import dispatch
