@@ -17,7 +17,14 @@ The jitted functions run with the GIL released, so an embedded host serving from
 thread of the same process keeps running while the guest spins.
 
 `spin_until_nonzero_u32` does a bounded number of acquire loads in one call, so a waiter
-spins without returning to Python for every load.
+spins without returning to Python for every load. `spins_for(seconds)` converts a spin time
+into a load count (measured once per process), so a waiter can spin a whole time budget in one
+call: a waiter that comes back for the GIL between short chunks would take it from the thread
+it waits for, which then sleeps on the GIL (a wake-up of several microseconds).
+
+`Word` is one u32 checked once (bounds, alignment, writability) for callers on a hot path;
+its `store_release_then_spin` publishes a word and then waits on another without taking the
+GIL in between (an embedded host publishing a reply and going back to its doorbell).
 
 Each public function has a plain-Python twin (`*_py`) that tests compare against; the twins
 are not atomic and are not used for real waits.
@@ -26,6 +33,7 @@ are not atomic and are not used for real waits.
 from __future__ import annotations
 
 import struct
+import time
 
 import numpy as np
 from llvmlite import ir
@@ -37,6 +45,8 @@ __all__ = [
     "store_release_u32",
     "spin_until_nonzero_u32",
     "as_word_array",
+    "Word",
+    "spins_for",
     "load_acquire_u32_py",
     "store_release_u32_py",
     "spin_until_nonzero_u32_py",
@@ -102,6 +112,17 @@ def _spin_until_nonzero(arr, offset, spins):
     return value
 
 
+@_jit
+def _store_then_spin(arr, offset, value, wait_arr, wait_offset, spins):
+    _store_release_intrinsic(arr, offset, np.uint32(value))
+    seen = np.uint32(0)
+    for _ in range(spins):
+        seen = _load_acquire_intrinsic(wait_arr, wait_offset)
+        if seen != 0:
+            break
+    return seen
+
+
 def as_word_array(buf) -> np.ndarray:
     """A writable 1-d uint8 numpy view of `buf` (mmap, bytearray, numpy array, memoryview).
 
@@ -151,6 +172,59 @@ def spin_until_nonzero_u32(buf, offset: int, spins: int) -> int:
 
     Runs without the GIL. Raises ValueError like `load_acquire_u32`."""
     return int(_spin_until_nonzero(_checked(buf, offset), offset, max(int(spins), 1)))
+
+
+_loads_per_s: float = 0.0
+
+
+def spins_for(seconds: float) -> int:
+    """About how many acquire loads `spin_until_nonzero_u32` makes in `seconds` (at least
+    1). The rate is measured on first use (a ~1 ms spin on a zero word)."""
+    global _loads_per_s
+    if not _loads_per_s:
+        probe = np.zeros(8, dtype=np.uint8)
+        _spin_until_nonzero(probe, 0, 1024)  # compiled/loaded before timing
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            _spin_until_nonzero(probe, 0, 1 << 18)
+            best = min(best, time.perf_counter() - t0)
+        _loads_per_s = (1 << 18) / max(best, 1e-9)
+    return max(1, int(seconds * _loads_per_s))
+
+
+class Word:
+    """The u32 at byte `offset` of `buf`, checked once like `load_acquire_u32` (ValueError).
+
+    Holds a numpy view of `buf` (a buffer export: an mmap cannot be closed while it lives)."""
+
+    __slots__ = ("array", "offset")
+
+    def __init__(self, buf, offset: int = 0):
+        self.array = _checked(buf, offset)
+        self.offset = offset
+
+    def load_acquire(self) -> int:
+        return int(_load_acquire(self.array, self.offset))
+
+    def store_release(self, value: int) -> None:
+        """As `store_release_u32`; ValueError when `value` does not fit in a u32."""
+        if not 0 <= value <= 0xFFFFFFFF:
+            raise ValueError(f"{value} does not fit in a u32")
+        _store_release(self.array, self.offset, value)
+
+    def spin_until_nonzero(self, spins: int) -> int:
+        """As `spin_until_nonzero_u32` (no GIL held while spinning)."""
+        return int(_spin_until_nonzero(self.array, self.offset, max(int(spins), 1)))
+
+    def store_release_then_spin(self, value: int, other: "Word", spins: int) -> int:
+        """Stores `value` here (release), then up to `spins` acquire loads of `other`; its
+        first non-zero value, or 0. The GIL is released before the store and not taken back
+        until the spin ends, so a thread woken by the store finds the GIL free."""
+        if not 0 <= value <= 0xFFFFFFFF:
+            raise ValueError(f"{value} does not fit in a u32")
+        return int(_store_then_spin(self.array, self.offset, value, other.array, other.offset,
+                                    max(int(spins), 1)))
 
 
 # --- plain-Python twins (not atomic; for tests) -------------------------------------------

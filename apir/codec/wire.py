@@ -204,6 +204,12 @@ class Encoder:
         self.end = end
         self.fatal = False
 
+    def reset(self) -> None:
+        """Starts over at `start` (the bytes stay; `fatal` is cleared), to reuse this encoder
+        for the next command over the same buffer."""
+        self.pos = self.start
+        self.fatal = False
+
     @property
     def written(self) -> int:
         return self.pos - self.start

@@ -14,7 +14,8 @@ Theory of operation (the C `create_virtgpu` + `remote_call*`, virtgpu.cpp):
    the notification word, EXECBUFFER, wait until the host stores `return code + 1` in the
    word (release store on its side, acquire load here), then decode the reply payload.
    The wait spins for a short, adaptive time with the GIL released (Numba, nogil: an
-   embedded host in another thread keeps running), then sleeps with growing intervals, and
+   embedded host in another thread keeps running; one call spins the whole time, so this
+   thread does not come back for the GIL while the host needs it), then sleeps with growing intervals, and
    raises `ApirTimeout` at its limit: 2 s for HandShake, 60 s for LoadLibrary (the C's),
    `forward_timeout_s` for Forward (the C waits forever there).
 4. One lock (re-entrant) covers header, data window, submission, wait and the decoding of
@@ -36,7 +37,7 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import numpy as np
 
-from apir.codec.atomics import as_word_array, load_acquire_u32, spin_until_nonzero_u32, store_release_u32
+from apir.codec.atomics import Word, spins_for
 from apir.codec.constants import (
     APIR_HANDSHAKE_MAX_WAIT_S,
     APIR_LOADLIBRARY_MAX_WAIT_S,
@@ -63,7 +64,8 @@ COMMAND_BUFFER_SIZE = 64 * 1024  # the command itself; bulk bytes go through the
 _PARAM_SUPPORTED_CAPSET_IDS = 7  # VIRTGPU_PARAM_SUPPORTED_CAPSET_IDs
 
 # Wait tuning: spin at least _SPIN_MIN_S, at most _SPIN_MAX_S (twice the recent reply
-# latency when that fits), in chunks of _SPIN_CHUNK acquire loads; then sleep from
+# latency when that fits), in one call (then chunks of _SPIN_CHUNK acquire loads should the
+# load rate have been overestimated); then sleep from
 # _SLEEP_MIN_S doubling to _SLEEP_MAX_S.
 _SPIN_MIN_S = 20e-6
 _SPIN_MAX_S = 500e-6
@@ -104,6 +106,7 @@ class Remote:
         self.forward_timeout_s = forward_timeout_s
         self.lock = threading.RLock()
         self._command = bytearray(COMMAND_BUFFER_SIZE)
+        self._encoder = Encoder(self._command)  # reset for each call
         self._latency_s = _SPIN_MIN_S
         self.reply: Optional[Blob] = None
         self.data: Optional[Blob] = None
@@ -123,7 +126,7 @@ class Remote:
         except BaseException:
             self.close()  # the device is ours: released on failure too
             raise
-        self._reply_words = as_word_array(self.reply.memory)
+        self._reply_word = Word(self.reply.memory, 0)  # the reply notification word
         self.data_view = np.frombuffer(self.data.memory, dtype=np.uint8)  # the data window, as bytes
 
     @property
@@ -155,14 +158,15 @@ class Remote:
         with self.lock:
             if self.closed:
                 raise RuntimeError("remote call on a closed Remote")
-            enc = Encoder(self._command)
+            enc = self._encoder
+            enc.reset()
             enc.i32(int(cmd_type) + self.command_type_offset)
             enc.i32(int(flags))
             enc.u32(self.reply.res_id)
             if encode_fn is not None:
                 encode_fn(enc)
             enc.check()
-            store_release_u32(self._reply_words, 0, 0)
+            self._reply_word.store_release(0)
             self.device.execbuffer(memoryview(self._command)[: enc.written])
             word = self._wait(timeout_s, cmd_type, flags)
             dec = Decoder(self.reply.memory, 4, self.reply.size)
@@ -173,28 +177,26 @@ class Remote:
 
     def _wait(self, limit_s: float, cmd_type: int, flags: int) -> int:
         """The notification word once non-zero; ApirTimeout after `limit_s` seconds."""
-        words = self._reply_words
+        reply_word = self._reply_word
         start = time.perf_counter()
         deadline = start + limit_s
         spin_s = min(max(2 * self._latency_s, _SPIN_MIN_S), _SPIN_MAX_S)
-        word = 0
-        while True:  # spin (GIL released inside)
-            word = spin_until_nonzero_u32(words, 0, _SPIN_CHUNK)
-            if word or time.perf_counter() - start >= spin_s:
-                break
+        word = reply_word.spin_until_nonzero(spins_for(spin_s))  # GIL released inside
+        while not word and time.perf_counter() - start < spin_s:
+            word = reply_word.spin_until_nonzero(_SPIN_CHUNK)
         sleep_s = _SLEEP_MIN_S
         while not word:
             now = time.perf_counter()
             if now >= deadline:
-                word = load_acquire_u32(words, 0)
+                word = reply_word.load_acquire()
                 if word:
                     break
                 # a kept traceback must not pin the reply mapping (it could not be unmapped)
-                words = None
+                reply_word = None
                 raise ApirTimeout(_command_name(cmd_type, flags), limit_s)
             time.sleep(min(sleep_s, deadline - now))
             sleep_s = min(sleep_s * 2, _SLEEP_MAX_S)
-            word = load_acquire_u32(words, 0)
+            word = reply_word.load_acquire()
         # replies slower than the longest spin are not worth spinning for next time
         elapsed = time.perf_counter() - start
         self._latency_s = 0.75 * self._latency_s + 0.25 * min(elapsed, 4 * _SPIN_MAX_S)
@@ -216,7 +218,7 @@ class Remote:
             if self.closed:
                 return
             self.closed = True
-            self._reply_words = None
+            self._reply_word = None
             self.data_view = None
             for blob in (self.reply, self.data):
                 if blob is not None:
