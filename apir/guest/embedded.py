@@ -6,9 +6,16 @@ thread of its own, the "host thread", which alone touches the context. Every dev
 handed to it through a `queue.SimpleQueue`; calls other than execbuffer wait for their job
 (bounded by `io_timeout_s`). execbuffer returns once the command is queued, as the ioctl returns
 once submitted: the caller then waits on the reply notification word (apir.guest.remote), which
-the host thread stores when `submit` is done; that wait spins with the GIL released, so the host
-thread runs meanwhile and the hand-off costs one thread wake-up. `exec_wait_s` > 0 makes
-execbuffer wait for the command instead (a second wake-up, no spinning).
+the host thread stores when `submit` is done. `exec_wait_s` > 0 makes execbuffer wait for the
+command instead (a second wake-up).
+
+The hand-off avoids thread wake-ups: after each job the host thread spins for `host_spin_s`
+without the GIL on a doorbell word, which the guest rings (release store) after queueing a job;
+only when the spin ends unrung does it block on the queue (a put wakes it). A job is always
+queued before its ring, so a ring is a hint and no job is lost. For a command the guest spins
+on (no `exec_wait_s`), the HostContext defers the reply notification (`defer_notification`)
+and the host thread stores it (release) as it goes back to its doorbell spin, in one call
+without the GIL: the guest, woken by the word, never finds the GIL held by the host thread.
 
 Blobs need no fd: the guest's `Blob.memory` is the host's own mapping of the blob's range.
 This is the default device when neither a socket nor a DRM node is given
@@ -22,6 +29,9 @@ import queue
 import threading
 from typing import Any, Callable, Optional
 
+import numpy as np
+
+from apir.codec.atomics import Word, spins_for
 from apir.guest.device import Blob
 from apir.guest.errors import DeviceError, IoctlError
 from apir.host.local_kernel import (
@@ -62,7 +72,8 @@ class EmbeddedDevice:
     ...); `context_factory(ctx_id, capset_id, config)` builds the context (default:
     `apir.host.component.HostContext`). Errors: `IoctlError` for a refused call (the errno the
     kernel would set), `DeviceError` when the host thread is gone or does not answer within
-    `io_timeout_s`.
+    `io_timeout_s`. `host_spin_s`: how long the host thread spins on the doorbell after a
+    job before it blocks (a core busy that long after each command; 0 never spins).
     """
 
     node = name = "embedded"
@@ -70,9 +81,12 @@ class EmbeddedDevice:
     def __init__(self, config: Optional[dict] = None,
                  context_factory: ContextFactory = default_context_factory,
                  io_timeout_s: float = 60.0, exec_wait_s: float = 1.0,
-                 max_bytes: int = 1 << 36):
+                 max_bytes: int = 1 << 36, host_spin_s: float = 200e-6):
         self.io_timeout_s = io_timeout_s
         self.exec_wait_s = exec_wait_s
+        self._host_spins = spins_for(host_spin_s) if host_spin_s > 0 else 0
+        # the doorbell: non-zero once a job was queued since the host thread last looked
+        self._bell = Word(np.zeros(1, dtype=np.uint32).view(np.uint8), 0)
         self.kernel = KernelContext("embedded", config, context_factory, max_bytes)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._blobs: dict[int, Blob] = {}  # by bo_handle: the blobs not destroyed yet
@@ -82,9 +96,26 @@ class EmbeddedDevice:
 
     # --- the host thread -----------------------------------------------------------------
     def _host_loop(self) -> None:
-        jobs = self._jobs
+        jobs, bell, kernel = self._jobs, self._bell, self.kernel
+        pending = None  # (Word, value): the last reply's notification, deferred to the spin
         while True:
-            job = jobs.get()
+            try:
+                job = jobs.get_nowait()
+            except queue.Empty:
+                rung = 0
+                if pending is not None:
+                    word, value = pending
+                    pending = None
+                    rung = word.store_release_then_spin(value, bell, self._host_spins)
+                elif self._host_spins:
+                    rung = bell.spin_until_nonzero(self._host_spins)
+                if rung:
+                    bell.store_release(0)  # then look at the queue again: the job is in it
+                    continue
+                job = jobs.get()
+            if pending is not None:  # a job came before the spin: publish first
+                pending[0].store_release(pending[1])
+                pending = None
             if job is _STOP:
                 break
             try:
@@ -96,12 +127,25 @@ class EmbeddedDevice:
                         log.warning("embedded host: %s", exc)
                     else:
                         log.exception("embedded host: job failed")
+            if job.fn == kernel.submit:  # (bound methods: equal, not identical)
+                take = getattr(kernel.ctx, "take_notification", None)
+                pending = take() if take is not None else None
+                if pending is not None and job.done is not None:
+                    pending[0].store_release(pending[1])  # the waiter looks at the word next
+                    pending = None
             if job.done is not None:
                 job.done.release()
         try:
             self.kernel.close()
         except Exception:
             log.exception("embedded host: close failed")
+
+    def _context_init(self, capset_id: int, num_rings: int) -> None:
+        """CONTEXT_INIT on the host thread; the context defers its reply notifications to the
+        host loop when it can (HostContext.defer_notification)."""
+        self.kernel.context_init(capset_id, num_rings)
+        if hasattr(self.kernel.ctx, "take_notification"):
+            self.kernel.ctx.defer_notification = True
 
     def _run(self, request: str, fn: Callable, *args, wait: bool = True, wait_s: Optional[float] = None,
              late_ok: bool = False):
@@ -111,6 +155,7 @@ class EmbeddedDevice:
             raise DeviceError("embedded: the host thread is gone")
         job = _Job(fn, args, wait)
         self._jobs.put(job)
+        self._bell.store_release(1)  # after the put: the host thread finds the job when rung
         if not wait:
             return None
         limit = self.io_timeout_s if wait_s is None else wait_s
@@ -138,7 +183,7 @@ class EmbeddedDevice:
 
     def context_init(self, capset_id: int, num_rings: int = 1) -> None:
         """DRM_IOCTL_VIRTGPU_CONTEXT_INIT: creates the HostContext on the host thread."""
-        self._run("DRM_IOCTL_VIRTGPU_CONTEXT_INIT", self.kernel.context_init, capset_id, num_rings)
+        self._run("DRM_IOCTL_VIRTGPU_CONTEXT_INIT", self._context_init, capset_id, num_rings)
 
     def create_blob(self, size: int) -> Blob:
         """RESOURCE_CREATE_BLOB (HOST3D, MAPPABLE); the Blob's memory is the host's mapping."""
@@ -192,6 +237,7 @@ class EmbeddedDevice:
         self._closed = True
         self._blobs.clear()  # the host thread frees them all as it stops
         self._jobs.put(_STOP)
+        self._bell.store_release(1)
         self._thread.join(self.io_timeout_s)
         if self._thread.is_alive():
             log.warning("embedded: the host thread did not stop within %g s", self.io_timeout_s)

@@ -33,7 +33,7 @@ import struct
 import threading
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
-from apir.codec.atomics import store_release_u32
+from apir.codec.atomics import Word
 from apir.codec.constants import (
     APIR_HANDSHAKE_MAGIC,
     APIR_PROTOCOL_MAJOR,
@@ -66,18 +66,14 @@ __all__ = ["HostContext", "COMMAND_MALFORMED", "NOTIFICATION_SIZE", "CONFIG_ENV_
 COMMAND_MALFORMED = 1
 NOTIFICATION_SIZE = 4  # the u32 reply notification word at byte 0 of the reply resource
 _HEADER = struct.Struct("<III")  # command type, flags, reply resource id
+_FORWARD = int(ApirCommandType.FORWARD)  # plain ints: no enum lookups on the hot path
+_HANDSHAKE = int(ApirCommandType.HANDSHAKE)
 
 CONFIG_ENV_FALLBACKS: Dict[str, str] = {
     CONFIG_KEY_LOAD_LIBRARY_PATH: ENV_BACKEND_LIBRARY,
     CONFIG_KEY_GGML_LIBRARY_PATH: ENV_GGML_LIBRARY_PATH,
     CONFIG_KEY_GGML_LIBRARY_REG: ENV_GGML_LIBRARY_REG,
 }
-
-def _store_notification(memory: memoryview, value: int) -> None:
-    """Stores the reply notification word at byte 0, after the payload, with release
-    ordering: a guest that sees the word (acquire load) sees the whole payload."""
-    store_release_u32(memory, 0, value & 0xFFFFFFFF)
-
 
 def _builtin_library() -> BackendLibrary:
     from apir.host.backend_library import PythonBackendLibrary  # noqa: E402 - loads ggml lazily
@@ -111,6 +107,10 @@ class HostContext:
         self._last_reply_res_id: Optional[int] = None
         self._lock = threading.RLock()
         self._closed = False
+        # An embedded host sets `defer_notification` to store the word itself, from its wait
+        # for the next command (apir.guest.embedded); `take_notification` hands it over.
+        self.defer_notification = False
+        self._pending_notification: Optional[Tuple[Word, int]] = None
 
     # --- configuration and resources (hypervisor side) ------------------------------------
     def set_config(self, key: str, value: str) -> None:
@@ -200,16 +200,15 @@ class HostContext:
             return
         dec = Decoder(cmd, _HEADER.size)
         enc = Encoder(reply.memory, NOTIFICATION_SIZE, reply.size)
-        kind = ApirCommandType(cmd_type)
-        if kind is ApirCommandType.HANDSHAKE:
-            rc = self._handshake(dec, enc)
-        elif kind is ApirCommandType.LOADLIBRARY:
-            rc = self._load_library()
-        else:
+        if cmd_type == _FORWARD:
             rc = self._forward(flags, dec, enc)
+        elif cmd_type == _HANDSHAKE:
+            rc = self._handshake(dec, enc)
+        else:
+            rc = self._load_library()
         if enc.fatal:
             log.error("ctx %d: %s reply does not fit reply resource %d (%d bytes)",
-                      self.ctx_id, kind.c_name, reply.res_id, reply.size)
+                      self.ctx_id, ApirCommandType(cmd_type).c_name, reply.res_id, reply.size)
             rc = COMMAND_MALFORMED
         self._send(reply, rc)
 
@@ -231,8 +230,21 @@ class HostContext:
         self._send(res, COMMAND_MALFORMED)
 
     def _send(self, reply: Resource, rc: int) -> None:
-        """`send_response`: the payload is already in place; publish `rc + 1`."""
-        _store_notification(reply.memory, rc + 1)
+        """`send_response`: the payload is already in place; publish `rc + 1` in the reply
+        notification word with release ordering (a guest that sees the word with an acquire
+        load sees the whole payload), or keep it for `take_notification`."""
+        word, value = reply.notification_word(), (rc + 1) & 0xFFFFFFFF
+        if self.defer_notification:
+            self._pending_notification = (word, value)
+        else:
+            word.store_release(value)
+
+    def take_notification(self) -> Optional[Tuple[Word, int]]:
+        """With `defer_notification` set: the (word, value) the last `submit` did not store
+        yet, or None (no reply, or taken already). The caller stores it with release
+        ordering, on the thread that ran `submit`, before that thread runs anything else."""
+        pending, self._pending_notification = self._pending_notification, None
+        return pending
 
     def _handshake(self, dec: Decoder, enc: Encoder) -> int:
         major, minor = dec.u32(), dec.u32()

@@ -10,7 +10,10 @@ it cannot be unmapped or resized under a ggml buffer that wraps it.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
+
+from apir.codec.atomics import Word
 
 __all__ = ["Resource"]
 
@@ -24,6 +27,7 @@ class Resource:
     size: int
     address: int
     _anchor: object
+    _word: Optional[Word] = field(default=None, repr=False)
 
     @classmethod
     def wrap(cls, res_id: int, buffer) -> "Resource":
@@ -39,7 +43,16 @@ class Resource:
         anchor = (ctypes.c_char * len(view)).from_buffer(view)
         return cls(res_id, view, len(view), ctypes.addressof(anchor), anchor)
 
+    def notification_word(self) -> Word:
+        """The u32 at byte 0 (the reply notification word), checked on first use and kept.
+        Raises ValueError when the resource is shorter than 4 bytes or misaligned."""
+        word = self._word
+        if word is None:
+            word = self._word = Word(self.memory, 0)
+        return word
+
     def release(self) -> None:
         """Drops the pin; the memory must not be used through this object afterwards."""
         self._anchor = None
+        self._word = None  # its numpy view is an export of `memory`
         self.memory.release()
