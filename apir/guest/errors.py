@@ -247,6 +247,7 @@ class BackendFunctionError(ForwardError):
         self.args = (f"{function}: backend function returned {self.function_code}",)
 
 
+_BASE_INDEX = int(ApirForwardReturnCode.BASE_INDEX)
 _FORWARD = {
     ApirForwardReturnCode.NO_DISPATCH_FCT: NoDispatchFunction,
     ApirForwardReturnCode.TIMEOUT: HostForwardTimeout,
@@ -257,12 +258,12 @@ _FORWARD = {
 def forward_error(code: int, function: int) -> Optional[ForwardError]:
     """The exception for Forward return `code` of backend function id `function`, or None
     when the function succeeded (code == BASE_INDEX)."""
+    if code == _BASE_INDEX:  # the common case first: no enum lookups
+        return None
     try:
         name = ApirBackendCommandType(function).c_name
     except ValueError:
         name = f"backend function {function}"
-    if code == ApirForwardReturnCode.BASE_INDEX:
-        return None
     if code > ApirForwardReturnCode.BASE_INDEX:
         return BackendFunctionError(code, name)
     return _FORWARD.get(code, ForwardError)(code, name)

@@ -125,9 +125,7 @@ class PythonBackendLibrary:
         set_n_threads(self.backend, max(1, n_threads))
 
     def dispatch(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
-        from apir.host.dispatcher import dispatch
-
-        return dispatch(self, function_id, dec, enc)
+        return _dispatcher().dispatch(self, function_id, dec, enc)
 
     def deinit(self) -> None:
         """`apir_backend_deinit`, for this context only: frees its buffers and its backend."""
@@ -200,3 +198,17 @@ class PythonBackendLibrary:
         if res is None:
             raise Refused(f"{what}: unknown shared-memory resource {res_id}")
         return res
+
+
+def _dispatcher():
+    """apir.host.dispatcher, imported on first use (it imports this module) and kept: an
+    import statement per command costs about a microsecond."""
+    global _DISPATCHER
+    if _DISPATCHER is None:
+        from apir.host import dispatcher
+
+        _DISPATCHER = dispatcher
+    return _DISPATCHER
+
+
+_DISPATCHER = None
