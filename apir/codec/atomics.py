@@ -32,12 +32,14 @@ are not atomic and are not used for real waits.
 
 from __future__ import annotations
 
+import platform
 import struct
 import time
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = [
@@ -92,6 +94,30 @@ def _store_release_intrinsic(typingctx, arr, offset, value):
     return sig, codegen
 
 
+# The spin-wait hint between loads: it keeps a spinning core from flooding the memory system
+# and from starving a sibling hardware thread (which may run the thread being waited for).
+# (LLVM intrinsics, not inline asm: Numba's JIT has no asm parser.)
+_MACHINE = platform.machine().lower()
+_RELAX = ({"x86_64": ("llvm.x86.sse2.pause", None), "amd64": ("llvm.x86.sse2.pause", None),
+           "aarch64": ("llvm.aarch64.hint", 1), "arm64": ("llvm.aarch64.hint", 1)}  # 1: YIELD
+          .get(_MACHINE))
+
+
+@intrinsic
+def _cpu_relax_intrinsic(typingctx):
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        if _RELAX is not None:
+            name, hint = _RELAX
+            argtys = [] if hint is None else [ir.IntType(32)]
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), argtys), name)
+            builder.call(fn, [] if hint is None else [ir.Constant(ir.IntType(32), hint)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @_jit
 def _load_acquire(arr, offset):
     return _load_acquire_intrinsic(arr, offset)
@@ -109,6 +135,7 @@ def _spin_until_nonzero(arr, offset, spins):
         value = _load_acquire_intrinsic(arr, offset)
         if value != 0:
             break
+        _cpu_relax_intrinsic()
     return value
 
 
@@ -120,6 +147,7 @@ def _store_then_spin(arr, offset, value, wait_arr, wait_offset, spins):
         seen = _load_acquire_intrinsic(wait_arr, wait_offset)
         if seen != 0:
             break
+        _cpu_relax_intrinsic()
     return seen
 
 

@@ -87,6 +87,9 @@ class EmbeddedDevice:
         self._host_spins = spins_for(host_spin_s) if host_spin_s > 0 else 0
         # the doorbell: non-zero once a job was queued since the host thread last looked
         self._bell = Word(np.zeros(1, dtype=np.uint32).view(np.uint8), 0)
+        # non-zero once a waited-for job is done (after its lock is released): execbuffer
+        # spins on it for up to `host_spin_s` before it blocks on the job's lock
+        self._done = Word(np.zeros(1, dtype=np.uint32).view(np.uint8), 0)
         self.kernel = KernelContext("embedded", config, context_factory, max_bytes)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._blobs: dict[int, Blob] = {}  # by bo_handle: the blobs not destroyed yet
@@ -135,6 +138,7 @@ class EmbeddedDevice:
                     pending = None
             if job.done is not None:
                 job.done.release()
+                pending = (self._done, 1)  # for a waiter spinning on it (see _run)
         try:
             self.kernel.close()
         except Exception:
@@ -148,14 +152,23 @@ class EmbeddedDevice:
             self.kernel.ctx.defer_notification = True
 
     def _run(self, request: str, fn: Callable, *args, wait: bool = True, wait_s: Optional[float] = None,
-             late_ok: bool = False):
+             late_ok: bool = False, spin: bool = False):
         if self._closed:
             raise DeviceError("embedded: device is closed")
         if not self._thread.is_alive():
             raise DeviceError("embedded: the host thread is gone")
         job = _Job(fn, args, wait)
+        spin = spin and wait and self._host_spins > 0
+        if spin:
+            self._done.store_release(0)
         self._jobs.put(job)
-        self._bell.store_release(1)  # after the put: the host thread finds the job when rung
+        if spin:
+            # ring, then spin on the done word, in one call without the GIL: the host thread
+            # that answers the ring finds the GIL free (a ring taken back with the GIL held
+            # would put it to sleep on the GIL); a hint only, the job's lock says done
+            self._bell.store_release_then_spin(1, self._done, self._host_spins)
+        else:
+            self._bell.store_release(1)  # after the put: the host thread finds the job when rung
         if not wait:
             return None
         limit = self.io_timeout_s if wait_s is None else wait_s
@@ -206,7 +219,8 @@ class EmbeddedDevice:
 
     def execbuffer(self, payload, ring_idx: int = 0) -> None:
         """DRM_IOCTL_VIRTGPU_EXECBUFFER: queues the command for the host thread and returns
-        once it ran or after `exec_wait_s`, whichever is first (waiting saves the caller a
+        once it ran or after `exec_wait_s`, whichever is first (spinning up to `host_spin_s`
+        without the GIL, then blocking; waiting saves the caller a
         sleep on the reply word for short commands; a long graph compute simply goes on, and
         the caller waits on the reply notification with its own timeout, as over a kernel).
         Flag and ring checks happen here, as in the ioctl: IoctlError(EINVAL)."""
@@ -217,7 +231,7 @@ class EmbeddedDevice:
             raise IoctlError(self.node, "DRM_IOCTL_VIRTGPU_EXECBUFFER", exc.err, str(exc)) from None
         wait = self.exec_wait_s > 0
         self._run("DRM_IOCTL_VIRTGPU_EXECBUFFER", self.kernel.submit, command,
-                  wait=wait, wait_s=self.exec_wait_s if wait else None, late_ok=True)
+                  wait=wait, wait_s=self.exec_wait_s if wait else None, late_ok=True, spin=True)
 
     def stats(self) -> dict:
         """This device's counts, as the socket host's STAT: contexts, blobs, blob_bytes,
