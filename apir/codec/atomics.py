@@ -35,6 +35,7 @@ from __future__ import annotations
 import platform
 import struct
 import time
+from typing import Optional, Tuple
 
 import numpy as np
 from llvmlite import ir
@@ -140,14 +141,17 @@ def _spin_until_nonzero(arr, offset, spins):
 
 
 @_jit
-def _store_then_spin(arr, offset, value, wait_arr, wait_offset, spins):
+def _store_then_spin(arr, offset, value, arr2, offset2, value2, wait_arr, wait_offset, spins, clear):
     _store_release_intrinsic(arr, offset, np.uint32(value))
+    _store_release_intrinsic(arr2, offset2, np.uint32(value2))
     seen = np.uint32(0)
     for _ in range(spins):
         seen = _load_acquire_intrinsic(wait_arr, wait_offset)
         if seen != 0:
             break
         _cpu_relax_intrinsic()
+    if clear and seen != 0:
+        _store_release_intrinsic(wait_arr, wait_offset, np.uint32(0))
     return seen
 
 
@@ -245,14 +249,19 @@ class Word:
         """As `spin_until_nonzero_u32` (no GIL held while spinning)."""
         return int(_spin_until_nonzero(self.array, self.offset, max(int(spins), 1)))
 
-    def store_release_then_spin(self, value: int, other: "Word", spins: int) -> int:
-        """Stores `value` here (release), then up to `spins` acquire loads of `other`; its
-        first non-zero value, or 0. The GIL is released before the store and not taken back
-        until the spin ends, so a thread woken by the store finds the GIL free."""
-        if not 0 <= value <= 0xFFFFFFFF:
-            raise ValueError(f"{value} does not fit in a u32")
-        return int(_store_then_spin(self.array, self.offset, value, other.array, other.offset,
-                                    max(int(spins), 1)))
+    def store_release_then_spin(self, value: int, other: "Word", spins: int, *,
+                                before: "Optional[Tuple[Word, int]]" = None, clear: bool = False) -> int:
+        """Stores `value` here (release; `before` = (word, value) is stored first), then up
+        to `spins` acquire loads of `other`; its first non-zero value, or 0 (`clear`: a
+        non-zero value seen is then reset to 0, a plain release store, not an exchange).
+        The GIL is released before the stores and not taken back until the spin ends, so a
+        thread woken by a store finds the GIL free. ValueError when a value is not a u32."""
+        first, first_value = (self, value) if before is None else before
+        for v in (value, first_value):
+            if not 0 <= v <= 0xFFFFFFFF:
+                raise ValueError(f"{v} does not fit in a u32")
+        return int(_store_then_spin(first.array, first.offset, first_value, self.array, self.offset, value,
+                                    other.array, other.offset, max(int(spins), 1), clear))
 
 
 # --- plain-Python twins (not atomic; for tests) -------------------------------------------

@@ -99,26 +99,17 @@ class EmbeddedDevice:
 
     # --- the host thread -----------------------------------------------------------------
     def _host_loop(self) -> None:
-        jobs, bell, kernel = self._jobs, self._bell, self.kernel
-        pending = None  # (Word, value): the last reply's notification, deferred to the spin
+        jobs, kernel = self._jobs, self.kernel
+        # (Word, value) stores not done yet, in order: a reply notification and the done word,
+        # deferred to the doorbell spin (or made before the next job, if one is queued)
+        pending: list = []
         while True:
-            try:
-                job = jobs.get_nowait()
-            except queue.Empty:
-                rung = 0
-                if pending is not None:
-                    word, value = pending
-                    pending = None
-                    rung = word.store_release_then_spin(value, bell, self._host_spins)
-                elif self._host_spins:
-                    rung = bell.spin_until_nonzero(self._host_spins)
-                if rung:
-                    bell.store_release(0)  # then look at the queue again: the job is in it
-                    continue
-                job = jobs.get()
-            if pending is not None:  # a job came before the spin: publish first
-                pending[0].store_release(pending[1])
-                pending = None
+            if jobs.empty() and self._spin_for_bell(pending):
+                continue  # rung: the job is in the queue (or it was taken already)
+            job = jobs.get()
+            for word, value in pending:
+                word.store_release(value)
+            pending.clear()
             if job is _STOP:
                 break
             try:
@@ -132,17 +123,30 @@ class EmbeddedDevice:
                         log.exception("embedded host: job failed")
             if job.fn == kernel.submit:  # (bound methods: equal, not identical)
                 take = getattr(kernel.ctx, "take_notification", None)
-                pending = take() if take is not None else None
-                if pending is not None and job.done is not None:
-                    pending[0].store_release(pending[1])  # the waiter looks at the word next
-                    pending = None
+                note = take() if take is not None else None
+                if note is not None:
+                    pending.append(note)
             if job.done is not None:
                 job.done.release()
-                pending = (self._done, 1)  # for a waiter spinning on it (see _run)
+                pending.append((self._done, 1))  # for a waiter spinning on it (see _run)
         try:
             self.kernel.close()
         except Exception:
             log.exception("embedded host: close failed")
+
+    def _spin_for_bell(self, pending: list) -> int:
+        """Makes the `pending` stores (clearing the list), then spins up to `host_spin_s` on
+        the doorbell without the GIL, all in one call; the ring seen (then reset), or 0."""
+        bell, spins = self._bell, self._host_spins
+        if not pending:
+            rung = bell.spin_until_nonzero(spins) if spins else 0
+            if rung:
+                bell.store_release(0)
+            return rung
+        before = pending[0] if len(pending) > 1 else None
+        word, value = pending[-1]
+        pending.clear()
+        return word.store_release_then_spin(value, bell, spins, before=before, clear=True)
 
     def _context_init(self, capset_id: int, num_rings: int) -> None:
         """CONTEXT_INIT on the host thread; the context defers its reply notifications to the
