@@ -94,3 +94,53 @@ def test_spin_releases_the_gil_and_sees_payload():
     assert value == 7
     assert buf[64 : 64 + len(payload)] == payload
     assert time.monotonic() - start < 5
+
+
+def test_word_checks_once_and_stores_loads():
+    buf = bytearray(64)
+    word = atomics.Word(buf, 8)
+    word.store_release(0xCAFE)
+    assert word.load_acquire() == 0xCAFE
+    assert atomics.load_acquire_u32_py(buf, 8) == 0xCAFE  # the same bytes as the plain twin
+    assert word.spin_until_nonzero(3) == 0xCAFE
+    with pytest.raises(ValueError):
+        word.store_release(1 << 32)
+    for offset in (-4, 62, 64):
+        with pytest.raises(ValueError):
+            atomics.Word(buf, offset)
+    with pytest.raises(ValueError):
+        atomics.Word(bytes(64), 0)
+
+
+def test_store_then_spin_stores_in_order_and_clears_the_ring():
+    first, second, bell = (atomics.Word(np.zeros(16, np.uint8), 4) for _ in range(3))
+    # nothing rung: both stores made, 0 back, the bell untouched
+    assert second.store_release_then_spin(7, bell, 50, before=(first, 3), clear=True) == 0
+    assert (first.load_acquire(), second.load_acquire(), bell.load_acquire()) == (3, 7, 0)
+    bell.store_release(5)
+    assert second.store_release_then_spin(9, bell, 50) == 5
+    assert (second.load_acquire(), bell.load_acquire()) == (9, 5)  # not cleared
+    assert second.store_release_then_spin(11, bell, 50, clear=True) == 5
+    assert (second.load_acquire(), bell.load_acquire()) == (11, 0)
+    with pytest.raises(ValueError):
+        second.store_release_then_spin(1, bell, 1, before=(first, -1))
+
+
+def test_store_then_spin_orderings():
+    arr = np.zeros(16, np.uint8)
+    ir = _ir(atomics._store_then_spin, arr, 0, 1, arr, 4, 2, arr, 8, 1, True).splitlines()
+    stores = [l for l in ir if "store atomic" in l]
+    loads = [l for l in ir if "load atomic" in l]
+    assert len(stores) >= 3 and all("release, align 4" in l for l in stores)
+    assert loads and all("acquire, align 4" in l for l in loads)
+
+
+def test_spins_for_scales_with_time():
+    short, long = atomics.spins_for(10e-6), atomics.spins_for(10e-3)
+    assert 1 <= short < long
+    assert atomics.spins_for(0) == 1
+    # the measured rate holds: a spin of spins_for(2 ms) on a zero word takes about that long
+    probe = atomics.Word(np.zeros(8, np.uint8), 0)
+    t0 = time.perf_counter()
+    probe.spin_until_nonzero(atomics.spins_for(2e-3))
+    assert 0.2e-3 < time.perf_counter() - t0 < 0.2  # loose: a shared machine may stall us

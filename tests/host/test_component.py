@@ -183,3 +183,20 @@ def test_close_frees_exactly_this_contexts_buffers(ggml, monkeypatch):
     a.ctx.submit(struct.pack("<III", 2, 0, REPLY_RES))  # dropped, no crash
     b.close()
     assert len(freed) == 3
+
+
+def test_deferred_notification_is_handed_over_not_stored(guest):
+    """An embedded host defers the reply word: submit writes the payload, not the word."""
+    guest.ctx.defer_notification = True
+    try:
+        rc = guest.raw(struct.pack("<III", T.FORWARD, int(Cmd.DEVICE_GET_COUNT), REPLY_RES))
+        assert rc is None  # the word is still 0
+        word, value = guest.ctx.take_notification()
+        assert value == 4 + 1  # Forward success: 4 + BACKEND_RC_OK, plus one
+        assert guest.ctx.take_notification() is None
+        word.store_release(value)
+        assert struct.unpack_from("<I", guest.reply, 0)[0] == 5
+        assert struct.unpack_from("<i", guest.reply, 4)[0] >= 1  # the device count
+    finally:
+        guest.ctx.defer_notification = False
+    assert guest.forward(Cmd.DEVICE_GET_COUNT)[0] == 0  # stored by submit again

@@ -65,3 +65,61 @@ def test_open_device_picks_embedded_by_default(tmp_path):
         dev.close()
     with pytest.raises(DeviceError, match="no apir host"):
         open_device(socket=str(tmp_path / "nobody.sock"))
+
+
+class SlowContext(EchoContext):
+    """An echo command that takes `delay_s` (longer than the host thread's spins)."""
+
+    delay_s = 0.02
+
+    def submit(self, command):
+        import time
+        time.sleep(self.delay_s)
+        super().submit(command)
+
+
+@pytest.mark.parametrize("host_spin_s", [0.0, 200e-6])
+def test_execbuffer_waits_past_the_spin_for_a_slow_command(host_spin_s):
+    """exec_wait_s 1 s: execbuffer spins, then blocks, and returns once the command ran."""
+    with EmbeddedDevice(context_factory=SlowContext, exec_wait_s=1.0, host_spin_s=host_spin_s) as dev:
+        dev.context_init(10)
+        a, b = dev.create_blob(10), dev.create_blob(10)
+        for n in range(3):
+            a.memory[0:4] = struct.pack("<I", 0x1000 + n)
+            b.memory[0:8] = bytes(8)
+            dev.execbuffer(struct.pack("<II", a.res_id, b.res_id))
+            assert bytes(b.memory[0:8]) == b"\x01\0\0\0" + struct.pack("<I", 0x1000 + n)
+
+
+def test_execbuffer_returns_after_exec_wait_s_while_the_command_runs_on():
+    """A command longer than exec_wait_s is not an error (late_ok): its reply comes later."""
+    import time
+
+    class SlowerContext(SlowContext):
+        delay_s = 0.2  # far past exec_wait_s, even on a busy machine
+
+    with EmbeddedDevice(context_factory=SlowerContext, exec_wait_s=0.002) as dev:
+        dev.context_init(10)
+        a, b = dev.create_blob(10), dev.create_blob(10)
+        a.memory[0:4] = b"late"
+        dev.execbuffer(struct.pack("<II", a.res_id, b.res_id))
+        assert b.memory[0] == 0  # returned before the 200 ms command finished
+        deadline = time.monotonic() + 5
+        while b.memory[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert bytes(b.memory[0:8]) == b"\x01\0\0\0late"
+
+
+@pytest.mark.parametrize("exec_wait_s", [0.0, 1.0])
+@pytest.mark.parametrize("host_spin_s", [0.0, 200e-6])
+def test_client_calls_with_and_without_host_spins(exec_wait_s, host_spin_s):
+    """The whole guest path over the embedded host, deferred reply word included: the device
+    type matches what the host's ggml reports, call after call."""
+    from apir.guest.client import ApirClient
+
+    dev = EmbeddedDevice(exec_wait_s=exec_wait_s, host_spin_s=host_spin_s)
+    with ApirClient.connect(dev) as client:
+        lib = dev.kernel.ctx._library
+        expected = lib.g.ggml_backend_dev_type(lib.dev)
+        assert [client.device_get_type() for _ in range(50)] == [expected] * 50
+        assert client.device_get_count() >= 1
