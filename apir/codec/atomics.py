@@ -141,7 +141,7 @@ def _spin_until_nonzero(arr, offset, spins):
 
 
 @_jit
-def _store_then_spin(arr, offset, value, arr2, offset2, value2, wait_arr, wait_offset, spins, clear):
+def _store_then_spin(arr, offset, value, arr2, offset2, value2, wait_arr, wait_offset, spins, clear, settle):
     _store_release_intrinsic(arr, offset, np.uint32(value))
     _store_release_intrinsic(arr2, offset2, np.uint32(value2))
     seen = np.uint32(0)
@@ -152,6 +152,9 @@ def _store_then_spin(arr, offset, value, arr2, offset2, value2, wait_arr, wait_o
         _cpu_relax_intrinsic()
     if clear and seen != 0:
         _store_release_intrinsic(wait_arr, wait_offset, np.uint32(0))
+    if seen == 2:
+        for _ in range(settle):
+            _cpu_relax_intrinsic()
     return seen
 
 
@@ -250,10 +253,13 @@ class Word:
         return int(_spin_until_nonzero(self.array, self.offset, max(int(spins), 1)))
 
     def store_release_then_spin(self, value: int, other: "Word", spins: int, *,
-                                before: "Optional[Tuple[Word, int]]" = None, clear: bool = False) -> int:
+                                before: "Optional[Tuple[Word, int]]" = None, clear: bool = False,
+                                settle: int = 0) -> int:
         """Stores `value` here (release; `before` = (word, value) is stored first), then up
         to `spins` acquire loads of `other`; its first non-zero value, or 0 (`clear`: a
-        non-zero value seen is then reset to 0, a plain release store, not an exchange).
+        non-zero value seen is then reset to 0, a plain release store, not an exchange;
+        `settle`: after seeing 2, that many more spin-wait hints before the GIL is taken,
+        for a waker that still comes back for the GIL itself).
         The GIL is released before the stores and not taken back until the spin ends, so a
         thread woken by a store finds the GIL free. ValueError when a value is not a u32."""
         first, first_value = (self, value) if before is None else before
@@ -261,7 +267,7 @@ class Word:
             if not 0 <= v <= 0xFFFFFFFF:
                 raise ValueError(f"{v} does not fit in a u32")
         return int(_store_then_spin(first.array, first.offset, first_value, self.array, self.offset, value,
-                                    other.array, other.offset, max(int(spins), 1), clear))
+                                    other.array, other.offset, max(int(spins), 1), clear, max(int(settle), 0)))
 
 
 # --- plain-Python twins (not atomic; for tests) -------------------------------------------

@@ -49,6 +49,7 @@ __all__ = ["EmbeddedDevice"]
 log = logging.getLogger(__name__)
 
 _STOP = object()
+_SETTLE_S = 10e-6
 
 
 class _Job:
@@ -85,6 +86,10 @@ class EmbeddedDevice:
         self.io_timeout_s = io_timeout_s
         self.exec_wait_s = exec_wait_s
         self._host_spins = spins_for(host_spin_s) if host_spin_s > 0 else 0
+        # a ring of 2 (execbuffer that returns at once) makes the host thread wait this long
+        # more without the GIL, so the guest, which still needs the GIL to get to its own
+        # wait, does not find it taken and sleep on it
+        self._settle_spins = spins_for(_SETTLE_S)
         # the doorbell: non-zero once a job was queued since the host thread last looked
         self._bell = Word(np.zeros(1, dtype=np.uint32).view(np.uint8), 0)
         # non-zero once a waited-for job is done (after its lock is released): execbuffer
@@ -146,7 +151,8 @@ class EmbeddedDevice:
         before = pending[0] if len(pending) > 1 else None
         word, value = pending[-1]
         pending.clear()
-        return word.store_release_then_spin(value, bell, spins, before=before, clear=True)
+        return word.store_release_then_spin(value, bell, spins, before=before, clear=True,
+                                            settle=self._settle_spins)
 
     def _context_init(self, capset_id: int, num_rings: int) -> None:
         """CONTEXT_INIT on the host thread; the context defers its reply notifications to the
@@ -172,7 +178,8 @@ class EmbeddedDevice:
             # would put it to sleep on the GIL); a hint only, the job's lock says done
             self._bell.store_release_then_spin(1, self._done, self._host_spins)
         else:
-            self._bell.store_release(1)  # after the put: the host thread finds the job when rung
+            # after the put: the host thread finds the job when rung
+            self._bell.store_release(2 if late_ok else 1)
         if not wait:
             return None
         limit = self.io_timeout_s if wait_s is None else wait_s

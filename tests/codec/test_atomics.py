@@ -128,7 +128,7 @@ def test_store_then_spin_stores_in_order_and_clears_the_ring():
 
 def test_store_then_spin_orderings():
     arr = np.zeros(16, np.uint8)
-    ir = _ir(atomics._store_then_spin, arr, 0, 1, arr, 4, 2, arr, 8, 1, True).splitlines()
+    ir = _ir(atomics._store_then_spin, arr, 0, 1, arr, 4, 2, arr, 8, 1, True, 0).splitlines()
     stores = [l for l in ir if "store atomic" in l]
     loads = [l for l in ir if "load atomic" in l]
     assert len(stores) >= 3 and all("release, align 4" in l for l in stores)
