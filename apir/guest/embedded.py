@@ -9,13 +9,17 @@ once submitted: the caller then waits on the reply notification word (apir.guest
 the host thread stores when `submit` is done. `exec_wait_s` > 0 makes execbuffer wait for the
 command instead (a second wake-up).
 
-The hand-off avoids thread wake-ups: after each job the host thread spins for `host_spin_s`
-without the GIL on a doorbell word, which the guest rings (release store) after queueing a job;
-only when the spin ends unrung does it block on the queue (a put wakes it). A job is always
-queued before its ring, so a ring is a hint and no job is lost. For a command the guest spins
-on (no `exec_wait_s`), the HostContext defers the reply notification (`defer_notification`)
-and the host thread stores it (release) as it goes back to its doorbell spin, in one call
-without the GIL: the guest, woken by the word, never finds the GIL held by the host thread.
+The hand-off avoids thread wake-ups and waits for the GIL (a thread that finds the GIL held
+sleeps until it is handed over, several microseconds). After each job the host thread spins for
+`host_spin_s` without the GIL on a doorbell word, which the guest rings (release store) after
+queueing a job; only when the spin ends unrung does it block on the queue (a put wakes it). A
+job is always queued before its ring, so a ring is a hint and no job is lost. The HostContext
+defers its reply notification (`defer_notification`): the host thread stores it (release) and,
+for a waited-for execbuffer, a "done" word, in the same call without the GIL that spins on the
+doorbell, so a guest woken by either finds the GIL free. A waited-for execbuffer rings and
+spins on the done word in one such call (then blocks on the job's lock after `host_spin_s`);
+one that returns at once rings 2, and the host thread waits `_SETTLE_S` more before taking the
+GIL, while the guest gets to its own spin on the reply word.
 
 Blobs need no fd: the guest's `Blob.memory` is the host's own mapping of the blob's range.
 This is the default device when neither a socket nor a DRM node is given
@@ -131,6 +135,7 @@ class EmbeddedDevice:
                 note = take() if take is not None else None
                 if note is not None:
                     pending.append(note)
+                note = None  # its Word pins the reply mapping: a later GEM_CLOSE must unmap it
             if job.done is not None:
                 job.done.release()
                 pending.append((self._done, 1))  # for a waiter spinning on it (see _run)
@@ -178,8 +183,9 @@ class EmbeddedDevice:
             # would put it to sleep on the GIL); a hint only, the job's lock says done
             self._bell.store_release_then_spin(1, self._done, self._host_spins)
         else:
-            # after the put: the host thread finds the job when rung
-            self._bell.store_release(2 if late_ok else 1)
+            # after the put: the host thread finds the job when rung; 2 when this thread
+            # goes on to wait on its own, spinning (the host thread settles first, see above)
+            self._bell.store_release(1 if wait else 2)
         if not wait:
             return None
         limit = self.io_timeout_s if wait_s is None else wait_s
