@@ -114,6 +114,25 @@ class GgmlScratch:
         self.g.ggml_free(self.ctx)
 
 
+def cpu_compute(g, ctx: int, graph: int, inputs, output: int) -> bytes:
+    """`graph` (tensors of no_alloc `ctx`) computed with ggml CPU directly, the baseline the
+    host's results are compared with: `inputs` are (tensor, bytes) pairs; returns `output`'s
+    bytes."""
+    dev = g.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    buf = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, g.ggml_backend_dev_buffer_type(dev))
+    backend = g.ggml_backend_dev_init(dev, None)
+    try:
+        for t, d in inputs:
+            g.ggml_backend_tensor_set(t, d, 0, len(d))
+        assert g.ggml_backend_graph_compute(backend, graph) == 0
+        out = ctypes.create_string_buffer(g.ggml_nbytes(output))
+        g.ggml_backend_tensor_get(output, out, 0, len(out.raw))
+        return out.raw
+    finally:
+        g.ggml_backend_free(backend)
+        g.ggml_backend_buffer_free(buf)
+
+
 def tensor_bytes(g, t: int) -> bytes:
     return ctypes.string_at(t, g.tensor_dtype.itemsize)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
-from tests.host.hostkit import DATA_RES, GgmlScratch, RemoteGraph
+from tests.host.hostkit import DATA_RES, GgmlScratch, RemoteGraph, cpu_compute
 
 
 def _attention_like(g, ctx):
@@ -53,18 +53,9 @@ def _direct(g, data):
     """The same graph computed with ggml CPU directly."""
     s = GgmlScratch(g)
     graph, inputs, y = _attention_like(g, s.ctx)
-    dev = g.ggml_backend_dev_by_type(0)
-    buf = g.ggml_backend_alloc_ctx_tensors_from_buft(s.ctx, g.ggml_backend_dev_buffer_type(dev))
-    backend = g.ggml_backend_dev_init(dev, None)
-    for t, d in zip(inputs, data):
-        g.ggml_backend_tensor_set(t, d, 0, len(d))
-    assert g.ggml_backend_graph_compute(backend, graph) == 0
-    out = ctypes.create_string_buffer(g.ggml_nbytes(y))
-    g.ggml_backend_tensor_get(y, out, 0, len(out.raw))
-    g.ggml_backend_free(backend)
-    g.ggml_backend_buffer_free(buf)
+    out = cpu_compute(g, s.ctx, graph, zip(inputs, data), y)
     s.close()
-    return out.raw
+    return out
 
 
 def _remote(guest, g, data):

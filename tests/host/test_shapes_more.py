@@ -12,7 +12,7 @@ import pytest
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.host.shapes import op_enums
-from tests.host.hostkit import DATA_RES, GgmlScratch, RemoteGraph
+from tests.host.hostkit import DATA_RES, GgmlScratch, RemoteGraph, cpu_compute
 
 ERROR = 1  # BACKEND_RC_ERROR
 
@@ -234,18 +234,9 @@ def _direct(g, case):
     s = GgmlScratch(g)
     graph, out, inputs = _graph(g, s.ctx, case)
     data = _data(g, case, inputs)
-    dev = g.ggml_backend_dev_by_type(0)
-    buf = g.ggml_backend_alloc_ctx_tensors_from_buft(s.ctx, g.ggml_backend_dev_buffer_type(dev))
-    backend = g.ggml_backend_dev_init(dev, None)
-    for t, d in zip(inputs, data):
-        g.ggml_backend_tensor_set(t, d, 0, len(d))
-    assert g.ggml_backend_graph_compute(backend, graph) == 0
-    got = ctypes.create_string_buffer(g.ggml_nbytes(out))
-    g.ggml_backend_tensor_get(out, got, 0, len(got.raw))
-    g.ggml_backend_free(backend)
-    g.ggml_backend_buffer_free(buf)
+    got = cpu_compute(g, s.ctx, graph, zip(inputs, data), out)
     s.close()
-    return got.raw
+    return got
 
 
 class Remote:
@@ -452,17 +443,7 @@ def test_minilm_graph_matches_ggml_cpu(guest, ggml):
             assert rc == 0
             remote.close()
         else:
-            dev = g.ggml_backend_dev_by_type(0)
-            buf = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, g.ggml_backend_dev_buffer_type(dev))
-            backend = g.ggml_backend_dev_init(dev, None)
-            for t, d in data:
-                g.ggml_backend_tensor_set(t, d, 0, len(d))
-            assert g.ggml_backend_graph_compute(backend, bg.graph) == 0
-            out = ctypes.create_string_buffer(nbytes)
-            g.ggml_backend_tensor_get(bg.output, out, 0, nbytes)
-            got = out.raw
-            g.ggml_backend_free(backend)
-            g.ggml_backend_buffer_free(buf)
+            got = cpu_compute(g, ctx, bg.graph, data, bg.output)
         g.ggml_free(ctx)
         outs.append(got)
     assert outs[1] == outs[0]
