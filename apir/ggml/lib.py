@@ -119,7 +119,7 @@ SIGNATURES: Dict[str, str] = {
     "ggml_l2_norm": "p:ppf",
     # guest ggml backend (apir/guest/backend) and its numpy helpers
     "ggml_n_dims": "i:p",
-    # host shape rules (apir/host/shapes.py tests): ops built with ggml's own constructors
+    # host shape rules (apir/host/shapes/ tests): ops built with ggml's own constructors
     "ggml_log": "p:pp", "ggml_sin": "p:pp", "ggml_cos": "p:pp", "ggml_clamp": "p:ppff",
     "ggml_leaky_relu": "p:ppfb", "ggml_group_norm": "p:ppif", "ggml_add1": "p:ppp",
     "ggml_diag_mask_inf": "p:ppi", "ggml_diag_mask_zero": "p:ppi", "ggml_soft_max_add_sinks": "v:pp",
@@ -128,7 +128,7 @@ SIGNATURES: Dict[str, str] = {
     "ggml_concat": "p:pppi", "ggml_pad_ext": "p:ppiiiiiiii", "ggml_arange": "p:pfff",
     "ggml_timestep_embedding": "p:ppii", "ggml_argsort": "p:ppi", "ggml_top_k": "p:ppi",
     "ggml_set_rows": "p:pppp", "ggml_rope_ext": "p:ppppiiiffffff", "ggml_rope_multi": "p:ppppipiiffffff",
-    # host shape rules (apir/host/shapes.py): which types the CPU can quantize into (from_float)
+    # host shape rules (apir/host/shapes/): which types the CPU can quantize into (from_float)
     "ggml_get_type_traits_cpu": "p:i", "ggml_get_type_traits": "p:i",
 }
 

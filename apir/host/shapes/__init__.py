@@ -1,0 +1,55 @@
+"""Per-op shape checks: what ggml's constructors and CPU kernels assume, checked first.
+
+Theory of operation: a graph node's ne/nb/type come from the guest. ggml's constructors
+(`ggml_add`, `ggml_mul_mat`, ...) would derive them from the sources, and its CPU kernels
+trust that they did: a lying shape walks a kernel out of its tensors, and a violated
+GGML_ASSERT aborts the whole host. So before compute, every node goes through the rule of
+its op here, which re-derives the node's shape from its sources (the constructor's
+arithmetic) and checks the constructor's and kernel's assertions on types and strides.
+An op with no rule here is refused: the host computes only what it can check.
+
+Each rule takes the node and its sources as `TensorInfo` (and the build's enum sizes,
+`OpEnums`) and raises Refused. Rules are keyed by op name: an op this ggml build lacks simply
+has no rule. Where ggml only `assert`s (compiled out in release builds) the rule still
+checks, and a rule may be stricter than ggml (e.g. rows packed where ggml would accept a
+gap) when that is what keeps the kernel's pointer arithmetic inside the checked extents:
+every tensor's extent (ne, nb) is already checked against its buffer by the caller, so what
+a rule must prove is that the kernel walks each tensor only within its own ne and nb.
+
+Rules live in one module per family of ops, each with a `RULES` table; this package merges
+them into `CHECKED_OPS`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Sequence
+
+from apir.host.errors import Refused
+from apir.host.shapes import elementwise, layout, matrix, rope
+from apir.host.shapes.base import OpEnums, TensorInfo, op_enums
+
+__all__ = ["TensorInfo", "OpEnums", "op_enums", "check_node", "node_refusal", "CHECKED_OPS"]
+
+CHECKED_OPS: Dict[str, Callable] = {}
+for _family in (elementwise, layout, matrix, rope):
+    if CHECKED_OPS.keys() & _family.RULES.keys():  # two rules for one op: a merge mistake
+        raise RuntimeError(f"{_family.__name__} redefines {CHECKED_OPS.keys() & _family.RULES.keys()}")
+    CHECKED_OPS.update(_family.RULES)
+
+
+def check_node(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]], enums: OpEnums) -> None:
+    """Raises Refused unless `node` is what ggml would build from `srcs`."""
+    rule = CHECKED_OPS.get(node.op_name)
+    if rule is None:
+        raise Refused(f"node {node.index}: op {node.op_name} has no shape check on this host")
+    rule(node, srcs, enums)
+
+
+def node_refusal(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]], enums: OpEnums) -> Optional[str]:
+    """Why check_node would refuse `node`, or None: device_supports_op's view of the rules
+    (with `address=None` infos the checks of row ids' values are skipped)."""
+    try:
+        check_node(node, srcs, enums)
+    except Refused as exc:
+        return str(exc)
+    return None

@@ -1,0 +1,211 @@
+"""Rules of the element-wise and row-wise ops: binary and unary arithmetic, GLU, norms, soft_max."""
+
+from __future__ import annotations
+
+
+from apir.host.shapes.base import (FLOAT, dst_contiguous, fail, need,
+                                      param_f32, param_i32, same_shape)
+
+
+def _binary(node, srcs, _enums=None):
+    a, b = need(node, srcs, 2)
+    same_shape(node, a, "src0")
+    if any(b.ne[i] == 0 or a.ne[i] % b.ne[i] for i in range(len(a.ne))):
+        fail(node, f"src1 {b.ne} cannot be repeated to src0 {a.ne}")
+    if a.type_name not in FLOAT or node.type_name != a.type_name or b.type_name not in ("F32", a.type_name):
+        fail(node, f"types {a.type_name}, {b.type_name} -> {node.type_name}")
+    # apply_binary_op GGML_ASSERTs src0's (and dst's) nb[0] is the element size; src1 is read
+    # at i10 * nb10 within its own ne and nb, so any src1 strides stay inside its extent.
+    if not a.rows_contiguous():
+        fail(node, "src0's rows are not contiguous")
+    dst_contiguous(node)
+
+
+def _soft_max(node, srcs, _enums=None):
+    (a,) = need(node, srcs, 1)
+    same_shape(node, a, "src0")
+    if a.type_name != "F32" or node.type_name != "F32":
+        fail(node, "soft_max computes F32 only")
+    mask = srcs[1] if len(srcs) > 1 else None
+    if mask is not None:
+        if mask.type_name not in ("F32", "F16") or not mask.contiguous():
+            fail(node, "mask must be contiguous F32 or F16")
+        if (mask.ne[0] != a.ne[0] or mask.ne[1] < a.ne[1] or mask.ne[2] == 0 or mask.ne[3] == 0
+                or a.ne[2] % mask.ne[2] or a.ne[3] % mask.ne[3]):
+            fail(node, f"mask {mask.ne} does not fit src0 {a.ne}")
+    sinks = srcs[2] if len(srcs) > 2 else None
+    if sinks is not None:
+        # ggml_soft_max_add_sinks: one F32 per head (ne[2]), read as a plain array
+        if sinks.type_name != "F32" or sinks.ne[0] != a.ne[2] or not sinks.rows_contiguous():
+            fail(node, f"sinks {sinks.type_name} {sinks.ne} do not fit src0 {a.ne}")
+    if param_f32(node, 1) > 0.0 and mask is None:
+        fail(node, "max_bias needs a mask")
+    if not a.contiguous():
+        fail(node, "src0 is not contiguous")
+    dst_contiguous(node)
+
+
+def _same_f32(node, srcs, _enums=None):
+    (a,) = need(node, srcs, 1)
+    same_shape(node, a, "src0")
+    if a.type_name != "F32" or node.type_name != "F32":
+        fail(node, "F32 only")
+    if not a.rows_contiguous():
+        fail(node, "src0's rows are not contiguous")
+    dst_contiguous(node)
+
+
+def _norm(node, srcs, _enums=None):
+    """NORM, RMS_NORM, L2_NORM: F32 rows; the kernels GGML_ASSERT(eps >= 0) (NaN fails it)."""
+    (a,) = need(node, srcs, 1)
+    same_shape(node, a, "src0")
+    if a.type_name != "F32" or node.type_name != "F32":
+        fail(node, "F32 only")
+    if not (a.rows_contiguous() and node.rows_contiguous()):
+        fail(node, "rows are not contiguous")
+    if not param_f32(node, 0) >= 0.0:
+        fail(node, f"eps {param_f32(node, 0)} is not >= 0")
+
+
+def _scale(node, srcs, _enums=None):
+    _same_f32(node, srcs)
+    if not srcs[0].contiguous():
+        fail(node, "src0 is not contiguous")
+
+
+def _unary(node, srcs, enums):
+    (a,) = need(node, srcs, 1)
+    if not 0 <= int(node.op_params[0]) < enums.unary_count:
+        fail(node, f"unary op {int(node.op_params[0])} out of range")
+    same_shape(node, a, "src0")
+    if a.type_name not in ("F32", "F16") or node.type_name != a.type_name:
+        fail(node, f"types {a.type_name} -> {node.type_name}")
+    # Every unary kernel walks rows at i1*nb01 + i2*nb02 + i3*nb03 and reads ne[0] elements
+    # of each (apply_unary_op GGML_ASSERTs nb00 is the element size).
+    if not a.rows_contiguous():
+        fail(node, "src0's rows are not contiguous")
+    dst_contiguous(node)
+
+
+# Conversions ggml_compute_forward_dup_flt instantiates besides float to float.
+
+
+# --- element-wise ----------------------------------------------------------------------------
+# (src type, dst type) pairs the CPU's templated unary kernels (unary-ops.cpp) instantiate.
+_UNARY_TYPES = {("F32", "F32"), ("F16", "F16"), ("BF16", "BF16"), ("BF16", "F32"), ("F16", "F32")}
+
+
+def _elementwise(node, srcs, _enums=None):
+    """SQR, SQRT, LOG, SIN, COS: same shape, each row walked with its own nb."""
+    (a,) = need(node, srcs, 1)
+    same_shape(node, a, "src0")
+    if (a.type_name, node.type_name) not in _UNARY_TYPES:
+        fail(node, f"types {a.type_name} -> {node.type_name}")
+    if not (a.rows_contiguous() and node.rows_contiguous()):
+        fail(node, "rows are not contiguous")
+
+
+def _same_rows(node, srcs, types):
+    """One source, same shape and type (one of `types`), and both walked as flat rows
+    (`i * nb[1]` over all rows): CLAMP, LEAKY_RELU."""
+    (a,) = need(node, srcs, 1)
+    same_shape(node, a, "src0")
+    if a.type_name not in types or node.type_name != a.type_name:
+        fail(node, f"types {a.type_name} -> {node.type_name}")
+    if not (a.rows_packed() and node.rows_packed()):
+        fail(node, "rows are not packed")
+    return a
+
+
+def _clamp(node, srcs, _enums=None):
+    _same_rows(node, srcs, ("F32", "F16"))
+
+
+def _leaky_relu(node, srcs, _enums=None):
+    _same_rows(node, srcs, ("F32", "F16"))
+
+
+# ggml 0.20's norm and l2_norm read and write each element at i00 * nb[0] unless rows are
+# packed (0.10's assert or assume packed rows).
+_NORM_STRIDED_SINCE = (0, 20, 0)
+
+
+def _strided_norm(node, srcs, enums):
+    """NORM, L2_NORM: rows of any strides on ggml >= 0.20, else as `_norm`."""
+    (a,) = need(node, srcs, 1)
+    if enums.version < _NORM_STRIDED_SINCE:
+        return _norm(node, srcs)
+    same_shape(node, a, "src0")
+    if a.type_name != "F32" or node.type_name != "F32":
+        fail(node, "F32 only")
+    if not param_f32(node, 0) >= 0.0:
+        fail(node, f"eps {param_f32(node, 0)} is not >= 0")
+
+
+def _group_norm(node, srcs, _enums=None):
+    (a,) = need(node, srcs, 1)
+    same_shape(node, a, "src0")
+    if a.type_name != "F32" or node.type_name != "F32":
+        fail(node, "F32 only")
+    if not (a.rows_contiguous() and node.rows_contiguous()):
+        fail(node, "rows are not contiguous")
+    if param_i32(node, 0) <= 0:  # the kernel divides by the group count
+        fail(node, f"n_groups {param_i32(node, 0)} must be > 0")
+
+
+def _add1(node, srcs, _enums=None):
+    a, b = need(node, srcs, 2)
+    same_shape(node, a, "src0")
+    if not b.is_scalar():
+        fail(node, f"src1 {b.ne} is not a scalar")
+    ok = {("F32", "F32"), ("F16", "F16"), ("F16", "F32"), ("BF16", "BF16"), ("BF16", "F32")}
+    if (a.type_name, b.type_name) not in ok or node.type_name != a.type_name:
+        fail(node, f"types {a.type_name}, {b.type_name} -> {node.type_name}")
+    if not (a.rows_contiguous() and node.rows_contiguous()):
+        fail(node, "rows are not contiguous")
+
+
+def _diag_mask(node, srcs, _enums=None):
+    """DIAG_MASK_INF / _ZERO: F32; the kernel copies src0 with one memcpy (both contiguous)
+    unless in place, then writes `k * nb[2]` over ne[2]*ne[3] "matrices" (packed)."""
+    (a,) = need(node, srcs, 1)
+    same_shape(node, a, "src0")
+    if a.type_name != "F32" or node.type_name != "F32":
+        fail(node, "F32 only")
+    if not (a.contiguous() and node.contiguous()):
+        fail(node, "not contiguous")
+    if param_i32(node, 0) < 0:
+        fail(node, f"n_past {param_i32(node, 0)} < 0")
+
+
+# --- GLU ------------------------------------------------------------------------------------
+def _glu(node, srcs, enums):
+    """ggml_glu_impl: src0 (and src1 of the same shape) rows packed; the result has half of
+    src0's ne[0] (or all of it with src1); rows are walked flat."""
+    a = need(node, srcs, 1)[0]
+    b = srcs[1] if len(srcs) > 1 else None
+    op = param_i32(node, 0)
+    if not 0 <= op < enums.glu_count:
+        fail(node, f"glu op {op} out of range")
+    types = ("F32",) if op == enums.glu.get("SWIGLU_OAI") else ("F32", "F16")  # its kernel is F32 only
+    if a.type_name not in types or node.type_name != a.type_name:
+        fail(node, f"types {a.type_name} -> {node.type_name}")
+    if b is not None:
+        if b.ne != a.ne or b.type_name != a.type_name or not b.rows_packed():
+            fail(node, f"src1 {b.type_name} {b.ne} does not match src0 {a.type_name} {a.ne}")
+    want = [a.ne[0] if b is not None else a.ne[0] // 2] + a.ne[1:]
+    if node.ne != want:
+        fail(node, f"shape {node.ne}, glu gives {want}")
+    if not (a.rows_packed() and node.rows_packed()):
+        fail(node, "rows are not packed")
+
+
+RULES = {
+    "ADD": _binary, "SUB": _binary, "MUL": _binary, "DIV": _binary,
+    "SOFT_MAX": _soft_max, "SCALE": _scale, "NORM": _strided_norm,
+    "RMS_NORM": _norm, "L2_NORM": _strided_norm, "GROUP_NORM": _group_norm,
+    "UNARY": _unary, "GLU": _glu,
+    "SQR": _elementwise, "SQRT": _elementwise, "LOG": _elementwise, "SIN": _elementwise,
+    "COS": _elementwise, "CLAMP": _clamp, "LEAKY_RELU": _leaky_relu, "ADD1": _add1,
+    "DIAG_MASK_INF": _diag_mask, "DIAG_MASK_ZERO": _diag_mask,
+}
