@@ -2,7 +2,8 @@
 """ggml's test-backend-ops through apir's host, next to the same suite on ggml CPU directly.
 
     scripts/run-test-backend-ops.py [--version 0.20|0.10] [--ops ADD,MUL_MAT,...] [--c-library]
-                                    [-j N] [--json FILE] [--timeout S]
+                                    [-j N] [--json FILE] [--timeout S] [--max-resume N]
+                                    [--deadline S]
 
 Builds (or reuses) the C reference of --version and the shim, starts an apir host process on the
 C build's ggml (apir's Python dispatcher, or with --c-library the C backend library), then runs
@@ -11,7 +12,9 @@ CPU directly) and `-b "[virtgpu] CPU"` with the shim (through apir). Prints per-
 passed / failed / not supported counts for both, and every case that passes on CPU but not
 through apir. Exit status 1 when there is such a case. `-j N` runs N ops at a time (threads
 driving the test-backend-ops processes), each worker with its own apir host process; `--json`
-writes the counts (per op and in total), those cases and every case's status. Run from the
+writes the counts (per op and in total), those cases and every case's status. `--deadline S`
+bounds the whole run: after S seconds no op is started and no case resumed (those are listed
+as not run), so a run fits a machine lent for a fixed time. Run from the
 repository root (or anywhere: it puts the root on sys.path). See docs/interop.md.
 """
 
@@ -80,6 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per test-backend-ops process")
     ap.add_argument("--max-resume", type=int, default=10_000,
                     help="cases to re-run one by one after a run ended early, per op")
+    ap.add_argument("--deadline", type=float, help="seconds after which no op is started or case resumed")
     args = ap.parse_args(argv)
 
     paths = cref.build(args.version)
@@ -94,11 +98,16 @@ def main(argv=None) -> int:
           f"{'C backend library' if args.c_library else 'apir dispatcher'}; {args.jobs} job(s)", flush=True)
     print(f"{'op':24} {'CPU ok/fail/ns':>18} {'apir ok/fail/ns/crash':>24} {'CPU s':>7} {'apir s':>7}", flush=True)
 
+    deadline = t0 + args.deadline if args.deadline else None
+    not_run = []
+
     def one(op: str):
+        if deadline is not None and time.monotonic() > deadline:
+            return op, None, None
         cpu = bo.run_op(tbo, op, "CPU", None, timeout=args.timeout, max_resume=0)
         env = guest_env(paths, shim, workers.host().socket_path)
         ap_run = bo.run_op(tbo, op, bo.VIRTGPU_DEVICE, env, expected=cpu.names(),
-                           timeout=args.timeout, max_resume=args.max_resume)
+                           timeout=args.timeout, max_resume=args.max_resume, deadline=deadline)
         return op, cpu, ap_run
 
     # SIGTERM ends like Ctrl-C: the finally below stops the host processes.
@@ -107,6 +116,9 @@ def main(argv=None) -> int:
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             for fut in as_completed([pool.submit(one, op) for op in ops]):
                 op, cpu, ap_run = fut.result()
+                if cpu is None:
+                    not_run.append(op)
+                    continue
                 cpu_runs[op], apir_runs[op] = cpu, ap_run
                 print(f"{op:24} {cpu.count(bo.OK):>8}/{cpu.count(bo.FAIL)}/{cpu.count(bo.NOT_SUPPORTED):<6} "
                       f"{ap_run.count(bo.OK):>10}/{ap_run.count(bo.FAIL)}/{ap_run.count(bo.NOT_SUPPORTED)}/"
@@ -116,7 +128,8 @@ def main(argv=None) -> int:
     finally:
         workers.stop()
     wall = time.monotonic() - t0
-    cpu_runs = {op: cpu_runs[op] for op in ops}  # list order, whatever order they finished in
+    ops = [op for op in ops if op in cpu_runs]  # list order, whatever order they finished in
+    cpu_runs = {op: cpu_runs[op] for op in ops}
     apir_runs = {op: apir_runs[op] for op in ops}
     t_cpu = sum(r.seconds for r in cpu_runs.values())
     t_apir = sum(r.seconds for r in apir_runs.values())
@@ -124,6 +137,8 @@ def main(argv=None) -> int:
     bad = bo.regressions(cpu_runs, apir_runs)
     print()
     print(f"ops: {len(ops)}  (wall {wall:.0f} s with {args.jobs} job(s))")
+    if not_run:
+        print(f"not run (deadline): {len(not_run)} ops: {','.join(not_run)}")
     print(f"ggml CPU directly : passed {tc[bo.OK]}, failed {tc[bo.FAIL]}, not supported {tc[bo.NOT_SUPPORTED]}, "
           f"skipped {tc[bo.SKIPPED]}  ({t_cpu:.0f} s)")
     print(f"through apir      : passed {ta[bo.OK]}, failed {ta[bo.FAIL]}, not supported {ta[bo.NOT_SUPPORTED]}, "
@@ -134,7 +149,7 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "version": args.version, "c_library": args.c_library, "time": time.time(),
-            "jobs": args.jobs, "wall_seconds": wall, "ops": ops,
+            "jobs": args.jobs, "wall_seconds": wall, "ops": ops, "not_run": not_run,
             "summary": {
                 "cpu": tc, "apir": ta, "regressions": bad,
                 "per_op": {op: {"cpu": _counts(cpu_runs[op]), "apir": _counts(apir_runs[op])} for op in ops},

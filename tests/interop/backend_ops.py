@@ -102,10 +102,10 @@ def run_cases(test_backend_ops: str, device: str, filters: str, env: Optional[di
 
 def run_op(test_backend_ops: str, op: str, device: str, env: Optional[dict] = None,
            expected: Iterable[str] = (), timeout: float = 600.0, max_resume: int = 10_000,
-           params: Optional[str] = None) -> OpRun:
+           params: Optional[str] = None, deadline: Optional[float] = None) -> OpRun:
     """All cases of `op` (those whose parameters match the regex `params`, if given) on
     `device`. `expected`: the op's case names (from the CPU run), used to resume case by case
-    after the process ended early."""
+    after the process ended early, until `deadline` (time.monotonic()) if given."""
     run = OpRun(op)
     t0 = time.monotonic()
     cases, rc, err = run_cases(test_backend_ops, device, op, env, timeout, params)
@@ -115,7 +115,10 @@ def run_op(test_backend_ops: str, op: str, device: str, env: Optional[dict] = No
         run.notes.append(f"{op}: process ended with {rc} ({_last_line(err)})")
         done = set(run.names())
         remaining = [c for c in dict.fromkeys(expected) if c not in done]
-        for case in remaining[:max_resume]:
+        for n, case in enumerate(remaining[:max_resume]):
+            if deadline is not None and time.monotonic() > deadline:
+                run.notes.append(f"{op}: deadline passed, {len(remaining) - n} cases not resumed")
+                break
             cases, rc, err = run_cases(test_backend_ops, device, case, env, timeout)
             run.processes += 1
             run.cases.extend(cases or [(case, CRASHED)])
