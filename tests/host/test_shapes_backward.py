@@ -69,7 +69,8 @@ def _rope(mode_name, ne=(16, 2, 3), n_dims=16, ff=False, back=False, type_name="
         else:
             base = a = _in(g, ctx, type_name, *ne)
         pos = _in(g, ctx, "I32", ne[2] * (4 if multi else 1))
-        c = _in(g, ctx, "F32", n_dims // 2) if ff else None
+        # (vision uses every factor the kernel reads: one per pair of ne[0])
+        c = _in(g, ctx, "F32", (ne[0] + 1) // 2 if vision else n_dims // 2) if ff else None
         ins = [base, pos] + ([c] if ff else [])
         if multi:
             sections = (n_dims // 4, n_dims // 4, 0, 0) if vision else (n_dims // 3,) * 3 + (0,)
@@ -106,6 +107,7 @@ CASES = [
     Case("ROPE", _rope("MROPE", ff=True, n_dims=12, view=1), lie=(1, 0, -1), data=_FF),
     Case("ROPE", _rope("IMROPE", n_dims=12, view=2, type_name="F16"), lie=(1, 0, -3), data=_POS),
     Case("ROPE", _rope("VISION", ff=True, view=2), lie=(2, 0, -5), data=_FF),
+    Case("ROPE", _rope("VISION", ne=(17, 2, 3), ff=True), lie=(-1, 0, -1), data=_FF),  # odd ne[0]
     Case("ROPE", _rope("NEOX", n_dims=8, inplace=True, type_name="F16",
                        args=(10000.0, 1.4245, 0.7465, 1.4245, 32.0, 1.0)), data=_POS),
 ]

@@ -31,8 +31,10 @@ def _rope(node, srcs, enums):
     ne0 = a.ne[0]
     # The kernel GGML_ASSERTs n_dims <= ne[0] and even (vision: n_dims == ne[0] / 2); a
     # negative n_dims would start the copy of the rest before the row. Odd ne[0] would make
-    # that pairwise copy read and write one element past the row.
-    if ne0 % 2 or not 0 <= n_dims <= ne0 or n_dims % 2 or (vision and n_dims != ne0 // 2):
+    # that pairwise copy read and write one element past the row (vision has no such copy:
+    # its pairs (i, i + n_dims) for i <= (ne[0] - 1) / 2 stay in the row).
+    if ((ne0 % 2 and not vision) or not 0 <= n_dims <= ne0 or n_dims % 2
+            or (vision and n_dims != ne0 // 2)):
         fail(node, f"n_dims {n_dims} does not fit ne[0] {ne0} (mode {mode})")
     want = a.ne[2] * (4 if multi else 1)
     if pos.type_name != "I32" or pos.ne != [want, 1, 1, 1] or not pos.contiguous():
