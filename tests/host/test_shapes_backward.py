@@ -84,8 +84,13 @@ def _rope(mode_name, ne=(16, 2, 3), n_dims=16, ff=False, back=False, type_name="
 
 _POS = {1: _ints(100)}
 _FF = {1: _ints(100), 2: lambda n, r: r.random(n).astype(np.float32) + 1}
-_POSITIVE = lambda n, r: r.random(n).astype(np.float32) + 0.1  # noqa: E731
-_ADAMW_PARAMS = lambda n, r: np.array([1e-2, 0.9, 0.999, 1e-8, 1e-2, 10.0, 1000.0], np.float32)  # noqa: E731
+def _POSITIVE(n, r):
+    return r.random(n).astype(np.float32) + 0.1
+
+
+def _ADAMW_PARAMS(n, r):  # alpha, beta1, beta2, eps, weight decay, beta1h, beta2h
+    return np.array([1e-2, 0.9, 0.999, 1e-8, 1e-2, 10.0, 1000.0], np.float32)
+
 
 CASES = [
     Case("SILU_BACK", _same(lambda g, c, a, b: g.ggml_silu_back(c, a, b), 2), lie=(1, 0, -1)),
