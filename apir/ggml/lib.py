@@ -128,6 +128,12 @@ SIGNATURES: Dict[str, str] = {
     "ggml_concat": "p:pppi", "ggml_pad_ext": "p:ppiiiiiiii", "ggml_arange": "p:pfff",
     "ggml_timestep_embedding": "p:ppii", "ggml_argsort": "p:ppi", "ggml_top_k": "p:ppi",
     "ggml_set_rows": "p:pppp", "ggml_rope_ext": "p:ppppiiiffffff", "ggml_rope_multi": "p:ppppipiiffffff",
+    # host shape rules of the training ops (apir/host/shapes/backward.py, rope.py tests)
+    "ggml_silu_back": "p:ppp", "ggml_rms_norm_back": "p:pppf", "ggml_soft_max_ext_back": "p:pppff",
+    "ggml_cross_entropy_loss": "p:ppp", "ggml_cross_entropy_loss_back": "p:pppp",
+    "ggml_opt_step_adamw": "p:pppppp", "ggml_opt_step_sgd": "p:pppp", "ggml_set_param": "v:p",
+    "ggml_rope_ext_back": "p:ppppiiiffffff", "ggml_rope_multi_back": "p:ppppipiiffffff",
+    "ggml_rope_ext_inplace": "p:ppppiiiffffff",
     # host shape rules (apir/host/shapes/): which types the CPU can quantize into (from_float)
     "ggml_get_type_traits_cpu": "p:i", "ggml_get_type_traits": "p:i",
 }

@@ -62,6 +62,7 @@ def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
             raise Refused(f"graph tensor {i}: no buffer with data")
         bufs[i], offsets[i], extents[i] = buf, int(rec["data"]), extent
         infos[i] = tensor_info(lib, i, rec, buf.base + offsets[i])
+        infos[i].room = buf.size - offsets[i]
     for i in range(n):
         v = int(parsed.view_src_index[i])
         if v < 0:

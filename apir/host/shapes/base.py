@@ -84,6 +84,10 @@ class TensorInfo:
     # real address of its data (for GET_ROWS row ids); 0 without data; None where no data is
     # known (device_supports_op): checks of the data are then left to graph_compute
     address: Optional[int]
+    # bytes from its data to the end of its buffer: how far a kernel that reads past the
+    # tensor's own extent (ROPE's frequency factors) stays in mapped memory; None where not
+    # known (device_supports_op): such checks are then left to graph_compute
+    room: Optional[int] = None
 
     def nelements(self) -> int:
         return int(np.prod(self.ne, dtype=object))
