@@ -25,6 +25,7 @@ Errors: `Refused` (with the tensor or node index) for anything the checks reject
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from typing import List, NamedTuple, Optional
 
 import numpy as np
@@ -163,19 +164,28 @@ def _check_records(lib, parsed) -> Optional[_Records]:
     return _Records([found[k] for k in inverse.tolist()], offsets, extents)
 
 
+# TensorInfo's leading fields in order: then `_infos` passes them by position (a keyword call
+# costs twice as much), else by keyword.
+_INFO_FIELDS = ("index", "type_name", "ne", "nb", "op_name", "op_params", "type_size", "blck_size",
+                "is_leaf", "address")
+_INFO_POSITIONAL = tuple(f.name for f in dataclasses.fields(TensorInfo))[:len(_INFO_FIELDS)] == _INFO_FIELDS
+
+
 def _infos(lib, parsed, addresses: List[int]) -> List[TensorInfo]:
     """`tensor_info` of every record (ne, nb, op_params read in bulk; op_params one host copy)."""
     g, chk, t = lib.g, lib.checker, parsed.tensors
     none = g.ops["NONE"]
     type_names, op_names, type_size, blck_size = g.type_names, g.op_names, chk.type_size, chk.blck_size
-    op_params = t["op_params"].copy()
-    return [
-        TensorInfo(index=i, type_name=type_names[ty], ne=ne, nb=nb, op_name=op_names[op],
-                   op_params=op_params[i], type_size=type_size[ty], blck_size=blck_size[ty],
-                   is_leaf=op == none, address=addr)
-        for i, (ty, op, ne, nb, addr) in enumerate(zip(t["type"].tolist(), t["op"].tolist(), t["ne"].tolist(),
-                                                       t["nb"].tolist(), addresses))
-    ]
+    rows = zip(range(len(t)), t["type"].tolist(), t["op"].tolist(), t["ne"].tolist(), t["nb"].tolist(),
+               list(t["op_params"].copy()), addresses)
+    if _INFO_POSITIONAL:
+        return [TensorInfo(i, type_names[ty], ne, nb, op_names[op], params, type_size[ty], blck_size[ty],
+                           op == none, addr)
+                for i, ty, op, ne, nb, params, addr in rows]
+    return [TensorInfo(index=i, type_name=type_names[ty], ne=ne, nb=nb, op_name=op_names[op],
+                       op_params=params, type_size=type_size[ty], blck_size=blck_size[ty],
+                       is_leaf=op == none, address=addr)
+            for i, ty, op, ne, nb, params, addr in rows]
 
 
 def _tensor_view(addrs: List[int], dtype: np.dtype) -> Optional[np.ndarray]:

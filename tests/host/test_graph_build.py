@@ -9,6 +9,7 @@ them; the bulk-written tensors must equal, byte for byte, the ones `host_from_rp
 """
 
 import ctypes
+import dataclasses
 
 import numpy as np
 import pytest
@@ -175,7 +176,10 @@ def _as_indices(lib, addrs):
     index[0] = 1 << 63  # null
     out = []
     for a in addrs:
-        rec = np.frombuffer(ctypes.string_at(a, dtype.itemsize), dtype=dtype).copy()
+        raw = np.frombuffer(ctypes.string_at(a, dtype.itemsize), dtype=dtype)
+        rec = np.zeros(1, dtype=dtype)  # fields only: C leaves the struct's holes undefined
+        for name in dtype.names:
+            rec[name] = raw[name]
         rec["src"] = [[index[int(p)] for p in rec["src"][0]]]
         rec["view_src"] = index[int(rec["view_src"][0])]
         out.append(rec.tobytes())
@@ -214,3 +218,24 @@ def test_host_tensors_equal_the_one_by_one_twins(setup, monkeypatch, bulk):
         assert all(host) and len(nodes) == len(parsed.node_index)
         assert _as_indices(lib, host) == expect
     assert b"a name of exactly sixty-three characters, to test the last byte" in b"".join(expect)
+
+
+@pytest.mark.parametrize("positional", [True, False])
+def test_infos_equal_tensor_info(setup, monkeypatch, positional):
+    """The bulk-built TensorInfos are `tensor_info`'s, field by field (both ways of calling
+    TensorInfo: by position while its fields keep their order, else by keyword)."""
+    lib, wire, _ = setup
+    monkeypatch.setattr(hg, "_INFO_POSITIONAL", positional)
+    parsed = _parse(lib, wire)
+    recs = hg._check_records_one_by_one(lib, parsed)
+    addresses = [b.base + int(o) for b, o in zip(recs.bufs, recs.offsets)]
+    got = hg._infos(lib, parsed, addresses)
+    assert len(got) == len(parsed.tensors)
+    for i, info in enumerate(got):
+        want = hg.tensor_info(lib, i, parsed.tensors[i], addresses[i])
+        for f in dataclasses.fields(want):
+            a, b = getattr(info, f.name), getattr(want, f.name)
+            if isinstance(b, np.ndarray):
+                assert a.dtype == b.dtype and np.array_equal(a, b), (i, f.name)
+            else:
+                assert a == b and type(a) is type(b), (i, f.name, a, b)
