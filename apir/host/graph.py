@@ -260,8 +260,8 @@ def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
     recs = _check_records(lib, parsed)
     if recs is None:
         recs = _check_records_one_by_one(lib, parsed)
-    # per tensor: its HostBuffer, data offset and extent (Python ints), as graph-wide checks need
-    bufs, offsets, extents = recs.bufs, recs.offsets.tolist(), recs.extents.tolist()
+    # per tensor: its HostBuffer and data offset (Python ints); recs.extents: its extent
+    bufs, offsets = recs.bufs, recs.offsets.tolist()
     infos = _infos(lib, parsed, [b.base + o for b, o in zip(bufs, offsets)])
     src_rows = parsed.src_index.tolist()
     for i in range(n):
