@@ -9,12 +9,26 @@ each node's shape goes through `apir.host.shapes.check_node`. Only then are tens
 in a host `ggml_context` (no data allocated: `data` points into the checked buffers), in
 sources-first order, and the nodes added to a graph in the guest's node order.
 
+Speed: a MiniLM batch has ~330 tensors, so per-tensor Python work shows in every compute.
+The record checks therefore run on the parsed graph's arrays at once (`_check_records`);
+when that finds any problem, or values too large for its int64 arithmetic, the per-tensor
+checks (`_check_records_one_by_one`, `TensorChecker.check_rpc`: exact Python integers) run
+instead and raise the same `Refused` as always, so the vectorized path never decides a
+refusal, only an acceptance the per-tensor path would make too. The host tensors' fields
+are written in bulk through one numpy view of the context's tensors when ggml placed them
+at one fixed stride of at least sizeof(struct ggml_tensor) (whose layout
+`apir.ggml.layout.check_layout` checked at load), else tensor by tensor.
+
 Errors: `Refused` (with the tensor or node index) for anything the checks reject.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+import ctypes
+import dataclasses
+from typing import List, NamedTuple, Optional
+
+import numpy as np
 
 from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
@@ -22,6 +36,10 @@ from apir.host.shapes import OpEnums, TensorInfo, check_node, op_enums
 from apir.host.tensors import Scratch
 
 __all__ = ["build_graph", "tensor_info", "lib_op_enums"]
+
+# Bound on every intermediate of the vectorized extent arithmetic: below it int64 is exact.
+_FAST_LIMIT = float(1 << 60)
+_NE_MAX = 1 << 62  # as apir.host.tensors
 
 
 def tensor_info(lib, index: int, rec, address: Optional[int]) -> TensorInfo:
@@ -44,15 +62,19 @@ def lib_op_enums(lib) -> OpEnums:
     return enums
 
 
-def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
-    """A host cgraph (in `scratch`) for `parsed`; raises Refused."""
-    g, chk = lib.g, lib.checker
-    recs = parsed.tensors
+class _Records(NamedTuple):
+    """What the record checks found: per tensor its buffer, data offset and extent."""
+
+    bufs: list  # HostBuffer per tensor
+    offsets: np.ndarray  # int64
+    extents: np.ndarray  # int64
+
+
+def _check_records_one_by_one(lib, parsed) -> _Records:
+    """The per-tensor checks, in tensor order; raises the first Refused."""
+    chk, recs = lib.checker, parsed.tensors
     n = len(recs)
-    if len(set(parsed.node_index.tolist())) != len(parsed.node_index):
-        raise Refused("graph: a node is listed twice")
-    infos: List[Optional[TensorInfo]] = [None] * n
-    bufs = [None] * n
+    bufs: list = [None] * n
     offsets = [0] * n
     extents = [0] * n
     for i in range(n):
@@ -61,8 +83,6 @@ def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
         if buf is None or not buf.base:
             raise Refused(f"graph tensor {i}: no buffer with data")
         bufs[i], offsets[i], extents[i] = buf, int(rec["data"]), extent
-        infos[i] = tensor_info(lib, i, rec, buf.base + offsets[i])
-        infos[i].room = buf.size - offsets[i]
     for i in range(n):
         v = int(parsed.view_src_index[i])
         if v < 0:
@@ -73,25 +93,189 @@ def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
         if offsets[i] != offsets[v] + offs or offs + extents[i] > extents[v]:
             raise Refused(f"graph tensor {i}: view [{offs}, {offs + extents[i]}) outside its "
                           f"source's {extents[v]} bytes")
-    for i in range(n):
-        srcs = [infos[j] if j >= 0 else None for j in parsed.src_index[i]]
-        while srcs and srcs[-1] is None:
-            srcs.pop()
-        check_node(infos[i], srcs, enums)
+    return _Records(bufs, np.array(offsets, dtype=np.int64), np.array(extents, dtype=np.int64))
 
-    host = [0] * n
-    for i in (int(x) for x in parsed.order):
-        t = chk.host_from_rpc(scratch, recs[i], bufs[i])
-        rec = tensor_record(t, chk.tensor_dtype)
-        for k, j in enumerate(parsed.src_index[i]):
-            if j >= 0:
-                rec["src"][k] = host[j]
-        v = int(parsed.view_src_index[i])
-        if v >= 0:
-            rec["view_src"] = host[v]
-            rec["view_offs"] = int(recs[i]["view_offs"])
-        host[i] = t
+
+def _check_records(lib, parsed) -> Optional[_Records]:
+    """`_check_records_one_by_one` on whole arrays: the same checks (check_common, extent,
+    check_rpc, a buffer with data, views inside their source), or None when any fails or a
+    value leaves the range where int64 arithmetic is exact (the caller then runs the
+    per-tensor checks, which refuse or accept exactly)."""
+    chk, t = lib.checker, parsed.tensors
+    n = len(t)
+    if n == 0:
+        return _Records([], np.zeros(0, np.int64), np.zeros(0, np.int64))
+    type_ = t["type"].astype(np.int64)
+    op = t["op"].astype(np.int64)
+    # check_common: a valid type, an op below GGML_OP_COUNT and not custom
+    if type_.min() < 0 or type_.max() >= len(chk.valid_types) or not chk.valid_types[type_].all():
+        return None
+    if op.min() < 0 or op.max() >= chk.g.op_count or chk.custom_op_mask[op].any():
+        return None
+    ne_w, nb_w = t["ne"], t["nb"]
+    if ne_w.max() >= _NE_MAX or nb_w.max() >= _NE_MAX:  # not reachable with u32 fields
+        return None
+    ne = ne_w.astype(np.int64)
+    nb = nb_w.astype(np.int64)
+    if ne.min() < 0 or nb.min() < 0:
+        return None
+    ts = chk.type_size_arr[type_]
+    blck = chk.blck_size_arr[type_]
+    if (ne[:, 0] % blck).any():
+        return None
+    # name NUL-terminated
+    if not (t["name"].view(np.uint8) == 0).any(axis=1).all():
+        return None
+    # extent (TensorChecker.extent): first bound every intermediate in float, then exact int64
+    nef, nbf = ne.astype(np.float64), nb.astype(np.float64)
+    bound = nef[:, 0] * (nbf[:, 0] + ts) + (nef[:, 1:] * nbf[:, 1:]).sum(axis=1) + nbf.sum(axis=1)
+    if bound.max() >= _FAST_LIMIT:
+        return None
+    blocks0 = ne[:, 0] // blck
+    row = np.maximum(blocks0 * ts, (blocks0 - 1) * nb[:, 0] + ts)
+    row = np.where(blck > 1, np.maximum(row, blocks0 * nb[:, 0]), row)
+    extents = row + ((ne[:, 1:] - 1) * nb[:, 1:]).sum(axis=1)
+    extents = np.where((ne > 0).all(axis=1), extents, 0)
+    # check_rpc: a known buffer (never handle 0 here: every graph tensor needs data) with a
+    # base, data + extent inside it
+    data_w, offs_w = t["data"], t["view_offs"]
+    if data_w.max() >= _NE_MAX or offs_w.max() >= _NE_MAX:
+        return None
+    offsets = data_w.astype(np.int64)
+    handles, inverse = np.unique(t["buffer"], return_inverse=True)
+    inverse = inverse.reshape(-1)
+    found = [lib.buffers.get(int(h)) for h in handles.tolist()]
+    if any(b is None or not b.base or not 0 <= b.size < _NE_MAX for b in found):
+        return None
+    sizes = np.array([b.size for b in found], dtype=np.int64)
+    if (offsets + extents > sizes[inverse]).any():
+        return None
+    # views: the same buffer object as the source, data == source data + view_offs, extent inside
+    v = parsed.view_src_index
+    is_view = v >= 0
+    if is_view.any():
+        ident = {}
+        same = np.array([ident.setdefault(id(b), k) for k, b in enumerate(found)], dtype=np.int64)[inverse]
+        vi = v[is_view]
+        view_offs = offs_w[is_view].astype(np.int64)
+        if ((same[is_view] != same[vi]).any() or (offsets[is_view] != offsets[vi] + view_offs).any()
+                or (view_offs + extents[is_view] > extents[vi]).any()):
+            return None
+    return _Records([found[k] for k in inverse.tolist()], offsets, extents)
+
+
+# TensorInfo's leading fields in order: then `_infos` passes them by position (a keyword call
+# costs twice as much), else by keyword.
+_INFO_FIELDS = ("index", "type_name", "ne", "nb", "op_name", "op_params", "type_size", "blck_size",
+                "is_leaf", "address")
+_INFO_POSITIONAL = tuple(f.name for f in dataclasses.fields(TensorInfo))[:len(_INFO_FIELDS)] == _INFO_FIELDS
+
+
+def _infos(lib, parsed, addresses: List[int]) -> List[TensorInfo]:
+    """`tensor_info` of every record (ne, nb, op_params read in bulk; op_params one host copy)."""
+    g, chk, t = lib.g, lib.checker, parsed.tensors
+    none = g.ops["NONE"]
+    type_names, op_names, type_size, blck_size = g.type_names, g.op_names, chk.type_size, chk.blck_size
+    rows = zip(range(len(t)), t["type"].tolist(), t["op"].tolist(), t["ne"].tolist(), t["nb"].tolist(),
+               list(t["op_params"].copy()), addresses)
+    if _INFO_POSITIONAL:
+        return [TensorInfo(i, type_names[ty], ne, nb, op_names[op], params, type_size[ty], blck_size[ty],
+                           op == none, addr)
+                for i, ty, op, ne, nb, params, addr in rows]
+    return [TensorInfo(index=i, type_name=type_names[ty], ne=ne, nb=nb, op_name=op_names[op],
+                       op_params=params, type_size=type_size[ty], blck_size=blck_size[ty],
+                       is_leaf=op == none, address=addr)
+            for i, ty, op, ne, nb, params, addr in rows]
+
+
+def _tensor_view(addrs: List[int], dtype: np.dtype) -> Optional[np.ndarray]:
+    """One numpy view of the tensors at `addrs` when they lie at one stride >= the struct's
+    size (ggml places each tensor after its object header, one after another), else None."""
+    n = len(addrs)
+    if n == 0:
+        return None
+    stride = addrs[1] - addrs[0] if n > 1 else dtype.itemsize
+    if stride < dtype.itemsize or any(addrs[k + 1] - addrs[k] != stride for k in range(n - 1)):
+        return None
+    raw = (ctypes.c_char * (stride * (n - 1) + dtype.itemsize)).from_address(addrs[0])
+    return np.ndarray((n,), dtype=dtype, buffer=raw, strides=(stride,))
+
+
+def _create_tensors(lib, parsed, scratch: Scratch, recs: _Records) -> np.ndarray:
+    """The host twins of the checked records (as `TensorChecker.host_from_rpc`, with src and
+    view_src pointing at the twins), created in sources-first order; their addresses by
+    tensor index."""
+    g, chk, t = lib.g, lib.checker, parsed.tensors
+    n = len(t)
+    order = parsed.order.astype(np.int64)
+    types = t["type"].tolist()
+    blck = chk.blck_size
+    new, ctx = g.ggml_new_tensor_1d, scratch.ctx
+    created = []
+    for i in order.tolist():
+        addr = new(ctx, types[i], blck[types[i]])
+        if not addr:
+            raise MemoryError("scratch ggml_context full")
+        created.append(addr)
+    host = np.zeros(n, dtype=np.uint64)
+    host[order] = np.array(created, dtype=np.uint64)
+
+    # Every field as host_from_rpc writes it, rows in creation order.
+    src_index = parsed.src_index.astype(np.int64)
+    v = parsed.view_src_index.astype(np.int64)
+    names = t["name"].view(np.uint8)[order]
+    # ggml_set_name on a fresh (zeroed) name: the bytes up to the first NUL, zeros after (the
+    # checks found a NUL in every name, so the result's last byte is one too)
+    names[np.cumsum(names == 0, axis=1) > 0] = 0
+    ptrs = np.array([b.ptr for b in recs.bufs], dtype=np.uint64)
+    bases = np.array([b.base for b in recs.bufs], dtype=np.uint64)
+    fields = {
+        "ne": t["ne"][order].astype(np.int64), "nb": t["nb"][order].astype(np.uint64),
+        "op": t["op"][order], "op_params": t["op_params"][order], "flags": t["flags"][order],
+        "buffer": ptrs[order], "data": (bases + recs.offsets.astype(np.uint64))[order],
+        "src": np.where(src_index >= 0, host[src_index], 0).astype(np.uint64)[order],
+        "view_src": np.where(v >= 0, host[v], 0).astype(np.uint64)[order],
+        "view_offs": np.where(v >= 0, t["view_offs"], 0).astype(np.uint64)[order],
+    }
+    view = _tensor_view(created, chk.tensor_dtype)
+    if view is not None:
+        for name, values in fields.items():
+            view[name] = values
+        view["name"].view(np.uint8)[...] = names
+    else:
+        for k, addr in enumerate(created):
+            rec = tensor_record(addr, chk.tensor_dtype)
+            for name, values in fields.items():
+                rec[name] = values[k]
+            rec["name"].view(np.uint8)[...] = names[k]
+    return host
+
+
+def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
+    """A host cgraph (in `scratch`) for `parsed`; raises Refused."""
+    g = lib.g
+    n = len(parsed.tensors)
+    if len(np.unique(parsed.node_index)) != len(parsed.node_index):
+        raise Refused("graph: a node is listed twice")
+    recs = _check_records(lib, parsed)
+    if recs is None:
+        recs = _check_records_one_by_one(lib, parsed)
+    # per tensor: its HostBuffer and data offset (Python ints); recs.extents: its extent
+    bufs, offsets = recs.bufs, recs.offsets.tolist()
+    infos = _infos(lib, parsed, [b.base + o for b, o in zip(bufs, offsets)])
+    for info, b, o in zip(infos, bufs, offsets):
+        info.room = b.size - o  # bytes to the end of its buffer (TensorInfo.room)
+    src_rows = parsed.src_index.tolist()
+    for i in range(n):
+        row = src_rows[i]
+        k = len(row)
+        while k and row[k - 1] < 0:
+            k -= 1
+        check_node(infos[i], [infos[j] if j >= 0 else None for j in row[:k]], enums)
+
+    host = _create_tensors(lib, parsed, scratch, recs).tolist()
     graph = g.ggml_new_graph_custom(scratch.ctx, max(len(parsed.node_index), 1), False)
-    for j in parsed.node_index:
-        g.ggml_graph_add_node(graph, host[int(j)])
+    add = g.ggml_graph_add_node
+    for j in parsed.node_index.tolist():
+        add(graph, host[j])
     return graph

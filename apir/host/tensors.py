@@ -78,6 +78,14 @@ class TensorChecker:
         for t in g.type_names:
             if self.type_size[t] > 0 and self.blck_size[t] > 0:
                 self.valid_types[t] = True
+        # The same facts as arrays indexed by type / op, for checks of a whole graph at once
+        # (apir.host.graph); 1 where a type is not valid, so no division by zero.
+        self.type_size_arr = np.ones(len(self.valid_types), dtype=np.int64)
+        self.blck_size_arr = np.ones(len(self.valid_types), dtype=np.int64)
+        for t in np.flatnonzero(self.valid_types).tolist():
+            self.type_size_arr[t], self.blck_size_arr[t] = self.type_size[t], self.blck_size[t]
+        self.custom_op_mask = np.zeros(max(g.op_count, 1), dtype=bool)
+        self.custom_op_mask[list(self.custom_ops)] = True
 
     # --- field checks ---------------------------------------------------------------------
     def type_ok(self, type_: int) -> bool:

@@ -4,6 +4,7 @@ the loaded ggml build) and the small checks rules are written with."""
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Optional, Sequence
 
@@ -90,7 +91,7 @@ class TensorInfo:
     room: Optional[int] = None
 
     def nelements(self) -> int:
-        return int(np.prod(self.ne, dtype=object))
+        return math.prod(map(int, self.ne))  # exact (Python ints); np.prod(dtype=object) is ~20x slower
 
     def rows_contiguous(self) -> bool:
         return self.nb[0] == self.type_size
@@ -111,7 +112,7 @@ class TensorInfo:
         return all(n == 1 for n in self.ne)
 
     def nrows(self) -> int:
-        return int(np.prod(self.ne[1:], dtype=object))
+        return math.prod(map(int, self.ne[1:]))
 
     def contiguous(self) -> bool:
         expect = self.type_size

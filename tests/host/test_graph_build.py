@@ -1,0 +1,241 @@
+"""apir.host.graph's fast paths against its per-tensor ones.
+
+The record checks run on whole arrays (`_check_records`) and fall back to the per-tensor
+checks (`_check_records_one_by_one`) on any doubt; the host tensors are written in bulk
+through one numpy view. Here both are compared with the one-by-one way on a real graph and
+on thousands of lying variants of it: the array checks may only accept what the per-tensor
+checks accept, with the same buffers, offsets and extents, and must leave every refusal to
+them; the bulk-written tensors must equal, byte for byte, the ones `host_from_rpc` builds.
+"""
+
+import ctypes
+import dataclasses
+
+import numpy as np
+import pytest
+
+from apir.codec.graph import parse_graph
+from apir.host import graph as hg
+from apir.host.errors import Refused
+from apir.host.tensors import Scratch
+from tests.host.hostkit import GgmlScratch, RemoteGraph
+
+
+def _graph(g, ctx):
+    """Matmul, get_rows, views (transpose, permute, view_2d, reshape), soft_max, norm."""
+    f32, f16, i32 = g.types["F32"], g.types["F16"], g.types["I32"]
+    w = g.ggml_new_tensor_2d(ctx, f16, 32, 24)
+    x = g.ggml_new_tensor_2d(ctx, f32, 32, 6)
+    emb = g.ggml_new_tensor_2d(ctx, f32, 24, 10)
+    rows = g.ggml_new_tensor_1d(ctx, i32, 6)
+    mask = g.ggml_new_tensor_2d(ctx, f32, 24, 6)
+    for i, t in enumerate((w, x, emb, rows, mask)):
+        g.ggml_set_name(t, f"in{i}".encode())
+        g.ggml_set_input(t)
+    y = g.ggml_add(ctx, g.ggml_mul_mat(ctx, w, x), g.ggml_get_rows(ctx, emb, rows))
+    y = g.ggml_soft_max_ext(ctx, y, mask, 0.125, 0.0)
+    y = g.ggml_cont(ctx, g.ggml_transpose(ctx, y))
+    y = g.ggml_reshape_3d(ctx, y, 6, 4, 6)
+    y = g.ggml_cont(ctx, g.ggml_permute(ctx, y, 1, 0, 2, 3))
+    y = g.ggml_norm(ctx, g.ggml_view_2d(ctx, y, 4, 12, 4 * 4, 0), 1e-5)
+    g.ggml_set_name(y, b"a name of exactly sixty-three characters, to test the last byte!")
+    g.ggml_set_output(y)
+    graph = g.ggml_new_graph(ctx)
+    g.ggml_build_forward_expand(graph, y)
+    return graph, rows
+
+
+@pytest.fixture
+def setup(guest, ggml):
+    """(lib, wire bytes, a second buffer's handle) with valid row ids in the graph's buffer."""
+    s = GgmlScratch(ggml)
+    graph, rows = _graph(ggml, s.ctx)
+    remote = RemoteGraph(guest, ggml, s.ctx, graph)
+    assert guest.set_tensor(remote.handle, remote.rpc(rows), np.arange(6, dtype=np.int32).tobytes()) == 0
+    other = guest.alloc(1 << 16)
+    yield guest.ctx._library, remote.wire, other
+    remote.close()
+    s.close()
+
+
+def _parse(lib, wire):
+    g = lib.g
+    return parse_graph(wire, limits=g.limits, op_count=g.op_count, type_valid=lib.checker.valid_types)
+
+
+def _one_by_one(lib, parsed):
+    try:
+        return hg._check_records_one_by_one(lib, parsed)
+    except Refused:
+        return None
+
+
+def _same(a, b):
+    assert all(x is y for x, y in zip(a.bufs, b.bufs)) and len(a.bufs) == len(b.bufs)
+    assert np.array_equal(a.offsets, b.offsets) and np.array_equal(a.extents, b.extents)
+
+
+def test_real_graph_takes_the_fast_path(setup):
+    lib, wire, _ = setup
+    parsed = _parse(lib, wire)
+    fast = hg._check_records(lib, parsed)
+    assert fast is not None
+    _same(fast, hg._check_records_one_by_one(lib, parsed))
+    assert (parsed.view_src_index >= 0).sum() >= 3  # the views are checked too
+
+
+_BIG = [0, 1, 2, 3, 4, 5, 7, 8, 16, 24, 32, 64, 100, 1 << 16, (1 << 30) - 1, 1 << 31, (1 << 32) - 1]
+
+
+def _lie(rng, lib, t, other):
+    """One random lie in one random record of `t` (in place); returns its description."""
+    def pick(values):  # values may exceed int64: no rng.choice
+        return values[int(rng.integers(len(values)))]
+
+    i = int(rng.integers(len(t)))
+    field = pick(["ne", "nb", "data", "view_offs", "buffer", "type", "op", "name", "ne+nb"])
+    if field in ("ne", "nb", "ne+nb"):
+        for f in (("ne", "nb") if field == "ne+nb" else (field,)):
+            k = int(rng.integers(4))
+            old = int(t[f][i, k])
+            t[f][i, k] = pick([old + 1, max(old - 1, 0), old * 2, pick(_BIG)])
+    elif field == "data":
+        old = int(t["data"][i])
+        t["data"][i] = pick([old + 4, max(old - 4, 0), old + (1 << 16), 1 << 62, (1 << 64) - 1])
+    elif field == "view_offs":
+        old = int(t["view_offs"][i])
+        t["view_offs"][i] = pick([old + 4, max(old - 4, 0), 1 << 62, (1 << 64) - 1])
+    elif field == "buffer":
+        t["buffer"][i] = pick([0, other, 12345])
+    elif field == "type":
+        t["type"][i] = int(rng.integers(0, 50))
+    elif field == "op":
+        t["op"][i] = pick([lib.g.op_count, lib.g.op_count - 1] + sorted(lib.checker.custom_ops))
+    else:
+        t["name"].view(np.uint8)[i] = ord("x")
+    return f"tensor {i} {field}"
+
+
+def test_array_checks_accept_only_what_the_per_tensor_checks_accept(setup):
+    lib, wire, other = setup
+    rng = np.random.default_rng(11)
+    counts = {"both accept": 0, "both refuse": 0, "only per-tensor accepts": 0}
+    for _ in range(3000):
+        parsed = _parse(lib, wire)
+        what = [_lie(rng, lib, parsed.tensors, other) for _ in range(int(rng.integers(1, 3)))]
+        fast, slow = hg._check_records(lib, parsed), _one_by_one(lib, parsed)
+        if fast is not None:
+            assert slow is not None, what
+            _same(fast, slow)
+            counts["both accept"] += 1
+        else:
+            counts["both refuse" if slow is None else "only per-tensor accepts"] += 1
+    # the lies reach both outcomes (and the one-by-one fallback for huge values)
+    assert counts["both accept"] > 100 and counts["both refuse"] > 1000, counts
+    assert counts["only per-tensor accepts"] > 0, counts
+
+
+def test_empty_tensor_with_huge_strides_falls_back_and_is_accepted(setup):
+    """ne[1] = 0 makes the extent 0 whatever the strides; the array checks' int64 bound
+    declines ne[0] * nb[0] near 2**64 and leave it to the exact per-tensor arithmetic."""
+    lib, wire, _ = setup
+    parsed = _parse(lib, wire)
+    t = parsed.tensors
+    leaf = int(np.flatnonzero((t["op"] == lib.g.ops["NONE"]) & (parsed.view_src_index < 0)
+                              & (t["type"] == lib.g.types["F32"]))[0])
+    t["ne"][leaf] = [(1 << 32) - 1, 0, 1, 1]
+    t["nb"][leaf] = [(1 << 32) - 1, 4, 4, 4]
+    assert hg._check_records(lib, parsed) is None
+    assert _one_by_one(lib, parsed).extents[leaf] == 0
+
+
+def _reference_twins(lib, parsed, scratch):
+    """The host tensors as built before the bulk writes: host_from_rpc, then src/view_src."""
+    chk, recs = lib.checker, parsed.tensors
+    bufs = hg._check_records_one_by_one(lib, parsed).bufs
+    host = [0] * len(recs)
+    for i in (int(x) for x in parsed.order):
+        t = chk.host_from_rpc(scratch, recs[i], bufs[i])
+        rec = np.frombuffer((ctypes.c_char * chk.tensor_dtype.itemsize).from_address(t),
+                            dtype=chk.tensor_dtype)[0]
+        for k, j in enumerate(parsed.src_index[i]):
+            if j >= 0:
+                rec["src"][k] = host[j]
+        v = int(parsed.view_src_index[i])
+        if v >= 0:
+            rec["view_src"] = host[v]
+            rec["view_offs"] = int(recs[i]["view_offs"])
+        host[i] = t
+    return host
+
+
+def _as_indices(lib, addrs):
+    """Each tensor's struct bytes, its src/view_src pointers replaced by tensor indices."""
+    dtype = lib.checker.tensor_dtype
+    index = {a: i for i, a in enumerate(addrs)}
+    index[0] = 1 << 63  # null
+    out = []
+    for a in addrs:
+        raw = np.frombuffer(ctypes.string_at(a, dtype.itemsize), dtype=dtype)
+        rec = np.zeros(1, dtype=dtype)  # fields only: C leaves the struct's holes undefined
+        for name in dtype.names:
+            rec[name] = raw[name]
+        rec["src"] = [[index[int(p)] for p in rec["src"][0]]]
+        rec["view_src"] = index[int(rec["view_src"][0])]
+        out.append(rec.tobytes())
+    return out
+
+
+@pytest.mark.parametrize("bulk", [True, False])
+def test_host_tensors_equal_the_one_by_one_twins(setup, monkeypatch, bulk):
+    lib, wire, _ = setup
+    if not bulk:  # the tensor-by-tensor writes taken when ggml's tensors are not at one stride
+        monkeypatch.setattr(hg, "_tensor_view", lambda addrs, dtype: None)
+    parsed = _parse(lib, wire)
+    n = len(parsed.tensors)
+    # what a twin must not take over: view_offs of a tensor that is no view, bytes after a
+    # name's NUL
+    parsed.tensors["view_offs"][parsed.view_src_index < 0] = 4
+    names = parsed.tensors["name"].view(np.uint8)
+    names[(names[:, :-2] == 0).any(axis=1), -2] = ord("x")
+    with Scratch(lib.g, n, n) as ref, Scratch(lib.g, n, n) as new:
+        expect = _as_indices(lib, _reference_twins(lib, parsed, ref))
+        graph = hg.build_graph(lib, parsed, new, hg.lib_op_enums(lib))
+        nodes = [int(lib.g.ggml_graph_node(graph, k)) for k in range(lib.g.ggml_graph_n_nodes(graph))]
+        host = [0] * n
+        for k, j in enumerate(parsed.node_index.tolist()):
+            host[j] = nodes[k]
+        # leaves and views are not nodes: reach them through the nodes' src and view_src
+        dtype = lib.checker.tensor_dtype
+        for i in reversed(parsed.order.tolist()):
+            rec = np.frombuffer(ctypes.string_at(host[i], dtype.itemsize), dtype=dtype)[0]
+            for k, j in enumerate(parsed.src_index[i].tolist()):
+                if j >= 0:
+                    host[j] = int(rec["src"][k])
+            v = int(parsed.view_src_index[i])
+            if v >= 0:
+                host[v] = int(rec["view_src"])
+        assert all(host) and len(nodes) == len(parsed.node_index)
+        assert _as_indices(lib, host) == expect
+    assert b"a name of exactly sixty-three characters, to test the last byte" in b"".join(expect)
+
+
+@pytest.mark.parametrize("positional", [True, False])
+def test_infos_equal_tensor_info(setup, monkeypatch, positional):
+    """The bulk-built TensorInfos are `tensor_info`'s, field by field (both ways of calling
+    TensorInfo: by position while its fields keep their order, else by keyword)."""
+    lib, wire, _ = setup
+    monkeypatch.setattr(hg, "_INFO_POSITIONAL", positional)
+    parsed = _parse(lib, wire)
+    recs = hg._check_records_one_by_one(lib, parsed)
+    addresses = [b.base + int(o) for b, o in zip(recs.bufs, recs.offsets)]
+    got = hg._infos(lib, parsed, addresses)
+    assert len(got) == len(parsed.tensors)
+    for i, info in enumerate(got):
+        want = hg.tensor_info(lib, i, parsed.tensors[i], addresses[i])
+        for f in dataclasses.fields(want):
+            a, b = getattr(info, f.name), getattr(want, f.name)
+            if isinstance(b, np.ndarray):
+                assert a.dtype == b.dtype and np.array_equal(a, b), (i, f.name)
+            else:
+                assert a == b and type(a) is type(b), (i, f.name, a, b)
