@@ -157,6 +157,25 @@ def _add_cast(type_name):
     return build
 
 
+def _q8_0_blocks(n, rng):
+    """Valid Q8_0 blocks for n elements: an F16 scale in [0.01, 0.1) and 32 int8 quants each."""
+    blocks = np.zeros((n // 32, 34), np.uint8)
+    blocks[:, :2] = rng.uniform(0.01, 0.1, (n // 32, 1)).astype(np.float16).view(np.uint8)
+    blocks[:, 2:] = rng.integers(-127, 128, (n // 32, 32)).astype(np.int8).view(np.uint8)
+    return blocks.reshape(-1)
+
+
+def _add_quantized(result_type=None):
+    """ggml_add of a Q8_0 src0 and an F32 src1 of its shape (a Q8_0 result), or ggml_add_cast
+    into `result_type`: the CPU's add_q_f32."""
+    def build(g, ctx):
+        a, b = _in(g, ctx, "Q8_0", 64, 3, 2), _in(g, ctx, "F32", 64, 3, 2)
+        if result_type is None:
+            return g.ggml_add(ctx, a, b), [a, b]
+        return fn(g, "ggml_add_cast")(ctx, a, b, g.types[result_type]), [a, b]
+    return build
+
+
 CASES = [
     Case("ACC", _acc()),
     Case("ACC", _acc(inplace=True), lie=(-1, 0, -1)),
@@ -187,6 +206,9 @@ CASES = [
     Case("MUL", _binary_inplace_permuted("ggml_mul_inplace")),
     Case("ADD", _add_cast("F16")),
     Case("ADD", _add_cast("BF16"), lie=(1, 0, -1), data={0: _bf16}),
+    Case("ADD", _add_quantized(), lie=(1, 1, -1), data={0: _q8_0_blocks}),
+    Case("ADD", _add_quantized("F32"), lie=(-1, 2, -1), data={0: _q8_0_blocks}),
+    Case("ADD", _add_quantized("F16"), data={0: _q8_0_blocks}),
 ]
 IDS = [f"{c.op}-{i}" for i, c in enumerate(CASES)]
 
@@ -325,3 +347,13 @@ def test_mul_cast_is_refused(guest, ggml, caplog):
     rc, dec = r.compute()
     assert rc == 0 and dec.i32() == 0
     r.close()
+
+
+def test_add_into_a_type_without_from_float_is_refused(guest, ggml, caplog):
+    """ADD of a quantized src0 whose type the CPU cannot quantize into (IQ2_XXS has no
+    from_float): add_q_f32 would memcpy ne0 * nb0 bytes, 256 blocks, into each row of one."""
+    def build(g, ctx):
+        a, b = _in(g, ctx, "IQ2_XXS", 256, 2), _in(g, ctx, "F32", 256, 2)
+        return g.ggml_add(ctx, a, b), [a, b]
+    zero = {0: lambda n, rng: np.zeros(n // 256 * 66, np.uint8)}
+    _refused(guest, ggml, Case("ADD", build, data=zero), "cannot convert F32 rows into IQ2_XXS", caplog)

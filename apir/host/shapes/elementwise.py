@@ -14,13 +14,42 @@ _BINARY_TYPES = {("F32", "F32", "F32"), ("F16", "F16", "F16"), ("BF16", "BF16", 
 _ADD_CAST_TYPES = {("BF16", "F32", "F32"), ("F16", "F32", "F32")}
 
 
-def _binary(node, srcs, _enums=None):
+# The quantized src0 types ggml_compute_forward_add sends to add_q_f32 (the same list in ggml
+# 0.10 and 0.20, where Q2_0 is new); any other quantized type GGML_ABORTs.
+_ADD_QUANTIZED = frozenset((
+    "Q1_0", "Q2_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "NVFP4", "Q2_K", "Q3_K", "Q4_K",
+    "Q5_K", "Q6_K", "TQ1_0", "TQ2_0", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ1_M", "IQ4_NL",
+    "IQ4_XS", "IQ3_S", "IQ2_S"))
+
+
+def _add_quantized(node, a, b, enums):
+    """ADD of a quantized src0 (ggml_add, or ggml_add_cast into another type):
+    ggml_compute_forward_add_q_f32 GGML_ASSERTs src0, src1 and the result are one shape,
+    nb00 is src0's block size, src1 is F32 with nb10 == 4 and the result's nb ascend; each row
+    of src0 is dequantized (its to_float), src1's row added, and the sum written to the
+    result's row with the result type's from_float, or, where that type has none, memcpy'd as
+    ne0 * nb0 bytes (blck_size times a quantized row): so the result type needs from_float."""
+    if a.type_name not in _ADD_QUANTIZED or a.type_name not in enums.to_float:
+        fail(node, f"ADD of {a.type_name} has no CPU kernel")
+    if b.type_name != "F32" or b.ne != a.ne or b.nb[0] != 4:
+        fail(node, f"src1 of a quantized ADD must be F32 of src0's shape, not {b.type_name} {b.ne} nb {b.nb}")
+    if node.type_name not in enums.from_float:
+        fail(node, f"the CPU cannot convert F32 rows into {node.type_name}")
+    if a.nb[0] != a.type_size:
+        fail(node, f"src0's blocks are not packed (nb[0] {a.nb[0]})")
+    if not node.nb[0] <= node.nb[1] <= node.nb[2] <= node.nb[3]:
+        fail(node, f"result strides {node.nb} do not ascend")
+
+
+def _binary(node, srcs, enums=None):
     """ADD, SUB, MUL, DIV: ggml_add_impl & co. (ggml_can_repeat(src1, src0); the result a copy
     or, in place, a view of src0) and apply_binary_op (binary-ops.cpp), which GGML_ASSERTs
     the shapes and nb0, nb00 are the element sizes, and walks every row of src0 and the
     result at its own nb[1..3]: any row strides (views, in place into a permuted src0)."""
     a, b = need(node, srcs, 2)
     same_shape(node, a, "src0")
+    if node.op_name == "ADD" and a.blck_size > 1:
+        return _add_quantized(node, a, b, enums)
     if any(b.ne[i] == 0 or a.ne[i] % b.ne[i] for i in range(len(a.ne))):
         fail(node, f"src1 {b.ne} cannot be repeated to src0 {a.ne}")
     types = (a.type_name, b.type_name, node.type_name)
