@@ -28,6 +28,7 @@ class OpEnums:
     # quantized types whose `ggml_type_traits.to_float` is set (CPY from them into F32)
     to_float: FrozenSet[str] = frozenset()
     version: tuple = (0, 0, 0)  # ggml_version(), for kernels that changed between versions
+    unary: Dict[str, int] = field(default_factory=dict)  # `enum ggml_unary_op`, COUNT included
 
     @property
     def glu_count(self) -> int:
@@ -43,7 +44,7 @@ def op_enums(g) -> OpEnums:
     from apir.ggml.lib import _parse_enum
 
     text = (g.include_dir / "ggml.h").read_text()
-    unary = _parse_enum(text, "ggml_unary_op", "GGML_UNARY_OP_")["COUNT"]
+    unary = _parse_enum(text, "ggml_unary_op", "GGML_UNARY_OP_")
     glu = _parse_enum(text, "ggml_glu_op", "GGML_GLU_OP_") if "enum ggml_glu_op" in text else {}
     rope = {m.group(1): int(m.group(2)) for m in re.finditer(r"#\s*define\s+GGML_ROPE_TYPE_(\w+)\s+(\d+)", text)}
     from_float, to_float = set(), set()
@@ -57,7 +58,7 @@ def op_enums(g) -> OpEnums:
                 and base.type_size == g.ggml_type_size(t)):
             to_float.add(name)
     version = tuple(int(x) for x in re.findall(r"\d+", g.ggml_version().decode())[:3])
-    return OpEnums(unary, glu, rope, frozenset(from_float), frozenset(to_float), version)
+    return OpEnums(unary["COUNT"], glu, rope, frozenset(from_float), frozenset(to_float), version, unary)
 
 
 class _TypeTraits(ctypes.Structure):

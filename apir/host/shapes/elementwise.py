@@ -3,22 +3,62 @@
 from __future__ import annotations
 
 
-from apir.host.shapes.base import (FLOAT, dst_contiguous, fail, need,
+from apir.host.shapes.base import (dst_contiguous, fail, need,
                                       param_f32, param_i32, same_shape)
 
 
-def _binary(node, srcs, _enums=None):
+# (src0, src1, result) types binary_op (binary-ops.cpp) instantiates; ggml_add_impl & co. give
+# the result src0's type, ggml_add_cast (ADD only) any type, so F16 / BF16 + F32 into F32 too.
+_BINARY_TYPES = {("F32", "F32", "F32"), ("F16", "F16", "F16"), ("BF16", "BF16", "BF16"),
+                 ("BF16", "F32", "BF16"), ("F16", "F32", "F16")}
+_ADD_CAST_TYPES = {("BF16", "F32", "F32"), ("F16", "F32", "F32")}
+
+
+# The quantized src0 types ggml_compute_forward_add sends to add_q_f32 (the same list in ggml
+# 0.10 and 0.20, where Q2_0 is new); any other quantized type GGML_ABORTs.
+_ADD_QUANTIZED = frozenset((
+    "Q1_0", "Q2_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "NVFP4", "Q2_K", "Q3_K", "Q4_K",
+    "Q5_K", "Q6_K", "TQ1_0", "TQ2_0", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ1_M", "IQ4_NL",
+    "IQ4_XS", "IQ3_S", "IQ2_S"))
+
+
+def _add_quantized(node, a, b, enums):
+    """ADD of a quantized src0 (ggml_add, or ggml_add_cast into another type):
+    ggml_compute_forward_add_q_f32 GGML_ASSERTs src0, src1 and the result are one shape,
+    nb00 is src0's block size, src1 is F32 with nb10 == 4 and the result's nb ascend; each row
+    of src0 is dequantized (its to_float), src1's row added, and the sum written to the
+    result's row with the result type's from_float, or, where that type has none, memcpy'd as
+    ne0 * nb0 bytes (blck_size times a quantized row): so the result type needs from_float."""
+    if a.type_name not in _ADD_QUANTIZED or a.type_name not in enums.to_float:
+        fail(node, f"ADD of {a.type_name} has no CPU kernel")
+    if b.type_name != "F32" or b.ne != a.ne or b.nb[0] != 4:
+        fail(node, f"src1 of a quantized ADD must be F32 of src0's shape, not {b.type_name} {b.ne} nb {b.nb}")
+    if node.type_name not in enums.from_float:
+        fail(node, f"the CPU cannot convert F32 rows into {node.type_name}")
+    if a.nb[0] != a.type_size:
+        fail(node, f"src0's blocks are not packed (nb[0] {a.nb[0]})")
+    if not node.nb[0] <= node.nb[1] <= node.nb[2] <= node.nb[3]:
+        fail(node, f"result strides {node.nb} do not ascend")
+
+
+def _binary(node, srcs, enums=None):
+    """ADD, SUB, MUL, DIV: ggml_add_impl & co. (ggml_can_repeat(src1, src0); the result a copy
+    or, in place, a view of src0) and apply_binary_op (binary-ops.cpp), which GGML_ASSERTs
+    the shapes and nb0, nb00 are the element sizes, and walks every row of src0 and the
+    result at its own nb[1..3]: any row strides (views, in place into a permuted src0)."""
     a, b = need(node, srcs, 2)
     same_shape(node, a, "src0")
+    if node.op_name == "ADD" and a.blck_size > 1:
+        return _add_quantized(node, a, b, enums)
     if any(b.ne[i] == 0 or a.ne[i] % b.ne[i] for i in range(len(a.ne))):
         fail(node, f"src1 {b.ne} cannot be repeated to src0 {a.ne}")
-    if a.type_name not in FLOAT or node.type_name != a.type_name or b.type_name not in ("F32", a.type_name):
+    types = (a.type_name, b.type_name, node.type_name)
+    if types not in _BINARY_TYPES and not (node.op_name == "ADD" and types in _ADD_CAST_TYPES):
         fail(node, f"types {a.type_name}, {b.type_name} -> {node.type_name}")
-    # apply_binary_op GGML_ASSERTs src0's (and dst's) nb[0] is the element size; src1 is read
-    # at i10 * nb10 within its own ne and nb, so any src1 strides stay inside its extent.
-    if not a.rows_contiguous():
-        fail(node, "src0's rows are not contiguous")
-    dst_contiguous(node)
+    # src1 is read at i10 * nb10 (or as packed rows when nb10 is its element size) within its
+    # own ne and nb, so any src1 strides stay inside its extent.
+    if not (a.rows_contiguous() and node.rows_contiguous()):
+        fail(node, f"elements are not packed (nb[0] {a.nb[0]} -> {node.nb[0]})")
 
 
 def _soft_max(node, srcs, _enums=None):
@@ -73,18 +113,31 @@ def _scale(node, srcs, _enums=None):
         fail(node, "src0 is not contiguous")
 
 
+# Unary ops with their own kernel in ops.cpp (ggml_compute_forward_gelu & co.): F32 and F16
+# only (anything else GGML_ABORTs); the others are unary_op / unary_op_functor of
+# unary-ops.cpp, which also compute BF16.
+_UNARY_F32_F16 = ("GELU", "GELU_ERF", "GELU_QUICK", "SILU")
+# unary_op_functor (XIELU) GGML_ASSERTs ggml_is_contiguous_1 of src0 and the result.
+_UNARY_ROWS_PACKED = ("XIELU",)
+
+
 def _unary(node, srcs, enums):
+    """UNARY: ggml_unary_impl (src0's rows contiguous; the result a copy or, in place, a view
+    of src0, so of its type) and ggml_compute_forward_unary's kernels, which GGML_ASSERT
+    nb0 and nb00 are the element sizes and walk each row at its tensor's nb[1..3]."""
     (a,) = need(node, srcs, 1)
-    if not 0 <= int(node.op_params[0]) < enums.unary_count:
-        fail(node, f"unary op {int(node.op_params[0])} out of range")
+    op = param_i32(node, 0)
+    name = next((k for k, v in enums.unary.items() if v == op and k != "COUNT"), None)
+    if name is None:
+        fail(node, f"unary op {op} out of range")
     same_shape(node, a, "src0")
-    if a.type_name not in ("F32", "F16") or node.type_name != a.type_name:
-        fail(node, f"types {a.type_name} -> {node.type_name}")
-    # Every unary kernel walks rows at i1*nb01 + i2*nb02 + i3*nb03 and reads ne[0] elements
-    # of each (apply_unary_op GGML_ASSERTs nb00 is the element size).
-    if not a.rows_contiguous():
-        fail(node, "src0's rows are not contiguous")
-    dst_contiguous(node)
+    types = ("F32", "F16") if name in _UNARY_F32_F16 else ("F32", "F16", "BF16")
+    if a.type_name not in types or node.type_name != a.type_name:
+        fail(node, f"{name} of {a.type_name} -> {node.type_name}")
+    if not (a.rows_contiguous() and node.rows_contiguous()):
+        fail(node, f"elements are not packed (nb[0] {a.nb[0]} -> {node.nb[0]})")
+    if name in _UNARY_ROWS_PACKED and not (a.rows_packed() and node.rows_packed()):
+        fail(node, f"{name} needs rows packed (ggml_is_contiguous_1)")
 
 
 # Conversions ggml_compute_forward_dup_flt instantiates besides float to float.

@@ -1,0 +1,359 @@
+"""apir.host.shapes.tensor_ops (ACC, SET, CUMSUM, FILL, DIAG, TRI, SOLVE_TRI) and the broadened
+element-wise / layout rules: each op, built with ggml's own constructor, computes through the
+host to ggml CPU's own bytes; a lying shape or op_param is refused by that op's rule, and the
+host serves on."""
+
+import logging
+
+import numpy as np
+import pytest
+
+from apir.codec.constants import ApirBackendCommandType as Cmd
+from apir.ggml.lib import _declare
+from apir.host.shapes import op_enums
+from tests.host.test_shapes_more import ERROR, Case, Remote, _direct, _in, g_nb
+
+# Constructors the shared SIGNATURES table does not declare, bound here for these tests.
+_SIGNATURES = {
+    "ggml_acc": "p:pppzzzz", "ggml_acc_inplace": "p:pppzzzz", "ggml_set": "p:pppzzzz",
+    "ggml_set_inplace": "p:pppzzzz", "ggml_set_1d": "p:pppz", "ggml_set_2d_inplace": "p:pppzz",
+    "ggml_cumsum": "p:pp", "ggml_fill": "p:ppf", "ggml_fill_inplace": "p:ppf", "ggml_diag": "p:pp",
+    "ggml_tri": "p:ppi", "ggml_solve_tri": "p:pppbbb", "ggml_view_4d": "p:ppIIIIzzzz",
+    "ggml_unary": "p:ppi", "ggml_unary_inplace": "p:ppi", "ggml_xielu": "p:ppffff",
+    "ggml_add_inplace": "p:ppp", "ggml_mul_inplace": "p:ppp", "ggml_add_cast": "p:pppi",
+}
+
+
+def fn(g, name):
+    f = getattr(g, "_tensorops_" + name, None)
+    if f is None:
+        f = _declare(g.cdlls, name, _SIGNATURES[name])
+        if f is None:
+            pytest.skip(f"{name} is not in this ggml build")
+        setattr(g, "_tensorops_" + name, f)
+    return f
+
+
+def _ints(n, rng):
+    return rng.integers(-1000, 1000, n).astype(np.int32)
+
+
+def _acc(inplace=False, b_view=False):
+    """ggml_acc of b [8, 3, 2] into a [16, 5, 2] at row 1, column 2, with a's strides; b
+    optionally a view at a non-zero offset into a larger tensor (test-backend-ops' stride_dim)."""
+    def build(g, ctx):
+        a = _in(g, ctx, "F32", 16, 5, 2)
+        if b_view:
+            pad = _in(g, ctx, "F32", 8, 4, 2)
+            b = fn(g, "ggml_view_4d")(ctx, pad, 8, 3, 2, 1, g_nb(g, pad, 1), g_nb(g, pad, 2),
+                                      g_nb(g, pad, 3), g_nb(g, pad, 1))
+            ins = [a, pad]
+        else:
+            b = _in(g, ctx, "F32", 8, 3, 2)
+            ins = [a, b]
+        f = fn(g, "ggml_acc_inplace" if inplace else "ggml_acc")
+        return f(ctx, a, b, g_nb(g, a, 1), g_nb(g, a, 2), g_nb(g, a, 3), g_nb(g, a, 1) + 2 * 4), ins
+    return build
+
+
+def _set(type_name, inplace=False):
+    """ggml_set of src [6, 3, 2] into dst [12, 6, 2] (test-backend-ops' dim=2 layout: src's own
+    strides, offset to the middle)."""
+    def build(g, ctx):
+        dst, src = _in(g, ctx, type_name, 12, 6, 2), _in(g, ctx, type_name, 6, 3, 2)
+        offset = 3 * g_nb(g, dst, 0) + 1 * g_nb(g, dst, 1)
+        f = fn(g, "ggml_set_inplace" if inplace else "ggml_set")
+        return f(ctx, dst, src, g_nb(g, src, 1), g_nb(g, src, 2), g_nb(g, src, 3), offset), [dst, src]
+    return build
+
+
+def _set_2d_of_view(g, ctx):
+    """ggml_set_2d_inplace of a column slice (rows with gaps) into dst's rows."""
+    dst, src = _in(g, ctx, "F32", 10, 4), _in(g, ctx, "F32", 9, 3)
+    v = g.ggml_view_2d(ctx, src, 5, 3, g_nb(g, src, 1), 4 * 4)
+    return fn(g, "ggml_set_2d_inplace")(ctx, dst, v, g_nb(g, dst, 1), 2 * 4), [dst, src]
+
+
+def _cumsum(view=False):
+    def build(g, ctx):
+        a = _in(g, ctx, "F32", 13, 5, 3)
+        src = g.ggml_view_3d(ctx, a, 9, 5, 3, g_nb(g, a, 1), g_nb(g, a, 2), 4 * 4) if view else a
+        return fn(g, "ggml_cumsum")(ctx, src), [a]
+    return build
+
+
+def _fill(type_name, c, inplace=False):
+    def build(g, ctx):
+        if type_name == "F16" and op_enums(g).version < (0, 20, 0):
+            pytest.skip("ggml 0.10 fills F32 only")
+        a = _in(g, ctx, type_name, 7, 4, 3)
+        return fn(g, "ggml_fill_inplace" if inplace else "ggml_fill")(ctx, a, c), [a]
+    return build
+
+
+def _diag(g, ctx):
+    a = _in(g, ctx, "F32", 7, 1, 3, 2)
+    return fn(g, "ggml_diag")(ctx, a), [a]
+
+
+def _tri(tri_type):
+    def build(g, ctx):
+        a = _in(g, ctx, "F32", 6, 6, 3)
+        return fn(g, "ggml_tri")(ctx, a, tri_type), [a]
+    return build
+
+
+def _lower_triangular(n, batches):
+    """Data for an F32 [n, n, batches] A: lower triangular, its diagonal away from 0."""
+    def data(count, rng):
+        a = np.tril(rng.uniform(-1, 1, (batches, n, n))).astype(np.float32)
+        a[:, np.arange(n), np.arange(n)] = rng.uniform(0.5, 1.5, (batches, n))
+        return a.reshape(-1)
+    return data
+
+
+def _solve_tri(g, ctx):
+    a, b = _in(g, ctx, "F32", 6, 6, 2), _in(g, ctx, "F32", 4, 6, 2)
+    return fn(g, "ggml_solve_tri")(ctx, a, b, True, True, False), [a, b]
+
+
+def _bf16(n, rng):
+    """BF16 bits of standard normal values (the top half of their F32 bits)."""
+    return (rng.standard_normal(n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _unary_op(name, type_name="F32", inplace_permuted=False):
+    """ggml_unary(name) of [8, 3, 2]; or in place into src0 permuted (0, 2, 1, 3): the result
+    is a view whose rows are not in order (test-backend-ops' in-place / permuted cases)."""
+    def build(g, ctx):
+        op = op_enums(g).unary[name]
+        a = _in(g, ctx, type_name, 8, 3, 2)
+        if inplace_permuted:
+            return fn(g, "ggml_unary_inplace")(ctx, g.ggml_permute(ctx, a, 0, 2, 1, 3), op), [a]
+        return fn(g, "ggml_unary")(ctx, a, op), [a]
+    return build
+
+
+def _xielu_of_view(g, ctx):
+    """XIELU of a view with gaps between rows (ggml_is_contiguous_1 still holds)."""
+    a = _in(g, ctx, "F32", 10, 3, 2)
+    v = g.ggml_view_3d(ctx, a, 8, 3, 2, g_nb(g, a, 1), g_nb(g, a, 2), 0)
+    return fn(g, "ggml_xielu")(ctx, v, 4.0, 20.0, 0.5, 1e-7), [a]
+
+
+def _binary_inplace_permuted(name):
+    """src0 permuted (0, 2, 1, 3), the op in place into it, src1 broadcast along dim 1."""
+    def build(g, ctx):
+        a, b = _in(g, ctx, "F32", 8, 3, 2), _in(g, ctx, "F32", 8, 1, 3)
+        return fn(g, name)(ctx, g.ggml_permute(ctx, a, 0, 2, 1, 3), b), [a, b]
+    return build
+
+
+def _add_cast(type_name):
+    """ggml_add_cast: F16 / BF16 src0 plus F32 src1 into an F32 result."""
+    def build(g, ctx):
+        a, b = _in(g, ctx, type_name, 8, 3, 2), _in(g, ctx, "F32", 8, 3, 1)
+        return fn(g, "ggml_add_cast")(ctx, a, b, g.types["F32"]), [a, b]
+    return build
+
+
+def _q8_0_blocks(n, rng):
+    """Valid Q8_0 blocks for n elements: an F16 scale in [0.01, 0.1) and 32 int8 quants each."""
+    blocks = np.zeros((n // 32, 34), np.uint8)
+    blocks[:, :2] = rng.uniform(0.01, 0.1, (n // 32, 1)).astype(np.float16).view(np.uint8)
+    blocks[:, 2:] = rng.integers(-127, 128, (n // 32, 32)).astype(np.int8).view(np.uint8)
+    return blocks.reshape(-1)
+
+
+def _add_quantized(result_type=None):
+    """ggml_add of a Q8_0 src0 and an F32 src1 of its shape (a Q8_0 result), or ggml_add_cast
+    into `result_type`: the CPU's add_q_f32."""
+    def build(g, ctx):
+        a, b = _in(g, ctx, "Q8_0", 64, 3, 2), _in(g, ctx, "F32", 64, 3, 2)
+        if result_type is None:
+            return g.ggml_add(ctx, a, b), [a, b]
+        return fn(g, "ggml_add_cast")(ctx, a, b, g.types[result_type]), [a, b]
+    return build
+
+
+CASES = [
+    Case("ACC", _acc()),
+    Case("ACC", _acc(inplace=True), lie=(-1, 0, -1)),
+    Case("ACC", _acc(b_view=True), lie=(-1, 2, -1)),
+    Case("SET", _set("F32")),
+    Case("SET", _set("F32", inplace=True), lie=(-1, 0, -1)),
+    Case("SET", _set("I32"), data={0: _ints, 1: _ints}),
+    Case("SET", _set("I32", inplace=True), data={0: _ints, 1: _ints}),
+    Case("SET", _set_2d_of_view, lie=(-1, 1, -1)),
+    Case("CUMSUM", _cumsum()),
+    Case("CUMSUM", _cumsum(view=True), lie=(-1, 2, -1)),
+    Case("FILL", _fill("F32", 2.5)),
+    Case("FILL", _fill("F32", -3.25, inplace=True), lie=(-1, 1, -1)),
+    Case("FILL", _fill("F16", 1.5)),
+    Case("DIAG", _diag),
+    Case("DIAG", _diag, lie=(0, 0, -1)),
+    Case("TRI", _tri(0)),
+    Case("TRI", _tri(3), lie=(0, 1, -1)),
+    Case("SOLVE_TRI", _solve_tri, lie=(0, 0, -1), data={0: _lower_triangular(6, 2)}),
+    Case("SOLVE_TRI", _solve_tri, lie=(1, 1, -1), data={0: _lower_triangular(6, 2)}),
+    # the broadened element-wise rules
+    Case("UNARY", _unary_op("EXP", "BF16"), data={0: _bf16}),
+    Case("UNARY", _unary_op("FLOOR", "BF16"), lie=(0, 1, -1), data={0: _bf16}),
+    Case("UNARY", _unary_op("ABS", inplace_permuted=True), lie=(-1, 2, -1)),
+    Case("UNARY", _unary_op("GELU", "F16", inplace_permuted=True)),
+    Case("UNARY", _xielu_of_view),
+    Case("ADD", _binary_inplace_permuted("ggml_add_inplace"), lie=(1, 2, -1)),
+    Case("MUL", _binary_inplace_permuted("ggml_mul_inplace")),
+    Case("ADD", _add_cast("F16")),
+    Case("ADD", _add_cast("BF16"), lie=(1, 0, -1), data={0: _bf16}),
+    Case("ADD", _add_quantized(), lie=(1, 1, -1), data={0: _q8_0_blocks}),
+    Case("ADD", _add_quantized("F32"), lie=(-1, 2, -1), data={0: _q8_0_blocks}),
+    Case("ADD", _add_quantized("F16"), data={0: _q8_0_blocks}),
+]
+IDS = [f"{c.op}-{i}" for i, c in enumerate(CASES)]
+
+
+@pytest.fixture
+def remote(guest, ggml, request):
+    r = Remote(guest, ggml, request.param)
+    yield r
+    r.close()
+
+
+@pytest.mark.parametrize("remote", CASES, ids=IDS, indirect=True)
+def test_op_matches_ggml_cpu(remote, ggml, request):
+    case = request.node.callspec.params["remote"]
+    assert case.op in ggml.ops
+    rc, dec = remote.compute()
+    assert rc == 0 and dec.i32() == 0
+    got, expect = remote.result(), _direct(ggml, case)
+    assert got == expect
+    assert len(set(got)) > 1  # not an untouched buffer
+
+
+@pytest.mark.parametrize("remote", CASES, ids=IDS, indirect=True)
+def test_lying_shape_is_refused(remote, guest, ggml, request, caplog):
+    case = request.node.callspec.params["remote"]
+    which, dim, delta = case.lie
+    t = remote.out if which < 0 else remote.inputs[which]
+    recs = remote.recs.copy()
+    i = remote.index(t)
+    recs["ne"][i][dim] = int(recs["ne"][i][dim]) + delta
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="apir.host"):
+        rc, _ = remote.compute(recs)
+    assert rc == ERROR
+    assert f"({case.op})" in caplog.text, caplog.text  # refused by the op's own rule
+    rc, dec = remote.compute()  # the host serves the next valid command
+    assert rc == 0 and dec.i32() == 0
+
+
+# (case, op_params slot, value): each would make ggml's CPU kernel write or read past a
+# tensor, or hit a GGML_ASSERT / GGML_ABORT.
+_ACC_OFFSET_PAST = 16 * 5 * 2 * 4  # one past a's last byte
+BAD_PARAMS = [
+    (0, 3, _ACC_OFFSET_PAST),  # ACC: offset past the result
+    (0, 0, -4),  # ACC: a negative nb1 (size_t: wraps)
+    (0, 1, 16 * 5 * 4 * 2),  # ACC: nb2 walks the second matrix past the end
+    (3, 3, -1),  # SET: negative offset
+    (3, 1, 1 << 20),  # SET: nb2 far past the result
+    (16, 0, 4),  # TRI: no such tri type (GGML_ABORT)
+    (16, 0, -1),
+]
+
+
+@pytest.mark.parametrize("case_index,slot,value", BAD_PARAMS)
+def test_bad_op_params_are_refused(guest, ggml, case_index, slot, value, caplog):
+    case = CASES[case_index]
+    r = Remote(guest, ggml, case)
+    recs = r.recs.copy()
+    i = r.index(r.out)
+    recs["op_params"][i][slot] = value
+    with caplog.at_level(logging.WARNING, logger="apir.host"):
+        rc, _ = r.compute(recs)
+    assert rc == ERROR and f"({case.op})" in caplog.text, caplog.text
+    rc, dec = r.compute()
+    assert rc == 0 and dec.i32() == 0
+    r.close()
+
+
+def test_set_last_element_past_the_end_is_refused(guest, ggml, caplog):
+    """ggml's set kernel GGML_ASSERTs only that the last element *starts* at or before
+    ggml_nbytes(dst): an offset putting it exactly at the end passes that assertion and writes
+    4 bytes past the result. The rule wants the element's end inside."""
+    r = Remote(guest, ggml, CASES[3])
+    recs = r.recs.copy()
+    i = r.index(r.out)
+    nb1, nb2 = (int(recs["op_params"][i][k]) for k in range(2))
+    last_start = 5 * 4 + 2 * nb1 + 1 * nb2  # src [6, 3, 2]: im0, im1, im2 = 5, 2, 1
+    nbytes = 12 * 6 * 2 * 4
+    recs["op_params"][i][3] = nbytes - last_start  # ggml: offset + last_start <= nbytes holds
+    with caplog.at_level(logging.WARNING, logger="apir.host"):
+        rc, _ = r.compute(recs)
+    assert rc == ERROR and "(SET)" in caplog.text and "past the result" in caplog.text, caplog.text
+    recs["op_params"][i][3] = nbytes - last_start - 4  # the last element ends at the end: fine
+    rc, dec = r.compute(recs)
+    assert rc == 0 and dec.i32() == 0
+    r.close()
+
+
+def test_fill_of_another_type_is_refused(guest, ggml, caplog):
+    """The fill kernel writes src0's type into the result (and aborts on types it lacks)."""
+    case = CASES[12]  # FILL F16
+    r = Remote(guest, ggml, case)
+    recs = r.recs.copy()
+    i = r.index(r.inputs[0])
+    recs["type"][i] = ggml.types["BF16"]
+    with caplog.at_level(logging.WARNING, logger="apir.host"):
+        rc, _ = r.compute(recs)
+    assert rc == ERROR and "(FILL)" in caplog.text, caplog.text
+    r.close()
+
+
+def _refused(guest, ggml, case, why, caplog):
+    r = Remote(guest, ggml, case)
+    with caplog.at_level(logging.WARNING, logger="apir.host"):
+        rc, _ = r.compute()
+    assert rc == ERROR and f"({case.op})" in caplog.text and why in caplog.text, caplog.text
+    assert guest.forward(Cmd.DEVICE_GET_COUNT)[0] == 0  # the host serves on
+    r.close()
+
+
+def test_xielu_with_gaps_between_planes_is_refused(guest, ggml, caplog):
+    """ggml_xielu asserts nothing, but its kernel GGML_ASSERTs ggml_is_contiguous_1: a view
+    with a gap between its planes (nb[2] > ne[1] * nb[1]) would abort the host."""
+    def build(g, ctx):
+        a = _in(g, ctx, "F32", 8, 4, 2)
+        v = g.ggml_view_3d(ctx, a, 8, 3, 2, g_nb(g, a, 1), g_nb(g, a, 2), 0)
+        return fn(g, "ggml_xielu")(ctx, v, 4.0, 20.0, 0.5, 1e-7), [a]
+    _refused(guest, ggml, Case("UNARY", build), "rows packed", caplog)
+
+
+@pytest.mark.parametrize("name", ["GELU", "GELU_ERF", "GELU_QUICK", "SILU"])
+def test_bf16_gelu_is_refused(guest, ggml, name, caplog):
+    """ggml_unary builds any type, but GELU & co. have F32 and F16 kernels only (BF16 aborts)."""
+    _refused(guest, ggml, Case("UNARY", _unary_op(name, "BF16"), data={0: _bf16}), "of BF16", caplog)
+
+
+def test_mul_cast_is_refused(guest, ggml, caplog):
+    """Only ggml_add_cast makes an F32 result of an F16 src0 (binary_op would compute it, but
+    no constructor builds such a MUL): the same node as a MUL is refused."""
+    r = Remote(guest, ggml, Case("ADD", _add_cast("F16")))
+    recs = r.recs.copy()
+    recs["op"][r.index(r.out)] = ggml.ops["MUL"]
+    with caplog.at_level(logging.WARNING, logger="apir.host"):
+        rc, _ = r.compute(recs)
+    assert rc == ERROR and "(MUL): types F16, F32 -> F32" in caplog.text, caplog.text
+    rc, dec = r.compute()
+    assert rc == 0 and dec.i32() == 0
+    r.close()
+
+
+def test_add_into_a_type_without_from_float_is_refused(guest, ggml, caplog):
+    """ADD of a quantized src0 whose type the CPU cannot quantize into (IQ2_XXS has no
+    from_float): add_q_f32 would memcpy ne0 * nb0 bytes, 256 blocks, into each row of one."""
+    def build(g, ctx):
+        a, b = _in(g, ctx, "IQ2_XXS", 256, 2), _in(g, ctx, "F32", 256, 2)
+        return g.ggml_add(ctx, a, b), [a, b]
+    zero = {0: lambda n, rng: np.zeros(n // 256 * 66, np.uint8)}
+    _refused(guest, ggml, Case("ADD", build, data=zero), "cannot convert F32 rows into IQ2_XXS", caplog)
