@@ -2,6 +2,8 @@
 embedded host (a thread of this process) and a separate `apir host serve` process, both
 serving the real HostContext over the CPU backend of libggml-python."""
 
+import threading
+
 import pytest
 
 from apir.guest.client import ApirClient
@@ -36,9 +38,7 @@ def is_c_host():
 g = guest_suite.g
 buffer = guest_suite.buffer
 
-# The client-path tests of the guest suite, unchanged; they take `client` from here. (Its
-# eight-thread test counts the commands its test device ran; neither transport's host reports
-# such a count yet (STAT has none), so it has no twin here.)
+# The client-path tests of the guest suite, unchanged; they take `client` from here.
 test_device_functions_match_the_cpu_backend = guest_suite.test_device_functions_match_the_cpu_backend
 test_buffer_type_functions = guest_suite.test_buffer_type_functions
 test_inline_tensors_supports_op_and_alloc_size = guest_suite.test_inline_tensors_supports_op_and_alloc_size
@@ -53,3 +53,23 @@ test_buffer_from_ptr_is_zero_copy = guest_suite.test_buffer_from_ptr_is_zero_cop
 def test_handshake_over_the_transport(client):
     assert client.host_version == (0, 2)
     assert client.remote.capset_id == 10
+
+
+def test_eight_threads_of_mixed_calls(client, g, buffer):
+    """The guest suite's eight-thread test over the transport. It counts the commands the
+    device ran (`device.submitted`, which its test device keeps): here the client's device
+    counts its execbuffer calls through a wrapper, for the length of the test."""
+    device = client.remote.device
+    execbuffer, lock = device.execbuffer, threading.Lock()
+
+    def counted(*args, **kwargs):
+        with lock:
+            device.submitted += 1
+        return execbuffer(*args, **kwargs)
+
+    device.submitted = 0
+    device.execbuffer = counted
+    try:
+        guest_suite.test_eight_threads_of_mixed_calls(client, g, buffer)
+    finally:
+        del device.execbuffer, device.submitted
