@@ -389,6 +389,8 @@ def _nearest_index_fits(n_dst: int, n_src: int, align: bool) -> bool:
     scale factor of that dimension (ALIGN_CORNERS: (n_dst - 1) / (n_src - 1))."""
     if n_dst <= 0:
         return True
+    if n_src <= 0:
+        return False
     f = np.float32
     with np.errstate(all="ignore"):
         if align and n_dst > 1 and n_src > 1:
