@@ -278,6 +278,29 @@ def test_conv_2d_dw_cwhn_result_laid_out_flat_is_refused(guest, ggml, caplog):
     r.close()
 
 
+@pytest.mark.parametrize("op", ["POOL_2D", "POOL_2D_BACK"])
+def test_pool_2d_plane_stride_lie_is_refused(guest, ggml, op, caplog):
+    """POOL_2D(_BACK) walk planes by nb[2] up to ggml_nbytes: a one-plane tensor claiming a
+    4-byte nb[2] (any nb[2] is contiguous where ne[2] is 1) would be walked as 72 planes,
+    each written into the next plane of the result."""
+    def build(g, ctx):
+        a = _in(g, ctx, "F32", 8, 9)
+        if op == "POOL_2D":
+            return _fn(g, "ggml_pool_2d")(ctx, a, 0, 2, 2, 2, 2, 0.0, 0.0), [a]
+        grad = _in(g, ctx, "F32", 4, 4)
+        return _fn(g, "ggml_pool_2d_back")(ctx, grad, a, 0, 2, 2, 2, 2, 0.0, 0.0), [a, grad]
+
+    r = Remote(guest, ggml, Case(op, build))
+    rc, dec = r.compute()
+    assert rc == 0 and dec.i32() == 0
+    recs = r.recs.copy()
+    t = r.inputs[0] if op == "POOL_2D" else r.out
+    for k in ([r.index(t)] if op == "POOL_2D" else [r.index(t), r.index(r.inputs[0])]):
+        recs["nb"][k][2] = recs["nb"][k][3] = 4
+    _refused(r, recs, op, caplog, "is not a plane")
+    r.close()
+
+
 def test_conv_2d_work_buffer_overflow_is_refused(guest, ggml, caplog):
     """CONV_2D GGML_ASSERTs one patch fits GGML_IM2COL_WORK_SIZE: a kernel of 64 x 64 x 1100
     F32 (about 18 MB) per output channel would abort the host."""

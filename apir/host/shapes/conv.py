@@ -328,6 +328,14 @@ def _pool_out(ins: int, k: int, s: int, p: int) -> int:
     return int(v) if np.isfinite(v) else -1
 
 
+def _plane_stride(node, t: TensorInfo, what: str) -> None:
+    """POOL_2D(_BACK) step `nb[2]` through ggml_nbytes: nb[2] must be a packed plane even
+    where ne[2] is 1 (contiguous() lets it be anything there), or the walk takes more planes
+    than the tensors hold."""
+    if t.nelements() and t.nb[2] != t.ne[0] * t.ne[1] * t.type_size:
+        fail(node, f"{what} nb[2] {t.nb[2]} is not a plane of {t.ne[:2]}")
+
+
 def _pool_op(node, op: int) -> None:
     if op not in _POOL_OPS:  # POOL_COUNT (or anything else) aborts
         fail(node, f"pool op {op}")
@@ -363,6 +371,7 @@ def _pool_2d(node, srcs, _enums=None):
     _types(node, a.type_name in ("F32", "F16") and node.type_name == "F32", a)
     if not a.contiguous():
         fail(node, "src0 is not contiguous")
+    _plane_stride(node, a, "src0")
     dst_contiguous(node)
 
 
@@ -378,9 +387,12 @@ def _pool_2d_back(node, srcs, _enums=None):
     _types(node, g.type_name == "F32" and af.type_name == "F32" and node.type_name == "F32", g, af)
     if g.ne[2] * g.ne[3] < node.ne[2] * node.ne[3]:
         fail(node, f"src0 {g.ne} has fewer planes than the result {node.ne}")
-    if not (g.contiguous() and af.contiguous()):
-        fail(node, "sources are not contiguous")
+    if not g.contiguous():
+        fail(node, "src0 is not contiguous")
+    if af.nb != node.nb:  # src1 is walked with the result's nb
+        fail(node, f"src1 nb {af.nb} differs from the result's {node.nb}")
     dst_contiguous(node)
+    _plane_stride(node, node, "result")
 
 
 # --- resampling and padding -----------------------------------------------------------------
