@@ -6,12 +6,13 @@ the host serves on."""
 import ctypes
 import logging
 
-import numpy as np
 import pytest
 
+from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.ggml.lib import _declare
 from apir.host.shapes import op_enums
-from tests.host.test_shapes_more import ERROR, Case, Remote, _direct, _in, remote  # noqa: F401
+from tests.host.hostkit import DATA_RES, GgmlScratch, RemoteGraph
+from tests.host.test_shapes_more import ERROR, Case, Remote, _direct, _graph, _in
 
 # The constructors these cases call (declared here, not in apir.ggml.lib.SIGNATURES: only the
 # tests use them). "p:..." as in SIGNATURES; absent from a build: its cases are skipped.
@@ -29,7 +30,7 @@ _CONSTRUCTORS = {
 
 
 @pytest.fixture
-def ggml(ggml):  # noqa: F811 - the session's ggml, with the constructors above declared
+def ggml(ggml):  # the session's ggml, with the constructors above declared
     for name, sig in _CONSTRUCTORS.items():
         if name not in ggml.__dict__:  # (getattr of an undeclared name raises)
             fn = _declare(ggml.cdlls, name, sig)
@@ -308,13 +309,8 @@ def test_conv_2d_work_buffer_overflow_is_refused(guest, ggml, caplog):
         k, x = _in(g, ctx, "F32", 64, 64, 1100, 1), _in(g, ctx, "F32", 64, 64, 1100, 1)
         return _fn(g, "ggml_conv_2d_direct")(ctx, k, x, 1, 1, 0, 0, 1, 1), [k, x]
 
-    from tests.host.hostkit import GgmlScratch, RemoteGraph
-    from tests.host.test_shapes_more import _graph
-    from apir.codec.constants import ApirBackendCommandType as Cmd
-    from tests.host.hostkit import DATA_RES
-
     s = GgmlScratch(ggml)
-    graph, out, inputs = _graph(ggml, s.ctx, Case("CONV_2D", build))
+    graph, _, _ = _graph(ggml, s.ctx, Case("CONV_2D", build))
     remote = RemoteGraph(guest, ggml, s.ctx, graph)
     wire = remote.wire
     guest.data[: len(wire)] = wire

@@ -144,7 +144,7 @@ def _im2col_back(node, srcs, enums):
     ggml_compute_forward_im2col_back_f32: src0, the gradient of im2col's result, is read
     flat as [N, OH, OW, IC*KH*KW]; the result is written per channel through `int` offsets."""
     a, k = need(node, srcs, 2)
-    s0, s1, p0, p1, d0, d1, is_2d = _p(node, 0, 1, 2, 3, 4, 5, 6)
+    s0, s1, is_2d = _p(node, 0, 1, 6)  # p and d: any (the kernel bounds-checks)
     if is_2d not in (0, 1):
         fail(node, f"is_2D {is_2d}")
     _positive(node, s0=s0, **({"s1": s1} if is_2d else {}))  # the kernel takes `% s`
@@ -380,7 +380,7 @@ def _pool_2d_back(node, srcs, _enums=None):
     ggml_compute_forward_pool_2d_back: the result and src1 (the forward input) walked plane
     by plane with the result's nb and type, src0 (the gradient) read as packed planes."""
     g, af = need(node, srcs, 2)
-    op, k0, k1, s0, s1, p0, p1 = _p(node, *range(7))
+    op, k0, k1, s0, s1 = _p(node, *range(5))  # p: any (the kernel bounds-checks)
     _pool_op(node, op)
     _positive(node, k0=k0, k1=k1, s0=s0, s1=s1)
     _shape(node, af.ne, "pool_2d_back")
