@@ -12,7 +12,7 @@ import pytest
 
 from apir.ggml.layout import tensor_record
 from apir.host.shapes import op_enums
-from tests.host.test_shapes_more import ERROR, Case, Remote, _direct, _in, _ints, g_nb
+from tests.host.shapekit import ERROR, Case, Remote, _in, _ints, case_tests, g_nb
 
 
 def _same(fn, n, type_name="F32", ne=(8, 3, 2)):
@@ -84,6 +84,8 @@ def _rope(mode_name, ne=(16, 2, 3), n_dims=16, ff=False, back=False, type_name="
 
 _POS = {1: _ints(100)}
 _FF = {1: _ints(100), 2: lambda n, r: r.random(n).astype(np.float32) + 1}
+
+
 def _POSITIVE(n, r):
     return r.random(n).astype(np.float32) + 0.1
 
@@ -117,41 +119,7 @@ CASES = [
                        args=(10000.0, 1.4245, 0.7465, 1.4245, 32.0, 1.0)), data=_POS),
 ]
 IDS = [f"{c.op}-{i}" for i, c in enumerate(CASES)]
-
-
-@pytest.fixture
-def remote(guest, ggml, request):
-    r = Remote(guest, ggml, request.param)
-    yield r
-    r.close()
-
-
-@pytest.mark.parametrize("remote", CASES, ids=IDS, indirect=True)
-def test_op_matches_ggml_cpu(remote, ggml, request):
-    case = request.node.callspec.params["remote"]
-    assert case.op in ggml.ops
-    rc, dec = remote.compute()
-    assert rc == 0 and dec.i32() == 0
-    got, expect = remote.result(), _direct(ggml, case)
-    assert got == expect
-    assert len(set(got)) > 1  # not an untouched buffer
-
-
-@pytest.mark.parametrize("remote", CASES, ids=IDS, indirect=True)
-def test_lying_shape_is_refused(remote, guest, ggml, request, caplog):
-    case = request.node.callspec.params["remote"]
-    which, dim, delta = case.lie
-    t = remote.out if which < 0 else remote.inputs[which]
-    recs = remote.recs.copy()
-    i = remote.index(t)
-    recs["ne"][i][dim] = int(recs["ne"][i][dim]) + delta
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="apir.host"):
-        rc, _ = remote.compute(recs)
-    assert rc == ERROR
-    assert f"({case.op})" in caplog.text, caplog.text  # refused by the op's own rule
-    rc, dec = remote.compute()  # the host serves the next valid command
-    assert rc == 0 and dec.i32() == 0
+remote, test_op_matches_ggml_cpu, test_lying_shape_is_refused = case_tests(CASES, IDS)
 
 
 def _refused(r, recs, caplog, why):

@@ -12,7 +12,7 @@ from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.ggml.lib import _declare
 from apir.host.shapes import op_enums
 from tests.host.hostkit import DATA_RES, GgmlScratch, RemoteGraph
-from tests.host.test_shapes_more import ERROR, Case, Remote, _direct, _graph, _in
+from tests.host.shapekit import ERROR, Case, Remote, _direct, _graph, _in
 
 # The constructors these cases call (declared here, not in apir.ggml.lib.SIGNATURES: only the
 # tests use them). "p:..." as in SIGNATURES; absent from a build: its cases are skipped.

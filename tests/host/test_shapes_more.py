@@ -4,34 +4,23 @@ node's or a source's ne) is refused by that op's rule, and the host serves on.""
 
 import ctypes
 import logging
-from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 import pytest
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.host.shapes import op_enums
-from tests.host.hostkit import DATA_RES, GgmlScratch, RemoteGraph, cpu_compute
-
-ERROR = 1  # BACKEND_RC_ERROR
-
-
-@dataclass
-class Case:
-    """`build(g, ctx, f32) -> (out, inputs)`; `lie` = (input index or -1 for the node, dim,
-    delta) applied to ne; `data` fills input i (else standard normal of its type)."""
-
-    op: str
-    build: Callable
-    lie: Tuple[int, int, int] = (-1, 0, -1)
-    data: Optional[Dict[int, Callable]] = None
-
-
-def _in(g, ctx, type_name, *ne):
-    t = getattr(g, f"ggml_new_tensor_{len(ne)}d")(ctx, g.types[type_name], *ne)
-    g.ggml_set_input(t)
-    return t
+from tests.host.hostkit import DATA_RES, RemoteGraph, cpu_compute
+from tests.host.shapekit import (
+    ERROR,
+    Case,
+    Remote,
+    _direct,
+    _in,
+    _ints,
+    case_tests,
+    g_nb,
+)
 
 
 def _one(fn):
@@ -142,16 +131,6 @@ def _zero_blocks(block_bytes, blck=32):
     return lambda n, rng: np.zeros(n // blck * block_bytes, np.uint8)
 
 
-def g_nb(g, t, i):
-    from apir.ggml.layout import tensor_record
-
-    return int(tensor_record(t, g.tensor_dtype)["nb"][i])
-
-
-def _ints(hi, dtype=np.int32):
-    return lambda n, rng: rng.permutation(hi)[:n].astype(dtype) if n <= hi else rng.integers(0, hi, n).astype(dtype)
-
-
 CASES = [
     Case("SQR", _one(lambda g, c, a: g.ggml_sqr(c, a))),
     Case("SQRT", _one(lambda g, c, a: g.ggml_sqrt(c, a)), data={0: lambda n, r: r.random(n).astype(np.float32)}),
@@ -205,110 +184,7 @@ CASES = [
     Case("SUM", _one(lambda g, c, a: g.ggml_sum(c, g.ggml_permute(c, a, 1, 0, 2, 3)))),
 ]
 IDS = [f"{c.op}-{i}" for i, c in enumerate(CASES)]
-
-
-
-def _data(g, case, inputs, seed=3):
-    rng = np.random.default_rng(seed)
-    out = []
-    for i, t in enumerate(inputs):
-        n = g.ggml_nelements(t)
-        type_name = g.type_names[int(np.frombuffer(ctypes.string_at(t, 4), np.uint32)[0])]
-        if case.data and i in case.data:
-            arr = case.data[i](n, rng)
-        else:
-            arr = rng.standard_normal(n).astype(np.float16 if type_name == "F16" else np.float32)
-        out.append(arr.tobytes())
-    return out
-
-
-def _graph(g, ctx, case):
-    out, inputs = case.build(g, ctx)
-    g.ggml_set_output(out)
-    graph = g.ggml_new_graph(ctx)
-    g.ggml_build_forward_expand(graph, out)
-    return graph, out, inputs
-
-
-def _direct(g, case):
-    s = GgmlScratch(g)
-    graph, out, inputs = _graph(g, s.ctx, case)
-    data = _data(g, case, inputs)
-    got = cpu_compute(g, s.ctx, graph, zip(inputs, data), out)
-    s.close()
-    return got
-
-
-class Remote:
-    """The case's graph laid out in a host buffer, its inputs written there."""
-
-    def __init__(self, guest, g, case):
-        self.s = GgmlScratch(g)
-        graph, self.out, inputs = _graph(g, self.s.ctx, case)
-        self.remote = RemoteGraph(guest, g, self.s.ctx, graph)
-        for t, d in zip(inputs, _data(g, case, inputs)):
-            assert guest.set_tensor(self.remote.handle, self.remote.rpc(t), d) == 0
-        self.inputs, self.g, self.guest = inputs, g, guest
-        n_nodes = int(np.frombuffer(self.remote.wire, "<u4", 1)[0])
-        self.head = 4 + 8 * n_nodes + 4
-        self.recs = np.frombuffer(self.remote.wire[self.head:], self._dtype()).copy()
-
-    def _dtype(self):
-        from apir.codec.records import rpc_tensor_dtype
-
-        return rpc_tensor_dtype(self.g.limits)
-
-    def index(self, t):
-        return int(np.nonzero(self.recs["id"] == t)[0][0])
-
-    def compute(self, recs=None):
-        wire = self.remote.wire if recs is None else self.remote.wire[: self.head] + recs.tobytes()
-        self.guest.data[: len(wire)] = wire
-        return self.guest.forward(Cmd.BACKEND_GRAPH_COMPUTE, lambda e: (e.u32(DATA_RES), e.size_t(len(wire))))
-
-    def result(self):
-        rc, got = self.guest.get_tensor(self.remote.handle, self.remote.rpc(self.out), self.g.ggml_nbytes(self.out))
-        assert rc == 0
-        return got
-
-    def close(self):
-        self.remote.close()
-        self.s.close()
-
-
-@pytest.fixture
-def remote(guest, ggml, request):
-    r = Remote(guest, ggml, request.param)
-    yield r
-    r.close()
-
-
-@pytest.mark.parametrize("remote", CASES, ids=IDS, indirect=True)
-def test_op_matches_ggml_cpu(remote, ggml, request):
-    case = request.node.callspec.params["remote"]
-    assert case.op in ggml.ops
-    rc, dec = remote.compute()
-    assert rc == 0 and dec.i32() == 0
-    got, expect = remote.result(), _direct(ggml, case)
-    assert got == expect
-    assert len(set(got)) > 1  # not an untouched buffer
-
-
-@pytest.mark.parametrize("remote", CASES, ids=IDS, indirect=True)
-def test_lying_shape_is_refused(remote, guest, ggml, request, caplog):
-    case = request.node.callspec.params["remote"]
-    which, dim, delta = case.lie
-    t = remote.out if which < 0 else remote.inputs[which]
-    recs = remote.recs.copy()
-    i = remote.index(t)
-    recs["ne"][i][dim] = int(recs["ne"][i][dim]) + delta
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="apir.host"):
-        rc, _ = remote.compute(recs)
-    assert rc == ERROR
-    assert f"({case.op})" in caplog.text, caplog.text  # refused by the op's own rule
-    rc, dec = remote.compute()  # the host serves the next valid command
-    assert rc == 0 and dec.i32() == 0
+remote, test_op_matches_ggml_cpu, test_lying_shape_is_refused = case_tests(CASES, IDS)
 
 
 def _ids_case(op, build, ids_index, bad):

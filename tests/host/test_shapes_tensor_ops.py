@@ -11,7 +11,7 @@ import pytest
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.ggml.lib import _declare
 from apir.host.shapes import op_enums
-from tests.host.test_shapes_more import ERROR, Case, Remote, _direct, _in, g_nb
+from tests.host.shapekit import ERROR, Case, Remote, _in, case_tests, g_nb
 
 # Constructors the shared SIGNATURES table does not declare, bound here for these tests.
 _SIGNATURES = {
@@ -211,41 +211,7 @@ CASES = [
     Case("ADD", _add_quantized("F16"), data={0: _q8_0_blocks}),
 ]
 IDS = [f"{c.op}-{i}" for i, c in enumerate(CASES)]
-
-
-@pytest.fixture
-def remote(guest, ggml, request):
-    r = Remote(guest, ggml, request.param)
-    yield r
-    r.close()
-
-
-@pytest.mark.parametrize("remote", CASES, ids=IDS, indirect=True)
-def test_op_matches_ggml_cpu(remote, ggml, request):
-    case = request.node.callspec.params["remote"]
-    assert case.op in ggml.ops
-    rc, dec = remote.compute()
-    assert rc == 0 and dec.i32() == 0
-    got, expect = remote.result(), _direct(ggml, case)
-    assert got == expect
-    assert len(set(got)) > 1  # not an untouched buffer
-
-
-@pytest.mark.parametrize("remote", CASES, ids=IDS, indirect=True)
-def test_lying_shape_is_refused(remote, guest, ggml, request, caplog):
-    case = request.node.callspec.params["remote"]
-    which, dim, delta = case.lie
-    t = remote.out if which < 0 else remote.inputs[which]
-    recs = remote.recs.copy()
-    i = remote.index(t)
-    recs["ne"][i][dim] = int(recs["ne"][i][dim]) + delta
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="apir.host"):
-        rc, _ = remote.compute(recs)
-    assert rc == ERROR
-    assert f"({case.op})" in caplog.text, caplog.text  # refused by the op's own rule
-    rc, dec = remote.compute()  # the host serves the next valid command
-    assert rc == 0 and dec.i32() == 0
+remote, test_op_matches_ggml_cpu, test_lying_shape_is_refused = case_tests(CASES, IDS)
 
 
 # (case, op_params slot, value): each would make ggml's CPU kernel write or read past a
