@@ -44,6 +44,42 @@ def lib_op_enums(lib) -> OpEnums:
     return enums
 
 
+# Ops the CPU does not compute (ggml_op_is_empty): their nodes write nothing.
+_EMPTY_OPS = frozenset(("NONE", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE"))
+# Ops ggml-cpu's ggml_get_n_tasks gives 1 task (ggml 0.10 and 0.20): a graph of only these
+# runs on one thread (cplan.n_threads = the most tasks of any node).
+_ONE_TASK_OPS = _EMPTY_OPS | {"GET_ROWS", "SET_ROWS", "GET_ROWS_BACK"}
+
+
+def _check_graph_needs(g, parsed, infos, bufs, offsets, extents) -> None:
+    """What rules asked of the whole graph: row ids they read before compute are not written
+    by any node (a node's own result, or the sources an OPT_STEP_* updates in place), and a
+    kernel that is only safe on one thread is in a graph that the CPU runs on one thread."""
+    nodes = [int(j) for j in parsed.node_index]
+    if any(info.one_thread for info in infos):
+        many = [j for j in nodes if infos[j].op_name not in _ONE_TASK_OPS]
+        if many:
+            who = next(info.index for info in infos if info.one_thread)
+            raise Refused(f"node {who}: only safe on one thread, and node {many[0]} "
+                          f"({infos[many[0]].op_name}) makes the CPU run this graph on several")
+    read = [i for i, info in enumerate(infos) if info.values_read]
+    if not read:
+        return
+    writes = []
+    for j in nodes:
+        if infos[j].op_name in _EMPTY_OPS:
+            continue
+        writes.append((j, j))
+        if infos[j].op_name.startswith("OPT_STEP"):
+            writes += [(j, int(k)) for k in parsed.src_index[j] if k >= 0]
+    for i in read:
+        lo, hi = offsets[i], offsets[i] + extents[i]
+        for j, k in writes:
+            if bufs[k] is bufs[i] and offsets[k] < hi and lo < offsets[k] + extents[k]:
+                raise Refused(f"graph tensor {i}: row ids read before compute, but node {j} "
+                              f"({infos[j].op_name}) writes over them")
+
+
 def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
     """A host cgraph (in `scratch`) for `parsed`; raises Refused."""
     g, chk = lib.g, lib.checker
@@ -77,6 +113,7 @@ def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
         while srcs and srcs[-1] is None:
             srcs.pop()
         check_node(infos[i], srcs, enums)
+    _check_graph_needs(g, parsed, infos, bufs, offsets, extents)
 
     host = [0] * n
     for i in (int(x) for x in parsed.order):
