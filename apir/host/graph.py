@@ -5,15 +5,19 @@ ids, types, ops, names and acyclicity. Here a node listed twice is refused, ever
 (`TensorChecker.check_rpc`: a known buffer, data + extent inside it, no custom op), each
 view against its source (same buffer, `data == source data + view_offs`, its extent inside
 the source's), every tensor of the graph must have data (a kernel writes through it), and
-each node's shape goes through `apir.host.shapes.check_node`. Only then are tensors created
+each node's shape goes through `apir.host.shapes.check_node`, then what rules ask of the whole
+graph (`_check_graph_needs`: row ids read before compute are written by no node; kernels
+safe only on one thread are in a one-thread graph). Only then are tensors created
 in a host `ggml_context` (no data allocated: `data` points into the checked buffers), in
-sources-first order, and the nodes added to a graph in the guest's node order.
+sources-first order (row ids pointed at the copy their rule checked), and the nodes added to
+a graph in the guest's node order.
 
 Errors: `Refused` (with the tensor or node index) for anything the checks reject.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import List, Optional
 
 from apir.ggml.layout import tensor_record
@@ -62,7 +66,7 @@ def _check_graph_needs(g, parsed, infos, bufs, offsets, extents) -> None:
             who = next(info.index for info in infos if info.one_thread)
             raise Refused(f"node {who}: only safe on one thread, and node {many[0]} "
                           f"({infos[many[0]].op_name}) makes the CPU run this graph on several")
-    read = [i for i, info in enumerate(infos) if info.values_read]
+    read = [i for i, info in enumerate(infos) if info.snapshot is not None]
     if not read:
         return
     writes = []
@@ -126,6 +130,10 @@ def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
         if v >= 0:
             rec["view_src"] = host[v]
             rec["view_offs"] = int(recs[i]["view_offs"])
+        snapshot = infos[i].snapshot
+        if snapshot is not None:  # row ids: the kernel reads the copy the rule checked
+            rec["data"] = ctypes.addressof(snapshot)
+            scratch.pinned.append(snapshot)
         host[i] = t
     graph = g.ggml_new_graph_custom(scratch.ctx, max(len(parsed.node_index), 1), False)
     for j in parsed.node_index:

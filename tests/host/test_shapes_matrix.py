@@ -291,3 +291,31 @@ def test_mul_mat_src1_of_another_dot_type_is_refused(guest, ggml, caplog):
 
     case = Case("MUL_MAT", _mul_mat("Q8_0", "F32"), data={0: Q8_0})
     _refused(guest, ggml, case, "(MUL_MAT): src1 F16 is neither F32 nor Q8_0", caplog, edit)
+
+
+def test_kernel_reads_the_ids_that_were_checked(guest, ggml, monkeypatch):
+    """The guest may write its buffers while the host computes: the ids checked are copied and
+    the kernel reads the copy. Here the ids' buffer is zeroed right after the checks (as a
+    racing guest would): the result is still that of the ids checked."""
+    import ctypes
+
+    from apir.host import graph as host_graph
+    from apir.host.shapes.base import extent
+
+    real = host_graph._check_graph_needs
+
+    def racing(g, parsed, infos, *rest):
+        real(g, parsed, infos, *rest)
+        for info in infos:
+            if info.snapshot is not None:
+                ctypes.memset(info.address, 0, extent(info))
+
+    monkeypatch.setattr(host_graph, "_check_graph_needs", racing)
+    case = Case("GET_ROWS", _get_rows("F32", view=True), data={1: lambda n, r: np.resize(np.int32([5, 3, 4, 1]), n)})
+    r = Remote(guest, ggml, case)
+    try:
+        rc, dec = r.compute()
+        assert rc == 0 and dec.i32() == 0
+        assert r.result() == _direct(ggml, case)
+    finally:
+        r.close()

@@ -99,9 +99,11 @@ class TensorInfo:
     # real address of its data (for GET_ROWS row ids); 0 without data; None where no data is
     # known (device_supports_op): checks of the data are then left to graph_compute
     address: Optional[int]
-    # set by a rule that read this tensor's data before compute (row ids): graph_compute then
-    # refuses a graph in which a node writes over it (the values read would not be those used)
-    values_read: bool = False
+    # the bytes of this tensor's extent, copied by a rule that read its data before compute
+    # (row ids, `row_ids`): the kernel is then given this copy, so the guest cannot change the
+    # ids after the check (its buffer may be guest memory); and graph_compute refuses a graph
+    # in which a node writes over the original (the ids used would not be those of ggml CPU)
+    snapshot: Optional[ctypes.Array] = None
     # set by a rule whose kernel is only safe when the whole graph runs on one thread
     one_thread: bool = False
 
@@ -193,31 +195,34 @@ def row_ids(node: TensorInfo, ids: TensorInfo, types=("I32",), flat: bool = Fals
     `flat`, the first nelements of ids' data as one packed array, as GET_ROWS_BACK reads them);
     None where no data is known (device_supports_op).
 
-    Reading them before compute is sound only while nothing changes them before the kernel
-    reads them: the rule marks ids `values_read`, and graph_compute refuses a graph in which
-    a node (ids themselves when computed by the graph, or any node whose result overlaps them)
-    writes over their bytes. Ids computed by the graph are so refused: the CPU kernels
-    GGML_ASSERT (abort the host) or, worse, index out of their tensors on an id out of range."""
+    Reading them before compute is sound only if the kernel reads the same values: the ids'
+    bytes are copied once (`ids.snapshot`), the values read from the copy, and graph_compute
+    points the kernel's tensor at the copy (a guest writing its buffer meanwhile changes
+    nothing) and refuses a graph in which a node (ids themselves when computed by the graph,
+    or any node whose result overlaps them) writes over the original. Ids computed by the
+    graph are so refused: the CPU kernels GGML_ASSERT (abort the host) or, worse, index out of
+    their tensors on an id out of range."""
     if ids.type_name not in types:
         fail(node, f"row ids must be {' or '.join(types)}, not {ids.type_name}")
     if ids.address == 0:
         fail(node, "row ids have no data")
     if ids.address is None:
         return None
-    ids.values_read = True
     dtype = np.dtype(_ID_DTYPES[ids.type_name])
     n = ids.nelements()
     if n == 0:
         return np.zeros(0, dtype)
+    size = extent(ids)
+    if ids.snapshot is None:
+        ids.snapshot = ctypes.create_string_buffer(size)
+        ctypes.memmove(ids.snapshot, ids.address, size)
     if flat:
-        if n * dtype.itemsize > extent(ids):
+        if n * dtype.itemsize > size:
             fail(node, f"{n} packed row ids reach past ids' extent (nb {ids.nb})")
-        raw = (ctypes.c_char * (n * dtype.itemsize)).from_address(ids.address)
-        return np.frombuffer(raw, dtype=dtype).copy()
+        return np.frombuffer(ids.snapshot, dtype=dtype, count=n).copy()
     if ids.nb[0] < dtype.itemsize and ids.ne[0] > 1:
         fail(node, f"row ids overlap (nb {ids.nb})")
-    raw = (ctypes.c_char * extent(ids)).from_address(ids.address)
-    return np.ndarray(shape=tuple(ids.ne[::-1]), dtype=dtype, buffer=raw,
+    return np.ndarray(shape=tuple(ids.ne[::-1]), dtype=dtype, buffer=ids.snapshot,
                       strides=tuple(ids.nb[::-1])).copy()
 
 

@@ -4,9 +4,11 @@ GET_ROWS_BACK, SET_ROWS, ADD_ID.
 Row ids (GET_ROWS, GET_ROWS_BACK, SET_ROWS, MUL_MAT_ID, ADD_ID) are read and range-checked
 before compute (`base.row_ids`): the CPU kernels GGML_ASSERT an id in range (an abort of the
 host), or only `assert` it (MUL_MAT_ID: compiled out, then it writes past its work buffer),
-or do not check at all (GET_ROWS_BACK: writes past its result). So ids must be data the
-guest wrote: ids computed by the graph, or overlapped by any node's result, are refused
-(graph_compute's check of `values_read`); a view of input ids is fine.
+or do not check at all (GET_ROWS_BACK: writes past its result). So the ids are copied
+(`TensorInfo.snapshot`), checked in the copy, and the kernel is given the copy (the guest
+may write its buffers during compute); and they must be data the guest wrote: ids computed
+by the graph, or overlapped by any node's result, are refused (graph.py); a view of input
+ids (test-backend-ops' ids) is fine.
 """
 
 from __future__ import annotations
