@@ -111,6 +111,26 @@ def _add_id(n_experts=5, n_used=3, n_tokens=4, view=True):
     return build
 
 
+def _cpy(t_src, t_dst, perm=(0, 1, 2, 3), dst_perm=None, ne=(64, 2, 3, 1)):
+    """test-backend-ops' cpy: src made so that its permutation has shape ne; dst of shape ne,
+    or made so that its permutation dst_perm has shape ne (a non-contiguous result)."""
+    def made(g, ctx, type_name, p):
+        inv = [0] * 4
+        for i, j in enumerate(p):
+            inv[j] = i
+        t = _in(g, ctx, type_name, *(ne[inv[k]] for k in range(4)))
+        return t, g.ggml_permute(ctx, t, *p)
+
+    def build(g, ctx):
+        src, sp = made(g, ctx, t_src, perm)
+        if dst_perm is None:
+            dst = dp = _in(g, ctx, t_dst, *ne)
+        else:
+            dst, dp = made(g, ctx, t_dst, dst_perm)
+        return g.ggml_cpy(ctx, sp, dp), [src, dst]
+    return build
+
+
 def g_nb(g, t, i):
     from apir.ggml.layout import tensor_record
 
@@ -142,6 +162,16 @@ CASES = [
     Case("SET_ROWS", _set_rows("F32", "IQ4_NL", "I64"), lie=(-1, 1, -1), data={0: _random_blocks(18), 2: _ints(10, np.int64)}),
     Case("ADD_ID", _add_id(), lie=(1, 0, -1), data={2: _ints(5)}),
     Case("ADD_ID", _add_id(view=False, n_used=5), lie=(-1, 1, -1), data={2: _ints(5)}),
+]
+# CPY / CONT in test-backend-ops' layouts (the rules are in layout.py)
+CASES += [
+    Case("CPY", _cpy("F16", "BF16", (1, 0, 2, 3)), lie=(-1, 1, -1), data={1: _bf16}),
+    Case("CPY", _cpy("F32", "I32", (0, 2, 1, 3)), data={0: lambda n, r: r.integers(-99, 99, n).astype(np.float32)}),
+    Case("CPY", _cpy("Q4_0", "Q4_0", (0, 2, 1, 3), dst_perm=(0, 2, 1, 3)), lie=(-1, 1, -1), data={0: Q4_0, 1: Q4_0}),
+    Case("CPY", _cpy("Q4_0", "F32"), data={0: Q4_0}),
+    Case("CPY", _cpy("BF16", "Q8_0"), lie=(-1, 1, -1), data={0: _bf16, 1: Q8_0}),
+    Case("CONT", lambda g, c: (lambda a: (g.ggml_cont(c, g.ggml_transpose(c, a)), [a]))(_in(g, c, "BF16", 8, 6)),
+         data={0: _bf16}),
 ]
 # ggml >= 0.20 only (0.10 refuses them: its kernels abort)
 CASES_020 = [
