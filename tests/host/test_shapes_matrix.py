@@ -189,6 +189,8 @@ def _new_enough(ggml, case):
 
 @pytest.fixture
 def remote(guest, ggml, request):
+    if not _new_enough(ggml, request.param):
+        pytest.skip("ggml 0.10's constructor or kernel aborts on this case")
     r = Remote(guest, ggml, request.param)
     yield r
     r.close()
@@ -198,9 +200,6 @@ def remote(guest, ggml, request):
 def test_op_matches_ggml_cpu(remote, ggml, request):
     case = request.node.callspec.params["remote"]
     rc, dec = remote.compute()
-    if not _new_enough(ggml, case):
-        assert rc == ERROR
-        return
     assert rc == 0 and dec.i32() == 0
     got, expect = remote.result(), _direct(ggml, case)
     assert got == expect
@@ -220,9 +219,8 @@ def test_lying_shape_is_refused(remote, ggml, request, caplog):
         rc, _ = remote.compute(recs)
     assert rc == ERROR
     assert f"({case.op})" in caplog.text, caplog.text  # refused by the op's own rule
-    if _new_enough(ggml, case):
-        rc, dec = remote.compute()  # the host serves the next valid command
-        assert rc == 0 and dec.i32() == 0
+    rc, dec = remote.compute()  # the host serves the next valid command
+    assert rc == 0 and dec.i32() == 0
 
 
 def _refused(guest, ggml, case, text, caplog, recs_edit=None):
@@ -282,13 +280,14 @@ def test_row_ids_written_by_a_copy_are_refused(guest, ggml, caplog):
 def test_set_rows_f16_on_several_threads_is_refused(guest, ggml, caplog):
     """F16 rows set into F32 convert through a work buffer the plan sizes for one thread
     (ggml 0.20): with a multi-task node (ADD) in the graph the CPU runs several, refused."""
+    if op_enums(ggml).version < (0, 20, 0):
+        pytest.skip("ggml 0.10's set_rows takes only F32 rows (its constructor asserts it)")
     def build(g, ctx):
         out, ins = _set_rows("F16", "F32", "I64")(g, ctx)
         return g.ggml_add(ctx, out, ins[0]), ins
 
     case = Case("SET_ROWS", build, data={2: _ints(10, np.int64)})
-    text = "only safe on one thread" if op_enums(ggml).version >= (0, 20, 0) else "(SET_ROWS): types F16"
-    _refused(guest, ggml, case, text, caplog)
+    _refused(guest, ggml, case, "only safe on one thread", caplog)
 
 
 def test_mul_mat_unordered_result_strides_are_refused(guest, ggml, caplog):
