@@ -348,3 +348,18 @@ def test_kernel_reads_the_ids_that_were_checked(guest, ggml, monkeypatch):
         assert r.result() == _direct(ggml, case)
     finally:
         r.close()
+
+
+def test_mul_mat_src1_aliasing_elements_are_refused(guest, ggml, caplog):
+    """src1 converted to src0's dot type goes through a work buffer sized by its element count:
+    a src1 whose strides alias (nb[2] = 0 under a huge ne[2]) would make ggml-cpu allocate far
+    beyond the guest's buffers (aborting when it cannot): refused."""
+    def edit(r, recs):
+        for t, n in ((r.inputs[1], 1 << 31), (r.out, 1 << 31)):
+            i = r.index(t)
+            recs["ne"][i][2] = n
+            recs["nb"][i][2] = 0
+            recs["nb"][i][3] = 0
+
+    case = Case("MUL_MAT", _mul_mat("Q8_0", "F32", ne_a=(64, 5, 1, 1), ne_b=(64, 3, 1, 1)), data={0: Q8_0})
+    _refused(guest, ggml, case, "(MUL_MAT): src1 elements overlap", caplog, edit)

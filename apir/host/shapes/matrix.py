@@ -13,8 +13,8 @@ ids (test-backend-ops' ids) is fine.
 
 from __future__ import annotations
 
-from apir.host.shapes.base import (FLOAT, check_row_ids, dst_contiguous, fail, ids_in_range, need,
-                                      param_i32, row_ids)
+from apir.host.shapes.base import (FLOAT, check_row_ids, dst_contiguous, extent, fail, ids_in_range,
+                                      need, param_i32, row_ids)
 
 _INT_MAX = 2**31 - 1  # kernels that count rows in an `int`
 
@@ -27,6 +27,10 @@ _Q_ROWS = frozenset((
     "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ2_S"))
 _GET_ROWS_Q = _Q_ROWS | {"Q8_1"}
 _OUT_PROD_Q = _Q_ROWS
+
+# The most work buffer a MUL_MAT_ID's row mappings may take (ggml-cpu allocates the work
+# buffer with `new` and aborts when it cannot): far above any model's (experts x ids x 8).
+_MMID_WORK_MAX = 1 << 30
 
 # ggml 0.20's mul_mat takes op_params[1] as a hint: GGML_HINT_SRC0_IS_HADAMARD (1) routes
 # it to ggml_compute_forward_fwht, which this rule does not cover.
@@ -58,6 +62,11 @@ def _vec_dot(node, a, b, enums) -> None:
         # the work buffer is sized as ggml_row_size(vec_dot_type, nelements(src1)): whole blocks
         if b.ne[0] % enums.blck_size.get(vdt, 1):
             fail(node, f"src1 rows of {b.ne[0]} are not whole {vdt} blocks")
+        # ... and by src1's element count, not its extent: elements that alias (strides of 0)
+        # would make the CPU allocate it far beyond any buffer of the guest's (and abort when
+        # it cannot). Any layout whose elements do not overlap has nelements * 4 <= extent.
+        if b.nelements() * b.type_size > extent(b):
+            fail(node, f"src1 elements overlap (ne {b.ne}, nb {b.nb})")
     if a.nb[0] != a.type_size or b.nb[0] != b.type_size:
         fail(node, "src0 or src1 is permuted (nb[0] is not the element size)")
 
@@ -96,8 +105,12 @@ def _mul_mat_id(node, srcs, enums):
         fail(node, f"shape {node.ne}, mul_mat_id gives {[a.ne[1], ids.ne[0], b.ne[2], 1]}")
     if node.type_name != "F32":
         fail(node, f"result {node.type_name} is not F32")
-    if ids.nelements() > _INT_MAX:  # counted in `int`s
-        fail(node, "too many ids")
+    if ids.nelements() > _INT_MAX or a.ne[2] > _INT_MAX:  # counted in `int`s
+        fail(node, "too many ids or experts")
+    # The work buffer holds n_as * nelements(ids) row mappings (8 bytes) and n_as cache lines;
+    # a size ggml-cpu cannot allocate aborts the host.
+    if a.ne[2] * (ids.nelements() * 8 + 64) > _MMID_WORK_MAX:
+        fail(node, f"{a.ne[2]} experts and {ids.nelements()} ids need more than {_MMID_WORK_MAX} bytes of work buffer")
     _vec_dot(node, a, b, enums)
     _dst_ordered(node)
     ids_in_range(node, row_ids(node, ids), a.ne[2], "expert id")
