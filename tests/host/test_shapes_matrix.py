@@ -363,3 +363,12 @@ def test_mul_mat_src1_aliasing_elements_are_refused(guest, ggml, caplog):
 
     case = Case("MUL_MAT", _mul_mat("Q8_0", "F32", ne_a=(64, 5, 1, 1), ne_b=(64, 3, 1, 1)), data={0: Q8_0})
     _refused(guest, ggml, case, "(MUL_MAT): src1 elements overlap", caplog, edit)
+
+
+def test_mul_mat_aliasing_result_is_refused(guest, ggml, caplog):
+    """A result whose elements alias (ordered strides smaller than its rows) could hold more
+    chunks than the kernel's `int` counters in a small buffer: refused."""
+    def edit(r, recs):
+        recs["nb"][r.index(r.out)] = [4, 4, 4, 4]
+
+    _refused(guest, ggml, Case("MUL_MAT", _mul_mat("F32", "F32")), "(MUL_MAT): result elements overlap", caplog, edit)

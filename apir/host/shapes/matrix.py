@@ -43,10 +43,14 @@ _SET_ROWS_F16_SINCE = (0, 20, 0)
 
 def _dst_ordered(node) -> None:
     """The GGML_ASSERTs of mul_mat / mul_mat_id on the result: nb0 == 4, nb0 <= nb1 <= nb2 <= nb3
-    (a contiguous result may still break them in a dimension of 1)."""
+    (a contiguous result may still break them in a dimension of 1); and no aliasing."""
     nb = node.nb
     if nb[0] != 4 or not (nb[0] <= nb[1] <= nb[2] <= nb[3]):
         fail(node, f"result strides {nb} are not ordered")
+    # The kernels count chunks of the result in `int`s: a result whose elements alias (nb of
+    # 0 under a huge ne) could have more than INT_MAX chunks in a small buffer.
+    if node.nelements() * 4 > extent(node):
+        fail(node, f"result elements overlap (ne {node.ne}, nb {nb})")
 
 
 def _vec_dot(node, a, b, enums) -> None:
