@@ -129,7 +129,7 @@ SIGNATURES: Dict[str, str] = {
     "ggml_timestep_embedding": "p:ppii", "ggml_argsort": "p:ppi", "ggml_top_k": "p:ppi",
     "ggml_set_rows": "p:pppp", "ggml_rope_ext": "p:ppppiiiffffff", "ggml_rope_multi": "p:ppppipiiffffff",
     "ggml_mul_mat_id": "p:pppp", "ggml_out_prod": "p:ppp", "ggml_add_id": "p:pppp",
-    "ggml_get_rows_back": "p:pppp", "ggml_view_4d": "p:ppIIIIzzzz",
+    "ggml_get_rows_back": "p:pppp", "ggml_view_4d": "p:ppIIIIzzzz", "ggml_mul_mat_set_hint": "v:pi",
     # host shape rules (apir/host/shapes/): which types the CPU can quantize into (from_float)
     "ggml_get_type_traits_cpu": "p:i", "ggml_get_type_traits": "p:i",
 }

@@ -299,15 +299,29 @@ def test_mul_mat_unordered_result_strides_are_refused(guest, ggml, caplog):
     _refused(guest, ggml, case, "(MUL_MAT): result strides", caplog, edit)
 
 
-def test_mul_mat_hadamard_hint_is_refused(guest, ggml, caplog):
-    """ggml 0.20 routes a mul_mat with hint GGML_HINT_SRC0_IS_HADAMARD to fwht: not covered."""
+@pytest.mark.parametrize("k,m,ok", [(64, 64, True), (48, 48, False), (64, 32, False)])
+def test_mul_mat_hadamard_hint(guest, ggml, k, m, ok, caplog):
+    """ggml 0.20 routes a mul_mat with hint GGML_HINT_SRC0_IS_HADAMARD to fwht: src1 rows of
+    k floats (a power of 2, GGML_ASSERTed) written into result rows of m >= k floats."""
     if op_enums(ggml).version < (0, 20, 0):
         pytest.skip("ggml 0.10 has no mul_mat hint")
 
-    def edit(r, recs):
-        recs["op_params"][r.index(r.out)][1] = 1
+    def build(g, ctx):
+        out, ins = _mul_mat("F32", "F32", ne_a=(k, m, 1, 1), ne_b=(k, 3, 2, 1))(g, ctx)
+        g.ggml_mul_mat_set_hint(out, 1)
+        return out, ins
 
-    _refused(guest, ggml, Case("MUL_MAT", _mul_mat("F32", "F32")), "(MUL_MAT): hint 1", caplog, edit)
+    case = Case("MUL_MAT", build)
+    if not ok:
+        _refused(guest, ggml, case, "(MUL_MAT): Hadamard hint", caplog)
+        return
+    r = Remote(guest, ggml, case)
+    try:
+        rc, dec = r.compute()
+        assert rc == 0 and dec.i32() == 0
+        assert r.result() == _direct(ggml, case)
+    finally:
+        r.close()
 
 
 def test_mul_mat_src1_of_another_dot_type_is_refused(guest, ggml, caplog):

@@ -33,8 +33,10 @@ _OUT_PROD_Q = _Q_ROWS
 _MMID_WORK_MAX = 1 << 30
 
 # ggml 0.20's mul_mat takes op_params[1] as a hint: GGML_HINT_SRC0_IS_HADAMARD (1) routes
-# it to ggml_compute_forward_fwht, which this rule does not cover.
+# it to ggml_compute_forward_fwht (src1's rows transformed; src0 not read); other values
+# are ignored.
 _HINT_SINCE = (0, 20, 0)
+_HINT_SRC0_IS_HADAMARD = 1
 # ggml 0.20's out_prod takes F16 src0 (ggml 0.10 aborts: "todo").
 _OUT_PROD_F16_SINCE = (0, 20, 0)
 # ggml 0.20's set_rows also takes F16 rows (ggml 0.10: F32 only).
@@ -89,9 +91,14 @@ def _mul_mat(node, srcs, enums):
                     f"{[a.ne[1], b.ne[1], b.ne[2], b.ne[3]]}")
     if node.type_name != "F32":
         fail(node, f"result {node.type_name} is not F32")
-    if enums.version >= _HINT_SINCE and param_i32(node, 1) != 0:
-        fail(node, f"hint {param_i32(node, 1)} (op_params[1]) is not checked here")
-    _vec_dot(node, a, b, enums)
+    hint = param_i32(node, 1) if enums.version >= _HINT_SINCE else 0
+    if hint == _HINT_SRC0_IS_HADAMARD:
+        # ggml_compute_forward_fwht: each src1 row of n = ne10 floats (GGML_ASSERTed a power
+        # of 2; src1 and result GGML_ASSERTed F32) transformed into n floats of a result row.
+        n = b.ne[0]
+        if b.type_name != "F32" or n & (n - 1) or node.ne[0] < n:
+            fail(node, f"Hadamard hint on src1 {b.type_name} rows of {n} into rows of {node.ne[0]}")
+    _vec_dot(node, a, b, enums)  # (the plain kernel runs instead when the CPU is asked for reference results)
     _dst_ordered(node)
 
 
