@@ -134,6 +134,8 @@ SIGNATURES: Dict[str, str] = {
     "ggml_opt_step_adamw": "p:pppppp", "ggml_opt_step_sgd": "p:pppp", "ggml_set_param": "v:p",
     "ggml_rope_ext_back": "p:ppppiiiffffff", "ggml_rope_multi_back": "p:ppppipiiffffff",
     "ggml_rope_ext_inplace": "p:ppppiiiffffff",
+    "ggml_mul_mat_id": "p:pppp", "ggml_out_prod": "p:ppp", "ggml_add_id": "p:pppp",
+    "ggml_get_rows_back": "p:pppp", "ggml_view_4d": "p:ppIIIIzzzz", "ggml_mul_mat_set_hint": "v:pi",
     # host shape rules (apir/host/shapes/): which types the CPU can quantize into (from_float)
     "ggml_get_type_traits_cpu": "p:i", "ggml_get_type_traits": "p:i",
 }

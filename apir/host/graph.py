@@ -5,9 +5,12 @@ ids, types, ops, names and acyclicity. Here a node listed twice is refused, ever
 (`TensorChecker.check_rpc`: a known buffer, data + extent inside it, no custom op), each
 view against its source (same buffer, `data == source data + view_offs`, its extent inside
 the source's), every tensor of the graph must have data (a kernel writes through it), and
-each node's shape goes through `apir.host.shapes.check_node`. Only then are tensors created
+each node's shape goes through `apir.host.shapes.check_node`, then what rules ask of the whole
+graph (`_check_graph_needs`: row ids read before compute are written by no node before they
+are read; kernels safe only on one thread are in a one-thread graph). Only then are tensors created
 in a host `ggml_context` (no data allocated: `data` points into the checked buffers), in
-sources-first order, and the nodes added to a graph in the guest's node order.
+sources-first order (row ids pointed at the copy their rule checked), and the nodes added to
+a graph in the guest's node order.
 
 Speed: a MiniLM batch has ~330 tensors, so per-tensor Python work shows in every compute.
 The record checks therefore run on the parsed graph's arrays at once (`_check_records`);
@@ -60,6 +63,49 @@ def lib_op_enums(lib) -> OpEnums:
     if enums is None:
         enums = lib._op_enums = op_enums(lib.g)
     return enums
+
+
+# Ops the CPU does not compute (ggml_op_is_empty): their nodes write nothing.
+_EMPTY_OPS = frozenset(("NONE", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE"))
+# Ops ggml-cpu's ggml_get_n_tasks gives 1 task (ggml 0.10 and 0.20): a graph of only these
+# runs on one thread (cplan.n_threads = the most tasks of any node).
+_ONE_TASK_OPS = _EMPTY_OPS | {"GET_ROWS", "SET_ROWS", "GET_ROWS_BACK"}
+
+
+def _check_graph_needs(g, parsed, infos, bufs, offsets, extents) -> None:
+    """What rules asked of the whole graph: row ids they read before compute are not written
+    by a node that runs before (or is) their last reader (a node's own result, or the sources
+    an OPT_STEP_* updates in place): ggml CPU would then read other ids than those checked.
+    A write after the last reader is fine (ggml's allocator reuses a consumed input's memory),
+    and the kernels read the checked copy anyway (TensorInfo.snapshot). And a kernel that is
+    only safe on one thread is in a graph that the CPU runs on one thread."""
+    nodes = [int(j) for j in parsed.node_index]
+    if any(info.one_thread for info in infos):
+        many = [j for j in nodes if infos[j].op_name not in _ONE_TASK_OPS]
+        if many:
+            who = next(info.index for info in infos if info.one_thread)
+            raise Refused(f"node {who}: only safe on one thread, and node {many[0]} "
+                          f"({infos[many[0]].op_name}) makes the CPU run this graph on several")
+    read = [i for i, info in enumerate(infos) if info.snapshot is not None]
+    if not read:
+        return
+    position = {j: pos for pos, j in enumerate(nodes)}
+    src_rows = parsed.src_index.tolist()
+    writes = []  # (position, node, tensor it writes)
+    for pos, j in enumerate(nodes):
+        if infos[j].op_name in _EMPTY_OPS:
+            continue
+        writes.append((pos, j, j))
+        if infos[j].op_name.startswith("OPT_STEP"):
+            writes += [(pos, j, k) for k in src_rows[j] if k >= 0]
+    for i in read:
+        # (a reader that is not a node, e.g. a leaf, reads nothing at compute)
+        until = max((position.get(j, -1) for j in infos[i].read_by or ()), default=-1)
+        lo, hi = offsets[i], offsets[i] + extents[i]
+        for pos, j, k in writes:
+            if pos <= until and bufs[k] is bufs[i] and offsets[k] < hi and lo < offsets[k] + extents[k]:
+                raise Refused(f"graph tensor {i}: row ids read before compute, but node {j} "
+                              f"({infos[j].op_name}) writes over them before they are read")
 
 
 class _Records(NamedTuple):
@@ -272,8 +318,13 @@ def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
         while k and row[k - 1] < 0:
             k -= 1
         check_node(infos[i], [infos[j] if j >= 0 else None for j in row[:k]], enums)
+    _check_graph_needs(g, parsed, infos, bufs, offsets, recs.extents.tolist())
 
     host = _create_tensors(lib, parsed, scratch, recs).tolist()
+    for info, addr in zip(infos, host):
+        if info.snapshot is not None:  # row ids: the kernel reads the copy the rule checked
+            tensor_record(addr, lib.checker.tensor_dtype)["data"] = ctypes.addressof(info.snapshot)
+            scratch.pinned.append(info.snapshot)
     graph = g.ggml_new_graph_custom(scratch.ctx, max(len(parsed.node_index), 1), False)
     add = g.ggml_graph_add_node
     for j in parsed.node_index.tolist():

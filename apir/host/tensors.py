@@ -42,6 +42,7 @@ class Scratch:
 
     def __init__(self, g, n_tensors: int, graph_size: int = 0):
         self.g = g
+        self.pinned = []  # memory the context's tensors point into, kept until close
         size = g.ggml_tensor_overhead() * (n_tensors + 1) + 1024
         if graph_size:
             size += g.ggml_graph_overhead_custom(graph_size, False)
@@ -53,6 +54,7 @@ class Scratch:
         if self.ctx:
             self.g.ggml_free(self.ctx)
             self.ctx = None
+        self.pinned = []
 
     def __enter__(self) -> "Scratch":
         return self

@@ -169,8 +169,9 @@ def _reference_twins(lib, parsed, scratch):
     return host
 
 
-def _as_indices(lib, addrs):
-    """Each tensor's struct bytes, its src/view_src pointers replaced by tensor indices."""
+def _as_indices(lib, addrs, data_map=None):
+    """Each tensor's struct bytes, its src/view_src pointers replaced by tensor indices (and
+    data pointers found in `data_map` by their value there)."""
     dtype = lib.checker.tensor_dtype
     index = {a: i for i, a in enumerate(addrs)}
     index[0] = 1 << 63  # null
@@ -182,6 +183,8 @@ def _as_indices(lib, addrs):
             rec[name] = raw[name]
         rec["src"] = [[index[int(p)] for p in rec["src"][0]]]
         rec["view_src"] = index[int(rec["view_src"][0])]
+        if data_map:
+            rec["data"] = data_map.get(int(rec["data"][0]), int(rec["data"][0]))
         out.append(rec.tobytes())
     return out
 
@@ -199,7 +202,8 @@ def test_host_tensors_equal_the_one_by_one_twins(setup, monkeypatch, bulk):
     names = parsed.tensors["name"].view(np.uint8)
     names[(names[:, :-2] == 0).any(axis=1), -2] = ord("x")
     with Scratch(lib.g, n, n) as ref, Scratch(lib.g, n, n) as new:
-        expect = _as_indices(lib, _reference_twins(lib, parsed, ref))
+        ref_host = _reference_twins(lib, parsed, ref)
+        expect = _as_indices(lib, ref_host)
         graph = hg.build_graph(lib, parsed, new, hg.lib_op_enums(lib))
         nodes = [int(lib.g.ggml_graph_node(graph, k)) for k in range(lib.g.ggml_graph_n_nodes(graph))]
         host = [0] * n
@@ -216,7 +220,18 @@ def test_host_tensors_equal_the_one_by_one_twins(setup, monkeypatch, bulk):
             if v >= 0:
                 host[v] = int(rec["view_src"])
         assert all(host) and len(nodes) == len(parsed.node_index)
-        assert _as_indices(lib, host) == expect
+        # row ids are read from the copy their rule checked (TensorInfo.snapshot): the same
+        # bytes at another address; everything else as the one-by-one twins
+        pinned = {ctypes.addressof(s): ctypes.sizeof(s) for s in new.pinned}
+        data_map = {}
+        for i, a in enumerate(host):
+            d = int(np.frombuffer(ctypes.string_at(a, dtype.itemsize), dtype=dtype)[0]["data"])
+            if d in pinned:
+                ref_d = int(np.frombuffer(ctypes.string_at(ref_host[i], dtype.itemsize), dtype=dtype)[0]["data"])
+                assert ctypes.string_at(d, pinned[d]) == ctypes.string_at(ref_d, pinned[d])
+                data_map[d] = ref_d
+        assert data_map  # the graph's GET_ROWS ids
+        assert _as_indices(lib, host, data_map) == expect
     assert b"a name of exactly sixty-three characters, to test the last byte" in b"".join(expect)
 
 

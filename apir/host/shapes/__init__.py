@@ -16,6 +16,12 @@ gap) when that is what keeps the kernel's pointer arithmetic inside the checked 
 every tensor's extent (ne, nb) is already checked against its buffer by the caller, so what
 a rule must prove is that the kernel walks each tensor only within its own ne and nb.
 
+Row ids (GET_ROWS, SET_ROWS, MUL_MAT_ID, ADD_ID, GET_ROWS_BACK) are data, not shape: the CPU
+kernels GGML_ASSERT them in range (an abort of the host) or do not check them at all. The
+rules read them before compute from a copy (`base.row_ids`) that the kernel is then given,
+and graph.py refuses a graph in which a node writes over them (ids computed by the graph):
+their values cannot be known before compute, and no kernel is safe on every value.
+
 Rules live in one module per family of ops, each with a `RULES` table; this package merges
 them into `CHECKED_OPS`.
 """

@@ -29,6 +29,9 @@ class OpEnums:
     to_float: FrozenSet[str] = frozenset()
     version: tuple = (0, 0, 0)  # ggml_version(), for kernels that changed between versions
     unary: Dict[str, int] = field(default_factory=dict)  # `enum ggml_unary_op`, COUNT included
+    # types with a CPU `vec_dot` -> their `vec_dot_type` (MUL_MAT, MUL_MAT_ID)
+    vec_dot: Dict[str, str] = field(default_factory=dict)
+    blck_size: Dict[str, int] = field(default_factory=dict)  # ggml_blck_size of every type
 
     @property
     def glu_count(self) -> int:
@@ -47,18 +50,31 @@ def op_enums(g) -> OpEnums:
     unary = _parse_enum(text, "ggml_unary_op", "GGML_UNARY_OP_")
     glu = _parse_enum(text, "ggml_glu_op", "GGML_GLU_OP_") if "enum ggml_glu_op" in text else {}
     rope = {m.group(1): int(m.group(2)) for m in re.finditer(r"#\s*define\s+GGML_ROPE_TYPE_(\w+)\s+(\d+)", text)}
-    from_float, to_float = set(), set()
+    from_float, to_float, vec_dot, blck_size = set(), set(), {}, {}
     for t, name in g.type_names.items():
+        blck_size[name] = int(g.ggml_blck_size(t))
         traits = g.ggml_get_type_traits_cpu(t)
         if traits and ctypes.c_void_p.from_address(traits).value:
             from_float.add(name)
+        if traits:
+            cpu = _TypeTraitsCpu.from_address(traits)
+            if cpu.vec_dot and cpu.vec_dot_type in g.type_names:
+                vec_dot[name] = g.type_names[cpu.vec_dot_type]
         base = _TypeTraits.from_address(g.ggml_get_type_traits(t))
         # The mirrored layout is trusted only where it reads back what ggml reports.
         if (base.is_quantized and base.to_float and base.blck_size == g.ggml_blck_size(t)
                 and base.type_size == g.ggml_type_size(t)):
             to_float.add(name)
     version = tuple(int(x) for x in re.findall(r"\d+", g.ggml_version().decode())[:3])
-    return OpEnums(unary["COUNT"], glu, rope, frozenset(from_float), frozenset(to_float), version, unary)
+    return OpEnums(unary["COUNT"], glu, rope, frozenset(from_float), frozenset(to_float), version,
+                   unary=unary, vec_dot=vec_dot, blck_size=blck_size)
+
+
+class _TypeTraitsCpu(ctypes.Structure):
+    """`struct ggml_type_traits_cpu` (ggml-cpu.h, the same in ggml 0.10 and 0.20)."""
+
+    _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p),
+                ("vec_dot_type", ctypes.c_int), ("nrows", ctypes.c_int64)]
 
 
 class _TypeTraits(ctypes.Structure):
@@ -90,6 +106,15 @@ class TensorInfo:
     # tensor's own extent (ROPE's frequency factors) stays in mapped memory; None where not
     # known (device_supports_op): such checks are then left to graph_compute
     room: Optional[int] = None
+    # the bytes of this tensor's extent, copied by a rule that read its data before compute
+    # (row ids, `row_ids`): the kernel is then given this copy, so the guest cannot change the
+    # ids after the check (its buffer may be guest memory); and graph_compute refuses a graph
+    # in which a node writes over the original before its readers ran (the ids used would not
+    # be those of ggml CPU)
+    snapshot: Optional[ctypes.Array] = None
+    read_by: Optional[List[int]] = None  # graph indices of the nodes whose rules read the snapshot
+    # set by a rule whose kernel is only safe when the whole graph runs on one thread
+    one_thread: bool = False
 
     def nelements(self) -> int:
         return math.prod(map(int, self.ne))  # exact (Python ints); np.prod(dtype=object) is ~20x slower
@@ -129,8 +154,6 @@ class TensorInfo:
 
 FLOAT = ("F32", "F16", "BF16")
 
-FLOAT = ("F32", "F16", "BF16")
-
 
 def param_i32(node: TensorInfo, i: int) -> int:
     return int(np.asarray(node.op_params, dtype=np.int32)[i])
@@ -161,20 +184,64 @@ def dst_contiguous(node: TensorInfo) -> None:
         fail(node, f"destination is not contiguous (nb {node.nb})")
 
 
-def check_row_ids(node: TensorInfo, ids: TensorInfo, n_rows: int) -> None:
-    """The CPU kernels GGML_ASSERT each row id is in [0, n_rows): an id out of range would
-    abort the host. Ids are read here, which needs them to be guest-written input (a leaf
-    with data), contiguous I32 or I64, not computed by the graph."""
-    dtype = {"I32": np.int32, "I64": np.int64}.get(ids.type_name)
-    if dtype is None or not ids.contiguous():
-        fail(node, f"row ids must be contiguous I32 or I64, not {ids.type_name} nb {ids.nb}")
-    if not ids.is_leaf or ids.address == 0:
-        fail(node, "row ids must be an input tensor of the graph")
-    n = ids.nelements() if ids.address is not None else 0
-    if n:
-        import ctypes
+def extent(t: TensorInfo) -> int:
+    """Bytes from t's data its ne and nb reach (apir.host.tensors' `extent`, already checked
+    to lie inside t's buffer)."""
+    if any(n <= 0 for n in t.ne):
+        return 0
+    blocks0 = t.ne[0] // t.blck_size
+    row = max(blocks0 * t.type_size, (blocks0 - 1) * t.nb[0] + t.type_size)
+    if t.blck_size > 1:
+        row = max(row, blocks0 * t.nb[0])
+    return row + sum((t.ne[i] - 1) * t.nb[i] for i in range(1, len(t.ne)))
 
-        raw = (ctypes.c_char * (n * np.dtype(dtype).itemsize)).from_address(ids.address)
-        values = np.frombuffer(raw, dtype=dtype)
-        if values.min() < 0 or values.max() >= n_rows:
-            fail(node, f"row id out of [0, {n_rows})")
+
+_ID_DTYPES = {"I32": np.int32, "I64": np.int64}
+
+
+def row_ids(node: TensorInfo, ids: TensorInfo, types=("I32",), flat: bool = False) -> Optional[np.ndarray]:
+    """The row ids a kernel reads, as the array [ne3, ne2, ne1, ne0] read through ids' nb (or,
+    `flat`, the first nelements of ids' data as one packed array, as GET_ROWS_BACK reads them);
+    None where no data is known (device_supports_op).
+
+    Reading them before compute is sound only if the kernel reads the same values: the ids'
+    bytes are copied once (`ids.snapshot`), the values read from the copy, and graph_compute
+    points the kernel's tensor at the copy (a guest writing its buffer meanwhile changes
+    nothing) and refuses a graph in which a node (ids themselves when computed by the graph,
+    or any node whose result overlaps them) writes over the original. Ids computed by the
+    graph are so refused: the CPU kernels GGML_ASSERT (abort the host) or, worse, index out of
+    their tensors on an id out of range."""
+    if ids.type_name not in types:
+        fail(node, f"row ids must be {' or '.join(types)}, not {ids.type_name}")
+    if ids.address == 0:
+        fail(node, "row ids have no data")
+    if ids.address is None:
+        return None
+    dtype = np.dtype(_ID_DTYPES[ids.type_name])
+    n = ids.nelements()
+    if n == 0:
+        return np.zeros(0, dtype)
+    size = extent(ids)
+    if ids.snapshot is None:
+        ids.snapshot = ctypes.create_string_buffer(size)
+        ctypes.memmove(ids.snapshot, ids.address, size)
+    ids.read_by = (ids.read_by or []) + [node.index]
+    if flat:
+        if n * dtype.itemsize > size:
+            fail(node, f"{n} packed row ids reach past ids' extent (nb {ids.nb})")
+        return np.frombuffer(ids.snapshot, dtype=dtype, count=n).copy()
+    if ids.nb[0] < dtype.itemsize and ids.ne[0] > 1:
+        fail(node, f"row ids overlap (nb {ids.nb})")
+    return np.ndarray(shape=tuple(ids.ne[::-1]), dtype=dtype, buffer=ids.snapshot,
+                      strides=tuple(ids.nb[::-1])).copy()
+
+
+def ids_in_range(node: TensorInfo, values: Optional[np.ndarray], n_rows: int, what: str = "row id") -> None:
+    if values is not None and values.size and (values.min() < 0 or values.max() >= n_rows):
+        fail(node, f"{what} out of [0, {n_rows})")
+
+
+def check_row_ids(node: TensorInfo, ids: TensorInfo, n_rows: int, types=("I32", "I64")) -> None:
+    """Every row id of ids in [0, n_rows): the CPU kernels GGML_ASSERT it (an id out of range
+    would abort the host); see `row_ids`."""
+    ids_in_range(node, row_ids(node, ids, types), n_rows)
