@@ -106,7 +106,7 @@ def main(argv=None) -> int:
             return op, None, None
         cpu = bo.run_op(tbo, op, "CPU", None, timeout=args.timeout, max_resume=0)
         env = guest_env(paths, shim, workers.host().socket_path)
-        ap_run = bo.run_op(tbo, op, bo.VIRTGPU_DEVICE, env, expected=cpu.names(),
+        ap_run = bo.run_op(tbo, op, bo.VIRTGPU_DEVICE, env, expected=cpu.passed(),
                            timeout=args.timeout, max_resume=args.max_resume, deadline=deadline)
         return op, cpu, ap_run
 

@@ -10,6 +10,8 @@ Each op runs in its own test-backend-ops process. The C guest aborts the whole p
 backend function fails (GGML_ABORT in REMOTE_CALL), so one refused or crashed case would hide all
 the cases after it: when a run ends early, the op's remaining cases (known from the CPU run) are
 run one per process, and the case that was running when it ended counts as failed ("crashed").
+Only the cases that passed on CPU are resumed: the others need not pass through apir, and each
+would cost a process (the C guest aborts on every case the host refuses).
 
 Console lines look like ``  OP(params): OK`` / ``FAIL`` / ``not supported [...]`` /
 ``skipping large tensors for speed``; `parse` turns them into [(case, status)] (a suite may
@@ -79,6 +81,11 @@ class OpRun:
     def names(self) -> List[str]:
         """The distinct case names, in order."""
         return list(dict.fromkeys(c for c, _ in self.cases))
+
+    def passed(self) -> List[str]:
+        """The distinct names of the cases that passed, in order."""
+        ok = {c for c, s in self.cases if s == OK}
+        return [c for c in self.names() if c in ok]
 
     def status_of(self, case: str) -> Optional[str]:
         """OK if any run of `case` passed, else the last status seen, else None."""
