@@ -4,6 +4,7 @@ the loaded ggml build) and the small checks rules are written with."""
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Optional, Sequence
 
@@ -27,6 +28,10 @@ class OpEnums:
     # quantized types whose `ggml_type_traits.to_float` is set (CPY from them into F32)
     to_float: FrozenSet[str] = frozenset()
     version: tuple = (0, 0, 0)  # ggml_version(), for kernels that changed between versions
+    # types whose CPU `vec_dot` is set and whose `vec_dot_type` has a `from_float` (a row of
+    # F32 converted to it and dotted with a row of the type) -> the row length, in elements,
+    # that the blocks of both divide
+    vec_dot: Dict[str, int] = field(default_factory=dict)
 
     @property
     def glu_count(self) -> int:
@@ -45,18 +50,33 @@ def op_enums(g) -> OpEnums:
     unary = _parse_enum(text, "ggml_unary_op", "GGML_UNARY_OP_")["COUNT"]
     glu = _parse_enum(text, "ggml_glu_op", "GGML_GLU_OP_") if "enum ggml_glu_op" in text else {}
     rope = {m.group(1): int(m.group(2)) for m in re.finditer(r"#\s*define\s+GGML_ROPE_TYPE_(\w+)\s+(\d+)", text)}
-    from_float, to_float = set(), set()
+    from_float, to_float, cpu = set(), set(), {}
     for t, name in g.type_names.items():
         traits = g.ggml_get_type_traits_cpu(t)
-        if traits and ctypes.c_void_p.from_address(traits).value:
-            from_float.add(name)
+        if traits:
+            cpu[t] = _TypeTraitsCpu.from_address(traits)
+            if cpu[t].from_float:
+                from_float.add(name)
         base = _TypeTraits.from_address(g.ggml_get_type_traits(t))
         # The mirrored layout is trusted only where it reads back what ggml reports.
         if (base.is_quantized and base.to_float and base.blck_size == g.ggml_blck_size(t)
                 and base.type_size == g.ggml_type_size(t)):
             to_float.add(name)
     version = tuple(int(x) for x in re.findall(r"\d+", g.ggml_version().decode())[:3])
-    return OpEnums(unary, glu, rope, frozenset(from_float), frozenset(to_float), version)
+    vec_dot = {}
+    for t, traits in cpu.items():
+        other = cpu.get(traits.vec_dot_type)
+        if traits.vec_dot and other is not None and other.from_float:
+            a, b = g.ggml_blck_size(t), g.ggml_blck_size(traits.vec_dot_type)
+            vec_dot[g.type_names[t]] = a * b // math.gcd(a, b)
+    return OpEnums(unary, glu, rope, frozenset(from_float), frozenset(to_float), version, vec_dot)
+
+
+class _TypeTraitsCpu(ctypes.Structure):
+    """`struct ggml_type_traits_cpu` (ggml-cpu.h, the same in ggml 0.10 and 0.20)."""
+
+    _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p),
+                ("vec_dot_type", ctypes.c_int), ("nrows", ctypes.c_int64)]
 
 
 class _TypeTraits(ctypes.Structure):

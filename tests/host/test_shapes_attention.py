@@ -1,0 +1,170 @@
+"""apir.host.shapes.attention: each op, built with ggml's own constructor, computes through the
+host to ggml CPU's own bytes; a lying shape, type or op_param is refused by that op's rule, and
+the host serves on."""
+
+import logging
+
+import numpy as np
+import pytest
+
+from apir.ggml.lib import _declare
+from tests.host.test_shapes_more import ERROR, Case, Remote, _direct, _in
+
+# Constructors the shared SIGNATURES table does not declare (ggml.h of ggml 0.20).
+_SIGS = {
+    "ggml_flash_attn_ext": "p:pppppfff", "ggml_flash_attn_ext_add_sinks": "v:pp",
+    "ggml_flash_attn_ext_set_prec": "v:pi", "ggml_permute": "p:ppiiii",
+    "ggml_ssm_conv": "p:ppp", "ggml_ssm_scan": "p:ppppppppp",
+    "ggml_rwkv_wkv6": "p:ppppppp", "ggml_rwkv_wkv7": "p:pppppppp",
+    "ggml_gated_linear_attn": "p:pppppppf", "ggml_gated_delta_net": "p:ppppppp",
+}
+
+
+def fn(g, name):
+    f = _declare(g.cdlls, name, _SIGS[name])
+    if f is None:
+        pytest.skip(f"{name} not in this ggml")
+    return f
+
+
+def _blocks(block_bytes, scale_bytes=2, blck=32):
+    """Quantized blocks with a small F16 scale (random bytes would make NaN or inf scales)."""
+    def make(n, rng):
+        b = rng.integers(0, 256, (n // blck, block_bytes)).astype(np.uint8)
+        scales = rng.uniform(0.002, 0.02, (n // blck, scale_bytes // 2)).astype(np.float16)
+        b[:, :scale_bytes] = scales.view(np.uint8).reshape(n // blck, scale_bytes)
+        return b
+    return make
+
+
+def _bf16(n, rng):
+    return (rng.standard_normal(n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _fa(type_k="F16", type_v="F16", mask=True, sinks=False, heads=4, kv_heads=2, dk=64, dv=64,
+        n=3, kv=7, permute=False, max_bias=0.0, softcap=0.0, prec=10):
+    """test-backend-ops' test_flash_attn_ext, small: q [dk, n, heads] F32, k and v of kv_heads
+    (GQA broadcast), mask [kv, n], sinks [heads]; `permute`: q, k, v built [dk, heads, n] and
+    permuted (0, 2, 1, 3)."""
+    def build(g, ctx):
+        def make(type_name, ne0, ne1, ne2):
+            if not permute:
+                t = _in(g, ctx, type_name, ne0, ne1, ne2, 1)
+                return t, t
+            t = _in(g, ctx, type_name, ne0, ne2, ne1, 1)
+            return t, fn(g, "ggml_permute")(ctx, t, 0, 2, 1, 3)
+
+        q, qv = make("F32", dk, n, heads)
+        k, kv_ = make(type_k, dk, kv, kv_heads)
+        v, vv = make(type_v, dv, kv, kv_heads)
+        ins = [q, k, v]
+        m = _in(g, ctx, "F16", kv, n, 1, 1) if mask else None
+        s = _in(g, ctx, "F32", heads) if sinks else None
+        ins += [t for t in (m, s) if t is not None]
+        out = fn(g, "ggml_flash_attn_ext")(ctx, qv, kv_, vv, m, 1.0 / np.sqrt(dk), max_bias, softcap)
+        if s is not None:
+            fn(g, "ggml_flash_attn_ext_add_sinks")(out, s)
+        fn(g, "ggml_flash_attn_ext_set_prec")(out, prec)
+        return out, ins
+    return build
+
+
+_Q8 = _blocks(34)
+_Q4 = _blocks(18)
+
+CASES = [
+    Case("FLASH_ATTN_EXT", _fa(), lie=(0, 2, -1)),  # 3 heads of q for 2 of k
+    Case("FLASH_ATTN_EXT", _fa(sinks=True, max_bias=8.0), lie=(3, 0, -1)),  # mask shorter than kv
+    Case("FLASH_ATTN_EXT", _fa(type_k="F32", type_v="F32", mask=False, softcap=10.0, prec=0), lie=(-1, 0, -1)),
+    Case("FLASH_ATTN_EXT", _fa(type_k="BF16", type_v="BF16", heads=2, kv_heads=1, n=2), lie=(-1, 1, -1),
+         data={1: _bf16, 2: _bf16}),
+    Case("FLASH_ATTN_EXT", _fa(type_k="Q8_0", type_v="Q8_0"), lie=(2, 2, 1),  # v of 3 heads for q of 4
+         data={1: _Q8, 2: _Q8}),
+    Case("FLASH_ATTN_EXT", _fa(type_k="Q4_0", type_v="F16", permute=True, sinks=True), lie=(3, 1, -1),  # mask rows < q rows
+         data={1: _Q4}),
+    Case("FLASH_ATTN_EXT", _fa(dk=64, dv=32, permute=True), lie=(-1, 2, -1)),
+]
+IDS = [f"{c.op}-{i}" for i, c in enumerate(CASES)]
+
+
+@pytest.fixture
+def remote(guest, ggml, request):
+    r = Remote(guest, ggml, request.param)
+    yield r
+    r.close()
+
+
+@pytest.mark.parametrize("remote", CASES, ids=IDS, indirect=True)
+def test_op_matches_ggml_cpu(remote, ggml, request):
+    case = request.node.callspec.params["remote"]
+    rc, dec = remote.compute()
+    assert rc == 0 and dec.i32() == 0
+    got, expect = remote.result(), _direct(ggml, case)
+    assert got == expect
+    assert len(set(got)) > 1  # not an untouched buffer
+
+
+@pytest.mark.parametrize("remote", CASES, ids=IDS, indirect=True)
+def test_lying_shape_is_refused(remote, guest, ggml, request, caplog):
+    case = request.node.callspec.params["remote"]
+    which, dim, delta = case.lie
+    t = remote.out if which < 0 else remote.inputs[which]
+    recs = remote.recs.copy()
+    i = remote.index(t)
+    recs["ne"][i][dim] = int(recs["ne"][i][dim]) + delta
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="apir.host"):
+        rc, _ = remote.compute(recs)
+    assert rc == ERROR
+    assert f"({case.op})" in caplog.text, caplog.text  # refused by the op's own rule
+    rc, dec = remote.compute()  # the host serves the next valid command
+    assert rc == 0 and dec.i32() == 0
+
+
+def _lie(remote, ggml, caplog, t, field, index, value, dtype=np.int32):
+    """Sets `field`[index] of tensor t's record (op_params as raw int32 words) and computes."""
+    recs = remote.recs.copy()
+    i = remote.index(t)
+    if field == "op_params":
+        recs["op_params"][i][index] = np.array([value]).astype(dtype).view(np.int32)[0]
+    elif field == "type":
+        recs["type"][i] = ggml.types[value]
+    else:
+        recs[field][i][index] = value
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="apir.host"):
+        rc, _ = remote.compute(recs)
+    return rc
+
+
+@pytest.mark.parametrize("field,index,value,dtype", [
+    ("op_params", 3, 5, np.int32),  # precision the kernel aborts on
+    ("op_params", 1, 8.0, np.float32),  # max_bias without a mask
+])
+def test_flash_attn_ext_bad_op_params(guest, ggml, caplog, field, index, value, dtype):
+    r = Remote(guest, ggml, CASES[2])
+    assert _lie(r, ggml, caplog, r.out, field, index, value, dtype) == ERROR
+    assert "(FLASH_ATTN_EXT)" in caplog.text, caplog.text
+    rc, dec = r.compute()
+    assert rc == 0 and dec.i32() == 0
+    r.close()
+
+
+@pytest.mark.parametrize("which,field,index,value", [
+    (0, "type", 0, "F16"),  # q read as F32 rows
+    (3, "type", 0, "F32"),  # the mask is F16
+    (-1, "nb", 2, 0),  # result rows written at (i2 + i1*ne1) * nb[1]: not contiguous
+    (0, "nb", 0, 8),  # q rows not contiguous
+    (4, "nb", 0, 8),  # sinks read as a plain array
+])
+def test_flash_attn_ext_bad_types_and_strides(guest, ggml, caplog, which, field, index, value):
+    r = Remote(guest, ggml, CASES[1])
+    t = r.out if which < 0 else r.inputs[which]
+    if field == "nb" and value == 0:
+        value = int(r.recs["nb"][r.index(t)][1])
+    rc = _lie(r, ggml, caplog, t, field, index, value)
+    assert rc == ERROR
+    assert "(FLASH_ATTN_EXT)" in caplog.text, caplog.text
+    rc, dec = r.compute()
+    assert rc == 0 and dec.i32() == 0
+    r.close()
