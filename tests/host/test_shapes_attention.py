@@ -16,7 +16,7 @@ _SIGS = {
     "ggml_flash_attn_ext_set_prec": "v:pi", "ggml_permute": "p:ppiiii",
     "ggml_ssm_conv": "p:ppp", "ggml_ssm_scan": "p:ppppppppp",
     "ggml_rwkv_wkv6": "p:ppppppp", "ggml_rwkv_wkv7": "p:pppppppp",
-    "ggml_gated_linear_attn": "p:pppppppf", "ggml_gated_delta_net": "p:ppppppp",
+    "ggml_gated_linear_attn": "p:ppppppf", "ggml_gated_delta_net": "p:ppppppp",
 }
 
 
@@ -69,6 +69,26 @@ def _fa(type_k="F16", type_v="F16", mask=True, sinks=False, heads=4, kv_heads=2,
     return build
 
 
+def _linear(name, n_token_srcs, tf=False, s_=8, h=2, t=4, n_seqs=2, scale=None):
+    """test-backend-ops' test_rwkv_wkv6 / test_gla / test_rwkv_wkv7, small: per-token sources
+    [s_, h, t] (time_faaaa [s_, h] third when `tf`), the state [s_*s_*h, n_seqs] last."""
+    def build(g, ctx):
+        ins = [_in(g, ctx, "F32", s_, h, t) for _ in range(n_token_srcs)]
+        if tf:
+            ins.insert(3, _in(g, ctx, "F32", s_, h))
+        ins.append(_in(g, ctx, "F32", s_ * s_ * h, n_seqs))
+        args = (ins + [scale]) if scale is not None else ins
+        return fn(g, name)(ctx, *args), ins
+    return build
+
+
+def _ssm_conv(d_conv=4, d_inner=6, n_t=3, n_s=2):
+    def build(g, ctx):
+        sx, c = _in(g, ctx, "F32", d_conv - 1 + n_t, d_inner, n_s), _in(g, ctx, "F32", d_conv, d_inner)
+        return fn(g, "ggml_ssm_conv")(ctx, sx, c), [sx, c]
+    return build
+
+
 _Q8 = _blocks(34)
 _Q4 = _blocks(18)
 
@@ -83,6 +103,12 @@ CASES = [
     Case("FLASH_ATTN_EXT", _fa(type_k="Q4_0", type_v="F16", permute=True, sinks=True), lie=(3, 1, -1),  # mask rows < q rows
          data={1: _Q4}),
     Case("FLASH_ATTN_EXT", _fa(dk=64, dv=32, permute=True), lie=(-1, 2, -1)),
+    Case("RWKV_WKV6", _linear("ggml_rwkv_wkv6", 4, tf=True), lie=(0, 2, -1)),  # k of 3 tokens
+    Case("RWKV_WKV6", _linear("ggml_rwkv_wkv6", 4, tf=True, n_seqs=1, t=3), lie=(3, 0, -1)),  # time_faaaa short
+    Case("GATED_LINEAR_ATTN", _linear("ggml_gated_linear_attn", 4, scale=0.5), lie=(-1, 1, -1)),
+    Case("RWKV_WKV7", _linear("ggml_rwkv_wkv7", 6, s_=64), lie=(6, 1, -1)),  # state of 1 sequence
+    Case("SSM_CONV", _ssm_conv(), lie=(1, 0, -1)),
+    Case("SSM_CONV", _ssm_conv(d_conv=3, n_t=1, n_s=1), lie=(0, 1, -1)),
 ]
 IDS = [f"{c.op}-{i}" for i, c in enumerate(CASES)]
 
@@ -135,6 +161,15 @@ def _lie(remote, ggml, caplog, t, field, index, value, dtype=np.int32):
     with caplog.at_level(logging.WARNING, logger="apir.host"):
         rc, _ = remote.compute(recs)
     return rc
+
+
+def test_rwkv_wkv7_head_size_off_the_simd_step_is_refused(guest, ggml, caplog):
+    """The SIMD kernel would load and store a whole GGML_F32_STEP past a head of 8 floats."""
+    r = Remote(guest, ggml, Case("RWKV_WKV7", _linear("ggml_rwkv_wkv7", 6)))
+    with caplog.at_level(logging.WARNING, logger="apir.host"):
+        rc, _ = r.compute()
+    assert rc == ERROR and "head size 8 is not a multiple of 64" in caplog.text, caplog.text
+    r.close()
 
 
 @pytest.mark.parametrize("field,index,value,dtype", [

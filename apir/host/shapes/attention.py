@@ -63,6 +63,90 @@ def _flash_attn_ext(node, srcs, enums):
     dst_contiguous(node)
 
 
+def _f32_contiguous(node, tensors, what):
+    for name, t in zip(what, tensors):
+        if t.type_name != "F32" or not t.contiguous():
+            fail(node, f"{name} must be contiguous F32, not {t.type_name} nb {t.nb}")
+
+
+def _linear_attn(node, srcs, n_tokens_srcs, key, extra, state_at):
+    """RWKV_WKV6, GATED_LINEAR_ATTN, RWKV_WKV7 (ggml_rwkv_wkv6, ggml_gated_linear_attn,
+    ggml_rwkv_wkv7; their CPU kernels, the same in ggml 0.10 and 0.20): every source is read
+    as a flat F32 array. The per-token sources are [S, H, T] (S, H, T of src `key`, the
+    kernel's T and H are src1's), the state S*S*H*n_seqs with n_seqs = its ne[1]; token t uses
+    state t / (T / n_seqs), so n_seqs must divide T (T < n_seqs would divide by zero). The
+    result, [S*H, T + S*n_seqs] F32, holds the outputs then the new states."""
+    got = need(node, srcs, state_at + 1)
+    k, state = got[key], got[state_at]
+    s_, h, t = k.ne[0], k.ne[1], k.ne[2]
+    _f32_contiguous(node, got, [f"src{i}" for i in range(len(got))])
+    if s_ < 1 or h < 1:
+        fail(node, f"head size {s_} and heads {h} must be >= 1")
+    for i in n_tokens_srcs:
+        if got[i].ne[:3] != [s_, h, t] or got[i].ne[3] < 1:
+            fail(node, f"src{i} {got[i].ne} is not [{s_}, {h}, {t}]")
+    for i in extra:  # RWKV_WKV6's time_faaaa: one F32 per channel of a head
+        if got[i].nelements() < s_ * h:
+            fail(node, f"src{i} {got[i].ne} has fewer than {s_ * h} elements")
+    n_seqs = state.ne[1]
+    if n_seqs < 1 or t % n_seqs or state.nelements() != s_ * s_ * h * n_seqs:
+        fail(node, f"state {state.ne} is not {s_}*{s_}*{h} per sequence of {t} tokens")
+    want = [s_ * h, t + s_ * n_seqs, 1, 1]
+    if node.ne != want or node.type_name != "F32":
+        fail(node, f"shape {node.type_name} {node.ne}, the op gives F32 {want}")
+    dst_contiguous(node)
+
+
+def _rwkv_wkv6(node, srcs, _enums=None):
+    """k, v, r, time_faaaa, time_decay, state."""
+    _linear_attn(node, srcs, (0, 1, 2, 4), 0, (3,), 5)
+
+
+def _gated_linear_attn(node, srcs, _enums=None):
+    """k, v, q, g, state; op_params[0] the scale (any float)."""
+    _linear_attn(node, srcs, (0, 1, 2, 3), 0, (), 4)
+
+
+# The largest GGML_F32_STEP of ggml-cpu's simd-mappings.h (AVX-512; 32 on AVX, 16 on NEON).
+_F32_STEP_MAX = 64
+
+
+def _rwkv_wkv7(node, srcs, _enums=None):
+    """r, w, k, v, a, b, state. The GGML_SIMD kernel walks each head in whole steps of
+    GGML_F32_STEP floats with no tail for the loads and stores: a head size that is not a
+    multiple of it would run past r, w, k, a, b and the state, so it must be one of the
+    largest step of any build."""
+    _linear_attn(node, srcs, (0, 1, 2, 3, 4, 5), 2, (), 6)
+    if srcs[2].ne[0] % _F32_STEP_MAX:
+        fail(node, f"head size {srcs[2].ne[0]} is not a multiple of {_F32_STEP_MAX}")
+
+
+def _ssm_conv(node, srcs, _enums=None):
+    """SSM_CONV (ggml_ssm_conv; ggml_compute_forward_ssm_conv_f32, the same in 0.10 and 0.20):
+    sx [d_conv - 1 + n_t, d_inner, n_s] F32 with packed rows (read as a sliding window of
+    d_conv over its row), c [d_conv, d_inner] F32 read as one packed array, the result
+    [d_inner, n_t, n_s] F32 written element by element (nb[0] of 4)."""
+    sx, c = need(node, srcs, 2)
+    if sx.ne[3] != 1 or c.ne[2] != 1 or c.ne[3] != 1:
+        fail(node, f"sx {sx.ne} must be 3d and c {c.ne} a matrix")
+    d_conv, d_inner = c.ne[0], c.ne[1]
+    n_t = sx.ne[0] - d_conv + 1
+    if n_t < 0 or sx.ne[1] != d_inner:
+        fail(node, f"sx {sx.ne} does not fit c {c.ne}")
+    want = [d_inner, n_t, sx.ne[2], 1]
+    if node.ne != want or node.type_name != "F32":
+        fail(node, f"shape {node.type_name} {node.ne}, ssm_conv gives F32 {want}")
+    if sx.type_name != "F32" or c.type_name != "F32":
+        fail(node, f"types {sx.type_name}, {c.type_name}: F32 only")
+    if sx.nb[0] != 4 or sx.nb[1] != sx.ne[0] * 4 or not c.contiguous():
+        fail(node, f"sx nb {sx.nb} rows not packed or c nb {c.nb} not contiguous")
+    dst_contiguous(node)
+
+
 RULES = {
     "FLASH_ATTN_EXT": _flash_attn_ext,
+    "RWKV_WKV6": _rwkv_wkv6,
+    "GATED_LINEAR_ATTN": _gated_linear_attn,
+    "RWKV_WKV7": _rwkv_wkv7,
+    "SSM_CONV": _ssm_conv,
 }
