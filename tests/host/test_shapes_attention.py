@@ -16,7 +16,7 @@ _SIGS = {
     "ggml_flash_attn_ext_set_prec": "v:pi", "ggml_permute": "p:ppiiii",
     "ggml_ssm_conv": "p:ppp", "ggml_ssm_scan": "p:ppppppppp",
     "ggml_rwkv_wkv6": "p:ppppppp", "ggml_rwkv_wkv7": "p:pppppppp",
-    "ggml_gated_linear_attn": "p:ppppppf", "ggml_gated_delta_net": "p:ppppppp",
+    "ggml_gated_linear_attn": "p:ppppppf", "ggml_gated_delta_net": "p:pppppppI",
 }
 
 
@@ -89,6 +89,33 @@ def _ssm_conv(d_conv=4, d_inner=6, n_t=3, n_s=2):
     return build
 
 
+def _gdn(kda=False, snapshots=1, permuted=False, s_v=8, h=2, t=3, n_seqs=2, v_repeat=1):
+    """test-backend-ops' test_gated_delta_net, small (ggml 0.20's constructor, with K)."""
+    def build(g, ctx):
+        ins = []
+
+        def qkv(heads):
+            if permuted:
+                x = _in(g, ctx, "F32", s_v, t, heads, n_seqs)
+                ins.append(x)
+                return fn(g, "ggml_permute")(ctx, x, 0, 2, 1, 3)
+            x = _in(g, ctx, "F32", s_v, heads, t, n_seqs)
+            ins.append(x)
+            return x
+
+        q, k, v = qkv(h), qkv(h), qkv(h * v_repeat)
+        gate = _in(g, ctx, "F32", s_v if kda else 1, h * v_repeat, t, n_seqs)
+        beta = _in(g, ctx, "F32", 1, h * v_repeat, t, n_seqs)
+        state = _in(g, ctx, "F32", s_v, s_v, h * v_repeat, n_seqs)
+        ins += [gate, beta, state]
+        return fn(g, "ggml_gated_delta_net")(ctx, q, k, v, gate, beta, state, snapshots), ins
+    return build
+
+
+_SMALL = {3: lambda n, r: (r.random(n) * -0.5).astype(np.float32),  # log-decay gates
+          4: lambda n, r: r.random(n).astype(np.float32)}  # beta in [0, 1)
+
+
 _Q8 = _blocks(34)
 _Q4 = _blocks(18)
 
@@ -109,6 +136,9 @@ CASES = [
     Case("RWKV_WKV7", _linear("ggml_rwkv_wkv7", 6, s_=64), lie=(6, 1, -1)),  # state of 1 sequence
     Case("SSM_CONV", _ssm_conv(), lie=(1, 0, -1)),
     Case("SSM_CONV", _ssm_conv(d_conv=3, n_t=1, n_s=1), lie=(0, 1, -1)),
+    Case("GATED_DELTA_NET", _gdn(), lie=(4, 0, 1), data=_SMALL),  # beta of 2 per head
+    Case("GATED_DELTA_NET", _gdn(kda=True, snapshots=3, v_repeat=2), lie=(1, 0, -1), data=_SMALL),
+    Case("GATED_DELTA_NET", _gdn(permuted=True, snapshots=2), lie=(-1, 1, -1), data=_SMALL),
 ]
 IDS = [f"{c.op}-{i}" for i, c in enumerate(CASES)]
 
@@ -169,6 +199,17 @@ def test_rwkv_wkv7_head_size_off_the_simd_step_is_refused(guest, ggml, caplog):
     with caplog.at_level(logging.WARNING, logger="apir.host"):
         rc, _ = r.compute()
     assert rc == ERROR and "head size 8 is not a multiple of 64" in caplog.text, caplog.text
+    r.close()
+
+
+@pytest.mark.parametrize("snapshots", [0, -1, 2])
+def test_gated_delta_net_snapshot_count(guest, ggml, caplog, snapshots):
+    """K < 1 (the kernel GGML_ASSERTs K >= 1) or a K the result has no rows for is refused."""
+    r = Remote(guest, ggml, CASES[-3])
+    assert _lie(r, ggml, caplog, r.out, "op_params", 0, snapshots) == ERROR
+    assert "(GATED_DELTA_NET)" in caplog.text, caplog.text
+    rc, dec = r.compute()
+    assert rc == 0 and dec.i32() == 0
     r.close()
 
 

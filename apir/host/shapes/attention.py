@@ -143,10 +143,52 @@ def _ssm_conv(node, srcs, _enums=None):
     dst_contiguous(node)
 
 
+# ggml 0.20 added GATED_DELTA_NET's K snapshot slots (op_params[0]) and its 4d state.
+_GDN_SNAPSHOTS_SINCE = (0, 20, 0)
+
+
+def _gated_delta_net(node, srcs, enums):
+    """GATED_DELTA_NET (ggml_gated_delta_net; ggml_compute_forward_gated_delta_net_one_chunk):
+    v [S_v, H, T, n_seqs] walks the heads and tokens; q and k rows (S_v floats, packed) are
+    read at head h % ne[1], token t, sequence s / (n_seqs / ne[3]) by their own strides;
+    g [1 or S_v, H, T, n_seqs] and beta [1, H, T, n_seqs] contiguous. ggml 0.20: the state is
+    [S_v, S_v, H, n_seqs], and K >= 1 snapshots of it follow the outputs in the result; ggml
+    0.10: the state is S_v*S_v*H*n_seqs packed floats, one snapshot (op_params unused)."""
+    q, k, v, g, beta, state = need(node, srcs, 6)
+    s_v, h, t, n_seqs = v.ne
+    _f32_contiguous(node, [g, beta, state], ["g", "beta", "state"])
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.type_name != "F32" or not (x.nb[0] == 4 or x.ne[0] == 1):
+            fail(node, f"{name} must be F32 with packed rows, not {x.type_name} nb {x.nb}")
+    for name, x in (("q", q), ("k", k)):
+        # rows of S_v floats, heads modulo ne[1], sequences broadcast by ne[3]
+        if x.ne[0] != s_v or x.ne[1] < 1 or x.ne[2] < t or not _divides(x.ne[3], n_seqs):
+            fail(node, f"{name} {x.ne} does not fit v {v.ne}")
+    if g.ne[0] not in (1, s_v) or g.ne[1:] != [h, t, n_seqs]:
+        fail(node, f"g {g.ne} does not fit v {v.ne}")
+    if beta.ne != [1, h, t, n_seqs]:
+        fail(node, f"beta {beta.ne} does not fit v {v.ne}")
+    if enums.version >= _GDN_SNAPSHOTS_SINCE:
+        snapshots = param_i32(node, 0)
+        if snapshots < 1:
+            fail(node, f"snapshot count {snapshots} is not >= 1")
+        if state.ne != [s_v, s_v, h, n_seqs]:
+            fail(node, f"state {state.ne} is not [{s_v}, {s_v}, {h}, {n_seqs}]")
+    else:
+        snapshots = 1
+        if state.nelements() != s_v * s_v * h * n_seqs:
+            fail(node, f"state {state.ne} does not hold {s_v}*{s_v}*{h}*{n_seqs} floats")
+    want = [s_v * h, t * n_seqs + snapshots * s_v * n_seqs, 1, 1]
+    if node.ne != want or node.type_name != "F32":
+        fail(node, f"shape {node.type_name} {node.ne}, gated_delta_net gives F32 {want}")
+    dst_contiguous(node)
+
+
 RULES = {
     "FLASH_ATTN_EXT": _flash_attn_ext,
     "RWKV_WKV6": _rwkv_wkv6,
     "GATED_LINEAR_ATTN": _gated_linear_attn,
     "RWKV_WKV7": _rwkv_wkv7,
     "SSM_CONV": _ssm_conv,
+    "GATED_DELTA_NET": _gated_delta_net,
 }
