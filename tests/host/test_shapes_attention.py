@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from apir.ggml.lib import _declare
-from tests.host.test_shapes_more import ERROR, Case, Remote, _direct, _in
+from tests.host.test_shapes_more import ERROR, Case, Remote, _direct, _in, _ints
 
 # Constructors the shared SIGNATURES table does not declare (ggml.h of ggml 0.20).
 _SIGS = {
     "ggml_flash_attn_ext": "p:pppppfff", "ggml_flash_attn_ext_add_sinks": "v:pp",
     "ggml_flash_attn_ext_set_prec": "v:pi", "ggml_permute": "p:ppiiii",
-    "ggml_ssm_conv": "p:ppp", "ggml_ssm_scan": "p:ppppppppp",
+    "ggml_ssm_conv": "p:ppp", "ggml_ssm_scan": "p:ppppppppI",
     "ggml_rwkv_wkv6": "p:ppppppp", "ggml_rwkv_wkv7": "p:pppppppp",
     "ggml_gated_linear_attn": "p:ppppppf", "ggml_gated_delta_net": "p:pppppppI",
 }
@@ -112,6 +112,22 @@ def _gdn(kda=False, snapshots=1, permuted=False, s_v=8, h=2, t=3, n_seqs=2, v_re
     return build
 
 
+def _ssm_scan(mamba1=False, snapshots=1, d_state=16, head_dim=4, n_head=4, n_group=2, n_tokens=3, n_seqs=2):
+    """test-backend-ops' test_ssm_scan, small (ggml 0.20's constructor, with K): the states of
+    n_seqs + 1 sequences, picked by ids."""
+    def build(g, ctx):
+        st = _in(g, ctx, "F32", d_state, head_dim, n_head, n_seqs + 1)
+        x = _in(g, ctx, "F32", head_dim, n_head, n_tokens, n_seqs)
+        dt = _in(g, ctx, "F32", n_head, n_tokens, n_seqs)
+        a = _in(g, ctx, "F32", d_state if mamba1 else 1, n_head)
+        b = _in(g, ctx, "F32", d_state, n_group, n_tokens, n_seqs)
+        c = _in(g, ctx, "F32", d_state, n_group, n_tokens, n_seqs)
+        ids = _in(g, ctx, "I32", n_seqs)
+        ins = [st, x, dt, a, b, c, ids]
+        return fn(g, "ggml_ssm_scan")(ctx, *ins, snapshots), ins
+    return build
+
+
 _SMALL = {3: lambda n, r: (r.random(n) * -0.5).astype(np.float32),  # log-decay gates
           4: lambda n, r: r.random(n).astype(np.float32)}  # beta in [0, 1)
 
@@ -139,6 +155,8 @@ CASES = [
     Case("GATED_DELTA_NET", _gdn(), lie=(4, 0, 1), data=_SMALL),  # beta of 2 per head
     Case("GATED_DELTA_NET", _gdn(kda=True, snapshots=3, v_repeat=2), lie=(1, 0, -1), data=_SMALL),
     Case("GATED_DELTA_NET", _gdn(permuted=True, snapshots=2), lie=(-1, 1, -1), data=_SMALL),
+    Case("SSM_SCAN", _ssm_scan(snapshots=2), lie=(1, 1, -1), data={6: _ints(3)}),  # x of 3 heads
+    Case("SSM_SCAN", _ssm_scan(mamba1=True), lie=(4, 1, 1), data={6: _ints(3)}),  # 3 groups
 ]
 IDS = [f"{c.op}-{i}" for i, c in enumerate(CASES)]
 
@@ -202,10 +220,21 @@ def test_rwkv_wkv7_head_size_off_the_simd_step_is_refused(guest, ggml, caplog):
     r.close()
 
 
+@pytest.mark.parametrize("bad", [[0, 3], [-1, 1]])
+def test_ssm_scan_state_ids_out_of_range(guest, ggml, caplog, bad):
+    """ids pick the initial state of each sequence (s + ids[i] * nb[3]): s has 3."""
+    case = Case("SSM_SCAN", _ssm_scan(), data={6: lambda n, r: np.array(bad, np.int32)})
+    r = Remote(guest, ggml, case)
+    with caplog.at_level(logging.WARNING, logger="apir.host"):
+        rc, _ = r.compute()
+    assert rc == ERROR and "(SSM_SCAN): row id out of [0, 3)" in caplog.text, caplog.text
+    r.close()
+
+
 @pytest.mark.parametrize("snapshots", [0, -1, 2])
 def test_gated_delta_net_snapshot_count(guest, ggml, caplog, snapshots):
     """K < 1 (the kernel GGML_ASSERTs K >= 1) or a K the result has no rows for is refused."""
-    r = Remote(guest, ggml, CASES[-3])
+    r = Remote(guest, ggml, next(c for c in CASES if c.op == "GATED_DELTA_NET"))  # K = 1
     assert _lie(r, ggml, caplog, r.out, "op_params", 0, snapshots) == ERROR
     assert "(GATED_DELTA_NET)" in caplog.text, caplog.text
     rc, dec = r.compute()

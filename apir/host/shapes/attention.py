@@ -3,7 +3,7 @@ RWKV_WKV6, RWKV_WKV7, GATED_LINEAR_ATTN, GATED_DELTA_NET, ..."""
 
 from __future__ import annotations
 
-from apir.host.shapes.base import dst_contiguous, fail, need, param_f32, param_i32
+from apir.host.shapes.base import check_row_ids, dst_contiguous, fail, need, param_f32, param_i32
 
 _PREC = (0, 10)  # GGML_PREC_DEFAULT, GGML_PREC_F32: any other makes the CPU kernel abort
 
@@ -143,6 +143,48 @@ def _ssm_conv(node, srcs, _enums=None):
     dst_contiguous(node)
 
 
+# ggml 0.20 added SSM_SCAN's K state snapshots (op_params[0]).
+_SSM_SNAPSHOTS_SINCE = (0, 20, 0)
+
+
+def _ssm_scan(node, srcs, enums):
+    """SSM_SCAN (ggml_ssm_scan; ggml_compute_forward_ssm_scan_f32), all F32:
+    s {d_state, head_dim, n_head, >= 1} contiguous, the initial state of sequence i read at
+    ids[i] * nb[3] (ids I32 [n_seqs], read here: each in [0, s->ne[3])); x {head_dim, n_head,
+    n_seq_tokens, n_seqs} and B, C {d_state, n_group, n_seq_tokens, n_seqs} with packed rows
+    (read as x[i1 + h*head_dim] and B[i0 + g*d_state]); dt {n_head, n_seq_tokens, n_seqs}
+    and A {1 or d_state, n_head} contiguous. The result is 1d: y (x's elements) then K states
+    of s's layout per sequence (ggml 0.20's op_params[0]; K = 1 in ggml 0.10)."""
+    s, x, dt, a, b, c, ids = need(node, srcs, 7)
+    _f32_contiguous(node, [s, dt, a], ["s", "dt", "A"])
+    for name, t in (("x", x), ("B", b), ("C", c)):
+        if t.type_name != "F32" or t.nb[0] != 4 or t.nb[1] != t.ne[0] * 4:
+            fail(node, f"{name} must be F32 with packed rows, not {t.type_name} nb {t.nb}")
+    d_state, head_dim, n_head, n_tokens, n_seqs = s.ne[0], x.ne[0], x.ne[1], x.ne[2], x.ne[3]
+    if s.ne[1] != head_dim or s.ne[2] != n_head or s.ne[3] < 1:
+        fail(node, f"s {s.ne} does not fit x {x.ne}")
+    if dt.ne != [n_head, n_tokens, n_seqs, 1]:
+        fail(node, f"dt {dt.ne} does not fit x {x.ne}")
+    if b.ne != c.ne or b.ne[0] != d_state or b.ne[2] != n_tokens or b.ne[3] != n_seqs:
+        fail(node, f"B {b.ne} and C {c.ne} do not fit s {s.ne} and x {x.ne}")
+    if not _divides(b.ne[1], n_head):  # the kernel asserts n_head % n_group == 0
+        fail(node, f"{b.ne[1]} groups do not divide {n_head} heads")
+    if a.ne[1] != n_head or a.ne[2] != 1 or a.ne[3] != 1 or a.ne[0] not in (1, d_state):
+        fail(node, f"A {a.ne} is not [1 or {d_state}, {n_head}]")
+    if ids.ne != [n_seqs, 1, 1, 1]:
+        fail(node, f"ids {ids.ne} are not [{n_seqs}]")
+    if ids.type_name != "I32":
+        fail(node, f"ids {ids.type_name} are not I32")
+    check_row_ids(node, ids, s.ne[3])
+    snapshots = param_i32(node, 0) if enums.version >= _SSM_SNAPSHOTS_SINCE else 1
+    if snapshots < 1 or (a.ne[0] != 1 and snapshots != 1):
+        fail(node, f"snapshot count {snapshots} (A {a.ne})")
+    want = [x.nelements() + snapshots * d_state * head_dim * n_head * n_seqs, 1, 1, 1]
+    if node.ne != want or node.type_name != "F32":
+        fail(node, f"shape {node.type_name} {node.ne}, ssm_scan gives F32 {want}")
+    dst_contiguous(node)
+
+
 # ggml 0.20 added GATED_DELTA_NET's K snapshot slots (op_params[0]) and its 4d state.
 _GDN_SNAPSHOTS_SINCE = (0, 20, 0)
 
@@ -191,4 +233,5 @@ RULES = {
     "RWKV_WKV7": _rwkv_wkv7,
     "SSM_CONV": _ssm_conv,
     "GATED_DELTA_NET": _gated_delta_net,
+    "SSM_SCAN": _ssm_scan,
 }
