@@ -226,6 +226,83 @@ def _gated_delta_net(node, srcs, enums):
     dst_contiguous(node)
 
 
+def _f32(node, tensors, names):
+    for name, t in zip(names, tensors):
+        if t.type_name != "F32":
+            fail(node, f"{name} must be F32, not {t.type_name}")
+
+
+def _lightning_indexer(node, srcs, _enums=None):
+    """LIGHTNING_INDEXER (ggml 0.20: ggml_lightning_indexer; ggml_compute_forward_lightning_indexer):
+    q [n_embd, n_head, n_tokens, n_stream] F32, k [n_embd, 1, n_kv, n_stream] (F32 or a type
+    with to_float; rows converted n_embd at a time), weights [n_head, n_tokens, 1, n_stream]
+    F32, mask [n_kv, n_tokens, 1, n_stream / r] F16; every row read with nb[0] its element
+    size (the kernel GGML_ASSERTs it), the result [n_kv, n_tokens, 1, n_stream] F32 too."""
+    q, k, w, m = need(node, srcs, 4)
+    _f32(node, [q, w], ["q", "weights"])
+    if m.type_name != "F16":
+        fail(node, f"mask must be F16, not {m.type_name}")
+    if not (k.type_name in ("F32", "F16", "BF16") or k.type_name in _enums.to_float) or k.ne[0] % k.blck_size:
+        fail(node, f"k type {k.type_name} has no conversion to F32 for rows of {k.ne[0]}")
+    if (q.ne[0] != k.ne[0] or m.ne[0] != k.ne[2] or q.ne[1] != w.ne[0] or k.ne[1] != 1
+            or m.ne[1] != q.ne[2] or q.ne[2] != w.ne[1] or w.ne[2] != 1 or m.ne[2] != 1
+            or q.ne[3] != k.ne[3] or k.ne[3] != w.ne[3] or not _divides(m.ne[3], w.ne[3])):
+        fail(node, f"q {q.ne}, k {k.ne}, weights {w.ne} and mask {m.ne} do not fit")
+    want = [k.ne[2], q.ne[2], 1, q.ne[3]]
+    if node.ne != want or node.type_name != "F32":
+        fail(node, f"shape {node.type_name} {node.ne}, lightning_indexer gives F32 {want}")
+    if not all(t.rows_contiguous() for t in (node, q, k, w, m)):
+        fail(node, "rows are not contiguous")
+
+
+_HC = 4  # the only hyper-connection count the CPU kernel has (a constexpr)
+
+
+def _dsv4_hc_comb(node, srcs, _enums=None):
+    """DSV4_HC_COMB (ggml 0.20: ggml_dsv4_hc_comb; its CPU kernel): mixes [(2 + hc)*hc,
+    n_tokens], scale [>= 3], base [(2 + hc)*hc], all F32 and walked by their own strides;
+    hc = 4; op_params: eps, n_iter > 0 (GGML_ASSERTed). Result [hc, hc, n_tokens] F32."""
+    mixes, scale, base = need(node, srcs, 3)
+    _f32(node, [mixes, scale, base, node], ["mixes", "scale", "base", "result"])
+    mix = (2 + _HC) * _HC
+    if mixes.ne[0] != mix or mixes.ne[2:] != [1, 1]:
+        fail(node, f"mixes {mixes.ne} are not [{mix}, n_tokens]")
+    if scale.ne[0] < 3 or scale.ne[1:] != [1, 1, 1] or base.ne != [mix, 1, 1, 1]:
+        fail(node, f"scale {scale.ne} or base {base.ne} do not fit")
+    if param_i32(node, 1) < 1:
+        fail(node, f"n_iter {param_i32(node, 1)} is not > 0")
+    want = [_HC, _HC, mixes.ne[1], 1]
+    if node.ne != want:
+        fail(node, f"shape {node.ne}, dsv4_hc_comb gives {want}")
+
+
+def _dsv4_hc_pre(node, srcs, _enums=None):
+    """DSV4_HC_PRE (ggml 0.20: ggml_dsv4_hc_pre; its CPU kernel): x [n_embd, hc, n_tokens],
+    weights [hc, n_tokens], all F32 walked by their own strides; result [n_embd, n_tokens]."""
+    x, w = need(node, srcs, 2)
+    _f32(node, [x, w, node], ["x", "weights", "result"])
+    if x.ne[1] < 1 or x.ne[3] != 1 or w.ne != [x.ne[1], x.ne[2], 1, 1]:
+        fail(node, f"x {x.ne} and weights {w.ne} do not fit")
+    want = [x.ne[0], x.ne[2], 1, 1]
+    if node.ne != want:
+        fail(node, f"shape {node.ne}, dsv4_hc_pre gives {want}")
+
+
+def _dsv4_hc_post(node, srcs, _enums=None):
+    """DSV4_HC_POST (ggml 0.20: ggml_dsv4_hc_post; its CPU kernel): x [n_embd, n_tokens],
+    residual [n_embd, hc, n_tokens], post [hc, n_tokens], comb [hc, hc, n_tokens], all F32
+    walked by their own strides; result [n_embd, hc, n_tokens]."""
+    x, res, post, comb = need(node, srcs, 4)
+    _f32(node, [x, res, post, comb, node], ["x", "residual", "post", "comb", "result"])
+    n_embd, n_tokens, hc = x.ne[0], x.ne[1], res.ne[1]
+    if (hc < 1 or x.ne[2:] != [1, 1] or res.ne != [n_embd, hc, n_tokens, 1]
+            or post.ne != [hc, n_tokens, 1, 1] or comb.ne != [hc, hc, n_tokens, 1]):
+        fail(node, f"x {x.ne}, residual {res.ne}, post {post.ne} and comb {comb.ne} do not fit")
+    want = [n_embd, hc, n_tokens, 1]
+    if node.ne != want:
+        fail(node, f"shape {node.ne}, dsv4_hc_post gives {want}")
+
+
 RULES = {
     "FLASH_ATTN_EXT": _flash_attn_ext,
     "RWKV_WKV6": _rwkv_wkv6,
@@ -234,4 +311,8 @@ RULES = {
     "SSM_CONV": _ssm_conv,
     "GATED_DELTA_NET": _gated_delta_net,
     "SSM_SCAN": _ssm_scan,
+    "LIGHTNING_INDEXER": _lightning_indexer,
+    "DSV4_HC_COMB": _dsv4_hc_comb,
+    "DSV4_HC_PRE": _dsv4_hc_pre,
+    "DSV4_HC_POST": _dsv4_hc_post,
 }
