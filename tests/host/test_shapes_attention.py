@@ -16,6 +16,8 @@ _SIGS = {
     "ggml_flash_attn_ext_set_prec": "v:pi", "ggml_permute": "p:ppiiii",
     "ggml_ssm_conv": "p:ppp", "ggml_ssm_scan": "p:ppppppppI",
     "ggml_rwkv_wkv6": "p:ppppppp", "ggml_rwkv_wkv7": "p:pppppppp",
+    "ggml_lightning_indexer": "p:ppppp", "ggml_dsv4_hc_comb": "p:ppppfi",
+    "ggml_dsv4_hc_pre": "p:ppp", "ggml_dsv4_hc_post": "p:ppppp",
     "ggml_gated_linear_attn": "p:ppppppf", "ggml_gated_delta_net": "p:pppppppI",
 }
 
@@ -128,6 +130,35 @@ def _ssm_scan(mamba1=False, snapshots=1, d_state=16, head_dim=4, n_head=4, n_gro
     return build
 
 
+def _indexer(type_k="F32", n_embd=32, n_head=3, n_tokens=2, n_kv=5, n_stream=2):
+    """test-backend-ops' test_lightning_indexer, small (ggml 0.20); the mask shared by streams."""
+    def build(g, ctx):
+        q = _in(g, ctx, "F32", n_embd, n_head, n_tokens, n_stream)
+        k = _in(g, ctx, type_k, n_embd, 1, n_kv, n_stream)
+        w = _in(g, ctx, "F32", n_head, n_tokens, 1, n_stream)
+        m = _in(g, ctx, "F16", n_kv, n_tokens, 1, 1)
+        return fn(g, "ggml_lightning_indexer")(ctx, q, k, w, m), [q, k, w, m]
+    return build
+
+
+def _hc_comb(g, ctx):
+    mixes, scale, base = _in(g, ctx, "F32", 24, 3), _in(g, ctx, "F32", 3), _in(g, ctx, "F32", 24)
+    return fn(g, "ggml_dsv4_hc_comb")(ctx, mixes, scale, base, 1e-6, 3), [mixes, scale, base]
+
+
+def _hc_pre(g, ctx):
+    x, w = _in(g, ctx, "F32", 8, 4, 3), _in(g, ctx, "F32", 4, 3)
+    return fn(g, "ggml_dsv4_hc_pre")(ctx, x, w), [x, w]
+
+
+def _hc_post(g, ctx):
+    """residual permuted: the kernel walks every source by its own strides."""
+    x, post, comb = _in(g, ctx, "F32", 8, 3), _in(g, ctx, "F32", 4, 3), _in(g, ctx, "F32", 4, 4, 3)
+    res = _in(g, ctx, "F32", 8, 3, 4)
+    rp = fn(g, "ggml_permute")(ctx, res, 0, 2, 1, 3)
+    return fn(g, "ggml_dsv4_hc_post")(ctx, x, rp, post, comb), [x, res, post, comb]
+
+
 _SMALL = {3: lambda n, r: (r.random(n) * -0.5).astype(np.float32),  # log-decay gates
           4: lambda n, r: r.random(n).astype(np.float32)}  # beta in [0, 1)
 
@@ -157,6 +188,12 @@ CASES = [
     Case("GATED_DELTA_NET", _gdn(permuted=True, snapshots=2), lie=(-1, 1, -1), data=_SMALL),
     Case("SSM_SCAN", _ssm_scan(snapshots=2), lie=(1, 1, -1), data={6: _ints(3)}),  # x of 3 heads
     Case("SSM_SCAN", _ssm_scan(mamba1=True), lie=(4, 1, 1), data={6: _ints(3)}),  # 3 groups
+    Case("LIGHTNING_INDEXER", _indexer(), lie=(3, 0, -1)),  # mask shorter than kv
+    Case("LIGHTNING_INDEXER", _indexer(type_k="Q8_0"), lie=(-1, 0, -1), data={1: _Q8}),
+    Case("LIGHTNING_INDEXER", _indexer(type_k="F16"), lie=(2, 0, -1)),
+    Case("DSV4_HC_COMB", _hc_comb, lie=(0, 0, -4)),  # hc = 3 has no kernel
+    Case("DSV4_HC_PRE", _hc_pre, lie=(1, 1, -1)),
+    Case("DSV4_HC_POST", _hc_post, lie=(3, 2, -1)),
 ]
 IDS = [f"{c.op}-{i}" for i, c in enumerate(CASES)]
 
@@ -228,6 +265,17 @@ def test_ssm_scan_state_ids_out_of_range(guest, ggml, caplog, bad):
     with caplog.at_level(logging.WARNING, logger="apir.host"):
         rc, _ = r.compute()
     assert rc == ERROR and "(SSM_SCAN): row id out of [0, 3)" in caplog.text, caplog.text
+    r.close()
+
+
+@pytest.mark.parametrize("n_iter", [0, -3])
+def test_dsv4_hc_comb_n_iter(guest, ggml, caplog, n_iter):
+    """The kernel GGML_ASSERTs n_iter > 0."""
+    r = Remote(guest, ggml, next(c for c in CASES if c.op == "DSV4_HC_COMB"))
+    assert _lie(r, ggml, caplog, r.out, "op_params", 1, n_iter) == ERROR
+    assert "(DSV4_HC_COMB): n_iter" in caplog.text, caplog.text
+    rc, dec = r.compute()
+    assert rc == 0 and dec.i32() == 0
     r.close()
 
 
