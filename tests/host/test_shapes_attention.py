@@ -268,6 +268,27 @@ def test_ssm_scan_state_ids_out_of_range(guest, ggml, caplog, bad):
     r.close()
 
 
+@pytest.mark.parametrize("op,build,which", [
+    ("FLASH_ATTN_EXT", _fa(heads=1, kv_heads=1), -1),  # the result's rows step by nb[1]
+    ("SSM_SCAN", _ssm_scan(n_head=1, n_group=1, snapshots=2), 0),  # s's nb[2]: bytes of a snapshot copy
+])
+def test_stride_of_a_dimension_of_one_is_checked(guest, ggml, caplog, op, build, which):
+    """ggml_is_contiguous ignores the stride of a dimension of ne 1 (and so does the extent
+    check), but these kernels use it for another dimension: a large one would write far
+    outside the result."""
+    case = Case(op, build, data={6: _ints(3)} if op == "SSM_SCAN" else None)
+    r = Remote(guest, ggml, case)
+    t = r.out if which < 0 else r.inputs[which]
+    dim = 1 if which < 0 else 2
+    assert int(r.recs["ne"][r.index(t)][dim]) == 1
+    assert _lie(r, ggml, caplog, t, "nb", dim, 1 << 30) == ERROR
+    assert f"({op})" in caplog.text and "packed" in caplog.text, caplog.text
+    rc, dec = r.compute()
+    assert rc == 0 and dec.i32() == 0
+    assert r.result() == _direct(ggml, case)
+    r.close()
+
+
 @pytest.mark.parametrize("n_iter", [0, -3])
 def test_dsv4_hc_comb_n_iter(guest, ggml, caplog, n_iter):
     """The kernel GGML_ASSERTs n_iter > 0."""

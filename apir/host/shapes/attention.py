@@ -13,6 +13,18 @@ def _divides(a: int, b: int) -> bool:
     return a > 0 and b % a == 0
 
 
+def _packed(t) -> bool:
+    """nb exactly what ggml_new_tensor gives (every dimension's, also those of ne 1, which
+    contiguous() lets be anything): for kernels that use one tensor's stride to step another
+    dimension, or copy a stride's worth of bytes."""
+    expect = t.type_size
+    for i in range(4):
+        if t.nb[i] != expect:
+            return False
+        expect *= t.ne[i] // t.blck_size if i == 0 else t.ne[i]
+    return True
+
+
 def _flash_attn_ext(node, srcs, enums):
     """FLASH_ATTN_EXT (ggml_flash_attn_ext, _add_sinks, _set_prec; the CPU's
     ggml_compute_forward_flash_attn_ext_f16 and its one_chunk / tiled / split-KV paths, the
@@ -60,7 +72,10 @@ def _flash_attn_ext(node, srcs, enums):
             fail(node, f"sinks {sinks.type_name} {sinks.ne} do not fit {q.ne[2]} heads")
     if param_i32(node, 3) not in _PREC:
         fail(node, f"precision {param_i32(node, 3)} unknown")
-    dst_contiguous(node)
+    # rows land at (i3*ne2*ne1 + i2 + i1*ne1) * nb[1], nb[1] bytes each, and the kernel
+    # GGML_ASSERTs nb0 <= nb1 <= nb2 <= nb3: every stride must be the packed one.
+    if not _packed(node):
+        fail(node, f"result is not packed (nb {node.nb})")
 
 
 def _f32_contiguous(node, tensors, what):
@@ -156,7 +171,11 @@ def _ssm_scan(node, srcs, enums):
     and A {1 or d_state, n_head} contiguous. The result is 1d: y (x's elements) then K states
     of s's layout per sequence (ggml 0.20's op_params[0]; K = 1 in ggml 0.10)."""
     s, x, dt, a, b, c, ids = need(node, srcs, 7)
-    _f32_contiguous(node, [s, dt, a], ["s", "dt", "A"])
+    _f32_contiguous(node, [dt, a], ["dt", "A"])
+    # s's nb[3] places each sequence's states in the result and nb[2] is the byte count of
+    # a head's snapshot copy, whatever ne[3] and ne[2] are
+    if s.type_name != "F32" or not _packed(s):
+        fail(node, f"s must be packed F32, not {s.type_name} nb {s.nb}")
     for name, t in (("x", x), ("B", b), ("C", c)):
         if t.type_name != "F32" or t.nb[0] != 4 or t.nb[1] != t.ne[0] * 4:
             fail(node, f"{name} must be F32 with packed rows, not {t.type_name} nb {t.nb}")
