@@ -1,5 +1,8 @@
 """Rules of the attention and recurrent-state ops: FLASH_ATTN_EXT, SSM_CONV, SSM_SCAN,
-RWKV_WKV6, RWKV_WKV7, GATED_LINEAR_ATTN, GATED_DELTA_NET, ..."""
+RWKV_WKV6, RWKV_WKV7, GATED_LINEAR_ATTN, GATED_DELTA_NET, and ggml 0.20's LIGHTNING_INDEXER,
+DSV4_HC_COMB, DSV4_HC_PRE, DSV4_HC_POST. (FLASH_ATTN_BACK has none: ggml_flash_attn_back
+aborts in both ggml versions, "TODO: adapt to ggml_flash_attn_ext() changes", and
+test-backend-ops has no case of it.)"""
 
 from __future__ import annotations
 
@@ -35,7 +38,8 @@ def _flash_attn_ext(node, srcs, enums):
     to_float); head h reads k's head h / (H / nek2) and v's h / (H / nev2), so both must
     divide H (a zero divisor traps). The mask (F16, contiguous) is read at row iq1 of head
     h % ne2, entries [0, KV); sinks one F32 per head. The result [DV, H, N, S] F32 is written
-    as whole rows of DV floats at (i3*ne2*ne1 + i2 + i1*ne1) * nb1: it must be contiguous."""
+    as whole rows of DV floats at (i3*ne2*ne1 + i2 + i1*ne1) * nb1: it must be packed.
+    The kernel's paths differ in speed, not in what they read (each stays in these rows)."""
     q, k, v = need(node, srcs, 3)
     mask = srcs[3] if len(srcs) > 3 else None
     sinks = srcs[4] if len(srcs) > 4 else None
