@@ -255,7 +255,7 @@ def _f32(node, tensors, names):
             fail(node, f"{name} must be F32, not {t.type_name}")
 
 
-def _lightning_indexer(node, srcs, _enums=None):
+def _lightning_indexer(node, srcs, enums):
     """LIGHTNING_INDEXER (ggml 0.20: ggml_lightning_indexer; ggml_compute_forward_lightning_indexer):
     q [n_embd, n_head, n_tokens, n_stream] F32, k [n_embd, 1, n_kv, n_stream] (F32 or a type
     with to_float; rows converted n_embd at a time), weights [n_head, n_tokens, 1, n_stream]
@@ -265,7 +265,7 @@ def _lightning_indexer(node, srcs, _enums=None):
     _f32(node, [q, w], ["q", "weights"])
     if m.type_name != "F16":
         fail(node, f"mask must be F16, not {m.type_name}")
-    if not (k.type_name in ("F32", "F16", "BF16") or k.type_name in _enums.to_float) or k.ne[0] % k.blck_size:
+    if not (k.type_name in ("F32", "F16", "BF16") or k.type_name in enums.to_float) or k.ne[0] % k.blck_size:
         fail(node, f"k type {k.type_name} has no conversion to F32 for rows of {k.ne[0]}")
     if (q.ne[0] != k.ne[0] or m.ne[0] != k.ne[2] or q.ne[1] != w.ne[0] or k.ne[1] != 1
             or m.ne[1] != q.ne[2] or q.ne[2] != w.ne[1] or w.ne[2] != 1 or m.ne[2] != 1
