@@ -113,12 +113,16 @@ class Remote:
         self.s.close()
 
 
-def case_tests(cases, ids):
+def case_tests(cases, ids, skip=None):
     """The `remote` fixture and the two tests of `cases`; a test module takes them with
-    `remote, test_op_matches_ggml_cpu, test_lying_shape_is_refused = case_tests(CASES, IDS)`."""
+    `remote, test_op_matches_ggml_cpu, test_lying_shape_is_refused = case_tests(CASES, IDS)`.
+    `skip(ggml, case)`: why this ggml cannot build the case (the test is skipped), or None."""
 
     @pytest.fixture
     def remote(guest, ggml, request):
+        why = skip(ggml, request.param) if skip is not None else None
+        if why:
+            pytest.skip(why)
         r = Remote(guest, ggml, request.param)
         yield r
         r.close()

@@ -12,7 +12,7 @@ import pytest
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.host.shapes import op_enums
-from tests.host.shapekit import ERROR, Case, Remote, _direct, _in, _ints
+from tests.host.shapekit import ERROR, Case, Remote, _direct, _in, _ints, case_tests
 from tests.host.test_shapes_more import _random_blocks
 
 
@@ -184,44 +184,13 @@ ALL = CASES + CASES_020
 IDS = [f"{c.op}-{i}" for i, c in enumerate(ALL)]
 
 
-def _new_enough(ggml, case):
-    return case not in CASES_020 or op_enums(ggml).version >= (0, 20, 0)
+def _too_old(ggml, case):
+    if case in CASES_020 and op_enums(ggml).version < (0, 20, 0):
+        return "ggml 0.10's constructor or kernel aborts on this case"
+    return None
 
 
-@pytest.fixture
-def remote(guest, ggml, request):
-    if not _new_enough(ggml, request.param):
-        pytest.skip("ggml 0.10's constructor or kernel aborts on this case")
-    r = Remote(guest, ggml, request.param)
-    yield r
-    r.close()
-
-
-@pytest.mark.parametrize("remote", ALL, ids=IDS, indirect=True)
-def test_op_matches_ggml_cpu(remote, ggml, request):
-    case = request.node.callspec.params["remote"]
-    rc, dec = remote.compute()
-    assert rc == 0 and dec.i32() == 0
-    got, expect = remote.result(), _direct(ggml, case)
-    assert got == expect
-    assert len(set(got)) > 1  # not an untouched buffer
-
-
-@pytest.mark.parametrize("remote", ALL, ids=IDS, indirect=True)
-def test_lying_shape_is_refused(remote, ggml, request, caplog):
-    case = request.node.callspec.params["remote"]
-    which, dim, delta = case.lie
-    t = remote.out if which < 0 else remote.inputs[which]
-    recs = remote.recs.copy()
-    i = remote.index(t)
-    recs["ne"][i][dim] = int(recs["ne"][i][dim]) + delta
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="apir.host"):
-        rc, _ = remote.compute(recs)
-    assert rc == ERROR
-    assert f"({case.op})" in caplog.text, caplog.text  # refused by the op's own rule
-    rc, dec = remote.compute()  # the host serves the next valid command
-    assert rc == 0 and dec.i32() == 0
+remote, test_op_matches_ggml_cpu, test_lying_shape_is_refused = case_tests(ALL, IDS, skip=_too_old)
 
 
 def _refused(guest, ggml, case, text, caplog, recs_edit=None):
@@ -304,6 +273,7 @@ def test_set_rows_f16_on_several_threads_is_refused(guest, ggml, caplog):
     (ggml 0.20): with a multi-task node (ADD) in the graph the CPU runs several, refused."""
     if op_enums(ggml).version < (0, 20, 0):
         pytest.skip("ggml 0.10's set_rows takes only F32 rows (its constructor asserts it)")
+
     def build(g, ctx):
         out, ins = _set_rows("F16", "F32", "I64")(g, ctx)
         return g.ggml_add(ctx, out, ins[0]), ins

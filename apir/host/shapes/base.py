@@ -32,6 +32,10 @@ class OpEnums:
     # types with a CPU `vec_dot` -> their `vec_dot_type` (MUL_MAT, MUL_MAT_ID)
     vec_dot: Dict[str, str] = field(default_factory=dict)
     blck_size: Dict[str, int] = field(default_factory=dict)  # ggml_blck_size of every type
+    # types whose CPU `vec_dot` is set and whose `vec_dot_type` has a `from_float` (a row of
+    # F32 converted to it and dotted with a row of the type) -> the row length, in elements,
+    # that the blocks of both divide (FLASH_ATTN_EXT's K)
+    vec_dot_row: Dict[str, int] = field(default_factory=dict)
 
     @property
     def glu_count(self) -> int:
@@ -66,8 +70,13 @@ def op_enums(g) -> OpEnums:
                 and base.type_size == g.ggml_type_size(t)):
             to_float.add(name)
     version = tuple(int(x) for x in re.findall(r"\d+", g.ggml_version().decode())[:3])
+    vec_dot_row = {}
+    for name, dot in vec_dot.items():
+        if dot in from_float:
+            a, b = blck_size[name], blck_size[dot]
+            vec_dot_row[name] = a * b // math.gcd(a, b)
     return OpEnums(unary["COUNT"], glu, rope, frozenset(from_float), frozenset(to_float), version,
-                   unary=unary, vec_dot=vec_dot, blck_size=blck_size)
+                   unary=unary, vec_dot=vec_dot, blck_size=blck_size, vec_dot_row=vec_dot_row)
 
 
 class _TypeTraitsCpu(ctypes.Structure):
