@@ -3,7 +3,7 @@
 
     scripts/run-test-backend-ops.py [--version 0.20|0.10] [--ops ADD,MUL_MAT,...] [--c-library]
                                     [-j N] [--json FILE] [--timeout S] [--max-resume N]
-                                    [--deadline S]
+                                    [--deadline S] [--resume-jobs K] [--host-threads N]
 
 Builds (or reuses) the C reference of --version and the shim, starts an apir host process on the
 C build's ggml (apir's Python dispatcher, or with --c-library the C backend library), then runs
@@ -14,7 +14,11 @@ through apir. Exit status 1 when there is such a case. `-j N` runs N ops at a ti
 driving the test-backend-ops processes), each worker with its own apir host process; `--json`
 writes the counts (per op and in total), those cases and every case's status. `--deadline S`
 bounds the whole run: after S seconds no op is started and no case resumed (those are listed
-as not run), so a run fits a machine lent for a fixed time. Run from the
+as not run), so a run fits a machine lent for a fixed time. An --ops entry `OP/REGEX` runs the
+cases of OP whose parameters match REGEX (test-backend-ops -p), so a heavy op can be split
+over several workers (e.g. FLASH_ATTN_EXT/type_KV=f16, FLASH_ATTN_EXT/type_KV=q8_0).
+`--resume-jobs K` re-runs up to K cases of an op at a time after an early end; `--host-threads`
+sets the CPU threads of each apir host (default: the core count, too many with -j). Run from the
 repository root (or anywhere: it puts the root on sys.path). See docs/interop.md.
 """
 
@@ -46,8 +50,8 @@ class _Worker:
     """One apir host process per worker thread (a host that dies takes only its worker's op
     with it, and is restarted for the next)."""
 
-    def __init__(self, paths, sock_dir: Path, c_library: bool):
-        self.paths, self.sock_dir, self.c_library = paths, sock_dir, c_library
+    def __init__(self, paths, sock_dir: Path, c_library: bool, n_threads=None):
+        self.paths, self.sock_dir, self.c_library, self.n_threads = paths, sock_dir, c_library, n_threads
         self.local = threading.local()
         self.hosts = []
         self.lock = threading.Lock()
@@ -61,7 +65,8 @@ class _Worker:
         if h is None:
             with self.lock:
                 n = len(self.hosts)
-                h = HostProcess(self.paths, self.sock_dir / f"host{n}.sock", c_library=self.c_library)
+                h = HostProcess(self.paths, self.sock_dir / f"host{n}.sock", c_library=self.c_library,
+                                n_threads=self.n_threads)
                 self.hosts.append(h)
             self.local.host = h
         return h
@@ -84,6 +89,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-resume", type=int, default=10_000,
                     help="cases to re-run one by one after a run ended early, per op")
     ap.add_argument("--deadline", type=float, help="seconds after which no op is started or case resumed")
+    ap.add_argument("--resume-jobs", type=int, default=1, help="cases of one op re-run at a time")
+    ap.add_argument("--host-threads", type=int, help="CPU backend threads of each apir host")
     args = ap.parse_args(argv)
 
     paths = cref.build(args.version)
@@ -91,7 +98,7 @@ def main(argv=None) -> int:
     ops = args.ops.split(",") if args.ops else bo.list_ops(tbo)
     shim = build_shim(paths)
     sock_dir = Path(tempfile.mkdtemp(prefix="apir-tbo-"))
-    workers = _Worker(paths, sock_dir, args.c_library)
+    workers = _Worker(paths, sock_dir, args.c_library, args.host_threads)
     cpu_runs, apir_runs = {}, {}
     t0 = time.monotonic()
     print(f"test-backend-ops {args.version} ({tbo}); host: "
@@ -104,10 +111,12 @@ def main(argv=None) -> int:
     def one(op: str):
         if deadline is not None and time.monotonic() > deadline:
             return op, None, None
-        cpu = bo.run_op(tbo, op, "CPU", None, timeout=args.timeout, max_resume=0)
+        name, _, params = op.partition("/")
+        cpu = bo.run_op(tbo, name, "CPU", None, timeout=args.timeout, max_resume=0, params=params or None)
         env = guest_env(paths, shim, workers.host().socket_path)
-        ap_run = bo.run_op(tbo, op, bo.VIRTGPU_DEVICE, env, expected=cpu.passed(),
-                           timeout=args.timeout, max_resume=args.max_resume, deadline=deadline)
+        ap_run = bo.run_op(tbo, name, bo.VIRTGPU_DEVICE, env, expected=cpu.passed(), params=params or None,
+                           timeout=args.timeout, max_resume=args.max_resume, deadline=deadline,
+                           resume_jobs=args.resume_jobs)
         return op, cpu, ap_run
 
     # SIGTERM ends like Ctrl-C: the finally below stops the host processes.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -109,10 +110,12 @@ def run_cases(test_backend_ops: str, device: str, filters: str, env: Optional[di
 
 def run_op(test_backend_ops: str, op: str, device: str, env: Optional[dict] = None,
            expected: Iterable[str] = (), timeout: float = 600.0, max_resume: int = 10_000,
-           params: Optional[str] = None, deadline: Optional[float] = None) -> OpRun:
+           params: Optional[str] = None, deadline: Optional[float] = None,
+           resume_jobs: int = 1) -> OpRun:
     """All cases of `op` (those whose parameters match the regex `params`, if given) on
     `device`. `expected`: the op's case names (from the CPU run), used to resume case by case
-    after the process ended early, until `deadline` (time.monotonic()) if given."""
+    after the process ended early, `resume_jobs` processes at a time, until `deadline`
+    (time.monotonic()) if given."""
     run = OpRun(op)
     t0 = time.monotonic()
     cases, rc, err = run_cases(test_backend_ops, device, op, env, timeout, params)
@@ -121,18 +124,28 @@ def run_op(test_backend_ops: str, op: str, device: str, env: Optional[dict] = No
     if rc != 0:
         run.notes.append(f"{op}: process ended with {rc} ({_last_line(err)})")
         done = set(run.names())
-        remaining = [c for c in dict.fromkeys(expected) if c not in done]
-        for n, case in enumerate(remaining[:max_resume]):
+        remaining = [c for c in dict.fromkeys(expected) if c not in done][:max_resume]
+
+        def one(case):
             if deadline is not None and time.monotonic() > deadline:
-                run.notes.append(f"{op}: deadline passed, {len(remaining) - n} cases not resumed")
-                break
-            cases, rc, err = run_cases(test_backend_ops, device, case, env, timeout)
-            run.processes += 1
-            run.cases.extend(cases or [(case, CRASHED)])
-            if rc != 0:
-                run.notes.append(f"{case}: process ended with {rc} ({_last_line(err)})")
-        if len(remaining) > max_resume:
-            run.notes.append(f"{op}: {len(remaining) - max_resume} cases not resumed")
+                return case, None, None, None
+            return (case,) + run_cases(test_backend_ops, device, case, env, timeout)
+
+        skipped = 0
+        with ThreadPoolExecutor(max_workers=max(1, resume_jobs)) as pool:
+            for case, cases, rc, err in pool.map(one, remaining):  # results in case order
+                if rc is None and err is None:
+                    skipped += 1
+                    continue
+                run.processes += 1
+                run.cases.extend(cases or [(case, CRASHED)])
+                if rc != 0:
+                    run.notes.append(f"{case}: process ended with {rc} ({_last_line(err)})")
+        if skipped:
+            run.notes.append(f"{op}: deadline passed, {skipped} cases not resumed")
+        not_tried = len([c for c in dict.fromkeys(expected) if c not in done]) - len(remaining)
+        if not_tried:
+            run.notes.append(f"{op}: {not_tried} cases not resumed")
     run.seconds = time.monotonic() - t0
     return run
 

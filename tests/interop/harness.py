@@ -90,13 +90,15 @@ class HostProcess:
     once stopped."""
 
     def __init__(self, paths: Dict[str, str], socket_path: Path, c_library: bool = False,
-                 log_level: str = "WARNING"):
+                 log_level: str = "WARNING", n_threads: Optional[int] = None):
         self.paths = paths
         self.socket_path = Path(socket_path)
         self.log_path = self.socket_path.with_suffix(".log")
         cmd = [sys.executable, "-m", "tests.interop.serve_host", "--socket", str(self.socket_path),
                "--ggml-library", paths["LIBGGML_CPU"], "--ggml-reg", "ggml_backend_cpu_reg",
                "--log-level", log_level]
+        if n_threads:
+            cmd += ["--n-threads", str(n_threads)]
         if c_library:
             cmd += ["--c-library", paths["LIBGGML_VIRTGPU_BACKEND"]]
         self._log = open(self.log_path, "w")

@@ -26,6 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ggml-library", help="ggml backend library for the C library (ggml.library.path)")
     ap.add_argument("--ggml-reg", help="its registration symbol (ggml.library.reg)")
     ap.add_argument("--log-level", default="WARNING")
+    ap.add_argument("--n-threads", type=int, help="CPU backend threads (apir.host.n_threads)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -41,6 +42,8 @@ def main(argv=None) -> int:
         config["ggml.library.path"] = args.ggml_library
     if args.ggml_reg:
         config["ggml.library.reg"] = args.ggml_reg
+    if args.n_threads:
+        config["apir.host.n_threads"] = str(args.n_threads)
 
     def context_factory(ctx_id, capset_id, cfg):
         return HostContext(ctx_id, cfg, capset_id=capset_id, library_factory=c_library_factory)
