@@ -113,6 +113,15 @@ class Remote:
         self.s.close()
 
 
+def ctor(g, name):
+    """ggml's constructor `name` (declared by apir.ggml.lib.SIGNATURES); the test is skipped
+    where this ggml build lacks it."""
+    fn = g.__dict__.get(name)  # (getattr of an undeclared name raises)
+    if fn is None:
+        pytest.skip(f"{name} is not in this ggml build")
+    return fn
+
+
 def case_tests(cases, ids, skip=None):
     """The `remote` fixture and the two tests of `cases`; a test module takes them with
     `remote, test_op_matches_ggml_cpu, test_lying_shape_is_refused = case_tests(CASES, IDS)`.

@@ -7,26 +7,7 @@ import logging
 import numpy as np
 import pytest
 
-from apir.ggml.lib import _declare
-from tests.host.shapekit import ERROR, Case, Remote, _direct, _in, _ints, case_tests
-
-# Constructors the shared SIGNATURES table does not declare (ggml.h of ggml 0.20).
-_SIGS = {
-    "ggml_flash_attn_ext": "p:pppppfff", "ggml_flash_attn_ext_add_sinks": "v:pp",
-    "ggml_flash_attn_ext_set_prec": "v:pi", "ggml_permute": "p:ppiiii",
-    "ggml_ssm_conv": "p:ppp", "ggml_ssm_scan": "p:ppppppppI",
-    "ggml_rwkv_wkv6": "p:ppppppp", "ggml_rwkv_wkv7": "p:pppppppp",
-    "ggml_lightning_indexer": "p:ppppp", "ggml_dsv4_hc_comb": "p:ppppfi",
-    "ggml_dsv4_hc_pre": "p:ppp", "ggml_dsv4_hc_post": "p:ppppp",
-    "ggml_gated_linear_attn": "p:ppppppf", "ggml_gated_delta_net": "p:pppppppI",
-}
-
-
-def fn(g, name):
-    f = _declare(g.cdlls, name, _SIGS[name])
-    if f is None:
-        pytest.skip(f"{name} not in this ggml")
-    return f
+from tests.host.shapekit import ERROR, Case, Remote, _direct, _in, _ints, case_tests, ctor
 
 
 def _blocks(block_bytes, scale_bytes=2, blck=32):
@@ -54,7 +35,7 @@ def _fa(type_k="F16", type_v="F16", mask=True, sinks=False, heads=4, kv_heads=2,
                 t = _in(g, ctx, type_name, ne0, ne1, ne2, 1)
                 return t, t
             t = _in(g, ctx, type_name, ne0, ne2, ne1, 1)
-            return t, fn(g, "ggml_permute")(ctx, t, 0, 2, 1, 3)
+            return t, ctor(g, "ggml_permute")(ctx, t, 0, 2, 1, 3)
 
         q, qv = make("F32", dk, n, heads)
         k, kv_ = make(type_k, dk, kv, kv_heads)
@@ -63,10 +44,10 @@ def _fa(type_k="F16", type_v="F16", mask=True, sinks=False, heads=4, kv_heads=2,
         m = _in(g, ctx, "F16", kv, n, 1, 1) if mask else None
         s = _in(g, ctx, "F32", heads) if sinks else None
         ins += [t for t in (m, s) if t is not None]
-        out = fn(g, "ggml_flash_attn_ext")(ctx, qv, kv_, vv, m, 1.0 / np.sqrt(dk), max_bias, softcap)
+        out = ctor(g, "ggml_flash_attn_ext")(ctx, qv, kv_, vv, m, 1.0 / np.sqrt(dk), max_bias, softcap)
         if s is not None:
-            fn(g, "ggml_flash_attn_ext_add_sinks")(out, s)
-        fn(g, "ggml_flash_attn_ext_set_prec")(out, prec)
+            ctor(g, "ggml_flash_attn_ext_add_sinks")(out, s)
+        ctor(g, "ggml_flash_attn_ext_set_prec")(out, prec)
         return out, ins
     return build
 
@@ -80,14 +61,14 @@ def _linear(name, n_token_srcs, tf=False, s_=8, h=2, t=4, n_seqs=2, scale=None):
             ins.insert(3, _in(g, ctx, "F32", s_, h))
         ins.append(_in(g, ctx, "F32", s_ * s_ * h, n_seqs))
         args = (ins + [scale]) if scale is not None else ins
-        return fn(g, name)(ctx, *args), ins
+        return ctor(g, name)(ctx, *args), ins
     return build
 
 
 def _ssm_conv(d_conv=4, d_inner=6, n_t=3, n_s=2):
     def build(g, ctx):
         sx, c = _in(g, ctx, "F32", d_conv - 1 + n_t, d_inner, n_s), _in(g, ctx, "F32", d_conv, d_inner)
-        return fn(g, "ggml_ssm_conv")(ctx, sx, c), [sx, c]
+        return ctor(g, "ggml_ssm_conv")(ctx, sx, c), [sx, c]
     return build
 
 
@@ -100,7 +81,7 @@ def _gdn(kda=False, snapshots=1, permuted=False, s_v=8, h=2, t=3, n_seqs=2, v_re
             if permuted:
                 x = _in(g, ctx, "F32", s_v, t, heads, n_seqs)
                 ins.append(x)
-                return fn(g, "ggml_permute")(ctx, x, 0, 2, 1, 3)
+                return ctor(g, "ggml_permute")(ctx, x, 0, 2, 1, 3)
             x = _in(g, ctx, "F32", s_v, heads, t, n_seqs)
             ins.append(x)
             return x
@@ -110,7 +91,7 @@ def _gdn(kda=False, snapshots=1, permuted=False, s_v=8, h=2, t=3, n_seqs=2, v_re
         beta = _in(g, ctx, "F32", 1, h * v_repeat, t, n_seqs)
         state = _in(g, ctx, "F32", s_v, s_v, h * v_repeat, n_seqs)
         ins += [gate, beta, state]
-        return fn(g, "ggml_gated_delta_net")(ctx, q, k, v, gate, beta, state, snapshots), ins
+        return ctor(g, "ggml_gated_delta_net")(ctx, q, k, v, gate, beta, state, snapshots), ins
     return build
 
 
@@ -126,7 +107,7 @@ def _ssm_scan(mamba1=False, snapshots=1, d_state=16, head_dim=4, n_head=4, n_gro
         c = _in(g, ctx, "F32", d_state, n_group, n_tokens, n_seqs)
         ids = _in(g, ctx, "I32", n_seqs)
         ins = [st, x, dt, a, b, c, ids]
-        return fn(g, "ggml_ssm_scan")(ctx, *ins, snapshots), ins
+        return ctor(g, "ggml_ssm_scan")(ctx, *ins, snapshots), ins
     return build
 
 
@@ -137,26 +118,26 @@ def _indexer(type_k="F32", n_embd=32, n_head=3, n_tokens=2, n_kv=5, n_stream=2):
         k = _in(g, ctx, type_k, n_embd, 1, n_kv, n_stream)
         w = _in(g, ctx, "F32", n_head, n_tokens, 1, n_stream)
         m = _in(g, ctx, "F16", n_kv, n_tokens, 1, 1)
-        return fn(g, "ggml_lightning_indexer")(ctx, q, k, w, m), [q, k, w, m]
+        return ctor(g, "ggml_lightning_indexer")(ctx, q, k, w, m), [q, k, w, m]
     return build
 
 
 def _hc_comb(g, ctx):
     mixes, scale, base = _in(g, ctx, "F32", 24, 3), _in(g, ctx, "F32", 3), _in(g, ctx, "F32", 24)
-    return fn(g, "ggml_dsv4_hc_comb")(ctx, mixes, scale, base, 1e-6, 3), [mixes, scale, base]
+    return ctor(g, "ggml_dsv4_hc_comb")(ctx, mixes, scale, base, 1e-6, 3), [mixes, scale, base]
 
 
 def _hc_pre(g, ctx):
     x, w = _in(g, ctx, "F32", 8, 4, 3), _in(g, ctx, "F32", 4, 3)
-    return fn(g, "ggml_dsv4_hc_pre")(ctx, x, w), [x, w]
+    return ctor(g, "ggml_dsv4_hc_pre")(ctx, x, w), [x, w]
 
 
 def _hc_post(g, ctx):
     """residual permuted: the kernel walks every source by its own strides."""
     x, post, comb = _in(g, ctx, "F32", 8, 3), _in(g, ctx, "F32", 4, 3), _in(g, ctx, "F32", 4, 4, 3)
     res = _in(g, ctx, "F32", 8, 3, 4)
-    rp = fn(g, "ggml_permute")(ctx, res, 0, 2, 1, 3)
-    return fn(g, "ggml_dsv4_hc_post")(ctx, x, rp, post, comb), [x, res, post, comb]
+    rp = ctor(g, "ggml_permute")(ctx, res, 0, 2, 1, 3)
+    return ctor(g, "ggml_dsv4_hc_post")(ctx, x, rp, post, comb), [x, res, post, comb]
 
 
 _SMALL = {3: lambda n, r: (r.random(n) * -0.5).astype(np.float32),  # log-decay gates

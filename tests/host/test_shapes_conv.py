@@ -9,41 +9,9 @@ import logging
 import pytest
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
-from apir.ggml.lib import _declare
 from apir.host.shapes import op_enums
 from tests.host.hostkit import DATA_RES, GgmlScratch, RemoteGraph
-from tests.host.shapekit import ERROR, Case, Remote, _direct, _graph, _in
-
-# The constructors these cases call (declared here, not in apir.ggml.lib.SIGNATURES: only the
-# tests use them). "p:..." as in SIGNATURES; absent from a build: its cases are skipped.
-_CONSTRUCTORS = {
-    "ggml_im2col": "p:pppiiiiiibi", "ggml_im2col_back": "p:ppppiiiiiib",
-    "ggml_im2col_3d": "p:pppIiiiiiiiiii", "ggml_col2im_1d": "p:ppiii",
-    "ggml_conv_2d_direct": "p:pppiiiiii", "ggml_conv_3d_direct": "p:pppiiiiiiiiiiii",
-    "ggml_conv_2d_dw_direct": "p:pppiiiiii", "ggml_conv_transpose_1d": "p:pppiii",
-    "ggml_conv_transpose_2d_p0": "p:pppi", "ggml_pool_1d": "p:ppiiii",
-    "ggml_pool_2d": "p:ppiiiiiff", "ggml_pool_2d_back": "p:pppiiiiiff",
-    "ggml_interpolate": "p:ppIIIIu", "ggml_pad_reflect_1d": "p:ppii", "ggml_roll": "p:ppiiii",
-    "ggml_win_part": "p:ppi", "ggml_win_unpart": "p:ppiii", "ggml_get_rel_pos": "p:ppii",
-    "ggml_add_rel_pos": "p:pppp",
-}
-
-
-@pytest.fixture
-def ggml(ggml):  # the session's ggml, with the constructors above declared
-    for name, sig in _CONSTRUCTORS.items():
-        if name not in ggml.__dict__:  # (getattr of an undeclared name raises)
-            fn = _declare(ggml.cdlls, name, sig)
-            if fn is not None:
-                setattr(ggml, name, fn)
-    return ggml
-
-
-def _fn(g, name):
-    fn = g.__dict__.get(name)
-    if fn is None:
-        pytest.skip(f"{name} is not in this ggml")
-    return fn
+from tests.host.shapekit import ERROR, Case, Remote, _direct, _graph, _in, ctor
 
 
 def _t(g, name):
@@ -54,7 +22,7 @@ def _t(g, name):
 def _im2col(kt, dt, ne_k, ne_x, s0, s1, p0, p1, d0, d1, is_2d):
     def build(g, ctx):
         k, x = _in(g, ctx, kt, *ne_k), _in(g, ctx, "F32", *ne_x)
-        return _fn(g, "ggml_im2col")(ctx, k, x, s0, s1, p0, p1, d0, d1, is_2d, _t(g, dt)), [k, x]
+        return ctor(g, "ggml_im2col")(ctx, k, x, s0, s1, p0, p1, d0, d1, is_2d, _t(g, dt)), [k, x]
     return build
 
 
@@ -62,29 +30,29 @@ def _im2col_back(g, ctx):
     """The gradient of im2col([3, 3, 2] kernel over [8, 7, 2, 2], s 1, p 1) back onto the input."""
     k, grad = _in(g, ctx, "F32", 3, 3, 2, 1), _in(g, ctx, "F32", 18, 8, 7, 2)
     ne = (ctypes.c_int64 * 4)(8, 7, 2, 2)
-    return _fn(g, "ggml_im2col_back")(ctx, grad, k, ne, 1, 1, 1, 1, 1, 1, True), [k, grad]
+    return ctor(g, "ggml_im2col_back")(ctx, grad, k, ne, 1, 1, 1, 1, 1, 1, True), [k, grad]
 
 
 def _im2col_3d(g, ctx):
     k, x = _in(g, ctx, "F32", 2, 2, 2, 6), _in(g, ctx, "F32", 5, 4, 4, 4)  # IC 2: OC 3, N 2
-    return _fn(g, "ggml_im2col_3d")(ctx, k, x, 2, 1, 2, 1, 0, 1, 1, 1, 1, 1, _t(g, "F32")), [k, x]
+    return ctor(g, "ggml_im2col_3d")(ctx, k, x, 2, 1, 2, 1, 0, 1, 1, 1, 1, 1, _t(g, "F32")), [k, x]
 
 
 def _col2im_1d(g, ctx):
     a = _in(g, ctx, "F32", 12, 5)  # K 4 x OC 3, T_in 5
-    return _fn(g, "ggml_col2im_1d")(ctx, a, 2, 3, 1), [a]
+    return ctor(g, "ggml_col2im_1d")(ctx, a, 2, 3, 1), [a]
 
 
 def _conv_2d(kt):
     def build(g, ctx):
         k, x = _in(g, ctx, kt, 3, 3, 3, 4), _in(g, ctx, "F32", 9, 8, 3, 2)
-        return _fn(g, "ggml_conv_2d_direct")(ctx, k, x, 2, 1, 1, 0, 1, 2), [k, x]
+        return ctor(g, "ggml_conv_2d_direct")(ctx, k, x, 2, 1, 1, 0, 1, 2), [k, x]
     return build
 
 
 def _conv_3d(g, ctx):
     k, x = _in(g, ctx, "F32", 2, 3, 2, 6), _in(g, ctx, "F32", 6, 5, 4, 4)  # c 2, oc 3, n 2
-    return _fn(g, "ggml_conv_3d_direct")(ctx, k, x, 1, 2, 1, 1, 0, 1, 1, 1, 1, 2, 2, 3), [k, x]
+    return ctor(g, "ggml_conv_3d_direct")(ctx, k, x, 1, 2, 1, 1, 0, 1, 1, 1, 1, 2, 2, 3), [k, x]
 
 
 def _conv_2d_dw(cwhn):
@@ -94,58 +62,58 @@ def _conv_2d_dw(cwhn):
         if cwhn:  # test-backend-ops' channels-first layout: a permuted contiguous [C, W, H, N]
             xx = g.ggml_permute(ctx, g.ggml_cont(ctx, g.ggml_permute(ctx, x, 1, 2, 0, 3)), 2, 0, 1, 3)
             kk = g.ggml_permute(ctx, g.ggml_cont(ctx, g.ggml_permute(ctx, k, 2, 3, 1, 0)), 3, 2, 0, 1)
-        return _fn(g, "ggml_conv_2d_dw_direct")(ctx, kk, xx, 1, 2, 1, 1, 1, 1), [k, x]
+        return ctor(g, "ggml_conv_2d_dw_direct")(ctx, kk, xx, 1, 2, 1, 1, 1, 1), [k, x]
     return build
 
 
 def _conv_transpose_1d(kt):
     def build(g, ctx):
         k, x = _in(g, ctx, kt, 3, 2, 4), _in(g, ctx, "F32", 6, 4)
-        return _fn(g, "ggml_conv_transpose_1d")(ctx, k, x, 2, 0, 1), [k, x]
+        return ctor(g, "ggml_conv_transpose_1d")(ctx, k, x, 2, 0, 1), [k, x]
     return build
 
 
 def _conv_transpose_2d(g, ctx):
     k, x = _in(g, ctx, "F16", 3, 2, 3, 4), _in(g, ctx, "F32", 5, 4, 4, 1)
-    return _fn(g, "ggml_conv_transpose_2d_p0")(ctx, k, x, 2), [k, x]
+    return ctor(g, "ggml_conv_transpose_2d_p0")(ctx, k, x, 2), [k, x]
 
 
 def _pool_2d(op, p):
     def build(g, ctx):
         a = _in(g, ctx, "F32", 9, 8, 3, 2)
-        return _fn(g, "ggml_pool_2d")(ctx, a, op, 3, 2, 2, 2, p, p), [a]
+        return ctor(g, "ggml_pool_2d")(ctx, a, op, 3, 2, 2, 2, p, p), [a]
     return build
 
 
 def _pool_2d_back(g, ctx):
     af = _in(g, ctx, "F32", 8, 6, 3)
     grad = _in(g, ctx, "F32", 4, 3, 3)  # pool_2d(af, k 2, s 2, p 0)
-    return _fn(g, "ggml_pool_2d_back")(ctx, grad, af, 0, 2, 2, 2, 2, 0.0, 0.0), [af, grad]
+    return ctor(g, "ggml_pool_2d_back")(ctx, grad, af, 0, 2, 2, 2, 2, 0.0, 0.0), [af, grad]
 
 
 def _upscale(ne, mode):
     def build(g, ctx):
         a = _in(g, ctx, "F32", 5, 4, 3, 2)
-        return _fn(g, "ggml_interpolate")(ctx, a, *ne, mode), [a]
+        return ctor(g, "ggml_interpolate")(ctx, a, *ne, mode), [a]
     return build
 
 
 def _one(name, *args, ne=(8, 3, 2), type_name="F32"):
     def build(g, ctx):
         a = _in(g, ctx, type_name, *ne)
-        return _fn(g, name)(ctx, a, *args), [a]
+        return ctor(g, name)(ctx, a, *args), [a]
     return build
 
 
 def _win_unpart(g, ctx):
     a = _in(g, ctx, "F32", 4, 3, 3, 6)  # windows of 3 of a [4, 7, 5] image: 3 x 2
-    return _fn(g, "ggml_win_unpart")(ctx, a, 7, 5, 3), [a]
+    return ctor(g, "ggml_win_unpart")(ctx, a, 7, 5, 3), [a]
 
 
 def _add_rel_pos(g, ctx):
     a = _in(g, ctx, "F32", 9, 6, 2)
     pw, ph = _in(g, ctx, "F32", 3, 2, 3, 2), _in(g, ctx, "F32", 3, 2, 3, 2)
-    return _fn(g, "ggml_add_rel_pos")(ctx, a, pw, ph), [a, pw, ph]
+    return ctor(g, "ggml_add_rel_pos")(ctx, a, pw, ph), [a, pw, ph]
 
 
 CASES = [
@@ -287,9 +255,9 @@ def test_pool_2d_plane_stride_lie_is_refused(guest, ggml, op, caplog):
     def build(g, ctx):
         a = _in(g, ctx, "F32", 8, 9)
         if op == "POOL_2D":
-            return _fn(g, "ggml_pool_2d")(ctx, a, 0, 2, 2, 2, 2, 0.0, 0.0), [a]
+            return ctor(g, "ggml_pool_2d")(ctx, a, 0, 2, 2, 2, 2, 0.0, 0.0), [a]
         grad = _in(g, ctx, "F32", 4, 4)
-        return _fn(g, "ggml_pool_2d_back")(ctx, grad, a, 0, 2, 2, 2, 2, 0.0, 0.0), [a, grad]
+        return ctor(g, "ggml_pool_2d_back")(ctx, grad, a, 0, 2, 2, 2, 2, 0.0, 0.0), [a, grad]
 
     r = Remote(guest, ggml, Case(op, build))
     rc, dec = r.compute()
@@ -307,7 +275,7 @@ def test_conv_2d_work_buffer_overflow_is_refused(guest, ggml, caplog):
     F32 (about 18 MB) per output channel would abort the host."""
     def build(g, ctx):
         k, x = _in(g, ctx, "F32", 64, 64, 1100, 1), _in(g, ctx, "F32", 64, 64, 1100, 1)
-        return _fn(g, "ggml_conv_2d_direct")(ctx, k, x, 1, 1, 0, 0, 1, 1), [k, x]
+        return ctor(g, "ggml_conv_2d_direct")(ctx, k, x, 1, 1, 0, 0, 1, 1), [k, x]
 
     s = GgmlScratch(ggml)
     graph, _, _ = _graph(ggml, s.ctx, Case("CONV_2D", build))
@@ -326,7 +294,7 @@ def test_conv_2d_dw_f16_kernel_by_version(guest, ggml):
     one would be read past its end): computed to ggml CPU's bytes, or refused."""
     def build(g, ctx):
         k, x = _in(g, ctx, "F16", 3, 3, 1, 4), _in(g, ctx, "F32", 7, 6, 4, 2)
-        return _fn(g, "ggml_conv_2d_dw_direct")(ctx, k, x, 1, 1, 1, 1, 1, 1), [k, x]
+        return ctor(g, "ggml_conv_2d_dw_direct")(ctx, k, x, 1, 1, 1, 1, 1, 1), [k, x]
 
     case = Case("CONV_2D_DW", build)
     r = Remote(guest, ggml, case)

@@ -9,29 +9,8 @@ import numpy as np
 import pytest
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
-from apir.ggml.lib import _declare
 from apir.host.shapes import op_enums
-from tests.host.shapekit import ERROR, Case, Remote, _in, case_tests, g_nb
-
-# Constructors the shared SIGNATURES table does not declare, bound here for these tests.
-_SIGNATURES = {
-    "ggml_acc": "p:pppzzzz", "ggml_acc_inplace": "p:pppzzzz", "ggml_set": "p:pppzzzz",
-    "ggml_set_inplace": "p:pppzzzz", "ggml_set_1d": "p:pppz", "ggml_set_2d_inplace": "p:pppzz",
-    "ggml_cumsum": "p:pp", "ggml_fill": "p:ppf", "ggml_fill_inplace": "p:ppf", "ggml_diag": "p:pp",
-    "ggml_tri": "p:ppi", "ggml_solve_tri": "p:pppbbb", "ggml_view_4d": "p:ppIIIIzzzz",
-    "ggml_unary": "p:ppi", "ggml_unary_inplace": "p:ppi", "ggml_xielu": "p:ppffff",
-    "ggml_add_inplace": "p:ppp", "ggml_mul_inplace": "p:ppp", "ggml_add_cast": "p:pppi",
-}
-
-
-def fn(g, name):
-    f = getattr(g, "_tensorops_" + name, None)
-    if f is None:
-        f = _declare(g.cdlls, name, _SIGNATURES[name])
-        if f is None:
-            pytest.skip(f"{name} is not in this ggml build")
-        setattr(g, "_tensorops_" + name, f)
-    return f
+from tests.host.shapekit import ERROR, Case, Remote, _in, case_tests, ctor, g_nb
 
 
 def _ints(n, rng):
@@ -45,13 +24,13 @@ def _acc(inplace=False, b_view=False):
         a = _in(g, ctx, "F32", 16, 5, 2)
         if b_view:
             pad = _in(g, ctx, "F32", 8, 4, 2)
-            b = fn(g, "ggml_view_4d")(ctx, pad, 8, 3, 2, 1, g_nb(g, pad, 1), g_nb(g, pad, 2),
+            b = ctor(g, "ggml_view_4d")(ctx, pad, 8, 3, 2, 1, g_nb(g, pad, 1), g_nb(g, pad, 2),
                                       g_nb(g, pad, 3), g_nb(g, pad, 1))
             ins = [a, pad]
         else:
             b = _in(g, ctx, "F32", 8, 3, 2)
             ins = [a, b]
-        f = fn(g, "ggml_acc_inplace" if inplace else "ggml_acc")
+        f = ctor(g, "ggml_acc_inplace" if inplace else "ggml_acc")
         return f(ctx, a, b, g_nb(g, a, 1), g_nb(g, a, 2), g_nb(g, a, 3), g_nb(g, a, 1) + 2 * 4), ins
     return build
 
@@ -62,7 +41,7 @@ def _set(type_name, inplace=False):
     def build(g, ctx):
         dst, src = _in(g, ctx, type_name, 12, 6, 2), _in(g, ctx, type_name, 6, 3, 2)
         offset = 3 * g_nb(g, dst, 0) + 1 * g_nb(g, dst, 1)
-        f = fn(g, "ggml_set_inplace" if inplace else "ggml_set")
+        f = ctor(g, "ggml_set_inplace" if inplace else "ggml_set")
         return f(ctx, dst, src, g_nb(g, src, 1), g_nb(g, src, 2), g_nb(g, src, 3), offset), [dst, src]
     return build
 
@@ -71,14 +50,14 @@ def _set_2d_of_view(g, ctx):
     """ggml_set_2d_inplace of a column slice (rows with gaps) into dst's rows."""
     dst, src = _in(g, ctx, "F32", 10, 4), _in(g, ctx, "F32", 9, 3)
     v = g.ggml_view_2d(ctx, src, 5, 3, g_nb(g, src, 1), 4 * 4)
-    return fn(g, "ggml_set_2d_inplace")(ctx, dst, v, g_nb(g, dst, 1), 2 * 4), [dst, src]
+    return ctor(g, "ggml_set_2d_inplace")(ctx, dst, v, g_nb(g, dst, 1), 2 * 4), [dst, src]
 
 
 def _cumsum(view=False):
     def build(g, ctx):
         a = _in(g, ctx, "F32", 13, 5, 3)
         src = g.ggml_view_3d(ctx, a, 9, 5, 3, g_nb(g, a, 1), g_nb(g, a, 2), 4 * 4) if view else a
-        return fn(g, "ggml_cumsum")(ctx, src), [a]
+        return ctor(g, "ggml_cumsum")(ctx, src), [a]
     return build
 
 
@@ -87,19 +66,19 @@ def _fill(type_name, c, inplace=False):
         if type_name == "F16" and op_enums(g).version < (0, 20, 0):
             pytest.skip("ggml 0.10 fills F32 only")
         a = _in(g, ctx, type_name, 7, 4, 3)
-        return fn(g, "ggml_fill_inplace" if inplace else "ggml_fill")(ctx, a, c), [a]
+        return ctor(g, "ggml_fill_inplace" if inplace else "ggml_fill")(ctx, a, c), [a]
     return build
 
 
 def _diag(g, ctx):
     a = _in(g, ctx, "F32", 7, 1, 3, 2)
-    return fn(g, "ggml_diag")(ctx, a), [a]
+    return ctor(g, "ggml_diag")(ctx, a), [a]
 
 
 def _tri(tri_type):
     def build(g, ctx):
         a = _in(g, ctx, "F32", 6, 6, 3)
-        return fn(g, "ggml_tri")(ctx, a, tri_type), [a]
+        return ctor(g, "ggml_tri")(ctx, a, tri_type), [a]
     return build
 
 
@@ -114,7 +93,7 @@ def _lower_triangular(n, batches):
 
 def _solve_tri(g, ctx):
     a, b = _in(g, ctx, "F32", 6, 6, 2), _in(g, ctx, "F32", 4, 6, 2)
-    return fn(g, "ggml_solve_tri")(ctx, a, b, True, True, False), [a, b]
+    return ctor(g, "ggml_solve_tri")(ctx, a, b, True, True, False), [a, b]
 
 
 def _bf16(n, rng):
@@ -129,8 +108,8 @@ def _unary_op(name, type_name="F32", inplace_permuted=False):
         op = op_enums(g).unary[name]
         a = _in(g, ctx, type_name, 8, 3, 2)
         if inplace_permuted:
-            return fn(g, "ggml_unary_inplace")(ctx, g.ggml_permute(ctx, a, 0, 2, 1, 3), op), [a]
-        return fn(g, "ggml_unary")(ctx, a, op), [a]
+            return ctor(g, "ggml_unary_inplace")(ctx, g.ggml_permute(ctx, a, 0, 2, 1, 3), op), [a]
+        return ctor(g, "ggml_unary")(ctx, a, op), [a]
     return build
 
 
@@ -138,14 +117,14 @@ def _xielu_of_view(g, ctx):
     """XIELU of a view with gaps between rows (ggml_is_contiguous_1 still holds)."""
     a = _in(g, ctx, "F32", 10, 3, 2)
     v = g.ggml_view_3d(ctx, a, 8, 3, 2, g_nb(g, a, 1), g_nb(g, a, 2), 0)
-    return fn(g, "ggml_xielu")(ctx, v, 4.0, 20.0, 0.5, 1e-7), [a]
+    return ctor(g, "ggml_xielu")(ctx, v, 4.0, 20.0, 0.5, 1e-7), [a]
 
 
 def _binary_inplace_permuted(name):
     """src0 permuted (0, 2, 1, 3), the op in place into it, src1 broadcast along dim 1."""
     def build(g, ctx):
         a, b = _in(g, ctx, "F32", 8, 3, 2), _in(g, ctx, "F32", 8, 1, 3)
-        return fn(g, name)(ctx, g.ggml_permute(ctx, a, 0, 2, 1, 3), b), [a, b]
+        return ctor(g, name)(ctx, g.ggml_permute(ctx, a, 0, 2, 1, 3), b), [a, b]
     return build
 
 
@@ -153,7 +132,7 @@ def _add_cast(type_name):
     """ggml_add_cast: F16 / BF16 src0 plus F32 src1 into an F32 result."""
     def build(g, ctx):
         a, b = _in(g, ctx, type_name, 8, 3, 2), _in(g, ctx, "F32", 8, 3, 1)
-        return fn(g, "ggml_add_cast")(ctx, a, b, g.types["F32"]), [a, b]
+        return ctor(g, "ggml_add_cast")(ctx, a, b, g.types["F32"]), [a, b]
     return build
 
 
@@ -172,7 +151,7 @@ def _add_quantized(result_type=None):
         a, b = _in(g, ctx, "Q8_0", 64, 3, 2), _in(g, ctx, "F32", 64, 3, 2)
         if result_type is None:
             return g.ggml_add(ctx, a, b), [a, b]
-        return fn(g, "ggml_add_cast")(ctx, a, b, g.types[result_type]), [a, b]
+        return ctor(g, "ggml_add_cast")(ctx, a, b, g.types[result_type]), [a, b]
     return build
 
 
@@ -291,7 +270,7 @@ def test_xielu_with_gaps_between_planes_is_refused(guest, ggml, caplog):
     def build(g, ctx):
         a = _in(g, ctx, "F32", 8, 4, 2)
         v = g.ggml_view_3d(ctx, a, 8, 3, 2, g_nb(g, a, 1), g_nb(g, a, 2), 0)
-        return fn(g, "ggml_xielu")(ctx, v, 4.0, 20.0, 0.5, 1e-7), [a]
+        return ctor(g, "ggml_xielu")(ctx, v, 4.0, 20.0, 0.5, 1e-7), [a]
     _refused(guest, ggml, Case("UNARY", build), "rows packed", caplog)
 
 
