@@ -113,6 +113,17 @@ class Remote:
         self.s.close()
 
 
+def assert_computes_like_cpu(guest, g, case):
+    """`case` through the host: accepted, and its result is ggml CPU's bytes."""
+    r = Remote(guest, g, case)
+    try:
+        rc, dec = r.compute()
+        assert rc == 0 and dec.i32() == 0
+        assert r.result() == _direct(g, case)
+    finally:
+        r.close()
+
+
 def ctor(g, name):
     """ggml's constructor `name` (declared by apir.ggml.lib.SIGNATURES); the test is skipped
     where this ggml build lacks it."""

@@ -12,7 +12,7 @@ import pytest
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.host.shapes import op_enums
-from tests.host.shapekit import ERROR, Case, Remote, _direct, _in, _ints, case_tests
+from tests.host.shapekit import ERROR, Case, Remote, _in, _ints, assert_computes_like_cpu, case_tests
 from tests.host.test_shapes_more import _random_blocks
 
 
@@ -258,14 +258,7 @@ def test_row_ids_written_after_their_last_reader_are_accepted(guest, ggml):
         later = g.ggml_cpy(ctx, g.ggml_cpy(ctx, x, ids), y)  # node 1 writes them, as I32
         return g.ggml_add(ctx, rows, g.ggml_reshape_2d(ctx, later, 1, 3)), [a, ids, x, y]
 
-    case = Case("GET_ROWS", build, data={1: _ints(6)})
-    r = Remote(guest, ggml, case)
-    try:
-        rc, dec = r.compute()
-        assert rc == 0 and dec.i32() == 0
-        assert r.result() == _direct(ggml, case)
-    finally:
-        r.close()
+    assert_computes_like_cpu(guest, ggml, Case("GET_ROWS", build, data={1: _ints(6)}))
 
 
 def test_set_rows_f16_on_several_threads_is_refused(guest, ggml, caplog):
@@ -304,16 +297,10 @@ def test_mul_mat_hadamard_hint(guest, ggml, k, m, ok, caplog):
         return out, ins
 
     case = Case("MUL_MAT", build)
-    if not ok:
+    if ok:
+        assert_computes_like_cpu(guest, ggml, case)
+    else:
         _refused(guest, ggml, case, "(MUL_MAT): Hadamard hint", caplog)
-        return
-    r = Remote(guest, ggml, case)
-    try:
-        rc, dec = r.compute()
-        assert rc == 0 and dec.i32() == 0
-        assert r.result() == _direct(ggml, case)
-    finally:
-        r.close()
 
 
 def test_mul_mat_src1_of_another_dot_type_is_refused(guest, ggml, caplog):
@@ -347,13 +334,7 @@ def test_kernel_reads_the_ids_that_were_checked(guest, ggml, monkeypatch):
 
     monkeypatch.setattr(host_graph, "_check_graph_needs", racing)
     case = Case("GET_ROWS", _get_rows("F32", view=True), data={1: lambda n, r: np.resize(np.int32([5, 3, 4, 1]), n)})
-    r = Remote(guest, ggml, case)
-    try:
-        rc, dec = r.compute()
-        assert rc == 0 and dec.i32() == 0
-        assert r.result() == _direct(ggml, case)
-    finally:
-        r.close()
+    assert_computes_like_cpu(guest, ggml, case)
 
 
 def test_mul_mat_src1_aliasing_elements_are_refused(guest, ggml, caplog):
