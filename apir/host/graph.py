@@ -72,7 +72,7 @@ _EMPTY_OPS = frozenset(("NONE", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE"))
 _ONE_TASK_OPS = _EMPTY_OPS | {"GET_ROWS", "SET_ROWS", "GET_ROWS_BACK"}
 
 
-def _check_graph_needs(g, parsed, infos, bufs, offsets, extents) -> None:
+def _check_graph_needs(parsed, infos, bufs, offsets, extents) -> None:
     """What rules asked of the whole graph: row ids they read before compute are not written
     by a node that runs before (or is) their last reader (a node's own result, or the sources
     an OPT_STEP_* updates in place): ggml CPU would then read other ids than those checked.
@@ -318,7 +318,7 @@ def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
         while k and row[k - 1] < 0:
             k -= 1
         check_node(infos[i], [infos[j] if j >= 0 else None for j in row[:k]], enums)
-    _check_graph_needs(g, parsed, infos, bufs, offsets, recs.extents.tolist())
+    _check_graph_needs(parsed, infos, bufs, offsets, recs.extents.tolist())
 
     host = _create_tensors(lib, parsed, scratch, recs).tolist()
     for info, addr in zip(infos, host):

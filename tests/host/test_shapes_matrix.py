@@ -326,8 +326,8 @@ def test_kernel_reads_the_ids_that_were_checked(guest, ggml, monkeypatch):
 
     real = host_graph._check_graph_needs
 
-    def racing(g, parsed, infos, *rest):
-        real(g, parsed, infos, *rest)
+    def racing(parsed, infos, *rest):
+        real(parsed, infos, *rest)
         for info in infos:
             if info.snapshot is not None:
                 ctypes.memset(info.address, 0, extent(info))
