@@ -1,0 +1,141 @@
+"""The fuzzed host's process: runs inputs by index, reports each over stdout.
+
+Run by the driver as `python -m tests.fuzz.child --seed S [options]`. It loads ggml,
+installs the fences (`FencedBuffers`, `Fences`), builds the seed graphs, prints
+`ready N_SEEDS N_SKIPPED`, then serves lines on stdin: `run A B` runs inputs A..B-1 and
+prints `s I CASE` before and `d I NO_REPLY ALIVE EXCEPTIONS COMPUTED` after each, then `ok`. An exception of the harness itself (not of the host, whose `submit` never
+raises) is reported as `e I MESSAGE` instead of `d`.
+Input I is `make_input(numpy.random.default_rng([S, I]), seed graph, fresh Env)`: the same
+on every run and in every worker. `--record PATH --only I` runs input I alone, rewriting the
+reproducer at PATH before each step (the driver's way to save a crash); `--replay PATH`
+runs a saved reproducer (exit status 1 when the host failed without crashing).
+
+Faults are the point: a signal kills this process (faulthandler prints where, on stderr),
+a GGML_ASSERT aborts it; the driver counts it and starts another.
+`APIR_FUZZ_SELFTEST=KIND@I,...` (oob, buf, uaf, abort, hang) makes input I do that instead,
+to test that the harness sees each kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import faulthandler
+import json
+import os
+import resource
+import signal
+import sys
+import time
+
+import numpy as np
+
+DEFAULT_CONFIG = {"apir.host.n_threads": "1", "apir.host.buffer_budget": str(1 << 30)}
+
+
+def _selftest(kind: str, env, fences, fenced) -> None:
+    """Faults of each kind the harness must see, done by the harness itself."""
+    base = env.ctx._library.buffers.get(env.alloc([b"\0" * 4000])[0]).base
+    if kind == "oob":  # one byte past the data blob: its guard page
+        ctypes.string_at(fences.data.end, 1)
+    elif kind == "buf":  # one page past the end of a host buffer of 4000 bytes: its guard
+        ctypes.string_at(base + 4096, 1)
+    elif kind == "uaf":  # a host buffer after free_buffer (kept unreadable in the quarantine)
+        env.close()
+        ctypes.string_at(base, 1)
+    elif kind == "abort":
+        os.abort()
+    elif kind == "hang":
+        time.sleep(3600)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config", default="{}", help="JSON: host configuration keys added to the defaults")
+    ap.add_argument("--record", help="reproducer path (with --only)")
+    ap.add_argument("--only", type=int, help="run this one input and exit")
+    ap.add_argument("--replay", help="run this reproducer file (tests.fuzz.inputs.Recording) and exit")
+    ap.add_argument("--no-fence-buffers", action="store_true")
+    ap.add_argument("--rlimit-as", type=int, default=0, help="address-space limit in bytes (0: none)")
+    args = ap.parse_args(argv)
+
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1)  # the driver's "where are you" before it kills a hang
+    if args.rlimit_as:
+        resource.setrlimit(resource.RLIMIT_AS, (args.rlimit_as, args.rlimit_as))
+    import apir.ggml
+    from apir.host import HostContext
+    from tests.fuzz.corpus import build_seeds
+    from tests.fuzz.fence import FencedBuffers
+    from tests.fuzz.inputs import Env, Fences, HostErrors
+    from tests.fuzz.mutate import Mutator
+    from tests.host.hostkit import Guest
+
+    config = {**DEFAULT_CONFIG, **json.loads(args.config)}
+    g = apir.ggml.load()
+    errors = HostErrors.install()
+    fenced = FencedBuffers(g)
+    if not args.no_fence_buffers:
+        fenced.install()
+    fences = Fences()
+    if args.replay:
+        from tests.fuzz.inputs import Recording, replay
+
+        with open(args.replay) as fh:
+            rec = Recording.from_json(fh.read())
+        no_reply, alive, exceptions = replay(rec, fences)
+        print(f"replayed: {no_reply} commands without a reply, host alive: {alive}, "
+              f"internal exceptions: {exceptions} ({errors.last})")
+        return 0 if (no_reply, alive, exceptions) == (0, True, 0) else 1
+    seeds, skipped = build_seeds(g, lambda: Guest(HostContext(900, config)))
+    if not seeds:
+        print("no seed graphs", file=sys.stderr)
+        return 2
+    mut = Mutator(g)
+    selftest = {}
+    for item in filter(None, os.environ.get("APIR_FUZZ_SELFTEST", "").split(",")):
+        kind, _, at = item.partition("@")
+        selftest[int(at)] = kind
+    out = sys.stdout
+
+    def run(i: int, record=None) -> None:
+        rng = np.random.default_rng([args.seed, i])
+        seed = seeds[int(rng.integers(len(seeds)))]
+        out.write(f"s {i} {seed.name}\n")
+        out.flush()
+        env = Env(fences, config, 4096, record_to=record, meta={"seed": args.seed, "index": i})
+        before = errors.count
+        try:
+            if i in selftest:
+                _selftest(selftest[i], env, fences, fenced)
+            mut.make_input(rng, seed, env)
+            alive = env.alive()
+        finally:
+            env.close()
+        out.write(f"d {i} {env.no_reply} {int(alive)} {errors.count - before} {env.computed}\n")
+        out.flush()
+
+    if args.only is not None:
+        run(args.only, args.record)
+        return 0
+    out.write(f"ready {len(seeds)} {len(skipped)} {fenced.fenced_allocs}\n")
+    out.flush()
+    for line in sys.stdin:
+        parts = line.split()
+        if not parts or parts[0] != "run":
+            break
+        a, b = int(parts[1]), int(parts[2])
+        for i in range(a, b):
+            try:
+                run(i)
+            except Exception as exc:  # noqa: BLE001 - the harness's own bug: reported, not a host fault
+                out.write(f"e {i} {type(exc).__name__}: {exc!s:.200}\n".replace("\n", " ").rstrip() + "\n")
+                out.flush()
+        out.write(f"ok {fenced.fenced_allocs} {errors.last!r}\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
