@@ -28,7 +28,6 @@ __all__ = [
     "HEADER",
     "HELLO_MAGIC",
     "WIRE_VERSION",
-    "BLOB_ALIGNMENT",
     "MAX_EXEC_COMMAND",
     "MAX_GET_CAPS",
     "MAX_PAYLOAD",
@@ -46,9 +45,6 @@ __all__ = [
 HEADER = struct.Struct("<IIII")  # op, err, len, seq
 HELLO_MAGIC = 0x52495041  # the bytes b"APIR" read as a little-endian u32
 WIRE_VERSION = 1
-# Every blob starts and ends on this boundary in the shared file: the C guest rounds blob sizes to
-# 16 KiB (virtgpu_shmem_create) and mmap offsets must be page aligned on 4 KiB and 16 KiB kernels.
-BLOB_ALIGNMENT = 16384
 # An APIR command is small (the C guest's encoder buffer is 4 KiB); bulk data goes by memory.
 MAX_EXEC_COMMAND = 65536
 MAX_GET_CAPS = 4096
@@ -83,7 +79,8 @@ REQUEST: dict[Op, Optional[struct.Struct]] = {
     Op.STAT: struct.Struct(""),
 }
 REPLY: dict[Op, Optional[struct.Struct]] = {
-    Op.HELLO: struct.Struct("<IIII"),  # magic, wire_version, blob_alignment, pad; + 1 fd
+    # magic, wire_version, blob_alignment (apir.codec.virtgpu.BLOB_ALIGNMENT), pad; + 1 fd
+    Op.HELLO: struct.Struct("<IIII"),
     Op.GETPARAM: struct.Struct("<Q"),  # value
     Op.GET_CAPS: None,  # min(size, capset size) bytes of the capset
     Op.CONTEXT_INIT: struct.Struct(""),

@@ -36,6 +36,12 @@ from apir.codec.local_wire import (
     recv_message,
     send_message,
 )
+from apir.codec.virtgpu import (
+    VIRTGPU_BLOB_FLAG_USE_MAPPABLE,
+    VIRTGPU_BLOB_MEM_HOST3D,
+    VIRTGPU_EXECBUF_RING_IDX,
+    IoctlName,
+)
 from apir.guest.device import Blob
 from apir.guest.errors import DeviceError, IoctlError
 
@@ -43,20 +49,15 @@ __all__ = ["LocalDevice", "HostConnectionLost", "host_stats"]
 
 log = logging.getLogger(__name__)
 
-# virtgpu_drm.h values the requests carry.
-VIRTGPU_BLOB_MEM_HOST3D = 0x0002
-VIRTGPU_BLOB_FLAG_USE_MAPPABLE = 0x0001
-VIRTGPU_EXECBUF_RING_IDX = 0x04
-
 _HOST_GONE = "the apir host closed the connection (it exited or crashed)"
 _IOCTL_NAMES = {
-    Op.GETPARAM: "DRM_IOCTL_VIRTGPU_GETPARAM",
-    Op.GET_CAPS: "DRM_IOCTL_VIRTGPU_GET_CAPS",
-    Op.CONTEXT_INIT: "DRM_IOCTL_VIRTGPU_CONTEXT_INIT",
-    Op.CREATE_BLOB: "DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB",
-    Op.MAP: "DRM_IOCTL_VIRTGPU_MAP",
-    Op.GEM_CLOSE: "DRM_IOCTL_GEM_CLOSE",
-    Op.EXECBUFFER: "DRM_IOCTL_VIRTGPU_EXECBUFFER",
+    Op.GETPARAM: IoctlName.GETPARAM,
+    Op.GET_CAPS: IoctlName.GET_CAPS,
+    Op.CONTEXT_INIT: IoctlName.CONTEXT_INIT,
+    Op.CREATE_BLOB: IoctlName.RESOURCE_CREATE_BLOB,
+    Op.MAP: IoctlName.MAP,
+    Op.GEM_CLOSE: IoctlName.GEM_CLOSE,
+    Op.EXECBUFFER: IoctlName.EXECBUFFER,
     Op.STAT: "STAT",
 }
 

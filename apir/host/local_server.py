@@ -28,7 +28,6 @@ import threading
 from typing import Optional
 
 from apir.codec.local_wire import (
-    BLOB_ALIGNMENT,
     HELLO_MAGIC,
     MAX_GET_CAPS,
     REPLY,
@@ -40,6 +39,7 @@ from apir.codec.local_wire import (
     recv_message,
     send_message,
 )
+from apir.codec.virtgpu import BLOB_ALIGNMENT
 from apir.host.local_kernel import ContextFactory, KernelContext, KernelError, default_context_factory
 
 __all__ = ["LocalServer", "ServerStats"]
