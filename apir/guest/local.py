@@ -2,7 +2,8 @@
 
 Theory of operation: connecting to an apir host process (`apir host serve --socket PATH`) is
 opening a render node: the HELLO reply brings the context's shared memory file (SCM_RIGHTS), and
-every device call is one request and one reply (apir.codec.local_wire; docs/local-transport.md).
+every device call is one request and one reply (apir.codec.local_wire's messages, sent and received
+by apir.local.socket_io; docs/local-transport.md).
 `create_blob` is CREATE_BLOB + MAP + ``mmap(fd, size, offset)``, exactly as a DRM guest maps a
 blob, so the host and the guest share the blob's pages and no bulk data crosses the socket.
 
@@ -33,8 +34,6 @@ from apir.codec.local_wire import (
     ConnectionClosed,
     Op,
     WireError,
-    recv_message,
-    send_message,
 )
 from apir.codec.virtgpu import (
     VIRTGPU_BLOB_FLAG_USE_MAPPABLE,
@@ -44,6 +43,7 @@ from apir.codec.virtgpu import (
 )
 from apir.guest.device import Blob
 from apir.guest.errors import DeviceError, IoctlError
+from apir.local.socket_io import recv_message, send_message
 
 __all__ = ["LocalDevice", "HostConnectionLost", "host_stats"]
 

@@ -13,12 +13,13 @@ import time
 
 import pytest
 
-from apir.codec.local_wire import HEADER, HELLO_MAGIC, WIRE_VERSION, Op, recv_message
+from apir.codec.local_wire import HEADER, HELLO_MAGIC, WIRE_VERSION, Op
 from apir.codec.virtgpu import VirtgpuParam
 from apir.guest.client import ApirClient
 from apir.guest.errors import IoctlError
 from apir.guest.local import HostConnectionLost, LocalDevice, host_stats
 from apir.host.local_server import LocalServer
+from apir.local.socket_io import recv_message
 from tests.local.hostproc import HostProcess
 
 
