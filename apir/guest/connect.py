@@ -2,7 +2,7 @@
 
 Theory of operation: every entry point (the `apir` CLI, the ggml backend, the models, tests)
 calls `open_device` with the user's choice, so "no option" means the same everywhere: an embedded
-host in this process (apir.guest.embedded), which works on a fresh machine with no VM and no
+host in this process (apir.local.embedded), which works on a fresh machine with no VM and no
 server. A socket path selects a host process (apir.guest.local); a DRM node a real virtio-gpu
 render node (apir.guest.drm).
 """
@@ -40,7 +40,7 @@ def open_device(socket: Optional[str] = None, drm: Optional[str] = None,
         from apir.guest.drm import DrmDevice
 
         return DrmDevice(drm, **options)
-    from apir.guest.embedded import EmbeddedDevice
+    from apir.local.embedded import EmbeddedDevice
 
     return EmbeddedDevice(config=config, **options)
 

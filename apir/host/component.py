@@ -107,7 +107,7 @@ class HostContext:
         self._lock = threading.RLock()
         self._closed = False
         # An embedded host sets `defer_notification` to store the word itself, from its wait
-        # for the next command (apir.guest.embedded); `take_notification` hands it over.
+        # for the next command (apir.local.embedded); `take_notification` hands it over.
         self.defer_notification = False
         self._pending_notification: Optional[Tuple[Word, int]] = None
 

@@ -5,7 +5,7 @@ transport. It answers GETPARAM and GET_CAPS from fixed tables, creates the APIR 
 (`HostContext`) on CONTEXT_INIT, places blobs in the context's shared memory file
 (apir.host.local_memfile) and registers them with the context as resources, and runs EXECBUFFER
 payloads with `HostContext.submit`. The socket server (apir.host.local_server) and the embedded
-device (apir.guest.embedded) both drive it: the first decodes requests off the wire, the second
+device (apir.local.embedded) both drive it: the first decodes requests off the wire, the second
 calls it directly. Every refusal is a `KernelError` carrying the errno the ioctl would set.
 """
 

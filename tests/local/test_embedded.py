@@ -6,7 +6,7 @@ import struct
 import pytest
 
 from apir.guest.connect import device_kind, open_device
-from apir.guest.embedded import EmbeddedDevice
+from apir.local.embedded import EmbeddedDevice
 from apir.guest.errors import DeviceError, IoctlError
 from tests.local.test_local_server import EchoContext
 
