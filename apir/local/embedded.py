@@ -22,8 +22,7 @@ one that returns at once rings 2, and the host thread waits `_SETTLE_S` more bef
 GIL, while the guest gets to its own spin on the reply word.
 
 Blobs need no fd: the guest's `Blob.memory` is the host's own mapping of the blob's range.
-This is the default device when neither a socket nor a DRM node is given
-(apir.guest.connect.open_device).
+This is the default device, spec ``embedded`` (apir.devices.open_device).
 """
 
 from __future__ import annotations
