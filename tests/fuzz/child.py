@@ -10,6 +10,11 @@ on every run and in every worker. `--record PATH --only I` runs input I alone, r
 reproducer at PATH before each step (the driver's way to save a crash); `--replay PATH`
 runs a saved reproducer (exit status 1 when the host failed without crashing).
 
+An input after which this process's peak RSS is more than `--rss-limit` bytes (1 GiB)
+above what it was once the seeds were built is reported as `m I BYTES` (a memory fault:
+the host committed that much for one guest's input), and the process exits (its peak
+cannot go down again).
+
 Faults are the point: a signal kills this process (faulthandler prints where, on stderr),
 a GGML_ASSERT aborts it; the driver counts it and starts another.
 `APIR_FUZZ_SELFTEST=KIND@I,...` (oob, buf, uaf, abort, hang) makes input I do that instead,
@@ -49,6 +54,10 @@ def _selftest(kind: str, env, fences, fenced) -> None:
         time.sleep(3600)
 
 
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=0)
@@ -58,6 +67,8 @@ def main(argv=None) -> int:
     ap.add_argument("--replay", help="run this reproducer file (tests.fuzz.inputs.Recording) and exit")
     ap.add_argument("--no-fence-buffers", action="store_true")
     ap.add_argument("--rlimit-as", type=int, default=0, help="address-space limit in bytes (0: none)")
+    ap.add_argument("--rss-limit", type=int, default=1 << 30,
+                    help="peak-RSS growth over the start that makes an input a memory fault (0: none)")
     args = ap.parse_args(argv)
 
     faulthandler.enable()
@@ -99,6 +110,8 @@ def main(argv=None) -> int:
         selftest[int(at)] = kind
     out = sys.stdout
 
+    baseline = _peak_rss()
+
     def run(i: int, record=None) -> None:
         rng = np.random.default_rng([args.seed, i])
         seed = seeds[int(rng.integers(len(seeds)))]
@@ -114,11 +127,18 @@ def main(argv=None) -> int:
         finally:
             env.close()
         out.write(f"d {i} {env.no_reply} {int(alive)} {errors.count - before} {env.computed}\n")
+        grown = _peak_rss() - baseline
+        if args.rss_limit and grown > args.rss_limit:
+            # ru_maxrss only grows: report the input that raised it, then start afresh
+            out.write(f"m {i} {grown}\n")
+            out.flush()
+            sys.exit(3)
         out.flush()
 
     if args.only is not None:
         run(args.only, args.record)
         return 0
+    baseline = _peak_rss()
     out.write(f"ready {len(seeds)} {len(skipped)} {fenced.fenced_allocs}\n")
     out.flush()
     for line in sys.stdin:

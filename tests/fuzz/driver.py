@@ -3,7 +3,8 @@
 Theory of operation: `run_campaign` starts `workers` children (`tests.fuzz.child`) and hands
 each chunks of input indices. A child that dies during input I (a signal, an abort, any
 exit) is a **crash** of input I; a child that spends longer than `deadline` seconds in one
-input is a **hang** (it is killed). Either way the child is replaced and carries on at I+1,
+input is a **hang** (it is killed); an input that raised the child's peak RSS by more than
+`rss_limit` is a **memory** fault (the host committed that much for one input). Either way the child is replaced and carries on at I+1,
 so one fault costs one input, not the campaign. Every input that finishes reports whether
 a command went unanswered, whether the host still served afterwards, how many internal
 exceptions the host logged, and how many graphs it computed.
@@ -59,6 +60,7 @@ class Result:
     computed: int = 0  # graphs the host accepted and computed
     crashes: List[Fault] = field(default_factory=list)
     hangs: List[Fault] = field(default_factory=list)
+    memory: List[Fault] = field(default_factory=list)  # inputs that grew the host's peak RSS past the limit
     no_reply: int = 0  # inputs with a command that named the reply blob and got no reply
     not_serving: int = 0  # inputs after which the host did not answer DEVICE_GET_COUNT
     host_exceptions: int = 0  # inputs during which the host logged an internal exception
@@ -72,20 +74,20 @@ class Result:
     @property
     def signatures(self) -> Dict[str, int]:
         out: Dict[str, int] = {}
-        for f in self.crashes + self.hangs:
+        for f in self.crashes + self.hangs + self.memory:
             out[f.signature] = out.get(f.signature, 0) + 1
         return out
 
     def summary(self) -> dict:
         d = asdict(self)
-        d["crash_count"], d["hang_count"] = len(self.crashes), len(self.hangs)
+        d["crash_count"], d["hang_count"], d["memory_count"] = len(self.crashes), len(self.hangs), len(self.memory)
         d["signatures"] = self.signatures
-        for f in d["crashes"] + d["hangs"]:
+        for f in d["crashes"] + d["hangs"] + d["memory"]:
             f["stderr_tail"] = f["stderr_tail"][-1500:]
         return d
 
     def clean(self) -> bool:
-        return not (self.crashes or self.hangs or self.no_reply or self.not_serving or self.host_exceptions
+        return not (self.crashes or self.hangs or self.memory or self.no_reply or self.not_serving or self.host_exceptions
                     or self.harness_errors)
 
 
@@ -109,8 +111,12 @@ def signature_of(sig: str, stderr: str, case: str) -> tuple:
     if frame:
         path = Path(frame[0])
         where = (where + " at " if where else "") + f"{path.parent.name}/{path.name}:{frame[2]}"
-    op = case.split(":")[-1].rsplit("-", 1)[0] if case else "?"
-    return where or "?", f"{sig} {where or '?'} [{op}]"
+    return where or "?", f"{sig} {where or '?'} [{_op_of(case)}]"
+
+
+def _op_of(case: str) -> str:
+    """The op of a seed case name ("matrix:ADD_ID-22" -> "ADD_ID")."""
+    return case.split(":")[-1].rsplit("-", 1)[0] if case else "?"
 
 
 def _signame(rc: Optional[int]) -> str:
@@ -138,6 +144,7 @@ class _Worker:
         self.next = 0
         self.ready = False
         self.err_offset = 0
+        self.exiting = False  # it reported a memory fault and exits
 
     def start(self) -> None:
         err = open(self.err_path, "ab")
@@ -146,6 +153,7 @@ class _Worker:
                                      env=self.env, cwd=REPO, start_new_session=True)
         err.close()
         self.buf, self.current, self.ready, self.t0 = b"", None, False, time.monotonic()
+        self.exiting = False
 
     def send(self, line: str) -> None:
         try:
@@ -181,8 +189,9 @@ class _Worker:
         return data[-8000:].decode(errors="replace")
 
 
-def _child_cmd(seed: int, config: dict, rlimit_as: int, extra: List[str] = ()) -> List[str]:
-    cmd = [sys.executable, "-m", "tests.fuzz.child", "--seed", str(seed), "--config", json.dumps(config)]
+def _child_cmd(seed: int, config: dict, rlimit_as: int, extra: List[str] = (), rss_limit: int = 1 << 30) -> List[str]:
+    cmd = [sys.executable, "-m", "tests.fuzz.child", "--seed", str(seed), "--config", json.dumps(config),
+           "--rss-limit", str(rss_limit)]
     if rlimit_as:
         cmd += ["--rlimit-as", str(rlimit_as)]
     return cmd + list(extra)
@@ -199,7 +208,8 @@ def _child_env(extra_env: Optional[dict]) -> dict:
 def run_campaign(seed: int, n: int, workers: int, out_dir, *, start: int = 0, deadline: float = 20.0,
                  chunk: int = 250, config: Optional[dict] = None, rlimit_as: int = 0,
                  repro_per_signature: int = 3, repro_max: int = 40, extra_env: Optional[dict] = None,
-                 startup_deadline: float = 300.0, max_seconds: float = 0.0, progress=None) -> Result:
+                 startup_deadline: float = 300.0, max_seconds: float = 0.0, rss_limit: int = 1 << 30,
+                 progress=None) -> Result:
     """Runs inputs [start, start+n) of `seed` on `workers` children; see the module
     docstring. `max_seconds` (0: none) stops handing out chunks after that long: the
     result then counts fewer inputs. Writes `out_dir/summary.json`, worker stderr logs
@@ -208,7 +218,7 @@ def run_campaign(seed: int, n: int, workers: int, out_dir, *, start: int = 0, de
     (out / "reproducers").mkdir(parents=True, exist_ok=True)
     config = dict(config or {})
     env = _child_env(extra_env)
-    cmd = _child_cmd(seed, config, rlimit_as)
+    cmd = _child_cmd(seed, config, rlimit_as, rss_limit=rss_limit)
     res = Result(seed=seed, workers=workers)
     t_start = time.monotonic()
     todo = list(range(start, start + n, chunk))
@@ -254,6 +264,9 @@ def run_campaign(seed: int, n: int, workers: int, out_dir, *, start: int = 0, de
                 w.kill()
                 if w.current is not None:
                     fault(w, "crash", rc)
+                elif w.exiting:
+                    res.restarts += 1
+                    w.start()
                 elif not w.ready or w.next < w.chunk_end:
                     res.harness_errors.append(f"worker {w.k} exited ({_signame(rc)}) outside an input: "
                                               f"{w.stderr_tail()[-500:]}")
@@ -280,6 +293,11 @@ def run_campaign(seed: int, n: int, workers: int, out_dir, *, start: int = 0, de
                     res.not_serving += not alive
                     res.host_exceptions += exc > 0
                     w.current, w.next = None, int(i) + 1
+                elif tag == "m":
+                    i, grown = (int(x) for x in parts[1:3])
+                    res.memory.append(Fault("memory", i, w.case, "rss", f"peak RSS +{grown >> 20} MiB",
+                                            f"memory [{_op_of(w.case)}]"))
+                    w.exiting = True
                 elif tag == "e":
                     res.inputs += 1
                     res.harness_errors.append(f"input {parts[1]}: {parts[2] if len(parts) > 2 else ''}")
@@ -318,7 +336,7 @@ def _reproduce(res: Result, seed: int, config: dict, rlimit_as: int, env: dict, 
     """Saves and checks a reproducer for the first faults of each signature."""
     done: Dict[str, int] = {}
     chosen = []
-    for f in res.crashes + res.hangs:
+    for f in res.crashes + res.hangs + res.memory:
         if done.get(f.signature, 0) >= per_signature or len(chosen) >= most:
             continue
         done[f.signature] = done.get(f.signature, 0) + 1
@@ -332,6 +350,8 @@ def _reproduce(res: Result, seed: int, config: dict, rlimit_as: int, env: dict, 
         if not path.exists():
             return
         f.reproducer = str(path.relative_to(out))
+        if f.kind == "memory":
+            return
         replay = _child_cmd(seed, config, rlimit_as, ["--replay", str(path)])
         rc, _ = _run_alone(replay, env, deadline + 30)
         f.reproduced = rc is None if f.kind == "hang" else (rc is not None and rc not in (0, 1))
