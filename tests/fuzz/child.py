@@ -64,6 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="{}", help="JSON: host configuration keys added to the defaults")
     ap.add_argument("--record", help="reproducer path (with --only)")
     ap.add_argument("--only", type=int, help="run this one input and exit")
+    ap.add_argument("--seeds-cache", help="file the seed graphs are kept in (built when missing)")
     ap.add_argument("--replay", help="run this reproducer file (tests.fuzz.inputs.Recording) and exit")
     ap.add_argument("--no-fence-buffers", action="store_true")
     ap.add_argument("--rlimit-as", type=int, default=0, help="address-space limit in bytes (0: none)")
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
         resource.setrlimit(resource.RLIMIT_AS, (args.rlimit_as, args.rlimit_as))
     import apir.ggml
     from apir.host import HostContext
-    from tests.fuzz.corpus import build_seeds
+    from tests.fuzz.corpus import load_or_build_seeds
     from tests.fuzz.fence import FencedBuffers
     from tests.fuzz.inputs import Env, Fences, HostErrors
     from tests.fuzz.mutate import Mutator
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
         print(f"replayed: {no_reply} commands without a reply, host alive: {alive}, "
               f"internal exceptions: {exceptions} ({errors.last})")
         return 0 if (no_reply, alive, exceptions) == (0, True, 0) else 1
-    seeds, skipped = build_seeds(g, lambda: Guest(HostContext(900, config)))
+    seeds, skipped = load_or_build_seeds(g, lambda: Guest(HostContext(900, config)), args.seeds_cache)
     if not seeds:
         print("no seed graphs", file=sys.stderr)
         return 2

@@ -6,22 +6,25 @@ graph per op family variant, built with ggml's own constructors (tests/host/shap
 node list and the image of the one host buffer it lives in (inputs written). Only seeds
 that this host computes unmutated are kept, so every mutation starts from an accepted graph.
 A case this ggml build cannot construct (a missing constructor, a ggml >= 0.20 case on 0.10)
-is skipped.
+is skipped. Tensor ids are renumbered (`_canonical_ids`) so that seeds, and so inputs, are
+the same bytes in every process.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib
+import os
+import pickle
 import struct
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 from apir.codec.records import rpc_tensor_dtype
 
-__all__ = ["Seed", "build_seeds", "CASE_MODULES", "split_wire", "join_wire"]
+__all__ = ["Seed", "build_seeds", "load_or_build_seeds", "record_bytes", "CASE_MODULES", "split_wire", "join_wire"]
 
 CASE_MODULES = ("attention", "backward", "conv", "matrix", "more", "tensor_ops")
 
@@ -52,9 +55,49 @@ def split_wire(wire: bytes, dtype: np.dtype) -> Tuple[np.ndarray, np.ndarray]:
     return nodes, recs
 
 
+def record_bytes(recs: np.ndarray) -> bytes:
+    """The records' bytes with the holes between fields zero: numpy copies structured
+    arrays field by field, so a copy's holes hold whatever the allocation held, and an
+    input must be the same bytes in every process."""
+    out = np.zeros(len(recs), dtype=recs.dtype)
+    for name in recs.dtype.names:
+        out[name] = recs[name]
+    return out.tobytes()
+
+
 def join_wire(nodes: np.ndarray, recs: np.ndarray) -> bytes:
     return (struct.pack("<I", len(nodes)) + nodes.astype("<u8").tobytes()
-            + struct.pack("<I", len(recs)) + recs.tobytes())
+            + struct.pack("<I", len(recs)) + record_bytes(recs))
+
+
+def _canonical_ids(nodes: np.ndarray, recs: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Ids renumbered 0x1000, 0x1100, ... in record order: the guest's tensor addresses
+    differ from process to process, and an input must be the same bytes in every one."""
+    table = {int(i): 0x1000 + 0x100 * k for k, i in enumerate(recs["id"])}
+    table[0] = 0
+
+    def remap(a):
+        return np.array([table.get(int(x), x) for x in a.reshape(-1)], dtype=np.uint64).reshape(a.shape)
+
+    recs = recs.copy()
+    for f in ("id", "src", "view_src"):
+        recs[f] = remap(recs[f])
+    return remap(nodes), recs
+
+
+def load_or_build_seeds(g, guest_factory, cache: Optional[str]) -> Tuple[List[Seed], List[str]]:
+    """`build_seeds`, kept in the file `cache` (a pickle this harness wrote) so that a
+    replacement child process starts in a fraction of the time."""
+    if cache and os.path.exists(cache):
+        with open(cache, "rb") as fh:
+            return pickle.load(fh)
+    out = build_seeds(g, guest_factory)
+    if cache:
+        tmp = f"{cache}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as fh:
+            pickle.dump(out, fh)
+        os.replace(tmp, cache)
+    return out
 
 
 def _cases(g):
@@ -100,7 +143,7 @@ def build_seeds(g, guest_factory) -> Tuple[List[Seed], List[str]]:
             if rc != 0 or dec.i32() != 0:
                 skipped.append(f"{name}: this host refuses it unmutated")
                 continue
-            nodes, recs = split_wire(r.remote.wire, dtype)
+            nodes, recs = _canonical_ids(*split_wire(r.remote.wire, dtype))
             ops = tuple(g.op_names[int(op)] for op in recs["op"])
             seeds.append(Seed(name, nodes, recs, image, r.remote.handle, ops))
         finally:

@@ -218,7 +218,10 @@ def run_campaign(seed: int, n: int, workers: int, out_dir, *, start: int = 0, de
     (out / "reproducers").mkdir(parents=True, exist_ok=True)
     config = dict(config or {})
     env = _child_env(extra_env)
-    cmd = _child_cmd(seed, config, rlimit_as, rss_limit=rss_limit)
+    cache = str(out / f"seeds-{os.getpid()}.pickle")  # this campaign's: its code, its ggml
+    if os.path.exists(cache):
+        os.unlink(cache)
+    cmd = _child_cmd(seed, config, rlimit_as, ["--seeds-cache", cache], rss_limit=rss_limit)
     res = Result(seed=seed, workers=workers)
     t_start = time.monotonic()
     todo = list(range(start, start + n, chunk))
@@ -326,13 +329,16 @@ def run_campaign(seed: int, n: int, workers: int, out_dir, *, start: int = 0, de
         if progress:
             progress(res, time.monotonic() - t_start)
     res.seconds = time.monotonic() - t_start
-    _reproduce(res, seed, config, rlimit_as, env, out, deadline, repro_per_signature, repro_max, workers)
+    _reproduce(res, seed, config, rlimit_as, env, out, deadline, repro_per_signature, repro_max, workers,
+               ["--seeds-cache", cache])
+    if os.path.exists(cache):
+        os.unlink(cache)
     (out / "summary.json").write_text(json.dumps(res.summary(), indent=1))
     return res
 
 
 def _reproduce(res: Result, seed: int, config: dict, rlimit_as: int, env: dict, out: Path, deadline: float,
-               per_signature: int, most: int, workers: int) -> None:
+               per_signature: int, most: int, workers: int, extra: List[str]) -> None:
     """Saves and checks a reproducer for the first faults of each signature."""
     done: Dict[str, int] = {}
     chosen = []
@@ -345,7 +351,7 @@ def _reproduce(res: Result, seed: int, config: dict, rlimit_as: int, env: dict, 
     def one(f: Fault) -> None:
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{f.kind}-{f.signal}-{f.case}")[:80]
         path = out / "reproducers" / f"{slug}-s{seed}-i{f.index}.json"
-        record = _child_cmd(seed, config, rlimit_as, ["--only", str(f.index), "--record", str(path)])
+        record = _child_cmd(seed, config, rlimit_as, ["--only", str(f.index), "--record", str(path)] + extra)
         _run_alone(record, env, deadline + 30)
         if not path.exists():
             return

@@ -37,7 +37,7 @@ import numpy as np
 
 from apir.codec.constants import ApirBackendCommandType as Cmd, ApirCommandType
 from apir.host.tensors import CUSTOM_OPS
-from tests.fuzz.corpus import Seed, join_wire
+from tests.fuzz.corpus import Seed, join_wire, record_bytes
 from tests.fuzz.inputs import DATA_RES, GRAPH_RES, REPLY_RES, Env, forward, payload
 
 __all__ = ["Mutator"]
@@ -443,11 +443,11 @@ class Mutator:
             if which == 0:
                 env.write(DATA_RES, rng.integers(0, 256, 256, dtype=np.uint8).tobytes())
             cmd = Cmd.BUFFER_SET_TENSOR if which == 0 else Cmd.BUFFER_GET_TENSOR
-            env.submit(forward(cmd, struct.pack("<Q", h) + rec.tobytes() + struct.pack("<IQQ", res, off % U64, size % U64)))
+            env.submit(forward(cmd, struct.pack("<Q", h) + record_bytes(rec) + struct.pack("<IQQ", res, off % U64, size % U64)))
             return cmd.name
         if which == 2:  # cpy_tensor
-            env.submit(forward(Cmd.BUFFER_CPY_TENSOR, struct.pack("<Q", h) + self._rec(rng, ctx).tobytes()
-                               + self._rec(rng, ctx).tobytes()))
+            env.submit(forward(Cmd.BUFFER_CPY_TENSOR, struct.pack("<Q", h) + record_bytes(self._rec(rng, ctx))
+                               + record_bytes(self._rec(rng, ctx))))
             return "BUFFER_CPY_TENSOR"
         if which == 3:
             env.submit(forward(Cmd.BUFFER_CLEAR, struct.pack("<QI", h, int(rng.integers(256)))))
@@ -515,7 +515,7 @@ class Mutator:
             env.submit(payload(int(ApirCommandType.HANDSHAKE), 0, struct.pack("<II", *(int(x) for x in rng.integers(0, 4, 2)))))
             return "handshake"
         if which == 2:
-            cmd = forward(Cmd.BUFFER_SET_TENSOR, struct.pack("<Q", ctx["handle"]) + ctx["recs"][:1].tobytes()
+            cmd = forward(Cmd.BUFFER_SET_TENSOR, struct.pack("<Q", ctx["handle"]) + record_bytes(ctx["recs"][:1])
                           + struct.pack("<IQQ", DATA_RES, 0, 16))
             env.submit(self._flip(rng, cmd)[: int(rng.integers(len(cmd) + 1))])
             return "raw-set"
