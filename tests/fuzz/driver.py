@@ -147,11 +147,10 @@ class _Worker:
         self.exiting = False  # it reported a memory fault and exits
 
     def start(self) -> None:
-        err = open(self.err_path, "ab")
-        self.err_offset = err.tell()
-        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                     env=self.env, cwd=REPO, start_new_session=True)
-        err.close()
+        with open(self.err_path, "ab") as err:  # the child keeps its own descriptor
+            self.err_offset = err.tell()
+            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                         env=self.env, cwd=REPO, start_new_session=True)
         self.buf, self.current, self.ready, self.t0 = b"", None, False, time.monotonic()
         self.exiting = False
 

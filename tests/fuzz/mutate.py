@@ -17,7 +17,8 @@ An input is one of:
 
 Graph mutations (one tensor record or the node list each; kinds are recorded in the input's
 meta): ne (0, 1, +-1, x2, 2^31-1, 2^31, 2^32-1, ...), a zero dimension with a huge other
-one, an empty tensor (zero elements) placed at its buffer's end, a tensor moved to end at
+one, an empty tensor (zero elements) placed at its buffer's end, one dimension huge and another 0
+on every tensor sharing it, a tensor moved to end at
 its buffer's end (and the fence), nb (0, "negative" 2^32-x, halved, doubled, another dimension's), a consistent reshape
 (ne changed and nb recomputed, also on every tensor sharing that dimension), swapped dims,
 op_params slots (0, -1, INT32_MAX, INT32_MIN, ..., and float bits of NaN, +-inf, +-3.4e38,
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import List, Optional, Tuple
+from typing import List
 
 import numpy as np
 
@@ -76,7 +77,7 @@ class Mutator:
         self.tensor_dtype = g.tensor_dtype
         self.max_src = g.limits.max_src
         self.graph_kinds = [
-            (self.m_ne, 10), (self.m_zero_dim, 6), (self.m_empty, 8), (self.m_tail, 5), (self.m_nb, 8), (self.m_reshape, 10), (self.m_swap_dims, 4),
+            (self.m_ne, 10), (self.m_zero_dim, 6), (self.m_empty, 8), (self.m_huge_empty, 4), (self.m_tail, 5), (self.m_nb, 8), (self.m_reshape, 10), (self.m_swap_dims, 4),
             (self.m_op_param, 14), (self.m_type, 5), (self.m_op, 5), (self.m_src, 6), (self.m_data, 5),
             (self.m_view, 3), (self.m_buffer, 3), (self.m_flags, 1), (self.m_name, 1), (self.m_nodes, 4),
             (self.m_image, 6),
@@ -105,7 +106,7 @@ class Mutator:
         recs = ctx["recs"]
         d = int(rng.integers(4))
         cur = int(recs["ne"][t][d])
-        v = self._pick(rng, [0, 1, 2, 3, cur - 1, cur + 1, cur * 2, I32_MAX, 1 << 31, U32 - 1, 1 << 20,
+        v = self._pick(rng, [0, 0, 0, 1, 2, 3, cur - 1, cur + 1, cur * 2, I32_MAX, 1 << 31, U32 - 1, 1 << 20,
                              1 << 16, int(rng.integers(0, 65))])
         recs["ne"][t][d] = v % U32
         return f"ne[{d}]={v % U32}"
@@ -139,6 +140,22 @@ class Mutator:
             recs["data"][t] = ctx["buf_size"] - self._pick(rng, [0, 0, 0, 4, 32, 64])
             kind += ",at-end"
         return kind
+
+    def m_huge_empty(self, rng, ctx, t):
+        """One dimension made huge on every tensor that shares it (so the rules' shape
+        arithmetic still agrees) and another made 0 on the same tensors (so their extents
+        are 0 and pass the bounds checks): what ggml sizes from the huge one is then planned
+        for tensors that hold nothing."""
+        recs = ctx["recs"]
+        d, z = (int(x) for x in rng.choice(4, 2, replace=False))
+        old = int(recs["ne"][t][d])
+        big = self._pick(rng, [1 << 20, 1 << 24, 1 << 30, I32_MAX, U32 - 1])
+        targets = np.nonzero(recs["ne"][:, d] == old)[0]
+        recs["ne"][targets, d] = big
+        recs["ne"][targets, z] = 0
+        for i in targets:
+            self._contiguous(recs, int(i))
+        return f"huge[{d}]={big},zero[{z}]x{len(targets)}"
 
     def _extent(self, recs, t) -> int:
         ty = int(recs["type"][t])

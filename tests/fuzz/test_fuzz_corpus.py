@@ -62,7 +62,7 @@ def test_inputs_are_deterministic_and_replay_alone(tmp_path):
     procs = [subprocess.Popen(_child_cmd(CORPUS_SEED, {}, 0, ["--only", "17", "--record", str(p)]), env=env,
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for p in paths]
     for p in procs:
-        out, err = p.communicate(timeout=300)
+        _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err.decode()[-2000:]
     a, b = (p.read_text() for p in paths)
     assert a == b
