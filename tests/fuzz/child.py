@@ -3,7 +3,7 @@
 Run by the driver as `python -m tests.fuzz.child --seed S [options]`. It loads ggml,
 installs the fences (`FencedBuffers`, `Fences`), builds the seed graphs, prints
 `ready N_SEEDS N_SKIPPED`, then serves lines on stdin: `run A B` runs inputs A..B-1 and
-prints `s I CASE` before and `d I NO_REPLY ALIVE EXCEPTIONS COMPUTED` after each, then `ok`. An exception of the harness itself (not of the host, whose `submit` never
+prints `s I CASE` before, `k I MUTATIONS` (JSON) before each command, and `d I NO_REPLY ALIVE EXCEPTIONS COMPUTED` after each, then `ok`. An exception of the harness itself (not of the host, whose `submit` never
 raises) is reported as `e I MESSAGE` instead of `d`.
 Input I is `make_input(numpy.random.default_rng([S, I]), seed graph, fresh Env)`: the same
 on every run and in every worker. `--record PATH --only I` runs input I alone, rewriting the
@@ -120,6 +120,7 @@ def main(argv=None) -> int:
         out.flush()
         env = Env(fences, config, 4096, record_to=record, meta={"seed": args.seed, "index": i})
         before = errors.count
+        env.on_command = lambda meta: (out.write(f"k {i} {json.dumps(meta.get('mutations', []))}\n"), out.flush())
         try:
             if i in selftest:
                 _selftest(selftest[i], env, fences, fenced)

@@ -11,7 +11,8 @@ exceptions the host logged, and how many graphs it computed.
 
 A fault's signature is the signal and where it struck, read from the child's stderr (the
 GGML_ASSERT line, the C++ exception, or the innermost Python frame that faulthandler
-printed: the ctypes call into ggml), and the op of the seed graph. For the first
+printed: the ctypes call into ggml), and the op of the seed graph (or the op a mutation
+gave the node). For the first
 `repro_per_signature` faults of each signature the input is re-run alone with `--record`
 (a reproducer file in `out_dir/reproducers/`), and the file is then replayed alone with
 `--replay`: `Fault.reproduced` says whether the saved file alone faults the host again.
@@ -48,6 +49,7 @@ class Fault:
     signal: str
     where: str
     signature: str
+    mutations: List[str] = field(default_factory=list)
     reproducer: Optional[str] = None
     reproduced: Optional[bool] = None
     stderr_tail: str = ""
@@ -96,8 +98,9 @@ _THROW = re.compile(r"terminate called after throwing an instance of '([^']+)'")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\w+)')
 
 
-def signature_of(sig: str, stderr: str, case: str) -> tuple:
-    """(where, signature) of a fault: see the module docstring."""
+def signature_of(sig: str, stderr: str, case: str, mutations=()) -> tuple:
+    """(where, signature) of a fault: see the module docstring. The op is the seed's, or
+    the one a mutation made the node."""
     where = ""
     m = _ASSERT.search(stderr) or None
     if m:
@@ -111,7 +114,8 @@ def signature_of(sig: str, stderr: str, case: str) -> tuple:
     if frame:
         path = Path(frame[0])
         where = (where + " at " if where else "") + f"{path.parent.name}/{path.name}:{frame[2]}"
-    return where or "?", f"{sig} {where or '?'} [{_op_of(case)}]"
+    ops = [m[3:] for m in mutations if m.startswith("op=")]
+    return where or "?", f"{sig} {where or '?'} [{ops[-1] if ops else _op_of(case)}]"
 
 
 def _op_of(case: str) -> str:
@@ -145,6 +149,7 @@ class _Worker:
         self.ready = False
         self.err_offset = 0
         self.exiting = False  # it reported a memory fault and exits
+        self.mutations: List[str] = []  # of the current input, as last reported
 
     def start(self) -> None:
         with open(self.err_path, "ab") as err:  # the child keeps its own descriptor
@@ -245,8 +250,8 @@ def run_campaign(seed: int, n: int, workers: int, out_dir, *, start: int = 0, de
         i = w.current
         tail = w.stderr_tail()
         sig = "deadline" if kind == "hang" else _signame(rc)
-        where, signature = signature_of(sig, tail, w.case)
-        f = Fault(kind, i, w.case, sig, where, signature, stderr_tail=tail)
+        where, signature = signature_of(sig, tail, w.case, w.mutations)
+        f = Fault(kind, i, w.case, sig, where, signature, mutations=list(w.mutations), stderr_tail=tail)
         (res.crashes if kind == "crash" else res.hangs).append(f)
         res.inputs += 1
         w.next = i + 1
@@ -286,6 +291,12 @@ def run_campaign(seed: int, n: int, workers: int, out_dir, *, start: int = 0, de
                 tag = parts[0]
                 if tag == "s":
                     w.current, w.case, w.t0 = int(parts[1]), parts[2] if len(parts) > 2 else "", now
+                    w.mutations = []
+                elif tag == "k":
+                    try:
+                        w.mutations = json.loads(parts[2])
+                    except (IndexError, ValueError):
+                        pass
                 elif tag == "d":
                     _, i, rest = parts
                     no_reply, alive, exc, computed = (int(x) for x in rest.split())
@@ -298,7 +309,8 @@ def run_campaign(seed: int, n: int, workers: int, out_dir, *, start: int = 0, de
                 elif tag == "m":
                     i, grown = (int(x) for x in parts[1:3])
                     res.memory.append(Fault("memory", i, w.case, "rss", f"peak RSS +{grown >> 20} MiB",
-                                            f"memory [{_op_of(w.case)}]"))
+                                            signature_of("memory", "", w.case, w.mutations)[1],
+                                            mutations=list(w.mutations)))
                     w.exiting = True
                 elif tag == "e":
                     res.inputs += 1

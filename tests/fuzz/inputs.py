@@ -135,6 +135,7 @@ class Env:
         self.ctx.add_resource(DATA_RES, self.data)
         self.ctx.add_resource(GRAPH_RES, self.graph)
         self.no_reply = 0
+        self.on_command = None  # called with the input's meta before each command (the child reports it)
         self.computed = 0  # graph computes the host accepted (ran ggml)
         self._views = {DATA_RES: self.data, GRAPH_RES: self.graph, REPLY_RES: self.reply}
         rc, _ = self._submit(payload(int(ApirCommandType.HANDSHAKE), 0, struct.pack("<II", 0, 2)))
@@ -179,6 +180,8 @@ class Env:
     def submit(self, cmd: bytes) -> Tuple[Optional[int], memoryview]:
         """Submits a raw payload; (return code or None when no reply came, reply payload)."""
         self._step("cmd", 0, cmd)
+        if self.on_command is not None:
+            self.on_command(self.rec.meta)
         rc, reply = self._submit(cmd)
         names_reply = len(cmd) >= 12 and struct.unpack_from("<I", cmd, 8)[0] == REPLY_RES
         if rc is None and names_reply:
