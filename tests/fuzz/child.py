@@ -32,6 +32,7 @@ import resource
 import signal
 import sys
 import time
+import traceback
 
 import numpy as np
 
@@ -152,6 +153,7 @@ def main(argv=None) -> int:
             try:
                 run(i)
             except Exception as exc:  # noqa: BLE001 - the harness's own bug: reported, not a host fault
+                traceback.print_exc()
                 out.write(f"e {i} {type(exc).__name__}: {exc!s:.200}\n".replace("\n", " ").rstrip() + "\n")
                 out.flush()
         out.write(f"ok {fenced.fenced_allocs} {errors.last!r}\n")

@@ -275,7 +275,7 @@ class Mutator:
         ids = recs["id"]
         if rng.random() < 0.5:
             recs["view_src"][t] = self._pick(rng, [0, int(ids[int(rng.integers(len(ids)))])])
-        recs["view_offs"][t] = self._pick(rng, [0, 4, 64, ctx["buf_size"], U64 - 4, int(recs["view_offs"][t]) + 4])
+        recs["view_offs"][t] = self._pick(rng, [0, 4, 64, ctx["buf_size"], U64 - 4, int(recs["view_offs"][t]) + 4]) % U64
         return "view"
 
     def m_buffer(self, rng, ctx, t):
