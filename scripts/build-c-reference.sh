@@ -24,7 +24,7 @@
 #    a file injected with -DCMAKE_PROJECT_INCLUDE replaces that one
 #    ExternalProject with an empty target and writes a stub venus_hw.h where the
 #    download would have put it. ggml uses nothing from venus_hw.h (upstream it
-#    only declares struct virgl_renderer_capset_venus). Set VENUS_HW_H=/path to
+#    only declares struct virgl_renderer_capset_venus). Set APIR_CREF_VENUS_HW_H=/path to
 #    use a real copy instead.
 #  * The frontend includes <drm/virtgpu_drm.h> and needs a kernel >= 6.7 UAPI
 #    header (execbuffer syncobj fields, RESOURCE_CREATE_BLOB, CONTEXT_INIT).
@@ -32,15 +32,31 @@
 #    2.4.114 ships an old virtgpu_drm.h. If the system header does not compile,
 #    the script takes drm/virtgpu_drm.h (Linux 6.19 UAPI) from the PyPI wheel
 #    ziglang==0.16.0 and passes its folder with -isystem. Set
-#    VIRTGPU_DRM_INCLUDE=/dir (a dir holding drm/virtgpu_drm.h) to use another.
+#    APIR_CREF_VIRTGPU_DRM_INCLUDE=/dir (a dir holding drm/virtgpu_drm.h) to use another.
 #
-# Environment knobs:
-#   GGML_BACKEND_DL=ON  build backends as dlopen()ed modules (into BUILD/bin)
-#                       instead of linking them into libggml.so (default OFF,
+# Environment knobs (docs/environment.md; the names before issue 16, in brackets, still work
+# with a warning):
+#   APIR_CREF_BACKEND_DL=ON  [GGML_BACKEND_DL] build backends as dlopen()ed modules (into
+#                       BUILD/bin) instead of linking them into libggml.so (default OFF,
 #                       the same as the PyPI wheel). Uses OUTDIR/build-dl.
-#   JOBS=N              ninja parallelism (default: nproc)
-#   ZIGLANG_VERSION     wheel the fallback virtgpu_drm.h comes from (0.16.0)
+#   APIR_CREF_JOBS=N    [JOBS] ninja parallelism (default: nproc)
+#   APIR_CREF_ZIGLANG_VERSION  [ZIGLANG_VERSION] wheel the fallback virtgpu_drm.h comes from (0.16.0)
+#   APIR_CREF_VENUS_HW_H=/path [VENUS_HW_H], APIR_CREF_VIRTGPU_DRM_INCLUDE=/dir
+#                       [VIRTGPU_DRM_INCLUDE]: see above.
 set -euo pipefail
+
+# renamed NEW OLD: NEW takes OLD's value when only OLD is set, with a warning.
+renamed() {
+    if [ -z "${!1:-}" ] && [ -n "${!2:-}" ]; then
+        echo "warning: \$$2 is deprecated, use \$$1" >&2
+        printf -v "$1" '%s' "${!2}"
+    fi
+}
+renamed APIR_CREF_BACKEND_DL GGML_BACKEND_DL
+renamed APIR_CREF_JOBS JOBS
+renamed APIR_CREF_ZIGLANG_VERSION ZIGLANG_VERSION
+renamed APIR_CREF_VENUS_HW_H VENUS_HW_H
+renamed APIR_CREF_VIRTGPU_DRM_INCLUDE VIRTGPU_DRM_INCLUDE
 
 if [ $# -ne 2 ]; then
     echo "usage: $0 SDIST.tar.gz OUTDIR" >&2
@@ -50,9 +66,10 @@ fi
 SDIST=$(realpath "$1")
 mkdir -p "$2"
 OUT=$(realpath "$2")
-JOBS=${JOBS:-$(nproc)}
-BACKEND_DL=${GGML_BACKEND_DL:-OFF}
-ZIGLANG_VERSION=${ZIGLANG_VERSION:-0.16.0}
+JOBS=${APIR_CREF_JOBS:-$(nproc)}
+BACKEND_DL=${APIR_CREF_BACKEND_DL:-OFF}
+ZIGLANG_VERSION=${APIR_CREF_ZIGLANG_VERSION:-0.16.0}
+VENUS_HW_H=${APIR_CREF_VENUS_HW_H:-}
 case "$BACKEND_DL" in
     ON|on|1|TRUE|true) BACKEND_DL=ON;  BUILD="$OUT/build-dl" ;;
     *)                 BACKEND_DL=OFF; BUILD="$OUT/build" ;;
@@ -146,9 +163,9 @@ EOF
 }
 COMPAT=""
 get_drm_header() {
-    if [ -n "${VIRTGPU_DRM_INCLUDE:-}" ]; then
-        COMPAT=$(realpath "$VIRTGPU_DRM_INCLUDE")
-        drm_header_ok -isystem "$COMPAT" || { echo "VIRTGPU_DRM_INCLUDE=$COMPAT: drm/virtgpu_drm.h too old or missing" >&2; exit 1; }
+    if [ -n "${APIR_CREF_VIRTGPU_DRM_INCLUDE:-}" ]; then
+        COMPAT=$(realpath "$APIR_CREF_VIRTGPU_DRM_INCLUDE")
+        drm_header_ok -isystem "$COMPAT" || { echo "APIR_CREF_VIRTGPU_DRM_INCLUDE=$COMPAT: drm/virtgpu_drm.h too old or missing" >&2; exit 1; }
         return 0
     fi
     if drm_header_ok; then
