@@ -39,8 +39,9 @@ def check_connect(path: str) -> None:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        raise SocketPathError(f"{path}: no such socket; start a host there with "
-                              f"`apir host serve --socket {path}`") from None
+        raise SocketPathError(
+            f"{path}: no such socket; start a host there with `apir host serve --socket {path}`"
+        ) from None
     except OSError as exc:
         raise SocketPathError(f"{path}: {exc.strerror}") from None
     if not stat.S_ISSOCK(mode):

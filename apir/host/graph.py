@@ -1,9 +1,10 @@
 """The host-side graph builder: a checked `ggml_cgraph` from a parsed wire graph.
 
 Theory of operation: `apir.codec.graph.parse_graph` has already checked the wire's counts,
-ids, types, ops, names and acyclicity. Here a node listed twice is refused, every tensor record is checked against this context
-(`TensorChecker.check_rpc`: a known buffer, data + extent inside it, no custom op), each
-view against its source (same buffer, `data == source data + view_offs`, its extent inside
+ids, types, ops, names and acyclicity. Here a node listed twice is refused, every tensor record
+is checked against this context (`TensorChecker.check_rpc`: a known buffer, data + extent
+inside it, no custom op), each view against its source (same buffer, `data == source data +
+view_offs`, its extent inside
 the source's), every tensor of the graph must have data (a kernel writes through it), and
 each node's shape goes through `apir.host.shapes.check_node`, then what rules ask of the whole
 graph (`_check_graph_needs`: row ids read before compute are written by no node before they

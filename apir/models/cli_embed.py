@@ -66,7 +66,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
                    help="read sentences from FILE, one per line, blank lines skipped (- is stdin; repeatable)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--socket", metavar="PATH", type=socket_arg, help="a local APIR host's Unix socket")
-    where.add_argument("--drm", metavar="NODE", type=node_arg, help="a virtio-gpu render node, e.g. /dev/dri/renderD128")
+    where.add_argument("--drm", metavar="NODE", type=node_arg,
+                       help="a virtio-gpu render node, e.g. /dev/dri/renderD128")
     where.add_argument("--local-cpu", action="store_true", help="ggml CPU in this process, not through APIR")
     p.add_argument("--format", choices=FORMATS, default=None,
                    help="output: table (default), json (one object), jsonl (one line per sentence), "

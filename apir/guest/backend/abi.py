@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 __all__ = ["Abi", "UnsupportedGgmlVersion", "abi_for", "SUPPORTED_VERSIONS", "IFACE_FIELDS"]
 
@@ -91,7 +91,9 @@ class UnsupportedGgmlVersion(RuntimeError):
 
 def _proto(sig: str):
     res, _, args = sig.partition(":")
-    return ctypes.CFUNCTYPE(_CODES[res], *[_CODES[c] for c in args])
+    # "v" (void, None) is a result type only, so every argument code maps to a ctypes type.
+    arg_types: List[Any] = [_CODES[c] for c in args]
+    return ctypes.CFUNCTYPE(_CODES[res], *arg_types)
 
 
 class Abi:
