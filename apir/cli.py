@@ -37,7 +37,8 @@ from apir.codec.constants import (
 from apir.socket_path import SocketPathError, check_connect, check_listen, check_syntax
 
 __all__ = ["main", "build_parser", "SUBCOMMAND_MODULES", "host_config_from_args", "add_host_config_arguments",
-           "UsageError", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "socket_arg", "node_arg"]
+           "add_device_arguments", "device_from_args", "UsageError", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE",
+           "socket_arg", "node_arg"]
 
 log = logging.getLogger("apir.cli")
 
@@ -113,6 +114,17 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     add_host_config_arguments(parser)
 
 
+def device_from_args(args: argparse.Namespace) -> tuple[Optional[str], Optional[dict]]:
+    """(device spec, host configuration) of a command's options, for apir.devices: the spec of
+    --socket / --drm (apir.devices.device_spec; None for neither: the default device) and, where the command has the host
+    configuration options, their config (else None). Every command opens its device this way."""
+    from apir.devices import device_spec
+
+    spec = device_spec(getattr(args, "socket", None), getattr(args, "drm", None))
+    config = host_config_from_args(args) if hasattr(args, "config") else None
+    return spec, config
+
+
 # --- apir host serve -------------------------------------------------------------------------
 def run_host_serve(args: argparse.Namespace) -> int:
     from apir.host.local_server import LocalServer
@@ -179,13 +191,14 @@ def device_type_name(value: int) -> Optional[str]:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    from apir.guest.connect import device_kind, open_client
+    from apir.devices import open_client, parse_spec
 
-    kind = device_kind(args.socket, args.drm)
+    spec, config = device_from_args(args)
+    device = parse_spec(spec)
     if args.socket:
         check_connect(args.socket)
-    with open_client(socket=args.socket, drm=args.drm, config=host_config_from_args(args)) as client:
-        info = {"transport": kind, "node": args.socket or args.drm or None}
+    with open_client(spec, config=config) as client:
+        info = {"transport": device.kind, "node": device.node, "where": device.where}
         info["protocol"] = {
             "guest": "%d.%d" % tuple(client.protocol),
             "host": "%d.%d" % tuple(client.host_version),
@@ -214,18 +227,15 @@ def human_size(n: int) -> str:
 
 
 _CAPSETS = {10: "APIR", 4: "Venus"}  # virtio-gpu capset ids apir speaks (apir.guest.remote)
-_WHERE = {"embedded": "a host thread in this process", "socket": "host process at {node}",
-          "drm": "virtio-gpu render node {node}"}
 
 
 def format_info(info: dict) -> str:
     """`apir info`'s text: enum values named, sizes for people (the JSON keeps the numbers)."""
     d, b, p = info["device"], info["buffer_type"], info["protocol"]
-    where = _WHERE.get(info["transport"], "{node}").format(node=info["node"])
     dev_type = f"{d['type_name']} (ggml_backend_dev_type {d['type']})" if d.get("type_name") else str(d["type"])
     capset = f"{_CAPSETS[p['capset']]} capset {p['capset']}" if p["capset"] in _CAPSETS else f"capset {p['capset']}"
     lines = [
-        f"transport:          {info['transport']}: {where}",
+        f"transport:          {info['where']}",
         f"APIR protocol:      guest {p['guest']}, host {p['host']} ({capset}), HandShake ok",
         f"device:             {d['name']}",
         f"description:        {d['description']}",
