@@ -116,8 +116,9 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
 
 def device_from_args(args: argparse.Namespace) -> tuple[Optional[str], Optional[dict]]:
     """(device spec, host configuration) of a command's options, for apir.devices: the spec of
-    --socket / --drm (apir.devices.device_spec; None for neither: the default device) and, where the command has the host
-    configuration options, their config (else None). Every command opens its device this way."""
+    --socket / --drm (apir.devices.device_spec; None for neither: the default device) and,
+    where the command has the host configuration options, their config (else None). Every
+    command opens its device this way."""
     from apir.devices import device_spec
 
     spec = device_spec(getattr(args, "socket", None), getattr(args, "drm", None))
@@ -198,7 +199,7 @@ def run_info(args: argparse.Namespace) -> int:
     if args.socket:
         check_connect(args.socket)
     with open_client(spec, config=config) as client:
-        info = {"transport": device.kind, "node": device.node, "where": device.where}
+        info: dict = {"transport": device.kind, "node": device.node, "where": device.where}
         info["protocol"] = {
             "guest": "%d.%d" % tuple(client.protocol),
             "host": "%d.%d" % tuple(client.host_version),

@@ -110,7 +110,7 @@ def test_version(capsys):
 def test_info_text_names_enums_and_sizes(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert "transport:          embedded: a host thread in this process\n" in out
+    assert "transport:          embedded host in this process\n" in out
     assert "(APIR capset 10), HandShake ok" in out
     assert "type:               CPU (ggml_backend_dev_type 0)\n" in out
     assert "max buffer size:  unlimited\n" in out  # the CPU buffer type answers SIZE_MAX
