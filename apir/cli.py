@@ -2,8 +2,8 @@
 
 Theory of operation: `main` builds one argparse parser whose subcommands come from modules; each
 module has ``add_parser(subparsers, parents)`` which adds its parser(s) and sets
-``run=<callable(args) -> int>`` as a default. This file's own commands are `apir host serve` and
-`apir info`; other modules join by being named in `SUBCOMMAND_MODULES` (`apir embed` comes from
+``run=<callable(args) -> int>`` as a default. This file's own commands are `apir host serve`,
+`apir info` and `apir trace`; other modules join by being named in `SUBCOMMAND_MODULES` (`apir embed` comes from
 apir.models.cli_embed). Logging goes through the standard logging module (``--log-level``,
 else $APIR_LOG_LEVEL); any failure becomes one line ``apir: error: ...`` on stderr, naming the
 path or value at fault.
@@ -128,11 +128,21 @@ def device_from_args(args: argparse.Namespace) -> tuple[Optional[str], Optional[
 
 # --- apir host serve -------------------------------------------------------------------------
 def run_host_serve(args: argparse.Namespace) -> int:
+    from apir.host.local_kernel import default_context_factory
     from apir.host.local_server import LocalServer
+    from apir.host.trace import CommandTrace, traced_context_factory
 
     check_listen(args.socket)
-    server = LocalServer(args.socket, config=host_config_from_args(args),
-                         max_context_bytes=args.max_context_mib << 20)
+    config = host_config_from_args(args)
+    trace = CommandTrace(args.trace) if args.trace else None
+    factory = traced_context_factory(default_context_factory, trace) if trace else default_context_factory
+    try:
+        server = LocalServer(args.socket, config=config, context_factory=factory,
+                             max_context_bytes=args.max_context_mib << 20)
+    except BaseException:
+        if trace:
+            trace.close()
+        raise
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -142,12 +152,23 @@ def run_host_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
-    print(f"apir: serving on {server.path}", file=sys.stderr, flush=True)
+    traced = f", tracing commands to {args.trace}" if trace else ""
+    print(f"apir: serving on {server.path}{traced}", file=sys.stderr, flush=True)
     try:
         while not stop.wait(0.5):
             pass
     finally:
         server.close()
+        if trace:
+            trace.close()
+    return 0
+
+
+# --- apir trace ------------------------------------------------------------------------------
+def run_trace(args: argparse.Namespace) -> int:
+    from apir.host.trace import format_trace, read_trace
+
+    print(format_trace(read_trace(args.file), commands=not args.summary))
     return 0
 
 
@@ -257,10 +278,20 @@ def add_parser(subparsers, parents) -> None:
     serve = host_sub.add_parser("serve", parents=parents,
                                 help="serve guests on a Unix socket (kernel driver + hypervisor stand-in)")
     serve.add_argument("--socket", metavar="PATH", type=socket_arg, required=True, help="Unix socket to listen on")
+    serve.add_argument("--trace", metavar="FILE",
+                       help="record each command (type, backend function, sizes, status, host time; "
+                            "no tensor data) to FILE as JSON lines; `apir trace FILE` prints it")
     serve.add_argument("--max-context-mib", type=int, default=1 << 16, metavar="MIB",
                        help="shared memory limit of one guest context (default %(default)s MiB)")
     add_host_config_arguments(serve)
     serve.set_defaults(run=run_host_serve)
+
+    trace = subparsers.add_parser("trace", parents=parents,
+                                  help="print a command trace (`apir host serve --trace FILE`) and its "
+                                       "per-function summary")
+    trace.add_argument("file", metavar="FILE", help="the trace file")
+    trace.add_argument("--summary", action="store_true", help="only the per-function summary")
+    trace.set_defaults(run=run_trace)
 
     info = subparsers.add_parser("info", parents=parents,
                                  help="HandShake with a host and describe its device and buffer type")
