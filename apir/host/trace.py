@@ -74,7 +74,7 @@ def _function_name(function_id: int) -> str:
 
 
 def _status(type_name: str, rc: Optional[int]) -> str:
-    """"ok" or a name for what `rc` says went wrong (see the module docstring)."""
+    """ "ok" or a name for what `rc` says went wrong (see the module docstring)."""
     if rc is None:
         return "no reply"
     if type_name == "HandShake":
@@ -111,8 +111,7 @@ class CommandTrace:
             if not self._file.closed:
                 self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
 
-    def __call__(self, ctx_id: int, command: memoryview, result: Optional[Tuple[int, int]],
-                 seconds: float) -> None:
+    def __call__(self, ctx_id: int, command: memoryview, result: Optional[Tuple[int, int]], seconds: float) -> None:
         start = time.perf_counter() - seconds - self._t0
         record: Dict[str, Any] = {"t": round(start, 6), "ctx": ctx_id}
         if len(command) >= _HEADER.size:
@@ -159,8 +158,10 @@ def read_trace(path: str) -> List[Dict[str, Any]]:
     except json.JSONDecodeError:
         head = None
     if not isinstance(head, dict) or head.get("apir_trace") != TRACE_VERSION:
-        raise TraceError(f"{path}: not an apir trace (version {TRACE_VERSION}): its first line is "
-                         f"not {{\"apir_trace\": {TRACE_VERSION}, ...}}")
+        raise TraceError(
+            f"{path}: not an apir trace (version {TRACE_VERSION}): its first line is "
+            f'not {{"apir_trace": {TRACE_VERSION}, ...}}'
+        )
     records = []
     complete = lines[1:-1]  # the text after the last newline is an unfinished record, or ""
     for n, line in enumerate(complete, start=2):
@@ -181,8 +182,10 @@ def format_trace(records: List[Dict[str, Any]], commands: bool = True) -> str:
     if commands:
         out.append(f"{'time s':>10} {'ctx':>3}  {'command':<28} {'cmd B':>9} {'reply B':>8} {'host us':>10}  status")
         for r in records:
-            out.append(f"{r.get('t', 0):>10.6f} {r.get('ctx', '?'):>3}  {_name(r):<28} {r.get('cmd_bytes', 0):>9} "
-                       f"{r.get('reply_bytes', 0):>8} {r.get('host_us', 0):>10.1f}  {r.get('status', '?')}")
+            out.append(
+                f"{r.get('t', 0):>10.6f} {r.get('ctx', '?'):>3}  {_name(r):<28} {r.get('cmd_bytes', 0):>9} "
+                f"{r.get('reply_bytes', 0):>8} {r.get('host_us', 0):>10.1f}  {r.get('status', '?')}"
+            )
         out.append("")
     stats: Dict[str, List[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0, 0, 0])
     for r in records:
@@ -195,9 +198,13 @@ def format_trace(records: List[Dict[str, Any]], commands: bool = True) -> str:
         s[5] += r.get("reply_bytes", 0)
     total_us = sum(s[2] for s in stats.values()) or 1.0
     out.append(f"summary: {len(records)} commands, {total_us / 1e6:.3f} s of host time")
-    out.append(f"  {'function':<28} {'calls':>7} {'errors':>6} {'host ms':>10} {'share':>6} {'mean us':>9} "
-               f"{'max us':>9} {'cmd B':>11} {'reply B':>10}")
+    out.append(
+        f"  {'function':<28} {'calls':>7} {'errors':>6} {'host ms':>10} {'share':>6} {'mean us':>9} "
+        f"{'max us':>9} {'cmd B':>11} {'reply B':>10}"
+    )
     for name, (n, errors, us, mx, cmd_b, reply_b) in sorted(stats.items(), key=lambda kv: -kv[1][2]):
-        out.append(f"  {name:<28} {n:>7} {errors:>6} {us / 1e3:>10.3f} {100 * us / total_us:>5.1f}% "
-                   f"{us / n:>9.1f} {mx:>9.1f} {cmd_b:>11} {reply_b:>10}")
+        out.append(
+            f"  {name:<28} {n:>7} {errors:>6} {us / 1e3:>10.3f} {100 * us / total_us:>5.1f}% "
+            f"{us / n:>9.1f} {mx:>9.1f} {cmd_b:>11} {reply_b:>10}"
+        )
     return "\n".join(out)

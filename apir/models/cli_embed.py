@@ -48,10 +48,13 @@ def add_parser(subparsers, parents=()) -> argparse.ArgumentParser:
     """Adds `embed` to an `ArgumentParser.add_subparsers()` object (apir.cli's subcommand
     convention: `parents` carries the shared options); sets `run=run`."""
     p = subparsers.add_parser(
-        "embed", parents=list(parents), help="sentence embeddings with all-MiniLM-L6-v2 through APIR",
+        "embed",
+        parents=list(parents),
+        help="sentence embeddings with all-MiniLM-L6-v2 through APIR",
         description="Embed sentences with all-MiniLM-L6-v2 (384 values, unit length) on the host's "
-                    "ggml backend through APIR.",
-        epilog="Exit status: 0 success, 1 runtime error, 2 bad usage.")
+        "ggml backend through APIR.",
+        epilog="Exit status: 0 success, 1 runtime error, 2 bad usage.",
+    )
     _configure(p)
     p.set_defaults(run=run)
     return p
@@ -60,30 +63,54 @@ def add_parser(subparsers, parents=()) -> argparse.ArgumentParser:
 def _configure(p: argparse.ArgumentParser) -> None:
     from apir.cli import node_arg, socket_arg
 
-    p.add_argument("sentences", nargs="*", metavar="SENTENCE",
-                   help="text to embed, one argument each; - reads stdin, one sentence per line")
-    p.add_argument("-f", "--file", action="append", default=[], metavar="FILE",
-                   help="read sentences from FILE, one per line, blank lines skipped (- is stdin; repeatable)")
+    p.add_argument(
+        "sentences",
+        nargs="*",
+        metavar="SENTENCE",
+        help="text to embed, one argument each; - reads stdin, one sentence per line",
+    )
+    p.add_argument(
+        "-f",
+        "--file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="read sentences from FILE, one per line, blank lines skipped (- is stdin; repeatable)",
+    )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--socket", metavar="PATH", type=socket_arg, help="a local APIR host's Unix socket")
-    where.add_argument("--drm", metavar="NODE", type=node_arg,
-                       help="a virtio-gpu render node, e.g. /dev/dri/renderD128")
+    where.add_argument(
+        "--drm", metavar="NODE", type=node_arg, help="a virtio-gpu render node, e.g. /dev/dri/renderD128"
+    )
     where.add_argument("--local-cpu", action="store_true", help="ggml CPU in this process, not through APIR")
-    p.add_argument("--format", choices=FORMATS, default=None,
-                   help="output: table (default), json (one object), jsonl (one line per sentence), "
-                        "npy (NumPy file of the embeddings)")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="output: table (default), json (one object), jsonl (one line per sentence), "
+        "npy (NumPy file of the embeddings)",
+    )
     p.add_argument("--json", action="store_const", dest="format", const="json", help="the same as --format json")
     p.add_argument("-o", "--output", metavar="FILE", help="write the output to FILE instead of stdout")
     sim = p.add_mutually_exclusive_group()
-    sim.add_argument("--similarity", action="store_true", default=None,
-                     help=f"show the cosine-similarity matrix (table, json; by default only for up to "
-                          f"{SIMILARITY_AUTO_MAX} sentences)")
+    sim.add_argument(
+        "--similarity",
+        action="store_true",
+        default=None,
+        help=f"show the cosine-similarity matrix (table, json; by default only for up to "
+        f"{SIMILARITY_AUTO_MAX} sentences)",
+    )
     sim.add_argument("--no-similarity", action="store_false", dest="similarity", help="never show it")
     p.set_defaults(similarity=None)
     p.add_argument("--batch-size", type=int, default=32, metavar="N", help="sentences per graph (default 32)")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="threads of a local CPU backend")
-    p.add_argument("--show", type=int, default=DEFAULT_SHOWN, metavar="N",
-                   help=f"values of each embedding printed in the table (default {DEFAULT_SHOWN})")
+    p.add_argument(
+        "--show",
+        type=int,
+        default=DEFAULT_SHOWN,
+        metavar="N",
+        help=f"values of each embedding printed in the table (default {DEFAULT_SHOWN})",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
@@ -219,8 +246,9 @@ def _run(args: argparse.Namespace, assets) -> int:
     max_tokens = assets.tokenizer.max_length
     for i, cut in enumerate(assets.tokenizer.truncated(sentences)):
         if cut:
-            _warn(f"{_label(i, sentences[i])} has more than {max_tokens} tokens; only its first "
-                  f"{max_tokens} are embedded")
+            _warn(
+                f"{_label(i, sentences[i])} has more than {max_tokens} tokens; only its first {max_tokens} are embedded"
+            )
     tty = not args.no_progress and sys.stderr.isatty()
     upload_bar = _ProgressBar(sys.stderr, "upload weights", "MB", 1e6, "{:.1f}") if tty else None
     n_batches = -(-len(sentences) // args.batch_size)
@@ -242,8 +270,7 @@ def _run(args: argparse.Namespace, assets) -> int:
     show_sim = args.similarity if args.similarity is not None else len(sentences) <= SIMILARITY_AUTO_MAX
     cosine = emb @ emb.T if show_sim else None
     try:
-        _write(args, fmt, sentences, emb, cosine, n_tokens, truncated, opened, assets, upload,
-               (t1 - t0, t2 - t1))
+        _write(args, fmt, sentences, emb, cosine, n_tokens, truncated, opened, assets, upload, (t1 - t0, t2 - t1))
     except OSError as exc:
         print(f"apir: error: {exc.filename or args.output}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -263,15 +290,30 @@ def _write(args, fmt, sentences, emb, cosine, n_tokens, truncated, opened, asset
     try:
         if fmt == "jsonl":
             for i, sentence in enumerate(sentences):
-                json.dump({"index": i, "sentence": sentence, "n_tokens": n_tokens[i], "truncated": truncated[i],
-                           "embedding": [float(v) for v in emb[i]]}, out)
+                json.dump(
+                    {
+                        "index": i,
+                        "sentence": sentence,
+                        "n_tokens": n_tokens[i],
+                        "truncated": truncated[i],
+                        "embedding": [float(v) for v in emb[i]],
+                    },
+                    out,
+                )
                 out.write("\n")
         elif fmt == "json":
             doc = {
-                "model": "sentence-transformers/all-MiniLM-L6-v2", "model_path": str(assets.path),
-                "backend": {"transport": opened.transport, "through_apir": opened.through_apir,
-                            "fallback": opened.fallback, "description": opened.description},
-                "sentences": list(sentences), "n_tokens": n_tokens, "truncated": truncated,
+                "model": "sentence-transformers/all-MiniLM-L6-v2",
+                "model_path": str(assets.path),
+                "backend": {
+                    "transport": opened.transport,
+                    "through_apir": opened.through_apir,
+                    "fallback": opened.fallback,
+                    "description": opened.description,
+                },
+                "sentences": list(sentences),
+                "n_tokens": n_tokens,
+                "truncated": truncated,
                 "dim": int(emb.shape[1]),
                 # float32 -> Python float is exact, so these round-trip bit for bit.
                 "embeddings": [[float(v) for v in row] for row in emb],
@@ -293,8 +335,10 @@ def _print_table(out, args, opened, sentences, emb, cosine, n_tokens, upload, em
     out.write(f"backend: {opened.description}\n")
     nbytes, secs = upload
     rate = f", {nbytes / secs / 1e6:.0f} MB/s" if secs > 0 else ""
-    out.write(f"weights: {nbytes / 1e6:.1f} MB uploaded in {secs:.3f} s{rate}; "
-              f"{len(emb)} sentence(s) embedded in {embed_s:.3f} s\n\n")
+    out.write(
+        f"weights: {nbytes / 1e6:.1f} MB uploaded in {secs:.3f} s{rate}; "
+        f"{len(emb)} sentence(s) embedded in {embed_s:.3f} s\n\n"
+    )
     shown = max(0, min(args.show, emb.shape[1]))
     out.write(f"embeddings ({emb.shape[1]} values each, first {shown} shown):\n")
     for i, (row, sentence) in enumerate(zip(emb, sentences)):
