@@ -40,7 +40,7 @@ __all__ = ["main", "build_parser", "SUBCOMMAND_MODULES", "host_config_from_args"
            "add_device_arguments", "device_from_args", "UsageError", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE",
            "socket_arg", "node_arg"]
 
-log = logging.getLogger("apir.cli")
+log = logging.getLogger("apir.cli")  # its module name, also when run as `python -m apir.cli`
 
 # Modules adding subcommands (each with add_parser(subparsers, parents)); this one first.
 SUBCOMMAND_MODULES = ["apir.cli", "apir.models.cli_embed"]
