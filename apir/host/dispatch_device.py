@@ -15,7 +15,9 @@ Replies, in order (APIR wire values):
     get_props                    bool async, host_buffer, buffer_from_host_ptr, events
                                  [, mmap_support]: 4 for an APIR 0.1 guest, 5 for 0.2
     buffer_from_ptr              arguments u32 res_id, size_t size, size_t max_tensor_size;
-                                 reply u64 buffer handle, u64 buffer type handle
+                                 reply u64 buffer handle, u64 buffer type handle; both 0
+                                 when ggml made no buffer or it does not fit the context's
+                                 budget (charged its size like any buffer, apir.host.budget)
 """
 
 from __future__ import annotations
@@ -107,15 +109,10 @@ def buffer_from_ptr(lib, dec, enc) -> int:
     align = g.ggml_backend_buft_get_alignment(g.ggml_backend_dev_buffer_type(lib.dev))
     if res.address % align:
         raise Refused(f"device_buffer_from_ptr: resource {res_id} is not {align}-byte aligned")
-    ptr = g.ggml_backend_dev_buffer_from_host_ptr(lib.dev, res.address, size, max_tensor_size)
-    if not ptr:
-        log.error("ctx %d: device_buffer_from_ptr: ggml returned no buffer", lib.host.ctx_id)
-        enc.handle(0)
-        enc.handle(0)
-        return BACKEND_RC_OK
-    handle = lib.add_buffer(ptr, res_id=res_id)
+    handle = lib.hold_buffer(size, align, lambda: g.ggml_backend_dev_buffer_from_host_ptr(
+        lib.dev, res.address, size, max_tensor_size), res_id=res_id)
     enc.handle(handle)
-    enc.handle(lib.buffers.get(handle).buft_handle)
+    enc.handle(lib.buffers.get(handle).buft_handle if handle else 0)
     return BACKEND_RC_OK
 
 
