@@ -306,3 +306,39 @@ def test_refused_ioctl_is_an_ioctl_error(server):
             dev.create_blob(16384)
         assert info.value.errno == errno.EINVAL
         assert info.value.request == "DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB"
+
+
+def test_a_new_guest_cannot_read_a_departed_guests_buffer(tmp_path):
+    """Issue 13 class 5 over the socket host: a guest writes a secret into a buffer and
+    disconnects without freeing it; the next guest's fresh buffers read as zeros."""
+    import numpy as np
+
+    import apir.ggml
+    from apir.codec.records import RPC_TENSOR_DTYPE
+
+    g = apir.ggml.load()
+    size = 64 << 10
+
+    def rpc(buffer):
+        rec = np.zeros((), RPC_TENSOR_DTYPE)
+        rec["id"], rec["type"], rec["buffer"] = 1, g.types["F32"], buffer
+        rec["ne"] = [size // 4, 1, 1, 1]
+        rec["nb"] = [4, size, size, size]
+        return rec
+
+    with LocalServer(str(tmp_path / "s.sock")).start() as srv:
+        a = ApirClient.connect(LocalDevice(srv.path), data_size=size)
+        buf = a.buffer_type_alloc_buffer(a.device_get_buffer_type(), size)
+        a.buffer_set_tensor(buf, rpc(buf), 0, b"secret!\0" * (size // 8))
+        a.close()
+        assert wait_for(lambda: srv.stats().contexts == 0)
+        b = ApirClient.connect(LocalDevice(srv.path), data_size=size)
+        try:
+            buft = b.device_get_buffer_type()
+            for _ in range(4):
+                buf = b.buffer_type_alloc_buffer(buft, size)
+                out = bytearray(b"\xa5" * size)
+                b.buffer_get_tensor(buf, rpc(buf), 0, out)
+                assert out == bytes(size)
+        finally:
+            b.close()
