@@ -12,6 +12,8 @@ import enum
 import struct
 from typing import Tuple
 
+from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS
+
 __all__ = [
     "APIR_HANDSHAKE_MAGIC",
     "APIR_PROTOCOL_0_1",
@@ -81,8 +83,8 @@ def device_props_fields(version: Tuple[int, int]) -> Tuple[str, ...]:
     return _DEVICE_PROPS_0_1 if tuple(version) < APIR_PROTOCOL_0_2 else _DEVICE_PROPS_0_2
 
 # --- capsets (virtgpu.h, include/apir_hw.h) -----------------------------------------------------
-VIRTGPU_DRM_CAPSET_VENUS = 4
-VIRTGPU_DRM_CAPSET_APIR = 10
+# VIRTGPU_DRM_CAPSET_VENUS (4), VIRTGPU_DRM_CAPSET_APIR (10): virtgpu vocabulary, declared in
+# apir.codec.virtgpu and re-exported here.
 # Over the Venus capset the guest adds this to every APIR command type (Venus->APIR transition).
 VENUS_COMMAND_TYPE_LENGTH = 331
 
