@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from apir.codec.constants import ApirBackendCommandType as F, device_props_fields
+from apir.codec.constants import ApirBackendCommandType as F, device_props_fields, negotiated_version
 from apir.codec.virtgpu import blob_size
+from apir.guest.client_state import ClientState
 from apir.guest.client_tensor import encode_ggml_tensor_inline
 from apir.guest.device import Blob
 
@@ -32,8 +33,8 @@ class DeviceProps:
     mmap_support: Optional[bool]
 
 
-class DeviceCalls:
-    """Mixed into ApirClient, which provides `_forward`, `remote`, `negotiated_version`."""
+class DeviceCalls(ClientState):
+    """Mixed into ApirClient, which provides `_forward`, `remote`, `protocol`, `host_version`."""
 
     def device_get_device_count(self) -> int:
         """The backend registry's device count (function 0, which the C guest never calls)."""
@@ -74,7 +75,9 @@ class DeviceCalls:
 
     def device_get_props(self) -> DeviceProps:
         """`apir_device_get_props`: 4 booleans (negotiated APIR 0.1) or 5 (0.2)."""
-        fields = device_props_fields(self.negotiated_version)
+        if self.host_version is None:
+            raise RuntimeError("device_get_props before HandShake: the reply layout depends on the negotiated version")
+        fields = device_props_fields(negotiated_version(self.protocol, self.host_version))
 
         def decode(dec):
             flags = [dec.bool() for _ in fields]
