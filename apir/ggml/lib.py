@@ -110,7 +110,7 @@ SIGNATURES: Dict[str, str] = {
     "ggml_backend_cpu_buffer_from_ptr": "p:pz", "ggml_backend_cpu_buffer_type": "p:",
     "ggml_backend_alloc_ctx_tensors_from_buft": "p:pp",
     # ggml-cpu.h
-    "ggml_backend_cpu_init": "p:", "ggml_backend_cpu_set_n_threads": "v:pi",
+    "ggml_backend_cpu_init": "p:", "ggml_backend_cpu_set_n_threads": "v:pi", "ggml_backend_is_cpu": "b:p",
     # ggml-alloc.h
     "ggml_gallocr_new": "p:p", "ggml_gallocr_free": "v:p", "ggml_gallocr_alloc_graph": "b:pp",
     "ggml_gallocr_reserve": "b:pp", "ggml_gallocr_get_buffer_size": "z:pi",
