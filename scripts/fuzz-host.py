@@ -31,10 +31,15 @@ def _progress_printer(every: float):
         if elapsed - last[0] >= every:
             last[0] = elapsed
             rate = res.inputs / elapsed if elapsed else 0
-            print(f"[{elapsed:7.1f} s] inputs {res.inputs} ({rate:.0f}/s), computed {res.computed}, "
-                  f"crashes {len(res.crashes)}, hangs {len(res.hangs)}, memory {len(res.memory)}, no reply {res.no_reply}, "
-                  f"not serving {res.not_serving}, host exceptions {res.host_exceptions}, "
-                  f"harness errors {len(res.harness_errors)}", flush=True)
+            print(
+                f"[{elapsed:7.1f} s] inputs {res.inputs} ({rate:.0f}/s), computed {res.computed}, "
+                f"crashes {len(res.crashes)}, hangs {len(res.hangs)}, memory {len(res.memory)}, "
+                f"no reply {res.no_reply}, "
+                f"not serving {res.not_serving}, host exceptions {res.host_exceptions}, "
+                f"harness errors {len(res.harness_errors)}",
+                flush=True,
+            )
+
     return show
 
 
@@ -51,8 +56,12 @@ def main() -> int:
     r.add_argument("--chunk", type=int, default=250)
     r.add_argument("--config", default="{}", help="JSON: host configuration keys (added to the child's defaults)")
     r.add_argument("--rlimit-as", type=int, default=8 << 30, help="each child's address-space limit (0: none)")
-    r.add_argument("--rss-limit", type=int, default=1 << 30,
-                   help="peak-RSS growth (bytes) that makes one input a memory fault (0: none)")
+    r.add_argument(
+        "--rss-limit",
+        type=int,
+        default=1 << 30,
+        help="peak-RSS growth (bytes) that makes one input a memory fault (0: none)",
+    )
     r.add_argument("--progress", type=float, default=10.0, help="seconds between progress lines")
     r.add_argument("--max-seconds", type=float, default=0.0, help="stop handing out inputs after this long (0: never)")
     p = sub.add_parser("replay", help="replay reproducer files")
@@ -64,9 +73,14 @@ def main() -> int:
         worst = 0
         for f in args.files:
             t = time.monotonic()
-            proc = subprocess.run([sys.executable, "-m", "tests.fuzz.child", "--replay", str(Path(f).resolve())],
-                                  env=_child_env(None), cwd=REPO, capture_output=True, text=True,
-                                  timeout=args.timeout)
+            proc = subprocess.run(
+                [sys.executable, "-m", "tests.fuzz.child", "--replay", str(Path(f).resolve())],
+                env=_child_env(None),
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=args.timeout,
+            )
             how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
             print(f"{f}: {how} after {time.monotonic() - t:.1f} s: {proc.stdout.strip()}")
             if proc.returncode:
@@ -74,19 +88,34 @@ def main() -> int:
                 worst = 1
         return worst
 
-    res = run_campaign(args.seed, args.inputs, args.workers, args.out, start=args.start, deadline=args.deadline,
-                       chunk=args.chunk, config=json.loads(args.config), rlimit_as=args.rlimit_as,
-                       max_seconds=args.max_seconds, rss_limit=args.rss_limit, progress=_progress_printer(args.progress))
-    print(f"seed {res.seed}: {res.inputs} inputs ({res.computed} graphs computed) in {res.seconds:.0f} s on "
-          f"{res.workers} workers; {len(res.crashes)} crashes, {len(res.hangs)} hangs, "
-          f"{len(res.memory)} memory faults, "
-          f"{len(res.signatures)} signatures; no reply {res.no_reply}, not serving {res.not_serving}, "
-          f"host exceptions {res.host_exceptions}, harness errors {len(res.harness_errors)}; "
-          f"{res.seeds} seed graphs ({res.seeds_skipped} skipped)")
+    res = run_campaign(
+        args.seed,
+        args.inputs,
+        args.workers,
+        args.out,
+        start=args.start,
+        deadline=args.deadline,
+        chunk=args.chunk,
+        config=json.loads(args.config),
+        rlimit_as=args.rlimit_as,
+        max_seconds=args.max_seconds,
+        rss_limit=args.rss_limit,
+        progress=_progress_printer(args.progress),
+    )
+    print(
+        f"seed {res.seed}: {res.inputs} inputs ({res.computed} graphs computed) in {res.seconds:.0f} s on "
+        f"{res.workers} workers; {len(res.crashes)} crashes, {len(res.hangs)} hangs, "
+        f"{len(res.memory)} memory faults, "
+        f"{len(res.signatures)} signatures; no reply {res.no_reply}, not serving {res.not_serving}, "
+        f"host exceptions {res.host_exceptions}, harness errors {len(res.harness_errors)}; "
+        f"{res.seeds} seed graphs ({res.seeds_skipped} skipped)"
+    )
     for sig, n in sorted(res.signatures.items(), key=lambda x: -x[1]):
         first = next(f for f in res.crashes + res.hangs + res.memory if f.signature == sig)
-        print(f"  {n:6d}  {sig}   first: input {first.index}, reproducer OUT/{first.reproducer} "
-              f"(replays alone: {first.reproduced})")
+        print(
+            f"  {n:6d}  {sig}   first: input {first.index}, reproducer OUT/{first.reproducer} "
+            f"(replays alone: {first.reproduced})"
+        )
     for e in res.harness_errors[:10]:
         print("  harness error:", e)
     return 0 if res.clean() else 1

@@ -1,22 +1,23 @@
 """The fuzzed host's process: runs inputs by index, reports each over stdout.
 
 Run by the driver as `python -m tests.fuzz.child --seed S [options]`. It loads ggml,
-installs the fences (`FencedBuffers`, `Fences`), builds the seed graphs, prints
-`ready N_SEEDS N_SKIPPED`, then serves lines on stdin: `run A B` runs inputs A..B-1 and
-prints `s I CASE` before, `k I MUTATIONS` (JSON) before each command, and `d I NO_REPLY ALIVE EXCEPTIONS COMPUTED` after each, then `ok`. An exception of the harness itself (not of the host, whose `submit` never
-raises) is reported as `e I MESSAGE` instead of `d`.
-Input I is `make_input(numpy.random.default_rng([S, I]), seed graph, fresh Env)`: the same
-on every run and in every worker. `--record PATH --only I` runs input I alone, rewriting the
-reproducer at PATH before each step (the driver's way to save a crash); `--replay PATH`
-runs a saved reproducer (exit status 1 when the host failed without crashing).
+installs the fences (`FencedBuffers`, `Fences`), builds the seed graphs, prints `ready
+N_SEEDS N_SKIPPED`, then serves lines on stdin: `run A B` runs inputs A..B-1 and prints `s I
+CASE` before, `k I MUTATIONS` (JSON) before each command, and `d I NO_REPLY ALIVE EXCEPTIONS
+COMPUTED` after each, then `ok`. An exception of the harness itself (not of the host, whose
+`submit` never raises) is reported as `e I MESSAGE` instead of `d`. Input I is
+`make_input(numpy.random.default_rng([S, I]), seed graph, fresh Env)`: the same on every run
+and in every worker. `--record PATH --only I` runs input I alone, rewriting the reproducer
+at PATH before each step (the driver's way to save a crash); `--replay PATH` runs a saved
+reproducer (exit status 1 when the host failed without crashing).
 
-An input after which this process's peak RSS is more than `--rss-limit` bytes (1 GiB)
-above what it was once the seeds were built is reported as `m I BYTES` (a memory fault:
-the host committed that much for one guest's input), and the process exits (its peak
-cannot go down again).
+An input after which this process's peak RSS is more than `--rss-limit` bytes (1 GiB) above
+what it was once the seeds were built is reported as `m I BYTES` (a memory fault: the host
+committed that much for one guest's input), and the process exits (its peak cannot go down
+again).
 
-Faults are the point: a signal kills this process (faulthandler prints where, on stderr),
-a GGML_ASSERT aborts it; the driver counts it and starts another.
+Faults are the point: a signal kills this process (faulthandler prints where, on stderr), a
+GGML_ASSERT aborts it; the driver counts it and starts another.
 `APIR_FUZZ_SELFTEST=KIND@I,...` (oob, buf, uaf, abort, hang) makes input I do that instead,
 to test that the harness sees each kind.
 """
@@ -69,8 +70,12 @@ def main(argv=None) -> int:
     ap.add_argument("--replay", help="run this reproducer file (tests.fuzz.inputs.Recording) and exit")
     ap.add_argument("--no-fence-buffers", action="store_true")
     ap.add_argument("--rlimit-as", type=int, default=0, help="address-space limit in bytes (0: none)")
-    ap.add_argument("--rss-limit", type=int, default=1 << 30,
-                    help="peak-RSS growth over the start that makes an input a memory fault (0: none)")
+    ap.add_argument(
+        "--rss-limit",
+        type=int,
+        default=1 << 30,
+        help="peak-RSS growth over the start that makes an input a memory fault (0: none)",
+    )
     args = ap.parse_args(argv)
 
     faulthandler.enable()
@@ -98,8 +103,10 @@ def main(argv=None) -> int:
         with open(args.replay) as fh:
             rec = Recording.from_json(fh.read())
         no_reply, alive, exceptions = replay(rec, fences)
-        print(f"replayed: {no_reply} commands without a reply, host alive: {alive}, "
-              f"internal exceptions: {exceptions} ({errors.last})")
+        print(
+            f"replayed: {no_reply} commands without a reply, host alive: {alive}, "
+            f"internal exceptions: {exceptions} ({errors.last})"
+        )
         return 0 if (no_reply, alive, exceptions) == (0, True, 0) else 1
     seeds, skipped = load_or_build_seeds(g, lambda: Guest(HostContext(900, config)), args.seeds_cache)
     if not seeds:

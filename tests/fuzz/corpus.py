@@ -66,8 +66,12 @@ def record_bytes(recs: np.ndarray) -> bytes:
 
 
 def join_wire(nodes: np.ndarray, recs: np.ndarray) -> bytes:
-    return (struct.pack("<I", len(nodes)) + nodes.astype("<u8").tobytes()
-            + struct.pack("<I", len(recs)) + record_bytes(recs))
+    return (
+        struct.pack("<I", len(nodes))
+        + nodes.astype("<u8").tobytes()
+        + struct.pack("<I", len(recs))
+        + record_bytes(recs)
+    )
 
 
 def _canonical_ids(nodes: np.ndarray, recs: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:

@@ -4,18 +4,19 @@ Theory of operation: `run_campaign` starts `workers` children (`tests.fuzz.child
 each chunks of input indices. A child that dies during input I (a signal, an abort, any
 exit) is a **crash** of input I; a child that spends longer than `deadline` seconds in one
 input is a **hang** (it is killed); an input that raised the child's peak RSS by more than
-`rss_limit` is a **memory** fault (the host committed that much for one input). Either way the child is replaced and carries on at I+1,
-so one fault costs one input, not the campaign. Every input that finishes reports whether
-a command went unanswered, whether the host still served afterwards, how many internal
-exceptions the host logged, and how many graphs it computed.
+`rss_limit` is a **memory** fault (the host committed that much for one input). Either way
+the child is replaced and carries on at I+1, so one fault costs one input, not the campaign.
+Every input that finishes reports whether a command went unanswered, whether the host still
+served afterwards, how many internal exceptions the host logged, and how many graphs it
+computed.
 
 A fault's signature is the signal and where it struck, read from the child's stderr (the
 GGML_ASSERT line, the C++ exception, or the innermost Python frame that faulthandler
-printed: the ctypes call into ggml), and the op of the seed graph (or the op a mutation
-gave the node). For the first
-`repro_per_signature` faults of each signature the input is re-run alone with `--record`
-(a reproducer file in `out_dir/reproducers/`), and the file is then replayed alone with
-`--replay`: `Fault.reproduced` says whether the saved file alone faults the host again.
+printed: the ctypes call into ggml), and the op of the seed graph (or the op a mutation gave
+the node). For the first `repro_per_signature` faults of each signature the input is re-run
+alone with `--record` (a reproducer file in `out_dir/reproducers/`), and the file is then
+replayed alone with `--replay`: `Fault.reproduced` says whether the saved file alone faults
+the host again.
 
 Inputs are numbered from 0 and depend only on (seed, index), so counts are the same for any
 number of workers, and a fault is found again by its index.
@@ -89,8 +90,15 @@ class Result:
         return d
 
     def clean(self) -> bool:
-        return not (self.crashes or self.hangs or self.memory or self.no_reply or self.not_serving or self.host_exceptions
-                    or self.harness_errors)
+        return not (
+            self.crashes
+            or self.hangs
+            or self.memory
+            or self.no_reply
+            or self.not_serving
+            or self.host_exceptions
+            or self.harness_errors
+        )
 
 
 _ASSERT = re.compile(r"([\w./+-]+:\d+): (GGML_ASSERT\(.*?\) failed|GGML_ABORT[^\n]*|[^\n]*fatal error[^\n]*)")
@@ -110,7 +118,7 @@ def signature_of(sig: str, stderr: str, case: str, mutations=()) -> tuple:
         if m:
             where = f"throw {m.group(1)}"
     last = max(stderr.rfind("Fatal Python error"), stderr.rfind("Current thread"), stderr.rfind("Thread 0x"))
-    frame = next(iter(_FRAME.findall(stderr[max(last, 0):])), None)
+    frame = next(iter(_FRAME.findall(stderr[max(last, 0) :])), None)
     if frame:
         path = Path(frame[0])
         where = (where + " at " if where else "") + f"{path.parent.name}/{path.name}:{frame[2]}"
@@ -154,8 +162,15 @@ class _Worker:
     def start(self) -> None:
         with open(self.err_path, "ab") as err:  # the child keeps its own descriptor
             self.err_offset = err.tell()
-            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                         env=self.env, cwd=REPO, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=self.env,
+                cwd=REPO,
+                start_new_session=True,
+            )
         self.buf, self.current, self.ready, self.t0 = b"", None, False, time.monotonic()
         self.exiting = False
 
@@ -194,8 +209,17 @@ class _Worker:
 
 
 def _child_cmd(seed: int, config: dict, rlimit_as: int, extra: List[str] = (), rss_limit: int = 1 << 30) -> List[str]:
-    cmd = [sys.executable, "-m", "tests.fuzz.child", "--seed", str(seed), "--config", json.dumps(config),
-           "--rss-limit", str(rss_limit)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.fuzz.child",
+        "--seed",
+        str(seed),
+        "--config",
+        json.dumps(config),
+        "--rss-limit",
+        str(rss_limit),
+    ]
     if rlimit_as:
         cmd += ["--rlimit-as", str(rlimit_as)]
     return cmd + list(extra)
@@ -209,11 +233,25 @@ def _child_env(extra_env: Optional[dict]) -> dict:
     return env
 
 
-def run_campaign(seed: int, n: int, workers: int, out_dir, *, start: int = 0, deadline: float = 20.0,
-                 chunk: int = 250, config: Optional[dict] = None, rlimit_as: int = 0,
-                 repro_per_signature: int = 3, repro_max: int = 40, extra_env: Optional[dict] = None,
-                 startup_deadline: float = 300.0, max_seconds: float = 0.0, rss_limit: int = 1 << 30,
-                 progress=None) -> Result:
+def run_campaign(
+    seed: int,
+    n: int,
+    workers: int,
+    out_dir,
+    *,
+    start: int = 0,
+    deadline: float = 20.0,
+    chunk: int = 250,
+    config: Optional[dict] = None,
+    rlimit_as: int = 0,
+    repro_per_signature: int = 3,
+    repro_max: int = 40,
+    extra_env: Optional[dict] = None,
+    startup_deadline: float = 300.0,
+    max_seconds: float = 0.0,
+    rss_limit: int = 1 << 30,
+    progress=None,
+) -> Result:
     """Runs inputs [start, start+n) of `seed` on `workers` children; see the module
     docstring. `max_seconds` (0: none) stops handing out chunks after that long: the
     result then counts fewer inputs. Writes `out_dir/summary.json`, worker stderr logs
@@ -275,8 +313,9 @@ def run_campaign(seed: int, n: int, workers: int, out_dir, *, start: int = 0, de
                     res.restarts += 1
                     w.start()
                 elif not w.ready or w.next < w.chunk_end:
-                    res.harness_errors.append(f"worker {w.k} exited ({_signame(rc)}) outside an input: "
-                                              f"{w.stderr_tail()[-500:]}")
+                    res.harness_errors.append(
+                        f"worker {w.k} exited ({_signame(rc)}) outside an input: {w.stderr_tail()[-500:]}"
+                    )
                     if len(res.harness_errors) > 5:
                         live.discard(w)
                         continue
@@ -308,9 +347,17 @@ def run_campaign(seed: int, n: int, workers: int, out_dir, *, start: int = 0, de
                     w.current, w.next = None, int(i) + 1
                 elif tag == "m":
                     i, grown = (int(x) for x in parts[1:3])
-                    res.memory.append(Fault("memory", i, w.case, "rss", f"peak RSS +{grown >> 20} MiB",
-                                            signature_of("memory", "", w.case, w.mutations)[1],
-                                            mutations=list(w.mutations)))
+                    res.memory.append(
+                        Fault(
+                            "memory",
+                            i,
+                            w.case,
+                            "rss",
+                            f"peak RSS +{grown >> 20} MiB",
+                            signature_of("memory", "", w.case, w.mutations)[1],
+                            mutations=list(w.mutations),
+                        )
+                    )
                     w.exiting = True
                 elif tag == "e":
                     res.inputs += 1
@@ -340,16 +387,38 @@ def run_campaign(seed: int, n: int, workers: int, out_dir, *, start: int = 0, de
         if progress:
             progress(res, time.monotonic() - t_start)
     res.seconds = time.monotonic() - t_start
-    _reproduce(res, seed, config, rlimit_as, env, out, deadline, repro_per_signature, repro_max, workers,
-               ["--seeds-cache", cache])
+    _reproduce(
+        res,
+        seed,
+        config,
+        rlimit_as,
+        env,
+        out,
+        deadline,
+        repro_per_signature,
+        repro_max,
+        workers,
+        ["--seeds-cache", cache],
+    )
     if os.path.exists(cache):
         os.unlink(cache)
     (out / "summary.json").write_text(json.dumps(res.summary(), indent=1))
     return res
 
 
-def _reproduce(res: Result, seed: int, config: dict, rlimit_as: int, env: dict, out: Path, deadline: float,
-               per_signature: int, most: int, workers: int, extra: List[str]) -> None:
+def _reproduce(
+    res: Result,
+    seed: int,
+    config: dict,
+    rlimit_as: int,
+    env: dict,
+    out: Path,
+    deadline: float,
+    per_signature: int,
+    most: int,
+    workers: int,
+    extra: List[str],
+) -> None:
     """Saves and checks a reproducer for the first faults of each signature."""
     done: Dict[str, int] = {}
     chosen = []
@@ -379,8 +448,15 @@ def _reproduce(res: Result, seed: int, config: dict, rlimit_as: int, env: dict, 
 
 def _run_alone(cmd: List[str], env: dict, timeout: float):
     """(return code or None on timeout, stderr) of one child run."""
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=env, cwd=REPO, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+    )
     try:
         _, err = proc.communicate(timeout=timeout)
         return proc.returncode, err.decode(errors="replace")

@@ -49,8 +49,7 @@ class Fenced:
         self.usable = _round_up(max(size, 1), PAGE)
         self.guard = guard
         self.total = guard + self.usable + guard
-        base = _libc.mmap(None, self.total, _PROT_NONE,
-                          mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        base = _libc.mmap(None, self.total, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
         if base in (None, _MAP_FAILED):
             raise OSError(ctypes.get_errno(), f"mmap of {self.total} bytes failed")
         self.base = base

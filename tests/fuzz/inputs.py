@@ -31,8 +31,18 @@ from apir.codec.constants import ApirBackendCommandType as Cmd, ApirCommandType
 from apir.host import HostContext
 from tests.fuzz.fence import Fenced
 
-__all__ = ["Env", "Fences", "Recording", "HostErrors", "replay", "REPLY_RES", "DATA_RES", "GRAPH_RES",
-           "FORMAT_VERSION", "payload"]
+__all__ = [
+    "Env",
+    "Fences",
+    "Recording",
+    "HostErrors",
+    "replay",
+    "REPLY_RES",
+    "DATA_RES",
+    "GRAPH_RES",
+    "FORMAT_VERSION",
+    "payload",
+]
 
 REPLY_RES, DATA_RES, GRAPH_RES = 1, 2, 3
 REPLY_SIZE, DATA_SIZE, GRAPH_MAX, CMD_MAX = 16 << 10, 256 << 10, 1 << 20, 64 << 10
@@ -100,11 +110,18 @@ class Recording:
 
     def to_json(self) -> str:
         b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
-        return json.dumps({
-            "format": FORMAT_VERSION, "config": self.config, "graph_size": self.graph_size,
-            "images": [b64(i) for i in self.images], "handles": self.handles,
-            "steps": [[kind, res, b64(data)] for kind, res, data in self.steps], "meta": self.meta,
-        }, indent=1)
+        return json.dumps(
+            {
+                "format": FORMAT_VERSION,
+                "config": self.config,
+                "graph_size": self.graph_size,
+                "images": [b64(i) for i in self.images],
+                "handles": self.handles,
+                "steps": [[kind, res, b64(data)] for kind, res, data in self.steps],
+                "meta": self.meta,
+            },
+            indent=1,
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "Recording":
@@ -112,16 +129,29 @@ class Recording:
         if d.get("format") != FORMAT_VERSION:
             raise ValueError(f"reproducer format {d.get('format')}, expected {FORMAT_VERSION}")
         unb = base64.b64decode
-        return cls(d["config"], d["graph_size"], [unb(i) for i in d["images"]], d["handles"],
-                   [(k, r, unb(b)) for k, r, b in d["steps"]], d.get("meta", {}))
+        return cls(
+            d["config"],
+            d["graph_size"],
+            [unb(i) for i in d["images"]],
+            d["handles"],
+            [(k, r, unb(b)) for k, r, b in d["steps"]],
+            d.get("meta", {}),
+        )
 
 
 class Env:
     """A fresh host context for one input (see the module docstring). `record_to`: a path
     the recording is rewritten to before every step (so it survives a crash of the step)."""
 
-    def __init__(self, fences: Fences, config: Dict[str, str], graph_size: int, ctx_id: int = 1,
-                 record_to: Optional[str] = None, meta: Optional[dict] = None):
+    def __init__(
+        self,
+        fences: Fences,
+        config: Dict[str, str],
+        graph_size: int,
+        ctx_id: int = 1,
+        record_to: Optional[str] = None,
+        meta: Optional[dict] = None,
+    ):
         self.f = fences
         self.rec = Recording(dict(config), graph_size, meta=dict(meta or {}))
         self.record_to = record_to

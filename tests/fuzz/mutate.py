@@ -46,10 +46,47 @@ __all__ = ["Mutator"]
 U32 = 1 << 32
 U64 = 1 << 64
 I32_MAX, I32_MIN = (1 << 31) - 1, -(1 << 31)
-_FLOATS = [math.nan, math.inf, -math.inf, 3.4e38, -3.4e38, 1e-45, 1e-38, 0.0, -0.0, 1.0, -1.0,
-           65504.0, 1e10, 2.0 ** 31, -(2.0 ** 31), 0.5, 1e-10]
-_INTS = [0, -1, 1, 2, 3, 4, 8, 16, I32_MAX, I32_MIN, I32_MAX - 1, I32_MIN + 1, 1 << 16, 1 << 24,
-         -(1 << 16), 1 << 30, -(1 << 30), 255, 256, 65535]
+_FLOATS = [
+    math.nan,
+    math.inf,
+    -math.inf,
+    3.4e38,
+    -3.4e38,
+    1e-45,
+    1e-38,
+    0.0,
+    -0.0,
+    1.0,
+    -1.0,
+    65504.0,
+    1e10,
+    2.0**31,
+    -(2.0**31),
+    0.5,
+    1e-10,
+]
+_INTS = [
+    0,
+    -1,
+    1,
+    2,
+    3,
+    4,
+    8,
+    16,
+    I32_MAX,
+    I32_MIN,
+    I32_MAX - 1,
+    I32_MIN + 1,
+    1 << 16,
+    1 << 24,
+    -(1 << 16),
+    1 << 30,
+    -(1 << 30),
+    255,
+    256,
+    65535,
+]
 
 
 def _fbits(x: float) -> int:
@@ -77,9 +114,24 @@ class Mutator:
         self.tensor_dtype = g.tensor_dtype
         self.max_src = g.limits.max_src
         self.graph_kinds = [
-            (self.m_ne, 10), (self.m_zero_dim, 6), (self.m_empty, 8), (self.m_huge_empty, 4), (self.m_tail, 5), (self.m_nb, 8), (self.m_reshape, 10), (self.m_swap_dims, 4),
-            (self.m_op_param, 14), (self.m_type, 5), (self.m_op, 5), (self.m_src, 6), (self.m_data, 5),
-            (self.m_view, 3), (self.m_buffer, 3), (self.m_flags, 1), (self.m_name, 1), (self.m_nodes, 4),
+            (self.m_ne, 10),
+            (self.m_zero_dim, 6),
+            (self.m_empty, 8),
+            (self.m_huge_empty, 4),
+            (self.m_tail, 5),
+            (self.m_nb, 8),
+            (self.m_reshape, 10),
+            (self.m_swap_dims, 4),
+            (self.m_op_param, 14),
+            (self.m_type, 5),
+            (self.m_op, 5),
+            (self.m_src, 6),
+            (self.m_data, 5),
+            (self.m_view, 3),
+            (self.m_buffer, 3),
+            (self.m_flags, 1),
+            (self.m_name, 1),
+            (self.m_nodes, 4),
             (self.m_image, 6),
         ]
         w = np.array([k[1] for k in self.graph_kinds], dtype=float)
@@ -106,8 +158,26 @@ class Mutator:
         recs = ctx["recs"]
         d = int(rng.integers(4))
         cur = int(recs["ne"][t][d])
-        v = self._pick(rng, [0, 0, 0, 1, 2, 3, cur - 1, cur + 1, cur * 2, I32_MAX, 1 << 31, U32 - 1, 1 << 20,
-                             1 << 16, int(rng.integers(0, 65))])
+        v = self._pick(
+            rng,
+            [
+                0,
+                0,
+                0,
+                1,
+                2,
+                3,
+                cur - 1,
+                cur + 1,
+                cur * 2,
+                I32_MAX,
+                1 << 31,
+                U32 - 1,
+                1 << 20,
+                1 << 16,
+                int(rng.integers(0, 65)),
+            ],
+        )
         recs["ne"][t][d] = v % U32
         return f"ne[{d}]={v % U32}"
 
@@ -181,8 +251,22 @@ class Mutator:
         d = int(rng.integers(4))
         cur = int(recs["nb"][t][d])
         ts = self._ts(recs, t)
-        v = self._pick(rng, [0, U32 - ts, U32 - max(cur, 1), cur * 2, cur // 2, 1, ts, I32_MAX, U32 - 1,
-                             int(recs["nb"][t][int(rng.integers(4))]), cur + ts])
+        v = self._pick(
+            rng,
+            [
+                0,
+                U32 - ts,
+                U32 - max(cur, 1),
+                cur * 2,
+                cur // 2,
+                1,
+                ts,
+                I32_MAX,
+                U32 - 1,
+                int(recs["nb"][t][int(rng.integers(4))]),
+                cur + ts,
+            ],
+        )
         recs["nb"][t][d] = v % U32
         return f"nb[{d}]={v % U32}"
 
@@ -255,8 +339,10 @@ class Mutator:
         present = int(np.count_nonzero(srcs))
         j = int(rng.integers(min(present + 1, self.max_src)))
         ids = recs["id"]
-        v = self._pick(rng, [int(ids[int(rng.integers(len(ids)))]), 0, int(ids[t]), 0xDEADBEEF,
-                             int(ids[int(rng.integers(len(ids)))])])
+        v = self._pick(
+            rng,
+            [int(ids[int(rng.integers(len(ids)))]), 0, int(ids[t]), 0xDEADBEEF, int(ids[int(rng.integers(len(ids)))])],
+        )
         recs["src"][t][j] = v
         return f"src[{j}]"
 
@@ -265,8 +351,22 @@ class Mutator:
         cur = int(recs["data"][t])
         ts = self._ts(recs, t)
         size = ctx["buf_size"]
-        v = self._pick(rng, [cur + ts, cur - ts, 0, size - 1, size, size - ts, 1 << 40, U64 - 1, cur + 1,
-                             cur + 4096, int(rng.integers(0, max(size, 1)))])
+        v = self._pick(
+            rng,
+            [
+                cur + ts,
+                cur - ts,
+                0,
+                size - 1,
+                size,
+                size - ts,
+                1 << 40,
+                U64 - 1,
+                cur + 1,
+                cur + 4096,
+                int(rng.integers(0, max(size, 1))),
+            ],
+        )
         recs["data"][t] = v % U64
         return "data"
 
@@ -275,7 +375,9 @@ class Mutator:
         ids = recs["id"]
         if rng.random() < 0.5:
             recs["view_src"][t] = self._pick(rng, [0, int(ids[int(rng.integers(len(ids)))])])
-        recs["view_offs"][t] = self._pick(rng, [0, 4, 64, ctx["buf_size"], U64 - 4, int(recs["view_offs"][t]) + 4]) % U64
+        recs["view_offs"][t] = (
+            self._pick(rng, [0, 4, 64, ctx["buf_size"], U64 - 4, int(recs["view_offs"][t]) + 4]) % U64
+        )
         return "view"
 
     def m_buffer(self, rng, ctx, t):
@@ -326,7 +428,7 @@ class Mutator:
             data = struct.pack(f"<{n}i", *(_i32(v) for v in vals))
         else:
             data = struct.pack(f"<{n}f", *(self._pick(rng, _FLOATS) for _ in range(n)))
-        image[off: off + len(data)] = data
+        image[off : off + len(data)] = data
         return "image"
 
     def mutate_graph(self, rng, ctx) -> List[str]:
@@ -384,8 +486,15 @@ class Mutator:
             images.append(bytes([0xA5]) * 4096)
         kind = self._pick(rng, ["graph"] * 13 + ["commands"] * 5 + ["raw"] * 2)
         recs = seed.recs.copy()
-        ctx = {"recs": recs, "nodes": seed.nodes.copy(), "image": image, "buf_size": len(image),
-               "handle": 0, "other_handles": [], "buft": env.buft}
+        ctx = {
+            "recs": recs,
+            "nodes": seed.nodes.copy(),
+            "image": image,
+            "buf_size": len(image),
+            "handle": 0,
+            "other_handles": [],
+            "buft": env.buft,
+        }
         kinds: List[str] = []
         env.rec.meta.update(case=seed.name, kind=kind, mutations=kinds)  # kept current: a crash
         if kind == "graph":
@@ -428,18 +537,38 @@ class Mutator:
         return bytes(out)
 
     def _handle(self, rng, ctx) -> int:
-        return self._pick(rng, [ctx["handle"]] * 6 + ctx["other_handles"] + [ctx["buft"], 0, ctx["handle"] + 50, U64 - 1])
+        return self._pick(
+            rng, [ctx["handle"]] * 6 + ctx["other_handles"] + [ctx["buft"], 0, ctx["handle"] + 50, U64 - 1]
+        )
 
     def _rec(self, rng, ctx) -> np.ndarray:
         """One tensor record of the seed, maybe mutated (a one-record ctx)."""
         recs = ctx["recs"]
         t = int(rng.integers(len(recs)))
-        one = {"recs": recs[t: t + 1].copy(), "nodes": ctx["nodes"], "image": bytearray(),
-               "buf_size": ctx["buf_size"], "handle": ctx["handle"], "other_handles": ctx["other_handles"],
-               "buft": ctx["buft"]}
+        one = {
+            "recs": recs[t : t + 1].copy(),
+            "nodes": ctx["nodes"],
+            "image": bytearray(),
+            "buf_size": ctx["buf_size"],
+            "handle": ctx["handle"],
+            "other_handles": ctx["other_handles"],
+            "buft": ctx["buft"],
+        }
         if rng.random() < 0.7:
-            fn = self._pick(rng, [self.m_ne, self.m_nb, self.m_data, self.m_type, self.m_buffer, self.m_zero_dim,
-                                  self.m_swap_dims, self.m_reshape, self.m_op])
+            fn = self._pick(
+                rng,
+                [
+                    self.m_ne,
+                    self.m_nb,
+                    self.m_data,
+                    self.m_type,
+                    self.m_buffer,
+                    self.m_zero_dim,
+                    self.m_swap_dims,
+                    self.m_reshape,
+                    self.m_op,
+                ],
+            )
             fn(rng, one, 0)
         return one["recs"]
 
@@ -456,15 +585,23 @@ class Mutator:
             n = self._nbytes(rec)
             res = self._pick(rng, [DATA_RES] * 6 + [GRAPH_RES, REPLY_RES, 77])
             off = self._pick(rng, [0, 0, 1, n, max(n - 4, 0), U64 - 4, 1 << 63, 4096])
-            size = self._pick(rng, [n, n, n + 1, 1, 0, 256 << 10, (256 << 10) + 1, U64 - 1, max(n - off, 0) if off < U64 // 2 else 1])
+            size = self._pick(
+                rng, [n, n, n + 1, 1, 0, 256 << 10, (256 << 10) + 1, U64 - 1, max(n - off, 0) if off < U64 // 2 else 1]
+            )
             if which == 0:
                 env.write(DATA_RES, rng.integers(0, 256, 256, dtype=np.uint8).tobytes())
             cmd = Cmd.BUFFER_SET_TENSOR if which == 0 else Cmd.BUFFER_GET_TENSOR
-            env.submit(forward(cmd, struct.pack("<Q", h) + record_bytes(rec) + struct.pack("<IQQ", res, off % U64, size % U64)))
+            env.submit(
+                forward(cmd, struct.pack("<Q", h) + record_bytes(rec) + struct.pack("<IQQ", res, off % U64, size % U64))
+            )
             return cmd.name
         if which == 2:  # cpy_tensor
-            env.submit(forward(Cmd.BUFFER_CPY_TENSOR, struct.pack("<Q", h) + record_bytes(self._rec(rng, ctx))
-                               + record_bytes(self._rec(rng, ctx))))
+            env.submit(
+                forward(
+                    Cmd.BUFFER_CPY_TENSOR,
+                    struct.pack("<Q", h) + record_bytes(self._rec(rng, ctx)) + record_bytes(self._rec(rng, ctx)),
+                )
+            )
             return "BUFFER_CPY_TENSOR"
         if which == 3:
             env.submit(forward(Cmd.BUFFER_CLEAR, struct.pack("<QI", h, int(rng.integers(256)))))
@@ -476,8 +613,22 @@ class Mutator:
             return "BUFFER_FREE_BUFFER+use"
         if which == 5:  # alloc, then maybe put the graph in it
             buft = self._pick(rng, [ctx["buft"]] * 4 + [ctx["handle"], 0, U64 - 1, ctx["buft"] + 1])
-            size = self._pick(rng, [0, 1, 31, 4096, ctx["buf_size"], ctx["buf_size"] - 1, 1 << 30, 1 << 40,
-                                    1 << 63, U64 - 1, (1 << 20) + 3])
+            size = self._pick(
+                rng,
+                [
+                    0,
+                    1,
+                    31,
+                    4096,
+                    ctx["buf_size"],
+                    ctx["buf_size"] - 1,
+                    1 << 30,
+                    1 << 40,
+                    1 << 63,
+                    U64 - 1,
+                    (1 << 20) + 3,
+                ],
+            )
             rc, reply = env.submit(forward(Cmd.BUFFER_TYPE_ALLOC_BUFFER, struct.pack("<QQ", buft, size % U64)))
             new = struct.unpack_from("<Q", reply, 0)[0] if rc == 4 else 0
             if new and rng.random() < 0.7:
@@ -509,8 +660,16 @@ class Mutator:
             env.submit(forward(Cmd.BUFFER_TYPE_GET_ALLOC_SIZE, struct.pack("<Q", ctx["buft"]) + raw))
             return "BUFFER_TYPE_GET_ALLOC_SIZE"
         if which == 9:
-            cmd = self._pick(rng, [Cmd.BUFFER_GET_BASE, Cmd.BUFFER_TYPE_GET_NAME, Cmd.BUFFER_TYPE_GET_ALIGNMENT,
-                                   Cmd.BUFFER_TYPE_GET_MAX_SIZE, Cmd.BUFFER_TYPE_IS_HOST])
+            cmd = self._pick(
+                rng,
+                [
+                    Cmd.BUFFER_GET_BASE,
+                    Cmd.BUFFER_TYPE_GET_NAME,
+                    Cmd.BUFFER_TYPE_GET_ALIGNMENT,
+                    Cmd.BUFFER_TYPE_GET_MAX_SIZE,
+                    Cmd.BUFFER_TYPE_IS_HOST,
+                ],
+            )
             env.submit(forward(cmd, struct.pack("<Q", self._pick(rng, [h, ctx["buft"]]))))
             return cmd.name
         if which == 10:
@@ -523,17 +682,25 @@ class Mutator:
     def _raw(self, rng, ctx, env: Env) -> str:
         which = int(rng.integers(4))
         if which == 0:
-            cmd = payload(int(rng.integers(0, 8)) if rng.random() < 0.5 else int(rng.integers(0, U32)),
-                          int(rng.integers(0, 40)), b"", self._pick(rng, [REPLY_RES] * 3 + [DATA_RES, 0, 9]))
+            cmd = payload(
+                int(rng.integers(0, 8)) if rng.random() < 0.5 else int(rng.integers(0, U32)),
+                int(rng.integers(0, 40)),
+                b"",
+                self._pick(rng, [REPLY_RES] * 3 + [DATA_RES, 0, 9]),
+            )
             body = rng.integers(0, 256, int(rng.integers(0, 64)), dtype=np.uint8).tobytes()
             env.submit(cmd + body)
             return "raw-header"
         if which == 1:
-            env.submit(payload(int(ApirCommandType.HANDSHAKE), 0, struct.pack("<II", *(int(x) for x in rng.integers(0, 4, 2)))))
+            env.submit(
+                payload(int(ApirCommandType.HANDSHAKE), 0, struct.pack("<II", *(int(x) for x in rng.integers(0, 4, 2))))
+            )
             return "handshake"
         if which == 2:
-            cmd = forward(Cmd.BUFFER_SET_TENSOR, struct.pack("<Q", ctx["handle"]) + record_bytes(ctx["recs"][:1])
-                          + struct.pack("<IQQ", DATA_RES, 0, 16))
+            cmd = forward(
+                Cmd.BUFFER_SET_TENSOR,
+                struct.pack("<Q", ctx["handle"]) + record_bytes(ctx["recs"][:1]) + struct.pack("<IQQ", DATA_RES, 0, 16),
+            )
             env.submit(self._flip(rng, cmd)[: int(rng.integers(len(cmd) + 1))])
             return "raw-set"
         wire = join_wire(ctx["nodes"], ctx["recs"])

@@ -21,8 +21,10 @@ CORPUS_INPUTS = int(os.environ.get("APIR_FUZZ_CORPUS", "1000"))
 
 
 def _describe(faults):
-    return "\n".join(f"{f.kind} of input {f.index} ({f.case}): {f.signature}; reproducer {f.reproducer}\n"
-                     f"{f.stderr_tail[-1500:]}" for f in faults)
+    return "\n".join(
+        f"{f.kind} of input {f.index} ({f.case}): {f.signature}; reproducer {f.reproducer}\n{f.stderr_tail[-1500:]}"
+        for f in faults
+    )
 
 
 def test_seeded_corpus_faults_nothing(tmp_path):
@@ -41,12 +43,25 @@ def test_harness_sees_each_kind_of_fault(tmp_path):
     one byte past a fenced blob, past a fenced host buffer and of a freed host buffer
     (SIGSEGV: the fences work), an abort, and a hang past the deadline. Each costs that
     one input; the others run."""
-    res = run_campaign(7, 8, 2, tmp_path, deadline=4, chunk=4, repro_per_signature=1, repro_max=1,
-                       extra_env={"APIR_FUZZ_SELFTEST": "oob@1,buf@2,uaf@3,abort@4,hang@5"})
+    res = run_campaign(
+        7,
+        8,
+        2,
+        tmp_path,
+        deadline=4,
+        chunk=4,
+        repro_per_signature=1,
+        repro_max=1,
+        extra_env={"APIR_FUZZ_SELFTEST": "oob@1,buf@2,uaf@3,abort@4,hang@5"},
+    )
     assert not res.harness_errors, res.harness_errors
     assert res.inputs == 8
     assert sorted((f.index, f.signal) for f in res.crashes) == [
-        (1, "SIGSEGV"), (2, "SIGSEGV"), (3, "SIGSEGV"), (4, "SIGABRT")]
+        (1, "SIGSEGV"),
+        (2, "SIGSEGV"),
+        (3, "SIGSEGV"),
+        (4, "SIGABRT"),
+    ]
     assert [(f.index, f.where) for f in res.hangs] == [(5, "fuzz/child.py:_selftest")]
     saved = [f for f in res.crashes + res.hangs if f.reproducer]
     assert len(saved) == 1 and (tmp_path / saved[0].reproducer).is_file()
@@ -59,8 +74,16 @@ def test_inputs_are_deterministic_and_replay_alone(tmp_path):
     and its recording replays on a fresh host without the generator."""
     paths = [tmp_path / "a.json", tmp_path / "b.json"]
     env = _child_env(None)
-    procs = [subprocess.Popen(_child_cmd(CORPUS_SEED, {}, 0, ["--only", "17", "--record", str(p)]), env=env,
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for p in paths]
+    procs = [
+        subprocess.Popen(
+            _child_cmd(CORPUS_SEED, {}, 0, ["--only", "17", "--record", str(p)]),
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for p in paths
+    ]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err.decode()[-2000:]
@@ -68,8 +91,14 @@ def test_inputs_are_deterministic_and_replay_alone(tmp_path):
     assert a == b
     rec = json.loads(a)
     assert rec["meta"]["index"] == 17 and rec["steps"]
-    run = subprocess.run(_child_cmd(CORPUS_SEED, {}, 0, ["--replay", str(paths[0])]), env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        _child_cmd(CORPUS_SEED, {}, 0, ["--replay", str(paths[0])]),
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
     assert "host alive: True" in run.stdout
 
