@@ -73,14 +73,15 @@ def main() -> int:
         worst = 0
         for f in args.files:
             t = time.monotonic()
-            proc = subprocess.run(
-                [sys.executable, "-m", "tests.fuzz.child", "--replay", str(Path(f).resolve())],
-                env=_child_env(None),
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                timeout=args.timeout,
-            )
+            cmd = [sys.executable, "-m", "tests.fuzz.child", "--replay", str(Path(f).resolve())]
+            try:
+                proc = subprocess.run(
+                    cmd, env=_child_env(None), cwd=REPO, capture_output=True, text=True, timeout=args.timeout
+                )
+            except subprocess.TimeoutExpired:
+                print(f"{f}: still running after {args.timeout:.0f} s (a hang)")
+                worst = 1
+                continue
             how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
             print(f"{f}: {how} after {time.monotonic() - t:.1f} s: {proc.stdout.strip()}")
             if proc.returncode:

@@ -60,6 +60,28 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def _replay_all(paths, fences, errors) -> int:
+    """Replays each reproducer on a fresh context, saying which before it runs (a crash
+    then names its file); 1 when one failed without crashing (no reply, not serving, an
+    internal exception), else 0."""
+    from tests.fuzz.inputs import Recording, replay
+
+    worst = 0
+    for path in paths:
+        print(f"replaying {path}", flush=True)
+        with open(path) as fh:
+            rec = Recording.from_json(fh.read())
+        no_reply, alive, exceptions = replay(rec, fences)
+        ok = (no_reply, alive, exceptions) == (0, True, 0)
+        print(
+            f"replayed: {no_reply} commands without a reply, host alive: {alive}, "
+            f"internal exceptions: {exceptions} ({errors.last})",
+            flush=True,
+        )
+        worst = worst or (0 if ok else 1)
+    return worst
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=0)
@@ -67,7 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--record", help="reproducer path (with --only)")
     ap.add_argument("--only", type=int, help="run this one input and exit")
     ap.add_argument("--seeds-cache", help="file the seed graphs are kept in (built when missing)")
-    ap.add_argument("--replay", help="run this reproducer file (tests.fuzz.inputs.Recording) and exit")
+    ap.add_argument("--replay", nargs="+", help="run these reproducer files (tests.fuzz.inputs.Recording) and exit")
     ap.add_argument("--no-fence-buffers", action="store_true")
     ap.add_argument("--rlimit-as", type=int, default=0, help="address-space limit in bytes (0: none)")
     ap.add_argument(
@@ -98,16 +120,7 @@ def main(argv=None) -> int:
         fenced.install()
     fences = Fences()
     if args.replay:
-        from tests.fuzz.inputs import Recording, replay
-
-        with open(args.replay) as fh:
-            rec = Recording.from_json(fh.read())
-        no_reply, alive, exceptions = replay(rec, fences)
-        print(
-            f"replayed: {no_reply} commands without a reply, host alive: {alive}, "
-            f"internal exceptions: {exceptions} ({errors.last})"
-        )
-        return 0 if (no_reply, alive, exceptions) == (0, True, 0) else 1
+        return _replay_all(args.replay, fences, errors)
     seeds, skipped = load_or_build_seeds(g, lambda: Guest(HostContext(900, config)), args.seeds_cache)
     if not seeds:
         print("no seed graphs", file=sys.stderr)
@@ -126,7 +139,7 @@ def main(argv=None) -> int:
         seed = seeds[int(rng.integers(len(seeds)))]
         out.write(f"s {i} {seed.name}\n")
         out.flush()
-        env = Env(fences, config, 4096, record_to=record, meta={"seed": args.seed, "index": i})
+        env = Env(fences, config, 4096, record_to=record, meta={"ggml": g.version, "seed": args.seed, "index": i})
         before = errors.count
         env.on_command = lambda meta: (out.write(f"k {i} {json.dumps(meta.get('mutations', []))}\n"), out.flush())
         try:

@@ -229,6 +229,7 @@ def _child_env(extra_env: Optional[dict]) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("PYTHONFAULTHANDLER", "1")
+    env.setdefault("GGML_NO_BACKTRACE", "1")  # ggml's abort would attach gdb for seconds; faulthandler says where
     env.update(extra_env or {})
     return env
 

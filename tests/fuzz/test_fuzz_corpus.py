@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -67,6 +68,27 @@ def test_harness_sees_each_kind_of_fault(tmp_path):
     assert len(saved) == 1 and (tmp_path / saved[0].reproducer).is_file()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["crash_count"], summary["hang_count"]) == (4, 1)
+
+
+REPRODUCERS = sorted((Path(__file__).parent / "reproducers").glob("*.json"))
+
+
+def test_campaign_reproducers_replay_clean(ggml):
+    """Every fault the campaigns found (one reproducer per signature, tests/fuzz/reproducers/:
+    their meta says where each came from) is refused or bounded now: replayed on fresh
+    fenced hosts, none crashes, hangs, leaves a command unanswered or stops the host."""
+    mine = [p for p in REPRODUCERS if json.loads(p.read_text())["meta"].get("ggml") == ggml.version]
+    if not mine:
+        pytest.skip(f"no reproducer was recorded on ggml {ggml.version}")
+    cmd = [sys.executable, "-m", "tests.fuzz.child", "--replay", *map(str, mine)]
+    try:
+        run = subprocess.run(cmd, env=_child_env(None), cwd=REPO, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        pytest.fail(f"a reproducer hangs the host: {out.splitlines()[-1:]}")
+    last = [line for line in run.stdout.splitlines() if line.startswith("replaying")][-1:]
+    assert run.returncode == 0, f"{last}: exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+    assert run.stdout.count("host alive: True, internal exceptions: 0") == len(mine), run.stdout
 
 
 def test_inputs_are_deterministic_and_replay_alone(tmp_path):
