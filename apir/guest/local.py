@@ -10,8 +10,10 @@ blob, so the host and the guest share the blob's pages and no bulk data crosses 
 which the host sends once the command has run: the reply notification word is then already set,
 and a host that dies mid-call shows up at once as `HostConnectionLost` instead of as a timeout.
 When the command runs longer, execbuffer returns and the caller's wait on the notification word
-(apir.guest.remote) takes over with its own timeout; the late reply is read before the next
-request. Every other socket read is bounded by `io_timeout_s`, so the guest never hangs forever.
+(apir.guest.remote) takes over with its own timeout; that wait calls `watch` between its looks at
+the word, which polls the socket, so a host that dies later in the call is still seen at once
+(EOF or a hang-up), and a late reply is read as soon as it comes. Every other socket read is
+bounded by `io_timeout_s`, so the guest never hangs forever.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import select
 import socket
 import threading
+import time
 from typing import Optional
 
 from apir.codec.local_wire import (
@@ -49,6 +52,7 @@ VIRTGPU_BLOB_FLAG_USE_MAPPABLE = 0x0001
 VIRTGPU_EXECBUF_RING_IDX = 0x04
 
 _HOST_GONE = "the apir host closed the connection (it exited or crashed)"
+_POLL_EVENTS = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
 _IOCTL_NAMES = {
     Op.GETPARAM: "DRM_IOCTL_VIRTGPU_GETPARAM",
     Op.GET_CAPS: "DRM_IOCTL_VIRTGPU_GET_CAPS",
@@ -109,6 +113,8 @@ class LocalDevice:
             sock.close()
             raise
         sock.settimeout(io_timeout_s)
+        self._poller = select.poll()  # made once: execbuffer and watch poll on every call
+        self._poller.register(sock, _POLL_EVENTS)
 
     # --- the exchange --------------------------------------------------------------------
     def _fail(self, why: str) -> HostConnectionLost:
@@ -231,11 +237,42 @@ class LocalDevice:
                 self._exec_seqs.append(seq)
 
     def _readable(self, timeout_s: float) -> bool:
+        """Whether the socket has data or a hang-up within `timeout_s` (poll: no FD_SETSIZE
+        limit, unlike select, in a process with many descriptors)."""
         try:
-            ready, _, _ = select.select([self.sock], [], [], timeout_s)
-        except (OSError, ValueError):
+            return bool(self._poller.poll(max(0.0, timeout_s) * 1000.0))
+        except OSError:
             return True  # let the read report it
-        return bool(ready)
+
+    def watch(self, timeout_s: float) -> None:
+        """Waits up to `timeout_s` for the host's side of the socket, for a caller waiting on
+        a reply notification word (apir.guest.remote): returns early when something arrived
+        (a late EXECBUFFER reply, read here), raises `HostConnectionLost` at once when the
+        host closed the connection, exited or was killed. Waits under 1 ms sleep and then
+        poll without blocking (poll's unit is the millisecond)."""
+        with self._lock:
+            if self._broken is not None:
+                raise HostConnectionLost(f"{self.node}: {self._broken}")
+            if self.sock is None:
+                raise DeviceError(f"{self.node}: device is closed")
+            if timeout_s < 1e-3:
+                time.sleep(max(0.0, timeout_s))
+                timeout_s = 0.0
+            if not self._readable(timeout_s):
+                return
+            if self._exec_seqs:
+                self._drain_pending()  # the late reply, or HostConnectionLost on EOF
+                return
+            # nothing is owed to us: only a hang-up (EOF) or a host breaking the wire
+            try:
+                data = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                raise self._fail(f"connection to the apir host failed: {exc}") from None
+            if not data:
+                raise self._fail(_HOST_GONE)
+            raise self._fail("the apir host sent a message nobody asked for")
 
     # --- debug and teardown --------------------------------------------------------------
     @property
