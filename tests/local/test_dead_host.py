@@ -12,7 +12,7 @@ import pytest
 from apir.codec.atomics import store_release_u32
 from apir.codec.constants import ApirCommandType
 from apir.guest.client import ApirClient
-from apir.guest.embedded import EmbeddedDevice
+from apir.local.embedded import EmbeddedDevice
 from apir.guest.errors import DeviceError
 from apir.guest.local import HostConnectionLost, LocalDevice
 from apir.guest.remote import DEFAULT_FORWARD_TIMEOUT_S, Remote
