@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import errno as errno_mod
 import logging
-import mmap
 import os
 import select
 import socket
@@ -46,6 +45,7 @@ from apir.codec.virtgpu import (
 )
 from apir.guest.device import Blob
 from apir.guest.errors import DeviceError, IoctlError
+from apir.local.shm import map_shared
 from apir.local.socket_io import recv_message, send_message
 
 __all__ = ["LocalDevice", "HostConnectionLost", "host_stats"]
@@ -110,6 +110,13 @@ class LocalDevice:
                 raise HostConnectionLost(f"{self.node}: not an apir host (magic {magic:#x}, "
                                          f"wire version {version}, {len(fds)} fds)")
             self.fd = fds[0]
+        except HostConnectionLost as exc:
+            sock.close()
+            if self._broken != _HOST_GONE:
+                raise
+            raise HostConnectionLost(f"{self.node}: the apir host closed the connection before "
+                                     "answering HELLO (it may be at its connection limit, "
+                                     "apir.local.max_connections: see its log)") from exc
         except BaseException:
             sock.close()
             raise
@@ -128,7 +135,7 @@ class LocalDevice:
         except (ConnectionClosed, ConnectionResetError):
             raise self._fail(_HOST_GONE) from None
         except socket.timeout:
-            raise self._fail(f"no answer from the apir host within {self.io_timeout_s:g} s") from None
+            raise self._fail(f"no answer from the apir host within {self.sock.gettimeout():g} s") from None
         except (WireError, OSError) as exc:
             raise self._fail(f"connection to the apir host failed: {exc}") from None
         if header.op != op or header.seq != seq:
@@ -199,8 +206,7 @@ class LocalDevice:
             Op.CREATE_BLOB, VIRTGPU_BLOB_MEM_HOST3D, VIRTGPU_BLOB_FLAG_USE_MAPPABLE, size, 0)
         try:
             (offset,) = self._call(Op.MAP, bo_handle, 0)
-            memory = mmap.mmap(self.fd, real_size, mmap.MAP_SHARED,
-                               mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+            memory = map_shared(self.fd, real_size, offset)  # no descriptor per blob
         except BaseException:
             try:
                 self._call(Op.GEM_CLOSE, bo_handle, 0)

@@ -54,6 +54,7 @@ from apir.codec.constants import (
 from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS
 from apir.codec.wire import Decoder, Encoder
 from apir.host.errors import log
+from apir.host.limits import LIMIT_ENV_FALLBACKS
 from apir.host.library import BackendLibrary, LibraryLoadError, default_library_factory
 from apir.host.resources import Resource
 
@@ -72,6 +73,7 @@ CONFIG_ENV_FALLBACKS: Dict[str, str] = {
     CONFIG_KEY_LOAD_LIBRARY_PATH: ENV_BACKEND_LIBRARY,
     CONFIG_KEY_GGML_LIBRARY_PATH: ENV_GGML_LIBRARY_PATH,
     CONFIG_KEY_GGML_LIBRARY_REG: ENV_GGML_LIBRARY_REG,
+    **LIMIT_ENV_FALLBACKS,  # apir's liveness bounds (apir.host.limits)
 }
 
 def _builtin_library() -> BackendLibrary:
