@@ -165,9 +165,20 @@ class HostContext:
         """The blob `res_id` of this context, or None (`get_shmem_ptr`, plus the size)."""
         return self._resources.get(res_id)
 
+    def cancel_compute(self, reason: str) -> None:
+        """Stops the graph compute in flight, if any, and every later one (the guest gets
+        GGML_STATUS_ABORTED): this context's guest is gone. Any thread, without the context's
+        lock, which the compute holds; a backend library without `cancel_compute` (a C one)
+        cannot be stopped."""
+        cancel = getattr(self._library, "cancel_compute", None)
+        if cancel is not None:
+            cancel(reason)
+
     def close(self) -> None:
         """Deinitializes the backend library, freeing exactly this context's buffers, and
-        drops the resources. Idempotent."""
+        drops the resources. Idempotent. A compute in flight on another thread is cancelled
+        first (`cancel_compute`), so closing does not wait for the graph to finish."""
+        self.cancel_compute("the context is closed")
         with self._lock:
             if self._closed:
                 return

@@ -258,6 +258,13 @@ class KernelContext:
     def ggml_buffers(self) -> Optional[int]:
         return None if self.ctx is None else ggml_buffer_count(self.ctx)
 
+    def cancel_compute(self, reason: str) -> None:
+        """Stops the context's compute in flight and refuses later ones (its guest is gone).
+        Any thread: the one running the compute is busy with it."""
+        cancel = getattr(self.ctx, "cancel_compute", None)
+        if cancel is not None:
+            cancel(reason)
+
     def close(self) -> None:
         """Closes the context (freeing its ggml buffers) and every blob. Idempotent."""
         if self.closed:

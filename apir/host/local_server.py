@@ -21,7 +21,8 @@ mode `socket_mode` (default 0600: the owner's guests only), whatever the process
 What guests can make the host hold is bounded (apir.host.limits): connections
 (`apir.local.max_connections`; the accept thread closes any beyond it at once), the time a new
 connection has to send HELLO (`apir.local.hello_timeout_s`), blobs per context
-(`apir.local.max_blobs`), and no blob holds a descriptor of its own (apir.local.shm). Should the
+(`apir.local.max_blobs`), and no blob holds a descriptor of its own (apir.local.shm). A guest
+that hangs up while its graph computes cancels the compute (apir.host.local_hangup). Should the
 process run out of descriptors anyway (EMFILE, ENFILE) or memory, the accept thread backs off and
 keeps accepting once there are some again: a guest that leaves gives the host back to the others.
 """
@@ -51,6 +52,7 @@ from apir.codec.local_wire import (
 )
 from apir.codec.virtgpu import BLOB_ALIGNMENT
 from apir.host.limits import DEFAULT_HELLO_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, config_limit
+from apir.host.local_hangup import HangupWatch
 from apir.host.local_kernel import ContextFactory, KernelContext, KernelError, default_context_factory
 from apir.local.socket_io import recv_message, send_message
 
@@ -123,6 +125,7 @@ class _Connection:
                                     srv.max_context_bytes)
         reply = REPLY[Op.HELLO].pack(HELLO_MAGIC, WIRE_VERSION, BLOB_ALIGNMENT, 0)
         send_message(self.sock, Op.HELLO, header.seq, reply, fds=(self.kernel.memfile.fd,))
+        srv.hangups.watch(self.sock.fileno(), self)  # a hang-up mid-EXECBUFFER cancels it
         log.info("guest %d connected", self.conn_id)
 
         while True:
@@ -179,8 +182,17 @@ class _Connection:
             return REPLY[op].pack(*st.as_tuple())
         raise KernelError(errno.ENOSYS, f"unhandled op {op}")
 
+    def on_hangup(self) -> None:
+        """The guest hung up (apir.host.local_hangup, another thread): stop its compute in
+        flight; this connection's thread then sees EOF and closes the context as usual."""
+        kernel = self.kernel
+        if kernel is not None:
+            log.info("guest %d hung up: its compute, if any, is cancelled", self.conn_id)
+            kernel.cancel_compute("the guest hung up")
+
     def cleanup(self) -> None:
         """Close the context and free its blobs; runs once, when the connection ends."""
+        self.server.hangups.forget(self.sock.fileno())
         try:
             if self.kernel is not None:
                 self.kernel.close()
@@ -271,6 +283,7 @@ class LocalServer:
         self.max_connections = config_limit(config, CONFIG_KEY_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS)
         self.hello_timeout_s = config_limit(config, CONFIG_KEY_HELLO_TIMEOUT, DEFAULT_HELLO_TIMEOUT_S)
         self._stopping = threading.Event()  # set by close(): the accept thread's back-off ends
+        self.hangups = HangupWatch()
         self._refusals = _RateLimitedLog(_REFUSAL_LOG_INTERVAL_S)
         self.socket_mode = socket_mode
         self.stat_host_wide = stat_host_wide
@@ -387,12 +400,15 @@ class LocalServer:
             pass
         self.sock.close()
         for c in conns:
+            if c.kernel is not None:
+                c.kernel.cancel_compute("the host is closing")
             try:
                 c.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
         for c in conns:
             c.thread.join(timeout)
+        self.hangups.close()
         if self._accept_thread is not None:
             self._accept_thread.join(timeout)
         try:

@@ -285,10 +285,12 @@ class EmbeddedDevice:
         return self._run("STAT", count)
 
     def close(self) -> None:
-        """Stops the host thread, which closes the context and frees every blob."""
+        """Stops the host thread, which closes the context and frees every blob. A graph
+        still computing there is cancelled first (it stops after its current node)."""
         if self._closed:
             return
         self._closed = True
+        self.kernel.cancel_compute("the embedded device is closed")
         self._blobs.clear()  # the host thread frees them all as it stops
         self._jobs.put(_STOP)
         self._bell.store_release(1)
