@@ -18,7 +18,7 @@ import logging
 import sys
 from typing import List
 
-__all__ = ["add_parser", "run", "format_report"]
+__all__ = ["add_parser", "format_report", "run"]
 
 
 def add_parser(subparsers, parents=()) -> argparse.ArgumentParser:

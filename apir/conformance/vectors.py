@@ -25,8 +25,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
-__all__ = ["VectorFile", "Session", "Step", "Context", "compare", "default_vector_dir", "load",
-           "field_value", "VECTOR_FORMAT"]
+__all__ = [
+    "VECTOR_FORMAT",
+    "Context",
+    "Session",
+    "Step",
+    "VectorFile",
+    "compare",
+    "default_vector_dir",
+    "field_value",
+    "load",
+]
 
 VECTOR_FORMAT = "apir-conformance/1"
 
@@ -152,7 +161,7 @@ def compare(fields: list, actual: bytes, ctx: Context, step: str = "", strict_le
         if off + size > len(actual):
             return f"{name}: missing (message is {len(actual)} bytes, field ends at {off + size})"
         got_raw = actual[off: off + size]
-        if rule in (None,) or rule.startswith("res:") or rule.startswith("ref:"):
+        if rule is None or rule.startswith(("res:", "ref:")):
             if rule is None:
                 expected = None
             elif rule.startswith("res:"):
@@ -194,7 +203,7 @@ def compare(fields: list, actual: bytes, ctx: Context, step: str = "", strict_le
 
 
 def _expected_bytes(item) -> Optional[bytes]:
-    off, size, _name, helper, value = item[:5]
+    size, value = item[1], item[4]
     if isinstance(value, str):
         return value.encode("latin-1") + b"\0"
     if isinstance(value, list):

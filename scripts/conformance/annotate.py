@@ -367,7 +367,7 @@ def _step(step_name, event, layout, minor, capset, roles, handles) -> dict:
                "apir_encode_int32_t", flags],
               [8, 4, "reply resource id", "u32", reply_res, f"res:{res_role(reply_res)}"]]
     fields += annotate_args(raw, 12, ARGS.get(key, []), layout, refs, res_role)
-    if step_name.startswith("error.") or step_name.startswith("component."):
+    if step_name.startswith(("error.", "component.")):
         encoder = "remote_call_prepare + apir_cs.h helpers (a deliberately wrong or repeated command)"
     elif function in ("device_get_device_count", "buffer_type_is_host"):
         encoder = "remote_call_prepare + apir_cs.h helpers (the C guest has no function for it)"

@@ -172,7 +172,8 @@ static void print_layouts(void) {
 
 int main(int argc, char ** argv) {
     print_layouts();
-    // "venus": only HandShake, LoadLibrary and one query (the capset is the environment's).
+    // "short": only HandShake, LoadLibrary and one query (for the Venus capset session; the
+    // capset is the environment's choice, GGML_REMOTING_USE_APIR_CAPSET).
     const bool short_session = argc > 1 && strcmp(argv[1], "short") == 0;
 
     step("handshake");  // create_virtgpu sends both, in this order
@@ -318,8 +319,8 @@ int main(int argc, char ** argv) {
     step("buffer_get_tensor.m");
     apir_buffer_get_tensor(gpu, &apir_b, m, out, 0, 32);
 
-    // 3: several nodes over two buffers: mm = mul_mat(w, x) (2x3); r = scale(mm, 0.5) + t
-    //    with t = transpose view of a 3x2 slice of y? kept simple: r = scale(mm) then add(r, mm)
+    // 3: several nodes over two buffers: mm = mul_mat(w, x) (2x3), sc = scale(mm, 0.5),
+    //    r = sc + mm (a tensor used by two nodes: emitted once)
     ggml_tensor * mm = ggml_mul_mat(ctx, w, x);
     ggml_set_name(mm, "mm");
     place(mm, &B, 128);

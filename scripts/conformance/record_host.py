@@ -84,7 +84,7 @@ class RecordingContext(HostContext):
         event = {"kind": "submit", "command": cmd.hex()}
         blob = None
         if len(cmd) >= _HDR.size:
-            cmd_type, flags, reply_res = _HDR.unpack_from(cmd, 0)
+            cmd_type, flags, _reply_res = _HDR.unpack_from(cmd, 0)
             if self.capset_id == VIRTGPU_DRM_CAPSET_VENUS and cmd_type >= VENUS_COMMAND_TYPE_LENGTH:
                 cmd_type -= VENUS_COMMAND_TYPE_LENGTH
             if cmd_type == 2:
