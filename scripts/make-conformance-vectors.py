@@ -66,28 +66,27 @@ def build_driver(paths: dict, out_dir: Path) -> Path:
 def capture(paths: dict, driver: Path, work: Path, apir_capset: bool, short: bool):
     """Runs the driver against a recording host; returns (driver stdout, recorded contexts)."""
     sock, out = work / "host.sock", work / f"capture-{int(apir_capset)}.json"
-    log = open(work / "host.log", "a")
-    host = subprocess.Popen([sys.executable, str(RECORDER), "--socket", str(sock), "--out", str(out),
-                             "--c-library", paths["LIBGGML_VIRTGPU_BACKEND"],
-                             "--ggml-library", paths["LIBGGML_CPU"], "--ggml-reg", "ggml_backend_cpu_reg"],
-                            env=c_build_env(paths), stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO)
-    try:
-        if host.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"recording host did not start; see {work / 'host.log'}")
-        env = dict(os.environ)
-        env.update(LD_PRELOAD=str(build_shim(paths)), APIR_SHIM_SOCKET=str(sock),
-                   LD_LIBRARY_PATH=str(Path(paths["LIBGGML"]).parent))
-        env.pop("GGML_REMOTING_USE_APIR_CAPSET", None)
-        if apir_capset:
-            env["GGML_REMOTING_USE_APIR_CAPSET"] = "1"
-        run = subprocess.run([str(driver)] + (["short"] if short else []), env=env, check=False,
-                             capture_output=True, text=True, timeout=300)
-        if run.returncode != 0:
-            raise RuntimeError(f"capture driver failed ({run.returncode}):\n{run.stdout}\n{run.stderr}")
-    finally:
-        host.terminate()
-        host.wait(60)
-        log.close()
+    with open(work / "host.log", "a") as log:
+        host = subprocess.Popen([sys.executable, str(RECORDER), "--socket", str(sock), "--out", str(out),
+                                 "--c-library", paths["LIBGGML_VIRTGPU_BACKEND"],
+                                 "--ggml-library", paths["LIBGGML_CPU"], "--ggml-reg", "ggml_backend_cpu_reg"],
+                                env=c_build_env(paths), stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO)
+        try:
+            if host.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"recording host did not start; see {work / 'host.log'}")
+            env = dict(os.environ)
+            env.update(LD_PRELOAD=str(build_shim(paths)), APIR_SHIM_SOCKET=str(sock),
+                       LD_LIBRARY_PATH=str(Path(paths["LIBGGML"]).parent))
+            env.pop("GGML_REMOTING_USE_APIR_CAPSET", None)
+            if apir_capset:
+                env["GGML_REMOTING_USE_APIR_CAPSET"] = "1"
+            run = subprocess.run([str(driver)] + (["short"] if short else []), env=env, check=False,
+                                 capture_output=True, text=True, timeout=300)
+            if run.returncode != 0:
+                raise RuntimeError(f"capture driver failed ({run.returncode}):\n{run.stdout}\n{run.stderr}")
+        finally:
+            host.terminate()
+            host.wait(60)
     return run.stdout, json.loads(out.read_text())
 
 
