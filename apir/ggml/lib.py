@@ -17,16 +17,19 @@ Errors: `GgmlLoadError` names the file or the symbol that is missing or disagree
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
+
+import numpy as np
 
 from apir.codec.records import GgmlLimits
 
-__all__ = ["Ggml", "GgmlLoadError", "load", "default_paths", "SIGNATURES", "InitParams"]
+__all__ = ["Ggml", "GgmlLoadError", "load", "default_paths", "SIGNATURES", "SIGNATURE_LETTERS", "InitParams"]
 
 ENV_LIB_DIR = "APIR_GGML_LIB_DIR"
 ENV_INCLUDE_DIR = "APIR_GGML_INCLUDE_DIR"
@@ -43,8 +46,9 @@ class InitParams(ctypes.Structure):
 
 
 _P = ctypes.c_void_p
-# Signature letters: one for the result, then one per argument.
-_CODES = {
+# Signature letters: one for the result, then one per argument ("v", void, as a result only).
+# The one table: apir.guest.backend.abi types ggml's interface callbacks with it too.
+SIGNATURE_LETTERS: Dict[str, Any] = {
     "v": None, "p": ctypes.c_void_p, "s": ctypes.c_char_p, "z": ctypes.c_size_t,
     "i": ctypes.c_int, "I": ctypes.c_int64, "u": ctypes.c_uint32, "b": ctypes.c_bool,
     "f": ctypes.c_float, "B": ctypes.c_uint8, "P": InitParams,
@@ -106,7 +110,7 @@ SIGNATURES: Dict[str, str] = {
     "ggml_backend_cpu_buffer_from_ptr": "p:pz", "ggml_backend_cpu_buffer_type": "p:",
     "ggml_backend_alloc_ctx_tensors_from_buft": "p:pp",
     # ggml-cpu.h
-    "ggml_backend_cpu_init": "p:", "ggml_backend_cpu_set_n_threads": "v:pi",
+    "ggml_backend_cpu_init": "p:", "ggml_backend_cpu_set_n_threads": "v:pi", "ggml_backend_is_cpu": "b:p",
     # ggml-alloc.h
     "ggml_gallocr_new": "p:p", "ggml_gallocr_free": "v:p", "ggml_gallocr_alloc_graph": "b:pp",
     "ggml_gallocr_reserve": "b:pp", "ggml_gallocr_get_buffer_size": "z:pi",
@@ -171,8 +175,8 @@ def _declare(cdll_list, name: str, sig: str):
             fn = getattr(cdll, name)
         except AttributeError:
             continue
-        fn.restype = _CODES[res]
-        fn.argtypes = [_CODES[c] for c in args]
+        fn.restype = SIGNATURE_LETTERS[res]
+        fn.argtypes = [SIGNATURE_LETTERS[c] for c in args]
         return fn
     return None
 
@@ -285,12 +289,21 @@ class Ggml:
             if got is not None and got.decode().upper() != name:
                 raise GgmlLoadError(f"ggml.h and {self.lib_dir} disagree: type {value} is {name} vs {got!r}")
 
-    def valid_type(self, type_: int) -> bool:
-        """Whether `type_` is a type this build has (removed types are holes in the enum)."""
-        return type_ in self.type_names
+    @functools.cached_property
+    def valid_types(self) -> np.ndarray:
+        """bool[GGML_TYPE_COUNT]: True for the types this build can hold data of, the one
+        definition of a valid type: named in ggml.h's `enum ggml_type` (removed types are holes
+        there) and with a block size and an element size (`ggml_blck_size`, `ggml_type_size`;
+        ggml keeps placeholders of some removed types with neither). The `type_valid`
+        argument of `apir.codec.graph.parse_graph`."""
+        valid = np.zeros(self.type_count, dtype=np.bool_)
+        for t in self.type_names:
+            valid[t] = self.ggml_type_size(t) > 0 and self.ggml_blck_size(t) > 0
+        return valid
 
-    def valid_op(self, op: int) -> bool:
-        return 0 <= op < self.op_count
+    def valid_type(self, type_: int) -> bool:
+        """Whether `type_` is a valid type of this build (`valid_types`)."""
+        return 0 <= type_ < self.type_count and bool(self.valid_types[type_])
 
 
 _loaded: Dict[tuple, Ggml] = {}

@@ -11,6 +11,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence
 import numpy as np
 
 from apir.host.errors import Refused
+from apir.host.tensors import tensor_extent
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,6 @@ class OpEnums:
     op_params, which types its CPU backend converts rows of F32 into and out of, and its
     version."""
 
-    unary_count: int
     glu: Dict[str, int] = field(default_factory=dict)  # `enum ggml_glu_op`, COUNT included
     rope: Dict[str, int] = field(default_factory=dict)  # the GGML_ROPE_TYPE_* modes
     # types whose `ggml_type_traits_cpu.from_float` is set (CPY / DUP into them; without it
@@ -75,8 +75,8 @@ def op_enums(g) -> OpEnums:
         if dot in from_float:
             a, b = blck_size[name], blck_size[dot]
             vec_dot_row[name] = a * b // math.gcd(a, b)
-    return OpEnums(unary["COUNT"], glu, rope, frozenset(from_float), frozenset(to_float), version,
-                   unary=unary, vec_dot=vec_dot, blck_size=blck_size, vec_dot_row=vec_dot_row)
+    return OpEnums(glu, rope, frozenset(from_float), frozenset(to_float), version, unary=unary,
+                   vec_dot=vec_dot, blck_size=blck_size, vec_dot_row=vec_dot_row)
 
 
 class _TypeTraitsCpu(ctypes.Structure):
@@ -107,7 +107,6 @@ class TensorInfo:
     op_params: np.ndarray
     type_size: int
     blck_size: int
-    is_leaf: bool  # op NONE: its data is only what the guest wrote
     # real address of its data (for GET_ROWS row ids); 0 without data; None where no data is
     # known (device_supports_op): checks of the data are then left to graph_compute
     address: Optional[int]
@@ -194,15 +193,65 @@ def dst_contiguous(node: TensorInfo) -> None:
 
 
 def extent(t: TensorInfo) -> int:
-    """Bytes from t's data its ne and nb reach (apir.host.tensors' `extent`, already checked
-    to lie inside t's buffer)."""
-    if any(n <= 0 for n in t.ne):
-        return 0
-    blocks0 = t.ne[0] // t.blck_size
-    row = max(blocks0 * t.type_size, (blocks0 - 1) * t.nb[0] + t.type_size)
-    if t.blck_size > 1:
-        row = max(row, blocks0 * t.nb[0])
-    return row + sum((t.ne[i] - 1) * t.nb[i] for i in range(1, len(t.ne)))
+    """Bytes from t's data its ne and nb reach (`apir.host.tensors.tensor_extent`, already
+    checked to lie inside t's buffer)."""
+    return tensor_extent(t.type_size, t.blck_size, t.ne, t.nb)
+
+
+def span_nbytes(t: TensorInfo) -> int:
+    """Bytes of `t`'s elements as if each dimension of 0 were 1: `ggml_row_size(type,
+    prod(max(ne[i], 1)))`. For a tensor whose elements do not overlap this is at most its
+    extent (so at most its buffer); it is what ggml's work-size planning and the kernels
+    that size or loop by one dimension can be driven to by a tensor's *other* dimensions,
+    even when it has no elements at all (issue 13, classes 1 and 2). graph.py refuses a
+    tensor whose span exceeds its buffer's size (`check_span`)."""
+    blocks0 = -(-max(int(t.ne[0]), 1) // t.blck_size)
+    return blocks0 * t.type_size * math.prod(max(int(n), 1) for n in t.ne[1:])
+
+
+def check_span(t: TensorInfo, buffer_size: int, what: str) -> None:
+    """Refuses `t` when `span_nbytes(t)` exceeds `buffer_size`, the size of the buffer it
+    lies in. Legitimate tensors never do: their elements fit their extent. What is refused:
+    an empty tensor with huge other dimensions (a 2^63-byte work buffer planned from them),
+    and elements that alias through strides of 0 or overlapping rows by more than the
+    buffer holds (work buffers and loops sized by the element count). Raises Refused."""
+    span = span_nbytes(t)
+    if span > buffer_size:
+        raise Refused(f"{what}: ne {t.ne} spans {span} bytes of {t.type_name}, more than its "
+                      f"{buffer_size}-byte buffer (empty or aliasing elements)")
+
+
+# Name of the attribute `empty_sources_ok` sets on a rule.
+_EMPTY_SOURCES_OK = "empty_sources_ok"
+
+
+def empty_sources_ok(rule):
+    """Decorator for a rule whose kernel is known to read nothing of a source with no
+    elements while still writing a result with elements; without it `check_empty_sources`
+    refuses such a node before the rule runs."""
+    setattr(rule, _EMPTY_SOURCES_OK, True)
+    return rule
+
+
+def allows_empty_sources(rule) -> bool:
+    return bool(getattr(rule, _EMPTY_SOURCES_OK, False))
+
+
+def check_empty_sources(node: TensorInfo, srcs: Sequence[TensorInfo | None], allowed: bool = False) -> None:
+    """Issue 13, class 1: a node whose result has elements, one of whose sources has none, is
+    refused (unless `allowed`, see `empty_sources_ok`). An empty tensor's extent is 0 bytes, so
+    the bounds checks place it anywhere (at the very end of its buffer); a kernel that walks
+    it by another tensor's shape (ADD_ID's ids by src0's rows, a convolution's input by the
+    kernel's channels) then reads or writes outside every checked extent. A node with no
+    elements is not computed (ggml_compute_forward returns on ggml_is_empty), and ggml's work
+    planning, which still reads its sources' dimensions, is bounded by `check_span` and the
+    compute-time work-size bound (apir.host.work_plan)."""
+    if allowed or not node.nelements():
+        return
+    for k, s in enumerate(srcs):
+        if s is not None and not s.nelements():
+            fail(node, f"src{k} {s.ne} has no elements but the result {node.ne} has: the kernel "
+                       f"would walk it by another tensor's shape")
 
 
 _ID_DTYPES = {"I32": np.int32, "I64": np.int64}
