@@ -18,7 +18,7 @@ Nothing here knows which transport the device uses.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Tuple, cast
 
 from apir.codec.constants import (
     APIR_HANDSHAKE_MAGIC,
@@ -92,7 +92,7 @@ class ApirClient(DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
             enc.u32(major)
             enc.u32(minor)
 
-        def decode(ret: int, dec: Decoder):
+        def decode(ret: int, dec: Decoder) -> Tuple[int, int]:
             if ret != APIR_HANDSHAKE_MAGIC:
                 raise HandshakeError(ret)
             version = (dec.u32(), dec.u32())
@@ -100,7 +100,8 @@ class ApirClient(DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
                 raise ReplyError("HandShake: reply too short for the host version")
             return version
 
-        _, version = self.remote.call(ApirCommandType.HANDSHAKE, 0, encode, timeout_s, decode)
+        _, reply = self.remote.call(ApirCommandType.HANDSHAKE, 0, encode, timeout_s, decode)
+        version = cast(Tuple[int, int], reply)  # decode's result
         self.host_version = version
         if version[0] != major:
             log.error("APIR host major version %d.%d differs from ours %d.%d", *version, major, minor)

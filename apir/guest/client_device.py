@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 
 from apir.codec.constants import APIR_PROTOCOL_0_2, ApirBackendCommandType as F
 from apir.codec.virtgpu import blob_size
+from apir.guest.client_state import ClientState
 from apir.guest.client_tensor import encode_ggml_tensor_inline
 from apir.guest.device import Blob
 
@@ -30,7 +31,7 @@ class DeviceProps:
     mmap_support: Optional[bool]
 
 
-class DeviceCalls:
+class DeviceCalls(ClientState):
     """Mixed into ApirClient, which provides `_forward`, `remote`, `host_version`."""
 
     def device_get_device_count(self) -> int:
@@ -72,6 +73,8 @@ class DeviceCalls:
 
     def device_get_props(self) -> DeviceProps:
         """`apir_device_get_props`: 4 booleans (APIR 0.1 host) or 5 (0.2)."""
+        if self.host_version is None:
+            raise RuntimeError("device_get_props before HandShake: the reply layout depends on the host version")
         five = self.host_version >= APIR_PROTOCOL_0_2
 
         def decode(dec):

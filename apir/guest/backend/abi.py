@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 from apir.ggml.lib import SIGNATURE_LETTERS as _CODES
 
@@ -88,7 +88,9 @@ class UnsupportedGgmlVersion(RuntimeError):
 
 def _proto(sig: str):
     res, _, args = sig.partition(":")
-    return ctypes.CFUNCTYPE(_CODES[res], *[_CODES[c] for c in args])
+    # "v" (void, None) is a result type only, so every argument code maps to a ctypes type.
+    arg_types: List[Any] = [_CODES[c] for c in args]
+    return ctypes.CFUNCTYPE(_CODES[res], *arg_types)
 
 
 class Abi:
