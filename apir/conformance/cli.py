@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import List
+from typing import List, Union
 
 __all__ = ["add_parser", "format_report", "run"]
 
@@ -24,11 +24,18 @@ __all__ = ["add_parser", "format_report", "run"]
 def add_parser(subparsers, parents=()) -> argparse.ArgumentParser:
     from apir.cli import add_host_config_arguments
 
-    p = subparsers.add_parser("conformance", parents=list(parents),
-                              help="check a host and apir's guest encoder against the conformance vectors",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("--vectors", action="append", metavar="PATH",
-                   help="vector file or folder (repeatable; default the checkout's conformance/)")
+    p = subparsers.add_parser(
+        "conformance",
+        parents=list(parents),
+        help="check a host and apir's guest encoder against the conformance vectors",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument(
+        "--vectors",
+        action="append",
+        metavar="PATH",
+        help="vector file or folder (repeatable; default the checkout's conformance/)",
+    )
     which = p.add_mutually_exclusive_group()
     which.add_argument("--host-only", action="store_true", help="check the host only")
     which.add_argument("--guest-only", action="store_true", help="check apir's guest encoder only")
@@ -69,12 +76,16 @@ def run(args: argparse.Namespace) -> int:
         from apir.conformance.host import EmbeddedTarget, SocketTarget, check_host
 
         config = host_config_from_args(args)
+        target: Union[EmbeddedTarget, SocketTarget]
         if args.socket:
             target, title = SocketTarget(args.socket), f"host at {args.socket}"
         else:
             target = EmbeddedTarget(config)
-            title = "host: embedded apir" + (" with " + config.get("apir.load_library.path", "")
-                                              if config and "apir.load_library.path" in config else "")
+            title = "host: embedded apir" + (
+                " with " + config.get("apir.load_library.path", "")
+                if config and "apir.load_library.path" in config
+                else ""
+            )
         results = check_host(target, files)
         print("\n".join(format_report(title, results, args.verbose)), flush=True)
         failed += sum(not r.ok for r in results)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import struct
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -34,10 +34,17 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _PARAM_SUPPORTED_CAPSET_IDS = 7
 
-_NO_ARGS = {"device_get_device_count", "device_get_count", "device_get_name", "device_get_description",
-            "device_get_type", "device_get_memory", "device_get_buffer_type", "device_get_props"}
-_BUFT_ONLY = {"buffer_type_get_name", "buffer_type_get_alignment", "buffer_type_get_max_size",
-              "buffer_type_is_host"}
+_NO_ARGS = {
+    "device_get_device_count",
+    "device_get_count",
+    "device_get_name",
+    "device_get_description",
+    "device_get_type",
+    "device_get_memory",
+    "device_get_buffer_type",
+    "device_get_props",
+}
+_BUFT_ONLY = {"buffer_type_get_name", "buffer_type_get_alignment", "buffer_type_get_max_size", "buffer_type_is_host"}
 
 
 class ReplayDevice:
@@ -49,7 +56,7 @@ class ReplayDevice:
         self.session = session
         self.minor = apir_minor
         self.roles = list(session.resources.items())
-        self.blobs: Dict[str, object] = {}
+        self.blobs: Dict[str, Any] = {}
         self.sent: List[bytes] = []
         self.step: Optional[Step] = None
 
@@ -87,11 +94,11 @@ class ReplayDevice:
         reply = step.raw["reply"]
         mem = self.blobs["reply"].memory
         data = bytes.fromhex(reply["hex"])
-        mem[4: 4 + len(data)] = data
+        mem[4 : 4 + len(data)] = data
         out = step.raw.get("shmem_out")
         if out:
             raw = bytes.fromhex(out["hex"])
-            self.blobs[out["res"]].memory[0: len(raw)] = raw
+            self.blobs[out["res"]].memory[0 : len(raw)] = raw
         _U32.pack_into(mem, 0, (reply["return_code"] + 1) & 0xFFFFFFFF)
 
     def close(self) -> None:
@@ -107,7 +114,7 @@ def _field_offset(fields: list, name: str) -> int:
 
 def _rpc_bytes(vf: VectorFile, step: Step, prefix: str) -> bytes:
     off = _field_offset(step.raw["command"]["fields"], prefix + ".id")
-    return step.command[off: off + vf.layouts["apir_rpc_tensor"]["size"]]
+    return step.command[off : off + vf.layouts["apir_rpc_tensor"]["size"]]
 
 
 def _inline_tensor(vf: VectorFile, step: Step, prefix: str):
@@ -116,13 +123,13 @@ def _inline_tensor(vf: VectorFile, step: Step, prefix: str):
     size, f = layout["size"], layout["fields"]
     raw = step.command
     pos = _field_offset(step.raw["command"]["fields"], prefix + ".type") - f["type"][0]
-    main = ctypes.create_string_buffer(raw[pos: pos + size], size)
+    main = ctypes.create_string_buffer(raw[pos : pos + size], size)
     keep = [main]
     pos += size
     if _U64.unpack_from(raw, pos - size + f["buffer"][0])[0]:
         pos += 8  # the handle the C wrote (any)
     if _U64.unpack_from(main, f["view_src"][0])[0]:
-        view = ctypes.create_string_buffer(raw[pos: pos + size], size)
+        view = ctypes.create_string_buffer(raw[pos : pos + size], size)
         keep.append(view)
         _U64.pack_into(main, f["view_src"][0], ctypes.addressof(view))
         pos += size
@@ -130,7 +137,7 @@ def _inline_tensor(vf: VectorFile, step: Step, prefix: str):
         off = f["src"][0] + 8 * i
         if not _U64.unpack_from(main, off)[0]:
             break
-        src = ctypes.create_string_buffer(raw[pos: pos + size], size)
+        src = ctypes.create_string_buffer(raw[pos : pos + size], size)
         keep.append(src)
         _U64.pack_into(main, off, ctypes.addressof(src))
         pos += size
@@ -171,10 +178,10 @@ def serialize_vector_graph(vf: VectorFile, graph: bytes) -> np.ndarray:
     pos = 4 + 8 * n_nodes
     n_tensors = _U32.unpack_from(graph, pos)[0]
     pos += 4
-    recs = [graph[pos + i * rsize: pos + (i + 1) * rsize] for i in range(n_tensors)]
+    recs = [graph[pos + i * rsize : pos + (i + 1) * rsize] for i in range(n_tensors)]
 
     def u(rec, name, i=0, width=8):
-        return int.from_bytes(rec[rf[name][0] + i * width: rf[name][0] + (i + 1) * width], "little")
+        return int.from_bytes(rec[rf[name][0] + i * width : rf[name][0] + (i + 1) * width], "little")
 
     arr = np.zeros(n_tensors, dtype=dtype)
     addr0 = arr.ctypes.data
@@ -199,12 +206,12 @@ def serialize_vector_graph(vf: VectorFile, graph: bytes) -> np.ndarray:
         t["ne"] = [u(rec, "ne", j, 4) for j in range(4)]
         t["nb"] = [u(rec, "nb", j, 4) for j in range(4)]
         t["op"] = u(rec, "op", width=4)
-        t["op_params"] = np.frombuffer(rec[rf["op_params"][0]: rf["op_params"][0] + rf["op_params"][1]], "<i4")
-        t["flags"] = int.from_bytes(rec[rf["flags"][0]: rf["flags"][0] + 4], "little", signed=True)
+        t["op_params"] = np.frombuffer(rec[rf["op_params"][0] : rf["op_params"][0] + rf["op_params"][1]], "<i4")
+        t["flags"] = int.from_bytes(rec[rf["flags"][0] : rf["flags"][0] + 4], "little", signed=True)
         t["src"] = [addr(u(rec, "src", j)) for j in range(rf["src"][1] // 8)]
         t["view_src"] = addr(u(rec, "view_src"))
         t["view_offs"] = u(rec, "view_offs")
-        name = rec[rf["name"][0]: rf["name"][0] + rf["name"][1]].split(b"\0")[0]
+        name = rec[rf["name"][0] : rf["name"][0] + rf["name"][1]].split(b"\0")[0]
         arr["name"][i] = np.frombuffer(name.ljust(rf["name"][1], b"\0"), "S1")
     nodes = np.array([addr(i) for i in node_ids], dtype=np.uint64)
     out = serialize_graph(_GraphView(nodes, dtype, GGML_0_20_LIMITS), 0, table)
@@ -273,8 +280,9 @@ def check_session(vf: VectorFile, session: Session) -> List[StepResult]:
     try:
         for step in session.steps:
             if step.name.startswith(("error.", "component.")):
-                results.append(StepResult(str(vf), session.name, step.name, True,
-                                          "not a command apir's guest sends", True))
+                results.append(
+                    StepResult(str(vf), session.name, step.name, True, "not a command apir's guest sends", True)
+                )
                 continue
             dev.step = step
             n_sent = len(dev.sent)
@@ -291,7 +299,7 @@ def check_session(vf: VectorFile, session: Session) -> List[StepResult]:
             shmem_in = step.raw.get("shmem_in")
             if note is None and shmem_in:
                 want = bytes.fromhex(shmem_in["hex"])
-                got = bytes(dev.blobs[shmem_in["res"]].memory[0: len(want)])
+                got = bytes(dev.blobs[shmem_in["res"]].memory[0 : len(want)])
                 if "fields" in shmem_in:
                     note = compare(shmem_in["fields"], got, ctx, step.name)
                 elif got != want:

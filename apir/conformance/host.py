@@ -18,7 +18,7 @@ from __future__ import annotations
 import mmap
 import struct
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from apir.conformance.vectors import Context, Session, Step, VectorFile, compare
 
@@ -47,17 +47,17 @@ class EmbeddedTarget:
     def __init__(self, config: Optional[dict] = None, library_factory=None):
         self.config = dict(config or {})
         self.library_factory = library_factory
-        self.ctx = None
+        self.ctx: Any = None
         self.blobs: Dict[int, mmap.mmap] = {}
         self._next_ctx = 1
 
     def open(self, capset: int) -> None:
         from apir.host.component import HostContext
 
-        kwargs = {"capset_id": capset}
-        if self.library_factory is not None:
-            kwargs["library_factory"] = self.library_factory
-        self.ctx = HostContext(self._next_ctx, self.config, **kwargs)
+        if self.library_factory is None:
+            self.ctx = HostContext(self._next_ctx, self.config, capset_id=capset)
+        else:
+            self.ctx = HostContext(self._next_ctx, self.config, capset_id=capset, library_factory=self.library_factory)
         self._next_ctx += 1
         self._res = 0
 
@@ -90,7 +90,7 @@ class SocketTarget:
 
     def __init__(self, path: str):
         self.path = path
-        self.dev = None
+        self.dev: Any = None
 
     def open(self, capset: int) -> None:
         from apir.guest.local import LocalDevice
@@ -113,7 +113,7 @@ class SocketTarget:
 
 def _patch(raw: bytearray, fields: list, ctx: Context) -> Optional[str]:
     """Writes this run's res_ids and handles into `raw` where the fields' rules say."""
-    for off, size, name, _helper, _value, *rule in fields:
+    for off, _size, name, _helper, _value, *rule in fields:
         if not rule:
             continue
         rule = rule[0]
@@ -155,7 +155,7 @@ def run_step(target, step: Step, ctx: Context, blobs: dict) -> Optional[str]:
             why = _patch(data, shmem_in["fields"], ctx)
             if why:
                 return why
-        blobs[shmem_in["res"]][0: len(data)] = bytes(data)
+        blobs[shmem_in["res"]][0 : len(data)] = bytes(data)
     reply_mem = blobs["reply"]
     _U32.pack_into(reply_mem, 0, 0)
     target.submit(bytes(cmd))
@@ -171,21 +171,22 @@ def run_step(target, step: Step, ctx: Context, blobs: dict) -> Optional[str]:
         size = max(f[0] + f[1] for f in fields)
         if any(len(f) > 5 and f[5] == "any-string" for f in fields):
             size = len(reply_mem) - 4
-        why = compare(fields, bytes(reply_mem[4: 4 + size]), ctx, step.name, strict_length=False)
+        why = compare(fields, bytes(reply_mem[4 : 4 + size]), ctx, step.name, strict_length=False)
         if why:
             return f"reply {why}"
     shmem_out = step.raw.get("shmem_out")
     if shmem_out:
         want = bytes.fromhex(shmem_out["hex"])
-        got = bytes(blobs[shmem_out["res"]][0: len(want)])
+        got = bytes(blobs[shmem_out["res"]][0 : len(want)])
         if got != want:
             first = next(i for i in range(len(want)) if got[i] != want[i])
             return f"shared memory out: byte {first} is {got[first]:#04x}, expected {want[first]:#04x}"
     return None
 
 
-def check_session(target, vf: VectorFile, session: Session,
-                  select: Optional[Callable[[Step], bool]] = None) -> List[StepResult]:
+def check_session(
+    target, vf: VectorFile, session: Session, select: Optional[Callable[[Step], bool]] = None
+) -> List[StepResult]:
     ctx = Context()
     results = []
     target.open(session.capset)

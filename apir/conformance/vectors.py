@@ -97,8 +97,9 @@ def load(path) -> VectorFile:
     doc = json.loads(path.read_text())
     if doc.get("format") != VECTOR_FORMAT:
         raise ValueError(f"{path}: not an {VECTOR_FORMAT} file")
-    sessions = [Session(s["name"], s["capset"], s["resources"], [Step(st) for st in s["steps"]])
-                for s in doc["sessions"]]
+    sessions = [
+        Session(s["name"], s["capset"], s["resources"], [Step(st) for st in s["steps"]]) for s in doc["sessions"]
+    ]
     return VectorFile(path, doc["apir"], doc["ggml"], doc["layouts"], doc["constants"], sessions)
 
 
@@ -120,13 +121,14 @@ def field_value(fields: list, name: str):
 @dataclass
 class Context:
     """What the rules carry between fields and steps of one session replay."""
-    res: Dict[str, int] = field(default_factory=dict)       # role -> actual res_id
-    handles: Dict[str, int] = field(default_factory=dict)   # "step.field" -> actual handle
-    ids: Dict[int, int] = field(default_factory=dict)       # vector id -> actual id (one message)
+
+    res: Dict[str, int] = field(default_factory=dict)  # role -> actual res_id
+    handles: Dict[str, int] = field(default_factory=dict)  # "step.field" -> actual handle
+    ids: Dict[int, int] = field(default_factory=dict)  # vector id -> actual id (one message)
 
 
 def _ints(raw: bytes, size: int) -> List[int]:
-    return [int.from_bytes(raw[i: i + 8], "little") for i in range(0, size, 8)]
+    return [int.from_bytes(raw[i : i + 8], "little") for i in range(0, size, 8)]
 
 
 def compare(fields: list, actual: bytes, ctx: Context, step: str = "", strict_length: bool = True) -> Optional[str]:
@@ -139,7 +141,7 @@ def compare(fields: list, actual: bytes, ctx: Context, step: str = "", strict_le
     # ids first: id-refs may come before the record that defines the id (graph node lists)
     for off, size, name, _helper, value, *rule in fields:
         if rule and rule[0] == "id":
-            got = int.from_bytes(actual[off: off + size], "little")
+            got = int.from_bytes(actual[off : off + size], "little")
             if off + size > len(actual):
                 return f"{name}: missing (message is {len(actual)} bytes)"
             if not got or got in seen_ids:
@@ -154,24 +156,20 @@ def compare(fields: list, actual: bytes, ctx: Context, step: str = "", strict_le
             end = len(actual)
             if len(actual) - off < 8:
                 return f"{name}: missing string"
-            n = int.from_bytes(actual[off: off + 8], "little")
+            n = int.from_bytes(actual[off : off + 8], "little")
             if n == 0 or off + 8 + n > len(actual) or actual[off + 8 + n - 1] != 0:
                 return f"{name}: not a NUL-terminated string of array size {n}"
             continue
         if off + size > len(actual):
             return f"{name}: missing (message is {len(actual)} bytes, field ends at {off + size})"
-        got_raw = actual[off: off + size]
-        if rule is None or rule.startswith(("res:", "ref:")):
-            if rule is None:
-                expected = None
-            elif rule.startswith("res:"):
-                expected = ctx.res.get(rule[4:])
-            else:
-                expected = ctx.handles.get(rule[4:])
-            if rule is None:
-                if not _equal(item, got_raw):
-                    return _diff(name, value, got_raw, item)
-            elif expected is None:
+        got_raw = actual[off : off + size]
+        if rule is None:
+            if not _equal(item, got_raw):
+                return _diff(name, value, got_raw, item)
+            continue
+        if rule.startswith(("res:", "ref:")):
+            expected = (ctx.res if rule.startswith("res:") else ctx.handles).get(rule[4:])
+            if expected is None:
                 return f"{name}: {rule} unknown (an earlier step failed)"
             elif int.from_bytes(got_raw, "little") != expected:
                 return f"{name}: {int.from_bytes(got_raw, 'little'):#x}, expected {rule} = {expected:#x}"
@@ -179,15 +177,15 @@ def compare(fields: list, actual: bytes, ctx: Context, step: str = "", strict_le
         if rule == "any":
             continue
         if rule == "handle":
-            got = int.from_bytes(got_raw, "little")
-            if not got:
+            handle = int.from_bytes(got_raw, "little")
+            if not handle:
                 return f"{name}: null handle"
-            ctx.handles[f"{step}.{name}"] = got
+            ctx.handles[f"{step}.{name}"] = handle
             continue
         if rule in ("nonzero", "id-ref"):
             want = value if isinstance(value, list) else [value]
-            got = _ints(got_raw, size) if size >= 8 else [int.from_bytes(got_raw, "little")]
-            for i, (w, g) in enumerate(zip(want, got)):
+            values = _ints(got_raw, size) if size >= 8 else [int.from_bytes(got_raw, "little")]
+            for i, (w, g) in enumerate(zip(want, values)):
                 label = f"{name}[{i}]" if isinstance(value, list) else name
                 if (w == 0) != (g == 0):
                     return f"{label}: {g:#x}, expected {'0' if w == 0 else 'non-zero'}"
@@ -223,12 +221,12 @@ def _equal(item, got_raw: bytes) -> bool:
 def _diff(name, value, got_raw: bytes, item) -> str:
     size = item[1]
     if isinstance(value, str):
-        got = bytes(got_raw).split(b"\0")[0].decode("latin-1")
-        return f"{name}: {got!r}, expected {value!r}"
+        text = bytes(got_raw).split(b"\0")[0].decode("latin-1")
+        return f"{name}: {text!r}, expected {value!r}"
     if isinstance(value, list):
         width = size // len(value)
         signed = any(v < 0 for v in value) or "i" in item[3][:1]
-        got = [int.from_bytes(got_raw[i: i + width], "little", signed=signed) for i in range(0, size, width)]
-        return f"{name}: {got}, expected {value}"
-    got = int.from_bytes(got_raw, "little", signed=isinstance(value, int) and value < 0)
-    return f"{name}: {got}, expected {value}"
+        elems = [int.from_bytes(got_raw[i : i + width], "little", signed=signed) for i in range(0, size, width)]
+        return f"{name}: {elems}, expected {value}"
+    number = int.from_bytes(got_raw, "little", signed=isinstance(value, int) and value < 0)
+    return f"{name}: {number}, expected {value}"
