@@ -138,7 +138,8 @@ def run_host_serve(args: argparse.Namespace) -> int:
     factory = traced_context_factory(default_context_factory, trace) if trace else default_context_factory
     try:
         server = LocalServer(args.socket, config=config, context_factory=factory,
-                             max_context_bytes=args.max_context_mib << 20)
+                             max_context_bytes=args.max_context_mib << 20, socket_mode=args.socket_mode,
+                             stat_host_wide=args.stat_host_wide)
     except BaseException:
         if trace:
             trace.close()
@@ -170,6 +171,17 @@ def run_trace(args: argparse.Namespace) -> int:
 
     print(format_trace(read_trace(args.file), commands=not args.summary))
     return 0
+
+
+def _octal_mode(text: str) -> int:
+    """A permission mode in octal (600, 0600, 0o600)."""
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an octal mode") from None
+    if not 0 <= mode <= 0o777:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a permission mode (0 to 0777)")
+    return mode
 
 
 # --- apir info -------------------------------------------------------------------------------
@@ -283,6 +295,11 @@ def add_parser(subparsers, parents) -> None:
                             "no tensor data) to FILE as JSON lines; `apir trace FILE` prints it")
     serve.add_argument("--max-context-mib", type=int, default=1 << 16, metavar="MIB",
                        help="shared memory limit of one guest context (default %(default)s MiB)")
+    serve.add_argument("--socket-mode", type=_octal_mode, default=0o600, metavar="OCTAL",
+                       help="permission bits of the socket file, whatever the umask (default 0600)")
+    serve.add_argument("--stat-host-wide", action="store_true",
+                       help="STAT answers any guest with counts over all guests (tests, debugging; "
+                            "default: each guest's own)")
     add_host_config_arguments(serve)
     serve.set_defaults(run=run_host_serve)
 

@@ -26,6 +26,7 @@ from apir.codec.constants import (
     APIR_PROTOCOL_MINOR,
     ApirBackendCommandType,
     ApirCommandType,
+    negotiated_version,
 )
 from apir.codec.records import GGML_0_20_LIMITS, GgmlLimits, ggml_tensor_dtype, rpc_tensor_dtype
 from apir.codec.wire import Decoder, Encoder
@@ -46,7 +47,9 @@ class ApirClient(DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
     """The APIR client over `remote`.
 
     `limits`: the ggml build's GGML_MAX_* (shapes rpc tensors and inline tensors; default
-    ggml 0.20.2's). `host_version` is (major, minor) once `handshake()` ran."""
+    ggml 0.20.2's). `protocol`: the version we speak (and send in the HandShake).
+    `host_version` is (major, minor) once `handshake()` ran; `negotiated_version` the one
+    version-dependent replies are read in."""
 
     def __init__(self, remote: Remote, limits: GgmlLimits = GGML_0_20_LIMITS,
                  protocol: Tuple[int, int] = (APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR)):
@@ -56,15 +59,24 @@ class ApirClient(DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
         self.protocol = protocol
         self.host_version: Optional[Tuple[int, int]] = None
 
+    @property
+    def negotiated_version(self) -> Tuple[int, int]:
+        """The version both sides shape version-dependent replies by: the lower of ours and
+        the host's (apir.codec.constants.negotiated_version); ours before the HandShake."""
+        if self.host_version is None:
+            return tuple(self.protocol)
+        return negotiated_version(self.protocol, self.host_version)
+
     @classmethod
     def connect(cls, device: VirtgpuDevice, *, limits: GgmlLimits = GGML_0_20_LIMITS,
                 handshake_timeout_s: Optional[float] = None, load_library_timeout_s: Optional[float] = None,
+                protocol: Tuple[int, int] = (APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR),
                 **remote_options) -> "ApirClient":
-        """Remote(device, **remote_options) + HandShake + LoadLibrary (the C
-        `create_virtgpu`). The device is closed again if any step fails."""
+        """Remote(device, **remote_options) + HandShake (as APIR `protocol`) + LoadLibrary
+        (the C `create_virtgpu`). The device is closed again if any step fails."""
         remote = Remote(device, **remote_options)
         try:
-            client = cls(remote, limits)
+            client = cls(remote, limits, protocol)
             client.handshake(handshake_timeout_s)
             client.load_library(load_library_timeout_s)
         except BaseException:

@@ -126,3 +126,20 @@ def test_usage_errors_exit_2(capsys, minilm, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         _args("--socket", "", "x")
     assert exc.value.code == 2
+
+
+def test_batch_progress_follows_each_batch(minilm):
+    calls = []
+    sentences = [f"sentence {i}" for i in range(5)]
+    emb = cli_embed._embed(minilm, sentences, 2, lambda done, total: calls.append((done, total)))
+    assert calls == [(2, 5), (4, 5), (5, 5)]
+    assert np.array_equal(emb, minilm.embed(sentences, batch_size=2))
+
+
+def test_progress_bar_draws_on_its_stream():
+    stream = io.StringIO()
+    bar = cli_embed._ProgressBar(stream, "embed", "sentences")
+    bar(0, 4)
+    bar(4, 4)
+    assert stream.getvalue() == ("\rembed [" + "-" * 30 + "] 0/4 sentences"
+                                 "\rembed [" + "#" * 30 + "] 4/4 sentences\n")
