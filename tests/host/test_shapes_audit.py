@@ -25,7 +25,13 @@ def _group_norm(g, ctx):
     return g.ggml_group_norm(ctx, a, 2, 1e-6), [a]
 
 
+def _cont(g, ctx):
+    a = _in(g, ctx, "F32", 64, 2)
+    return g.ggml_cont(ctx, a), [a]
+
+
 # Cases the child builds (module-level: the child imports them by name)
+CONT = Case("CONT", _cont)
 HC_COMB = Case("DSV4_HC_COMB", _hc_comb)
 GROUP_NORM = Case("GROUP_NORM", _group_norm)
 SSM_SCAN_ONE_SEQ = Case("SSM_SCAN", _ssm_scan(n_seqs=1), data={6: _ints(2)})
@@ -77,6 +83,15 @@ def test_ssm_scan_ids_not_packed_is_refused(ggml):
     reads the same value whatever nb[0] is)."""
     log = _in_child("SSM_SCAN_ONE_SEQ", [(6, "nb", 0, 8, np.int64)], "SSM_SCAN")
     assert "ids" in log
+
+
+def test_cont_into_another_type_is_refused(ggml):
+    """CONT F32 -> Q8_0 (ggml_cont keeps the type): the kernel (dup_to_q) converts each row
+    in a work buffer that ggml_graph_plan never sizes for CONT: a write through NULL."""
+    q8 = [34, 68, 136, 136]  # two rows of two Q8_0 blocks, inside the F32 result's 512 bytes
+    edits = [(-1, "type", 0, "Q8_0", None)] + [(-1, "nb", i, q8[i], np.int64) for i in range(4)]
+    log = _in_child("CONT", edits, "CONT")
+    assert "keeps its type" in log
 
 
 # --- class 3: C int counts and indices (shown on the rules: the tensors are gigabytes) --------

@@ -63,6 +63,17 @@ def _dup(node, srcs, enums):
     dst_contiguous(node)
 
 
+def _cont(node, srcs, enums):
+    """CONT (ggml_cont_impl: a contiguous copy of src0, of its type) computed as DUP; and of
+    its type it must be: ggml_graph_plan sizes no work buffer for CONT (only for CPY and DUP),
+    while a conversion into a quantized type (dup_to_q) writes each row's F32 copy into it
+    (a NULL or too-small work buffer: a crash). Both ggml 0.10 and 0.20."""
+    (a,) = need(node, srcs, 1)
+    if node.type_name != a.type_name:
+        fail(node, f"CONT of {a.type_name} into {node.type_name}: the copy keeps its type")
+    _dup(node, srcs, enums)
+
+
 def _view(node, srcs, _enums=None):
     need(node, srcs, 1)  # data within the source is checked with the view_src
 
@@ -223,7 +234,7 @@ def _top_k(node, srcs, _enums=None):
 
 # Every kernel here counts rows (and most elements) in C `int` (base.int_counted).
 RULES = int_counted_rules({
-    "NONE": _leaf, "CPY": _cpy, "DUP": _dup, "CONT": _dup,
+    "NONE": _leaf, "CPY": _cpy, "DUP": _dup, "CONT": _cont,
     "VIEW": _view, "PERMUTE": _view, "TRANSPOSE": _view, "RESHAPE": _reshape,
     "SUM": _sum, "SUM_ROWS": _row_reduce, "MEAN": _row_reduce, "ARGMAX": _argmax,
     "COUNT_EQUAL": _count_equal, "REPEAT": _repeat, "REPEAT_BACK": _repeat_back,
