@@ -27,7 +27,8 @@ from apir.codec.constants import (
     CONFIG_KEY_LOAD_LIBRARY_PATH,
 )
 
-__all__ = ["main", "build_parser", "SUBCOMMAND_MODULES", "host_config_from_args", "add_host_config_arguments"]
+__all__ = ["main", "build_parser", "SUBCOMMAND_MODULES", "host_config_from_args", "add_host_config_arguments",
+           "add_device_arguments", "device_from_args"]
 
 log = logging.getLogger("apir.cli")
 
@@ -78,6 +79,17 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     add_host_config_arguments(parser)
 
 
+def device_from_args(args: argparse.Namespace) -> tuple[Optional[str], Optional[dict]]:
+    """(device spec, host configuration) of a command's options, for apir.devices: the spec of
+    --socket / --drm (apir.devices.device_spec; None for neither: the default device) and, where the command has the host
+    configuration options, their config (else None). Every command opens its device this way."""
+    from apir.devices import device_spec
+
+    spec = device_spec(getattr(args, "socket", None), getattr(args, "drm", None))
+    config = host_config_from_args(args) if hasattr(args, "config") else None
+    return spec, config
+
+
 # --- apir host serve -------------------------------------------------------------------------
 def run_host_serve(args: argparse.Namespace) -> int:
     from apir.host.local_server import LocalServer
@@ -124,11 +136,12 @@ def gather_info(client) -> dict:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    from apir.guest.connect import device_kind, open_client
+    from apir.devices import open_client, parse_spec
 
-    kind = device_kind(args.socket, args.drm)
-    with open_client(socket=args.socket, drm=args.drm, config=host_config_from_args(args)) as client:
-        info = {"transport": kind, "node": args.socket or args.drm or "embedded"}
+    spec, config = device_from_args(args)
+    device = parse_spec(spec)
+    with open_client(spec, config=config) as client:
+        info = {"transport": device.kind, "node": device.node}
         info["protocol"] = {
             "guest": "%d.%d" % tuple(client.protocol),
             "host": "%d.%d" % tuple(client.host_version),

@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from apir.models.assets import load_assets
+from apir.devices import device_spec
 from apir.models.backends import open_backend, open_local_cpu
 from apir.models.minilm import MiniLM
 
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
 
     assets = load_assets()
     sentences = make_sentences(args.batch_size, args.max_words)
-    target_ob = open_backend(socket=args.socket, drm=args.drm, n_threads=args.threads)
+    target_ob = open_backend(device_spec(args.socket, args.drm), n_threads=args.threads)
     local_ob = open_local_cpu(args.threads)
     try:
         target = MiniLM(target_ob.backend, target_ob.buft, assets=assets)

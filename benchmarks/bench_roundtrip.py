@@ -22,7 +22,7 @@ import tempfile
 import time
 
 from apir.guest.client import ApirClient
-from apir.guest.embedded import EmbeddedDevice
+from apir.local.embedded import EmbeddedDevice
 from apir.guest.local import LocalDevice
 
 _ECHO = r"""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 import struct
 
+from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS
+
 __all__ = [
     "APIR_HANDSHAKE_MAGIC",
     "APIR_PROTOCOL_0_1",
@@ -51,8 +53,8 @@ APIR_PROTOCOL_VERSIONS = (APIR_PROTOCOL_0_1, APIR_PROTOCOL_0_2)
 APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR = APIR_PROTOCOL_0_2  # what apir speaks by default
 
 # --- capsets (virtgpu.h, include/apir_hw.h) -----------------------------------------------------
-VIRTGPU_DRM_CAPSET_VENUS = 4
-VIRTGPU_DRM_CAPSET_APIR = 10
+# VIRTGPU_DRM_CAPSET_VENUS (4), VIRTGPU_DRM_CAPSET_APIR (10): virtgpu vocabulary, declared in
+# apir.codec.virtgpu and re-exported here.
 # Over the Venus capset the guest adds this to every APIR command type (Venus->APIR transition).
 VENUS_COMMAND_TYPE_LENGTH = 331
 

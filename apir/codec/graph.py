@@ -35,7 +35,7 @@ from apir.codec import _kernels as K
 from apir.codec.records import GGML_0_20_LIMITS, GgmlLimits, rpc_tensor_dtype
 
 __all__ = ["BufferTable", "GraphError", "ParsedGraph", "serialize_graph", "parse_graph",
-           "rpc_tensor_from_ggml", "graph_size", "type_valid_table"]
+           "rpc_tensor_from_ggml", "graph_size"]
 
 _U32 = struct.Struct("<I")
 
@@ -193,14 +193,6 @@ def graph_size(n_nodes: int, n_tensors: int, limits: GgmlLimits = GGML_0_20_LIMI
     return 8 + 8 * n_nodes + rpc_tensor_dtype(limits).itemsize * n_tensors
 
 
-def type_valid_table(g) -> np.ndarray:
-    """bool[GGML_TYPE_COUNT] of the loaded ggml `g`: True for the types it has (removed
-    types are holes in the enum). The `type_valid` argument of `parse_graph`."""
-    valid = np.zeros(g.type_count, dtype=np.bool_)
-    valid[list(g.type_names)] = True
-    return valid
-
-
 @dataclass(frozen=True)
 class ParsedGraph:
     """A validated graph (host side). Every array is the host's own copy.
@@ -262,7 +254,8 @@ def parse_graph(buf, start: int = 0, end: Optional[int] = None, *, limits: GgmlL
 
     The bytes are copied out first, so a guest writing to the buffer meanwhile cannot change
     what was checked. `op_count` is GGML_OP_COUNT; `type_valid` a bool array indexed by type,
-    False for removed types. Raises GraphError naming the first problem found."""
+    False for removed types (`apir.ggml.lib.Ggml.valid_types`). Raises GraphError naming the
+    first problem found."""
     view = memoryview(buf)
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")

@@ -10,16 +10,13 @@ a reply's err is 0 or a positive errno, as the ioctl would set it. Blob memory n
 socket: the HELLO reply passes the context's shared memory file with SCM_RIGHTS, and a blob's MAP
 offset is its offset in that file. docs/local-transport.md is the reference for a port.
 
-This module only packs and unpacks (plus two small socket helpers); it imports nothing from the
-host or the guest, so both ends share it.
+This module only packs and unpacks (no I/O: apir.local.socket_io sends and receives the
+messages); it imports nothing from the host or the guest, so both ends share it.
 """
 
 from __future__ import annotations
 
-import array
 import enum
-import os
-import socket
 import struct
 from dataclasses import dataclass
 from typing import Optional
@@ -28,7 +25,6 @@ __all__ = [
     "HEADER",
     "HELLO_MAGIC",
     "WIRE_VERSION",
-    "BLOB_ALIGNMENT",
     "MAX_EXEC_COMMAND",
     "MAX_GET_CAPS",
     "MAX_PAYLOAD",
@@ -39,16 +35,12 @@ __all__ = [
     "WireError",
     "ConnectionClosed",
     "pack_message",
-    "send_message",
-    "recv_message",
+    "unpack_header",
 ]
 
 HEADER = struct.Struct("<IIII")  # op, err, len, seq
 HELLO_MAGIC = 0x52495041  # the bytes b"APIR" read as a little-endian u32
 WIRE_VERSION = 1
-# Every blob starts and ends on this boundary in the shared file: the C guest rounds blob sizes to
-# 16 KiB (virtgpu_shmem_create) and mmap offsets must be page aligned on 4 KiB and 16 KiB kernels.
-BLOB_ALIGNMENT = 16384
 # An APIR command is small (the C guest's encoder buffer is 4 KiB); bulk data goes by memory.
 MAX_EXEC_COMMAND = 65536
 MAX_GET_CAPS = 4096
@@ -83,7 +75,8 @@ REQUEST: dict[Op, Optional[struct.Struct]] = {
     Op.STAT: struct.Struct(""),
 }
 REPLY: dict[Op, Optional[struct.Struct]] = {
-    Op.HELLO: struct.Struct("<IIII"),  # magic, wire_version, blob_alignment, pad; + 1 fd
+    # magic, wire_version, blob_alignment (apir.codec.virtgpu.BLOB_ALIGNMENT), pad; + 1 fd
+    Op.HELLO: struct.Struct("<IIII"),
     Op.GETPARAM: struct.Struct("<Q"),  # value
     Op.GET_CAPS: None,  # min(size, capset size) bytes of the capset
     Op.CONTEXT_INIT: struct.Struct(""),
@@ -119,67 +112,10 @@ def pack_message(op: int, seq: int, payload: bytes = b"", err: int = 0) -> bytes
     return HEADER.pack(op, err, len(payload), seq) + payload
 
 
-def send_message(sock: socket.socket, op: int, seq: int, payload: bytes = b"", err: int = 0,
-                 fds: tuple[int, ...] = ()) -> None:
-    """Send one message; `fds` ride with it as SCM_RIGHTS (attached to its first byte)."""
-    data = pack_message(op, seq, payload, err)
-    if fds:
-        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
-        sent = sock.sendmsg([data], anc)
-        if sent < len(data):
-            sock.sendall(data[sent:])
-    else:
-        sock.sendall(data)
-
-
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    if size == 0:
-        return b""
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionClosed(f"peer closed the connection ({got} of {size} bytes read)")
-        got += n
-    return bytes(buf)
-
-
-_FD_SPACE = socket.CMSG_SPACE(4 * 4)  # room for up to 4 fds; more are closed and rejected
-
-
-def recv_message(sock: socket.socket, max_payload: int = MAX_PAYLOAD) -> tuple[Header, bytes, list[int]]:
-    """Receive one message: (header, payload, received fds).
-
-    Raises ConnectionClosed on EOF, WireError when the header announces more than
-    `max_payload` bytes (the stream cannot be trusted after that). The caller owns the fds.
-    """
-    data, anc, _flags, _addr = sock.recvmsg(HEADER.size, _FD_SPACE)
-    fds: list[int] = []
-    for level, kind, cdata in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            arr = array.array("i")
-            arr.frombytes(cdata[: len(cdata) - len(cdata) % arr.itemsize])
-            fds.extend(arr)
-    try:
-        if len(data) == 0:
-            raise ConnectionClosed("peer closed the connection")
-        if len(data) < HEADER.size:
-            data += _recv_exact(sock, HEADER.size - len(data))
-        header = Header(*HEADER.unpack(data))
-        if header.length > max_payload:
-            raise WireError(f"message of {header.length} bytes exceeds the {max_payload}-byte limit")
-        payload = _recv_exact(sock, header.length)
-    except BaseException:
-        for fd in fds:
-            _close_quietly(fd)
-        raise
-    return header, payload, fds
-
-
-def _close_quietly(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
+def unpack_header(data: bytes, max_payload: int = MAX_PAYLOAD) -> Header:
+    """The header in the HEADER.size bytes `data`. Raises WireError when it announces more than
+    `max_payload` payload bytes (the stream cannot be trusted after that)."""
+    header = Header(*HEADER.unpack(data))
+    if header.length > max_payload:
+        raise WireError(f"message of {header.length} bytes exceeds the {max_payload}-byte limit")
+    return header

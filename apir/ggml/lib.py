@@ -17,12 +17,15 @@ Errors: `GgmlLoadError` names the file or the symbol that is missing or disagree
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
+
+import numpy as np
 
 from apir.codec.records import GgmlLimits
 
@@ -282,12 +285,21 @@ class Ggml:
             if got is not None and got.decode().upper() != name:
                 raise GgmlLoadError(f"ggml.h and {self.lib_dir} disagree: type {value} is {name} vs {got!r}")
 
-    def valid_type(self, type_: int) -> bool:
-        """Whether `type_` is a type this build has (removed types are holes in the enum)."""
-        return type_ in self.type_names
+    @functools.cached_property
+    def valid_types(self) -> np.ndarray:
+        """bool[GGML_TYPE_COUNT]: True for the types this build can hold data of, the one
+        definition of a valid type: named in ggml.h's `enum ggml_type` (removed types are holes
+        there) and with a block size and an element size (`ggml_blck_size`, `ggml_type_size`;
+        ggml keeps placeholders of some removed types with neither). The `type_valid`
+        argument of `apir.codec.graph.parse_graph`."""
+        valid = np.zeros(self.type_count, dtype=np.bool_)
+        for t in self.type_names:
+            valid[t] = self.ggml_type_size(t) > 0 and self.ggml_blck_size(t) > 0
+        return valid
 
-    def valid_op(self, op: int) -> bool:
-        return 0 <= op < self.op_count
+    def valid_type(self, type_: int) -> bool:
+        """Whether `type_` is a valid type of this build (`valid_types`)."""
+        return 0 <= type_ < self.type_count and bool(self.valid_types[type_])
 
 
 _loaded: Dict[tuple, Ggml] = {}

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from apir.codec.constants import APIR_PROTOCOL_0_2, ApirBackendCommandType as F
+from apir.codec.virtgpu import blob_size
 from apir.guest.client_tensor import encode_ggml_tensor_inline
-from apir.guest.device import Blob, blob_size
+from apir.guest.device import Blob
 
 __all__ = ["DeviceProps", "DeviceCalls"]
 

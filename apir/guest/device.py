@@ -10,7 +10,8 @@ call, client, ggml backend) knows which one it has.
 A `Blob` is one host-visible, guest-mappable resource: the host knows it by `res_id`, the
 guest's kernel by `bo_handle`, and the guest reads and writes it through `memory`, a mapped
 writable buffer (an mmap) of `size` bytes. Sizes are rounded up to `BLOB_ALIGNMENT` (16 KiB)
-by `blob_size`, as the C `virtgpu_shmem_create` does, before they reach `create_blob`.
+by `apir.codec.virtgpu.blob_size`, as the C `virtgpu_shmem_create` does, before they reach
+`create_blob`. The numbers every device uses (params, flags, capsets) are apir.codec.virtgpu's.
 """
 
 from __future__ import annotations
@@ -18,17 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Blob", "VirtgpuDevice", "BLOB_ALIGNMENT", "blob_size"]
-
-BLOB_ALIGNMENT = 16384  # virtgpu-shm.cpp: align64(size, 16384)
-
-
-def blob_size(size: int) -> int:
-    """`size` rounded up to a multiple of 16 KiB (at least 16 KiB). Raises ValueError for a
-    negative size."""
-    if size < 0:
-        raise ValueError(f"negative blob size {size}")
-    return max(BLOB_ALIGNMENT, (size + BLOB_ALIGNMENT - 1) // BLOB_ALIGNMENT * BLOB_ALIGNMENT)
+__all__ = ["Blob", "VirtgpuDevice"]
 
 
 @dataclass
@@ -67,7 +58,7 @@ class VirtgpuDevice(Protocol):
 
     def create_blob(self, size: int) -> Blob:
         """DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB (HOST3D, MAPPABLE) of `size` bytes, then
-        MAP + mmap. `size` should already be rounded by `blob_size`."""
+        MAP + mmap. `size` should already be rounded by `apir.codec.virtgpu.blob_size`."""
         ...
 
     def destroy_blob(self, blob: Blob) -> None:

@@ -4,7 +4,7 @@ Theory of operation: every kernel call goes through one `Kernel` object (`ioctl`
 the real ones by default; tests pass a fake kernel) and one wrapper, `DrmDevice._ioctl`,
 which retries EINTR/EAGAIN like libdrm's `drmIoctl` and turns any other errno into an
 `IoctlError` naming the node and the request. Structures and request numbers come from
-`apir.guest.drm_uapi`.
+`apir.guest.drm_uapi`, the values they carry from apir.codec.virtgpu.
 
 Opening: `DrmDevice()` takes the first render node whose driver (DRM_IOCTL_VERSION) is
 `virtio_gpu` with major version 0, as the C `virtgpu_open_device` does; `DrmDevice(path)`
@@ -28,6 +28,13 @@ import os
 import threading
 from typing import Dict, Iterator, Optional, Tuple
 
+from apir.codec.virtgpu import (
+    VIRTGPU_BLOB_FLAG_USE_MAPPABLE,
+    VIRTGPU_BLOB_MEM_HOST3D,
+    VIRTGPU_EXECBUF_RING_IDX,
+    VirtgpuContextParam,
+    VirtgpuParam,
+)
 from apir.guest import drm_uapi as uapi
 from apir.guest.device import Blob
 from apir.guest.errors import DeviceError, DeviceNotFound, IoctlError, MissingCapability
@@ -139,9 +146,9 @@ class DrmDevice:
             raise
 
     def _check_capabilities(self) -> None:
-        for param, what in ((uapi.VirtgpuParam.RESOURCE_BLOB, "blob resources (VIRTGPU_PARAM_RESOURCE_BLOB)"),
-                            (uapi.VirtgpuParam.HOST_VISIBLE, "host-visible blobs (VIRTGPU_PARAM_HOST_VISIBLE)"),
-                            (uapi.VirtgpuParam.CONTEXT_INIT, "context init (VIRTGPU_PARAM_CONTEXT_INIT)")):
+        for param, what in ((VirtgpuParam.RESOURCE_BLOB, "blob resources (VIRTGPU_PARAM_RESOURCE_BLOB)"),
+                            (VirtgpuParam.HOST_VISIBLE, "host-visible blobs (VIRTGPU_PARAM_HOST_VISIBLE)"),
+                            (VirtgpuParam.CONTEXT_INIT, "context init (VIRTGPU_PARAM_CONTEXT_INIT)")):
             if not self.get_param(param):
                 raise MissingCapability(self.name, what)
 
@@ -178,10 +185,10 @@ class DrmDevice:
 
     def context_init(self, capset_id: int, num_rings: int = 1) -> None:
         params = (uapi.DrmVirtgpuContextSetParam * 3)(
-            uapi.DrmVirtgpuContextSetParam(uapi.VirtgpuContextParam.CAPSET_ID, capset_id),
-            uapi.DrmVirtgpuContextSetParam(uapi.VirtgpuContextParam.NUM_RINGS, num_rings),
+            uapi.DrmVirtgpuContextSetParam(VirtgpuContextParam.CAPSET_ID, capset_id),
+            uapi.DrmVirtgpuContextSetParam(VirtgpuContextParam.NUM_RINGS, num_rings),
             # no drm events on fence signaling: replies are polled in shared memory
-            uapi.DrmVirtgpuContextSetParam(uapi.VirtgpuContextParam.POLL_RINGS_MASK, 0),
+            uapi.DrmVirtgpuContextSetParam(VirtgpuContextParam.POLL_RINGS_MASK, 0),
         )
         args = uapi.DrmVirtgpuContextInit(num_params=len(params), ctx_set_params=ctypes.addressof(params))
         self._ioctl(uapi.DRM_IOCTL_VIRTGPU_CONTEXT_INIT, args)
@@ -189,8 +196,8 @@ class DrmDevice:
     def create_blob(self, size: int) -> Blob:
         """RESOURCE_CREATE_BLOB (HOST3D, MAPPABLE) + MAP + mmap. On a MAP or mmap failure
         the GEM handle is closed before the error is raised."""
-        args = uapi.DrmVirtgpuResourceCreateBlob(blob_mem=uapi.VIRTGPU_BLOB_MEM_HOST3D,
-                                                 blob_flags=uapi.VIRTGPU_BLOB_FLAG_USE_MAPPABLE, size=size)
+        args = uapi.DrmVirtgpuResourceCreateBlob(blob_mem=VIRTGPU_BLOB_MEM_HOST3D,
+                                                 blob_flags=VIRTGPU_BLOB_FLAG_USE_MAPPABLE, size=size)
         self._ioctl(uapi.DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB, args)
         bo_handle, res_id = args.bo_handle, args.res_handle
         try:
@@ -228,7 +235,7 @@ class DrmDevice:
                     (uapi.DRM_IOCTL_VIRTGPU_EXECBUFFER_61, uapi.DrmVirtgpuExecbuffer61)])
         first_error = None
         for request, structure in layouts:
-            args = structure(flags=uapi.VIRTGPU_EXECBUF_RING_IDX, size=len(data),
+            args = structure(flags=VIRTGPU_EXECBUF_RING_IDX, size=len(data),
                              command=ctypes.addressof(command), ring_idx=ring_idx)
             try:
                 self._ioctl(request, args)

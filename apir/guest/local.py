@@ -2,7 +2,8 @@
 
 Theory of operation: connecting to an apir host process (`apir host serve --socket PATH`) is
 opening a render node: the HELLO reply brings the context's shared memory file (SCM_RIGHTS), and
-every device call is one request and one reply (apir.codec.local_wire; docs/local-transport.md).
+every device call is one request and one reply (apir.codec.local_wire's messages, sent and received
+by apir.local.socket_io; docs/local-transport.md).
 `create_blob` is CREATE_BLOB + MAP + ``mmap(fd, size, offset)``, exactly as a DRM guest maps a
 blob, so the host and the guest share the blob's pages and no bulk data crosses the socket.
 
@@ -33,30 +34,30 @@ from apir.codec.local_wire import (
     ConnectionClosed,
     Op,
     WireError,
-    recv_message,
-    send_message,
+)
+from apir.codec.virtgpu import (
+    VIRTGPU_BLOB_FLAG_USE_MAPPABLE,
+    VIRTGPU_BLOB_MEM_HOST3D,
+    VIRTGPU_EXECBUF_RING_IDX,
+    IoctlName,
 )
 from apir.guest.device import Blob
 from apir.guest.errors import DeviceError, IoctlError
+from apir.local.socket_io import recv_message, send_message
 
 __all__ = ["LocalDevice", "HostConnectionLost", "host_stats"]
 
 log = logging.getLogger(__name__)
 
-# virtgpu_drm.h values the requests carry.
-VIRTGPU_BLOB_MEM_HOST3D = 0x0002
-VIRTGPU_BLOB_FLAG_USE_MAPPABLE = 0x0001
-VIRTGPU_EXECBUF_RING_IDX = 0x04
-
 _HOST_GONE = "the apir host closed the connection (it exited or crashed)"
 _IOCTL_NAMES = {
-    Op.GETPARAM: "DRM_IOCTL_VIRTGPU_GETPARAM",
-    Op.GET_CAPS: "DRM_IOCTL_VIRTGPU_GET_CAPS",
-    Op.CONTEXT_INIT: "DRM_IOCTL_VIRTGPU_CONTEXT_INIT",
-    Op.CREATE_BLOB: "DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB",
-    Op.MAP: "DRM_IOCTL_VIRTGPU_MAP",
-    Op.GEM_CLOSE: "DRM_IOCTL_GEM_CLOSE",
-    Op.EXECBUFFER: "DRM_IOCTL_VIRTGPU_EXECBUFFER",
+    Op.GETPARAM: IoctlName.GETPARAM,
+    Op.GET_CAPS: IoctlName.GET_CAPS,
+    Op.CONTEXT_INIT: IoctlName.CONTEXT_INIT,
+    Op.CREATE_BLOB: IoctlName.RESOURCE_CREATE_BLOB,
+    Op.MAP: IoctlName.MAP,
+    Op.GEM_CLOSE: IoctlName.GEM_CLOSE,
+    Op.EXECBUFFER: IoctlName.EXECBUFFER,
     Op.STAT: "STAT",
 }
 

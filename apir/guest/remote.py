@@ -45,14 +45,13 @@ from apir.codec.constants import (
     SHMEM_DATA_SIZE,
     SHMEM_REPLY_SIZE,
     VENUS_COMMAND_TYPE_LENGTH,
-    VIRTGPU_DRM_CAPSET_APIR,
-    VIRTGPU_DRM_CAPSET_VENUS,
     ApirBackendCommandType,
     ApirCommandType,
     CapsetApir,
 )
+from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS, VirtgpuParam, blob_size
 from apir.codec.wire import Decoder, Encoder
-from apir.guest.device import Blob, VirtgpuDevice, blob_size
+from apir.guest.device import Blob, VirtgpuDevice
 from apir.guest.errors import ApirTimeout, MissingCapability
 
 __all__ = ["Remote", "select_capset", "DEFAULT_FORWARD_TIMEOUT_S", "COMMAND_BUFFER_SIZE"]
@@ -61,7 +60,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_FORWARD_TIMEOUT_S = 300.0  # a graph may run long; the C has no limit at all
 COMMAND_BUFFER_SIZE = 64 * 1024  # the command itself; bulk bytes go through the data window
-_PARAM_SUPPORTED_CAPSET_IDS = 7  # VIRTGPU_PARAM_SUPPORTED_CAPSET_IDs
 
 # Wait tuning: spin at least _SPIN_MIN_S, at most _SPIN_MAX_S (twice the recent reply
 # latency when that fits), in one call (then chunks of _SPIN_CHUNK acquire loads should the
@@ -83,7 +81,7 @@ def select_capset(device: VirtgpuDevice, use_apir_capset: Optional[bool] = None)
         use_apir_capset = os.environ.get(ENV_USE_APIR_CAPSET) is not None
     if use_apir_capset:
         return VIRTGPU_DRM_CAPSET_APIR
-    mask = device.get_param(_PARAM_SUPPORTED_CAPSET_IDS)
+    mask = device.get_param(VirtgpuParam.SUPPORTED_CAPSET_IDS)
     if mask & (1 << VIRTGPU_DRM_CAPSET_APIR):
         return VIRTGPU_DRM_CAPSET_APIR
     if mask == 0 or mask & (1 << VIRTGPU_DRM_CAPSET_VENUS):

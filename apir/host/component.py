@@ -46,13 +46,12 @@ from apir.codec.constants import (
     ENV_GGML_LIBRARY_PATH,
     ENV_GGML_LIBRARY_REG,
     VENUS_COMMAND_TYPE_LENGTH,
-    VIRTGPU_DRM_CAPSET_APIR,
-    VIRTGPU_DRM_CAPSET_VENUS,
     ApirCommandType,
     ApirForwardReturnCode,
     ApirLoadLibraryReturnCode,
     ApirBackendInitializeReturnCode,
 )
+from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS
 from apir.codec.wire import Decoder, Encoder
 from apir.host.errors import log
 from apir.host.library import BackendLibrary, LibraryLoadError, default_library_factory
@@ -108,7 +107,7 @@ class HostContext:
         self._lock = threading.RLock()
         self._closed = False
         # An embedded host sets `defer_notification` to store the word itself, from its wait
-        # for the next command (apir.guest.embedded); `take_notification` hands it over.
+        # for the next command (apir.local.embedded); `take_notification` hands it over.
         self.defer_notification = False
         self._pending_notification: Optional[Tuple[Word, int]] = None
 

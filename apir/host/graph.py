@@ -53,8 +53,7 @@ def tensor_info(lib, index: int, rec, address: Optional[int]) -> TensorInfo:
     return TensorInfo(
         index=index, type_name=g.type_names[type_], ne=[int(x) for x in rec["ne"]],
         nb=[int(x) for x in rec["nb"]], op_name=g.op_names[op], op_params=rec["op_params"].copy(),
-        type_size=chk.type_size[type_], blck_size=chk.blck_size[type_],
-        is_leaf=op == g.ops["NONE"], address=address)
+        type_size=chk.type_size[type_], blck_size=chk.blck_size[type_], address=address)
 
 
 def lib_op_enums(lib) -> OpEnums:
@@ -213,24 +212,23 @@ def _check_records(lib, parsed) -> Optional[_Records]:
 # TensorInfo's leading fields in order: then `_infos` passes them by position (a keyword call
 # costs twice as much), else by keyword.
 _INFO_FIELDS = ("index", "type_name", "ne", "nb", "op_name", "op_params", "type_size", "blck_size",
-                "is_leaf", "address")
+                "address")
 _INFO_POSITIONAL = tuple(f.name for f in dataclasses.fields(TensorInfo))[:len(_INFO_FIELDS)] == _INFO_FIELDS
 
 
 def _infos(lib, parsed, addresses: List[int]) -> List[TensorInfo]:
     """`tensor_info` of every record (ne, nb, op_params read in bulk; op_params one host copy)."""
     g, chk, t = lib.g, lib.checker, parsed.tensors
-    none = g.ops["NONE"]
     type_names, op_names, type_size, blck_size = g.type_names, g.op_names, chk.type_size, chk.blck_size
     rows = zip(range(len(t)), t["type"].tolist(), t["op"].tolist(), t["ne"].tolist(), t["nb"].tolist(),
                list(t["op_params"].copy()), addresses)
     if _INFO_POSITIONAL:
         return [TensorInfo(i, type_names[ty], ne, nb, op_names[op], params, type_size[ty], blck_size[ty],
-                           op == none, addr)
+                           addr)
                 for i, ty, op, ne, nb, params, addr in rows]
     return [TensorInfo(index=i, type_name=type_names[ty], ne=ne, nb=nb, op_name=op_names[op],
                        op_params=params, type_size=type_size[ty], blck_size=blck_size[ty],
-                       is_leaf=op == none, address=addr)
+                       address=addr)
             for i, ty, op, ne, nb, params, addr in rows]
 
 

@@ -5,7 +5,7 @@ transport. It answers GETPARAM and GET_CAPS from fixed tables, creates the APIR 
 (`HostContext`) on CONTEXT_INIT, places blobs in the context's shared memory file
 (apir.host.local_memfile) and registers them with the context as resources, and runs EXECBUFFER
 payloads with `HostContext.submit`. The socket server (apir.host.local_server) and the embedded
-device (apir.guest.embedded) both drive it: the first decodes requests off the wire, the second
+device (apir.local.embedded) both drive it: the first decodes requests off the wire, the second
 calls it directly. Every refusal is a `KernelError` carrying the errno the ioctl would set.
 """
 
@@ -17,8 +17,17 @@ import logging
 import threading
 from typing import Any, Callable, Optional
 
-from apir.codec.constants import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS, CapsetApir
+from apir.codec.constants import CapsetApir
 from apir.codec.local_wire import MAX_EXEC_COMMAND
+from apir.codec.virtgpu import (
+    VIRTGPU_BLOB_FLAG_USE_MAPPABLE,
+    VIRTGPU_BLOB_MEM_HOST3D,
+    VIRTGPU_DRM_CAPSET_APIR,
+    VIRTGPU_DRM_CAPSET_VENUS,
+    VIRTGPU_EXECBUF_RING_IDX,
+    VIRTGPU_MAX_RINGS,
+    VirtgpuParam,
+)
 from apir.host.local_memfile import HostBlob, MemFile, MemFileFull
 
 __all__ = [
@@ -29,34 +38,26 @@ __all__ = [
     "ggml_buffer_count",
     "GETPARAMS",
     "CAPSET_APIR_VERSION",
-    "VIRTGPU_BLOB_MEM_HOST3D",
-    "VIRTGPU_BLOB_FLAG_USE_MAPPABLE",
-    "VIRTGPU_EXECBUF_RING_IDX",
     "next_res_id",
     "next_ctx_id",
 ]
 
 log = logging.getLogger(__name__)
 
-# virtgpu_drm.h constants this host honours.
-VIRTGPU_BLOB_MEM_HOST3D = 0x0002
-VIRTGPU_BLOB_FLAG_USE_MAPPABLE = 0x0001
-VIRTGPU_EXECBUF_RING_IDX = 0x04
 # The capset content virglrenderer's APIR component reports (apir_renderer_get_capset).
 CAPSET_APIR_VERSION = 1
 # DRM_IOCTL_VIRTGPU_GETPARAM answers of a device with blobs, context init and the two capsets.
 GETPARAMS = {
-    1: 1,  # VIRTGPU_PARAM_3D_FEATURES
-    2: 1,  # VIRTGPU_PARAM_CAPSET_QUERY_FIX
-    3: 1,  # VIRTGPU_PARAM_RESOURCE_BLOB
-    4: 1,  # VIRTGPU_PARAM_HOST_VISIBLE
-    5: 0,  # VIRTGPU_PARAM_CROSS_DEVICE
-    6: 1,  # VIRTGPU_PARAM_CONTEXT_INIT
-    7: (1 << VIRTGPU_DRM_CAPSET_VENUS) | (1 << VIRTGPU_DRM_CAPSET_APIR),  # SUPPORTED_CAPSET_IDs
-    8: 0,  # VIRTGPU_PARAM_EXPLICIT_DEBUG_NAME
+    VirtgpuParam.FEATURES_3D: 1,
+    VirtgpuParam.CAPSET_QUERY_FIX: 1,
+    VirtgpuParam.RESOURCE_BLOB: 1,
+    VirtgpuParam.HOST_VISIBLE: 1,
+    VirtgpuParam.CROSS_DEVICE: 0,
+    VirtgpuParam.CONTEXT_INIT: 1,
+    VirtgpuParam.SUPPORTED_CAPSET_IDS: (1 << VIRTGPU_DRM_CAPSET_VENUS) | (1 << VIRTGPU_DRM_CAPSET_APIR),
+    VirtgpuParam.EXPLICIT_DEBUG_NAME: 0,
 }
 CAPSETS = (VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS)
-MAX_RINGS = 64  # the kernel's VIRTGPU_MAX_RINGS bound on num_rings
 
 # Resource and context ids are unique per host process, as in virtio-gpu.
 _lock = threading.Lock()
@@ -156,7 +157,7 @@ class KernelContext:
             raise KernelError(errno.EEXIST, "context already initialized")
         if capset_id not in CAPSETS:
             raise KernelError(errno.EINVAL, f"unsupported capset {capset_id}")
-        if not 1 <= num_rings <= MAX_RINGS:
+        if not 1 <= num_rings <= VIRTGPU_MAX_RINGS:
             raise KernelError(errno.EINVAL, f"bad ring count {num_rings}")
         ctx_id = next_ctx_id()
         try:

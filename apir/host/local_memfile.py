@@ -21,7 +21,7 @@ import os
 import threading
 from dataclasses import dataclass
 
-from apir.codec.local_wire import BLOB_ALIGNMENT
+from apir.codec.virtgpu import BLOB_ALIGNMENT
 
 __all__ = ["MemFile", "MemFileFull", "HostBlob"]
 

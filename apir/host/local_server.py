@@ -28,7 +28,6 @@ import threading
 from typing import Optional
 
 from apir.codec.local_wire import (
-    BLOB_ALIGNMENT,
     HELLO_MAGIC,
     MAX_GET_CAPS,
     REPLY,
@@ -37,10 +36,10 @@ from apir.codec.local_wire import (
     ConnectionClosed,
     Op,
     WireError,
-    recv_message,
-    send_message,
 )
+from apir.codec.virtgpu import BLOB_ALIGNMENT
 from apir.host.local_kernel import ContextFactory, KernelContext, KernelError, default_context_factory
+from apir.local.socket_io import recv_message, send_message
 
 __all__ = ["LocalServer", "ServerStats"]
 

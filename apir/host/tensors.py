@@ -63,6 +63,21 @@ class Scratch:
         self.close()
 
 
+def tensor_extent(type_size: int, blck_size: int, ne: Sequence[int], nb: Sequence[int]) -> int:
+    """Bytes from a tensor's data that a kernel may touch (>= ggml_nbytes), the one definition
+    of a tensor's extent: 0 when an ne is 0, else the last byte of the last row + 1, where a
+    row of `ne[0] / blck_size` blocks of `type_size` bytes spans whichever is longer of its
+    packed size and its nb[0] stride (and, for block types, ggml_nbytes' own `ne[0] / blck *
+    nb[0]`). Exact (Python ints); apir.host.graph has its whole-graph numpy twin."""
+    if any(n <= 0 for n in ne):
+        return 0
+    blocks0 = ne[0] // blck_size
+    row = max(blocks0 * type_size, (blocks0 - 1) * nb[0] + type_size)
+    if blck_size > 1:
+        row = max(row, blocks0 * nb[0])  # ggml_nbytes' own formula for block types
+    return row + sum((ne[i] - 1) * nb[i] for i in range(1, len(ne)))
+
+
 class TensorChecker:
     """The checks and the host-tensor builder of one loaded ggml build."""
 
@@ -74,12 +89,7 @@ class TensorChecker:
         self.type_size = {t: g.ggml_type_size(t) for t in g.type_names}
         self.blck_size = {t: g.ggml_blck_size(t) for t in g.type_names}
         self.custom_ops = {g.ops[name] for name in CUSTOM_OPS if name in g.ops}
-        # A type with no block size or element size is a placeholder ggml keeps for removed
-        # types; nothing can be computed on it.
-        self.valid_types = np.zeros(max(g.type_names) + 1, dtype=bool)
-        for t in g.type_names:
-            if self.type_size[t] > 0 and self.blck_size[t] > 0:
-                self.valid_types[t] = True
+        self.valid_types = g.valid_types  # apir.ggml.lib.Ggml.valid_types
         # The same facts as arrays indexed by type / op, for checks of a whole graph at once
         # (apir.host.graph); 1 where a type is not valid, so no division by zero.
         self.type_size_arr = np.ones(len(self.valid_types), dtype=np.int64)
@@ -91,7 +101,7 @@ class TensorChecker:
 
     # --- field checks ---------------------------------------------------------------------
     def type_ok(self, type_: int) -> bool:
-        return 0 <= type_ < len(self.valid_types) and bool(self.valid_types[type_])
+        return self.g.valid_type(type_)
 
     def check_common(self, what: str, type_: int, op: int, ne: Sequence[int], name: bytes) -> None:
         """Type, op, ne and name checks shared by rpc and inline tensors."""
@@ -112,15 +122,8 @@ class TensorChecker:
             raise Refused(f"{what}: name is not NUL-terminated")
 
     def extent(self, type_: int, ne: Sequence[int], nb: Sequence[int]) -> int:
-        """Bytes from a tensor's data that a kernel may touch (>= ggml_nbytes)."""
-        if any(n <= 0 for n in ne):
-            return 0
-        ts, blck = self.type_size[type_], self.blck_size[type_]
-        blocks0 = ne[0] // blck
-        row = max(blocks0 * ts, (blocks0 - 1) * nb[0] + ts)
-        if blck > 1:
-            row = max(row, blocks0 * nb[0])  # ggml_nbytes' own formula for block types
-        return row + sum((ne[i] - 1) * nb[i] for i in range(1, len(ne)))
+        """`tensor_extent` of a tensor of valid type `type_`."""
+        return tensor_extent(self.type_size[type_], self.blck_size[type_], ne, nb)
 
     # --- rpc tensors ----------------------------------------------------------------------
     def rpc_record(self, dec: Decoder, what: str) -> np.void:

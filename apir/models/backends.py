@@ -1,12 +1,13 @@
 """Which ggml backend a workload runs on: the seam between apir.models and apir.guest.
 
 Theory of operation: workloads take a `ggml_backend_t` and a buffer type and never ask where
-they are. `open_backend(socket=None, drm=None)` picks one for the `apir embed` command and the
-benchmark: through APIR (the guest ggml backend, `apir.guest.backend`) over the embedded host
-by default, a local host's Unix socket (`socket`) or a virtio-gpu render node (`drm`). If the
-embedded host cannot start, the default falls back to ggml's CPU backend in this process and
-says so (`OpenedBackend.fallback`, `.description`); an explicit `socket` or `drm` raises
-BackendUnavailable instead of quietly computing somewhere else.
+they are. `open_backend(device=None)` picks one for the `apir embed` command and the
+benchmarks: through APIR (the guest ggml backend, `apir.guest.backend`) over the device an
+apir.devices spec names (``unix:PATH``: a local host's Unix socket, ``drm:NODE``: a virtio-gpu
+render node, ...), or over the embedded host by default. If the embedded host cannot start,
+the default falls back to ggml's CPU backend in this process and says so
+(`OpenedBackend.fallback`, `.description`); a named device raises BackendUnavailable instead of
+quietly computing somewhere else.
 """
 
 from __future__ import annotations
@@ -74,17 +75,19 @@ def open_local_cpu(n_threads: Optional[int] = None, fallback_reason: Optional[st
                          fallback=fallback_reason is not None, _close=lambda: g.ggml_backend_free(backend))
 
 
-def _open_apir(socket: Optional[str], drm: Optional[str]) -> OpenedBackend:
-    """The APIR guest backend (apir.guest.backend) over the chosen transport: a host's Unix
-    socket, a render node, or with neither the embedded host. Raises BackendUnavailable when
-    the device or the host cannot be reached."""
+def _open_apir(device: Optional[str], config: Optional[dict] = None) -> OpenedBackend:
+    """The APIR guest backend (apir.guest.backend) over the device `device` names (an
+    apir.devices spec; None: the embedded host), whose host, if embedded, gets `config`.
+    Raises ValueError for a bad spec, BackendUnavailable when the device or the host cannot be
+    reached."""
+    from apir.devices import open_client, parse_spec
     from apir.guest.backend import ApirBackend
-    from apir.guest.connect import device_kind, open_client
     from apir.guest.errors import ApirError
 
-    transport = device_kind(socket, drm)
+    spec = parse_spec(device)
+    transport = spec.kind
     try:
-        client = open_client(socket=socket, drm=drm)
+        client = open_client(device, config=config)
     except (ApirError, OSError) as exc:
         raise BackendUnavailable(f"cannot open the APIR {transport} device: {exc}") from exc
     try:
@@ -94,9 +97,7 @@ def _open_apir(socket: Optional[str], drm: Optional[str]) -> OpenedBackend:
         raise
     g = apir_backend.g
     name = g.ggml_backend_dev_name(apir_backend.device).decode()
-    where = {"embedded": "embedded host in this process", "socket": f"host at {socket}",
-             "drm": f"virtio-gpu node {drm}"}[transport]
-    description = f"{name} through APIR {'.'.join(map(str, client.host_version))} ({where})"
+    description = f"{name} through APIR {'.'.join(map(str, client.host_version))} ({spec.where})"
 
     def close() -> None:
         apir_backend.close()
@@ -106,17 +107,16 @@ def _open_apir(socket: Optional[str], drm: Optional[str]) -> OpenedBackend:
                          _close=close)
 
 
-def open_backend(socket: Optional[str] = None, drm: Optional[str] = None,
-                 allow_fallback: bool = True, n_threads: Optional[int] = None) -> OpenedBackend:
-    """The backend for `apir embed`: through APIR over a Unix socket (`socket`, a path), a render
-    node (`drm`, e.g. /dev/dri/renderD128) or, with neither, the embedded host. When neither is
-    given, the APIR backend is missing and `allow_fallback`, ggml's local CPU backend is returned
-    flagged `fallback=True`. Raises ValueError (both given), BackendUnavailable."""
-    if socket and drm:
-        raise ValueError("give --socket or --drm, not both")
+def open_backend(device: Optional[str] = None, allow_fallback: bool = True, n_threads: Optional[int] = None,
+                 config: Optional[dict] = None) -> OpenedBackend:
+    """The backend for `apir embed`: through APIR over the device `device` names (an
+    apir.devices spec: ``unix:PATH``, ``drm:NODE``, ``embedded``, ...) or, with None, the
+    embedded host, configured by `config` (HostContext configuration). When no device is named,
+    the APIR backend is missing and `allow_fallback`, ggml's local CPU backend is returned
+    flagged `fallback=True`. Raises ValueError (a bad spec), BackendUnavailable."""
     try:
-        return _open_apir(socket, drm)
+        return _open_apir(device, config)
     except BackendUnavailable as exc:
-        if socket or drm or not allow_fallback:
+        if device is not None or not allow_fallback:
             raise
         return open_local_cpu(n_threads, fallback_reason=str(exc))

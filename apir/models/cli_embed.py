@@ -72,11 +72,13 @@ class _ProgressBar:
 
 
 def _open(args):
+    from apir.cli import device_from_args
     from apir.models.backends import open_backend, open_local_cpu
 
     if args.local_cpu:
         return open_local_cpu(args.threads)
-    return open_backend(socket=args.socket, drm=args.drm, n_threads=args.threads)
+    spec, config = device_from_args(args)
+    return open_backend(spec, config=config, n_threads=args.threads)
 
 
 def run(args: argparse.Namespace, assets=None) -> int:

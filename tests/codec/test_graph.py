@@ -9,8 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from apir.codec.graph import (BufferTable, GraphError, parse_graph, rpc_tensor_from_ggml, serialize_graph,
-                              type_valid_table)
+from apir.codec.graph import BufferTable, GraphError, parse_graph, rpc_tensor_from_ggml, serialize_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.ggml import InitParams
 from apir.ggml.layout import tensor_record
@@ -40,7 +39,7 @@ def rpc(ggml):
 
 @pytest.fixture(scope="module")
 def type_valid(ggml):
-    valid = type_valid_table(ggml)
+    valid = ggml.valid_types
     assert valid[ggml.types["F32"]] and valid[ggml.types["Q4_0"]] and not valid[4]  # 4, 5: removed Q4_2/Q4_3
     return valid
 

@@ -8,6 +8,7 @@ import ctypes
 import errno
 import mmap
 
+from apir.codec import virtgpu
 from apir.guest import drm_uapi as uapi
 from apir.guest.drm import Kernel
 
@@ -15,8 +16,8 @@ from apir.guest.drm import Kernel
 class FakeKernel(Kernel):
     def __init__(self, nodes, params=None, capsets=None, execbuffer_sizes=(64, 40)):
         self.nodes = dict(nodes)  # path -> driver name
-        self.params = {uapi.VirtgpuParam.RESOURCE_BLOB: 1, uapi.VirtgpuParam.HOST_VISIBLE: 1,
-                       uapi.VirtgpuParam.CONTEXT_INIT: 1, uapi.VirtgpuParam.SUPPORTED_CAPSET_IDS: 1 << 10}
+        self.params = {virtgpu.VirtgpuParam.RESOURCE_BLOB: 1, virtgpu.VirtgpuParam.HOST_VISIBLE: 1,
+                       virtgpu.VirtgpuParam.CONTEXT_INIT: 1, virtgpu.VirtgpuParam.SUPPORTED_CAPSET_IDS: 1 << 10}
         self.params.update(params or {})
         self.capsets = dict(capsets or {10: bytes(range(24))})
         # which EXECBUFFER numbers this kernel takes (a strict fake: real DRM takes both)
@@ -80,8 +81,8 @@ class FakeKernel(Kernel):
             params = (uapi.DrmVirtgpuContextSetParam * arg.num_params).from_address(arg.ctx_set_params)
             self.contexts.append([(p.param, p.value) for p in params])
         elif request == uapi.DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB:
-            assert arg.blob_mem == uapi.VIRTGPU_BLOB_MEM_HOST3D
-            assert arg.blob_flags == uapi.VIRTGPU_BLOB_FLAG_USE_MAPPABLE
+            assert arg.blob_mem == virtgpu.VIRTGPU_BLOB_MEM_HOST3D
+            assert arg.blob_flags == virtgpu.VIRTGPU_BLOB_FLAG_USE_MAPPABLE
             handle = self.next_handle
             self.next_handle += 1
             self.blobs[handle] = (1000 + handle, arg.size)

@@ -4,6 +4,7 @@ import errno
 
 import pytest
 
+from apir.codec import virtgpu
 from apir.guest import drm_uapi as uapi
 from apir.guest.device import Blob, VirtgpuDevice
 from apir.guest.drm import DrmDevice, find_virtgpu_nodes
@@ -43,9 +44,9 @@ def test_no_virtio_gpu_node(dri):
 
 
 @pytest.mark.parametrize("param,words", [
-    (uapi.VirtgpuParam.RESOURCE_BLOB, "blob resources"),
-    (uapi.VirtgpuParam.HOST_VISIBLE, "host-visible"),
-    (uapi.VirtgpuParam.CONTEXT_INIT, "context init"),
+    (virtgpu.VirtgpuParam.RESOURCE_BLOB, "blob resources"),
+    (virtgpu.VirtgpuParam.HOST_VISIBLE, "host-visible"),
+    (virtgpu.VirtgpuParam.CONTEXT_INIT, "context init"),
 ])
 def test_missing_capability_names_node_and_capability(dri, param, words):
     path, nodes = dri
@@ -59,9 +60,9 @@ def test_missing_capability_names_node_and_capability(dri, param, words):
 
 def test_unknown_param_reads_zero_and_params_read_back(dri):
     path, nodes = dri
-    kernel = FakeKernel(nodes, params={uapi.VirtgpuParam.SUPPORTED_CAPSET_IDS: (1 << 4) | (1 << 10)})
+    kernel = FakeKernel(nodes, params={virtgpu.VirtgpuParam.SUPPORTED_CAPSET_IDS: (1 << 4) | (1 << 10)})
     with DrmDevice(dri_dir=str(path), kernel=kernel) as dev:
-        assert dev.get_param(uapi.VirtgpuParam.SUPPORTED_CAPSET_IDS) == (1 << 4) | (1 << 10)
+        assert dev.get_param(virtgpu.VirtgpuParam.SUPPORTED_CAPSET_IDS) == (1 << 4) | (1 << 10)
         assert dev.get_param(999) == 0
 
 
@@ -122,8 +123,8 @@ def test_execbuffer_layout_by_kernel_answer(dri, sizes, expected):
         dev.execbuffer(bytearray(b"next"))
         assert dev.execbuffer_size == expected
     request = kernel.execbuffer_requests[expected]
-    assert kernel.submitted == [(request, uapi.VIRTGPU_EXECBUF_RING_IDX, 0, b"\x00\x01\x02\x03" * 3),
-                                (request, uapi.VIRTGPU_EXECBUF_RING_IDX, 0, b"next")]
+    assert kernel.submitted == [(request, virtgpu.VIRTGPU_EXECBUF_RING_IDX, 0, b"\x00\x01\x02\x03" * 3),
+                                (request, virtgpu.VIRTGPU_EXECBUF_RING_IDX, 0, b"next")]
     # once chosen, only that number is used
     execs = [r for r in kernel.calls if r in kernel.execbuffer_requests.values()]
     assert execs[-1] == request and execs.count(request) == 2

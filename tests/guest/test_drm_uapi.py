@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from apir.codec import virtgpu
 from apir.guest import drm_uapi as uapi
 
 # ours -> C struct name (the 6.1 execbuffer has no header here: checked as a prefix below)
@@ -32,8 +33,8 @@ REQUESTS = [
 ]
 CONSTANTS = ["VIRTGPU_EXECBUF_RING_IDX", "VIRTGPU_BLOB_MEM_HOST3D", "VIRTGPU_BLOB_FLAG_USE_MAPPABLE"]
 PARAMS = {p: "VIRTGPU_PARAM_" + {"FEATURES_3D": "3D_FEATURES", "SUPPORTED_CAPSET_IDS": "SUPPORTED_CAPSET_IDs"}
-          .get(p.name, p.name) for p in uapi.VirtgpuParam}
-CTX_PARAMS = {p: "VIRTGPU_CONTEXT_PARAM_" + p.name for p in uapi.VirtgpuContextParam}
+          .get(p.name, p.name) for p in virtgpu.VirtgpuParam}
+CTX_PARAMS = {p: "VIRTGPU_CONTEXT_PARAM_" + p.name for p in virtgpu.VirtgpuContextParam}
 
 
 def _drm_h_dirs():
@@ -80,11 +81,12 @@ def test_struct_size_and_offsets(c_values, ours):
 @pytest.mark.parametrize("name", REQUESTS)
 def test_request_numbers(c_values, name):
     assert getattr(uapi, name) == c_values[("val", name)]
+    assert uapi.REQUEST_NAMES[getattr(uapi, name)] == name  # the IoctlName an IoctlError reports
 
 
 def test_constants_and_params(c_values):
     for name in CONSTANTS:
-        assert getattr(uapi, name) == c_values[("val", name)], name
+        assert getattr(virtgpu, name) == c_values[("val", name)], name
     for ours, cname in {**PARAMS, **CTX_PARAMS}.items():
         assert ours == c_values[("val", cname)], cname
 

@@ -170,9 +170,8 @@ class FakeClient:
     def backend_graph_compute(self, graph):
         self._log("backend_graph_compute", len(graph))
         g = self.g
-        valid = np.array([g.valid_type(t) for t in range(g.type_count)])
         self.graphs.append(parse_graph(np.asarray(graph, dtype=np.uint8), limits=g.limits,
-                                       op_count=g.op_count, type_valid=valid))
+                                       op_count=g.op_count, type_valid=g.valid_types))
         return self.graph_status
 
     def names(self):

@@ -9,18 +9,16 @@ import numpy as np
 import pytest
 
 from apir.ggml.lib import InitParams
-
-embedded = pytest.importorskip("apir.guest.embedded", reason="the embedded device is not on this branch yet")
-client_mod = pytest.importorskip("apir.guest.client", reason="the APIR client is not on this branch yet")
-
-from apir.guest.backend import ApirBackend, tensor_get, tensor_set  # noqa: E402
-from apir.guest.backend.buffer import tensor_field  # noqa: E402
+from apir.guest.backend import ApirBackend, tensor_get, tensor_set
+from apir.guest.backend.buffer import tensor_field
+from apir.guest.client import ApirClient
+from apir.local.embedded import EmbeddedDevice
 
 
 @pytest.fixture(scope="module")
 def client():
-    dev = embedded.EmbeddedDevice()
-    c = client_mod.ApirClient.connect(dev)
+    dev = EmbeddedDevice()
+    c = ApirClient.connect(dev)
     yield c
     c.close()
 

@@ -1,13 +1,12 @@
-"""EmbeddedDevice: the host thread, errors, teardown and open_device's choice."""
+"""EmbeddedDevice: the host thread, errors and teardown."""
 
 import errno
 import struct
 
 import pytest
 
-from apir.guest.connect import device_kind, open_device
-from apir.guest.embedded import EmbeddedDevice
 from apir.guest.errors import DeviceError, IoctlError
+from apir.local.embedded import EmbeddedDevice
 from tests.local.test_local_server import EchoContext
 
 
@@ -51,20 +50,6 @@ def test_refusals_are_ioctl_errors():
         with pytest.raises(IoctlError) as info:
             dev.context_init(10)
         assert info.value.errno == errno.EEXIST
-
-
-def test_open_device_picks_embedded_by_default(tmp_path):
-    assert device_kind() == "embedded"
-    assert device_kind(socket="s") == "socket" and device_kind(drm="/dev/dri/renderD128") == "drm"
-    with pytest.raises(ValueError):
-        device_kind(socket="s", drm="d")
-    dev = open_device()
-    try:
-        assert isinstance(dev, EmbeddedDevice)
-    finally:
-        dev.close()
-    with pytest.raises(DeviceError, match="no apir host"):
-        open_device(socket=str(tmp_path / "nobody.sock"))
 
 
 class SlowContext(EchoContext):

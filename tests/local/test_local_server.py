@@ -13,11 +13,13 @@ import time
 
 import pytest
 
-from apir.codec.local_wire import HEADER, HELLO_MAGIC, WIRE_VERSION, Op, recv_message
+from apir.codec.local_wire import HEADER, HELLO_MAGIC, WIRE_VERSION, Op
+from apir.codec.virtgpu import VirtgpuParam
 from apir.guest.client import ApirClient
 from apir.guest.errors import IoctlError
 from apir.guest.local import HostConnectionLost, LocalDevice, host_stats
 from apir.host.local_server import LocalServer
+from apir.local.socket_io import recv_message
 from tests.local.hostproc import HostProcess
 
 
@@ -83,7 +85,7 @@ def wait_for(predicate, timeout_s=10.0):
 
 def test_blobs_are_shared_memory_at_their_map_offsets(server):
     with LocalDevice(server.path) as dev:
-        assert dev.get_param(7) == (1 << 4) | (1 << 10)
+        assert dev.get_param(VirtgpuParam.SUPPORTED_CAPSET_IDS) == (1 << 4) | (1 << 10)
         assert dev.get_caps(10, 24) == struct.pack("<II4I", 1, 1, 0, 0, 0, 0)
         dev.context_init(10)
         a, b = dev.create_blob(100), dev.create_blob(3 * 16384)

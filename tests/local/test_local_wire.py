@@ -7,8 +7,8 @@ import pytest
 
 from apir.codec.local_wire import (
     HEADER, MAX_PAYLOAD, REPLY, REQUEST, ConnectionClosed, Op, WireError, pack_message,
-    recv_message, send_message,
 )
+from apir.local.socket_io import recv_message, send_message
 
 
 def test_documented_bytes():

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from apir.guest.client import ApirClient
-from apir.guest.embedded import EmbeddedDevice
+from apir.local.embedded import EmbeddedDevice
 from apir.guest.local import LocalDevice
 from tests.local.hostproc import HostProcess
 

@@ -11,6 +11,7 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
 import numpy as np
 
 from apir.host.errors import Refused
+from apir.host.tensors import tensor_extent
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,6 @@ class OpEnums:
     op_params, which types its CPU backend converts rows of F32 into and out of, and its
     version."""
 
-    unary_count: int
     glu: Dict[str, int] = field(default_factory=dict)  # `enum ggml_glu_op`, COUNT included
     rope: Dict[str, int] = field(default_factory=dict)  # the GGML_ROPE_TYPE_* modes
     # types whose `ggml_type_traits_cpu.from_float` is set (CPY / DUP into them; without it
@@ -75,8 +75,8 @@ def op_enums(g) -> OpEnums:
         if dot in from_float:
             a, b = blck_size[name], blck_size[dot]
             vec_dot_row[name] = a * b // math.gcd(a, b)
-    return OpEnums(unary["COUNT"], glu, rope, frozenset(from_float), frozenset(to_float), version,
-                   unary=unary, vec_dot=vec_dot, blck_size=blck_size, vec_dot_row=vec_dot_row)
+    return OpEnums(glu, rope, frozenset(from_float), frozenset(to_float), version, unary=unary,
+                   vec_dot=vec_dot, blck_size=blck_size, vec_dot_row=vec_dot_row)
 
 
 class _TypeTraitsCpu(ctypes.Structure):
@@ -107,7 +107,6 @@ class TensorInfo:
     op_params: np.ndarray
     type_size: int
     blck_size: int
-    is_leaf: bool  # op NONE: its data is only what the guest wrote
     # real address of its data (for GET_ROWS row ids); 0 without data; None where no data is
     # known (device_supports_op): checks of the data are then left to graph_compute
     address: Optional[int]
@@ -194,15 +193,9 @@ def dst_contiguous(node: TensorInfo) -> None:
 
 
 def extent(t: TensorInfo) -> int:
-    """Bytes from t's data its ne and nb reach (apir.host.tensors' `extent`, already checked
-    to lie inside t's buffer)."""
-    if any(n <= 0 for n in t.ne):
-        return 0
-    blocks0 = t.ne[0] // t.blck_size
-    row = max(blocks0 * t.type_size, (blocks0 - 1) * t.nb[0] + t.type_size)
-    if t.blck_size > 1:
-        row = max(row, blocks0 * t.nb[0])
-    return row + sum((t.ne[i] - 1) * t.nb[i] for i in range(1, len(t.ne)))
+    """Bytes from t's data its ne and nb reach (`apir.host.tensors.tensor_extent`, already
+    checked to lie inside t's buffer)."""
+    return tensor_extent(t.type_size, t.blck_size, t.ne, t.nb)
 
 
 _ID_DTYPES = {"I32": np.int32, "I64": np.int64}

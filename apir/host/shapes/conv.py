@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from apir.host.shapes.base import TensorInfo, dst_contiguous, fail, need, param_i32
+from apir.host.shapes.base import TensorInfo, dst_contiguous, extent, fail, need, param_i32
 
 _INT_MAX = 2**31 - 1
 
@@ -45,17 +45,9 @@ def _conv_out(ins: int, ks: int, s: int, p: int, d: int) -> int:
     return _cdiv(ins + 2 * p - d * (ks - 1) - 1, s) + 1
 
 
-def _extent(t: TensorInfo) -> int:
-    """Bytes of `t` the host checked against its buffer (TensorChecker.extent)."""
-    if any(n <= 0 for n in t.ne):
-        return 0
-    row = max(t.ne[0] * t.type_size, (t.ne[0] - 1) * t.nb[0] + t.type_size)
-    return row + sum((t.ne[i] - 1) * t.nb[i] for i in range(1, 4))
-
-
 def _flat(node: TensorInfo, t: TensorInfo, what: str) -> None:
     """A kernel that walks `t` as a flat array of its elements stays inside its extent."""
-    if t.blck_size != 1 or (t.nelements() and t.nelements() * t.type_size > _extent(t)):
+    if t.blck_size != 1 or (t.nelements() and t.nelements() * t.type_size > extent(t)):
         fail(node, f"{what} {t.ne} nb {t.nb} is walked as a flat array")
 
 

@@ -22,8 +22,7 @@ one that returns at once rings 2, and the host thread waits `_SETTLE_S` more bef
 GIL, while the guest gets to its own spin on the reply word.
 
 Blobs need no fd: the guest's `Blob.memory` is the host's own mapping of the blob's range.
-This is the default device when neither a socket nor a DRM node is given
-(apir.guest.connect.open_device).
+This is the default device, spec ``embedded`` (apir.devices.open_device).
 """
 
 from __future__ import annotations
@@ -36,12 +35,15 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from apir.codec.atomics import Word, spins_for
-from apir.guest.device import Blob
-from apir.guest.errors import DeviceError, IoctlError
-from apir.host.local_kernel import (
+from apir.codec.virtgpu import (
     VIRTGPU_BLOB_FLAG_USE_MAPPABLE,
     VIRTGPU_BLOB_MEM_HOST3D,
     VIRTGPU_EXECBUF_RING_IDX,
+    IoctlName,
+)
+from apir.guest.device import Blob
+from apir.guest.errors import DeviceError, IoctlError
+from apir.host.local_kernel import (
     ContextFactory,
     KernelContext,
     KernelError,
@@ -203,22 +205,22 @@ class EmbeddedDevice:
     def get_param(self, param: int) -> int:
         """DRM_IOCTL_VIRTGPU_GETPARAM; 0 for an unknown param."""
         try:
-            return self._run("DRM_IOCTL_VIRTGPU_GETPARAM", self.kernel.get_param, param)
+            return self._run(IoctlName.GETPARAM, self.kernel.get_param, param)
         except IoctlError:
             return 0
 
     def get_caps(self, capset_id: int, size: int) -> bytes:
         """DRM_IOCTL_VIRTGPU_GET_CAPS, version 0: up to `size` bytes."""
-        return self._run("DRM_IOCTL_VIRTGPU_GET_CAPS", self.kernel.get_caps, capset_id, 0, size)
+        return self._run(IoctlName.GET_CAPS, self.kernel.get_caps, capset_id, 0, size)
 
     def context_init(self, capset_id: int, num_rings: int = 1) -> None:
         """DRM_IOCTL_VIRTGPU_CONTEXT_INIT: creates the HostContext on the host thread."""
-        self._run("DRM_IOCTL_VIRTGPU_CONTEXT_INIT", self._context_init, capset_id, num_rings)
+        self._run(IoctlName.CONTEXT_INIT, self._context_init, capset_id, num_rings)
 
     def create_blob(self, size: int) -> Blob:
         """RESOURCE_CREATE_BLOB (HOST3D, MAPPABLE); the Blob's memory is the host's mapping."""
         res_id, bo_handle, host_blob = self._run(
-            "DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB", self.kernel.create_blob,
+            IoctlName.RESOURCE_CREATE_BLOB, self.kernel.create_blob,
             VIRTGPU_BLOB_MEM_HOST3D, VIRTGPU_BLOB_FLAG_USE_MAPPABLE, size, 0)
         blob = Blob(res_id=res_id, bo_handle=bo_handle, size=host_blob.size, memory=host_blob.memory)
         self._blobs[bo_handle] = blob
@@ -226,7 +228,7 @@ class EmbeddedDevice:
 
     def destroy_blob(self, blob: Blob) -> None:
         """DRM_IOCTL_GEM_CLOSE: the host drops the resource and unmaps it."""
-        self._run("DRM_IOCTL_GEM_CLOSE", self.kernel.gem_close, blob.bo_handle)
+        self._run(IoctlName.GEM_CLOSE, self.kernel.gem_close, blob.bo_handle)
         self._blobs.pop(blob.bo_handle, None)
 
     @property
@@ -245,9 +247,9 @@ class EmbeddedDevice:
         try:
             self.kernel.check_execbuffer(VIRTGPU_EXECBUF_RING_IDX, ring_idx, len(command))
         except KernelError as exc:
-            raise IoctlError(self.node, "DRM_IOCTL_VIRTGPU_EXECBUFFER", exc.err, str(exc)) from None
+            raise IoctlError(self.node, IoctlName.EXECBUFFER, exc.err, str(exc)) from None
         wait = self.exec_wait_s > 0
-        self._run("DRM_IOCTL_VIRTGPU_EXECBUFFER", self.kernel.submit, command,
+        self._run(IoctlName.EXECBUFFER, self.kernel.submit, command,
                   wait=wait, wait_s=self.exec_wait_s if wait else None, late_ok=True, spin=True)
 
     def stats(self) -> dict:
