@@ -103,8 +103,7 @@ def _info(index, type_name, ne, op="NONE", op_params=(), type_size=4, blck_size=
     params = np.zeros(16, np.int32)
     params[: len(op_params)] = op_params
     return TensorInfo(index=index, type_name=type_name, ne=list(ne), nb=list(nb), op_name=op,
-                      op_params=params, type_size=type_size, blck_size=blck_size, is_leaf=op == "NONE",
-                      address=None)
+                      op_params=params, type_size=type_size, blck_size=blck_size, address=None)
 
 
 def test_rows_past_int_are_refused(ggml):
