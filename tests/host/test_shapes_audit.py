@@ -7,10 +7,13 @@ Inputs that hang or abort the host without the rule run it in a child process
 whose kernel would only read out of bounds run in this process. The `int` bounds need
 tensors of gigabytes; they are shown on the rules themselves (`node_refusal`)."""
 
+import pathlib
+import re
+
 import numpy as np
 import pytest
 
-from apir.host.shapes import TensorInfo, node_refusal, op_enums
+from apir.host.shapes import TensorInfo, attention, backward, elementwise, layout, node_refusal, op_enums, rope
 from tests.host.childkit import compute_mutated, run_in_child
 from tests.host.shapekit import ERROR, Case, Remote, _in, _ints
 from tests.host.test_shapes_attention import _hc_comb, _ssm_scan
@@ -177,3 +180,18 @@ def test_cpy_from_quantized_past_uint32_index_is_refused(ggml):
     node = _info(2, "F32", dst.ne, op="CPY", nb=dst.nb)
     why = node_refusal(node, [q, dst], enums)
     assert why is not None and "32-bit element index" in why, why
+
+
+def test_audit_table_has_a_row_per_op():
+    """docs/rule-audit.md's section of these five modules has a row for each op they rule."""
+    doc = (pathlib.Path(__file__).parents[2] / "docs" / "rule-audit.md").read_text()
+    section = doc.split("## attention, elementwise, layout, rope, backward", 1)[1].split("\n## ", 1)[0]
+    rows = set()
+    for line in section.splitlines():
+        if line.startswith("| ") and not line.startswith("| op "):
+            cell = line.split("|")[1]
+            rows |= {re.sub(r"\s*\(0\.\d+\)", "", op).strip() for op in cell.split(",")}
+    ruled = set()
+    for module in (attention, elementwise, layout, rope, backward):
+        ruled |= module.RULES.keys()
+    assert ruled <= rows, sorted(ruled - rows)
