@@ -232,12 +232,15 @@ def _top_k(node, srcs, _enums=None):
         fail(node, "rows are not packed")
 
 
-# Every kernel here counts rows (and most elements) in C `int` (base.int_counted).
-RULES = int_counted_rules({
-    "NONE": _leaf, "CPY": _cpy, "DUP": _dup, "CONT": _cont,
-    "VIEW": _view, "PERMUTE": _view, "TRANSPOSE": _view, "RESHAPE": _reshape,
-    "SUM": _sum, "SUM_ROWS": _row_reduce, "MEAN": _row_reduce, "ARGMAX": _argmax,
-    "COUNT_EQUAL": _count_equal, "REPEAT": _repeat, "REPEAT_BACK": _repeat_back,
-    "CONCAT": _concat, "PAD": _pad, "ARANGE": _arange, "TIMESTEP_EMBEDDING": _timestep_embedding,
-    "ARGSORT": _argsort, "TOP_K": _top_k,
-})
+# Leaves and views are not computed (ggml_op_is_empty): no kernel counts anything of them.
+# Every other kernel here counts rows (and most elements) in C `int` (base.int_counted).
+RULES = {
+    "NONE": _leaf, "VIEW": _view, "PERMUTE": _view, "TRANSPOSE": _view, "RESHAPE": _reshape,
+    **int_counted_rules({
+        "CPY": _cpy, "DUP": _dup, "CONT": _cont,
+        "SUM": _sum, "SUM_ROWS": _row_reduce, "MEAN": _row_reduce, "ARGMAX": _argmax,
+        "COUNT_EQUAL": _count_equal, "REPEAT": _repeat, "REPEAT_BACK": _repeat_back,
+        "CONCAT": _concat, "PAD": _pad, "ARANGE": _arange, "TIMESTEP_EMBEDDING": _timestep_embedding,
+        "ARGSORT": _argsort, "TOP_K": _top_k,
+    }),
+}
