@@ -30,7 +30,7 @@ from apir.codec.constants import (
 __all__ = ["main", "build_parser", "SUBCOMMAND_MODULES", "host_config_from_args", "add_host_config_arguments",
            "add_device_arguments", "device_from_args"]
 
-log = logging.getLogger("apir.cli")
+log = logging.getLogger("apir.cli")  # its module name, also when run as `python -m apir.cli`
 
 # Modules adding subcommands (each with add_parser(subparsers, parents)); this one first.
 SUBCOMMAND_MODULES = ["apir.cli", "apir.models.cli_embed"]

@@ -7,7 +7,7 @@ are plain Python functions over ctypes; inside jitted code a `numba.extending.ov
 each for an `intrinsic` that emits an LLVM `inttoptr` + load/store. So every kernel here is
 also a working plain-Python function: `kernel.py_func` is its twin, and tests compare the two.
 
-Rules kept throughout (see docs/numba-notes.md of the project):
+Rules kept throughout (docs/numba-notes.md says why):
 - addresses and 64-bit values are int64 (mixing uint64 and int64 would promote to float64);
 - work arrays are fixed-size arguments; a kernel that runs out of room returns a negative
   code and the caller retries with double the size (never grow arrays inside a hot loop);

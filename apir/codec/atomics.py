@@ -58,7 +58,7 @@ __all__ = [
 _U32 = struct.Struct("=I")
 
 # Intrinsics and the functions using them live in one file: Numba's on-disk cache of a
-# function is invalidated only by changes to its own file (see docs numba-notes).
+# function is invalidated only by changes to its own file (docs/numba-notes.md).
 _jit = njit(cache=True, nogil=True)
 
 

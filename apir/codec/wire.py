@@ -110,28 +110,22 @@ class Decoder:
     handle = u64  # apir_buffer_type_host_handle_t, apir_buffer_host_handle_t
 
     # --- arrays ------------------------------------------------------------------------
-    def _array(self, dtype, count: int, inplace: bool):
+    def _array(self, dtype, count: int) -> np.ndarray:
+        """`count` values copied out; zeros (at most _MAX_ZERO_FILL bytes of them) on overrun."""
         dt = np.dtype(dtype)
         off = self._take(dt.itemsize * count) if count >= 0 else self._take(-1)
         if off < 0:
-            if inplace:
-                return None
             return np.zeros(count if 0 <= count * dt.itemsize <= _MAX_ZERO_FILL else 0, dt)
-        arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=off)
-        return arr if inplace else arr.copy()
+        return np.frombuffer(self.buf, dtype=dt, count=count, offset=off).copy()
 
     def u64_array(self, count: int) -> np.ndarray:
-        return self._array("<u8", count, False)
+        return self._array("<u8", count)
 
     def u32_array(self, count: int) -> np.ndarray:
-        return self._array("<u4", count, False)
+        return self._array("<u4", count)
 
     def i32_array(self, count: int) -> np.ndarray:
-        return self._array("<i4", count, False)
-
-    def u64_array_inplace(self, count: int) -> Optional[np.ndarray]:
-        """A read-only view (`apir_decode_uint64_t_array_inplace`), None on overrun."""
-        return self._array("<u8", count, True)
+        return self._array("<i4", count)
 
     def inplace(self, size: int) -> Optional[memoryview]:
         """The next `size` bytes as a view (`apir_decoder_use_inplace`), None on overrun.

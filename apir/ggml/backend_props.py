@@ -1,12 +1,11 @@
-"""`struct ggml_backend_dev_props` of one ggml build, and the enums the host reads beside it.
+"""`struct ggml_backend_dev_props` of one ggml build.
 
 Theory of operation: `ggml_backend_dev_get_props` fills a caller-owned struct whose tail,
 `struct ggml_backend_dev_caps`, grew a fifth boolean (`mmap_support`) between ggml 0.10 and
 0.20. The struct is therefore declared per build from the build's own `ggml-backend.h`, so
-reading the caps never reads past what the library wrote. `unary_ops(g)` reads
-`enum ggml_unary_op` from `ggml.h` the same way (GGML_OP_UNARY carries one in op_params[0]).
+reading the caps never reads past what the library wrote.
 
-Errors: `GgmlLoadError` when a header lacks the struct or enum.
+Errors: `GgmlLoadError` when a header lacks the struct.
 """
 
 from __future__ import annotations
@@ -15,9 +14,9 @@ import ctypes
 import re
 from typing import Dict, List, Type
 
-from apir.ggml.lib import Ggml, GgmlLoadError, _parse_enum
+from apir.ggml.lib import Ggml, GgmlLoadError
 
-__all__ = ["dev_props_struct", "get_dev_props", "unary_ops", "DevProps"]
+__all__ = ["dev_props_struct", "get_dev_props", "DevProps"]
 
 _cache: Dict[int, Type[ctypes.Structure]] = {}
 
@@ -58,8 +57,3 @@ def get_dev_props(g: Ggml, dev: int) -> DevProps:
     props = dev_props_struct(g)()
     g.ggml_backend_dev_get_props(dev, ctypes.byref(props))
     return DevProps((name, bool(getattr(props.caps, name))) for name, _ in props.caps._fields_)
-
-
-def unary_ops(g: Ggml) -> Dict[str, int]:
-    """`enum ggml_unary_op` of build `g` without the prefix, COUNT included."""
-    return _parse_enum((g.include_dir / "ggml.h").read_text(), "ggml_unary_op", "GGML_UNARY_OP_")

@@ -23,13 +23,13 @@ import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 
 from apir.codec.records import GgmlLimits
 
-__all__ = ["Ggml", "GgmlLoadError", "load", "default_paths", "SIGNATURES", "InitParams"]
+__all__ = ["Ggml", "GgmlLoadError", "load", "default_paths", "SIGNATURES", "SIGNATURE_LETTERS", "InitParams"]
 
 ENV_LIB_DIR = "APIR_GGML_LIB_DIR"
 ENV_INCLUDE_DIR = "APIR_GGML_INCLUDE_DIR"
@@ -46,8 +46,9 @@ class InitParams(ctypes.Structure):
 
 
 _P = ctypes.c_void_p
-# Signature letters: one for the result, then one per argument.
-_CODES = {
+# Signature letters: one for the result, then one per argument ("v", void, as a result only).
+# The one table: apir.guest.backend.abi types ggml's interface callbacks with it too.
+SIGNATURE_LETTERS: Dict[str, Any] = {
     "v": None, "p": ctypes.c_void_p, "s": ctypes.c_char_p, "z": ctypes.c_size_t,
     "i": ctypes.c_int, "I": ctypes.c_int64, "u": ctypes.c_uint32, "b": ctypes.c_bool,
     "f": ctypes.c_float, "B": ctypes.c_uint8, "P": InitParams,
@@ -109,7 +110,7 @@ SIGNATURES: Dict[str, str] = {
     "ggml_backend_cpu_buffer_from_ptr": "p:pz", "ggml_backend_cpu_buffer_type": "p:",
     "ggml_backend_alloc_ctx_tensors_from_buft": "p:pp",
     # ggml-cpu.h
-    "ggml_backend_cpu_init": "p:", "ggml_backend_cpu_set_n_threads": "v:pi",
+    "ggml_backend_cpu_init": "p:", "ggml_backend_cpu_set_n_threads": "v:pi", "ggml_backend_is_cpu": "b:p",
     # ggml-alloc.h
     "ggml_gallocr_new": "p:p", "ggml_gallocr_free": "v:p", "ggml_gallocr_alloc_graph": "b:pp",
     "ggml_gallocr_reserve": "b:pp", "ggml_gallocr_get_buffer_size": "z:pi",
@@ -174,8 +175,8 @@ def _declare(cdll_list, name: str, sig: str):
             fn = getattr(cdll, name)
         except AttributeError:
             continue
-        fn.restype = _CODES[res]
-        fn.argtypes = [_CODES[c] for c in args]
+        fn.restype = SIGNATURE_LETTERS[res]
+        fn.argtypes = [SIGNATURE_LETTERS[c] for c in args]
         return fn
     return None
 

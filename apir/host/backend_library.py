@@ -54,6 +54,9 @@ class PythonBackendLibrary:
         self.bufts, self.buffers = new_tables()
         self.vspace = VirtualAddressSpace()
         self.checker = None
+        # threads the backend computes with (0: never set, ggml's default); the work-size
+        # bound plans with the same count (apir.host.work_plan)
+        self.n_threads = 0
 
     # --- BackendLibrary -------------------------------------------------------------------
     def initialize(self, host: LibraryHost) -> int:
@@ -122,7 +125,8 @@ class PythonBackendLibrary:
             log.error("ctx %d: %s=%r is not a number", host.ctx_id, CONFIG_KEY_N_THREADS, value)
             n_threads = os.cpu_count() or 1
         set_n_threads = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int)(fn_ptr)
-        set_n_threads(self.backend, max(1, n_threads))
+        self.n_threads = max(1, n_threads)
+        set_n_threads(self.backend, self.n_threads)
 
     def dispatch(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
         return _dispatcher().dispatch(self, function_id, dec, enc)

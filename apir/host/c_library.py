@@ -71,7 +71,7 @@ from apir.host.library import LibraryHost, LibraryLoadError
 
 __all__ = ["CLibrary", "c_library_factory", "VirglApirCallbacks"]
 
-log = logging.getLogger("apir.host.c_library")
+log = logging.getLogger(__name__)
 
 # const char *(*get_config)(uint32_t virgl_ctx_id, const char *key): the returned pointer must
 # stay valid while the C uses it, so it is declared void * and points into a buffer we keep.

@@ -3,7 +3,8 @@
 Arguments: u32 res_id, size_t cgraph_size; the serialized graph is bytes [0, cgraph_size) of
 that shared-memory resource. Reply: the `enum ggml_status` (i32) of the compute. The size is
 checked against the resource's real size (the C has a placeholder there), the graph is
-parsed and checked (`parse_graph`, `apir.host.graph`), and only a graph that passes is
+parsed and checked (`parse_graph`, `apir.host.graph`), ggml's planned work buffer is bounded
+by the context's work budget (`apir.host.work_plan`), and only a graph that passes is
 computed; one that does not is refused (BACKEND_RC_ERROR, no status).
 """
 
@@ -14,6 +15,7 @@ from apir.host.errors import BACKEND_RC_OK, Refused
 from apir.codec.graph import GraphError, parse_graph
 from apir.host.graph import build_graph, lib_op_enums
 from apir.host.tensors import Scratch
+from apir.host.work_plan import check_work_size
 
 __all__ = ["graph_compute"]
 
@@ -34,6 +36,7 @@ def graph_compute(lib, dec, enc) -> int:
     enums = lib_op_enums(lib)
     with Scratch(g, len(parsed.tensors), max(len(parsed.node_index), 1)) as scratch:
         graph = build_graph(lib, parsed, scratch, enums)
+        check_work_size(lib, graph)  # before the CPU backend allocates its work buffer
         status = g.ggml_backend_graph_compute(lib.backend, graph)
         g.ggml_backend_synchronize(lib.backend)
     enc.i32(status)

@@ -12,6 +12,9 @@ import logging
 
 __all__ = ["Refused", "log", "BACKEND_RC_OK", "BACKEND_RC_ERROR"]
 
+# Every apir module logs to `logging.getLogger(__name__)`, but for this one: the refusals of
+# guest input (and the dispatcher's other lines) go to the host's package logger, "apir.host",
+# one name to watch or silence for everything a guest was refused.
 log = logging.getLogger("apir.host")
 
 # Backend function return codes (the `uint32_t` a C `backend_*` handler returns; Forward

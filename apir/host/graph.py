@@ -4,7 +4,10 @@ Theory of operation: `apir.codec.graph.parse_graph` has already checked the wire
 ids, types, ops, names and acyclicity. Here a node listed twice is refused, every tensor record is checked against this context
 (`TensorChecker.check_rpc`: a known buffer, data + extent inside it, no custom op), each
 view against its source (same buffer, `data == source data + view_offs`, its extent inside
-the source's), every tensor of the graph must have data (a kernel writes through it), and
+the source's), every tensor of the graph must have data (a kernel writes through it), its
+span (its elements' bytes with each dimension of 0 taken as 1, `base.check_span`) must fit
+its buffer (an empty tensor's other dimensions, or elements aliased through strides of 0,
+would otherwise size ggml's work buffer and kernel loops far beyond any memory), and
 each node's shape goes through `apir.host.shapes.check_node`, then what rules ask of the whole
 graph (`_check_graph_needs`: row ids read before compute are written by no node before they
 are read; kernels safe only on one thread are in a one-thread graph). Only then are tensors created
@@ -36,6 +39,7 @@ import numpy as np
 from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
 from apir.host.shapes import OpEnums, TensorInfo, check_node, op_enums
+from apir.host.shapes.base import check_span
 from apir.host.tensors import Scratch
 
 __all__ = ["build_graph", "tensor_info", "lib_op_enums"]
@@ -113,6 +117,23 @@ class _Records(NamedTuple):
     bufs: list  # HostBuffer per tensor
     offsets: np.ndarray  # int64
     extents: np.ndarray  # int64
+
+
+def _check_spans(lib, parsed, infos: list[TensorInfo], recs: _Records) -> None:
+    """Every tensor's span (`base.span_nbytes`: its elements' bytes with each 0 dimension
+    taken as 1) within its buffer's size (`base.check_span`, issue 13 classes 1 and 2).
+    Estimated in float for the whole graph; the few tensors near or over the bound are then
+    checked exactly."""
+    t = parsed.tensors
+    if not len(t):
+        return
+    chk = lib.checker
+    type_ = t["type"].astype(np.int64)
+    ne = np.maximum(t["ne"].astype(np.float64), 1.0)
+    span = np.ceil(ne[:, 0] / chk.blck_size_arr[type_]) * ne[:, 1:].prod(axis=1) * chk.type_size_arr[type_]
+    sizes = np.array([b.size for b in recs.bufs], dtype=np.float64)
+    for i in np.flatnonzero(span > sizes * (1 - 1e-9)).tolist():
+        check_span(infos[i], recs.bufs[i].size, f"graph tensor {i}")
 
 
 def _check_records_one_by_one(lib, parsed) -> _Records:
@@ -309,6 +330,7 @@ def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
     infos = _infos(lib, parsed, [b.base + o for b, o in zip(bufs, offsets)])
     for info, b, o in zip(infos, bufs, offsets):
         info.room = b.size - o  # bytes to the end of its buffer (TensorInfo.room)
+    _check_spans(lib, parsed, infos, recs)
     src_rows = parsed.src_index.tolist()
     for i in range(n):
         row = src_rows[i]

@@ -174,3 +174,22 @@ def case_tests(cases, ids, skip=None):
         assert rc == 0 and dec.i32() == 0
 
     return remote, test_op_matches_ggml_cpu, test_lying_shape_is_refused
+
+
+def rule_refusal(guest, r, recs, t=None):
+    """Why the shape rules refuse node `t` (default: the case's result) of records `recs`
+    (a `Remote`'s, edited), or None: `apir.host.shapes.node_refusal` on the records as the
+    rules see them, without data (device_supports_op's view: row ids are not read) and
+    without the graph-level checks (extents, spans) that would refuse first through the
+    host. For rules whose bound needs a tensor larger than a test can allocate."""
+    from apir.host.graph import lib_op_enums, tensor_info
+    from apir.host.shapes import node_refusal
+
+    lib = guest.ctx._library
+    ids = {int(v): k for k, v in enumerate(recs["id"])}
+    info = [tensor_info(lib, k, recs[k], None) for k in range(len(recs))]
+    node = r.index(r.out if t is None else t)
+    src = [int(v) for v in recs[node]["src"]]
+    while src and not src[-1]:
+        src.pop()
+    return node_refusal(info[node], [info[ids[v]] if v else None for v in src], lib_op_enums(lib))

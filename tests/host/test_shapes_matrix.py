@@ -12,7 +12,7 @@ import pytest
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.host.shapes import op_enums
-from tests.host.shapekit import ERROR, Case, Remote, _in, _ints, assert_computes_like_cpu, case_tests
+from tests.host.shapekit import ERROR, Case, Remote, _in, _ints, assert_computes_like_cpu, case_tests, rule_refusal
 from tests.host.test_shapes_more import _random_blocks
 
 
@@ -340,7 +340,8 @@ def test_kernel_reads_the_ids_that_were_checked(guest, ggml, monkeypatch):
 def test_mul_mat_src1_aliasing_elements_are_refused(guest, ggml, caplog):
     """src1 converted to src0's dot type goes through a work buffer sized by its element count:
     a src1 whose strides alias (nb[2] = 0 under a huge ne[2]) would make ggml-cpu allocate far
-    beyond the guest's buffers (aborting when it cannot): refused."""
+    beyond the guest's buffers (aborting when it cannot): refused, through the host by the
+    span check (graph.py, first), and by MUL_MAT's own rule as well."""
     def edit(r, recs):
         for t, n in ((r.inputs[1], 1 << 31), (r.out, 1 << 31)):
             i = r.index(t)
@@ -349,7 +350,14 @@ def test_mul_mat_src1_aliasing_elements_are_refused(guest, ggml, caplog):
             recs["nb"][i][3] = 0
 
     case = Case("MUL_MAT", _mul_mat("Q8_0", "F32", ne_a=(64, 5, 1, 1), ne_b=(64, 3, 1, 1)), data={0: Q8_0})
-    _refused(guest, ggml, case, "(MUL_MAT): src1 elements overlap", caplog, edit)
+    _refused(guest, ggml, case, "spans", caplog, edit)
+    r = Remote(guest, ggml, case)
+    try:
+        recs = r.recs.copy()
+        edit(r, recs)
+        assert "(MUL_MAT): src1 elements overlap" in rule_refusal(guest, r, recs)
+    finally:
+        r.close()
 
 
 def test_mul_mat_aliasing_result_is_refused(guest, ggml, caplog):

@@ -8,7 +8,7 @@ as data, once per ggml version, and `abi_for(g)` returns the set matching the lo
 tests/guest_backend/test_abi.py compiles a C program against each version's headers and checks
 every offset and size below.
 
-Function-pointer types use the letters of `apir.ggml.lib.SIGNATURES` (result, ":", arguments):
+Function-pointer types use the letters of `apir.ggml.lib.SIGNATURE_LETTERS` (result, ":", arguments):
 v void, p pointer, z size_t, b bool, i int / enum, B uint8_t. Strings returned by callbacks are
 `p` (an address the owner keeps alive), never `c_char_p`, which ctypes cannot return safely
 from a callback.
@@ -24,12 +24,9 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-__all__ = ["Abi", "UnsupportedGgmlVersion", "abi_for", "SUPPORTED_VERSIONS", "IFACE_FIELDS"]
+from apir.ggml.lib import SIGNATURE_LETTERS as _CODES
 
-_CODES = {
-    "v": None, "p": ctypes.c_void_p, "z": ctypes.c_size_t, "b": ctypes.c_bool,
-    "i": ctypes.c_int, "B": ctypes.c_uint8,
-}
+__all__ = ["Abi", "UnsupportedGgmlVersion", "abi_for", "SUPPORTED_VERSIONS", "IFACE_FIELDS"]
 
 # GGML_BACKEND_API_VERSION 2 interface tables, in C field order (ggml-backend-impl.h of both
 # ggml 0.10.1 and 0.20.2: the two headers are identical).

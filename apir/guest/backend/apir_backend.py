@@ -35,7 +35,7 @@ from apir.guest.backend.stream import build_backend_iface, new_backend
 
 __all__ = ["ApirBackend", "BackendInitError", "GraphComputeError"]
 
-log = logging.getLogger("apir.guest.backend")
+log = logging.getLogger(__name__)
 
 # ApirBackends closed while ggml still held some of their buffers or backends: kept for the
 # life of the process (a few small structs each), since C may call them at any time.

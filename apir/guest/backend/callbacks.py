@@ -24,7 +24,7 @@ from typing import Callable, Dict, List
 __all__ = ["BackendCallbackError", "CallbackTable", "take_errors", "raise_errors", "clear_errors",
            "record_error"]
 
-log = logging.getLogger("apir.guest.backend")
+log = logging.getLogger(__name__)
 
 _pending = threading.local()
 

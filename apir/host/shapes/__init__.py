@@ -22,6 +22,14 @@ rules read them before compute from a copy (`base.row_ids`) that the kernel is t
 and graph.py refuses a graph in which a node writes over them (ids computed by the graph):
 their values cannot be known before compute, and no kernel is safe on every value.
 
+Empty tensors (issue 13, class 1): an empty tensor's extent is 0, so the bounds checks
+place it anywhere; before any rule, `check_node` refuses a node with elements one of whose
+sources (optional ones included) has none (`base.check_empty_sources`), unless the op's rule
+is marked `base.empty_sources_ok` (no rule is today). A node without elements is not
+computed, but ggml still plans its work buffer from its sources' other dimensions: graph.py
+refuses any tensor whose span (`base.span_nbytes`: its elements' bytes with each 0 taken as
+1) exceeds its buffer, and apir.host.work_plan bounds the planned work buffer itself.
+
 Rules live in one module per family of ops, each with a `RULES` table; this package merges
 them into `CHECKED_OPS`.
 """
@@ -32,7 +40,7 @@ from typing import Callable, Dict, Optional, Sequence
 
 from apir.host.errors import Refused
 from apir.host.shapes import attention, backward, conv, elementwise, layout, matrix, rope, tensor_ops
-from apir.host.shapes.base import OpEnums, TensorInfo, op_enums
+from apir.host.shapes.base import OpEnums, TensorInfo, allows_empty_sources, check_empty_sources, op_enums
 
 __all__ = ["TensorInfo", "OpEnums", "op_enums", "check_node", "node_refusal", "CHECKED_OPS"]
 
@@ -44,10 +52,13 @@ for _family in (elementwise, layout, matrix, rope, backward, tensor_ops, conv, a
 
 
 def check_node(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]], enums: OpEnums) -> None:
-    """Raises Refused unless `node` is what ggml would build from `srcs`."""
+    """Raises Refused unless `node` is what ggml would build from `srcs`. First, for every op,
+    `base.check_empty_sources` (a result with elements from a source without, unless the
+    rule is marked `base.empty_sources_ok`), then the op's rule."""
     rule = CHECKED_OPS.get(node.op_name)
     if rule is None:
         raise Refused(f"node {node.index}: op {node.op_name} has no shape check on this host")
+    check_empty_sources(node, srcs, allows_empty_sources(rule))
     rule(node, srcs, enums)
 
 

@@ -198,6 +198,62 @@ def extent(t: TensorInfo) -> int:
     return tensor_extent(t.type_size, t.blck_size, t.ne, t.nb)
 
 
+def span_nbytes(t: TensorInfo) -> int:
+    """Bytes of `t`'s elements as if each dimension of 0 were 1: `ggml_row_size(type,
+    prod(max(ne[i], 1)))`. For a tensor whose elements do not overlap this is at most its
+    extent (so at most its buffer); it is what ggml's work-size planning and the kernels
+    that size or loop by one dimension can be driven to by a tensor's *other* dimensions,
+    even when it has no elements at all (issue 13, classes 1 and 2). graph.py refuses a
+    tensor whose span exceeds its buffer's size (`check_span`)."""
+    blocks0 = -(-max(int(t.ne[0]), 1) // t.blck_size)
+    return blocks0 * t.type_size * math.prod(max(int(n), 1) for n in t.ne[1:])
+
+
+def check_span(t: TensorInfo, buffer_size: int, what: str) -> None:
+    """Refuses `t` when `span_nbytes(t)` exceeds `buffer_size`, the size of the buffer it
+    lies in. Legitimate tensors never do: their elements fit their extent. What is refused:
+    an empty tensor with huge other dimensions (a 2^63-byte work buffer planned from them),
+    and elements that alias through strides of 0 or overlapping rows by more than the
+    buffer holds (work buffers and loops sized by the element count). Raises Refused."""
+    span = span_nbytes(t)
+    if span > buffer_size:
+        raise Refused(f"{what}: ne {t.ne} spans {span} bytes of {t.type_name}, more than its "
+                      f"{buffer_size}-byte buffer (empty or aliasing elements)")
+
+
+# Name of the attribute `empty_sources_ok` sets on a rule.
+_EMPTY_SOURCES_OK = "empty_sources_ok"
+
+
+def empty_sources_ok(rule):
+    """Decorator for a rule whose kernel is known to read nothing of a source with no
+    elements while still writing a result with elements; without it `check_empty_sources`
+    refuses such a node before the rule runs."""
+    setattr(rule, _EMPTY_SOURCES_OK, True)
+    return rule
+
+
+def allows_empty_sources(rule) -> bool:
+    return bool(getattr(rule, _EMPTY_SOURCES_OK, False))
+
+
+def check_empty_sources(node: TensorInfo, srcs: Sequence[TensorInfo | None], allowed: bool = False) -> None:
+    """Issue 13, class 1: a node whose result has elements, one of whose sources has none, is
+    refused (unless `allowed`, see `empty_sources_ok`). An empty tensor's extent is 0 bytes, so
+    the bounds checks place it anywhere (at the very end of its buffer); a kernel that walks
+    it by another tensor's shape (ADD_ID's ids by src0's rows, a convolution's input by the
+    kernel's channels) then reads or writes outside every checked extent. A node with no
+    elements is not computed (ggml_compute_forward returns on ggml_is_empty), and ggml's work
+    planning, which still reads its sources' dimensions, is bounded by `check_span` and the
+    compute-time work-size bound (apir.host.work_plan)."""
+    if allowed or not node.nelements():
+        return
+    for k, s in enumerate(srcs):
+        if s is not None and not s.nelements():
+            fail(node, f"src{k} {s.ne} has no elements but the result {node.ne} has: the kernel "
+                       f"would walk it by another tensor's shape")
+
+
 _ID_DTYPES = {"I32": np.int32, "I64": np.int64}
 
 

@@ -1,0 +1,102 @@
+"""The compute-time work-size bound: ggml's planned work buffer checked before any compute.
+
+Theory of operation: the CPU backend's `ggml_backend_cpu_graph_compute` (ggml-cpu.cpp) calls
+`ggml_graph_plan` and then allocates the planned work buffer with `new uint8_t[work_size]`;
+a size the machine cannot give throws `std::bad_alloc` through C, and the host process
+aborts (SIGABRT), taking every other guest with it. The plan is a pure function of the graph
+and the thread count, so `check_work_size` runs the same `ggml_graph_plan` on the checked
+host graph with the backend's thread count first and refuses the graph when the planned
+`work_size` exceeds the context's work budget. Only then is the graph computed.
+
+The rules (apir.host.shapes) and `base.check_span` already keep each tensor's dimensions
+within its buffer, so the plan's arithmetic cannot wrap; this bound covers what is left:
+work buffers sized by sums and products over several tensors, thread counts, and any op
+whose planning a rule does not model.
+
+Configuration: `apir.host.work_budget` (bytes, `CONFIG_KEY_WORK_BUDGET`), default
+`DEFAULT_WORK_BUDGET` (1 GiB). Legitimate work buffers are about the size of a graph's
+largest source converted to another type (MUL_MAT's F32 src1 as the weights' dot type;
+CONV_TRANSPOSE_*'s copies of kernel and input; per-thread rows for the rest): far below it
+for models whose activations fit in a few hundred MiB. A value that is not a number means 0
+(every graph that plans a work buffer is refused), as for `apir.host.buffer_budget`.
+
+Backends: only a CPU backend (`ggml_backend_is_cpu`) plans this way; another backend (a
+configured `ggml.library.path`) allocates its own scratch, and no bound is applied here.
+
+Errors: `Refused` when the plan exceeds the budget.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from apir.host.errors import Refused, log
+
+__all__ = ["CONFIG_KEY_WORK_BUDGET", "DEFAULT_WORK_BUDGET", "Cplan", "check_work_size", "planned_work_size",
+           "work_budget"]
+
+CONFIG_KEY_WORK_BUDGET = "apir.host.work_budget"
+DEFAULT_WORK_BUDGET = 1 << 30
+
+
+class Cplan(ctypes.Structure):
+    """`struct ggml_cplan` (ggml-cpu.h, the same in ggml 0.10 and 0.20), returned by value by
+    `ggml_graph_plan`; only `work_size` is read."""
+
+    _fields_ = [("work_size", ctypes.c_size_t), ("work_data", ctypes.c_void_p), ("n_threads", ctypes.c_int),
+                ("threadpool", ctypes.c_void_p), ("abort_callback", ctypes.c_void_p),
+                ("abort_callback_data", ctypes.c_void_p), ("use_ref", ctypes.c_bool)]
+
+
+def _graph_plan(g):
+    """`ggml_graph_plan(const struct ggml_cgraph *, int n_threads, struct ggml_threadpool *)`
+    of build `g` (libggml-cpu), declared once (its struct result has no SIGNATURES letter)."""
+    fn = getattr(g, "_apir_graph_plan", None)
+    if fn is None:
+        for cdll in g.cdlls:
+            try:
+                fn = cdll.ggml_graph_plan
+            except AttributeError:
+                continue
+            fn.restype, fn.argtypes = Cplan, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+            break
+        else:
+            raise RuntimeError("ggml_graph_plan: not in this ggml build")
+        g._apir_graph_plan = fn
+    return fn
+
+
+def planned_work_size(g, graph: int, n_threads: int) -> int:
+    """Bytes of work buffer the CPU backend will allocate for `graph` (a host cgraph whose
+    nodes passed the rules) on `n_threads` threads (0: ggml's default, as a CPU backend whose
+    thread count was never set): `ggml_graph_plan(graph, n_threads, NULL).work_size`."""
+    return int(_graph_plan(g)(graph, n_threads, None).work_size)
+
+
+def work_budget(lib) -> int:
+    """The context's work budget in bytes: config `apir.host.work_budget`, else
+    `DEFAULT_WORK_BUDGET`."""
+    host = getattr(lib, "host", None)
+    value = host.get_config(CONFIG_KEY_WORK_BUDGET) if host is not None else None
+    if value is None:
+        return DEFAULT_WORK_BUDGET
+    try:
+        return int(value)
+    except ValueError:
+        log.error("%s=%r is not a number", CONFIG_KEY_WORK_BUDGET, value)
+        return 0
+
+
+def check_work_size(lib, graph: int) -> int | None:
+    """Refuses `graph` when the CPU backend of dispatcher `lib` would plan more work buffer
+    for it than `work_budget(lib)` (issue 13, class 2); returns the planned size (None for a
+    backend that is not the CPU's). Raises Refused."""
+    g = lib.g
+    if not g.ggml_backend_is_cpu(lib.backend):
+        return None
+    size = planned_work_size(g, graph, getattr(lib, "n_threads", 0) or 0)
+    budget = work_budget(lib)
+    if size > budget:
+        raise Refused(f"backend_graph_compute: ggml plans a {size}-byte work buffer, over the "
+                      f"context's work budget of {budget} bytes ({CONFIG_KEY_WORK_BUDGET})")
+    return size

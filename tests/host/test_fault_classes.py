@@ -1,0 +1,210 @@
+"""Issue 13, classes 1 and 2, the general mechanisms: empty sources (`base.check_empty_sources`),
+spans of empty or aliasing tensors (`base.check_span`) and the compute-time work-size bound
+(`apir.host.work_plan`). The issue's examples abort or misread in the host, so each runs in a
+child process (tests.host.isolated): a regression fails the test, not pytest."""
+
+import logging
+
+import numpy as np
+import pytest
+
+from tests.host.isolated import assert_child_ok
+from tests.host.shapekit import ERROR, Case, Remote, _in, ctor
+
+HUGE = (1 << 32) - 1  # the largest ne an apir_rpc_tensor carries (uint32)
+
+
+# --- builders ---------------------------------------------------------------------------------
+def _ct1d(g, ctx):
+    k, x = _in(g, ctx, "F32", 3, 2, 4), _in(g, ctx, "F32", 6, 4)
+    return ctor(g, "ggml_conv_transpose_1d")(ctx, k, x, 2, 0, 1), [k, x]
+
+
+def _ct2d(g, ctx):
+    k, x = _in(g, ctx, "F16", 3, 2, 3, 4), _in(g, ctx, "F32", 5, 4, 4, 1)
+    return ctor(g, "ggml_conv_transpose_2d_p0")(ctx, k, x, 2), [k, x]
+
+
+def _add_id(g, ctx):
+    a, b = _in(g, ctx, "F32", 16, 5, 4), _in(g, ctx, "F32", 16, 5)
+    ids = _in(g, ctx, "I32", 5, 4)
+    return g.ggml_add_id(ctx, a, b, ids), [a, b, ids]
+
+
+def _mul_mat_f16(g, ctx):
+    a, b = _in(g, ctx, "F16", 64, 8), _in(g, ctx, "F32", 64, 16)
+    return g.ggml_mul_mat(ctx, a, b), [a, b]
+
+
+def _ids(n, rng):
+    return rng.integers(0, 5, n).astype(np.int32)
+
+
+# --- children: each builds its graph, sends the hostile variant, then the valid one ---------
+def _child_remote(case):
+    import apir.ggml
+    from tests.host.hostkit import Guest
+
+    g = apir.ggml.load()
+    return g, Remote(Guest(), g, case)
+
+
+def _refused_then_serves(r, recs):
+    rc, _ = r.compute(recs)
+    assert rc == ERROR, f"hostile graph accepted (rc {rc})"
+    rc, dec = r.compute()
+    assert rc == 0 and dec.i32() == 0, "the host does not serve the next graph"
+
+
+def _child_conv_transpose_2d_empty_huge():
+    """Issue 13 class 1: CONV_TRANSPOSE_2D whose input has a dimension 0 and huge others.
+    Result and sources are empty (extent 0), but ggml_graph_plan sizes the work buffer
+    from the input's and kernel's other dimensions: 2 * 26 * (2^32 - 1) bytes (208 GiB), `new`
+    throws, SIGABRT."""
+    _, r = _child_remote(Case("CONV_TRANSPOSE_2D", _ct2d))
+    recs = r.recs.copy()
+    k, x, o = r.index(r.inputs[0]), r.index(r.inputs[1]), r.index(r.out)
+    recs["ne"][k] = [3, 2, 0, HUGE]  # Cout 0, Cin huge
+    recs["ne"][x] = [5, 4, HUGE, 0]  # Cin huge, N 0
+    recs["ne"][o][2:] = [0, 0]
+    recs["nb"][o][3] = 0  # contiguous, as ggml lays out [OW, OH, 0, 0]
+    _refused_then_serves(r, recs)
+
+
+def _child_add_id_empty_ids():
+    """Issue 13 class 1: ADD_ID whose ids have no elements (ne[2] = 0) placed at the very end
+    of the buffer: the kernel reads ids[i1, i2] for every row of src0, past the buffer, and
+    then rows of src1 at whatever it read there."""
+    g, r = _child_remote(Case("ADD_ID", _add_id, data={2: _ids}))
+    recs = r.recs.copy()
+    i = r.index(r.inputs[2])
+    recs["ne"][i][2] = 0
+    recs["data"][i] = g.ggml_backend_buffer_get_size(r.remote.local)
+    _refused_then_serves(r, recs)
+
+
+def _child_conv_transpose_1d_channel_stride_0():
+    """Issue 13 class 2: CONV_TRANSPOSE_1D whose kernel and input have 2^26 channels at
+    stride 0: both fit their few bytes, the rule's int bounds hold, but ggml plans (and
+    memsets) 4 * (3*2*2^26 + 6*2^26) bytes = 3 GiB of work buffer."""
+    _, r = _child_remote(Case("CONV_TRANSPOSE_1D", _ct1d))
+    recs = r.recs.copy()
+    k, x = r.index(r.inputs[0]), r.index(r.inputs[1])
+    recs["ne"][k][2], recs["nb"][k][2] = 1 << 26, 0
+    recs["ne"][x][1], recs["nb"][x][1] = 1 << 26, 0
+    _refused_then_serves(r, recs)
+
+
+def _child_conv_transpose_2d_channel_stride_0():
+    """Issue 13 class 2, the 2D variant: 2^26 input channels at stride 0 in the F16 kernel and
+    the F32 input: 2 * (18 + 20) * 2^26 bytes = 4.75 GiB of work buffer planned."""
+    _, r = _child_remote(Case("CONV_TRANSPOSE_2D", _ct2d))
+    recs = r.recs.copy()
+    k, x = r.index(r.inputs[0]), r.index(r.inputs[1])
+    recs["ne"][k][3], recs["nb"][k][3] = 1 << 26, 0
+    recs["ne"][x][2], recs["nb"][x][2] = 1 << 26, 0
+    _refused_then_serves(r, recs)
+
+
+@pytest.mark.parametrize("child, why", [
+    ("_child_conv_transpose_2d_empty_huge", "spans"),
+    ("_child_add_id_empty_ids", "(ADD_ID): src2"),
+    ("_child_conv_transpose_1d_channel_stride_0", "spans"),
+    ("_child_conv_transpose_2d_channel_stride_0", "spans"),
+])
+def test_issue_example_is_refused_in_a_child(child, why):
+    assert_child_ok(f"{__name__}:{child}", why)
+
+
+# --- the mechanisms, one by one ---------------------------------------------------------------
+def _refused(r, recs, caplog, why):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="apir.host"):
+        rc, _ = r.compute(recs)
+    assert rc == ERROR
+    assert why in caplog.text, caplog.text
+    rc, dec = r.compute()
+    assert rc == 0 and dec.i32() == 0
+
+
+@pytest.fixture
+def mm(guest, ggml):
+    r = Remote(guest, ggml, Case("MUL_MAT", _mul_mat_f16))
+    yield r
+    r.close()
+
+
+def test_empty_source_of_a_node_with_elements_is_refused(mm, caplog):
+    """MUL_MAT with k = 0: the result has elements, its sources none (the general rule,
+    before MUL_MAT's own)."""
+    recs = mm.recs.copy()
+    for t in mm.inputs:
+        recs["ne"][mm.index(t)][0] = 0
+    _refused(mm, recs, caplog, "has no elements but the result")
+
+
+def test_empty_node_with_empty_sources_is_accepted(mm):
+    """Nothing to compute: ggml skips an empty node, so an empty source is fine there."""
+    recs = mm.recs.copy()
+    b, o = mm.index(mm.inputs[1]), mm.index(mm.out)
+    recs["ne"][b][1] = recs["ne"][o][1] = 0
+    rc, dec = mm.compute(recs)
+    assert rc == 0 and dec.i32() == 0
+
+
+def test_span_of_an_empty_tensor_beyond_its_buffer_is_refused(mm, caplog):
+    recs = mm.recs.copy()
+    b, o = mm.index(mm.inputs[1]), mm.index(mm.out)
+    recs["ne"][b][1] = recs["ne"][o][1] = 0
+    recs["ne"][b][2] = recs["ne"][o][2] = HUGE
+    _refused(mm, recs, caplog, "spans")
+
+
+def test_span_of_aliasing_elements_beyond_the_buffer_is_refused(mm, caplog):
+    recs = mm.recs.copy()
+    b, o = mm.index(mm.inputs[1]), mm.index(mm.out)
+    recs["ne"][b][2] = recs["ne"][o][2] = 1 << 20
+    recs["nb"][b][2] = recs["nb"][b][3] = 0
+    recs["nb"][o][2] = recs["nb"][o][3] = 0
+    _refused(mm, recs, caplog, "spans")
+
+
+def test_work_budget_bounds_the_planned_work_buffer(guest, mm, ggml, caplog):
+    """F16 x F32 MUL_MAT: ggml plans src1 converted to F16 (2 * 64 * 16 bytes) plus a cache
+    line per thread; a budget below that refuses the graph, the default computes it."""
+    from apir.host.work_plan import CONFIG_KEY_WORK_BUDGET
+
+    lib = guest.ctx._library
+    assert lib.n_threads >= 1
+    guest.ctx.set_config(CONFIG_KEY_WORK_BUDGET, "1024")
+    _refused_budget = "work buffer, over the context's work budget of 1024 bytes"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="apir.host"):
+        rc, _ = mm.compute()
+    assert rc == ERROR and _refused_budget in caplog.text, caplog.text
+    guest.ctx.set_config(CONFIG_KEY_WORK_BUDGET, str(2 * 64 * 16 + 64 * lib.n_threads))
+    rc, dec = mm.compute()
+    assert rc == 0 and dec.i32() == 0
+    guest.ctx.set_config(CONFIG_KEY_WORK_BUDGET, "not a number")  # 0: refused
+    rc, _ = mm.compute()
+    assert rc == ERROR
+    del guest.ctx.config[CONFIG_KEY_WORK_BUDGET]
+    rc, dec = mm.compute()
+    assert rc == 0 and dec.i32() == 0
+
+
+def test_planned_work_size_is_ggml_graph_plan(ggml):
+    """planned_work_size reads ggml_graph_plan's struct result: 2 * 64 * 16 bytes of F16 src1
+    plus a 64-byte cache line per thread (CACHE_LINE_SIZE on x86-64 and aarch64)."""
+    from apir.host.work_plan import DEFAULT_WORK_BUDGET, planned_work_size
+    from tests.host.hostkit import GgmlScratch
+    from tests.host.shapekit import _graph
+
+    s = GgmlScratch(ggml)
+    try:
+        graph, _, _ = _graph(ggml, s.ctx, Case("MUL_MAT", _mul_mat_f16))
+        for n_threads in (1, 3):
+            assert planned_work_size(ggml, graph, n_threads) == 2 * 64 * 16 + 64 * n_threads
+    finally:
+        s.close()
+    assert DEFAULT_WORK_BUDGET == 1 << 30
