@@ -7,6 +7,7 @@ Inputs that hang or abort the host without the rule run it in a child process
 whose kernel would only read out of bounds run in this process. The `int` bounds need
 tensors of gigabytes; they are shown on the rules themselves (`node_refusal`)."""
 
+import logging
 import pathlib
 import re
 
@@ -16,7 +17,8 @@ import pytest
 from apir.host.shapes import TensorInfo, attention, backward, elementwise, layout, node_refusal, op_enums, rope
 from tests.host.childkit import compute_mutated, run_in_child
 from tests.host.shapekit import ERROR, Case, Remote, _in, _ints
-from tests.host.test_shapes_attention import _hc_comb, _ssm_scan
+from tests.host.test_shapes_attention import _fa, _hc_comb, _ssm_scan
+from tests.host.test_shapes_more import _rope, _sinks
 
 INT32_MAX = 2**31 - 1
 OK = 0
@@ -95,6 +97,47 @@ def test_cont_into_another_type_is_refused(ggml):
     edits = [(-1, "type", 0, "Q8_0", None)] + [(-1, "nb", i, q8[i], np.int64) for i in range(4)]
     log = _in_child("CONT", edits, "CONT")
     assert "keeps its type" in log
+
+
+# --- class 1: empty auxiliary sources the kernel indexes by other tensors' shapes ------------
+def _refused(guest, ggml, caplog, case, which, dim, op):
+    """`case` with ne[dim] of input `which` set to 0 (its extent 0 bytes, so unchecked) is
+    refused by the op's rule or the empty-source check, and the host serves on."""
+    r = Remote(guest, ggml, case)
+    recs = r.recs.copy()
+    recs["ne"][r.index(r.inputs[which])][dim] = 0
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="apir.host"):
+        rc, _ = r.compute(recs)
+    assert rc == ERROR
+    assert f"({op})" in caplog.text, caplog.text
+    rc, dec = r.compute()
+    assert rc == OK and dec.i32() == 0
+    r.close()
+
+
+def test_flash_attn_ext_empty_sinks(guest, ggml, caplog):
+    """sinks [H, 0]: the kernel still reads sinks[h] for every head."""
+    _refused(guest, ggml, caplog, Case("FLASH_ATTN_EXT", _fa(sinks=True)), 4, 1, "FLASH_ATTN_EXT")
+
+
+def test_soft_max_empty_sinks(guest, ggml, caplog):
+    """sinks [ne[2], 0]: the kernel still reads sinks[i02]."""
+    _refused(guest, ggml, caplog, Case("SOFT_MAX", _sinks), 2, 1, "SOFT_MAX")
+
+
+def test_rope_empty_frequency_factors(guest, ggml, caplog):
+    """factors [8, 0]: the cache still reads one factor per pair of ne[0]."""
+    factors = {1: _ints(100), 2: lambda n, r: r.random(n).astype(np.float32) + 1}
+    case = Case("ROPE", _rope("NEOX", ff=True), data=factors)
+    _refused(guest, ggml, caplog, case, 2, 1, "ROPE")
+
+
+def test_timestep_embedding_empty_timesteps(guest, ggml, caplog):
+    """timesteps [5, 0]: the kernel still reads 5 floats (one per row of the result)."""
+    case = Case("TIMESTEP_EMBEDDING", lambda g, c: (lambda t: (g.ggml_timestep_embedding(c, t, 7, 1000), [t]))(
+        _in(g, c, "F32", 5)))
+    _refused(guest, ggml, caplog, case, 0, 1, "TIMESTEP_EMBEDDING")
 
 
 # --- class 3: C int counts and indices (shown on the rules: the tensors are gigabytes) --------
