@@ -10,7 +10,8 @@ path or value at fault.
 
 Exit status (the same for every command): 0 success, 1 a runtime error (no host at that
 socket, a build that cannot load, a compute that failed), 2 bad usage (an unknown option, an
-empty or impossible value: argparse's errors and `UsageError`), 130 Ctrl-C.
+empty or impossible value: argparse's errors and `UsageError`), 130 Ctrl-C, 141 when stdout's
+reader went away (`| head`), quietly.
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ __all__ = ["main", "build_parser", "SUBCOMMAND_MODULES", "host_config_from_args"
 log = logging.getLogger("apir.cli")  # its module name, also when run as `python -m apir.cli`
 
 # Modules adding subcommands (each with add_parser(subparsers, parents)); this one first.
-SUBCOMMAND_MODULES = ["apir.cli", "apir.models.cli_embed"]
+SUBCOMMAND_MODULES = ["apir.cli", "apir.models.cli_embed", "apir.conformance.cli"]
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ENV_LOG_LEVEL = "APIR_LOG_LEVEL"
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+EXIT_PIPE = 128 + signal.SIGPIPE  # 141: what a shell reports for a command killed by SIGPIPE
 
 
 class UsageError(ValueError):
@@ -124,6 +126,30 @@ def device_from_args(args: argparse.Namespace) -> tuple[Optional[str], Optional[
     spec = device_spec(getattr(args, "socket", None), getattr(args, "drm", None))
     config = host_config_from_args(args) if hasattr(args, "config") else None
     return spec, config
+
+
+def add_trace_argument(parser: argparse.ArgumentParser) -> None:
+    """--trace FILE for a command that can run its host in this process (the embedded device)."""
+    parser.add_argument("--trace", metavar="FILE",
+                        help="record each command the embedded host serves to FILE (`apir trace FILE` prints it; "
+                             "a socket host traces with `apir host serve --trace`)")
+
+
+def embedded_trace(args: argparse.Namespace, spec: Optional[str]):
+    """(trace or None, device options) for --trace: a `CommandTrace` set as the tracer of the
+    embedded host's context. Raises UsageError when the device is not the embedded one (that
+    host runs elsewhere), OSError (naming the file) when it cannot be written."""
+    if not getattr(args, "trace", None):
+        return None, None
+    from apir.devices import parse_spec
+    from apir.host.local_kernel import default_context_factory
+    from apir.host.trace import CommandTrace, traced_context_factory
+
+    if parse_spec(spec).kind != "embedded":
+        raise UsageError("--trace records a host this process runs (the embedded one); for a socket host "
+                         "give --trace to `apir host serve`")
+    trace = CommandTrace(args.trace)
+    return trace, {"context_factory": traced_context_factory(default_context_factory, trace)}
 
 
 # --- apir host serve -------------------------------------------------------------------------
@@ -229,16 +255,21 @@ def run_info(args: argparse.Namespace) -> int:
 
     spec, config = device_from_args(args)
     device = parse_spec(spec)
+    trace, device_options = embedded_trace(args, spec)
     if args.socket:
         check_connect(args.socket)
-    with open_client(spec, config=config) as client:
-        info: dict = {"transport": device.kind, "node": device.node, "where": device.where}
-        info["protocol"] = {
-            "guest": "%d.%d" % tuple(client.protocol),
-            "host": "%d.%d" % tuple(client.host_version),
-            "capset": client.remote.capset_id,
-        }
-        info.update(gather_info(client))
+    try:
+        with open_client(spec, config=config, device_options=device_options) as client:
+            info: dict = {"transport": device.kind, "node": device.node, "where": device.where}
+            info["protocol"] = {
+                "guest": "%d.%d" % tuple(client.protocol),
+                "host": "%d.%d" % tuple(client.host_version),
+                "capset": client.remote.capset_id,
+            }
+            info.update(gather_info(client))
+    finally:
+        if trace:
+            trace.close()
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -313,6 +344,7 @@ def add_parser(subparsers, parents) -> None:
     info = subparsers.add_parser("info", parents=parents,
                                  help="HandShake with a host and describe its device and buffer type")
     add_device_arguments(info)
+    add_trace_argument(info)
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(run=run_info)
 
@@ -348,6 +380,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("apir: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of stdout went away (`apir trace FILE | head`): stop quietly, as a command
+        # killed by SIGPIPE would, and keep Python from reporting the unflushed stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
     except UsageError as exc:
         print(f"apir: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE

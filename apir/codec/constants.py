@@ -79,9 +79,10 @@ def negotiated_version(guest: Tuple[int, int], host: Tuple[int, int]) -> Tuple[i
     built for (the C guest of ggml 0.10 reads 4 device_get_props booleans, of 0.20 five) and a
     host that knows the guest's version answers in it; an older host writes its own, shorter
     layout. A guest version the host does not know is answered in the host's version."""
-    if tuple(guest) not in APIR_PROTOCOL_VERSIONS:
-        return tuple(host)
-    return min(tuple(guest), tuple(host))
+    guest_v, host_v = (int(guest[0]), int(guest[1])), (int(host[0]), int(host[1]))  # lists too
+    if guest_v not in APIR_PROTOCOL_VERSIONS:
+        return host_v
+    return min(guest_v, host_v)
 
 
 def device_props_fields(version: Tuple[int, int]) -> Tuple[str, ...]:

@@ -64,7 +64,7 @@ class ApirClient(DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
         """The version both sides shape version-dependent replies by: the lower of ours and
         the host's (apir.codec.constants.negotiated_version); ours before the HandShake."""
         if self.host_version is None:
-            return tuple(self.protocol)
+            return (self.protocol[0], self.protocol[1])
         return negotiated_version(self.protocol, self.host_version)
 
     @classmethod

@@ -61,7 +61,7 @@ def add_parser(subparsers, parents=()) -> argparse.ArgumentParser:
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
-    from apir.cli import node_arg, socket_arg
+    from apir.cli import add_trace_argument, node_arg, socket_arg
 
     p.add_argument(
         "sentences",
@@ -112,6 +112,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
         help=f"values of each embedding printed in the table (default {DEFAULT_SHOWN})",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    add_trace_argument(p)
 
 
 # --- input -------------------------------------------------------------------------------------
@@ -176,13 +177,27 @@ class _ProgressBar:
 
 # --- run ---------------------------------------------------------------------------------------
 def _open(args):
-    from apir.cli import device_from_args
+    """(OpenedBackend, the --trace CommandTrace or None). Raises UsageError (--trace without
+    an embedded host), BackendUnavailable, ValueError."""
+    from apir.cli import UsageError, device_from_args, embedded_trace
     from apir.models.backends import open_backend, open_local_cpu
 
     if args.local_cpu:
-        return open_local_cpu(args.threads)
+        if args.trace:
+            raise UsageError("--trace records an APIR host's commands; --local-cpu runs none")
+        return open_local_cpu(args.threads), None
     spec, config = device_from_args(args)
-    return open_backend(spec, config=config, n_threads=args.threads)
+    trace, device_options = embedded_trace(args, spec)
+    if args.socket:
+        from apir.socket_path import check_connect
+
+        check_connect(args.socket)
+    try:
+        return open_backend(spec, config=config, n_threads=args.threads, device_options=device_options), trace
+    except BaseException:
+        if trace:
+            trace.close()
+        raise
 
 
 def _embed(model, sentences: List[str], batch_size: int, progress) -> np.ndarray:
@@ -220,6 +235,7 @@ def _check_usage(args: argparse.Namespace, sentences: List[str]) -> str:
 
 
 def _run(args: argparse.Namespace, assets) -> int:
+    from apir.cli import UsageError
     from apir.models.assets import ModelNotInstalled, load_assets
     from apir.models.backends import BackendUnavailable
     from apir.models.minilm import MiniLM, MiniLMError
@@ -235,11 +251,9 @@ def _run(args: argparse.Namespace, assets) -> int:
             _warn(f"{_label(i, sentence)} is empty: its embedding is that of [CLS] [SEP] alone")
     try:
         assets = assets or load_assets()
-        if args.socket:
-            from apir.socket_path import check_connect
-
-            check_connect(args.socket)
-        opened = _open(args)
+        opened, trace = _open(args)
+    except UsageError as exc:
+        raise _Usage(str(exc)) from None
     except (ModelNotInstalled, BackendUnavailable, ValueError) as exc:
         print(f"apir: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -266,6 +280,8 @@ def _run(args: argparse.Namespace, assets) -> int:
         return EXIT_ERROR
     finally:
         opened.close()
+        if trace:
+            trace.close()
     truncated = assets.tokenizer.truncated(sentences)
     show_sim = args.similarity if args.similarity is not None else len(sentences) <= SIMILARITY_AUTO_MAX
     cosine = emb @ emb.T if show_sim else None
