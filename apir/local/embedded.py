@@ -216,9 +216,12 @@ class EmbeddedDevice:
 
     def watch(self, timeout_s: float) -> None:
         """For a caller waiting on a reply notification word (apir.guest.remote): sleeps
-        `timeout_s`, then raises DeviceError if the host thread is gone (it died: no reply
-        will ever come)."""
+        `timeout_s`, then raises DeviceError if the device was closed meanwhile (its blobs,
+        the reply's among them, are freed) or the host thread is gone (it died: no reply will
+        ever come)."""
         time.sleep(max(0.0, timeout_s))
+        if self._closed:
+            raise DeviceError("embedded: the device was closed during the call")
         if not self._thread.is_alive():
             raise DeviceError("embedded: the host thread is gone")
 
