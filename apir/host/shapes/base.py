@@ -162,6 +162,21 @@ class TensorInfo:
 
 FLOAT = ("F32", "F16", "BF16")
 
+INT_MAX = 2**31 - 1  # C `int` on every platform ggml's CPU backend runs on
+# A count of rows a kernel keeps in `int` and splits among threads as `(nr + nth - 1) / nth`
+# (still an `int`): the sum must not wrap either, for any thread count ggml allows
+# (GGML_MAX_N_THREADS is 512; the margin leaves room for more).
+INT_ROWS_MAX = INT_MAX - (1 << 16)
+
+
+def int_rows(node: TensorInfo, n: int, what: str) -> None:
+    """Refuses a row count `n` that the kernel keeps in an `int` and splits among threads
+    (`const int nr = ...; const int dr = (nr + nth - 1)/nth;`) when it could wrap: a wrapped
+    count makes a thread's row range negative, and the kernel then indexes before its
+    tensors (issue 13, class 3)."""
+    if n > INT_ROWS_MAX:
+        fail(node, f"{what} ({n}) exceed the kernel's int row count")
+
 
 def param_i32(node: TensorInfo, i: int) -> int:
     return int(np.asarray(node.op_params, dtype=np.int32)[i])
