@@ -2,11 +2,16 @@
 
 Theory of operation: `main` builds one argparse parser whose subcommands come from modules; each
 module has ``add_parser(subparsers, parents)`` which adds its parser(s) and sets
-``run=<callable(args) -> int>`` as a default. This file's own commands are `apir host serve` and
-`apir info`; other modules join by being named in `SUBCOMMAND_MODULES` (`apir embed` comes from
-apir.models.cli_embed). Logging goes through the standard logging module (``--log-level``);
-any failure becomes one line ``apir: error: ...`` on stderr and a non-zero exit status (1 for an
-error, 2 for bad usage, 130 for Ctrl-C).
+``run=<callable(args) -> int>`` as a default. This file's own commands are `apir host serve`,
+`apir info` and `apir trace`; other modules join by being named in `SUBCOMMAND_MODULES` (`apir embed` comes from
+apir.models.cli_embed). Logging goes through the standard logging module (``--log-level``,
+else $APIR_LOG_LEVEL); any failure becomes one line ``apir: error: ...`` on stderr, naming the
+path or value at fault.
+
+Exit status (the same for every command): 0 success, 1 a runtime error (no host at that
+socket, a build that cannot load, a compute that failed), 2 bad usage (an unknown option, an
+empty or impossible value: argparse's errors and `UsageError`), 130 Ctrl-C, 141 when stdout's
+reader went away (`| head`), quietly.
 """
 
 from __future__ import annotations
@@ -21,14 +26,20 @@ import sys
 import threading
 from typing import Optional, Sequence
 
+from apir import __version__
 from apir.codec.constants import (
+    APIR_PROTOCOL_MAJOR,
+    APIR_PROTOCOL_MINOR,
     CONFIG_KEY_GGML_LIBRARY_PATH,
     CONFIG_KEY_GGML_LIBRARY_REG,
     CONFIG_KEY_LOAD_LIBRARY_PATH,
+    ENV_GGML_LIBRARY_PATH,
 )
+from apir.socket_path import SocketPathError, check_connect, check_listen, check_syntax
 
 __all__ = ["main", "build_parser", "SUBCOMMAND_MODULES", "host_config_from_args", "add_host_config_arguments",
-           "add_device_arguments", "device_from_args"]
+           "add_device_arguments", "device_from_args", "UsageError", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE",
+           "socket_arg", "node_arg"]
 
 log = logging.getLogger("apir.cli")  # its module name, also when run as `python -m apir.cli`
 
@@ -36,6 +47,30 @@ log = logging.getLogger("apir.cli")  # its module name, also when run as `python
 SUBCOMMAND_MODULES = ["apir.cli", "apir.models.cli_embed"]
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+ENV_LOG_LEVEL = "APIR_LOG_LEVEL"
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+EXIT_PIPE = 128 + signal.SIGPIPE  # 141: what a shell reports for a command killed by SIGPIPE
+
+
+class UsageError(ValueError):
+    """A value the user gave that can never work (not merely one that fails now): exit 2."""
+
+
+# --- option values -----------------------------------------------------------------------------
+def socket_arg(value: str) -> str:
+    """argparse `type` of --socket: a possible Unix socket path (not empty, short enough)."""
+    try:
+        return check_syntax(value)
+    except SocketPathError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def node_arg(value: str) -> str:
+    """argparse `type` of --drm: a render node path, not empty."""
+    if not value:
+        raise argparse.ArgumentTypeError("empty render node path (give one such as /dev/dri/renderD128)")
+    return value
 
 
 # --- shared options --------------------------------------------------------------------------
@@ -43,8 +78,9 @@ def add_host_config_arguments(parser: argparse.ArgumentParser) -> None:
     """The HostContext configuration options (for `host serve` and an embedded host)."""
     group = parser.add_argument_group("host configuration")
     group.add_argument("--ggml-library", metavar="PATH",
-                       help=f"ggml backend library the host loads ({CONFIG_KEY_GGML_LIBRARY_PATH}; "
-                            "default: the HostContext's, e.g. $APIR_LLAMA_CPP_GGML_LIBRARY_PATH)")
+                       help=f"ggml backend library the host loads ({CONFIG_KEY_GGML_LIBRARY_PATH}; default: "
+                            f"${ENV_GGML_LIBRARY_PATH}, the C host's variable, else the CPU device of "
+                            "the ggml apir loads)")
     group.add_argument("--ggml-reg", metavar="SYMBOL",
                        help=f"its registration symbol ({CONFIG_KEY_GGML_LIBRARY_REG}; "
                             "default ggml_backend_init)")
@@ -56,12 +92,12 @@ def add_host_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 def host_config_from_args(args: argparse.Namespace) -> Optional[dict]:
     """The HostContext config dict from add_host_config_arguments' options (None if empty).
-    Raises ValueError for a --config without '='."""
+    Raises UsageError for a --config without '='."""
     config: dict = {}
     for item in args.config:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--config expects KEY=VALUE, got {item!r}")
+            raise UsageError(f"--config expects KEY=VALUE, got {item!r}")
         config[key] = value
     for key, value in ((CONFIG_KEY_GGML_LIBRARY_PATH, args.ggml_library),
                        (CONFIG_KEY_GGML_LIBRARY_REG, args.ggml_reg),
@@ -74,15 +110,17 @@ def host_config_from_args(args: argparse.Namespace) -> Optional[dict]:
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     """--socket / --drm (neither: an embedded host) plus the embedded host's configuration."""
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--socket", metavar="PATH", help="talk to `apir host serve` at this socket")
-    where.add_argument("--drm", metavar="NODE", help="talk to a virtio-gpu render node (/dev/dri/renderD128)")
+    where.add_argument("--socket", metavar="PATH", type=socket_arg, help="talk to `apir host serve` at this socket")
+    where.add_argument("--drm", metavar="NODE", type=node_arg,
+                       help="talk to a virtio-gpu render node (/dev/dri/renderD128)")
     add_host_config_arguments(parser)
 
 
 def device_from_args(args: argparse.Namespace) -> tuple[Optional[str], Optional[dict]]:
     """(device spec, host configuration) of a command's options, for apir.devices: the spec of
-    --socket / --drm (apir.devices.device_spec; None for neither: the default device) and, where the command has the host
-    configuration options, their config (else None). Every command opens its device this way."""
+    --socket / --drm (apir.devices.device_spec; None for neither: the default device) and,
+    where the command has the host configuration options, their config (else None). Every
+    command opens its device this way."""
     from apir.devices import device_spec
 
     spec = device_spec(getattr(args, "socket", None), getattr(args, "drm", None))
@@ -90,12 +128,48 @@ def device_from_args(args: argparse.Namespace) -> tuple[Optional[str], Optional[
     return spec, config
 
 
+def add_trace_argument(parser: argparse.ArgumentParser) -> None:
+    """--trace FILE for a command that can run its host in this process (the embedded device)."""
+    parser.add_argument("--trace", metavar="FILE",
+                        help="record each command the embedded host serves to FILE (`apir trace FILE` prints it; "
+                             "a socket host traces with `apir host serve --trace`)")
+
+
+def embedded_trace(args: argparse.Namespace, spec: Optional[str]):
+    """(trace or None, device options) for --trace: a `CommandTrace` set as the tracer of the
+    embedded host's context. Raises UsageError when the device is not the embedded one (that
+    host runs elsewhere), OSError (naming the file) when it cannot be written."""
+    if not getattr(args, "trace", None):
+        return None, None
+    from apir.devices import parse_spec
+    from apir.host.local_kernel import default_context_factory
+    from apir.host.trace import CommandTrace, traced_context_factory
+
+    if parse_spec(spec).kind != "embedded":
+        raise UsageError("--trace records a host this process runs (the embedded one); for a socket host "
+                         "give --trace to `apir host serve`")
+    trace = CommandTrace(args.trace)
+    return trace, {"context_factory": traced_context_factory(default_context_factory, trace)}
+
+
 # --- apir host serve -------------------------------------------------------------------------
 def run_host_serve(args: argparse.Namespace) -> int:
+    from apir.host.local_kernel import default_context_factory
     from apir.host.local_server import LocalServer
+    from apir.host.trace import CommandTrace, traced_context_factory
 
-    server = LocalServer(args.socket, config=host_config_from_args(args),
-                         max_context_bytes=args.max_context_mib << 20)
+    check_listen(args.socket)
+    config = host_config_from_args(args)
+    trace = CommandTrace(args.trace) if args.trace else None
+    factory = traced_context_factory(default_context_factory, trace) if trace else default_context_factory
+    try:
+        server = LocalServer(args.socket, config=config, context_factory=factory,
+                             max_context_bytes=args.max_context_mib << 20, socket_mode=args.socket_mode,
+                             stat_host_wide=args.stat_host_wide)
+    except BaseException:
+        if trace:
+            trace.close()
+        raise
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -105,25 +179,52 @@ def run_host_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
-    print(f"apir: serving on {server.path}", file=sys.stderr, flush=True)
+    traced = f", tracing commands to {args.trace}" if trace else ""
+    print(f"apir: serving on {server.path}{traced}", file=sys.stderr, flush=True)
     try:
         while not stop.wait(0.5):
             pass
     finally:
         server.close()
+        if trace:
+            trace.close()
     return 0
 
 
+# --- apir trace ------------------------------------------------------------------------------
+def run_trace(args: argparse.Namespace) -> int:
+    from apir.host.trace import format_trace, read_trace
+
+    print(format_trace(read_trace(args.file), commands=not args.summary))
+    return 0
+
+
+def _octal_mode(text: str) -> int:
+    """A permission mode in octal (600, 0600, 0o600)."""
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an octal mode") from None
+    if not 0 <= mode <= 0o777:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a permission mode (0 to 0777)")
+    return mode
+
+
 # --- apir info -------------------------------------------------------------------------------
+SIZE_MAX = (1 << 64) - 1  # what a buffer type without a size limit answers (C's SIZE_MAX)
+
+
 def gather_info(client) -> dict:
     """What `apir info` reports, from a connected `ApirClient`."""
     free, total = client.device_get_memory()
     buft = client.device_get_buffer_type()
+    dev_type = client.device_get_type()
     return {
         "device": {
             "name": client.device_get_name(),
             "description": client.device_get_description(),
-            "type": client.device_get_type(),
+            "type": dev_type,
+            "type_name": device_type_name(dev_type),
             "memory_free": free,
             "memory_total": total,
         },
@@ -135,19 +236,40 @@ def gather_info(client) -> dict:
     }
 
 
+def device_type_name(value: int) -> Optional[str]:
+    """The name of an `enum ggml_backend_dev_type` value ("CPU", "GPU", "IGPU", "ACCEL"), read
+    from the loaded ggml build's ggml-backend.h; None when that header or the value is missing."""
+    from apir.ggml import load
+    from apir.ggml.lib import GgmlLoadError, _parse_enum
+
+    try:
+        header = load().include_dir / "ggml-backend.h"
+        names = _parse_enum(header.read_text(), "ggml_backend_dev_type", "GGML_BACKEND_DEVICE_TYPE_")
+    except (OSError, GgmlLoadError):
+        return None
+    return {v: k for k, v in names.items()}.get(value)
+
+
 def run_info(args: argparse.Namespace) -> int:
     from apir.devices import open_client, parse_spec
 
     spec, config = device_from_args(args)
     device = parse_spec(spec)
-    with open_client(spec, config=config) as client:
-        info = {"transport": device.kind, "node": device.node}
-        info["protocol"] = {
-            "guest": "%d.%d" % tuple(client.protocol),
-            "host": "%d.%d" % tuple(client.host_version),
-            "capset": client.remote.capset_id,
-        }
-        info.update(gather_info(client))
+    trace, device_options = embedded_trace(args, spec)
+    if args.socket:
+        check_connect(args.socket)
+    try:
+        with open_client(spec, config=config, device_options=device_options) as client:
+            info: dict = {"transport": device.kind, "node": device.node, "where": device.where}
+            info["protocol"] = {
+                "guest": "%d.%d" % tuple(client.protocol),
+                "host": "%d.%d" % tuple(client.host_version),
+                "capset": client.remote.capset_id,
+            }
+            info.update(gather_info(client))
+    finally:
+        if trace:
+            trace.close()
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -155,22 +277,38 @@ def run_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB"
+def human_size(n: int) -> str:
+    """`n` bytes for people: "512 bytes", "1.5 KiB", "15.6 GiB"; SIZE_MAX is "unlimited"."""
+    if n >= SIZE_MAX:
+        return "unlimited"
+    if n < 1024:
+        return f"{n} bytes"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        value /= 1024
+        if value < 1024 or unit == "EiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+_CAPSETS = {10: "APIR", 4: "Venus"}  # virtio-gpu capset ids apir speaks (apir.guest.remote)
 
 
 def format_info(info: dict) -> str:
+    """`apir info`'s text: enum values named, sizes for people (the JSON keeps the numbers)."""
     d, b, p = info["device"], info["buffer_type"], info["protocol"]
+    dev_type = f"{d['type_name']} (ggml_backend_dev_type {d['type']})" if d.get("type_name") else str(d["type"])
+    capset = f"{_CAPSETS[p['capset']]} capset {p['capset']}" if p["capset"] in _CAPSETS else f"capset {p['capset']}"
     lines = [
-        f"transport:          {info['transport']} ({info['node']})",
-        f"APIR protocol:      guest {p['guest']}, host {p['host']} (capset {p['capset']}), HandShake ok",
+        f"transport:          {info['where']}",
+        f"APIR protocol:      guest {p['guest']}, host {p['host']} ({capset}), HandShake ok",
         f"device:             {d['name']}",
         f"description:        {d['description']}",
-        f"type:               {d['type']}",
-        f"memory:             {_mib(d['memory_free'])} free of {_mib(d['memory_total'])}",
+        f"type:               {dev_type}",
+        f"memory:             {human_size(d['memory_free'])} free of {human_size(d['memory_total'])}",
         f"buffer type:        {b['name']}",
         f"  alignment:        {b['alignment']} bytes",
-        f"  max size:         {b['max_size']} bytes",
+        f"  max buffer size:  {human_size(b['max_size'])}",
     ]
     return "\n".join(lines)
 
@@ -182,15 +320,31 @@ def add_parser(subparsers, parents) -> None:
     host_sub = host.add_subparsers(dest="host_command", metavar="COMMAND", required=True)
     serve = host_sub.add_parser("serve", parents=parents,
                                 help="serve guests on a Unix socket (kernel driver + hypervisor stand-in)")
-    serve.add_argument("--socket", metavar="PATH", required=True, help="Unix socket to listen on")
+    serve.add_argument("--socket", metavar="PATH", type=socket_arg, required=True, help="Unix socket to listen on")
+    serve.add_argument("--trace", metavar="FILE",
+                       help="record each command (type, backend function, sizes, status, host time; "
+                            "no tensor data) to FILE as JSON lines; `apir trace FILE` prints it")
     serve.add_argument("--max-context-mib", type=int, default=1 << 16, metavar="MIB",
                        help="shared memory limit of one guest context (default %(default)s MiB)")
+    serve.add_argument("--socket-mode", type=_octal_mode, default=0o600, metavar="OCTAL",
+                       help="permission bits of the socket file, whatever the umask (default 0600)")
+    serve.add_argument("--stat-host-wide", action="store_true",
+                       help="STAT answers any guest with counts over all guests (tests, debugging; "
+                            "default: each guest's own)")
     add_host_config_arguments(serve)
     serve.set_defaults(run=run_host_serve)
+
+    trace = subparsers.add_parser("trace", parents=parents,
+                                  help="print a command trace (`apir host serve --trace FILE`) and its "
+                                       "per-function summary")
+    trace.add_argument("file", metavar="FILE", help="the trace file")
+    trace.add_argument("--summary", action="store_true", help="only the per-function summary")
+    trace.set_defaults(run=run_trace)
 
     info = subparsers.add_parser("info", parents=parents,
                                  help="HandShake with a host and describe its device and buffer type")
     add_device_arguments(info)
+    add_trace_argument(info)
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(run=run_info)
 
@@ -199,8 +353,12 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", choices=_LOG_LEVELS, default=argparse.SUPPRESS,
                         help="logging level (default warning)")
-    parser = argparse.ArgumentParser(prog="apir", parents=[common],
-                                     description="API Remoting (APIR) for ggml, in Python.")
+    parser = argparse.ArgumentParser(
+        prog="apir", parents=[common], description="API Remoting (APIR) for ggml, in Python.",
+        epilog="Exit status: 0 success, 1 runtime error, 2 bad usage. Environment variables: "
+               "docs/environment.md.")
+    parser.add_argument("--version", action="version",
+                        version=f"apir {__version__} (APIR protocol {APIR_PROTOCOL_MAJOR}.{APIR_PROTOCOL_MINOR})")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in SUBCOMMAND_MODULES:
         module = sys.modules[__name__] if name == __name__ else importlib.import_module(name)
@@ -211,17 +369,29 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = getattr(args, "log_level", None) or os.environ.get("APIR_LOG_LEVEL", "warning")
+    level = getattr(args, "log_level", None) or os.environ.get(ENV_LOG_LEVEL) or "warning"
+    if level.lower() not in _LOG_LEVELS:
+        print(f"apir: error: ${ENV_LOG_LEVEL}={level!r}: expected one of {', '.join(_LOG_LEVELS)}",
+              file=sys.stderr)
+        return EXIT_USAGE
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
         print("apir: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of stdout went away (`apir trace FILE | head`): stop quietly, as a command
+        # killed by SIGPIPE would, and keep Python from reporting the unflushed stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
+    except UsageError as exc:
+        print(f"apir: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
     except Exception as exc:  # one clear line, the traceback only at debug level
         log.debug("failed", exc_info=True)
         print(f"apir: error: {_one_line(exc)}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
 
 
 def _one_line(exc: BaseException) -> str:
@@ -232,4 +402,8 @@ def _one_line(exc: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m apir.cli`: run the imported module's main, not this __main__ copy's, so that
+    # the commands and main share one set of classes (UsageError).
+    from apir.cli import main as _main
+
+    sys.exit(_main())

@@ -8,8 +8,8 @@
 3. Parsing (validating) the serialized graph on the host, for reference (no C twin: the C
    host does not validate).
 
-Run: APIR_CREF_CACHE=<cache> python benchmarks/bench_codec.py  (builds the C reference on
-first use, about 2 minutes; the C harness in about 3 s).
+Run: python benchmarks/bench_codec.py  (builds the C reference into ~/.cache/apir/cref on
+first use, about a minute; the C harness in about 3 s; tests/cref.py says where else).
 """
 
 from __future__ import annotations

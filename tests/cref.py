@@ -1,8 +1,11 @@
 """The C reference (ggml's ggml-virtgpu guest and host libraries, test-backend-ops), built
-once from the PyPI sdists with ../shared/tools/build-c-reference.sh and cached.
+once per version from the PyPI sdists with scripts/build-c-reference.sh and cached.
 
-Cache: $APIR_CREF_CACHE (tox sets <repo>/.cache/cref), else <repo>/.cache/cref. A file lock
-keeps two test processes from building the same tree at once.
+Cache (`cache_dir()`): the user's cache folder, outside the clone, so every clone, tox env and
+CI run on one machine shares one build: $APIR_CREF_CACHE if set, else <cache>/cref with
+<cache> = $APIR_CACHE_DIR, else $XDG_CACHE_HOME/apir, else ~/.cache/apir. Inside it:
+sdist/ (the downloaded sdists), <version>/ (one build each), interop/ (tests/interop's
+programs). A file lock keeps two test processes from building the same tree at once.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BUILD_SCRIPT = REPO.parent / "shared" / "tools" / "build-c-reference.sh"
+BUILD_SCRIPT = REPO / "scripts" / "build-c-reference.sh"
 
 # version label -> (PyPI requirement, sdist file name)
 SDISTS = {
@@ -23,8 +26,23 @@ SDISTS = {
 }
 
 
+class BuildFailed(RuntimeError):
+    """scripts/build-c-reference.sh failed; the message ends with its log's last lines."""
+
+
+def user_cache_dir() -> Path:
+    """apir's folder in the user's cache: $APIR_CACHE_DIR, else $XDG_CACHE_HOME/apir, else
+    ~/.cache/apir (the XDG base directory rule; an empty variable counts as unset)."""
+    if os.environ.get("APIR_CACHE_DIR"):
+        return Path(os.environ["APIR_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg) / "apir" if xdg else Path.home() / ".cache" / "apir"
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("APIR_CREF_CACHE") or REPO / ".cache" / "cref")
+    """The C reference cache: $APIR_CREF_CACHE, else user_cache_dir()/cref."""
+    override = os.environ.get("APIR_CREF_CACHE")
+    return Path(override) if override else user_cache_dir() / "cref"
 
 
 def _sdist(version: str) -> Path:
@@ -40,7 +58,8 @@ def _sdist(version: str) -> Path:
 
 def build(version: str) -> dict:
     """paths.env of the C reference for `version` ("0.20" or "0.10") as a dict; builds it
-    on first use (about 2 minutes). Raises CalledProcessError when the build fails."""
+    on first use (a minute or more per version; the log is <cache_dir>/<version>/build.log).
+    Raises BuildFailed (with the log's path and its last lines) when the build fails."""
     out = cache_dir() / version
     out.mkdir(parents=True, exist_ok=True)
     env_file = out / "build" / "paths.env"
@@ -50,8 +69,12 @@ def build(version: str) -> dict:
             sdist = _sdist(version)
             log = out / "build.log"
             with open(log, "w") as fh:
-                subprocess.run(["bash", str(BUILD_SCRIPT), str(sdist), str(out)], check=True,
-                               stdout=fh, stderr=subprocess.STDOUT)
+                done = subprocess.run(["bash", str(BUILD_SCRIPT), str(sdist), str(out)],
+                                      stdout=fh, stderr=subprocess.STDOUT)
+            if done.returncode != 0:
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+                raise BuildFailed(f"{BUILD_SCRIPT.name} {version} failed (exit {done.returncode}); "
+                                  f"log: {log}; its end:\n{tail}")
             (out / ".complete").touch()
     paths = {}
     for line in env_file.read_text().splitlines():

@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 
 import numba
-import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload, register_jitable

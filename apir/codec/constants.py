@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from typing import Tuple
 
 from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS
 
@@ -42,6 +43,14 @@ __all__ = [
     "ENV_GGML_LIBRARY_REG",
     "ENV_USE_APIR_CAPSET",
     "DEFAULT_GGML_LIBRARY_REG",
+    "CONFIG_KEY_BUFFER_BUDGET",
+    "CONFIG_KEY_MEMORY_LIMIT",
+    "CONFIG_KEY_MAX_BUFFERS",
+    "ENV_BUFFER_BUDGET",
+    "ENV_MEMORY_LIMIT",
+    "ENV_MAX_BUFFERS",
+    "negotiated_version",
+    "device_props_fields",
 ]
 
 # --- HandShake ---------------------------------------------------------------------------------
@@ -51,6 +60,28 @@ APIR_PROTOCOL_0_1 = (0, 1)  # ggml 0.10.x; device_get_props carries 4 booleans
 APIR_PROTOCOL_0_2 = (0, 2)  # ggml 0.20.x; device_get_props adds mmap_support (5 booleans)
 APIR_PROTOCOL_VERSIONS = (APIR_PROTOCOL_0_1, APIR_PROTOCOL_0_2)
 APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR = APIR_PROTOCOL_0_2  # what apir speaks by default
+# device_get_props' booleans (ggml_backend_dev_caps fields), in wire order, by version.
+_DEVICE_PROPS_0_1 = ("async", "host_buffer", "buffer_from_host_ptr", "events")
+_DEVICE_PROPS_0_2 = _DEVICE_PROPS_0_1 + ("mmap_support",)
+
+
+def negotiated_version(guest: Tuple[int, int], host: Tuple[int, int]) -> Tuple[int, int]:
+    """The (major, minor) both sides shape version-dependent replies by, from the two versions
+    the HandShake exchanged: the lower one. The guest's reply layout is fixed by what it was
+    built for (the C guest of ggml 0.10 reads 4 device_get_props booleans, of 0.20 five) and a
+    host that knows the guest's version answers in it; an older host writes its own, shorter
+    layout. A guest version the host does not know is answered in the host's version."""
+    guest_v, host_v = (int(guest[0]), int(guest[1])), (int(host[0]), int(host[1]))  # lists too
+    if guest_v not in APIR_PROTOCOL_VERSIONS:
+        return host_v
+    return min(guest_v, host_v)
+
+
+def device_props_fields(version: Tuple[int, int]) -> Tuple[str, ...]:
+    """The `ggml_backend_dev_caps` booleans of device_get_props in APIR `version`, in wire
+    order (backend-dispatched-device.cpp / virtgpu-forward-device.cpp): 4 before 0.2, 5
+    from 0.2 on (adds mmap_support)."""
+    return _DEVICE_PROPS_0_1 if tuple(version) < APIR_PROTOCOL_0_2 else _DEVICE_PROPS_0_2
 
 # --- capsets (virtgpu.h, include/apir_hw.h) -----------------------------------------------------
 # VIRTGPU_DRM_CAPSET_VENUS (4), VIRTGPU_DRM_CAPSET_APIR (10): virtgpu vocabulary, declared in
@@ -76,6 +107,15 @@ ENV_GGML_LIBRARY_REG = "APIR_LLAMA_CPP_GGML_LIBRARY_REG"
 DEFAULT_GGML_LIBRARY_REG = "ggml_backend_init"
 # The C guest uses the APIR capset only when this is set (else Venus).
 ENV_USE_APIR_CAPSET = "GGML_REMOTING_USE_APIR_CAPSET"
+
+# --- apir's own host keys (no C twin): what one guest can make the host hold -------------------
+# Values are decimal integers; apir.host.budget documents each bound and its default.
+CONFIG_KEY_BUFFER_BUDGET = "apir.host.buffer_budget"  # bytes of ggml buffers per context
+ENV_BUFFER_BUDGET = "APIR_HOST_BUFFER_BUDGET"
+CONFIG_KEY_MEMORY_LIMIT = "apir.host.memory_limit"  # bytes of ggml buffers per host process
+ENV_MEMORY_LIMIT = "APIR_HOST_MEMORY_LIMIT"
+CONFIG_KEY_MAX_BUFFERS = "apir.host.max_buffers"  # ggml buffers (handles) per context
+ENV_MAX_BUFFERS = "APIR_HOST_MAX_BUFFERS"
 
 
 class ApirCommandType(enum.IntEnum):

@@ -253,9 +253,10 @@ def parse_graph(buf, start: int = 0, end: Optional[int] = None, *, limits: GgmlL
     shared memory) and returns a `ParsedGraph`. The host's side of `apir_decode_ggml_cgraph`.
 
     The bytes are copied out first, so a guest writing to the buffer meanwhile cannot change
-    what was checked. `op_count` is GGML_OP_COUNT; `type_valid` a bool array indexed by type,
-    False for removed types (`apir.ggml.lib.Ggml.valid_types`). Raises GraphError naming the
-    first problem found."""
+    what was checked; only the bytes the graph's counts claim are copied (the counts used are
+    written back into the copy), so a small graph in a large window costs what the graph does.
+    `op_count` is GGML_OP_COUNT; `type_valid` a bool array indexed by type, False for removed
+    types (`apir.ggml.lib.Ggml.valid_types`). Raises GraphError naming the first problem found."""
     view = memoryview(buf)
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
@@ -264,20 +265,23 @@ def parse_graph(buf, start: int = 0, end: Optional[int] = None, *, limits: GgmlL
         end = total
     if not 0 <= start <= end <= total:
         raise GraphError(f"graph window [{start}, {end}) outside a {total}-byte buffer")
-    data = np.frombuffer(view, dtype=np.uint8, count=end - start, offset=start).copy()
-    del view
-    size = len(data)
+    size = end - start
     rpc = rpc_tensor_dtype(limits)
     if size < 4:
         raise GraphError(f"graph of {size} bytes: no room for n_nodes")
-    n_nodes = _U32.unpack_from(data, 0)[0]
+    n_nodes = _U32.unpack(view[start:start + 4])[0]
     need = 4 + 8 * n_nodes + 4
     if need > size:
         raise GraphError(f"n_nodes = {n_nodes} needs {need} bytes, the graph has {size}")
-    n_tensors = _U32.unpack_from(data, 4 + 8 * n_nodes)[0]
+    n_tensors = _U32.unpack(view[start + need - 4:start + need])[0]
     need += rpc.itemsize * n_tensors
     if need > size:
         raise GraphError(f"n_tensors = {n_tensors} needs {need} bytes, the graph has {size}")
+    data = np.frombuffer(view, dtype=np.uint8, count=need, offset=start).copy()
+    del view
+    # The guest may have rewritten a count since it was read: the copy holds the ones used.
+    _U32.pack_into(data, 0, n_nodes)
+    _U32.pack_into(data, 4 + 8 * n_nodes, n_tensors)
     rl, lim, _ = _rpc_layout(limits)
     kernel = _kernel or K.parse_graph_kernel
     cap = _pow2_at_least(2 * n_tensors)

@@ -59,7 +59,7 @@ class Op(enum.IntEnum):
     MAP = 6  # DRM_IOCTL_VIRTGPU_MAP
     GEM_CLOSE = 7  # DRM_IOCTL_GEM_CLOSE
     EXECBUFFER = 8  # DRM_IOCTL_VIRTGPU_EXECBUFFER; replied once the command has run
-    STAT = 9  # debug: host-wide counts of contexts, blobs and ggml buffers
+    STAT = 9  # debug: counts of contexts, blobs and ggml buffers (the connection's own by default)
 
 
 # Fixed payload layouts. None = no fixed layout (see the op's notes in docs/local-transport.md).

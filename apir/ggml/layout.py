@@ -25,7 +25,7 @@ def tensor_record(address: int, dtype: np.dtype) -> np.ndarray:
     """A writable numpy record viewing the ggml_tensor at `address` (no copy). The address
     must be a live tensor of this process: a bad one crashes it."""
     buf = (ctypes.c_char * dtype.itemsize).from_address(address)
-    return np.frombuffer(buf, dtype=dtype, count=1)[0]
+    return np.frombuffer(memoryview(buf), dtype=dtype, count=1)[0]
 
 
 def check_layout(g) -> None:
@@ -52,7 +52,8 @@ def check_layout(g) -> None:
         g.ggml_set_name(a, b"apir-layout-probe")
         rec = tensor_record(a, dtype)
         if rec["type"] != f16:
-            fail(f"type at {dtype.fields['type'][1]} reads {rec['type']}")
+            offset = dtype.fields["type"][1] if dtype.fields else "?"
+            fail(f"type at {offset} reads {rec['type']}")
         if list(rec["ne"]) != [3, 5, 7, 2]:
             fail(f"ne reads {list(rec['ne'])}")
         if list(rec["nb"]) != [2, 6, 30, 210]:

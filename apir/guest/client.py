@@ -18,7 +18,7 @@ Nothing here knows which transport the device uses.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Tuple, cast
 
 from apir.codec.constants import (
     APIR_HANDSHAKE_MAGIC,
@@ -26,6 +26,7 @@ from apir.codec.constants import (
     APIR_PROTOCOL_MINOR,
     ApirBackendCommandType,
     ApirCommandType,
+    negotiated_version,
 )
 from apir.codec.records import GGML_0_20_LIMITS, GgmlLimits, ggml_tensor_dtype, rpc_tensor_dtype
 from apir.codec.wire import Decoder, Encoder
@@ -46,7 +47,9 @@ class ApirClient(DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
     """The APIR client over `remote`.
 
     `limits`: the ggml build's GGML_MAX_* (shapes rpc tensors and inline tensors; default
-    ggml 0.20.2's). `host_version` is (major, minor) once `handshake()` ran."""
+    ggml 0.20.2's). `protocol`: the version we speak (and send in the HandShake).
+    `host_version` is (major, minor) once `handshake()` ran; `negotiated_version` the one
+    version-dependent replies are read in."""
 
     def __init__(self, remote: Remote, limits: GgmlLimits = GGML_0_20_LIMITS,
                  protocol: Tuple[int, int] = (APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR)):
@@ -56,15 +59,24 @@ class ApirClient(DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
         self.protocol = protocol
         self.host_version: Optional[Tuple[int, int]] = None
 
+    @property
+    def negotiated_version(self) -> Tuple[int, int]:
+        """The version both sides shape version-dependent replies by: the lower of ours and
+        the host's (apir.codec.constants.negotiated_version); ours before the HandShake."""
+        if self.host_version is None:
+            return (self.protocol[0], self.protocol[1])
+        return negotiated_version(self.protocol, self.host_version)
+
     @classmethod
     def connect(cls, device: VirtgpuDevice, *, limits: GgmlLimits = GGML_0_20_LIMITS,
                 handshake_timeout_s: Optional[float] = None, load_library_timeout_s: Optional[float] = None,
+                protocol: Tuple[int, int] = (APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR),
                 **remote_options) -> "ApirClient":
-        """Remote(device, **remote_options) + HandShake + LoadLibrary (the C
-        `create_virtgpu`). The device is closed again if any step fails."""
+        """Remote(device, **remote_options) + HandShake (as APIR `protocol`) + LoadLibrary
+        (the C `create_virtgpu`). The device is closed again if any step fails."""
         remote = Remote(device, **remote_options)
         try:
-            client = cls(remote, limits)
+            client = cls(remote, limits, protocol)
             client.handshake(handshake_timeout_s)
             client.load_library(load_library_timeout_s)
         except BaseException:
@@ -92,7 +104,7 @@ class ApirClient(DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
             enc.u32(major)
             enc.u32(minor)
 
-        def decode(ret: int, dec: Decoder):
+        def decode(ret: int, dec: Decoder) -> Tuple[int, int]:
             if ret != APIR_HANDSHAKE_MAGIC:
                 raise HandshakeError(ret)
             version = (dec.u32(), dec.u32())
@@ -100,7 +112,8 @@ class ApirClient(DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
                 raise ReplyError("HandShake: reply too short for the host version")
             return version
 
-        _, version = self.remote.call(ApirCommandType.HANDSHAKE, 0, encode, timeout_s, decode)
+        _, reply = self.remote.call(ApirCommandType.HANDSHAKE, 0, encode, timeout_s, decode)
+        version = cast(Tuple[int, int], reply)  # decode's result
         self.host_version = version
         if version[0] != major:
             log.error("APIR host major version %d.%d differs from ours %d.%d", *version, major, minor)

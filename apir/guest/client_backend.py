@@ -9,11 +9,12 @@ through a temporary blob when it does not fit (as the C does), and returns the h
 from __future__ import annotations
 
 from apir.codec.constants import ApirBackendCommandType as F
+from apir.guest.client_state import ClientState
 
 __all__ = ["BackendCalls"]
 
 
-class BackendCalls:
+class BackendCalls(ClientState):
     """Mixed into ApirClient."""
 
     def backend_graph_compute(self, graph_bytes) -> int:

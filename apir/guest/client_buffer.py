@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from apir.codec.constants import ApirBackendCommandType as F
+from apir.guest.client_state import ClientState
 from apir.guest.client_tensor import rpc_tensor_bytes
 
 __all__ = ["BufferCalls"]
@@ -25,7 +26,7 @@ def _bytes_view(buf, writable: bool) -> np.ndarray:
     return arr
 
 
-class BufferCalls:
+class BufferCalls(ClientState):
     """Mixed into ApirClient."""
 
     def buffer_get_base(self, buffer: int) -> int:

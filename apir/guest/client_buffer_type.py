@@ -7,12 +7,13 @@ Every call starts with the buffer type's host handle (u64), as learned from
 from __future__ import annotations
 
 from apir.codec.constants import ApirBackendCommandType as F
+from apir.guest.client_state import ClientState
 from apir.guest.client_tensor import encode_ggml_tensor_inline
 
 __all__ = ["BufferTypeCalls"]
 
 
-class BufferTypeCalls:
+class BufferTypeCalls(ClientState):
     """Mixed into ApirClient."""
 
     def _buft_call(self, function, buft: int, decode, more=None):

@@ -2,7 +2,9 @@
 
 Each method is one Forward; reply layouts are the C's: counts i32, type u32, sizes and
 handles u64, booleans one u32 slot each, strings u64 size (NUL included) + bytes.
-`device_get_props` reads 4 booleans from an APIR 0.1 host and 5 from 0.2 (mmap_support).
+`device_get_props` reads the layout of the negotiated version (ApirClient.negotiated_version,
+the lower of ours and the host's): 4 booleans in APIR 0.1, 5 in 0.2 (mmap_support). Reading
+the host's layout instead made a 0.1 guest of a 0.2 host read a 5th slot the host never wrote.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from apir.codec.constants import APIR_PROTOCOL_0_2, ApirBackendCommandType as F
+from apir.codec.constants import ApirBackendCommandType as F, device_props_fields, negotiated_version
 from apir.codec.virtgpu import blob_size
+from apir.guest.client_state import ClientState
 from apir.guest.client_tensor import encode_ggml_tensor_inline
 from apir.guest.device import Blob
 
@@ -20,8 +23,8 @@ __all__ = ["DeviceProps", "DeviceCalls"]
 
 @dataclass(frozen=True)
 class DeviceProps:
-    """`ggml_backend_dev_caps` as device_get_props returns it; `mmap_support` is None from
-    an APIR 0.1 host, which does not send it."""
+    """`ggml_backend_dev_caps` as device_get_props returns it; `mmap_support` is None when
+    the negotiated version is APIR 0.1, which does not carry it."""
 
     async_: bool
     host_buffer: bool
@@ -30,8 +33,8 @@ class DeviceProps:
     mmap_support: Optional[bool]
 
 
-class DeviceCalls:
-    """Mixed into ApirClient, which provides `_forward`, `remote`, `host_version`."""
+class DeviceCalls(ClientState):
+    """Mixed into ApirClient, which provides `_forward`, `remote`, `protocol`, `host_version`."""
 
     def device_get_device_count(self) -> int:
         """The backend registry's device count (function 0, which the C guest never calls)."""
@@ -71,12 +74,14 @@ class DeviceCalls:
         return self._forward(F.DEVICE_GET_BUFFER_TYPE, None, lambda dec: dec.handle())
 
     def device_get_props(self) -> DeviceProps:
-        """`apir_device_get_props`: 4 booleans (APIR 0.1 host) or 5 (0.2)."""
-        five = self.host_version >= APIR_PROTOCOL_0_2
+        """`apir_device_get_props`: 4 booleans (negotiated APIR 0.1) or 5 (0.2)."""
+        if self.host_version is None:
+            raise RuntimeError("device_get_props before HandShake: the reply layout depends on the negotiated version")
+        fields = device_props_fields(negotiated_version(self.protocol, self.host_version))
 
         def decode(dec):
-            flags = [dec.bool() for _ in range(4)]
-            return DeviceProps(*flags, mmap_support=dec.bool() if five else None)
+            flags = [dec.bool() for _ in fields]
+            return DeviceProps(*flags[:4], mmap_support=flags[4] if len(flags) > 4 else None)
 
         return self._forward(F.DEVICE_GET_PROPS, None, decode)
 

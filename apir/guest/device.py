@@ -3,9 +3,10 @@
 Theory of operation: everything the guest needs from virtio-gpu is seven calls, named after
 the DRM ioctls they stand for (GETPARAM, GET_CAPS, CONTEXT_INIT, RESOURCE_CREATE_BLOB + MAP,
 GEM_CLOSE, EXECBUFFER) plus close. `DrmDevice` (apir.guest.drm) does them with a real
-`/dev/dri/renderD*`; other transports (a host process over a socket, a host in this
-process) implement the same `VirtgpuDevice` protocol, and nothing above this seam (remote
-call, client, ggml backend) knows which one it has.
+`/dev/dri/renderD*`; other transports (a host process over a socket: apir.guest.local; a host
+in this process: apir.local.embedded) implement the same `VirtgpuDevice` protocol, and nothing
+above this seam (remote call, client, ggml backend) knows which one it has. apir.devices opens
+each by its spec (``drm:NODE``, ``unix:PATH``, ``embedded``).
 
 A `Blob` is one host-visible, guest-mappable resource: the host knows it by `res_id`, the
 guest's kernel by `bo_handle`, and the guest reads and writes it through `memory`, a mapped

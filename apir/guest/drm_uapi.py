@@ -8,9 +8,9 @@ a number cannot drift from the structure. Tests compile a C program against the 
 and compare sizes, offsets and numbers with these.
 
 EXECBUFFER has two layouts: kernels before syncobj support (6.1 LTS among them) declare a
-40-byte `drm_virtgpu_execbuffer` ending in `ring_idx` + `pad`; newer kernels replace `pad` with `syncobj_stride` and append
-the in/out syncobj arrays (64 bytes). The DRM core dispatches on the command number alone and
-copies min(user size, kernel size) bytes, zero-filling the rest, so either number works on
+40-byte `drm_virtgpu_execbuffer` ending in `ring_idx` + `pad`; newer kernels replace `pad` with
+`syncobj_stride` and append the in/out syncobj arrays (64 bytes). The DRM core dispatches on
+the command number alone and copies min(user size, kernel size) bytes, zero-filling the rest, so either number works on
 either kernel; `apir.guest.drm` still tries the newer one first and keeps whichever the
 kernel accepts.
 

@@ -20,7 +20,7 @@ exception, so the client has one place that knows the taxonomy.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional, Type
 
 from apir.codec.constants import (
     ApirBackendCommandType,
@@ -180,14 +180,15 @@ class BackendInitFailed(BackendInitializeError):
     reason = "the ggml backend's init failed"
 
 
-_LOAD_LIBRARY = {
+# Keyed by int: the codes come off the wire as plain ints (IntEnum members hash alike).
+_LOAD_LIBRARY: Dict[int, Type[LoadLibraryError]] = {
     ApirLoadLibraryReturnCode.HYPERCALL_INITIALIZATION_ERROR: LoadLibraryHypercallError,
     ApirLoadLibraryReturnCode.ALREADY_LOADED: LibraryAlreadyLoaded,
     ApirLoadLibraryReturnCode.ENV_VAR_MISSING: LoadLibraryConfigMissing,
     ApirLoadLibraryReturnCode.CANNOT_OPEN: LoadLibraryCannotOpen,
     ApirLoadLibraryReturnCode.SYMBOL_MISSING: LoadLibrarySymbolMissing,
 }
-_BACKEND_INIT = {
+_BACKEND_INIT: Dict[int, Type[BackendInitializeError]] = {
     ApirBackendInitializeReturnCode.CANNOT_OPEN_BACKEND_LIBRARY: BackendCannotOpenBackendLibrary,
     ApirBackendInitializeReturnCode.CANNOT_OPEN_GGML_LIBRARY: BackendCannotOpenGgmlLibrary,
     ApirBackendInitializeReturnCode.MISSING_BACKEND_SYMBOLS: BackendMissingBackendSymbols,
@@ -248,7 +249,7 @@ class BackendFunctionError(ForwardError):
 
 
 _BASE_INDEX = int(ApirForwardReturnCode.BASE_INDEX)
-_FORWARD = {
+_FORWARD: Dict[int, Type[ForwardError]] = {
     ApirForwardReturnCode.NO_DISPATCH_FCT: NoDispatchFunction,
     ApirForwardReturnCode.TIMEOUT: HostForwardTimeout,
     ApirForwardReturnCode.FAILED_TO_SYNC_STREAMS: FailedToSyncStreams,

@@ -245,8 +245,9 @@ class LocalDevice:
         return {blob.res_id: blob for blob in list(self._blobs.values())}
 
     def stats(self) -> dict:
-        """The host's STAT: host-wide counts of contexts, blobs, blob bytes, shared file bytes
-        and ggml buffers (-1 when the host cannot count them)."""
+        """The host's STAT: this connection's counts of contexts, blobs, blob bytes, shared
+        file bytes and ggml buffers (-1 when the host cannot count them); counts over every
+        connection when the host serves with `stat_host_wide` (--stat-host-wide)."""
         return host_stats_from_tuple(self._call(Op.STAT))
 
     def close(self) -> None:
@@ -279,6 +280,7 @@ def host_stats_from_tuple(values: tuple) -> dict:
 
 def host_stats(path: str, timeout_s: float = 5.0) -> dict:
     """Host-wide counts from the apir host at `path`, over a short-lived connection of its own
-    (which creates no context and no blob)."""
+    (which creates no context and no blob). Only a host serving with --stat-host-wide gives
+    them; any other answers this connection's own counts, all 0."""
     with LocalDevice(path, connect_timeout_s=timeout_s, io_timeout_s=timeout_s) as dev:
         return dev.stats()

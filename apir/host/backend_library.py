@@ -9,16 +9,19 @@ serves every command; one `ggml_backend_t` runs the graphs.
 
 Unlike the C, whose buffer list is process-wide, everything a guest can name lives in this
 object, one per context: buffer types and buffers by opaque id (`apir.host.handles`), each
-buffer with its virtual base. `deinit` frees exactly these buffers.
+buffer with its virtual base. `deinit` frees exactly these buffers. Every buffer is charged to
+the context's budget and the process's memory limit (apir.host.budget), and a buffer ggml
+allocates is cleared to zeros before the guest can read it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 from apir.codec.constants import (
+    CONFIG_KEY_BUFFER_BUDGET,
     CONFIG_KEY_GGML_LIBRARY_PATH,
     CONFIG_KEY_GGML_LIBRARY_REG,
     DEFAULT_GGML_LIBRARY_REG,
@@ -26,6 +29,7 @@ from apir.codec.constants import (
     ApirLoadLibraryReturnCode as LoadRc,
 )
 from apir.codec.wire import Decoder, Encoder
+from apir.host.budget import BufferBudget, BufferLimits, buffer_charge
 from apir.host.errors import Refused, log
 from apir.host.handles import HostBuffer, HostBufferType, VirtualAddressSpace, new_tables
 from apir.host.library import LibraryHost
@@ -35,8 +39,6 @@ __all__ = ["PythonBackendLibrary", "GGML_BACKEND_DEVICE_TYPE_CPU", "CONFIG_KEY_B
            "CONFIG_KEY_N_THREADS"]
 
 GGML_BACKEND_DEVICE_TYPE_CPU = 0  # enum ggml_backend_dev_type (ggml-backend.h)
-# apir's own key (no C twin): bytes of buffers one context may hold.
-CONFIG_KEY_BUFFER_BUDGET = "apir.host.buffer_budget"
 # Threads of a CPU-like backend (one that offers ggml_backend_set_n_threads); default: the
 # machine's cores. ggml's own default (GGML_DEFAULT_N_THREADS = 4) oversubscribes small
 # hosts, and its spinning worker threads then slow a graph down several times.
@@ -54,6 +56,7 @@ class PythonBackendLibrary:
         self.bufts, self.buffers = new_tables()
         self.vspace = VirtualAddressSpace()
         self.checker = None
+        self.budget: Optional[BufferBudget] = None
         # threads the backend computes with (0: never set, ggml's default); the work-size
         # bound plans with the same count (apir.host.work_plan)
         self.n_threads = 0
@@ -108,6 +111,9 @@ class PythonBackendLibrary:
             log.error("ctx %d: ggml backend initialization failed", host.ctx_id)
             return LoadRc.INIT_BASE_INDEX + InitRc.BACKEND_INIT_FAILED
         self.reg, self.dev, self.backend = reg, dev, backend
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        g.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        self.budget = BufferBudget(BufferLimits.from_config(host.get_config, total.value, host.ctx_id))
         self._set_n_threads(host)
         self.checker = TensorChecker(g)
         return LoadRc.INIT_BASE_INDEX + InitRc.SUCCESS
@@ -167,7 +173,38 @@ class PythonBackendLibrary:
             raise Refused(f"unknown buffer handle 0x{handle:x}")
         return buf
 
-    def add_buffer(self, ptr: int, res_id: Optional[int] = None) -> int:
+    def hold_buffer(self, size: int, align: int, make: Callable[[], Optional[int]],
+                    res_id: Optional[int] = None) -> int:
+        """Makes a ggml buffer of `size` bytes with `make()` (returns a ggml_backend_buffer_t
+        or NULL) if it fits this context's budget (apir.host.budget, charged before `make`
+        runs), and registers it. `res_id`: the blob it wraps (buffer_from_ptr). Returns its
+        id, or 0 when it does not fit or ggml made none (logged). A buffer ggml allocated is
+        cleared to zeros: its memory may hold what an earlier buffer, of any context, left."""
+        ctx_id = self.host.ctx_id
+        charge = buffer_charge(size, align)
+        why = self.budget.take(charge)
+        if why is not None:
+            log.warning("ctx %d: no buffer of %d bytes: %s", ctx_id, size, why)
+            return 0
+        ptr = make()
+        if not ptr:
+            self.budget.give(charge)
+            log.warning("ctx %d: ggml made no buffer of %d bytes", ctx_id, size)
+            return 0
+        actual = buffer_charge(self.g.ggml_backend_buffer_get_size(ptr), align)
+        if actual > charge:
+            why = self.budget.grow(actual - charge)
+            if why is not None:
+                self.g.ggml_backend_buffer_free(ptr)
+                self.budget.give(charge)
+                log.warning("ctx %d: no buffer of %d bytes: %s", ctx_id, size, why)
+                return 0
+            charge = actual
+        if res_id is None:
+            self.g.ggml_backend_buffer_clear(ptr, 0)
+        return self._add_buffer(ptr, res_id, charge)
+
+    def _add_buffer(self, ptr: int, res_id: Optional[int], charge: int) -> int:
         """Registers a ggml buffer this context now owns; returns its id."""
         g = self.g
         buft_ptr = g.ggml_backend_buffer_get_type(ptr)
@@ -176,26 +213,13 @@ class PythonBackendLibrary:
         align = g.ggml_backend_buft_get_alignment(buft_ptr)
         buft_handle = self.buft_handle(buft_ptr, allocatable=res_id is None)
         return self.buffers.add(HostBuffer(ptr, base, size, self.vspace.reserve(size, align),
-                                           buft_handle, res_id))
+                                           buft_handle, res_id, charge))
 
     def free_buffer(self, handle: int) -> None:
         buf = self.buffers.pop(handle)
         if buf is not None:
             self.g.ggml_backend_buffer_free(buf.ptr)
-
-    def allocated_bytes(self) -> int:
-        """Bytes of the buffers this context allocated (not the guest memory it wraps)."""
-        return sum(buf.size for _, buf in self.buffers.items() if buf.res_id is None)
-
-    def budget(self, device_total: int) -> int:
-        """Bytes this context may allocate: config `apir.host.buffer_budget`, else the
-        device's total memory. A guest cannot make the host commit more than this."""
-        value = self.host.get_config(CONFIG_KEY_BUFFER_BUDGET)
-        try:
-            return int(value) if value is not None else (device_total or 1 << 64)
-        except ValueError:
-            log.error("ctx %d: %s=%r is not a number", self.host.ctx_id, CONFIG_KEY_BUFFER_BUDGET, value)
-            return 0
+            self.budget.give(buf.charge)
 
     def shmem(self, res_id: int, what: str) -> Resource:
         res = self.host.get_shmem(res_id)

@@ -44,6 +44,9 @@ C handler, same return codes, no reply payload) and then ggml's `ggml_backend_bu
 also notes the buffer handles that device_buffer_from_ptr and buffer_type_alloc_buffer return to
 each context and frees that context's leftovers when it is closed, so a context's teardown frees
 exactly its buffers (the C deinit would free every context's) and the C deinit finds none.
+A buffer buffer_type_alloc_buffer returns is cleared to zeros (`ggml_backend_buffer_clear`)
+before the reply goes out: the C hands the guest heap memory as an earlier buffer, of any
+context, left it.
 
 Unlike apir's own dispatcher the C code trusts the guest: hostile bytes can crash the host
 process. That is the C's behaviour, kept on purpose; use it for interoperability, not as a
@@ -95,6 +98,7 @@ _UNTRACK_SYMBOL = "_Z27apir_untrack_backend_bufferP19ggml_backend_buffer"
 # Functions whose reply starts with a new buffer handle, and the one the adapter serves itself.
 _BUFFER_CREATORS = (ApirBackendCommandType.DEVICE_BUFFER_FROM_PTR, ApirBackendCommandType.BUFFER_TYPE_ALLOC_BUFFER)
 _FREE_BUFFER = ApirBackendCommandType.BUFFER_FREE_BUFFER
+_ALLOC_BUFFER = ApirBackendCommandType.BUFFER_TYPE_ALLOC_BUFFER
 _RC_OK, _RC_ERROR = 0, 1  # what the C handlers return
 _U64 = struct.Struct("<Q")
 
@@ -128,6 +132,7 @@ class _Shared:
             self.untrack_fn = getattr(self.cdll, _UNTRACK_SYMBOL)
             # resolved through the library's own dependencies: its libggml-base
             self.buffer_free_fn = self.cdll.ggml_backend_buffer_free
+            self.buffer_clear_fn = self.cdll.ggml_backend_buffer_clear
         except AttributeError as exc:
             raise LibraryLoadError(ApirLoadLibraryReturnCode.SYMBOL_MISSING,
                                    f"{path}: missing symbol the adapter needs: {exc}") from exc
@@ -135,6 +140,8 @@ class _Shared:
         self.untrack_fn.restype = ctypes.c_bool
         self.buffer_free_fn.argtypes = [ctypes.c_void_p]
         self.buffer_free_fn.restype = None
+        self.buffer_clear_fn.argtypes = [ctypes.c_void_p, ctypes.c_uint8]
+        self.buffer_clear_fn.restype = None
         # The libggml-base this library bound to: the first copy the process loaded.
         self.ggml_base = _file_of_symbol(self.cdll, "ggml_backend_buffer_get_base")
         self.lock = threading.RLock()
@@ -314,6 +321,9 @@ class CLibrary:
             handle = _U64.unpack_from(enc.buf, start)[0]
             if handle:
                 self._buffers.add(handle)
+                if function_id == _ALLOC_BUFFER:
+                    with sh.lock:  # the C hands out heap memory as it was left
+                        sh.buffer_clear_fn(handle, 0)
         return rc
 
     def _free_buffer(self, dec: Decoder) -> int:

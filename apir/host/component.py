@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import time
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from apir.codec.atomics import Word
@@ -39,12 +40,18 @@ from apir.codec.constants import (
     APIR_PROTOCOL_MAJOR,
     APIR_PROTOCOL_MINOR,
     APIR_PROTOCOL_VERSIONS,
+    CONFIG_KEY_BUFFER_BUDGET,
     CONFIG_KEY_GGML_LIBRARY_PATH,
     CONFIG_KEY_GGML_LIBRARY_REG,
     CONFIG_KEY_LOAD_LIBRARY_PATH,
+    CONFIG_KEY_MAX_BUFFERS,
+    CONFIG_KEY_MEMORY_LIMIT,
     ENV_BACKEND_LIBRARY,
+    ENV_BUFFER_BUDGET,
     ENV_GGML_LIBRARY_PATH,
     ENV_GGML_LIBRARY_REG,
+    ENV_MAX_BUFFERS,
+    ENV_MEMORY_LIMIT,
     VENUS_COMMAND_TYPE_LENGTH,
     ApirCommandType,
     ApirForwardReturnCode,
@@ -72,6 +79,10 @@ CONFIG_ENV_FALLBACKS: Dict[str, str] = {
     CONFIG_KEY_LOAD_LIBRARY_PATH: ENV_BACKEND_LIBRARY,
     CONFIG_KEY_GGML_LIBRARY_PATH: ENV_GGML_LIBRARY_PATH,
     CONFIG_KEY_GGML_LIBRARY_REG: ENV_GGML_LIBRARY_REG,
+    # apir's own bounds (apir.host.budget)
+    CONFIG_KEY_BUFFER_BUDGET: ENV_BUFFER_BUDGET,
+    CONFIG_KEY_MEMORY_LIMIT: ENV_MEMORY_LIMIT,
+    CONFIG_KEY_MAX_BUFFERS: ENV_MAX_BUFFERS,
 }
 
 def _builtin_library() -> BackendLibrary:
@@ -110,6 +121,9 @@ class HostContext:
         # for the next command (apir.local.embedded); `take_notification` hands it over.
         self.defer_notification = False
         self._pending_notification: Optional[Tuple[Word, int]] = None
+        # `tracer(ctx_id, command, (rc, reply_bytes) or None, host_seconds)` after each command
+        # (apir.host.trace); None: no tracing, no clock read.
+        self.tracer: Optional[Callable[[int, memoryview, Optional[Tuple[int, int]], float], None]] = None
 
     # --- configuration and resources (hypervisor side) ------------------------------------
     def set_config(self, key: str, value: str) -> None:
@@ -176,27 +190,33 @@ class HostContext:
             if self._closed:
                 log.error("ctx %d: command on a closed context dropped", self.ctx_id)
                 return
+            cmd = memoryview(command).cast("B")
+            tracer = self.tracer
+            t0 = time.perf_counter() if tracer is not None else 0.0
+            result = None
             try:
-                self._submit(memoryview(command).cast("B"))
+                result = self._submit(cmd)
             except Exception:  # noqa: BLE001 - a host bug must not take the hypervisor down
                 log.exception("ctx %d: internal error while serving a command", self.ctx_id)
+            if tracer is not None:
+                tracer(self.ctx_id, cmd, result, time.perf_counter() - t0)
 
-    def _submit(self, cmd: memoryview) -> None:
+    def _submit(self, cmd: memoryview) -> Optional[Tuple[int, int]]:
+        """Serves one command; (return code, reply payload bytes) as sent, None when no reply
+        resource could carry one."""
         if len(cmd) < _HEADER.size:
             log.error("ctx %d: truncated command header (%d bytes)", self.ctx_id, len(cmd))
-            self._reply_malformed()
-            return
+            return self._reply_malformed()
         cmd_type, flags, reply_res_id = _HEADER.unpack_from(cmd, 0)
         if self.capset_id == VIRTGPU_DRM_CAPSET_VENUS and cmd_type >= VENUS_COMMAND_TYPE_LENGTH:
             cmd_type -= VENUS_COMMAND_TYPE_LENGTH
         reply = self._reply_resource(reply_res_id)
         if reply is None:
-            self._reply_malformed()
-            return
+            return self._reply_malformed()
         if cmd_type not in ApirCommandType._value2member_map_:
             log.error("ctx %d: invalid command type %d", self.ctx_id, cmd_type)
             self._send(reply, COMMAND_MALFORMED)
-            return
+            return COMMAND_MALFORMED, 0
         dec = Decoder(cmd, _HEADER.size)
         enc = Encoder(reply.memory, NOTIFICATION_SIZE, reply.size)
         if cmd_type == _FORWARD:
@@ -210,6 +230,7 @@ class HostContext:
                       self.ctx_id, ApirCommandType(cmd_type).c_name, reply.res_id, reply.size)
             rc = COMMAND_MALFORMED
         self._send(reply, rc)
+        return rc, 0 if enc.fatal else enc.pos - NOTIFICATION_SIZE
 
     def _reply_resource(self, res_id: int) -> Optional[Resource]:
         res = self._resources.get(res_id)
@@ -220,13 +241,15 @@ class HostContext:
         self._last_reply_res_id = res_id
         return res
 
-    def _reply_malformed(self) -> None:
-        """Replies COMMAND_MALFORMED through the last reply resource, if one is known."""
+    def _reply_malformed(self) -> Optional[Tuple[int, int]]:
+        """Replies COMMAND_MALFORMED through the last reply resource, if one is known;
+        (COMMAND_MALFORMED, 0) then, else None."""
         res = self._resources.get(self._last_reply_res_id) if self._last_reply_res_id else None
         if res is None:
             log.error("ctx %d: no reply resource known: the command gets no reply", self.ctx_id)
-            return
+            return None
         self._send(res, COMMAND_MALFORMED)
+        return COMMAND_MALFORMED, 0
 
     def _send(self, reply: Resource, rc: int) -> None:
         """`send_response`: the payload is already in place; publish `rc + 1` in the reply

@@ -7,15 +7,13 @@ hand out is refused (the C casts it to a pointer). Replies:
     get_max_size      size_t (SIZE_MAX when the type has no limit)
     is_host           bool, always false (deprecated; the C answers false and reads nothing)
     alloc_buffer      argument size_t size; reply u64 buffer handle, 0 when ggml could not
-                      allocate, or when the size exceeds the type's max size or what is left of this
-                      context's budget (config `apir.host.buffer_budget`, default: the
-                      device's total memory)
+                      allocate, or when the size exceeds the type's max size, or the buffer
+                      does not fit the context's budget, the host's memory limit or the
+                      context's buffer count (apir.host.budget). The buffer reads as zeros.
     get_alloc_size    argument: an inline tensor; reply size_t
 """
 
 from __future__ import annotations
-
-import ctypes
 
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.tensors import Scratch, decode_inline_tensor
@@ -61,18 +59,16 @@ def alloc_buffer(lib, dec, enc) -> int:
         raise Refused("buffer_type_alloc_buffer: truncated arguments")
     if not buft.allocatable:
         raise Refused("buffer_type_alloc_buffer: this buffer type only wraps guest memory")
-    free, total = ctypes.c_size_t(), ctypes.c_size_t()
-    g.ggml_backend_dev_memory(lib.dev, ctypes.byref(free), ctypes.byref(total))
-    limit = min(g.ggml_backend_buft_get_max_size(buft.ptr), lib.budget(total.value) - lib.allocated_bytes())
-    ptr = g.ggml_backend_buft_alloc_buffer(buft.ptr, size) if size <= limit else None
-    if not ptr:
+    max_size = g.ggml_backend_buft_get_max_size(buft.ptr)
+    if size > max_size:
         # The C replies a null buffer when ggml cannot allocate; so does apir, also for a
-        # size no allocation of this device could satisfy.
-        log.warning("ctx %d: buffer_type_alloc_buffer: no buffer of %d bytes (limit %d)",
-                    lib.host.ctx_id, size, limit)
+        # size no allocation of this buffer type could satisfy.
+        log.warning("ctx %d: buffer_type_alloc_buffer: %d bytes over the type's max size %d",
+                    lib.host.ctx_id, size, max_size)
         enc.handle(0)
         return BACKEND_RC_OK
-    enc.handle(lib.add_buffer(ptr))
+    align = g.ggml_backend_buft_get_alignment(buft.ptr)
+    enc.handle(lib.hold_buffer(size, align, lambda: g.ggml_backend_buft_alloc_buffer(buft.ptr, size)))
     return BACKEND_RC_OK
 
 

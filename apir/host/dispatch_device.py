@@ -13,16 +13,20 @@ Replies, in order (APIR wire values):
                                  instead of failing at compute
     get_buffer_type              u64 buffer type handle (opaque id)
     get_props                    bool async, host_buffer, buffer_from_host_ptr, events
-                                 [, mmap_support]: 4 for an APIR 0.1 guest, 5 for 0.2
+                                 [, mmap_support]: the layout of the version the HandShake
+                                 negotiated (apir.codec.constants.negotiated_version): 4 for
+                                 an APIR 0.1 guest, 5 for 0.2
     buffer_from_ptr              arguments u32 res_id, size_t size, size_t max_tensor_size;
-                                 reply u64 buffer handle, u64 buffer type handle
+                                 reply u64 buffer handle, u64 buffer type handle; both 0
+                                 when ggml made no buffer or it does not fit the context's
+                                 budget (charged its size like any buffer, apir.host.budget)
 """
 
 from __future__ import annotations
 
 import ctypes
 
-from apir.codec.constants import APIR_PROTOCOL_0_1
+from apir.codec.constants import device_props_fields, negotiated_version
 from apir.ggml.backend_props import get_dev_props
 from apir.ggml.layout import tensor_record
 from apir.host.errors import BACKEND_RC_OK, Refused, log
@@ -32,11 +36,6 @@ from apir.host.tensors import Scratch, decode_inline_tensor
 
 __all__ = ["get_device_count", "get_count", "get_name", "get_description", "get_type", "get_memory",
            "supports_op", "get_buffer_type", "get_props", "buffer_from_ptr"]
-
-# The caps booleans each guest version reads, in wire order.
-_PROPS_0_1 = ("async", "host_buffer", "buffer_from_host_ptr", "events")
-_PROPS_0_2 = _PROPS_0_1 + ("mmap_support",)
-
 
 def get_device_count(lib, dec, enc) -> int:
     enc.i32(lib.g.ggml_backend_reg_dev_count(lib.reg))
@@ -88,8 +87,8 @@ def get_buffer_type(lib, dec, enc) -> int:
 
 def get_props(lib, dec, enc) -> int:
     caps = get_dev_props(lib.g, lib.dev)
-    names = _PROPS_0_1 if tuple(lib.host.guest_version) == APIR_PROTOCOL_0_1 else _PROPS_0_2
-    for name in names:
+    host = lib.host
+    for name in device_props_fields(negotiated_version(host.guest_version, host.host_version)):
         enc.bool(caps.get(name, False))
     return BACKEND_RC_OK
 
@@ -107,15 +106,10 @@ def buffer_from_ptr(lib, dec, enc) -> int:
     align = g.ggml_backend_buft_get_alignment(g.ggml_backend_dev_buffer_type(lib.dev))
     if res.address % align:
         raise Refused(f"device_buffer_from_ptr: resource {res_id} is not {align}-byte aligned")
-    ptr = g.ggml_backend_dev_buffer_from_host_ptr(lib.dev, res.address, size, max_tensor_size)
-    if not ptr:
-        log.error("ctx %d: device_buffer_from_ptr: ggml returned no buffer", lib.host.ctx_id)
-        enc.handle(0)
-        enc.handle(0)
-        return BACKEND_RC_OK
-    handle = lib.add_buffer(ptr, res_id=res_id)
+    handle = lib.hold_buffer(size, align, lambda: g.ggml_backend_dev_buffer_from_host_ptr(
+        lib.dev, res.address, size, max_tensor_size), res_id=res_id)
     enc.handle(handle)
-    enc.handle(lib.buffers.get(handle).buft_handle)
+    enc.handle(lib.buffers.get(handle).buft_handle if handle else 0)
     return BACKEND_RC_OK
 
 

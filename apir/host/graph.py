@@ -1,19 +1,19 @@
 """The host-side graph builder: a checked `ggml_cgraph` from a parsed wire graph.
 
-Theory of operation: `apir.codec.graph.parse_graph` has already checked the wire's counts,
-ids, types, ops, names and acyclicity. Here a node listed twice is refused, every tensor record is checked against this context
-(`TensorChecker.check_rpc`: a known buffer, data + extent inside it, no custom op), each
-view against its source (same buffer, `data == source data + view_offs`, its extent inside
-the source's), every tensor of the graph must have data (a kernel writes through it), its
-span (its elements' bytes with each dimension of 0 taken as 1, `base.check_span`) must fit
-its buffer (an empty tensor's other dimensions, or elements aliased through strides of 0,
-would otherwise size ggml's work buffer and kernel loops far beyond any memory), and
-each node's shape goes through `apir.host.shapes.check_node`, then what rules ask of the whole
-graph (`_check_graph_needs`: row ids read before compute are written by no node before they
-are read; kernels safe only on one thread are in a one-thread graph). Only then are tensors created
-in a host `ggml_context` (no data allocated: `data` points into the checked buffers), in
-sources-first order (row ids pointed at the copy their rule checked), and the nodes added to
-a graph in the guest's node order.
+Theory of operation: `apir.codec.graph.parse_graph` has already checked the wire's counts, ids,
+types, ops, names and acyclicity. Here a node listed twice is refused, every tensor record is
+checked against this context (`TensorChecker.check_rpc`: a known buffer, data + extent inside
+it, no custom op), each view against its source (same buffer, `data == source data + view_offs`,
+its extent inside the source's), every tensor of the graph must have data (a kernel writes
+through it), its span (its elements' bytes with each dimension of 0 taken as 1,
+`base.check_span`) must fit its buffer (an empty tensor's other dimensions, or elements aliased
+through strides of 0, would otherwise size ggml's work buffer and kernel loops far beyond any
+memory), and each node's shape goes through `apir.host.shapes.check_node`, then what rules ask
+of the whole graph (`_check_graph_needs`: row ids read before compute are written by no node
+before they are read; kernels safe only on one thread are in a one-thread graph). Only then are
+tensors created in a host `ggml_context` (no data allocated: `data` points into the checked
+buffers), in sources-first order (row ids pointed at the copy their rule checked), and the nodes
+added to a graph in the guest's node order.
 
 Speed: a MiniLM batch has ~330 tensors, so per-tensor Python work shows in every compute.
 The record checks therefore run on the parsed graph's arrays at once (`_check_records`);

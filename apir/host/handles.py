@@ -92,7 +92,8 @@ class HostBufferType:
 @dataclass
 class HostBuffer:
     """A buffer this context owns (`ggml_backend_buffer_t`), with its real and virtual base.
-    `res_id` is the shared-memory resource it wraps (buffer_from_ptr), else None."""
+    `res_id` is the shared-memory resource it wraps (buffer_from_ptr), else None; `charge`
+    the bytes it costs the context's budget (apir.host.budget)."""
 
     ptr: int
     base: int  # real base address: never sent to the guest
@@ -100,6 +101,7 @@ class HostBuffer:
     virtual_base: int
     buft_handle: int
     res_id: Optional[int] = None
+    charge: int = 0
 
 
 def new_tables() -> Tuple[HandleTable[HostBufferType], HandleTable[HostBuffer]]:

@@ -13,7 +13,10 @@ error), the context is closed and every blob of it freed.
 
 Every guest byte is hostile: an unknown op, a wrong length, an unknown handle or an oversized blob
 gets an errno reply; a length the stream cannot survive (over MAX_PAYLOAD) or a bad HELLO closes
-the connection. Nothing a guest sends raises out of its connection thread.
+the connection. Nothing a guest sends raises out of its connection thread. STAT answers a
+connection with its own counts only (other guests' contexts, blobs and bytes are theirs),
+unless the server was made with `stat_host_wide` (tests and debugging). The socket file gets
+mode `socket_mode` (default 0600: the owner's guests only), whatever the process umask.
 """
 
 from __future__ import annotations
@@ -41,14 +44,16 @@ from apir.codec.virtgpu import BLOB_ALIGNMENT
 from apir.host.local_kernel import ContextFactory, KernelContext, KernelError, default_context_factory
 from apir.local.socket_io import recv_message, send_message
 
-__all__ = ["LocalServer", "ServerStats"]
+__all__ = ["LocalServer", "ServerStats", "DEFAULT_SOCKET_MODE"]
 
 log = logging.getLogger(__name__)
 
+DEFAULT_SOCKET_MODE = 0o600  # the socket file: only its owner's processes may connect
+
 
 class ServerStats:
-    """Host-wide counts (the STAT reply): contexts, blobs, blob bytes, file bytes, ggml buffers
-    (-1 when a HostContext cannot count them)."""
+    """Counts of the STAT reply, over one connection or the whole host: contexts, blobs, blob
+    bytes, file bytes, ggml buffers (-1 when a HostContext cannot count them)."""
 
     __slots__ = ("contexts", "blobs", "blob_bytes", "file_bytes", "ggml_buffers")
 
@@ -153,7 +158,9 @@ class _Connection:
             k.gem_close(args[0])
             return b""
         if op == Op.STAT:
-            return REPLY[op].pack(*self.server.stats().as_tuple())
+            srv = self.server
+            st = srv.stats() if srv.stat_host_wide else _kernel_stats(ServerStats(), self.kernel)
+            return REPLY[op].pack(*st.as_tuple())
         raise KernelError(errno.ENOSYS, f"unhandled op {op}")
 
     def cleanup(self) -> None:
@@ -170,6 +177,20 @@ class _Connection:
                 pass
             self.server._forget(self)
             log.debug("guest %d: context and blobs freed", self.conn_id)
+
+
+def _kernel_stats(st: ServerStats, k: Optional[KernelContext]) -> ServerStats:
+    """Adds one connection's counts to `st` (nothing for a closed or not yet HELLOed one)."""
+    if k is None or k.closed:
+        return st
+    if k.ctx is not None:
+        st.contexts += 1
+        n = k.ggml_buffers
+        st.ggml_buffers = -1 if n is None or st.ggml_buffers < 0 else st.ggml_buffers + n
+    st.blobs += k.memfile.blob_count
+    st.blob_bytes += k.memfile.blob_bytes
+    st.file_bytes += k.memfile.file_size
+    return st
 
 
 def _op_name(op: int) -> str:
@@ -193,23 +214,39 @@ class LocalServer:
     `config` is the HostContext configuration (the C keys: ``ggml.library.path``,
     ``ggml.library.reg``, ...); `context_factory(ctx_id, capset_id, config)` builds a context
     (default: `apir.host.component.HostContext`). `max_context_bytes` bounds one context's shared
-    memory file. Raises OSError (EADDRINUSE) if another server already listens at `path`.
+    memory file. `socket_mode`: the socket file's permission bits (default 0600; set after
+    binding, which happens under umask 0177, so the file is never more open than asked).
+    `stat_host_wide`: STAT answers with counts over every connection instead of the asking
+    connection's own (off by default: they tell one guest about the others; for tests and
+    debugging). Raises OSError (EADDRINUSE) if another server already listens at `path`.
     """
 
     def __init__(self, path: str, config: Optional[dict] = None,
                  context_factory: ContextFactory = default_context_factory,
-                 max_context_bytes: int = 1 << 36):
+                 max_context_bytes: int = 1 << 36, *, socket_mode: int = DEFAULT_SOCKET_MODE,
+                 stat_host_wide: bool = False):
+        if not 0 <= socket_mode <= 0o777:
+            raise ValueError(f"socket mode {socket_mode:#o} is not a permission mode")
         self.path = os.fspath(path)
         self.config = config
         self.context_factory = context_factory
         self.max_context_bytes = max_context_bytes
+        self.socket_mode = socket_mode
+        self.stat_host_wide = stat_host_wide
         self._lock = threading.Lock()
         self._conns: set[_Connection] = set()
         self._conn_ids = itertools.count(1)
         self._closed = False
         self._remove_stale_socket()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(self.path)
+        # bind() creates the file with the umask's mode: keep it closed until the chmod. The
+        # umask is process-wide, so this briefly narrows other threads' new files too.
+        old_umask = os.umask(0o177)
+        try:
+            self.sock.bind(self.path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, self.socket_mode)
         self.sock.listen(16)
         self._accept_thread: Optional[threading.Thread] = None
         log.info("serving on %s", self.path)
@@ -242,16 +279,7 @@ class LocalServer:
         with self._lock:
             conns = list(self._conns)
         for c in conns:
-            k = c.kernel
-            if k is None or k.closed:
-                continue
-            if k.ctx is not None:
-                st.contexts += 1
-                n = k.ggml_buffers
-                st.ggml_buffers = -1 if n is None or st.ggml_buffers < 0 else st.ggml_buffers + n
-            st.blobs += k.memfile.blob_count
-            st.blob_bytes += k.memfile.blob_bytes
-            st.file_bytes += k.memfile.file_size
+            _kernel_stats(st, c.kernel)
         return st
 
     # --- serving -------------------------------------------------------------------------

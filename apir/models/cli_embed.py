@@ -1,15 +1,25 @@
-"""`apir embed "sentence" [...]`: all-MiniLM-L6-v2 sentence embeddings, computed through APIR.
+"""`apir embed [SENTENCE ...] [-f FILE]`: all-MiniLM-L6-v2 sentence embeddings, computed through APIR.
 
-Theory of operation: opens a backend (`apir.models.backends.open_backend`: the embedded APIR
-host by default, `--socket PATH` or `--drm NODE` for the other transports), uploads the model's
-weights into its buffers (a progress bar on stderr when that is a terminal), embeds the
-sentences in padded, masked batches and prints each embedding's first values and the cosine-
-similarity matrix; `--json` prints everything (every value, the matrix, token counts, backend,
-timings) as one JSON object on stdout. Embeddings are unit-length, so cosine = dot product.
+Theory of operation: gathers the sentences (arguments; `-` or `-f -` reads stdin, `-f FILE` a
+file, one sentence per line, blank lines skipped), opens a backend
+(`apir.models.backends.open_backend`: the embedded APIR host by default, `--socket PATH` or
+`--drm NODE` for the other transports), uploads the model's weights into its buffers, embeds
+the sentences in padded, masked batches and writes them in the `--format` asked for:
 
-`add_parser(subparsers)` registers the subcommand on an argparse parser; `run(args)` returns
-the exit status: 0, or 2 with a message on stderr when the model package or the backend is
-missing. `python -m apir.models.cli_embed ...` runs it alone.
+  table  (default) each embedding's first values, and the cosine-similarity matrix when asked
+         (`--similarity`) or small (at most SIMILARITY_AUTO_MAX sentences);
+  json   one JSON object: every value, token counts, backend, timings (and the matrix, as above);
+  jsonl  one JSON object per sentence: index, sentence, n_tokens, truncated, embedding;
+  npy    the (n, 384) float32 matrix as a NumPy .npy file (`-o FILE`, not to a terminal).
+
+Embeddings are unit-length, so cosine = dot product. Warnings go to stderr: a sentence longer
+than the model's 256 tokens (its end is cut off), an empty sentence. Progress bars (weight
+upload, batches) go to stderr when it is a terminal.
+
+Exit status (apir.cli's convention): 0, 1 when the model package, the backend or the compute
+fails, 2 for bad usage (nothing to embed, .npy to a terminal). `add_parser(subparsers)`
+registers the subcommand; `run(args)` returns the status; `python -m apir.models.cli_embed`
+runs it alone.
 """
 
 from __future__ import annotations
@@ -18,46 +28,139 @@ import argparse
 import json
 import sys
 import time
-from typing import List, Optional
+from typing import IO, List, Optional
 
-__all__ = ["add_parser", "run", "main", "DEFAULT_SHOWN"]
+import numpy as np
 
-DEFAULT_SHOWN = 8  # values of each embedding printed in text mode
+__all__ = ["add_parser", "run", "main", "read_sentences", "DEFAULT_SHOWN", "SIMILARITY_AUTO_MAX", "FORMATS"]
+
+DEFAULT_SHOWN = 8  # values of each embedding printed in the table
+SIMILARITY_AUTO_MAX = 10  # the cosine matrix is shown unasked up to this many sentences
+FORMATS = ("table", "json", "jsonl", "npy")
+EXIT_ERROR, EXIT_USAGE = 1, 2  # apir.cli's convention
+
+
+class _Usage(Exception):
+    """Bad usage found after parsing (exit 2)."""
 
 
 def add_parser(subparsers, parents=()) -> argparse.ArgumentParser:
     """Adds `embed` to an `ArgumentParser.add_subparsers()` object (apir.cli's subcommand
     convention: `parents` carries the shared options); sets `run=run`."""
     p = subparsers.add_parser(
-        "embed", parents=list(parents), help="sentence embeddings with all-MiniLM-L6-v2 through APIR",
+        "embed",
+        parents=list(parents),
+        help="sentence embeddings with all-MiniLM-L6-v2 through APIR",
         description="Embed sentences with all-MiniLM-L6-v2 (384 values, unit length) on the host's "
-                    "ggml backend through APIR; prints the first values and the cosine-similarity matrix.")
+        "ggml backend through APIR.",
+        epilog="Exit status: 0 success, 1 runtime error, 2 bad usage.",
+    )
     _configure(p)
     p.set_defaults(run=run)
     return p
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("sentences", nargs="+", metavar="SENTENCE", help="text to embed (one argument each)")
+    from apir.cli import add_trace_argument, node_arg, socket_arg
+
+    p.add_argument(
+        "sentences",
+        nargs="*",
+        metavar="SENTENCE",
+        help="text to embed, one argument each; - reads stdin, one sentence per line",
+    )
+    p.add_argument(
+        "-f",
+        "--file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="read sentences from FILE, one per line, blank lines skipped (- is stdin; repeatable)",
+    )
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--socket", metavar="PATH", help="a local APIR host's Unix socket")
-    where.add_argument("--drm", metavar="NODE", help="a virtio-gpu render node, e.g. /dev/dri/renderD128")
+    where.add_argument("--socket", metavar="PATH", type=socket_arg, help="a local APIR host's Unix socket")
+    where.add_argument(
+        "--drm", metavar="NODE", type=node_arg, help="a virtio-gpu render node, e.g. /dev/dri/renderD128"
+    )
     where.add_argument("--local-cpu", action="store_true", help="ggml CPU in this process, not through APIR")
-    p.add_argument("--json", action="store_true", help="print everything as one JSON object")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="output: table (default), json (one object), jsonl (one line per sentence), "
+        "npy (NumPy file of the embeddings)",
+    )
+    p.add_argument("--json", action="store_const", dest="format", const="json", help="the same as --format json")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the output to FILE instead of stdout")
+    sim = p.add_mutually_exclusive_group()
+    sim.add_argument(
+        "--similarity",
+        action="store_true",
+        default=None,
+        help=f"show the cosine-similarity matrix (table, json; by default only for up to "
+        f"{SIMILARITY_AUTO_MAX} sentences)",
+    )
+    sim.add_argument("--no-similarity", action="store_false", dest="similarity", help="never show it")
+    p.set_defaults(similarity=None)
     p.add_argument("--batch-size", type=int, default=32, metavar="N", help="sentences per graph (default 32)")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="threads of a local CPU backend")
-    p.add_argument("--show", type=int, default=DEFAULT_SHOWN, metavar="N",
-                   help=f"values of each embedding printed (default {DEFAULT_SHOWN})")
-    p.add_argument("--no-progress", action="store_true", help="no upload progress bar")
+    p.add_argument(
+        "--show",
+        type=int,
+        default=DEFAULT_SHOWN,
+        metavar="N",
+        help=f"values of each embedding printed in the table (default {DEFAULT_SHOWN})",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    add_trace_argument(p)
 
 
+# --- input -------------------------------------------------------------------------------------
+def read_sentences(arguments: List[str], files: List[str], stdin: IO[str]) -> List[str]:
+    """The sentences, in order: each argument (`-`: stdin's lines), then each file's lines
+    (`-`: stdin). Lines lose their line end and are skipped when blank; arguments are kept as
+    given. Stdin is read once. Raises OSError (naming the file)."""
+    out: List[str] = []
+    stdin_lines: Optional[List[str]] = None
+
+    def lines_of(name: str) -> List[str]:
+        nonlocal stdin_lines
+        if name == "-":
+            if stdin_lines is None:
+                stdin_lines = stdin.read().splitlines()
+                return stdin_lines
+            return []
+        with open(name, encoding="utf-8") as fh:
+            return fh.read().splitlines()
+
+    for arg in arguments:
+        if arg == "-":
+            out.extend(line for line in lines_of("-") if line.strip())
+        else:
+            out.append(arg)
+    for name in files:
+        out.extend(line for line in lines_of(name) if line.strip())
+    return out
+
+
+def _warn(message: str) -> None:
+    print(f"apir: warning: {message}", file=sys.stderr)
+
+
+def _label(i: int, sentence: str) -> str:
+    text = sentence if len(sentence) <= 40 else sentence[:37] + "..."
+    return f"sentence [{i}] {text!r}"
+
+
+# --- progress ----------------------------------------------------------------------------------
 class _ProgressBar:
     """A one-line bar on a terminal stream, redrawn only when it moves a column."""
 
     WIDTH = 30
 
-    def __init__(self, stream):
+    def __init__(self, stream, label: str, unit: str, scale: float = 1.0, fmt: str = "{:.0f}"):
         self.stream, self.last = stream, -1
+        self.label, self.unit, self.scale, self.fmt = label, unit, scale, fmt
 
     def __call__(self, done: int, total: int) -> None:
         filled = self.WIDTH * done // max(total, 1)
@@ -65,83 +168,202 @@ class _ProgressBar:
             return
         self.last = filled
         bar = "#" * filled + "-" * (self.WIDTH - filled)
-        self.stream.write(f"\rupload weights [{bar}] {done / 1e6:6.1f}/{total / 1e6:.1f} MB")
+        d, t = self.fmt.format(done / self.scale), self.fmt.format(total / self.scale)
+        self.stream.write(f"\r{self.label} [{bar}] {d}/{t} {self.unit}")
         if done == total:
             self.stream.write("\n")
         self.stream.flush()
 
 
+# --- run ---------------------------------------------------------------------------------------
 def _open(args):
-    from apir.cli import device_from_args
+    """(OpenedBackend, the --trace CommandTrace or None). Raises UsageError (--trace without
+    an embedded host), BackendUnavailable, ValueError."""
+    from apir.cli import UsageError, device_from_args, embedded_trace
     from apir.models.backends import open_backend, open_local_cpu
 
     if args.local_cpu:
-        return open_local_cpu(args.threads)
+        if args.trace:
+            raise UsageError("--trace records an APIR host's commands; --local-cpu runs none")
+        return open_local_cpu(args.threads), None
     spec, config = device_from_args(args)
-    return open_backend(spec, config=config, n_threads=args.threads)
+    trace, device_options = embedded_trace(args, spec)
+    if args.socket:
+        from apir.socket_path import check_connect
+
+        check_connect(args.socket)
+    try:
+        return open_backend(spec, config=config, n_threads=args.threads, device_options=device_options), trace
+    except BaseException:
+        if trace:
+            trace.close()
+        raise
+
+
+def _embed(model, sentences: List[str], batch_size: int, progress) -> np.ndarray:
+    """`model.embed`, batch by batch, so that `progress(done, total)` can follow it."""
+    tokens = model.tokenize(sentences)
+    out = np.empty((len(sentences), model.config.hidden_size), np.float32)
+    done = 0
+    for idx, batch in model.batches(tokens, batch_size):
+        out[idx] = model.embed_tokens(batch)
+        done += len(idx)
+        if progress:
+            progress(done, len(sentences))
+    return out
 
 
 def run(args: argparse.Namespace, assets=None) -> int:
-    """Runs `apir embed` for parsed `args`; `assets` (already read model files) skips re-reading."""
+    """Runs `apir embed` for parsed `args`; `assets` (already read model files) skips re-reading.
+    Returns the exit status (0, 1 runtime error, 2 bad usage), the reason on stderr."""
+    try:
+        return _run(args, assets)
+    except _Usage as exc:
+        print(f"apir: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _check_usage(args: argparse.Namespace, sentences: List[str]) -> str:
+    fmt = args.format or "table"
+    if not sentences:
+        raise _Usage("nothing to embed: give sentences as arguments, - for stdin, or -f FILE")
+    if args.batch_size < 1:
+        raise _Usage(f"--batch-size {args.batch_size}: must be at least 1")
+    if fmt == "npy" and not args.output and sys.stdout.isatty():
+        raise _Usage("--format npy writes binary: give -o FILE.npy or redirect stdout")
+    return fmt
+
+
+def _run(args: argparse.Namespace, assets) -> int:
+    from apir.cli import UsageError
     from apir.models.assets import ModelNotInstalled, load_assets
     from apir.models.backends import BackendUnavailable
     from apir.models.minilm import MiniLM, MiniLMError
 
     try:
+        sentences = read_sentences(args.sentences, args.file, sys.stdin)
+    except OSError as exc:
+        print(f"apir: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_ERROR
+    fmt = _check_usage(args, sentences)
+    for i, sentence in enumerate(sentences):
+        if not sentence.strip():
+            _warn(f"{_label(i, sentence)} is empty: its embedding is that of [CLS] [SEP] alone")
+    try:
         assets = assets or load_assets()
-        opened = _open(args)
+        opened, trace = _open(args)
+    except UsageError as exc:
+        raise _Usage(str(exc)) from None
     except (ModelNotInstalled, BackendUnavailable, ValueError) as exc:
-        print(f"apir embed: {exc}", file=sys.stderr)
-        return 2
-    progress = None
-    if not args.no_progress and sys.stderr.isatty():
-        progress = _ProgressBar(sys.stderr)
+        print(f"apir: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    max_tokens = assets.tokenizer.max_length
+    for i, cut in enumerate(assets.tokenizer.truncated(sentences)):
+        if cut:
+            _warn(
+                f"{_label(i, sentences[i])} has more than {max_tokens} tokens; only its first {max_tokens} are embedded"
+            )
+    tty = not args.no_progress and sys.stderr.isatty()
+    upload_bar = _ProgressBar(sys.stderr, "upload weights", "MB", 1e6, "{:.1f}") if tty else None
+    n_batches = -(-len(sentences) // args.batch_size)
+    embed_bar = _ProgressBar(sys.stderr, "embed", "sentences") if tty and n_batches > 1 else None
     try:
         t0 = time.perf_counter()
-        with MiniLM(backend=opened.backend, buft=opened.buft, assets=assets, progress=progress) as model:
+        with MiniLM(backend=opened.backend, buft=opened.buft, assets=assets, progress=upload_bar) as model:
             t1 = time.perf_counter()
-            emb = model.embed(args.sentences, batch_size=args.batch_size)
+            emb = _embed(model, sentences, args.batch_size, embed_bar)
             t2 = time.perf_counter()
-            n_tokens = model.tokenize(args.sentences).lengths.tolist()
+            n_tokens = model.tokenize(sentences).lengths.tolist()
             upload = (model.upload_bytes, model.upload_seconds)
     except (MiniLMError, ValueError) as exc:
-        print(f"apir embed: {exc}", file=sys.stderr)
-        return 2
+        print(f"apir: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     finally:
         opened.close()
-    cosine = emb @ emb.T
-    if args.json:
-        doc = {
-            "model": "sentence-transformers/all-MiniLM-L6-v2", "model_path": str(assets.path),
-            "backend": {"transport": opened.transport, "through_apir": opened.through_apir,
-                        "fallback": opened.fallback, "description": opened.description},
-            "sentences": list(args.sentences), "n_tokens": n_tokens, "dim": int(emb.shape[1]),
-            # float32 -> Python float is exact, so these round-trip bit for bit.
-            "embeddings": [[float(v) for v in row] for row in emb],
-            "cosine": [[float(v) for v in row] for row in cosine],
-            "timing_s": {"load_and_upload": t1 - t0, "upload": upload[1], "embed": t2 - t1},
-            "upload_bytes": upload[0],
-        }
-        json.dump(doc, sys.stdout)
-        sys.stdout.write("\n")
-        return 0
-    _print_text(args, opened, emb, cosine, n_tokens, upload, t2 - t1)
+        if trace:
+            trace.close()
+    truncated = assets.tokenizer.truncated(sentences)
+    show_sim = args.similarity if args.similarity is not None else len(sentences) <= SIMILARITY_AUTO_MAX
+    cosine = emb @ emb.T if show_sim else None
+    try:
+        _write(args, fmt, sentences, emb, cosine, n_tokens, truncated, opened, assets, upload, (t1 - t0, t2 - t1))
+    except OSError as exc:
+        print(f"apir: error: {exc.filename or args.output}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_ERROR
     return 0
 
 
-def _print_text(args, opened, emb, cosine, n_tokens, upload, embed_s) -> None:
-    out = sys.stdout
+def _write(args, fmt, sentences, emb, cosine, n_tokens, truncated, opened, assets, upload, times) -> None:
+    if fmt == "npy":
+        if args.output:
+            with open(args.output, "wb") as fh:  # the name as given (np.save(name) would add .npy)
+                np.save(fh, emb)
+        else:
+            np.save(sys.stdout.buffer, emb)
+            sys.stdout.buffer.flush()
+        return
+    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        if fmt == "jsonl":
+            for i, sentence in enumerate(sentences):
+                json.dump(
+                    {
+                        "index": i,
+                        "sentence": sentence,
+                        "n_tokens": n_tokens[i],
+                        "truncated": truncated[i],
+                        "embedding": [float(v) for v in emb[i]],
+                    },
+                    out,
+                )
+                out.write("\n")
+        elif fmt == "json":
+            doc = {
+                "model": "sentence-transformers/all-MiniLM-L6-v2",
+                "model_path": str(assets.path),
+                "backend": {
+                    "transport": opened.transport,
+                    "through_apir": opened.through_apir,
+                    "fallback": opened.fallback,
+                    "description": opened.description,
+                },
+                "sentences": list(sentences),
+                "n_tokens": n_tokens,
+                "truncated": truncated,
+                "dim": int(emb.shape[1]),
+                # float32 -> Python float is exact, so these round-trip bit for bit.
+                "embeddings": [[float(v) for v in row] for row in emb],
+                "timing_s": {"load_and_upload": times[0], "upload": upload[1], "embed": times[1]},
+                "upload_bytes": upload[0],
+            }
+            if cosine is not None:
+                doc["cosine"] = [[float(v) for v in row] for row in cosine]
+            json.dump(doc, out)
+            out.write("\n")
+        else:
+            _print_table(out, args, opened, sentences, emb, cosine, n_tokens, upload, times[1])
+    finally:
+        if out is not sys.stdout:
+            out.close()
+
+
+def _print_table(out, args, opened, sentences, emb, cosine, n_tokens, upload, embed_s) -> None:
     out.write(f"backend: {opened.description}\n")
     nbytes, secs = upload
     rate = f", {nbytes / secs / 1e6:.0f} MB/s" if secs > 0 else ""
-    out.write(f"weights: {nbytes / 1e6:.1f} MB uploaded in {secs:.3f} s{rate}; "
-              f"{len(emb)} sentence(s) embedded in {embed_s:.3f} s\n\n")
+    out.write(
+        f"weights: {nbytes / 1e6:.1f} MB uploaded in {secs:.3f} s{rate}; "
+        f"{len(emb)} sentence(s) embedded in {embed_s:.3f} s\n\n"
+    )
     shown = max(0, min(args.show, emb.shape[1]))
     out.write(f"embeddings ({emb.shape[1]} values each, first {shown} shown):\n")
-    for i, (row, sentence) in enumerate(zip(emb, args.sentences)):
+    for i, (row, sentence) in enumerate(zip(emb, sentences)):
         values = " ".join(f"{v:+.4f}" for v in row[:shown])
         text = sentence if len(sentence) <= 50 else sentence[:47] + "..."
         out.write(f"  [{i}] {values}  ({n_tokens[i]} tokens) {text!r}\n")
+    if cosine is None:
+        out.write(f"\ncosine similarity: not shown for {len(emb)} sentences (--similarity shows it)\n")
+        return
     out.write("\ncosine similarity:\n")
     out.write("      " + "".join(f"{f'[{j}]':>7}" for j in range(len(emb))) + "\n")
     for i, row in enumerate(cosine):

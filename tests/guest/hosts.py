@@ -18,6 +18,7 @@ from apir.codec.constants import (
     APIR_HANDSHAKE_MAGIC, VENUS_COMMAND_TYPE_LENGTH, VIRTGPU_DRM_CAPSET_APIR, ApirCommandType,
     ApirForwardReturnCode, ApirLoadLibraryReturnCode, CapsetApir,
 )
+from apir.codec.virtgpu import VirtgpuParam
 from apir.guest.device import Blob
 from apir.guest.errors import MissingCapability
 
@@ -37,7 +38,7 @@ class SyncDevice:
         self.submitted = 0
 
     def get_param(self, param):
-        return {7: self.mask}.get(param, 1)
+        return {VirtgpuParam.SUPPORTED_CAPSET_IDS: self.mask}.get(param, 1)
 
     def get_caps(self, capset_id, size):
         if not self.mask & (1 << capset_id):

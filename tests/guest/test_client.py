@@ -122,6 +122,45 @@ def test_device_props_from_an_apir_0_1_host(client):
         client.host_version = saved
 
 
+@pytest.fixture(scope="module")
+def guest_0_1(host, is_c_host):
+    """An APIR 0.1 client (the C guest of ggml 0.10 speaks it). Of the apir host, on a context of
+    its own (the HandShake sets the context's guest version); of the C host, on the session's
+    one, whose library the module's client loaded already."""
+    if is_c_host:
+        c = ApirClient(Remote(SyncDevice(host, owns_host=False), data_size=WINDOW), protocol=(0, 1))
+        c.handshake()
+    else:
+        from apir.host.component import HostContext
+
+        c = ApirClient.connect(SyncDevice(HostContext(8)), data_size=WINDOW, protocol=(0, 1))
+    yield c
+    c.close()
+
+
+def test_device_props_of_an_apir_0_1_guest(client, guest_0_1, is_c_host):
+    """A 0.1 guest of a 0.2 host reads the 4 booleans of 0.1, not a 5th from whatever the
+    reply resource held: here what a longer earlier reply (a device description of a few
+    dozen bytes, a string of the apir host) would leave in the 5th slot."""
+    assert guest_0_1.host_version == (0, 2) and guest_0_1.negotiated_version == (0, 1)
+    want = client.device_get_props()
+    assert want.mmap_support is not None  # the 0.2 client reads 5
+    guest_0_1.device_get_name()
+    guest_0_1.remote.reply.memory[4:64] = b"Intel(R) Xeon(R) Platinum 8480+ CPU".ljust(60, b"\0")
+    got = guest_0_1.device_get_props()
+    assert got == DeviceProps(want.async_, want.host_buffer, want.buffer_from_host_ptr, want.events, None)
+
+
+def test_device_props_layout_is_the_lower_version(client):
+    saved = client.host_version
+    try:
+        for host, negotiated in (((0, 1), (0, 1)), ((0, 2), (0, 2)), ((0, 3), (0, 2))):
+            client.host_version = host
+            assert client.negotiated_version == negotiated
+    finally:
+        client.host_version = saved
+
+
 def test_buffer_type_functions(client, g):
     buft = client.device_get_buffer_type()
     cpu_buft = g.ggml_backend_cpu_buffer_type()

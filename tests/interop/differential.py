@@ -9,6 +9,8 @@ backend functions (some several times) as identical command bytes, except for th
 host gave out earlier, which are substituted per side. Each reply is decoded with the layout the
 C handler writes and compared field by field: return codes and every value must be equal;
 handles and host addresses must be non-zero on both sides (their values are excepted);
+device_get_props' reply bytes (each slot's first byte, slots after the reply included) must
+be equal;
 device_get_memory's free memory is read twice by the OS and only has to be within the total.
 Data a command leaves in shared memory (buffer_get_tensor) is compared byte for byte.
 
@@ -318,6 +320,14 @@ def script(t: Tensors, n_props: int) -> List[Step]:
     return steps
 
 
+# Replies compared byte for byte, with what the reply resource held before: the byte each
+# 4-byte slot's decoder reads (the C writes a bool's one byte and leaves the slot's padding),
+# in every slot, so a slot written on one side only shows (device_get_props: 4 slots in APIR
+# 0.1, 5 in 0.2).
+_RAW_EQUAL = (Fn.DEVICE_GET_PROPS,)
+_RAW_REPLY = 64
+
+
 def props_layout(version: Tuple[int, int]) -> Tuple[str, ...]:
     return ("bool",) * (4 if version < (0, 2) else 5)
 
@@ -386,14 +396,17 @@ def run(paths: Dict[str, str]) -> dict:
         for side in sides:
             if step.prepare:
                 step.prepare(side)
+            side.reply[4:4 + _RAW_REPLY] = b"\xee" * _RAW_REPLY  # what a longer earlier reply left
             rc, dec = side.submit(ApirCommandType.FORWARD, step.function, step.payload(side))
             values = decode_reply(dec, layout)
             if step.after and rc == ApirForwardReturnCode.BASE_INDEX:
                 step.after(side, values)
-            out.append((rc, values, step.shmem(side) if step.shmem else None))
-        (rc_c, v_c, m_c), (rc_p, v_p, m_p) = out
+            out.append((rc, values, step.shmem(side) if step.shmem else None, bytes(side.reply[4:4 + _RAW_REPLY])))
+        (rc_c, v_c, m_c, raw_c), (rc_p, v_p, m_p, raw_p) = out
         diffs = [] if rc_c == rc_p else [f"return code: C {rc_c}, apir {rc_p}"]
         diffs += compare(layout, v_c, v_p)
+        if step.function in _RAW_EQUAL and raw_c[::4] != raw_p[::4]:
+            diffs.append(f"reply bytes differ: C {raw_c.hex()}, apir {raw_p.hex()}")
         if m_c != m_p:
             diffs.append("shared memory differs after the command")
         if rc_c != ApirForwardReturnCode.BASE_INDEX:

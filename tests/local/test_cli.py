@@ -1,11 +1,17 @@
 """The `apir` command: info over embedded and socket, one-line errors, registration."""
 
 import json
+import os
+import re
+import socket
 import subprocess
 import sys
 
+import pytest
+
+import apir
 import apir.ggml
-from apir.cli import build_parser, main
+from apir.cli import build_parser, human_size, main
 from tests.local.hostproc import HostProcess
 
 
@@ -44,11 +50,78 @@ def test_info_embedded_and_socket(tmp_path, capsys):
 
 
 def test_errors_are_one_line_and_nonzero(tmp_path):
-    r = run_cli("info", "--socket", str(tmp_path / "nobody.sock"))
+    stale = tmp_path / "stale.sock"  # a socket file nobody listens on (a dead host's leftover)
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(stale))
+    s.close()
+    r = run_cli("info", "--socket", str(stale))
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("apir: error: ") and "no apir host" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith(f"apir: error: local:{stale}: no apir host is serving there")
     assert run_cli("info", "--socket", "a", "--drm", "b").returncode == 2
+
+
+def _error(r, code):
+    """The one `apir: error:` line of a run that exited with `code`."""
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    return r.stderr.strip().splitlines()[-1]
+
+
+def test_socket_paths_are_checked_and_named(tmp_path):
+    # Empty: a usage error (it used to mean "embedded" for info and "serving on " for serve).
+    assert "argument --socket: empty socket path" in _error(run_cli("info", "--socket", ""), 2)
+    assert "argument --socket: empty socket path" in _error(run_cli("host", "serve", "--socket", ""), 2)
+    assert "argument --drm: empty render node path" in _error(run_cli("info", "--drm", ""), 2)
+    long = str(tmp_path / ("x" * 120))
+    assert f"{long}: {len(long)} bytes, longer than a Unix socket path can be (107)" in _error(
+        run_cli("info", "--socket", long), 2)
+    missing = tmp_path / "no" / "such" / "folder" / "apir.sock"
+    assert _error(run_cli("host", "serve", "--socket", str(missing)), 1) == (
+        f"apir: error: {missing}: its folder {missing.parent} does not exist")
+    regular = tmp_path / "file.txt"
+    regular.write_text("x")
+    assert _error(run_cli("info", "--socket", str(regular)), 1) == (
+        f"apir: error: {regular}: not a Unix socket (a regular file)")
+    assert _error(run_cli("host", "serve", "--socket", str(regular)), 1) == (
+        f"apir: error: {regular}: exists and is not a socket (a regular file); not replacing it")
+    assert regular.read_text() == "x"
+    nobody = tmp_path / "nobody.sock"
+    assert _error(run_cli("info", "--socket", str(nobody)), 1) == (
+        f"apir: error: {nobody}: no such socket; start a host there with `apir host serve --socket {nobody}`")
+
+
+def test_exit_codes_usage_2_runtime_1():
+    assert "--config expects KEY=VALUE, got 'x'" in _error(run_cli("info", "--config", "x"), 2)
+    assert "--no-such-option" in _error(run_cli("info", "--no-such-option"), 2)
+    r = subprocess.run([sys.executable, "-m", "apir.cli", "info"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "APIR_LOG_LEVEL": "loud"})
+    assert "$APIR_LOG_LEVEL='loud': expected one of debug" in _error(r, 2)
+    # A runtime error: the ggml library the embedded host is told to load does not exist.
+    assert _error(run_cli("info", "--ggml-library", "/nonexistent/libggml-x.so"), 1).startswith("apir: error: ")
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"apir {apir.__version__} (APIR protocol 0.2)\n"
+
+
+def test_info_text_names_enums_and_sizes(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "transport:          embedded host in this process\n" in out
+    assert "(APIR capset 10), HandShake ok" in out
+    assert "type:               CPU (ggml_backend_dev_type 0)\n" in out
+    assert "max buffer size:  unlimited\n" in out  # the CPU buffer type answers SIZE_MAX
+    assert "18446744073709551615" not in out and "(embedded)" not in out
+    mem = [line for line in out.splitlines() if line.startswith("memory:")][0]
+    assert re.fullmatch(r"memory: +\d+\.\d [KMGT]iB free of \d+\.\d [KMGT]iB", mem), mem
+
+
+def test_human_size():
+    assert [human_size(n) for n in (0, 1023, 1024, 1536, 3 << 30, (1 << 64) - 1)] == [
+        "0 bytes", "1023 bytes", "1.0 KiB", "1.5 KiB", "3.0 GiB", "unlimited"]
 
 
 def test_subcommands_come_from_modules():

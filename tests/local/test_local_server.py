@@ -5,6 +5,7 @@ import errno
 import os
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -170,9 +171,63 @@ time.sleep(600)
 """
 
 
+def test_stat_gives_a_guest_its_own_counts_only(server):
+    """Issue 13 class 11: STAT, even before CONTEXT_INIT, told any client how many contexts,
+    blobs and bytes the other guests of the host had."""
+    other = LocalDevice(server.path)
+    try:
+        other.context_init(10)
+        other.create_blob(3 * 16384)
+        with LocalDevice(server.path) as dev:
+            assert dev.stats() == {"contexts": 0, "blobs": 0, "blob_bytes": 0, "file_bytes": 0,
+                                   "ggml_buffers": 0}
+            dev.context_init(10)
+            dev.create_blob(16384)
+            assert dev.stats() == {"contexts": 1, "blobs": 1, "blob_bytes": 16384,
+                                   "file_bytes": 16384, "ggml_buffers": -1}
+        assert other.stats()["blob_bytes"] == 3 * 16384
+        assert (server.stats().contexts, server.stats().blobs) == (1, 1)  # the host's own view
+    finally:
+        other.close()
+
+
+def test_stat_host_wide_when_the_host_says_so(tmp_path):
+    with LocalServer(str(tmp_path / "s.sock"), context_factory=EchoContext, stat_host_wide=True).start() as srv:
+        with LocalDevice(srv.path) as other:
+            other.context_init(10)
+            other.create_blob(16384)
+            assert host_stats(srv.path)["blobs"] == 1
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022])
+def test_socket_file_mode_is_0600_whatever_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        srv = LocalServer(str(tmp_path / "s.sock"), context_factory=EchoContext)
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE(os.stat(srv.path).st_mode) == 0o600
+    finally:
+        srv.close()
+    srv = LocalServer(str(tmp_path / "t.sock"), context_factory=EchoContext, socket_mode=0o660)
+    try:
+        assert stat.S_IMODE(os.stat(srv.path).st_mode) == 0o660
+    finally:
+        srv.close()
+
+
+def test_host_serve_socket_mode_option(tmp_path):
+    h = HostProcess(tmp_path / "apir.sock", "--socket-mode", "0640")
+    try:
+        assert stat.S_IMODE(os.stat(h.path).st_mode) == 0o640
+    finally:
+        h.stop()
+
+
 @pytest.fixture(scope="module")
 def host(tmp_path_factory):
-    h = HostProcess(tmp_path_factory.mktemp("kill") / "apir.sock")
+    h = HostProcess(tmp_path_factory.mktemp("kill") / "apir.sock", "--stat-host-wide")
     yield h
     h.stop()
 
@@ -253,3 +308,39 @@ def test_refused_ioctl_is_an_ioctl_error(server):
             dev.create_blob(16384)
         assert info.value.errno == errno.EINVAL
         assert info.value.request == "DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB"
+
+
+def test_a_new_guest_cannot_read_a_departed_guests_buffer(tmp_path):
+    """Issue 13 class 5 over the socket host: a guest writes a secret into a buffer and
+    disconnects without freeing it; the next guest's fresh buffers read as zeros."""
+    import numpy as np
+
+    import apir.ggml
+    from apir.codec.records import RPC_TENSOR_DTYPE
+
+    g = apir.ggml.load()
+    size = 64 << 10
+
+    def rpc(buffer):
+        rec = np.zeros((), RPC_TENSOR_DTYPE)
+        rec["id"], rec["type"], rec["buffer"] = 1, g.types["F32"], buffer
+        rec["ne"] = [size // 4, 1, 1, 1]
+        rec["nb"] = [4, size, size, size]
+        return rec
+
+    with LocalServer(str(tmp_path / "s.sock")).start() as srv:
+        a = ApirClient.connect(LocalDevice(srv.path), data_size=size)
+        buf = a.buffer_type_alloc_buffer(a.device_get_buffer_type(), size)
+        a.buffer_set_tensor(buf, rpc(buf), 0, b"secret!\0" * (size // 8))
+        a.close()
+        assert wait_for(lambda: srv.stats().contexts == 0)
+        b = ApirClient.connect(LocalDevice(srv.path), data_size=size)
+        try:
+            buft = b.device_get_buffer_type()
+            for _ in range(4):
+                buf = b.buffer_type_alloc_buffer(buft, size)
+                out = bytearray(b"\xa5" * size)
+                b.buffer_get_tensor(buf, rpc(buf), 0, out)
+                assert out == bytes(size)
+        finally:
+            b.close()

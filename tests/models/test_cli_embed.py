@@ -1,6 +1,7 @@
 """apir.models.cli_embed: `apir embed` text and JSON output."""
 
 import argparse
+import io
 import json
 
 import numpy as np
@@ -45,11 +46,100 @@ def test_text_output(capsys, minilm):
 
 
 def test_explicit_socket_without_backend_is_an_error(capsys, minilm):
-    # An explicit transport never falls back to local CPU: no host at that path -> exit 2.
-    assert cli_embed.run(_args("--socket", "/nonexistent/apir.sock", "hi"), assets=minilm.assets) == 2
-    assert "apir embed:" in capsys.readouterr().err
+    # An explicit transport never falls back to local CPU: no host at that path -> a runtime
+    # error (exit 1, apir.cli's convention), the path named.
+    assert cli_embed.run(_args("--socket", "/nonexistent/apir.sock", "hi"), assets=minilm.assets) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("apir: error: /nonexistent/apir.sock: no such socket")
 
 
 def test_socket_and_drm_exclusive():
     with pytest.raises(SystemExit):
         _args("--socket", "/a", "--drm", "/b", "hi")
+
+
+def test_sentences_from_arguments_stdin_and_files(tmp_path):
+    f = tmp_path / "s.txt"
+    f.write_text("first line\n\n   \nsecond line\r\n")
+    stdin = io.StringIO("from stdin\n\nagain\n")
+    got = cli_embed.read_sentences(["arg one", "-", "", "-"], [str(f), "-"], stdin)
+    # Arguments as given (the empty one too), stdin once, files' blank lines skipped.
+    assert got == ["arg one", "from stdin", "again", "", "first line", "second line"]
+    with pytest.raises(FileNotFoundError) as exc:
+        cli_embed.read_sentences([], [str(tmp_path / "missing.txt")], io.StringIO())
+    assert exc.value.filename == str(tmp_path / "missing.txt")
+
+
+def test_file_and_stdin_input_embed_the_lines(capsys, monkeypatch, tmp_path, minilm):
+    f = tmp_path / "s.txt"
+    f.write_text(SENTENCES[0] + "\n\n" + SENTENCES[1] + "\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO(SENTENCES[2] + "\n"))
+    assert cli_embed.run(_args("--local-cpu", "--format", "jsonl", "-f", str(f), "-f", "-"),
+                         assets=minilm.assets) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["sentence"] for r in rows] == SENTENCES and [r["index"] for r in rows] == [0, 1, 2]
+    assert np.array_equal(np.array([r["embedding"] for r in rows], np.float32), minilm.embed(SENTENCES))
+    assert [r["n_tokens"] for r in rows] == [8, 11, 9] and not any(r["truncated"] for r in rows)
+
+
+def test_npy_output(capsys, tmp_path, minilm):
+    out = tmp_path / "emb"  # no .npy suffix: written under the name given
+    assert cli_embed.run(_args("--local-cpu", "--format", "npy", "-o", str(out), *SENTENCES),
+                         assets=minilm.assets) == 0
+    emb = np.load(out)
+    assert emb.dtype == np.float32 and np.array_equal(emb, minilm.embed(SENTENCES))
+    assert capsys.readouterr().out == ""
+
+
+def test_warns_on_truncation_and_empty_sentences(capsys, minilm):
+    long = "word " * 300  # 300 tokens + [CLS] [SEP]: more than 256
+    assert cli_embed.run(_args("--local-cpu", "--json", "short", "", long), assets=minilm.assets) == 0
+    captured = capsys.readouterr()
+    warnings = captured.err.strip().splitlines()
+    assert len(warnings) == 2, captured.err
+    assert warnings[0].startswith("apir: warning: sentence [1] '' is empty")
+    assert warnings[1].startswith("apir: warning: sentence [2] 'word word") and "more than 256 tokens" in warnings[1]
+    doc = json.loads(captured.out)
+    assert doc["truncated"] == [False, False, True] and doc["n_tokens"][2] == 256
+
+
+def test_similarity_only_when_small_or_asked(capsys, minilm):
+    many = [f"sentence number {i}" for i in range(cli_embed.SIMILARITY_AUTO_MAX + 1)]
+    assert cli_embed.run(_args("--local-cpu", *many), assets=minilm.assets) == 0
+    out = capsys.readouterr().out
+    assert f"cosine similarity: not shown for {len(many)} sentences" in out
+    assert cli_embed.run(_args("--local-cpu", "--json", *many), assets=minilm.assets) == 0
+    assert "cosine" not in json.loads(capsys.readouterr().out)
+    assert cli_embed.run(_args("--local-cpu", "--json", "--similarity", *many), assets=minilm.assets) == 0
+    cosine = np.array(json.loads(capsys.readouterr().out)["cosine"])
+    assert cosine.shape == (len(many), len(many))
+    assert cli_embed.run(_args("--local-cpu", "--no-similarity", *SENTENCES), assets=minilm.assets) == 0
+    assert "cosine similarity: not shown" in capsys.readouterr().out
+
+
+def test_usage_errors_exit_2(capsys, minilm, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n\n"))
+    assert cli_embed.run(_args("--local-cpu", "-"), assets=minilm.assets) == 2  # stdin had only blank lines
+    assert capsys.readouterr().err.startswith("apir: error: nothing to embed")
+    assert cli_embed.run(_args("--local-cpu", "--batch-size", "0", "x"), assets=minilm.assets) == 2
+    assert "--batch-size 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        _args("--socket", "", "x")
+    assert exc.value.code == 2
+
+
+def test_batch_progress_follows_each_batch(minilm):
+    calls = []
+    sentences = [f"sentence {i}" for i in range(5)]
+    emb = cli_embed._embed(minilm, sentences, 2, lambda done, total: calls.append((done, total)))
+    assert calls == [(2, 5), (4, 5), (5, 5)]
+    assert np.array_equal(emb, minilm.embed(sentences, batch_size=2))
+
+
+def test_progress_bar_draws_on_its_stream():
+    stream = io.StringIO()
+    bar = cli_embed._ProgressBar(stream, "embed", "sentences")
+    bar(0, 4)
+    bar(4, 4)
+    assert stream.getvalue() == ("\rembed [" + "-" * 30 + "] 0/4 sentences"
+                                 "\rembed [" + "#" * 30 + "] 4/4 sentences\n")

