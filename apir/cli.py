@@ -44,7 +44,7 @@ __all__ = ["main", "build_parser", "SUBCOMMAND_MODULES", "host_config_from_args"
 log = logging.getLogger("apir.cli")  # its module name, also when run as `python -m apir.cli`
 
 # Modules adding subcommands (each with add_parser(subparsers, parents)); this one first.
-SUBCOMMAND_MODULES = ["apir.cli", "apir.models.cli_embed"]
+SUBCOMMAND_MODULES = ["apir.cli", "apir.models.cli_embed", "apir.conformance.cli"]
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ENV_LOG_LEVEL = "APIR_LOG_LEVEL"

@@ -186,6 +186,7 @@ class _HeaderFacts:
     ops: Dict[str, int]
     types: Dict[str, int]
     limits: GgmlLimits
+    tensor_flags: Dict[str, int]
 
 
 def _parse_enum(text: str, enum_name: str, prefix: str) -> Dict[str, int]:
@@ -219,7 +220,8 @@ def _parse_header(path: Path) -> _HeaderFacts:
     limits = GgmlLimits(define("GGML_MAX_DIMS"), define("GGML_MAX_SRC"),
                         define("GGML_MAX_OP_PARAMS"), define("GGML_MAX_NAME"))
     return _HeaderFacts(_parse_enum(text, "ggml_op", "GGML_OP_"),
-                        _parse_enum(text, "ggml_type", "GGML_TYPE_"), limits)
+                        _parse_enum(text, "ggml_type", "GGML_TYPE_"), limits,
+                        _parse_enum(text, "ggml_tensor_flag", "GGML_TENSOR_FLAG_"))
 
 
 def default_paths() -> tuple[Path, Path]:
@@ -258,6 +260,7 @@ class Ggml:
         self.ops = facts.ops
         self.types = facts.types
         self.limits = facts.limits
+        self.tensor_flags = facts.tensor_flags  # "COMPUTE" -> GGML_TENSOR_FLAG_COMPUTE, ...
         self.op_count = self.ops.pop("COUNT")
         self.type_count = self.types.pop("COUNT")
         self.op_names = {v: k for k, v in self.ops.items()}
