@@ -32,7 +32,7 @@ import os
 import struct
 import threading
 import time
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from apir.codec.atomics import Word
 from apir.codec.constants import (
@@ -121,9 +121,9 @@ class HostContext:
         # for the next command (apir.local.embedded); `take_notification` hands it over.
         self.defer_notification = False
         self._pending_notification: Optional[Tuple[Word, int]] = None
-        # `tracer(ctx_id, command, (rc, reply_bytes) or None, host_seconds)` after each command
-        # (apir.host.trace); None: no tracing, no clock read.
-        self.tracer: Optional[Callable[[int, memoryview, Optional[Tuple[int, int]], float], None]] = None
+        # An apir.host.trace.CommandTrace: its describe(self, command) before each command,
+        # finish(record, (rc, reply_bytes) or None, host_seconds) after. None: no tracing.
+        self.tracer: Optional[Any] = None
 
     # --- configuration and resources (hypervisor side) ------------------------------------
     def set_config(self, key: str, value: str) -> None:
@@ -192,6 +192,7 @@ class HostContext:
                 return
             cmd = memoryview(command).cast("B")
             tracer = self.tracer
+            record = tracer.describe(self, cmd) if tracer is not None else None
             t0 = time.perf_counter() if tracer is not None else 0.0
             result = None
             try:
@@ -199,7 +200,7 @@ class HostContext:
             except Exception:  # noqa: BLE001 - a host bug must not take the hypervisor down
                 log.exception("ctx %d: internal error while serving a command", self.ctx_id)
             if tracer is not None:
-                tracer(self.ctx_id, cmd, result, time.perf_counter() - t0)
+                tracer.finish(record, result, time.perf_counter() - t0)
 
     def _submit(self, cmd: memoryview) -> Optional[Tuple[int, int]]:
         """Serves one command; (return code, reply payload bytes) as sent, None when no reply
