@@ -288,12 +288,14 @@ def nonzero_u32_callback() -> int:
     Numba's cache above)."""
     global _nonzero_u32_cfunc
     if _nonzero_u32_cfunc is None:
-        @cfunc(types.boolean(types.voidptr), nopython=True, cache=True)
+        @cfunc(types.boolean(types.voidptr), cache=True)
         def nonzero_u32(word):
             return _load_acquire_intrinsic(carray(word, 4, np.uint8), 0) != 0
 
         _nonzero_u32_cfunc = nonzero_u32
-    return _nonzero_u32_cfunc.address
+    address = _nonzero_u32_cfunc.address
+    assert address is not None  # a compiled cfunc always has one
+    return address
 
 
 # --- plain-Python twins (not atomic; for tests) -------------------------------------------

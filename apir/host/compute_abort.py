@@ -52,7 +52,7 @@ class ComputeAbort:
     with; `time_limit_s`: the wall-time bound of one graph (0: none). `installed` says whether
     ggml will look at the flag."""
 
-    def __init__(self, g, reg: int, backend: int, time_limit_s: float, name: str = "context"):
+    def __init__(self, g, reg: int, backend: int, time_limit_s: float, name: str = "context") -> None:
         self.name = name
         self.time_limit_s = time_limit_s
         self.aborted_status = g.statuses["ABORTED"]
@@ -67,8 +67,11 @@ class ComputeAbort:
             set_abort(backend, nonzero_u32_callback(), self._flag_memory.ctypes.data)
             self.installed = True
         else:
-            log.warning("%s: ggml backend %s has no abort callback: graphs run to completion "
-                        "(no time limit, no cancellation)", name, g.ggml_backend_reg_name(reg).decode())
+            log.warning(
+                "%s: ggml backend %s has no abort callback: graphs run to completion (no time limit, no cancellation)",
+                name,
+                g.ggml_backend_reg_name(reg).decode(),
+            )
 
     @property
     def cancelled(self) -> Optional[str]:
@@ -95,8 +98,9 @@ class ComputeAbort:
             if armed:
                 _WATCHDOG.disarm(self)
         if status == self.aborted_status:
-            why = self._cancelled or (f"over its time limit ({self.time_limit_s:g} s)" if self._timed_out
-                                      else "aborted by ggml")
+            why = self._cancelled or (
+                f"over its time limit ({self.time_limit_s:g} s)" if self._timed_out else "aborted by ggml"
+            )
             log.warning("%s: graph compute stopped: %s", self.name, why)
         return status
 
@@ -121,7 +125,7 @@ class _Watchdog:
     and no thread wake-up. A disarmed deadline is dropped; the thread, waking for it, finds
     nothing due and sleeps again."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._cond = threading.Condition()
         self._deadlines: Dict[ComputeAbort, float] = {}
         self._wake_at = math.inf  # when the thread wakes next (inf: when notified)
@@ -131,8 +135,7 @@ class _Watchdog:
         with self._cond:
             self._deadlines[abort] = deadline
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="apir-compute-watchdog",
-                                                daemon=True)
+                self._thread = threading.Thread(target=self._run, name="apir-compute-watchdog", daemon=True)
                 self._thread.start()
             if deadline < self._wake_at:
                 self._wake_at = deadline

@@ -32,7 +32,7 @@ class _Watched(Protocol):
 class HangupWatch:
     """Calls `conn.on_hangup()` once the peer of a watched socket hangs up. Thread-safe."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._epoll = select.epoll()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)  # close() wakes the thread with it
         self._epoll.register(self._wake_r, select.EPOLLIN)

@@ -33,8 +33,7 @@ def _mmap_fn():
     if _libc_mmap is None:
         fn = ctypes.CDLL(None, use_errno=True).mmap
         fn.restype = ctypes.c_void_p
-        fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_long)
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
         _libc_mmap = fn
     return _libc_mmap
 
