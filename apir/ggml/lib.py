@@ -186,6 +186,7 @@ class _HeaderFacts:
     ops: Dict[str, int]
     types: Dict[str, int]
     limits: GgmlLimits
+    tensor_flags: Dict[str, int]
 
 
 def _parse_enum(text: str, enum_name: str, prefix: str) -> Dict[str, int]:
@@ -219,7 +220,8 @@ def _parse_header(path: Path) -> _HeaderFacts:
     limits = GgmlLimits(define("GGML_MAX_DIMS"), define("GGML_MAX_SRC"),
                         define("GGML_MAX_OP_PARAMS"), define("GGML_MAX_NAME"))
     return _HeaderFacts(_parse_enum(text, "ggml_op", "GGML_OP_"),
-                        _parse_enum(text, "ggml_type", "GGML_TYPE_"), limits)
+                        _parse_enum(text, "ggml_type", "GGML_TYPE_"), limits,
+                        _parse_enum(text, "ggml_tensor_flag", "GGML_TENSOR_FLAG_"))
 
 
 def default_paths() -> tuple[Path, Path]:
@@ -258,6 +260,7 @@ class Ggml:
         self.ops = facts.ops
         self.types = facts.types
         self.limits = facts.limits
+        self.tensor_flags = facts.tensor_flags  # "COMPUTE" -> GGML_TENSOR_FLAG_COMPUTE, ...
         self.op_count = self.ops.pop("COUNT")
         self.type_count = self.types.pop("COUNT")
         self.op_names = {v: k for k, v in self.ops.items()}
@@ -297,6 +300,12 @@ class Ggml:
         for t in self.type_names:
             valid[t] = self.ggml_type_size(t) > 0 and self.ggml_blck_size(t) > 0
         return valid
+
+    @functools.cached_property
+    def statuses(self) -> Dict[str, int]:
+        """`enum ggml_status` of this build's ggml.h without the prefix: {"ALLOC_FAILED": -2,
+        "FAILED": -1, "SUCCESS": 0, "ABORTED": 1} in ggml 0.10 and 0.20."""
+        return _parse_enum((self.include_dir / "ggml.h").read_text(), "ggml_status", "GGML_STATUS_")
 
     def valid_type(self, type_: int) -> bool:
         """Whether `type_` is a valid type of this build (`valid_types`)."""

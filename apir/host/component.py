@@ -32,7 +32,7 @@ import os
 import struct
 import threading
 import time
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from apir.codec.atomics import Word
 from apir.codec.constants import (
@@ -61,6 +61,7 @@ from apir.codec.constants import (
 from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS
 from apir.codec.wire import Decoder, Encoder
 from apir.host.errors import log
+from apir.host.limits import LIMIT_ENV_FALLBACKS
 from apir.host.library import BackendLibrary, LibraryLoadError, default_library_factory
 from apir.host.resources import Resource
 
@@ -79,6 +80,7 @@ CONFIG_ENV_FALLBACKS: Dict[str, str] = {
     CONFIG_KEY_LOAD_LIBRARY_PATH: ENV_BACKEND_LIBRARY,
     CONFIG_KEY_GGML_LIBRARY_PATH: ENV_GGML_LIBRARY_PATH,
     CONFIG_KEY_GGML_LIBRARY_REG: ENV_GGML_LIBRARY_REG,
+    **LIMIT_ENV_FALLBACKS,  # apir's liveness bounds (apir.host.limits)
     # apir's own bounds (apir.host.budget)
     CONFIG_KEY_BUFFER_BUDGET: ENV_BUFFER_BUDGET,
     CONFIG_KEY_MEMORY_LIMIT: ENV_MEMORY_LIMIT,
@@ -121,9 +123,9 @@ class HostContext:
         # for the next command (apir.local.embedded); `take_notification` hands it over.
         self.defer_notification = False
         self._pending_notification: Optional[Tuple[Word, int]] = None
-        # `tracer(ctx_id, command, (rc, reply_bytes) or None, host_seconds)` after each command
-        # (apir.host.trace); None: no tracing, no clock read.
-        self.tracer: Optional[Callable[[int, memoryview, Optional[Tuple[int, int]], float], None]] = None
+        # An apir.host.trace.CommandTrace: its describe(self, command) before each command,
+        # finish(record, (rc, reply_bytes) or None, host_seconds) after. None: no tracing.
+        self.tracer: Optional[Any] = None
 
     # --- configuration and resources (hypervisor side) ------------------------------------
     def set_config(self, key: str, value: str) -> None:
@@ -163,9 +165,20 @@ class HostContext:
         """The blob `res_id` of this context, or None (`get_shmem_ptr`, plus the size)."""
         return self._resources.get(res_id)
 
+    def cancel_compute(self, reason: str) -> None:
+        """Stops the graph compute in flight, if any, and every later one (the guest gets
+        GGML_STATUS_ABORTED): this context's guest is gone. Any thread, without the context's
+        lock, which the compute holds; a backend library without `cancel_compute` (a C one)
+        cannot be stopped."""
+        cancel = getattr(self._library, "cancel_compute", None)
+        if cancel is not None:
+            cancel(reason)
+
     def close(self) -> None:
         """Deinitializes the backend library, freeing exactly this context's buffers, and
-        drops the resources. Idempotent."""
+        drops the resources. Idempotent. A compute in flight on another thread is cancelled
+        first (`cancel_compute`), so closing does not wait for the graph to finish."""
+        self.cancel_compute("the context is closed")
         with self._lock:
             if self._closed:
                 return
@@ -192,6 +205,7 @@ class HostContext:
                 return
             cmd = memoryview(command).cast("B")
             tracer = self.tracer
+            record = tracer.describe(self, cmd) if tracer is not None else None
             t0 = time.perf_counter() if tracer is not None else 0.0
             result = None
             try:
@@ -199,7 +213,7 @@ class HostContext:
             except Exception:  # noqa: BLE001 - a host bug must not take the hypervisor down
                 log.exception("ctx %d: internal error while serving a command", self.ctx_id)
             if tracer is not None:
-                tracer(self.ctx_id, cmd, result, time.perf_counter() - t0)
+                tracer.finish(record, result, time.perf_counter() - t0)
 
     def _submit(self, cmd: memoryview) -> Optional[Tuple[int, int]]:
         """Serves one command; (return code, reply payload bytes) as sent, None when no reply

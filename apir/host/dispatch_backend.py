@@ -5,12 +5,19 @@ that shared-memory resource. Reply: the `enum ggml_status` (i32) of the compute.
 checked against the resource's real size (the C has a placeholder there), the graph is
 parsed and checked (`parse_graph`, `apir.host.graph`), ggml's planned work buffer is bounded
 by the context's work budget (`apir.host.work_plan`), and only a graph that passes is
-computed; one that does not is refused (BACKEND_RC_ERROR, no status).
+computed; one that does not is refused (BACKEND_RC_ERROR, no status). The compute runs under
+the context's abort flag: past `apir.host.graph_time_limit_s`, or once the context is being
+destroyed, it stops and the status is GGML_STATUS_ABORTED.
+
+Nodes without GGML_TENSOR_FLAG_COMPUTE are skipped by ggml (ggml_build_forward_select leaves
+the branches it does not select without it), so such a graph is computed as ggml computes it;
+a graph in which no node has the flag computes nothing and reports SUCCESS, as on the C host:
+that is logged as a warning, since it is almost always a guest that forgot the flag.
 """
 
 from __future__ import annotations
 
-from apir.host.errors import BACKEND_RC_OK, Refused
+from apir.host.errors import BACKEND_RC_OK, Refused, log
 
 from apir.codec.graph import GraphError, parse_graph
 from apir.host.graph import build_graph, lib_op_enums
@@ -33,12 +40,22 @@ def graph_compute(lib, dec, enc) -> int:
                              type_valid=chk.valid_types)
     except GraphError as exc:
         raise Refused(f"backend_graph_compute: {exc}") from None
+    _warn_if_nothing_to_compute(g, parsed)
     enums = lib_op_enums(lib)
     with Scratch(g, len(parsed.tensors), max(len(parsed.node_index), 1)) as scratch:
         graph = build_graph(lib, parsed, scratch, enums)
         check_work_size(lib, graph)  # before the CPU backend allocates its work buffer
-        status = g.ggml_backend_graph_compute(lib.backend, graph)
+        # under the context's time limit and cancellation (apir.host.compute_abort)
+        status = lib.abort.run(g.ggml_backend_graph_compute, lib.backend, graph)
         g.ggml_backend_synchronize(lib.backend)
     enc.i32(status)
     return BACKEND_RC_OK
 
+
+
+def _warn_if_nothing_to_compute(g, parsed) -> None:
+    compute = g.tensor_flags.get("COMPUTE", 0)
+    nodes = parsed.tensors["flags"][parsed.node_index]
+    if compute and len(nodes) and not (nodes & compute).any():
+        log.warning("backend_graph_compute: none of the graph's %d nodes has GGML_TENSOR_FLAG_COMPUTE (%d): "
+                    "ggml computes nothing and reports success", len(nodes), compute)

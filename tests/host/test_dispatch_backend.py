@@ -108,3 +108,37 @@ def test_graph_size(guest, ggml, size_delta, rc):
     got, _ = guest.forward(Cmd.BACKEND_GRAPH_COMPUTE,
                            lambda e: (e.u32(DATA_RES), e.size_t(len(wire) + size_delta)))
     assert got == rc
+
+
+def test_graph_without_compute_flags_computes_nothing_and_warns(guest, ggml, caplog):
+    """Nodes without GGML_TENSOR_FLAG_COMPUTE are skipped, as ggml does (status SUCCESS, the
+    result untouched); when no node has it the host says so in its log."""
+    from apir.codec.records import rpc_tensor_dtype
+
+    s = GgmlScratch(ggml)
+    graph, inputs, y = _attention_like(ggml, s.ctx)
+    data = _input_data(ggml, inputs)
+    remote = RemoteGraph(guest, ggml, s.ctx, graph)
+    for t, d in zip(inputs, data):
+        assert guest.set_tensor(remote.handle, remote.rpc(t), d) == 0
+    wire = bytearray(remote.wire)
+    n_nodes = int.from_bytes(wire[:4], "little")
+    nodes = set(np.frombuffer(bytes(wire[4: 4 + 8 * n_nodes]), np.uint64).tolist())
+    records = np.frombuffer(wire, rpc_tensor_dtype(ggml.limits), offset=8 + 8 * n_nodes)
+    assert (records["flags"][np.isin(records["id"], list(nodes))] & ggml.tensor_flags["COMPUTE"]).all()
+    cleared = records.copy()
+    cleared["flags"][np.isin(cleared["id"], list(nodes))] = 0
+    wire[8 + 8 * n_nodes:] = cleared.tobytes()
+    before = guest.get_tensor(remote.handle, remote.rpc(y), ggml.ggml_nbytes(y))[1]
+    guest.data[: len(wire)] = wire
+    with caplog.at_level("WARNING", logger="apir.host"):
+        rc, dec = guest.forward(Cmd.BACKEND_GRAPH_COMPUTE, lambda e: (e.u32(DATA_RES), e.size_t(len(wire))))
+    assert rc == 0 and dec.i32() == 0
+    assert guest.get_tensor(remote.handle, remote.rpc(y), ggml.ggml_nbytes(y))[1] == before
+    assert any("has GGML_TENSOR_FLAG_COMPUTE" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    _remote_status = _remote(guest, ggml, data)[0]  # the flagged graph: no warning
+    assert _remote_status == 0
+    assert not any("GGML_TENSOR_FLAG_COMPUTE" in r.getMessage() for r in caplog.records)
+    remote.close()
+    s.close()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.host.isolated import assert_child_ok
-from tests.host.shapekit import ERROR, Case, Remote, _in, ctor
+from tests.host.shapekit import ERROR, Case, Remote, _in, ctor, rule_refusal
 
 HUGE = (1 << 32) - 1  # the largest ne an apir_rpc_tensor carries (uint32)
 
@@ -208,3 +208,174 @@ def test_planned_work_size_is_ggml_graph_plan(ggml):
     finally:
         s.close()
     assert DEFAULT_WORK_BUDGET == 1 << 30
+
+
+# --- class 3: loop counts and `int` arithmetic driven by op_params -----------------------------
+BIG = 2**31 - 1
+
+
+def _pool_1d(g, ctx):
+    a = _in(g, ctx, "F32", 4, 1000)
+    return ctor(g, "ggml_pool_1d")(ctx, a, 1, 3, 2, 1), [a]
+
+
+def _pool_2d(g, ctx):
+    a = _in(g, ctx, "F32", 9, 8, 64, 4)
+    return ctor(g, "ggml_pool_2d")(ctx, a, 1, 3, 2, 2, 2, 1.0, 1.0), [a]
+
+
+def _pool_2d_back(g, ctx):
+    af, grad = _in(g, ctx, "F32", 8, 6, 64), _in(g, ctx, "F32", 4, 3, 64)
+    return ctor(g, "ggml_pool_2d_back")(ctx, grad, af, 0, 2, 2, 2, 2, 0.0, 0.0), [af, grad]
+
+
+def _packed(ne, size=4):
+    nb = [size]
+    for n in ne[:3]:
+        nb.append(nb[-1] * n)
+    return nb
+
+
+def _child_pool_1d_huge_window():
+    """POOL_1D loops k0 times per result element, k0 an op_param: k0 = s0 = INT_MAX with
+    p0 = 2^30 pools a row of 4 into 1 element, through 2^31 iterations; 1000 rows keep the
+    host busy for hours from a 16 KiB graph."""
+    _, r = _child_remote(Case("POOL_1D", _pool_1d))
+    recs = r.recs.copy()
+    o = r.index(r.out)
+    recs["op_params"][o][1:4] = [BIG, BIG, 1 << 30]
+    recs["ne"][o] = [1, 1000, 1, 1]
+    recs["nb"][o] = _packed([1, 1000, 1, 1])
+    _refused_then_serves(r, recs)
+
+
+def _child_pool_2d_huge_window():
+    """POOL_2D: a window of INT_MAX rows (stride INT_MAX, padding 2^30) over 9 x 8 planes:
+    the kernel loops over every window row (skipping those outside the plane), 2^31
+    iterations for each of the 2304 results."""
+    _, r = _child_remote(Case("POOL_2D", _pool_2d))
+    recs = r.recs.copy()
+    o = r.index(r.out)
+    recs["op_params"][o][1:7] = [1, BIG, 1, BIG, 0, 1 << 30]  # k0, k1, s0, s1, p0, p1
+    recs["ne"][o] = [9, 1, 64, 4]
+    recs["nb"][o] = _packed([9, 1, 64, 4])
+    _refused_then_serves(r, recs)
+
+
+def _child_pool_2d_back_huge_window():
+    """POOL_2D_BACK: the same window rows, spread from each of 256 gradient elements (whose
+    shape the rule did not check against the window)."""
+    _, r = _child_remote(Case("POOL_2D_BACK", _pool_2d_back))
+    recs = r.recs.copy()
+    o, gr = r.index(r.out), r.index(r.inputs[1])
+    recs["op_params"][o][1:7] = [2, BIG, 2, BIG, 0, 1 << 30]
+    recs["ne"][gr] = [4, 1, 64, 1]
+    recs["nb"][gr] = _packed([4, 1, 64, 1])
+    _refused_then_serves(r, recs)
+
+
+@pytest.mark.parametrize("child, why", [
+    ("_child_pool_1d_huge_window", "(POOL_1D): padding 1073741824 of dimension 0 exceeds"),
+    ("_child_pool_2d_huge_window", "(POOL_2D): padding 1073741824 of dimension 1 exceeds"),
+    ("_child_pool_2d_back_huge_window", "(POOL_2D_BACK): padding 1073741824 of dimension 1 exceeds"),
+])
+def test_op_param_loop_count_is_refused_in_a_child(child, why):
+    assert_child_ok(f"{__name__}:{child}", why, timeout=120)
+
+
+def test_pool_2d_back_gradient_shape_is_checked(guest, ggml, caplog):
+    r = Remote(guest, ggml, Case("POOL_2D_BACK", _pool_2d_back))
+    try:
+        recs = r.recs.copy()
+        gr = r.index(r.inputs[1])
+        recs["ne"][gr] = [3, 3, 64, 1]
+        recs["nb"][gr] = _packed([3, 3, 64, 1])
+        _refused(r, recs, caplog, "(POOL_2D_BACK): src0 [3, 3, 64, 1] is not pool_2d's [4, 3]")
+    finally:
+        r.close()
+
+
+# Bounds that need a tensor larger than a test can allocate are checked at the rule itself
+# (shapekit.rule_refusal: the records as the rules see them, without buffers).
+ROWS = 2**31 - 1 - 100  # an `int` row count that wraps once the threads' `nth - 1` is added
+
+
+def _set_ne(recs, i, ne, size=4):
+    """ne and packed nb (a dimension of 1 takes any nb: capped to the wire's uint32)."""
+    recs["ne"][i] = ne
+    recs["nb"][i] = [b if n != 1 else min(b, 2**32 - 1) for b, n in zip(_packed(ne, size), [2] + list(ne[1:]))]
+
+
+def _mm_long_rows(r, recs):  # ggml_vec_dot_t(int n, ...): n = ne00 wraps
+    for t in r.inputs:  # one row each (a longer F32 row stride would not fit the wire's nb)
+        _set_ne(recs, r.index(t), [2**31 + 64, 1, 1, 1], int(recs["nb"][r.index(t)][0]))
+    recs["ne"][r.index(r.out)][:2] = [1, 1]
+
+
+def _out_prod_strides(r, recs):  # ggml_vec_mad_f32_unroll(n, int xs = nb01, int vs = nb11): i * xs wraps
+    recs["nb"][r.index(r.inputs[0])][1:] = [1 << 27, 1 << 28, 1 << 28]
+
+
+def _add_id_rows(r, recs):  # const int nr = ggml_nrows(src0); (nr + nth - 1)/nth wraps
+    for t in (r.inputs[0], r.out):
+        _set_ne(recs, r.index(t), [16, 5, 4, 1 << 27])
+
+
+def _acc_rows(r, recs):  # const int nr = ggml_nrows(src1)
+    a, b, o = r.index(r.inputs[0]), r.index(r.inputs[1]), r.index(r.out)
+    _set_ne(recs, a, [2**31, 1, 1, 1])
+    _set_ne(recs, o, [2**31, 1, 1, 1])
+    recs["ne"][b] = [1, ROWS, 1, 1]
+    recs["op_params"][o][:4] = 0
+
+
+def _ct1d_rows(r, recs):  # const int nr = ne1 (Cout)
+    k, x, o = r.index(r.inputs[0]), r.index(r.inputs[1]), r.index(r.out)
+    _set_ne(recs, k, [1, ROWS, 1, 1])
+    _set_ne(recs, x, [6, 1, 1, 1])
+    _set_ne(recs, o, [11, ROWS, 1, 1])
+
+
+def _ct2d_planes(r, recs):  # const int np = ne2 (Cout)
+    k, x, o = r.index(r.inputs[0]), r.index(r.inputs[1]), r.index(r.out)
+    _set_ne(recs, k, [1, 1, ROWS, 1], 2)
+    _set_ne(recs, x, [5, 4, 1, 1])
+    _set_ne(recs, o, [9, 7, ROWS, 1])
+
+
+def _mm_f32(g, ctx):
+    a, b = _in(g, ctx, "F32", 64, 8), _in(g, ctx, "F32", 64, 16)
+    return g.ggml_mul_mat(ctx, a, b), [a, b]
+
+
+def _out_prod_f32(g, ctx):
+    a, b = _in(g, ctx, "F32", 8, 6), _in(g, ctx, "F32", 5, 6)
+    return g.ggml_out_prod(ctx, a, b), [a, b]
+
+
+def _acc(g, ctx):
+    a, b = _in(g, ctx, "F32", 16, 5), _in(g, ctx, "F32", 8, 3)
+    return ctor(g, "ggml_acc")(ctx, a, b, 64, 320, 320, 0), [a, b]
+
+
+INT_BOUNDS = [
+    ("MUL_MAT", _mm_f32, _mm_long_rows, "(MUL_MAT): rows of 2147483712 exceed the dot product's int"),
+    ("MUL_MAT", _mul_mat_f16, _mm_long_rows, "(MUL_MAT): rows of 2147483712 exceed the dot product's int"),
+    ("OUT_PROD", _out_prod_f32, _out_prod_strides, "(OUT_PROD): row strides 134217728, 20 exceed"),
+    ("ADD_ID", _add_id, _add_id_rows, "(ADD_ID): src0's rows (2684354560) exceed the kernel's int row count"),
+    ("ACC", _acc, _acc_rows, f"(ACC): src1's rows ({ROWS}) exceed the kernel's int row count"),
+    ("CONV_TRANSPOSE_1D", _ct1d, _ct1d_rows, f"(CONV_TRANSPOSE_1D): result rows ({ROWS}) exceed"),
+    ("CONV_TRANSPOSE_2D", _ct2d, _ct2d_planes, f"(CONV_TRANSPOSE_2D): result planes ({ROWS}) exceed"),
+]
+
+
+@pytest.mark.parametrize("op, build, edit, why", INT_BOUNDS, ids=[f"{c[0]}-{c[2].__name__}" for c in INT_BOUNDS])
+def test_int_arithmetic_bound_is_refused_by_the_rule(guest, ggml, op, build, edit, why):
+    r = Remote(guest, ggml, Case(op, build, data={2: _ids} if op == "ADD_ID" else None))
+    try:
+        assert rule_refusal(guest, r, r.recs) is None  # the unedited graph passes its rule
+        recs = r.recs.copy()
+        edit(r, recs)
+        assert why in (rule_refusal(guest, r, recs) or "accepted")
+    finally:
+        r.close()

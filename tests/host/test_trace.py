@@ -52,6 +52,9 @@ def test_refusals_and_tensor_data_are_summarized_not_copied(tmp_path):
     trace(1, memoryview(HEADER.pack(ApirCommandType.FORWARD, 99, 7)), (4 + 5, 0), 0.000010)
     trace(2, memoryview(HEADER.pack(7, 0, 0)), None, 0.000001)  # an invalid type, no reply resource
     trace(2, memoryview(b"\x01\x02"), None, 0.0)
+    graph_cmd = HEADER.pack(ApirCommandType.FORWARD, ApirBackendCommandType.BACKEND_GRAPH_COMPUTE, 7)
+    trace(3, memoryview(graph_cmd + struct.pack("<IQ", 99, 1 << 40)), (4, 4), 0.0)  # no such resource
+    trace(3, memoryview(graph_cmd + b"\x01"), (1, 0), 0.0)  # truncated arguments: header fields only
     trace.close()
     assert b"TENSOR" not in path.read_bytes()
     records = read_trace(str(path))
@@ -60,11 +63,15 @@ def test_refusals_and_tensor_data_are_summarized_not_copied(tmp_path):
         ("Forward", "unknown(99)", "function rc 5"),
         ("invalid(7)", None, "no reply"),
         ("truncated", None, "no reply"),
+        ("Forward", "backend_graph_compute", "ok"),
+        ("Forward", "backend_graph_compute", "NO_DISPATCH_FCT"),
     ]
+    assert records[4]["graph"] == "unreadable" and records[4]["graph_bytes"] == 1 << 40
+    assert "graph" not in records[5] and "ops" not in records[5]
     assert records[0]["cmd_bytes"] == HEADER.size + len(secret) and records[0]["host_us"] == 250.0
     text = format_trace(records)
     summary = text[text.index("summary:"):].splitlines()
-    assert summary[0] == "summary: 4 commands, 0.000 s of host time"
+    assert summary[0] == "summary: 6 commands, 0.000 s of host time"
     row = [line for line in summary if line.split()[0] == "buffer_set_tensor"][0].split()
     assert row[1:3] == ["1", "1"]  # calls, errors
 
@@ -125,6 +132,12 @@ def test_embed_trace_records_the_graph_compute(tmp_path, capsys, monkeypatch):
     records = read_trace(str(path))
     computes = [r for r in records if r.get("function") == "backend_graph_compute"]
     assert len(computes) == 1 and computes[0]["status"] == "ok"  # one batch of 2
+    graph = computes[0]
+    # MiniLM's 6 layers x (Q, K, V, out, 2 FFN, KQ, KQV) matrix products, + 1 for the mean
+    # pooling (apir/models/bert_graph.py); every node counted once.
+    assert graph["ops"]["MUL_MAT"] == 6 * 8 + 1 and sum(graph["ops"].values()) == graph["nodes"]
+    assert graph["tensors"] > graph["nodes"] and graph["graph_bytes"] > 0
+    assert f"graph of {graph['nodes']} nodes (" in format_trace(records)
     assert main(["embed", "--local-cpu", "--trace", str(path), "x"]) == 2
     assert "--local-cpu runs none" in capsys.readouterr().err
 
@@ -142,3 +155,50 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
                        text=True, timeout=120)
     assert r.stdout.split()[:4] == ["time", "s", "ctx", "command"]
     assert r.stderr == ""  # no "Broken pipe" error, no traceback
+
+
+def test_tensor_arguments_are_described_by_shape_and_type(tmp_path):
+    import numpy as np
+
+    import apir.ggml
+    from apir.codec.records import RPC_TENSOR_DTYPE
+    from apir.guest.client import ApirClient
+    from apir.host.component import HostContext
+    from tests.guest.hosts import SyncDevice
+
+    g = apir.ggml.load()
+    path = tmp_path / "t.jsonl"
+    trace = CommandTrace(str(path))
+    host = HostContext(3)
+    host.tracer = trace
+    client = ApirClient.connect(SyncDevice(host, owns_host=False), data_size=1 << 16)
+    try:
+        buft = client.device_get_buffer_type()
+        buffer = client.buffer_type_alloc_buffer(buft, 1 << 20)
+        recs = []
+        for i in range(2):
+            rec = np.zeros((), RPC_TENSOR_DTYPE)
+            rec["id"], rec["type"], rec["buffer"] = 0x100 + i, g.types["F32"], buffer
+            rec["ne"], rec["nb"] = [6, 5, 1, 1], [4, 24, 120, 120]
+            rec["data"] = 4096 * i  # as tests/guest/test_client.py: the offset in the buffer
+            recs.append(rec)
+        secret = np.full(30, 1234.5, np.float32)
+        client.buffer_set_tensor(buffer, recs[0], 0, secret)
+        assert client.buffer_cpy_tensor(buffer, recs[0], recs[1]) is True
+        out = np.empty(30, np.float32)
+        client.buffer_get_tensor(buffer, recs[1], 8, out[:28])
+        client.buffer_free_buffer(buffer)
+    finally:
+        client.close()
+        host.close()
+        trace.close()
+    by_name = {r.get("function"): r for r in read_trace(str(path))}
+    assert by_name["buffer_type_alloc_buffer"]["size"] == 1 << 20
+    shape = {"type": "F32", "ne": [6, 5, 1, 1]}
+    assert by_name["buffer_set_tensor"]["tensor"] == shape
+    assert (by_name["buffer_set_tensor"]["offset"], by_name["buffer_set_tensor"]["size"]) == (0, 120)
+    assert (by_name["buffer_get_tensor"]["offset"], by_name["buffer_get_tensor"]["size"]) == (8, 112)
+    assert by_name["buffer_cpy_tensor"]["src"] == by_name["buffer_cpy_tensor"]["dst"] == shape
+    text = format_trace(read_trace(str(path)))
+    assert "F32[6,5] offset 0 size 120" in text and "F32[6,5] -> F32[6,5]" in text
+    assert "1234.5" not in path.read_text() and secret.tobytes() not in path.read_bytes()

@@ -6,7 +6,8 @@ test-backend-ops has no case of it.)"""
 
 from __future__ import annotations
 
-from apir.host.shapes.base import check_row_ids, dst_contiguous, fail, need, param_f32, param_i32
+from apir.host.shapes.base import (INT_MAX, check_row_ids, dst_contiguous, fail, int_counted_rules, need,
+                                   param_f32, param_i32)
 
 _PREC = (0, 10)  # GGML_PREC_DEFAULT, GGML_PREC_F32: any other makes the CPU kernel abort
 
@@ -159,6 +160,9 @@ def _ssm_conv(node, srcs, _enums=None):
         fail(node, f"types {sx.type_name}, {c.type_name}: F32 only")
     if sx.nb[0] != 4 or sx.nb[1] != sx.ne[0] * 4 or not c.contiguous():
         fail(node, f"sx nb {sx.nb} rows not packed or c nb {c.nb} not contiguous")
+    # the kernel indexes a sequence's window and c as `int` (s[i0 + i1*ncs], c[i0 + i1*nc])
+    if sx.ne[0] * sx.ne[1] > INT_MAX or c.ne[0] * c.ne[1] > INT_MAX:
+        fail(node, f"sx {sx.ne} or c {c.ne} too large for the kernel's int indices")
     dst_contiguous(node)
 
 
@@ -196,8 +200,8 @@ def _ssm_scan(node, srcs, enums):
         fail(node, f"A {a.ne} is not [1 or {d_state}, {n_head}]")
     if ids.ne != [n_seqs, 1, 1, 1]:
         fail(node, f"ids {ids.ne} are not [{n_seqs}]")
-    if ids.type_name != "I32":
-        fail(node, f"ids {ids.type_name} are not I32")
+    if ids.type_name != "I32" or ids.nb[0] != 4:  # the kernel GGML_ASSERTs nb[0] == 4
+        fail(node, f"ids {ids.type_name} nb {ids.nb} are not packed I32")
     check_row_ids(node, ids, s.ne[3])
     snapshots = param_i32(node, 0) if enums.version >= _SSM_SNAPSHOTS_SINCE else 1
     if snapshots < 1 or (a.ne[0] != 1 and snapshots != 1):
@@ -279,12 +283,18 @@ def _lightning_indexer(node, srcs, enums):
 
 
 _HC = 4  # the only hyper-connection count the CPU kernel has (a constexpr)
+# Bound of DSV4_HC_COMB's Sinkhorn iteration count (op_params[1]). ggml bounds it by nothing
+# (GGML_ASSERT(n_iter > 0)), so at INT32_MAX a 1 KiB graph keeps a thread busy for minutes per
+# token. DeepSeek-V4 uses 20, test-backend-ops at most 20; 1024 keeps the work per token
+# (~100 flops per iteration) below what a MUL_MAT of the same bytes may cost.
+_HC_COMB_ITER_MAX = 1024
 
 
 def _dsv4_hc_comb(node, srcs, _enums=None):
     """DSV4_HC_COMB (ggml 0.20: ggml_dsv4_hc_comb; its CPU kernel): mixes [(2 + hc)*hc,
     n_tokens], scale [>= 3], base [(2 + hc)*hc], all F32 and walked by their own strides;
-    hc = 4; op_params: eps, n_iter > 0 (GGML_ASSERTed). Result [hc, hc, n_tokens] F32."""
+    hc = 4; op_params: eps, n_iter > 0 (GGML_ASSERTed) and <= _HC_COMB_ITER_MAX (the kernel
+    loops n_iter times per token). Result [hc, hc, n_tokens] F32."""
     mixes, scale, base = need(node, srcs, 3)
     _f32(node, [mixes, scale, base, node], ["mixes", "scale", "base", "result"])
     mix = (2 + _HC) * _HC
@@ -292,8 +302,8 @@ def _dsv4_hc_comb(node, srcs, _enums=None):
         fail(node, f"mixes {mixes.ne} are not [{mix}, n_tokens]")
     if scale.ne[0] < 3 or scale.ne[1:] != [1, 1, 1] or base.ne != [mix, 1, 1, 1]:
         fail(node, f"scale {scale.ne} or base {base.ne} do not fit")
-    if param_i32(node, 1) < 1:
-        fail(node, f"n_iter {param_i32(node, 1)} is not > 0")
+    if not 1 <= param_i32(node, 1) <= _HC_COMB_ITER_MAX:
+        fail(node, f"n_iter {param_i32(node, 1)} is not in [1, {_HC_COMB_ITER_MAX}]")
     want = [_HC, _HC, mixes.ne[1], 1]
     if node.ne != want:
         fail(node, f"shape {node.ne}, dsv4_hc_comb gives {want}")
@@ -326,7 +336,8 @@ def _dsv4_hc_post(node, srcs, _enums=None):
         fail(node, f"shape {node.ne}, dsv4_hc_post gives {want}")
 
 
-RULES = {
+# Every kernel here counts rows, heads or tokens in C `int` (base.int_counted).
+RULES = int_counted_rules({
     "FLASH_ATTN_EXT": _flash_attn_ext,
     "RWKV_WKV6": _rwkv_wkv6,
     "GATED_LINEAR_ATTN": _gated_linear_attn,
@@ -338,4 +349,4 @@ RULES = {
     "DSV4_HC_COMB": _dsv4_hc_comb,
     "DSV4_HC_PRE": _dsv4_hc_pre,
     "DSV4_HC_POST": _dsv4_hc_post,
-}
+})

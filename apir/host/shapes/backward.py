@@ -5,7 +5,7 @@ for RMS_NORM_BACK's arithmetic (not its memory walk)."""
 
 from __future__ import annotations
 
-from apir.host.shapes.base import fail, need, param_f32, same_shape
+from apir.host.shapes.base import fail, int_counted_rules, need, param_f32, same_shape
 
 
 def _types(node, tensors, allowed):
@@ -116,8 +116,9 @@ def _opt_step_sgd(node, srcs, _enums=None):
     _opt_step(node, srcs, n_states=0, n_params=2)
 
 
-RULES = {
+# Every kernel here counts rows (and most elements) in C `int` (base.int_counted).
+RULES = int_counted_rules({
     "SILU_BACK": _silu_back, "RMS_NORM_BACK": _rms_norm_back, "SOFT_MAX_BACK": _soft_max_back,
     "CROSS_ENTROPY_LOSS": _cross_entropy_loss, "CROSS_ENTROPY_LOSS_BACK": _cross_entropy_loss_back,
     "OPT_STEP_ADAMW": _opt_step_adamw, "OPT_STEP_SGD": _opt_step_sgd,
-}
+})

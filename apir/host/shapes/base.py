@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Optional, Sequence
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
 
 import numpy as np
 
@@ -162,6 +162,21 @@ class TensorInfo:
 
 FLOAT = ("F32", "F16", "BF16")
 
+INT_MAX = 2**31 - 1  # C `int` on every platform ggml's CPU backend runs on
+# A count of rows a kernel keeps in `int` and splits among threads as `(nr + nth - 1) / nth`
+# (still an `int`): the sum must not wrap either, for any thread count ggml allows
+# (GGML_MAX_N_THREADS is 512; the margin leaves room for more).
+INT_ROWS_MAX = INT_MAX - (1 << 16)
+
+
+def int_rows(node: TensorInfo, n: int, what: str) -> None:
+    """Refuses a row count `n` that the kernel keeps in an `int` and splits among threads
+    (`const int nr = ...; const int dr = (nr + nth - 1)/nth;`) when it could wrap: a wrapped
+    count makes a thread's row range negative, and the kernel then indexes before its
+    tensors (issue 13, class 3)."""
+    if n > INT_ROWS_MAX:
+        fail(node, f"{what} ({n}) exceed the kernel's int row count")
+
 
 def param_i32(node: TensorInfo, i: int) -> int:
     return int(np.asarray(node.op_params, dtype=np.int32)[i])
@@ -303,3 +318,32 @@ def check_row_ids(node: TensorInfo, ids: TensorInfo, n_rows: int, types=("I32", 
     """Every row id of ids in [0, n_rows): the CPU kernels GGML_ASSERT it (an id out of range
     would abort the host); see `row_ids`."""
     ids_in_range(node, row_ids(node, ids, types), n_rows)
+
+
+def int_counted(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]]) -> None:
+    """Refuses a node any of whose tensors (node or source) has an ne[i] or a row count above
+    INT32_MAX (a row count above INT_ROWS_MAX: split among threads as `(nr + nth - 1)/nth`,
+    it would wrap too). ggml-cpu's kernels keep these in C `int` (`const int nr =
+    ggml_nrows(src0)`, `for (int i3 = 0; i3 < ne3; i3++)`, `int i = i0 + i1*nc`): past
+    INT32_MAX an index wraps negative (signed overflow) and the kernel addresses memory before
+    its tensor. Legitimate tensors stay far below: such a dimension is at least 2 GiB of I8.
+    (Issue 13, class 3.)"""
+    for t in (node, *srcs):
+        if t is not None and (any(n > INT_MAX for n in t.ne) or t.nrows() > INT_ROWS_MAX):
+            fail(node, f"tensor {t.index} {t.ne} is too large for the kernel's int counts")
+
+
+def int_counted_rules(rules: Dict[str, Callable]) -> Dict[str, Callable]:
+    """`rules` with `int_counted` checked before each (a module's RULES table, for the op
+    families whose every kernel counts in `int`); the wrapper keeps the rule's name, docstring
+    and attributes (functools.wraps)."""
+    import functools
+
+    def wrap(rule):
+        @functools.wraps(rule)
+        def checked(node, srcs, enums=None):
+            int_counted(node, srcs)
+            return rule(node, srcs, enums)
+        return checked
+
+    return {op: wrap(rule) for op, rule in rules.items()}

@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from apir.host.shapes.base import TensorInfo, dst_contiguous, extent, fail, need, param_i32
+from apir.host.shapes.base import (
+    TensorInfo,
+    dst_contiguous,
+    extent,
+    fail,
+    int_rows,
+    need,
+    param_i32,
+)
 
 _INT_MAX = 2**31 - 1
 
@@ -287,6 +295,7 @@ def _conv_transpose_1d(node, srcs, _enums=None):
     if a.nb[0] != a.type_size or b.nb[0] != b.type_size:  # GGML_ASSERTed
         fail(node, "sources' rows are not contiguous")
     _int32(node, "sizes", a.nelements(), b.nelements(), node.ne[0])
+    int_rows(node, node.ne[1], "result rows")  # `const int nr = ne1`, split among threads
     dst_contiguous(node)
 
 
@@ -307,6 +316,7 @@ def _conv_transpose_2d(node, srcs, _enums=None):
     if a.ne[1] > 1 and a.nb[1] < a.ne[0] * a.type_size:
         fail(node, f"src0's rows overlap (nb {a.nb}) but are read as packed planes")
     _int32(node, "sizes", a.nelements(), b.nelements(), node.ne[0] * node.ne[1])
+    int_rows(node, node.ne[2], "result planes")  # `const int np = ne2`, split among threads
     dst_contiguous(node)
 
 
@@ -328,6 +338,21 @@ def _plane_stride(node, t: TensorInfo, what: str) -> None:
         fail(node, f"{what} nb[2] {t.nb[2]} is not a plane of {t.ne[:2]}")
 
 
+def _pool_window(node, n: int, k: int, s: int, p: int, dim: int) -> int:
+    """The pooled size of a dimension of n (ggml_calc_pool_output_size, > 0), with the
+    window's loops bounded by the data (issue 13, class 3): the kernels loop k times per
+    result element, with k only an op_param; |p| <= n keeps k <= n + 2p <= 3n (a window
+    that is mostly padding is refused), and n + 2|p| + s within the `int`s the kernels keep
+    `ox * s - p` and `ix + kx` in."""
+    if abs(p) > n:
+        fail(node, f"padding {p} of dimension {dim} exceeds its size {n}")
+    _int32(node, "padded sizes", n + 2 * abs(p) + s)
+    out = _pool_out(n, k, s, p)
+    if out <= 0:
+        fail(node, f"dimension {dim} of {n} too small for a window of {k}")
+    return out
+
+
 def _pool_op(node, op: int) -> None:
     if op not in _POOL_OPS:  # POOL_COUNT (or anything else) aborts
         fail(node, f"pool op {op}")
@@ -340,9 +365,7 @@ def _pool_1d(node, srcs, _enums=None):
     op, k0, s0, p0 = _p(node, 0, 1, 2, 3)
     _pool_op(node, op)
     _positive(node, k0=k0, s0=s0)
-    ow = _pool_out(a.ne[0], k0, s0, p0)
-    if ow <= 0:
-        fail(node, f"src0 {a.ne} too small")
+    ow = _pool_window(node, a.ne[0], k0, s0, p0, 0)
     _shape(node, [ow] + a.ne[1:], "pool_1d")
     _types(node, a.type_name in ("F32", "F16") and node.type_name == "F32", a)
     if not (a.rows_packed() and node.rows_packed()):
@@ -356,9 +379,8 @@ def _pool_2d(node, srcs, _enums=None):
     op, k0, k1, s0, s1, p0, p1 = _p(node, *range(7))
     _pool_op(node, op)
     _positive(node, k0=k0, k1=k1, s0=s0, s1=s1)
-    ow, oh = _pool_out(a.ne[0], k0, s0, p0), _pool_out(a.ne[1], k1, s1, p1)
-    if ow <= 0 or oh <= 0:
-        fail(node, f"src0 {a.ne} too small")
+    ow, oh = _pool_window(node, a.ne[0], k0, s0, p0, 0), _pool_window(node, a.ne[1], k1, s1, p1, 1)
+    _int32(node, "the window", k0 * k1)  # `const int ka = k0 * k1`
     _shape(node, [ow, oh] + a.ne[2:], "pool_2d")
     _types(node, a.type_name in ("F32", "F16") and node.type_name == "F32", a)
     if not a.contiguous():
@@ -370,12 +392,18 @@ def _pool_2d(node, srcs, _enums=None):
 def _pool_2d_back(node, srcs, _enums=None):
     """POOL_2D_BACK: ggml_pool_2d_back (the result has the forward input's shape) and
     ggml_compute_forward_pool_2d_back: the result and src1 (the forward input) walked plane
-    by plane with the result's nb and type, src0 (the gradient) read as packed planes."""
+    by plane with the result's nb and type, src0 (the gradient) read as packed planes, each
+    of its elements spread over a k0 x k1 window (the kernel bounds-checks the window; its
+    size and the gradient's shape are what pool_2d of the result gives)."""
     g, af = need(node, srcs, 2)
-    op, k0, k1, s0, s1 = _p(node, *range(5))  # p: any (the kernel bounds-checks)
+    op, k0, k1, s0, s1, p0, p1 = _p(node, *range(7))
     _pool_op(node, op)
     _positive(node, k0=k0, k1=k1, s0=s0, s1=s1)
     _shape(node, af.ne, "pool_2d_back")
+    ow, oh = _pool_window(node, node.ne[0], k0, s0, p0, 0), _pool_window(node, node.ne[1], k1, s1, p1, 1)
+    _int32(node, "the window", k0 * k1)
+    if g.ne[:2] != [ow, oh]:
+        fail(node, f"src0 {g.ne} is not pool_2d's [{ow}, {oh}] of the result {node.ne}")
     _types(node, g.type_name == "F32" and af.type_name == "F32" and node.type_name == "F32", g, af)
     if g.ne[2] * g.ne[3] < node.ne[2] * node.ne[3]:
         fail(node, f"src0 {g.ne} has fewer planes than the result {node.ne}")
@@ -521,7 +549,7 @@ def _add_rel_pos(node, srcs, _enums=None):
     _types(node, all(t.type_name == "F32" for t in (a, pw, ph, node)), a, pw, ph)
     if not all(t.contiguous() for t in (a, pw, ph)):
         fail(node, "sources are not contiguous")
-    _int32(node, "patches", pw.ne[3])
+    int_rows(node, pw.ne[3], "patches")  # `const int np = ne13`, split among threads
     dst_contiguous(node)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from apir.host.shapes.base import (dst_contiguous, fail, need,
+from apir.host.shapes.base import (INT_MAX, dst_contiguous, fail, int_counted_rules, need,
                                       param_f32, param_i32, same_shape)
 
 
@@ -196,14 +196,20 @@ def _strided_norm(node, srcs, enums):
 
 
 def _group_norm(node, srcs, _enums=None):
+    """GROUP_NORM (ggml_group_norm; ggml_compute_forward_group_norm_f32, the same in ggml 0.10
+    and 0.20): F32 rows; the kernel loops over n_groups = op_params[0] (a divisor: > 0), each
+    taking (ne[2] + n_groups - 1) / n_groups channels, all in C `int`. More groups than
+    channels only adds groups with no channel, but n_groups near INT32_MAX makes that sum wrap
+    and the loop run 2^31 times per ne[3] (a hang): so 0 < n_groups <= ne[2]."""
     (a,) = need(node, srcs, 1)
     same_shape(node, a, "src0")
     if a.type_name != "F32" or node.type_name != "F32":
         fail(node, "F32 only")
     if not (a.rows_contiguous() and node.rows_contiguous()):
         fail(node, "rows are not contiguous")
-    if param_i32(node, 0) <= 0:  # the kernel divides by the group count
-        fail(node, f"n_groups {param_i32(node, 0)} must be > 0")
+    n_groups = param_i32(node, 0)
+    if not 0 < n_groups <= a.ne[2] or a.ne[2] + n_groups - 1 > INT_MAX:
+        fail(node, f"n_groups {n_groups} is not in [1, {a.ne[2]} channels]")
 
 
 def _add1(node, srcs, _enums=None):
@@ -253,7 +259,8 @@ def _glu(node, srcs, enums):
         fail(node, "rows are not packed")
 
 
-RULES = {
+# Every kernel here counts rows (and most elements) in C `int` (base.int_counted).
+RULES = int_counted_rules({
     "ADD": _binary, "SUB": _binary, "MUL": _binary, "DIV": _binary,
     "SOFT_MAX": _soft_max, "SCALE": _scale, "NORM": _strided_norm,
     "RMS_NORM": _norm, "L2_NORM": _strided_norm, "GROUP_NORM": _group_norm,
@@ -261,4 +268,4 @@ RULES = {
     "SQR": _elementwise, "SQRT": _elementwise, "LOG": _elementwise, "SIN": _elementwise,
     "COS": _elementwise, "CLAMP": _clamp, "LEAKY_RELU": _leaky_relu, "ADD1": _add1,
     "DIAG_MASK_INF": _diag_mask, "DIAG_MASK_ZERO": _diag_mask,
-}
+})

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from apir.host.shapes.base import (FLOAT, OpEnums, TensorInfo, dst_contiguous, fail, need,
-                                      param_f32, param_i32)
+from apir.host.shapes.base import (FLOAT, OpEnums, TensorInfo, dst_contiguous, fail, int_counted_rules,
+                                      need, param_f32, param_i32)
 
 
 _INT_CONVERSIONS = {("F32", "I32"), ("I32", "F32")}
@@ -20,6 +20,9 @@ def _copy_types(node, src: TensorInfo, dst: TensorInfo, enums: OpEnums, is_cpy: 
         # result's ne/nb; GGML_ASSERTs nb[0] is 4 and rows hold whole blocks or it is contiguous.
         if not dst.rows_contiguous() or not (dst.ne[0] % src.blck_size == 0 or dst.contiguous()):
             fail(node, f"{src.type_name} dequantized into F32 {dst.ne} nb {dst.nb}")
+        # it keeps the flat element index of each block in a uint32_t (`uint32_t i = ir * qk`)
+        if dst.nelements() > 0xFFFFFFFF:
+            fail(node, f"{dst.nelements()} elements: past the kernel's 32-bit element index")
         return
     if src.type_name == dst.type_name:
         # ggml_compute_forward_dup_bytes: any type, each tensor walked within its ne and nb;
@@ -58,6 +61,17 @@ def _dup(node, srcs, enums):
     (a,) = need(node, srcs, 1)
     _copy_types(node, a, node, enums)
     dst_contiguous(node)
+
+
+def _cont(node, srcs, enums):
+    """CONT (ggml_cont_impl: a contiguous copy of src0, of its type) computed as DUP; and of
+    its type it must be: ggml_graph_plan sizes no work buffer for CONT (only for CPY and DUP),
+    while a conversion into a quantized type (dup_to_q) writes each row's F32 copy into it
+    (a NULL or too-small work buffer: a crash). Both ggml 0.10 and 0.20."""
+    (a,) = need(node, srcs, 1)
+    if node.type_name != a.type_name:
+        fail(node, f"CONT of {a.type_name} into {node.type_name}: the copy keeps its type")
+    _dup(node, srcs, enums)
 
 
 def _view(node, srcs, _enums=None):
@@ -218,11 +232,15 @@ def _top_k(node, srcs, _enums=None):
         fail(node, "rows are not packed")
 
 
+# Leaves and views are not computed (ggml_op_is_empty): no kernel counts anything of them.
+# Every other kernel here counts rows (and most elements) in C `int` (base.int_counted).
 RULES = {
-    "NONE": _leaf, "CPY": _cpy, "DUP": _dup, "CONT": _dup,
-    "VIEW": _view, "PERMUTE": _view, "TRANSPOSE": _view, "RESHAPE": _reshape,
-    "SUM": _sum, "SUM_ROWS": _row_reduce, "MEAN": _row_reduce, "ARGMAX": _argmax,
-    "COUNT_EQUAL": _count_equal, "REPEAT": _repeat, "REPEAT_BACK": _repeat_back,
-    "CONCAT": _concat, "PAD": _pad, "ARANGE": _arange, "TIMESTEP_EMBEDDING": _timestep_embedding,
-    "ARGSORT": _argsort, "TOP_K": _top_k,
+    "NONE": _leaf, "VIEW": _view, "PERMUTE": _view, "TRANSPOSE": _view, "RESHAPE": _reshape,
+    **int_counted_rules({
+        "CPY": _cpy, "DUP": _dup, "CONT": _cont,
+        "SUM": _sum, "SUM_ROWS": _row_reduce, "MEAN": _row_reduce, "ARGMAX": _argmax,
+        "COUNT_EQUAL": _count_equal, "REPEAT": _repeat, "REPEAT_BACK": _repeat_back,
+        "CONCAT": _concat, "PAD": _pad, "ARANGE": _arange, "TIMESTEP_EMBEDDING": _timestep_embedding,
+        "ARGSORT": _argsort, "TOP_K": _top_k,
+    }),
 }

@@ -13,10 +13,13 @@ ids (test-backend-ops' ids) is fine.
 
 from __future__ import annotations
 
-from apir.host.shapes.base import (FLOAT, check_row_ids, dst_contiguous, extent, fail, ids_in_range,
-                                      need, param_i32, row_ids)
+from apir.host.shapes.base import (FLOAT, INT_MAX, check_row_ids, dst_contiguous, extent, fail, ids_in_range,
+                                      int_rows, need, param_i32, row_ids)
 
-_INT_MAX = 2**31 - 1  # kernels that count rows in an `int`
+_INT_MAX = INT_MAX  # kernels that count rows in an `int`
+# ggml-cpu's vec.h GGML_VEC_MAD_UNROLL: out_prod's F32 kernel passes src0's and src1's nb[1]
+# to ggml_vec_mad_f32_unroll as `int`s and steps them `i * xs` for i below it.
+_VEC_MAD_UNROLL = 32
 
 # Types whose rows ggml-cpu's get_rows (and out_prod) dequantize: the quantized `case`s of
 # ggml_compute_forward_get_rows / ggml_compute_forward_out_prod (any other type aborts).
@@ -75,6 +78,8 @@ def _vec_dot(node, a, b, enums) -> None:
             fail(node, f"src1 elements overlap (ne {b.ne}, nb {b.nb})")
     if a.nb[0] != a.type_size or b.nb[0] != b.type_size:
         fail(node, "src0 or src1 is permuted (nb[0] is not the element size)")
+    if a.ne[0] > _INT_MAX:  # ggml_vec_dot_t takes the row length as an `int n`
+        fail(node, f"rows of {a.ne[0]} exceed the dot product's int")
 
 
 def _mul_mat(node, srcs, enums):
@@ -148,6 +153,13 @@ def _out_prod(node, srcs, enums):
             fail(node, f"{a.type_name} src0 {a.ne} is not broadcast to src1 {b.ne}")
     if a.nb[0] != a.type_size:
         fail(node, "src0 is permuted (nb[0] is not the element size)")
+    # ggml_vec_mad_f32(_unroll) take the row length and (F32 src0) both sources' nb[1] as
+    # `int`s, the latter stepped `i * nb[1]` for i < GGML_VEC_MAD_UNROLL: a wrapped product
+    # reads before or after the rows.
+    if a.ne[0] > _INT_MAX:
+        fail(node, f"rows of {a.ne[0]} exceed the kernel's int")
+    if a.type_name == "F32" and max(a.nb[1], b.nb[1]) * (_VEC_MAD_UNROLL - 1) > _INT_MAX:
+        fail(node, f"row strides {a.nb[1]}, {b.nb[1]} exceed the kernel's int steps")
     dst_contiguous(node)
 
 
@@ -228,8 +240,7 @@ def _add_id(node, srcs, _enums=None):
         fail(node, "F32 only")
     if not (a.rows_contiguous() and b.rows_contiguous() and node.rows_contiguous()):
         fail(node, "rows are not contiguous")
-    if a.nrows() > _INT_MAX:
-        fail(node, "too many rows")
+    int_rows(node, a.nrows(), "src0's rows")
     check_row_ids(node, ids, b.ne[1], ("I32",))
 
 

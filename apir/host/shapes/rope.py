@@ -3,7 +3,7 @@ ggml 0.10 and 0.20)."""
 
 from __future__ import annotations
 
-from apir.host.shapes.base import fail, need, param_i32, same_shape
+from apir.host.shapes.base import fail, int_counted_rules, need, param_i32, same_shape
 
 
 def _rope(node, srcs, enums):
@@ -58,7 +58,8 @@ def _rope(node, srcs, enums):
                        f"({ff.room} bytes left)")
 
 
-RULES = {
+# Every kernel here counts rows (and most elements) in C `int` (base.int_counted).
+RULES = int_counted_rules({
     "ROPE": _rope,
     "ROPE_BACK": _rope,
-}
+})

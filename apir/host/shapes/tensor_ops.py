@@ -3,7 +3,14 @@ ACC, SET, CUMSUM, FILL, DIAG, TRI, SOLVE_TRI."""
 
 from __future__ import annotations
 
-from apir.host.shapes.base import TensorInfo, fail, need, param_i32, same_shape
+from apir.host.shapes.base import (
+    TensorInfo,
+    fail,
+    int_rows,
+    need,
+    param_i32,
+    same_shape,
+)
 
 _INT_MAX = 0x7FFFFFFF
 
@@ -40,6 +47,7 @@ def _viewed_region(node, a: TensorInfo, b: TensorInfo, elem_types) -> None:
     if b.nb[0] != 4 or b.type_size != 4 or b.blck_size != 1:
         fail(node, f"src1 must be rows of 4-byte elements, not {b.type_name} nb {b.nb}")
     _int_sized(node, b)
+    int_rows(node, b.nrows(), "src1's rows")  # split among threads
     nb1, nb2, nb3, offset = (param_i32(node, i) for i in range(4))
     if min(nb1, nb2, nb3, offset) < 0:
         fail(node, f"negative strides or offset {[nb1, nb2, nb3, offset]}")
