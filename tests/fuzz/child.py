@@ -37,7 +37,16 @@ import traceback
 
 import numpy as np
 
-DEFAULT_CONFIG = {"apir.host.n_threads": "1", "apir.host.buffer_budget": str(1 << 30)}
+# One ggml thread per child (the campaign runs a child per core); budgets well under the
+# memory-fault threshold (--rss-limit, 1 GiB), so that an input the host's bounds allow is
+# not counted; a graph time limit well under the hang deadline (20 s), so that only a single
+# node running on (which ggml's abort callback cannot stop) is a hang.
+DEFAULT_CONFIG = {
+    "apir.host.n_threads": "1",
+    "apir.host.buffer_budget": str(256 << 20),
+    "apir.host.work_budget": str(256 << 20),
+    "apir.host.graph_time_limit_s": "5",
+}
 
 
 def _selftest(kind: str, env, fences, fenced) -> None:
