@@ -32,18 +32,13 @@ CASE_MODULES = ("attention", "backward", "conv", "matrix", "more", "tensor_ops")
 @dataclass
 class Seed:
     """One accepted graph: `nodes` (u64 ids), `recs` (apir_rpc_tensor records), the image
-    of its host buffer, and the buffer handle its records name."""
+    of its host buffer, the buffer handle its records name, and its tensors' op names."""
 
     name: str
     nodes: np.ndarray
     recs: np.ndarray
     image: bytes
     handle: int
-
-    @property
-    def ops(self) -> List[str]:
-        return sorted(set(self.op_names))
-
     op_names: Tuple[str, ...] = ()
 
 

@@ -13,8 +13,8 @@ names the reply blob gets a reply; the host raised no internal exception (it log
 answers nothing when a bug escapes a handler; `HostErrors` counts them).
 
 A reproducer is a JSON file (`Recording`): the configuration, the buffer images, the steps
-as base64, and where the input came from (seed, index, case, mutations). `replay(path)`
-runs one without the generator.
+as base64, and where the input came from (ggml version, seed, index, case, mutations).
+`replay(recording, fences)` runs one without the generator.
 """
 
 from __future__ import annotations
