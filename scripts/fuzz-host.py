@@ -59,7 +59,7 @@ def main() -> int:
     r.add_argument(
         "--rss-limit",
         type=int,
-        default=1 << 30,
+        default=2 << 30,
         help="peak-RSS growth (bytes) that makes one input a memory fault (0: none)",
     )
     r.add_argument("--progress", type=float, default=10.0, help="seconds between progress lines")

@@ -11,7 +11,7 @@ and in every worker. `--record PATH --only I` runs input I alone, rewriting the 
 at PATH before each step (the driver's way to save a crash); `--replay PATH` runs a saved
 reproducer (exit status 1 when the host failed without crashing).
 
-An input after which this process's peak RSS is more than `--rss-limit` bytes (1 GiB) above
+An input after which this process's peak RSS is more than `--rss-limit` bytes (2 GiB) above
 what it was once the seeds were built is reported as `m I BYTES` (a memory fault: the host
 committed that much for one guest's input), and the process exits (its peak cannot go down
 again).
@@ -37,14 +37,14 @@ import traceback
 
 import numpy as np
 
-# One ggml thread per child (the campaign runs a child per core); budgets well under the
-# memory-fault threshold (--rss-limit, 1 GiB), so that an input the host's bounds allow is
-# not counted; a graph time limit well under the hang deadline (20 s), so that only a single
-# node running on (which ggml's abort callback cannot stop) is a hang.
+# One ggml thread per child (the campaign runs a child per core); the buffer budget and the
+# host's default work budget (1 GiB) together under the memory-fault threshold (--rss-limit,
+# 2 GiB), so that an input the host's bounds allow is not counted; a graph time limit well
+# under the hang deadline (20 s), so that only a single node running on (which ggml's abort
+# callback cannot stop) is a hang.
 DEFAULT_CONFIG = {
     "apir.host.n_threads": "1",
     "apir.host.buffer_budget": str(256 << 20),
-    "apir.host.work_budget": str(256 << 20),
     "apir.host.graph_time_limit_s": "5",
 }
 
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--rss-limit",
         type=int,
-        default=1 << 30,
+        default=2 << 30,
         help="peak-RSS growth over the start that makes an input a memory fault (0: none)",
     )
     args = ap.parse_args(argv)

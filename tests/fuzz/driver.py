@@ -208,7 +208,7 @@ class _Worker:
         return data[-8000:].decode(errors="replace")
 
 
-def _child_cmd(seed: int, config: dict, rlimit_as: int, extra: List[str] = (), rss_limit: int = 1 << 30) -> List[str]:
+def _child_cmd(seed: int, config: dict, rlimit_as: int, extra: List[str] = (), rss_limit: int = 2 << 30) -> List[str]:
     cmd = [
         sys.executable,
         "-m",
@@ -250,7 +250,7 @@ def run_campaign(
     extra_env: Optional[dict] = None,
     startup_deadline: float = 300.0,
     max_seconds: float = 0.0,
-    rss_limit: int = 1 << 30,
+    rss_limit: int = 2 << 30,
     progress=None,
 ) -> Result:
     """Runs inputs [start, start+n) of `seed` on `workers` children; see the module

@@ -29,7 +29,7 @@ def _describe(faults):
 
 
 def test_seeded_corpus_faults_nothing(tmp_path):
-    res = run_campaign(CORPUS_SEED, CORPUS_INPUTS, 2, tmp_path, deadline=60, chunk=100, rss_limit=1 << 30)
+    res = run_campaign(CORPUS_SEED, CORPUS_INPUTS, 2, tmp_path, deadline=60, chunk=100)
     assert not res.harness_errors, res.harness_errors
     assert res.seeds > 100  # every op family's cases became seed graphs
     assert res.inputs == CORPUS_INPUTS
