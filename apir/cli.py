@@ -3,10 +3,10 @@
 Theory of operation: `main` builds one argparse parser whose subcommands come from modules; each
 module has ``add_parser(subparsers, parents)`` which adds its parser(s) and sets
 ``run=<callable(args) -> int>`` as a default. This file's own commands are `apir host serve`,
-`apir info` and `apir trace`; other modules join by being named in `SUBCOMMAND_MODULES` (`apir embed` comes from
-apir.models.cli_embed). Logging goes through the standard logging module (``--log-level``,
-else $APIR_LOG_LEVEL); any failure becomes one line ``apir: error: ...`` on stderr, naming the
-path or value at fault.
+`apir info` and `apir trace`; other modules join by being named in `SUBCOMMAND_MODULES` (`apir
+embed` comes from apir.models.cli_embed). Logging goes through the standard logging module
+(``--log-level``, else $APIR_LOG_LEVEL); any failure becomes one line ``apir: error: ...`` on
+stderr, naming the path or value at fault.
 
 Exit status (the same for every command): 0 success, 1 a runtime error (no host at that
 socket, a build that cannot load, a compute that failed), 2 bad usage (an unknown option, an

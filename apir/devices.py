@@ -99,13 +99,12 @@ def parse_spec(spec: Optional[str] = None) -> DeviceSpec:
     """The `DeviceSpec` of `spec` (None: DEFAULT_SPEC). Raises ValueError for an unknown
     scheme, a missing argument or an argument the scheme does not take."""
     text = DEFAULT_SPEC if spec is None else spec
-    name, sep, argument = text.partition(":")
+    name, sep, after = text.partition(":")
+    argument: Optional[str] = after if sep else None
     scheme = _SCHEMES.get(name)
     if scheme is None:
         known = ", ".join(s.scheme + (":PATH" if s.argument else "") for s in _SCHEMES.values())
         raise ValueError(f"unknown device {text!r} (known: {known})")
-    if not sep:
-        argument = None
     if scheme.argument and not argument:
         raise ValueError(f"device {text!r}: {name} needs a path ({name}:PATH)")
     if scheme.argument is False and sep:
@@ -163,6 +162,7 @@ def _open_embedded(argument: Optional[str], config: Optional[dict], options: dic
 def _open_unix(argument: Optional[str], config: Optional[dict], options: dict) -> VirtgpuDevice:
     from apir.guest.local import LocalDevice
 
+    assert argument is not None  # parse_spec: "unix" needs a path
     return LocalDevice(argument, **options)
 
 

@@ -273,13 +273,13 @@ class Word:
 
 # --- plain-Python twins (not atomic; for tests) -------------------------------------------
 def load_acquire_u32_py(buf, offset: int) -> int:
-    return _U32.unpack_from(_checked(buf, offset), offset)[0]
+    return _U32.unpack_from(_checked(buf, offset).data, offset)[0]
 
 
 def store_release_u32_py(buf, offset: int, value: int) -> None:
     if not 0 <= value <= 0xFFFFFFFF:
         raise ValueError(f"{value} does not fit in a u32")
-    _U32.pack_into(_checked(buf, offset), offset, value)
+    _U32.pack_into(_checked(buf, offset).data, offset, value)
 
 
 def spin_until_nonzero_u32_py(buf, offset: int, spins: int) -> int:

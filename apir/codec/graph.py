@@ -32,7 +32,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from apir.codec import _kernels as K
-from apir.codec.records import GGML_0_20_LIMITS, GgmlLimits, rpc_tensor_dtype
+from apir.codec.records import GGML_0_20_LIMITS, GgmlLimits, field_offset, rpc_tensor_dtype
 
 __all__ = ["BufferTable", "GraphError", "ParsedGraph", "serialize_graph", "parse_graph",
            "rpc_tensor_from_ggml", "graph_size"]
@@ -98,7 +98,7 @@ class BufferTable:
 def _rpc_layout(limits: GgmlLimits):
     """(rl, lim, rpc dtype): the kernels' apir_rpc_tensor offsets and ggml sizes."""
     rpc = rpc_tensor_dtype(limits)
-    rl = np.array([rpc.fields[f][1] for f in K.RL_FIELDS] + [rpc.itemsize], dtype=np.int64)
+    rl = np.array([field_offset(rpc, f) for f in K.RL_FIELDS] + [rpc.itemsize], dtype=np.int64)
     lim = np.array([limits.max_dims, limits.max_src, limits.max_op_params // 4, limits.max_name],
                    dtype=np.int64)
     return rl, lim, rpc
@@ -107,7 +107,7 @@ def _rpc_layout(limits: GgmlLimits):
 @functools.lru_cache(maxsize=8)
 def _layout(tensor_dtype: np.dtype, limits: GgmlLimits):
     """(tl, rl, lim, rpc dtype): adds the ggml_tensor offsets of one ggml build."""
-    tl = np.array([tensor_dtype.fields[f][1] for f in K.TL_FIELDS], dtype=np.int64)
+    tl = np.array([field_offset(tensor_dtype, f) for f in K.TL_FIELDS], dtype=np.int64)
     return (tl,) + _rpc_layout(limits)
 
 

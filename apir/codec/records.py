@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
+    "field_offset",
     "GgmlLimits",
     "GGML_0_20_LIMITS",
     "rpc_tensor_dtype",
@@ -115,14 +116,23 @@ GGML_TENSOR_DTYPE = ggml_tensor_dtype()
 assert RPC_TENSOR_DTYPE.itemsize == 304 and GGML_TENSOR_DTYPE.itemsize == 336
 
 
+def field_offset(dtype: np.dtype, name: str) -> int:
+    """The byte offset of field `name` in the structured `dtype`. Raises KeyError when it has
+    no such field (or no fields at all)."""
+    fields = dtype.fields
+    if fields is None or name not in fields:
+        raise KeyError(f"{dtype} has no field {name!r}")
+    return int(fields[name][1])
+
+
 def rpc_tensor_undefined_mask(dtype: np.dtype = RPC_TENSOR_DTYPE) -> np.ndarray:
     """Bool array over one record's bytes: True where the C sender leaves stack garbage
     (holes, `padding`). Name bytes after the NUL are garbage too; callers mask those per
     record, since they depend on the name's length."""
     mask = np.ones(dtype.itemsize, dtype=bool)
-    for name in dtype.names:
+    for name in dtype.names or ():
         if name == "padding":
             continue
-        fmt, off = dtype.fields[name][:2]
-        mask[off : off + fmt.itemsize] = False
+        off = field_offset(dtype, name)
+        mask[off : off + dtype[name].itemsize] = False
     return mask

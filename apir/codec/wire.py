@@ -18,6 +18,7 @@ it wrote is always a prefix of the intended message; `check()` raises.
 
 from __future__ import annotations
 
+import builtins
 import struct
 from typing import Optional
 
@@ -152,7 +153,7 @@ class Decoder:
     def array_size_unchecked(self) -> int:
         return self.u64()
 
-    def simple_pointer(self) -> bool:
+    def simple_pointer(self) -> builtins.bool:  # builtins: `bool` here is the method above
         """Whether the sender's pointer was non-null (`apir_decode_simple_pointer`)."""
         return self.u64() != 0
 
@@ -282,7 +283,7 @@ class Encoder:
     def array_size(self, size: int) -> None:
         self.u64(size)
 
-    def simple_pointer(self, present: bool) -> None:
+    def simple_pointer(self, present: builtins.bool) -> None:  # builtins: `bool` is a method here
         self.u64(1 if present else 0)
 
     def char_array(self, text) -> None:

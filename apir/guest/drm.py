@@ -130,7 +130,8 @@ class DrmDevice:
         self.name = path
         self._lock = threading.Lock()
         self._blobs: Dict[int, Blob] = {}
-        self._execbuffer_layout = None  # (request, structure) once the kernel accepted one
+        # (request, structure) once the kernel accepted one
+        self._execbuffer_layout: Optional[Tuple[int, type]] = None
         try:
             self.fd = self.kernel.open(path)
         except OSError as exc:
@@ -233,7 +234,7 @@ class DrmDevice:
         layouts = ([self._execbuffer_layout] if self._execbuffer_layout else
                    [(uapi.DRM_IOCTL_VIRTGPU_EXECBUFFER, uapi.DrmVirtgpuExecbuffer),
                     (uapi.DRM_IOCTL_VIRTGPU_EXECBUFFER_61, uapi.DrmVirtgpuExecbuffer61)])
-        first_error = None
+        first_error: Optional[IoctlError] = None
         for request, structure in layouts:
             args = structure(flags=VIRTGPU_EXECBUF_RING_IDX, size=len(data),
                              command=ctypes.addressof(command), ring_idx=ring_idx)
@@ -248,6 +249,7 @@ class DrmDevice:
                 log.info("%s: EXECBUFFER uses the %d-byte layout", self.name, ctypes.sizeof(structure))
                 self._execbuffer_layout = (request, structure)
             return
+        assert first_error is not None  # the loop ran (two layouts) and every one failed
         raise first_error
 
     @property
