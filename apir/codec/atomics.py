@@ -26,6 +26,12 @@ it waits for, which then sleeps on the GIL (a wake-up of several microseconds).
 its `store_release_then_spin` publishes a word and then waits on another without taking the
 GIL in between (an embedded host publishing a reply and going back to its doorbell).
 
+`nonzero_u32_callback()` is a C function ``bool f(void *word)`` (an acquire load of the u32 at
+`word`, non-zero or not) for C code that polls a flag Python sets: ggml's abort callback
+(`ggml_abort_callback`), which ggml calls from its compute thread after every node. Compiled
+code, so it runs without the GIL: a ctypes callback would take the GIL once per node, and wait
+for it whenever another thread runs Python.
+
 Each public function has a plain-Python twin (`*_py`) that tests compare against; the twins
 are not atomic and are not used for real waits.
 """
@@ -39,7 +45,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, cfunc, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -50,6 +56,7 @@ __all__ = [
     "as_word_array",
     "Word",
     "spins_for",
+    "nonzero_u32_callback",
     "load_acquire_u32_py",
     "store_release_u32_py",
     "spin_until_nonzero_u32_py",
@@ -269,6 +276,26 @@ class Word:
                 raise ValueError(f"{v} does not fit in a u32")
         return int(_store_then_spin(first.array, first.offset, first_value, self.array, self.offset, value,
                                     other.array, other.offset, max(int(spins), 1), clear, max(int(settle), 0)))
+
+
+_nonzero_u32_cfunc = None
+
+
+def nonzero_u32_callback() -> int:
+    """The address of a C function ``bool f(void *word)``: whether the u32 at `word` (4-byte
+    aligned) is non-zero, by an acquire load; it never takes the GIL. Compiled, or loaded from
+    Numba's cache, on the first call (defined here, beside the intrinsic it uses: see the note on
+    Numba's cache above)."""
+    global _nonzero_u32_cfunc
+    if _nonzero_u32_cfunc is None:
+        @cfunc(types.boolean(types.voidptr), cache=True)
+        def nonzero_u32(word):
+            return _load_acquire_intrinsic(carray(word, 4, np.uint8), 0) != 0
+
+        _nonzero_u32_cfunc = nonzero_u32
+    address = _nonzero_u32_cfunc.address
+    assert address is not None  # a compiled cfunc always has one
+    return address
 
 
 # --- plain-Python twins (not atomic; for tests) -------------------------------------------

@@ -42,6 +42,14 @@ __all__ = [
     "ENV_GGML_LIBRARY_PATH",
     "ENV_GGML_LIBRARY_REG",
     "ENV_USE_APIR_CAPSET",
+    "CONFIG_KEY_GRAPH_TIME_LIMIT",
+    "ENV_GRAPH_TIME_LIMIT",
+    "CONFIG_KEY_MAX_CONNECTIONS",
+    "ENV_MAX_CONNECTIONS",
+    "CONFIG_KEY_HELLO_TIMEOUT",
+    "ENV_HELLO_TIMEOUT",
+    "CONFIG_KEY_MAX_BLOBS",
+    "ENV_MAX_BLOBS",
     "DEFAULT_GGML_LIBRARY_REG",
     "CONFIG_KEY_BUFFER_BUDGET",
     "CONFIG_KEY_MEMORY_LIMIT",
@@ -108,6 +116,16 @@ DEFAULT_GGML_LIBRARY_REG = "ggml_backend_init"
 # The C guest uses the APIR capset only when this is set (else Venus).
 ENV_USE_APIR_CAPSET = "GGML_REMOTING_USE_APIR_CAPSET"
 
+# --- apir's own liveness bounds (no C twin): time and descriptors one guest can take ----------
+# Defaults and parsing: apir.host.limits.
+CONFIG_KEY_GRAPH_TIME_LIMIT = "apir.host.graph_time_limit_s"  # seconds one graph_compute may run
+ENV_GRAPH_TIME_LIMIT = "APIR_HOST_GRAPH_TIME_LIMIT_S"
+CONFIG_KEY_MAX_CONNECTIONS = "apir.local.max_connections"  # guests one socket host serves at once
+ENV_MAX_CONNECTIONS = "APIR_LOCAL_MAX_CONNECTIONS"
+CONFIG_KEY_HELLO_TIMEOUT = "apir.local.hello_timeout_s"  # seconds a new connection has for HELLO
+ENV_HELLO_TIMEOUT = "APIR_LOCAL_HELLO_TIMEOUT_S"
+CONFIG_KEY_MAX_BLOBS = "apir.local.max_blobs"  # blobs one context may hold at once
+ENV_MAX_BLOBS = "APIR_LOCAL_MAX_BLOBS"
 # --- apir's own host keys (no C twin): what one guest can make the host hold -------------------
 # Values are decimal integers; apir.host.budget documents each bound and its default.
 CONFIG_KEY_BUFFER_BUDGET = "apir.host.buffer_budget"  # bytes of ggml buffers per context

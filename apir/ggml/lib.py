@@ -301,6 +301,12 @@ class Ggml:
             valid[t] = self.ggml_type_size(t) > 0 and self.ggml_blck_size(t) > 0
         return valid
 
+    @functools.cached_property
+    def statuses(self) -> Dict[str, int]:
+        """`enum ggml_status` of this build's ggml.h without the prefix: {"ALLOC_FAILED": -2,
+        "FAILED": -1, "SUCCESS": 0, "ABORTED": 1} in ggml 0.10 and 0.20."""
+        return _parse_enum((self.include_dir / "ggml.h").read_text(), "ggml_status", "GGML_STATUS_")
+
     def valid_type(self, type_: int) -> bool:
         """Whether `type_` is a valid type of this build (`valid_types`)."""
         return 0 <= type_ < self.type_count and bool(self.valid_types[type_])

@@ -11,19 +11,21 @@ blob, so the host and the guest share the blob's pages and no bulk data crosses 
 which the host sends once the command has run: the reply notification word is then already set,
 and a host that dies mid-call shows up at once as `HostConnectionLost` instead of as a timeout.
 When the command runs longer, execbuffer returns and the caller's wait on the notification word
-(apir.guest.remote) takes over with its own timeout; the late reply is read before the next
-request. Every other socket read is bounded by `io_timeout_s`, so the guest never hangs forever.
+(apir.guest.remote) takes over with its own timeout; that wait calls `watch` between its looks at
+the word, which polls the socket, so a host that dies later in the call is still seen at once
+(EOF or a hang-up), and a late reply is read as soon as it comes. Every other socket read is
+bounded by `io_timeout_s`, so the guest never hangs forever.
 """
 
 from __future__ import annotations
 
 import errno as errno_mod
 import logging
-import mmap
 import os
 import select
 import socket
 import threading
+import time
 from typing import Optional
 
 from apir.codec.local_wire import (
@@ -43,6 +45,7 @@ from apir.codec.virtgpu import (
 )
 from apir.guest.device import Blob
 from apir.guest.errors import DeviceError, IoctlError
+from apir.local.shm import map_shared
 from apir.local.socket_io import recv_message, send_message
 
 __all__ = ["LocalDevice", "HostConnectionLost", "host_stats"]
@@ -50,6 +53,7 @@ __all__ = ["LocalDevice", "HostConnectionLost", "host_stats"]
 log = logging.getLogger(__name__)
 
 _HOST_GONE = "the apir host closed the connection (it exited or crashed)"
+_POLL_EVENTS = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
 _IOCTL_NAMES = {
     Op.GETPARAM: IoctlName.GETPARAM,
     Op.GET_CAPS: IoctlName.GET_CAPS,
@@ -106,10 +110,19 @@ class LocalDevice:
                 raise HostConnectionLost(f"{self.node}: not an apir host (magic {magic:#x}, "
                                          f"wire version {version}, {len(fds)} fds)")
             self.fd = fds[0]
+        except HostConnectionLost as exc:
+            sock.close()
+            if self._broken != _HOST_GONE:
+                raise
+            raise HostConnectionLost(f"{self.node}: the apir host closed the connection before "
+                                     "answering HELLO (it may be at its connection limit, "
+                                     "apir.local.max_connections: see its log)") from exc
         except BaseException:
             sock.close()
             raise
         sock.settimeout(io_timeout_s)
+        self._poller = select.poll()  # made once: execbuffer and watch poll on every call
+        self._poller.register(sock, _POLL_EVENTS)
 
     # --- the exchange --------------------------------------------------------------------
     def _fail(self, why: str) -> HostConnectionLost:
@@ -122,7 +135,7 @@ class LocalDevice:
         except (ConnectionClosed, ConnectionResetError):
             raise self._fail(_HOST_GONE) from None
         except socket.timeout:
-            raise self._fail(f"no answer from the apir host within {self.io_timeout_s:g} s") from None
+            raise self._fail(f"no answer from the apir host within {self.sock.gettimeout():g} s") from None
         except (WireError, OSError) as exc:
             raise self._fail(f"connection to the apir host failed: {exc}") from None
         if header.op != op or header.seq != seq:
@@ -193,8 +206,7 @@ class LocalDevice:
             Op.CREATE_BLOB, VIRTGPU_BLOB_MEM_HOST3D, VIRTGPU_BLOB_FLAG_USE_MAPPABLE, size, 0)
         try:
             (offset,) = self._call(Op.MAP, bo_handle, 0)
-            memory = mmap.mmap(self.fd, real_size, mmap.MAP_SHARED,
-                               mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+            memory = map_shared(self.fd, real_size, offset)  # no descriptor per blob
         except BaseException:
             try:
                 self._call(Op.GEM_CLOSE, bo_handle, 0)
@@ -232,11 +244,42 @@ class LocalDevice:
                 self._exec_seqs.append(seq)
 
     def _readable(self, timeout_s: float) -> bool:
+        """Whether the socket has data or a hang-up within `timeout_s` (poll: no FD_SETSIZE
+        limit, unlike select, in a process with many descriptors)."""
         try:
-            ready, _, _ = select.select([self.sock], [], [], timeout_s)
-        except (OSError, ValueError):
+            return bool(self._poller.poll(max(0.0, timeout_s) * 1000.0))
+        except OSError:
             return True  # let the read report it
-        return bool(ready)
+
+    def watch(self, timeout_s: float) -> None:
+        """Waits up to `timeout_s` for the host's side of the socket, for a caller waiting on
+        a reply notification word (apir.guest.remote): returns early when something arrived
+        (a late EXECBUFFER reply, read here), raises `HostConnectionLost` at once when the
+        host closed the connection, exited or was killed. Waits under 1 ms sleep and then
+        poll without blocking (poll's unit is the millisecond)."""
+        with self._lock:
+            if self._broken is not None:
+                raise HostConnectionLost(f"{self.node}: {self._broken}")
+            if self.sock is None:
+                raise DeviceError(f"{self.node}: device is closed")
+            if timeout_s < 1e-3:
+                time.sleep(max(0.0, timeout_s))
+                timeout_s = 0.0
+            if not self._readable(timeout_s):
+                return
+            if self._exec_seqs:
+                self._drain_pending()  # the late reply, or HostConnectionLost on EOF
+                return
+            # nothing is owed to us: only a hang-up (EOF) or a host breaking the wire
+            try:
+                data = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                raise self._fail(f"connection to the apir host failed: {exc}") from None
+            if not data:
+                raise self._fail(_HOST_GONE)
+            raise self._fail("the apir host sent a message nobody asked for")
 
     # --- debug and teardown --------------------------------------------------------------
     @property

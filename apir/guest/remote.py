@@ -17,7 +17,10 @@ Theory of operation (the C `create_virtgpu` + `remote_call*`, virtgpu.cpp):
    embedded host in another thread keeps running; one call spins the whole time, so this
    thread does not come back for the GIL while the host needs it), then sleeps with growing intervals, and
    raises `ApirTimeout` at its limit: 2 s for HandShake, 60 s for LoadLibrary (the C's),
-   `forward_timeout_s` for Forward (the C waits forever there).
+   `forward_timeout_s` for Forward (the C waits forever there). A device with a transport
+   that can die under a call (a socket host, an embedded host thread) offers `watch(s)`,
+   which the wait calls instead of sleeping: it raises `DeviceError` at once when the host is
+   gone, so a dead host is an error within milliseconds, not at the call's limit.
 4. One lock (re-entrant) covers header, data window, submission, wait and the decoding of
    the reply, so concurrent callers never interleave on the shared blobs.
 
@@ -52,7 +55,7 @@ from apir.codec.constants import (
 from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS, VirtgpuParam, blob_size
 from apir.codec.wire import Decoder, Encoder
 from apir.guest.device import Blob, VirtgpuDevice
-from apir.guest.errors import ApirTimeout, MissingCapability
+from apir.guest.errors import ApirTimeout, DeviceError, MissingCapability
 
 __all__ = ["Remote", "select_capset", "DEFAULT_FORWARD_TIMEOUT_S", "COMMAND_BUFFER_SIZE"]
 
@@ -106,6 +109,7 @@ class Remote:
         self._command = bytearray(COMMAND_BUFFER_SIZE)
         self._encoder = Encoder(self._command)  # reset for each call
         self._latency_s = _SPIN_MIN_S
+        self._pause = getattr(device, "watch", None) or time.sleep  # the wait's sleep
         self.reply: Optional[Blob] = None
         self.data: Optional[Blob] = None
         self.closed = False
@@ -150,7 +154,8 @@ class Remote:
         the reply. Returns (return code, decode_fn's result, or the Decoder itself when no
         decode_fn is given, valid only while the caller holds `lock`).
 
-        Raises ApirTimeout, EncoderOverflow, DeviceError."""
+        Raises ApirTimeout, EncoderOverflow, DeviceError (also while waiting, when the
+        device's `watch` finds the host gone)."""
         if timeout_s is None:
             timeout_s = self.default_timeout(cmd_type)
         with self.lock:
@@ -174,8 +179,10 @@ class Remote:
             return ret, decode_fn(ret, dec)
 
     def _wait(self, limit_s: float, cmd_type: int, flags: int) -> int:
-        """The notification word once non-zero; ApirTimeout after `limit_s` seconds."""
-        reply_word = self._reply_word
+        """The notification word once non-zero; ApirTimeout after `limit_s` seconds, or the
+        device's DeviceError as soon as its `watch` (used in place of sleeping) finds the host
+        gone with no reply in the word."""
+        reply_word, pause = self._reply_word, self._pause
         start = time.perf_counter()
         deadline = start + limit_s
         spin_s = min(max(2 * self._latency_s, _SPIN_MIN_S), _SPIN_MAX_S)
@@ -192,7 +199,14 @@ class Remote:
                 # a kept traceback must not pin the reply mapping (it could not be unmapped)
                 reply_word = None
                 raise ApirTimeout(_command_name(cmd_type, flags), limit_s)
-            time.sleep(min(sleep_s, deadline - now))
+            try:
+                pause(min(sleep_s, deadline - now))
+            except DeviceError:
+                word = reply_word.load_acquire()  # the reply may have come before the host went
+                if word:
+                    break
+                reply_word = None
+                raise
             sleep_s = min(sleep_s * 2, _SLEEP_MAX_S)
             word = reply_word.load_acquire()
         # replies slower than the longest spin are not worth spinning for next time
@@ -211,7 +225,8 @@ class Remote:
             self.device.destroy_blob(blob)
 
     def close(self) -> None:
-        """Destroys both blobs and closes the device. Idempotent."""
+        """Destroys both blobs and closes the device. Idempotent; a host already gone is
+        no error here (its end of the blobs went with it)."""
         with self.lock:
             if self.closed:
                 return
@@ -224,6 +239,8 @@ class Remote:
                         self.device.destroy_blob(blob)
                     except BufferError:  # a view of the mapping is still alive somewhere
                         log.warning("%s: blob %d is still in use; left mapped", self.name, blob.res_id)
+                    except DeviceError as exc:  # the host is gone, and the blob with it
+                        log.info("%s: blob %d not destroyed: %s", self.name, blob.res_id, exc)
             self.reply = self.data = None
             self.device.close()
 

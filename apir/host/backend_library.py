@@ -11,7 +11,9 @@ Unlike the C, whose buffer list is process-wide, everything a guest can name liv
 object, one per context: buffer types and buffers by opaque id (`apir.host.handles`), each
 buffer with its virtual base. `deinit` frees exactly these buffers. Every buffer is charged to
 the context's budget and the process's memory limit (apir.host.budget), and a buffer ggml
-allocates is cleared to zeros before the guest can read it.
+allocates is cleared to zeros before the guest can read it. Graphs run under the context's
+abort flag (apir.host.compute_abort): a time limit per graph, and `cancel_compute` when the
+context is being destroyed or its guest left.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Callable, Optional
 
 from apir.codec.constants import (
     CONFIG_KEY_BUFFER_BUDGET,
+    CONFIG_KEY_GRAPH_TIME_LIMIT,
     CONFIG_KEY_GGML_LIBRARY_PATH,
     CONFIG_KEY_GGML_LIBRARY_REG,
     DEFAULT_GGML_LIBRARY_REG,
@@ -30,9 +33,11 @@ from apir.codec.constants import (
 )
 from apir.codec.wire import Decoder, Encoder
 from apir.host.budget import BufferBudget, BufferLimits, buffer_charge
+from apir.host.compute_abort import ComputeAbort
 from apir.host.errors import Refused, log
 from apir.host.handles import HostBuffer, HostBufferType, VirtualAddressSpace, new_tables
 from apir.host.library import LibraryHost
+from apir.host.limits import DEFAULT_GRAPH_TIME_LIMIT_S, parse_limit
 from apir.host.resources import Resource
 
 __all__ = ["PythonBackendLibrary", "GGML_BACKEND_DEVICE_TYPE_CPU", "CONFIG_KEY_BUFFER_BUDGET",
@@ -57,6 +62,7 @@ class PythonBackendLibrary:
         self.vspace = VirtualAddressSpace()
         self.checker = None
         self.budget: Optional[BufferBudget] = None
+        self.abort: Optional[ComputeAbort] = None  # graph time limit and cancellation
         # threads the backend computes with (0: never set, ggml's default); the work-size
         # bound plans with the same count (apir.host.work_plan)
         self.n_threads = 0
@@ -115,6 +121,9 @@ class PythonBackendLibrary:
         g.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         self.budget = BufferBudget(BufferLimits.from_config(host.get_config, total.value, host.ctx_id))
         self._set_n_threads(host)
+        time_limit_s = parse_limit(host.get_config(CONFIG_KEY_GRAPH_TIME_LIMIT), CONFIG_KEY_GRAPH_TIME_LIMIT,
+                                   DEFAULT_GRAPH_TIME_LIMIT_S)
+        self.abort = ComputeAbort(g, reg, backend, time_limit_s, name=f"ctx {host.ctx_id}")
         self.checker = TensorChecker(g)
         return LoadRc.INIT_BASE_INDEX + InitRc.SUCCESS
 
@@ -137,8 +146,16 @@ class PythonBackendLibrary:
     def dispatch(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
         return _dispatcher().dispatch(self, function_id, dec, enc)
 
+    def cancel_compute(self, reason: str) -> None:
+        """Stops the graph compute in flight, if any, and refuses later ones (GGML_STATUS_ABORTED):
+        the context is going away. Any thread (no lock: the compute holds the context's)."""
+        abort = self.abort
+        if abort is not None:
+            abort.cancel(reason)
+
     def deinit(self) -> None:
         """`apir_backend_deinit`, for this context only: frees its buffers and its backend."""
+        self.cancel_compute("the context is destroyed")
         for handle, _ in self.buffers.items():
             self.free_buffer(handle)
         if self.backend:

@@ -61,6 +61,7 @@ from apir.codec.constants import (
 from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS
 from apir.codec.wire import Decoder, Encoder
 from apir.host.errors import log
+from apir.host.limits import LIMIT_ENV_FALLBACKS
 from apir.host.library import BackendLibrary, LibraryLoadError, default_library_factory
 from apir.host.resources import Resource
 
@@ -79,6 +80,7 @@ CONFIG_ENV_FALLBACKS: Dict[str, str] = {
     CONFIG_KEY_LOAD_LIBRARY_PATH: ENV_BACKEND_LIBRARY,
     CONFIG_KEY_GGML_LIBRARY_PATH: ENV_GGML_LIBRARY_PATH,
     CONFIG_KEY_GGML_LIBRARY_REG: ENV_GGML_LIBRARY_REG,
+    **LIMIT_ENV_FALLBACKS,  # apir's liveness bounds (apir.host.limits)
     # apir's own bounds (apir.host.budget)
     CONFIG_KEY_BUFFER_BUDGET: ENV_BUFFER_BUDGET,
     CONFIG_KEY_MEMORY_LIMIT: ENV_MEMORY_LIMIT,
@@ -163,9 +165,20 @@ class HostContext:
         """The blob `res_id` of this context, or None (`get_shmem_ptr`, plus the size)."""
         return self._resources.get(res_id)
 
+    def cancel_compute(self, reason: str) -> None:
+        """Stops the graph compute in flight, if any, and every later one (the guest gets
+        GGML_STATUS_ABORTED): this context's guest is gone. Any thread, without the context's
+        lock, which the compute holds; a backend library without `cancel_compute` (a C one)
+        cannot be stopped."""
+        cancel = getattr(self._library, "cancel_compute", None)
+        if cancel is not None:
+            cancel(reason)
+
     def close(self) -> None:
         """Deinitializes the backend library, freeing exactly this context's buffers, and
-        drops the resources. Idempotent."""
+        drops the resources. Idempotent. A compute in flight on another thread is cancelled
+        first (`cancel_compute`), so closing does not wait for the graph to finish."""
+        self.cancel_compute("the context is closed")
         with self._lock:
             if self._closed:
                 return

@@ -5,7 +5,9 @@ that shared-memory resource. Reply: the `enum ggml_status` (i32) of the compute.
 checked against the resource's real size (the C has a placeholder there), the graph is
 parsed and checked (`parse_graph`, `apir.host.graph`), ggml's planned work buffer is bounded
 by the context's work budget (`apir.host.work_plan`), and only a graph that passes is
-computed; one that does not is refused (BACKEND_RC_ERROR, no status).
+computed; one that does not is refused (BACKEND_RC_ERROR, no status). The compute runs under
+the context's abort flag: past `apir.host.graph_time_limit_s`, or once the context is being
+destroyed, it stops and the status is GGML_STATUS_ABORTED.
 
 Nodes without GGML_TENSOR_FLAG_COMPUTE are skipped by ggml (ggml_build_forward_select leaves
 the branches it does not select without it), so such a graph is computed as ggml computes it;
@@ -43,7 +45,8 @@ def graph_compute(lib, dec, enc) -> int:
     with Scratch(g, len(parsed.tensors), max(len(parsed.node_index), 1)) as scratch:
         graph = build_graph(lib, parsed, scratch, enums)
         check_work_size(lib, graph)  # before the CPU backend allocates its work buffer
-        status = g.ggml_backend_graph_compute(lib.backend, graph)
+        # under the context's time limit and cancellation (apir.host.compute_abort)
+        status = lib.abort.run(g.ggml_backend_graph_compute, lib.backend, graph)
         g.ggml_backend_synchronize(lib.backend)
     enc.i32(status)
     return BACKEND_RC_OK

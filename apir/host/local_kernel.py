@@ -17,7 +17,7 @@ import logging
 import threading
 from typing import Any, Callable, Optional
 
-from apir.codec.constants import CapsetApir
+from apir.codec.constants import CONFIG_KEY_MAX_BLOBS, CapsetApir
 from apir.codec.local_wire import MAX_EXEC_COMMAND
 from apir.codec.virtgpu import (
     VIRTGPU_BLOB_FLAG_USE_MAPPABLE,
@@ -28,6 +28,7 @@ from apir.codec.virtgpu import (
     VIRTGPU_MAX_RINGS,
     VirtgpuParam,
 )
+from apir.host.limits import DEFAULT_MAX_BLOBS, config_limit
 from apir.host.local_memfile import HostBlob, MemFile, MemFileFull
 
 __all__ = [
@@ -130,6 +131,7 @@ class KernelContext:
         self.capset_id = 0
         self.num_rings = 0
         self.blobs: dict[int, tuple[int, HostBlob]] = {}  # bo_handle -> (res_id, blob)
+        self.max_blobs = config_limit(config, CONFIG_KEY_MAX_BLOBS, DEFAULT_MAX_BLOBS)
         self._bo_handles = itertools.count(1)
         self.closed = False
 
@@ -171,7 +173,9 @@ class KernelContext:
     # --- blobs -----------------------------------------------------------------------------
     def create_blob(self, blob_mem: int, blob_flags: int, size: int, blob_id: int = 0) -> tuple[int, int, HostBlob]:
         """RESOURCE_CREATE_BLOB: (res_id, bo_handle, blob). Only mappable HOST3D blobs of a
-        context; the size is rounded up to 16 KiB. EINVAL / ENOMEM / EIO on refusal."""
+        context; the size is rounded up to 16 KiB. EINVAL / ENOMEM / EIO on refusal, ENOSPC
+        when the context holds `max_blobs` already (apir.local.max_blobs; the kernel's GEM
+        handle and resource id allocators fail the same way when exhausted)."""
         if self.ctx is None:
             raise KernelError(errno.EINVAL, "CREATE_BLOB before CONTEXT_INIT")
         if blob_mem != VIRTGPU_BLOB_MEM_HOST3D or not blob_flags & VIRTGPU_BLOB_FLAG_USE_MAPPABLE:
@@ -179,6 +183,9 @@ class KernelContext:
                               f"only mappable HOST3D blobs (mem {blob_mem}, flags {blob_flags:#x})")
         if size == 0 or blob_id != 0:
             raise KernelError(errno.EINVAL, f"bad blob size {size} / blob_id {blob_id}")
+        if len(self.blobs) >= self.max_blobs:
+            raise KernelError(errno.ENOSPC, f"the context holds {len(self.blobs)} blobs, its limit "
+                                            f"({CONFIG_KEY_MAX_BLOBS})")
         try:
             blob = self.memfile.allocate(size)
         except MemFileFull as exc:
@@ -250,6 +257,13 @@ class KernelContext:
     @property
     def ggml_buffers(self) -> Optional[int]:
         return None if self.ctx is None else ggml_buffer_count(self.ctx)
+
+    def cancel_compute(self, reason: str) -> None:
+        """Stops the context's compute in flight and refuses later ones (its guest is gone).
+        Any thread: the one running the compute is busy with it."""
+        cancel = getattr(self.ctx, "cancel_compute", None)
+        if cancel is not None:
+            cancel(reason)
 
     def close(self) -> None:
         """Closes the context (freeing its ggml buffers) and every blob. Idempotent."""

@@ -4,9 +4,9 @@ Theory of operation: a kernel render node hands the guest one fd and, per blob, 
 (DRM_IOCTL_VIRTGPU_MAP). The local transport does the same with a memfd: the host creates it once
 per context, passes it to the guest, and places each blob at a 16 KiB aligned offset, growing the
 file with ftruncate when no freed range fits. The host maps each blob on its own (one mmap per
-blob, handed to the HostContext as the resource's memory); the guest maps the same range with
-``mmap(fd, size, offset)``. A freed blob's pages are returned to the system (MADV_REMOVE) and its
-range is reused.
+blob, handed to the HostContext as the resource's memory, holding no descriptor of its own:
+apir.local.shm); the guest maps the same range with ``mmap(fd, size, offset)``. A freed blob's
+pages are returned to the system (MADV_REMOVE) and its range is reused.
 
 The file is sealed against shrinking (F_SEAL_SHRINK): the guest holds the fd, and a guest that
 truncated it would make the host's mappings fault (SIGBUS) instead of failing cleanly.
@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass
 
 from apir.codec.virtgpu import BLOB_ALIGNMENT
+from apir.local.shm import map_shared
 
 __all__ = ["MemFile", "MemFileFull", "HostBlob"]
 
@@ -114,8 +115,7 @@ class MemFile:
         with self._lock:
             off = self._take_range(size)
             try:
-                memory = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE,
-                                   offset=off)
+                memory = map_shared(self.fd, size, off)  # no descriptor per blob
             except BaseException:
                 self._give_range(off, size)
                 raise

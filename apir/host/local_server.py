@@ -17,6 +17,14 @@ the connection. Nothing a guest sends raises out of its connection thread. STAT 
 connection with its own counts only (other guests' contexts, blobs and bytes are theirs),
 unless the server was made with `stat_host_wide` (tests and debugging). The socket file gets
 mode `socket_mode` (default 0600: the owner's guests only), whatever the process umask.
+
+What guests can make the host hold is bounded (apir.host.limits): connections
+(`apir.local.max_connections`; the accept thread closes any beyond it at once), the time a new
+connection has to send HELLO (`apir.local.hello_timeout_s`), blobs per context
+(`apir.local.max_blobs`), and no blob holds a descriptor of its own (apir.local.shm). A guest
+that hangs up while its graph computes cancels the compute (apir.host.local_hangup). Should the
+process run out of descriptors anyway (EMFILE, ENFILE) or memory, the accept thread backs off and
+keeps accepting once there are some again: a guest that leaves gives the host back to the others.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ import os
 import socket
 import stat
 import threading
+import time
 from typing import Optional
 
+from apir.codec.constants import CONFIG_KEY_HELLO_TIMEOUT, CONFIG_KEY_MAX_CONNECTIONS
 from apir.codec.local_wire import (
     HELLO_MAGIC,
     MAX_GET_CAPS,
@@ -41,6 +51,8 @@ from apir.codec.local_wire import (
     WireError,
 )
 from apir.codec.virtgpu import BLOB_ALIGNMENT
+from apir.host.limits import DEFAULT_HELLO_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, config_limit
+from apir.host.local_hangup import HangupWatch
 from apir.host.local_kernel import ContextFactory, KernelContext, KernelError, default_context_factory
 from apir.local.socket_io import recv_message, send_message
 
@@ -48,6 +60,9 @@ __all__ = ["LocalServer", "ServerStats", "DEFAULT_SOCKET_MODE"]
 
 log = logging.getLogger(__name__)
 
+_ACCEPT_BACKOFF_MIN_S = 0.01
+_ACCEPT_BACKOFF_MAX_S = 1.0
+_REFUSAL_LOG_INTERVAL_S = 5.0
 DEFAULT_SOCKET_MODE = 0o600  # the socket file: only its owner's processes may connect
 
 
@@ -94,8 +109,11 @@ class _Connection:
             self.cleanup()
 
     def _serve(self) -> None:
+        hello_timeout_s = self.server.hello_timeout_s
+        self.sock.settimeout(hello_timeout_s or None)  # an idle connection must not stay forever
         header, payload, fds = recv_message(self.sock)
         _close_fds(fds)  # a guest has no business sending fds
+        self.sock.settimeout(None)  # past HELLO: a guest may idle as long as it likes
         if header.op != Op.HELLO or len(payload) != REQUEST[Op.HELLO].size:
             raise WireError(f"expected HELLO, got op {header.op} with {len(payload)} bytes")
         magic, version = REQUEST[Op.HELLO].unpack(payload)
@@ -107,6 +125,7 @@ class _Connection:
                                     srv.max_context_bytes)
         reply = REPLY[Op.HELLO].pack(HELLO_MAGIC, WIRE_VERSION, BLOB_ALIGNMENT, 0)
         send_message(self.sock, Op.HELLO, header.seq, reply, fds=(self.kernel.memfile.fd,))
+        srv.hangups.watch(self.sock.fileno(), self)  # a hang-up mid-EXECBUFFER cancels it
         log.info("guest %d connected", self.conn_id)
 
         while True:
@@ -163,8 +182,17 @@ class _Connection:
             return REPLY[op].pack(*st.as_tuple())
         raise KernelError(errno.ENOSYS, f"unhandled op {op}")
 
+    def on_hangup(self) -> None:
+        """The guest hung up (apir.host.local_hangup, another thread): stop its compute in
+        flight; this connection's thread then sees EOF and closes the context as usual."""
+        kernel = self.kernel
+        if kernel is not None:
+            log.info("guest %d hung up: its compute, if any, is cancelled", self.conn_id)
+            kernel.cancel_compute("the guest hung up")
+
     def cleanup(self) -> None:
         """Close the context and free its blobs; runs once, when the connection ends."""
+        self.server.hangups.forget(self.sock.fileno())
         try:
             if self.kernel is not None:
                 self.kernel.close()
@@ -179,6 +207,25 @@ class _Connection:
             log.debug("guest %d: context and blobs freed", self.conn_id)
 
 
+class _RateLimitedLog:
+    """Logs at most one line per `interval_s` (a flood of refused connections, or accept failing
+    over and over, must not flood the log), saying how many were left out."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self._next = 0.0
+        self._skipped = 0
+
+    def log(self, level: int, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._skipped += 1
+            return
+        if self._skipped:
+            msg += f" ({self._skipped} more like it not logged)"
+            self._skipped = 0
+        self._next = now + self.interval_s
+        log.log(level, msg, *args)
 def _kernel_stats(st: ServerStats, k: Optional[KernelContext]) -> ServerStats:
     """Adds one connection's counts to `st` (nothing for a closed or not yet HELLOed one)."""
     if k is None or k.closed:
@@ -212,9 +259,11 @@ class LocalServer:
     """Serves guests on a Unix socket at `path`, one HostContext per connection.
 
     `config` is the HostContext configuration (the C keys: ``ggml.library.path``,
-    ``ggml.library.reg``, ...); `context_factory(ctx_id, capset_id, config)` builds a context
-    (default: `apir.host.component.HostContext`). `max_context_bytes` bounds one context's shared
-    memory file. `socket_mode`: the socket file's permission bits (default 0600; set after
+    ``ggml.library.reg``, ...); it also holds the server's own bounds, `apir.local.max_connections`
+    and `apir.local.hello_timeout_s` (apir.host.limits; environment fallbacks, defaults 32 and
+    10 s). `context_factory(ctx_id, capset_id, config)` builds a context (default:
+    `apir.host.component.HostContext`). `max_context_bytes` bounds one context's shared memory
+    file. `socket_mode`: the socket file's permission bits (default 0600; set after
     binding, which happens under umask 0177, so the file is never more open than asked).
     `stat_host_wide`: STAT answers with counts over every connection instead of the asking
     connection's own (off by default: they tell one guest about the others; for tests and
@@ -231,6 +280,11 @@ class LocalServer:
         self.config = config
         self.context_factory = context_factory
         self.max_context_bytes = max_context_bytes
+        self.max_connections = config_limit(config, CONFIG_KEY_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS)
+        self.hello_timeout_s = config_limit(config, CONFIG_KEY_HELLO_TIMEOUT, DEFAULT_HELLO_TIMEOUT_S)
+        self._stopping = threading.Event()  # set by close(): the accept thread's back-off ends
+        self.hangups = HangupWatch()
+        self._refusals = _RateLimitedLog(_REFUSAL_LOG_INTERVAL_S)
         self.socket_mode = socket_mode
         self.stat_host_wide = stat_host_wide
         self._lock = threading.Lock()
@@ -284,21 +338,46 @@ class LocalServer:
 
     # --- serving -------------------------------------------------------------------------
     def serve_forever(self) -> None:
-        """Accept guests until close(); each gets its own thread."""
-        while True:
+        """Accept guests until close(); each gets its own thread, up to `max_connections`.
+
+        accept() failing never ends the loop: out of descriptors (EMFILE, ENFILE) or memory,
+        it backs off (from _ACCEPT_BACKOFF_MIN_S doubling to _ACCEPT_BACKOFF_MAX_S) and tries
+        again, so guests connect again once the ones holding the descriptors are gone."""
+        backoff_s = _ACCEPT_BACKOFF_MIN_S
+        while not self._closed:
             try:
                 sock, _ = self.sock.accept()
-            except OSError:
+            except OSError as exc:
                 if self._closed:
                     return
-                raise
+                self._refusals.log(logging.ERROR, "accept failed (%s, %s): retrying in %g s",
+                                   errno.errorcode.get(exc.errno or 0, "?"), exc, backoff_s)
+                if self._stopping.wait(backoff_s):
+                    return
+                backoff_s = min(2 * backoff_s, _ACCEPT_BACKOFF_MAX_S)
+                continue
+            backoff_s = _ACCEPT_BACKOFF_MIN_S
+            self._admit(sock)
+
+    def _admit(self, sock: socket.socket) -> None:
+        """Serves `sock` on a thread of its own, or closes it when the server is full or closed."""
+        with self._lock:
+            full = len(self._conns) >= self.max_connections
+            if self._closed or full:
+                sock.close()
+                if full:
+                    self._refusals.log(logging.WARNING, "%d guests connected, the limit (%s): "
+                                       "new connections closed", len(self._conns),
+                                       CONFIG_KEY_MAX_CONNECTIONS)
+                return
             conn = _Connection(self, sock, next(self._conn_ids))
-            with self._lock:
-                if self._closed:
-                    sock.close()
-                    return
-                self._conns.add(conn)
+            self._conns.add(conn)
+        try:
             conn.thread.start()
+        except RuntimeError as exc:  # no thread to be had: the process is out of something
+            self._refusals.log(logging.ERROR, "cannot start a connection thread: %s", exc)
+            sock.close()
+            self._forget(conn)
 
     def start(self) -> "LocalServer":
         """serve_forever() in a background thread."""
@@ -314,18 +393,22 @@ class LocalServer:
                 return
             self._closed = True
             conns = list(self._conns)
+        self._stopping.set()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.sock.close()
         for c in conns:
+            if c.kernel is not None:
+                c.kernel.cancel_compute("the host is closing")
             try:
                 c.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
         for c in conns:
             c.thread.join(timeout)
+        self.hangups.close()
         if self._accept_thread is not None:
             self._accept_thread.join(timeout)
         try:

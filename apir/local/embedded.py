@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 _SETTLE_S = 10e-6
+_ALIVE_CHECK_S = 0.05  # a blocked device call looks whether the host thread still lives this often
 
 
 class _Job:
@@ -191,7 +193,7 @@ class EmbeddedDevice:
         if not wait:
             return None
         limit = self.io_timeout_s if wait_s is None else wait_s
-        if not job.done.acquire(timeout=limit):
+        if not self._acquire_while_alive(job.done, limit):
             if late_ok:
                 return None  # still running: the caller learns the outcome some other way
             raise DeviceError(f"embedded: {request} got no answer from the host thread within {limit:g} s")
@@ -200,6 +202,28 @@ class EmbeddedDevice:
                 raise IoctlError(self.node, request, job.error.err, str(job.error)) from None
             raise DeviceError(f"embedded: {request} failed in the host: {job.error!r}") from job.error
         return job.result
+
+    def _acquire_while_alive(self, done: threading.Lock, limit_s: float) -> bool:
+        """`done.acquire(timeout=limit_s)`, in slices of _ALIVE_CHECK_S between which a dead
+        host thread (which will never release it) raises DeviceError at once."""
+        deadline = time.monotonic() + limit_s
+        while not done.acquire(timeout=min(_ALIVE_CHECK_S, max(0.0, deadline - time.monotonic()))):
+            if not self._thread.is_alive():
+                raise DeviceError("embedded: the host thread is gone")
+            if time.monotonic() >= deadline:
+                return False
+        return True
+
+    def watch(self, timeout_s: float) -> None:
+        """For a caller waiting on a reply notification word (apir.guest.remote): sleeps
+        `timeout_s`, then raises DeviceError if the device was closed meanwhile (its blobs,
+        the reply's among them, are freed) or the host thread is gone (it died: no reply will
+        ever come)."""
+        time.sleep(max(0.0, timeout_s))
+        if self._closed:
+            raise DeviceError("embedded: the device was closed during the call")
+        if not self._thread.is_alive():
+            raise DeviceError("embedded: the host thread is gone")
 
     # --- VirtgpuDevice -------------------------------------------------------------------
     def get_param(self, param: int) -> int:
@@ -264,10 +288,12 @@ class EmbeddedDevice:
         return self._run("STAT", count)
 
     def close(self) -> None:
-        """Stops the host thread, which closes the context and frees every blob."""
+        """Stops the host thread, which closes the context and frees every blob. A graph
+        still computing there is cancelled first (it stops after its current node)."""
         if self._closed:
             return
         self._closed = True
+        self.kernel.cancel_compute("the embedded device is closed")
         self._blobs.clear()  # the host thread frees them all as it stops
         self._jobs.put(_STOP)
         self._bell.store_release(1)

@@ -144,3 +144,19 @@ def test_spins_for_scales_with_time():
     t0 = time.perf_counter()
     probe.spin_until_nonzero(atomics.spins_for(2e-3))
     assert 0.2e-3 < time.perf_counter() - t0 < 0.2  # loose: a shared machine may stall us
+
+
+def test_nonzero_u32_callback_reads_the_word_like_its_twin():
+    """The C callback ggml's abort check calls (`bool f(void *word)`): true exactly when the
+    word is non-zero, whatever its other bytes' neighbours hold."""
+    import ctypes
+
+    fn = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p)(atomics.nonzero_u32_callback())
+    words = np.zeros(4, dtype=np.uint32)
+    base = words.ctypes.data
+    for value in (0, 1, 0x80000000, 0xFFFFFFFF, 0):
+        words[1] = value
+        words[0] = words[2] = 0xFFFFFFFF  # neighbours must not leak into the load
+        expected = atomics.load_acquire_u32_py(words.view(np.uint8), 4) != 0
+        assert fn(base + 4) is expected
+    assert atomics.nonzero_u32_callback() == atomics.nonzero_u32_callback()  # made once

@@ -1,0 +1,132 @@
+"""A guest waiting on a reply learns at once that its host died, however long it has waited:
+the socket host killed after execbuffer's own wait ended, the embedded host thread dying
+mid-command. (The limits below are liveness bounds, far under the 300 s call limit.)"""
+
+import signal
+import struct
+import threading
+import time
+
+import pytest
+
+from apir.codec.atomics import store_release_u32
+from apir.codec.constants import ApirCommandType
+from apir.guest.client import ApirClient
+from apir.local.embedded import EmbeddedDevice
+from apir.guest.errors import DeviceError
+from apir.guest.local import HostConnectionLost, LocalDevice
+from apir.guest.remote import DEFAULT_FORWARD_TIMEOUT_S, Remote
+from apir.host.local_server import LocalServer
+from tests.local.hostproc import HostProcess
+
+BOUND_S = 10.0  # "at once" on a loaded machine; the call's own limit is 300 s
+
+
+def _call_in_thread(fn):
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = fn()
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            outcome["error"] = exc
+        outcome["done"] = time.monotonic()
+
+    t = threading.Thread(target=run, daemon=True)  # a hung call must not hang the test run
+    t.start()
+    return t, outcome
+
+
+def test_host_killed_after_execbuffer_stopped_waiting_is_an_error_at_once(tmp_path):
+    h = HostProcess(tmp_path / "apir.sock")
+    try:
+        dev = LocalDevice(h.path, exec_wait_s=0.05)
+        client = ApirClient.connect(dev, data_size=65536)
+        assert dev.exec_wait_s < 1.0 and DEFAULT_FORWARD_TIMEOUT_S >= 300
+        assert client.device_get_type() == 0  # GGML_BACKEND_DEVICE_TYPE_CPU
+        h.pause()  # stopped: the next call stays in flight past execbuffer's wait
+        t, outcome = _call_in_thread(client.device_get_type)
+        deadline = time.monotonic() + BOUND_S
+        while not dev._exec_seqs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert dev._exec_seqs, "execbuffer did not hand the wait over to the reply word"
+        time.sleep(0.2)  # the caller now waits on the reply word, well past exec_wait_s
+        assert t.is_alive() and outcome == {}
+        killed = time.monotonic()
+        h.signal(signal.SIGKILL)
+        t.join(BOUND_S)
+        assert not t.is_alive(), "the guest still waits on a dead host"
+        assert isinstance(outcome.get("error"), HostConnectionLost), outcome
+        assert "closed the connection" in str(outcome["error"])
+        assert outcome["done"] - killed < BOUND_S
+        with pytest.raises(HostConnectionLost):
+            client.device_get_name()
+    finally:
+        h.stop()
+
+
+class _SlowReplyContext:
+    """A HostContext stand-in whose every command takes `delay_s`, then answers Forward
+    success with the u32 0x5eed in the reply (and the notification word)."""
+
+    delay_s = 0.3
+
+    def __init__(self, ctx_id, capset_id, config):
+        self.res = {}
+
+    def add_resource(self, res_id, memory):
+        self.res[res_id] = memory
+
+    def remove_resource(self, res_id):
+        self.res.pop(res_id, None)
+
+    def submit(self, command):
+        _cmd, _flags, reply_id = struct.unpack_from("<iiI", command)
+        time.sleep(self.delay_s)
+        reply = self.res[reply_id]
+        struct.pack_into("<I", reply, 4, 0x5EED)
+        store_release_u32(reply, 0, 4 + 1)
+
+    def close(self):
+        pass
+
+
+def test_a_late_reply_is_read_by_the_wait_and_the_connection_stays_usable(tmp_path):
+    with LocalServer(str(tmp_path / "s.sock"), context_factory=_SlowReplyContext).start() as srv:
+        dev = LocalDevice(srv.path, exec_wait_s=0.01)
+        with Remote(dev, data_size=16384, use_apir_capset=True) as remote:
+            for _ in range(3):  # each call's wait (watch) or the next request reads the late reply
+                ret, value = remote.call(ApirCommandType.FORWARD, 0, decode_fn=lambda r, d: d.u32())
+                assert (ret, value) == (4, 0x5EED)
+                assert len(dev._exec_seqs) <= 1
+
+
+class _DyingHostContext(_SlowReplyContext):
+    """A host bug after the command: the embedded host thread dies taking the notification,
+    so no reply ever reaches the word."""
+
+    delay_s = 0.05
+    defer_notification = False
+
+    def submit(self, command):
+        time.sleep(self.delay_s)  # the reply is left to the notification the thread dies taking
+
+    def take_notification(self):
+        raise RuntimeError("host bug: the embedded host thread dies here")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_embedded_host_thread_dying_mid_call_is_an_error_at_once():
+    dev = EmbeddedDevice(context_factory=_DyingHostContext, exec_wait_s=0.0, io_timeout_s=2.0)
+    remote = Remote(dev, data_size=16384, use_apir_capset=True)
+    started = time.monotonic()
+    t, outcome = _call_in_thread(lambda: remote.call(ApirCommandType.FORWARD, 0))
+    t.join(BOUND_S)
+    assert not t.is_alive(), "the guest still waits on a dead host thread"
+    assert isinstance(outcome.get("error"), DeviceError), outcome
+    assert "host thread is gone" in str(outcome["error"])
+    assert outcome["done"] - started < BOUND_S
+    with pytest.raises(DeviceError, match="host thread is gone"):
+        dev.get_param(1)
+    remote.close()  # the host is gone: closing is still no error
+    assert remote.closed
