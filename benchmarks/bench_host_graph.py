@@ -1,4 +1,5 @@
-"""The host's per-graph work for one all-MiniLM-L6-v2 batch: parse_graph and build_graph.
+"""The host's per-graph work for one all-MiniLM-L6-v2 batch: parse_graph, build_graph and
+check_work_size (ggml_graph_plan's work-size bound).
 
 Theory of operation: runs batches through APIR over the embedded host (as bench_minilm.py)
 with `apir.host.dispatch_backend`'s parse_graph and build_graph wrapped in timers, and prints
@@ -32,7 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    times = {"parse_graph": ([], []), "build_graph": ([], [])}
+    times = {"parse_graph": ([], []), "build_graph": ([], []), "check_work_size": ([], [])}
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
         return 0
     print(f"host per-graph work, MiniLM batch of {args.batch_size}, median of {args.batches}:")
     for name, r in res.items():
-        print(f"  {name:12} wall {r['wall_ms']:7.2f} ms   thread CPU {r['thread_cpu_ms']:7.2f} ms")
+        print(f"  {name:15} wall {r['wall_ms']:7.2f} ms   thread CPU {r['thread_cpu_ms']:7.2f} ms")
     return 0
 
 
