@@ -408,3 +408,31 @@ def test_int_arithmetic_bound_is_refused_by_the_rule(guest, ggml, op, build, edi
         assert why in (rule_refusal(guest, r, recs) or "accepted")
     finally:
         r.close()
+
+
+def test_empty_sources_ok_marks_a_rule_that_allows_them():
+    """`base.empty_sources_ok` exempts a rule from `check_empty_sources` (no rule of this host
+    is marked: every rule is refused an empty source under a result with elements); and
+    int_counted_rules' wrappers keep the mark."""
+    import numpy as np
+
+    from apir.host.errors import Refused
+    from apir.host.shapes.base import (TensorInfo, allows_empty_sources, check_empty_sources, empty_sources_ok,
+                                       int_counted_rules)
+
+    def info(index, ne):
+        return TensorInfo(index, "F32", ne, [4, 4 * ne[0], 4 * ne[0] * ne[1], 4 * ne[0] * ne[1] * ne[2]],
+                          "ADD", np.zeros(16, np.int32), 4, 1, False, None)
+
+    node, empty = info(1, [4, 2, 1, 1]), info(0, [4, 0, 1, 1])
+
+    def rule(node, srcs, enums=None):
+        pass
+
+    assert not allows_empty_sources(rule)
+    with pytest.raises(Refused, match="src1 \\[4, 0, 1, 1\\] has no elements"):
+        check_empty_sources(node, [node, empty], allows_empty_sources(rule))
+    marked = empty_sources_ok(rule)
+    assert allows_empty_sources(marked) and allows_empty_sources(int_counted_rules({"ADD": marked})["ADD"])
+    check_empty_sources(node, [node, empty], allows_empty_sources(marked))  # no Refused
+    check_empty_sources(empty, [node, empty])  # an empty result: not computed, nothing to refuse
