@@ -408,3 +408,58 @@ def test_int_arithmetic_bound_is_refused_by_the_rule(guest, ggml, op, build, edi
         assert why in (rule_refusal(guest, r, recs) or "accepted")
     finally:
         r.close()
+
+
+def test_empty_sources_ok_marks_a_rule_that_allows_them():
+    """`base.empty_sources_ok` exempts a rule from `check_empty_sources` (no rule of this host
+    is marked: every rule is refused an empty source under a result with elements); and
+    int_counted_rules' wrappers keep the mark."""
+    import numpy as np
+
+    from apir.host.errors import Refused
+    from apir.host.shapes.base import (TensorInfo, allows_empty_sources, check_empty_sources, empty_sources_ok,
+                                       int_counted_rules)
+
+    def info(index, ne):
+        return TensorInfo(index, "F32", ne, [4, 4 * ne[0], 4 * ne[0] * ne[1], 4 * ne[0] * ne[1] * ne[2]],
+                          "ADD", np.zeros(16, np.int32), 4, 1, False, None)
+
+    node, empty = info(1, [4, 2, 1, 1]), info(0, [4, 0, 1, 1])
+
+    def rule(node, srcs, enums=None):
+        pass
+
+    assert not allows_empty_sources(rule)
+    with pytest.raises(Refused, match="src1 \\[4, 0, 1, 1\\] has no elements"):
+        check_empty_sources(node, [node, empty], allows_empty_sources(rule))
+    marked = empty_sources_ok(rule)
+    assert allows_empty_sources(marked) and allows_empty_sources(int_counted_rules({"ADD": marked})["ADD"])
+    check_empty_sources(node, [node, empty], allows_empty_sources(marked))  # no Refused
+    check_empty_sources(empty, [node, empty])  # an empty result: not computed, nothing to refuse
+
+
+def _set_rows_none(g, ctx):
+    """test-backend-ops' SET_ROWS of 0 rows: src0 [16, 0, 1, 3] into dst [16, 5, 1, 3]."""
+    dst, src = _in(g, ctx, "F32", 16, 5, 1, 3), _in(g, ctx, "F32", 16, 0, 1, 3)
+    ids = _in(g, ctx, "I64", 0, 1, 3)
+    return g.ggml_set_rows(ctx, dst, src, ids), [dst, src, ids]
+
+
+def test_set_rows_of_no_rows_computes_like_cpu(guest, ggml):
+    """SET_ROWS is marked empty_sources_ok: its kernel loops over src0's rows only. (Refused
+    by the general rule before, which failed 93 test-backend-ops cases that pass on CPU.)"""
+    from tests.host.shapekit import assert_computes_like_cpu
+
+    assert_computes_like_cpu(guest, ggml, Case("SET_ROWS", _set_rows_none))
+
+
+def test_empty_tensor_a_little_past_its_buffer_is_accepted(mm):
+    """An empty tensor's span may pass its buffer up to the work budget (test-backend-ops'
+    empty IM2COL_3D / CONV_3D tensors do): nothing reads it, and ggml's planning of it is
+    bounded by the work budget."""
+    recs = mm.recs.copy()
+    b, o = mm.index(mm.inputs[1]), mm.index(mm.out)
+    recs["ne"][b][1] = recs["ne"][o][1] = 0
+    recs["ne"][b][2] = recs["ne"][o][2] = 1000  # 256 KB of F32 with ne[1] taken as 1
+    rc, dec = mm.compute(recs)
+    assert rc == 0 and dec.i32() == 0

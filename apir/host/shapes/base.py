@@ -219,21 +219,24 @@ def span_nbytes(t: TensorInfo) -> int:
     extent (so at most its buffer); it is what ggml's work-size planning and the kernels
     that size or loop by one dimension can be driven to by a tensor's *other* dimensions,
     even when it has no elements at all (issue 13, classes 1 and 2). graph.py refuses a
-    tensor whose span exceeds its buffer's size (`check_span`)."""
+    tensor whose span exceeds its buffer's size (an empty one: the larger of that and the work
+    budget; `check_span`)."""
     blocks0 = -(-max(int(t.ne[0]), 1) // t.blck_size)
     return blocks0 * t.type_size * math.prod(max(int(n), 1) for n in t.ne[1:])
 
 
-def check_span(t: TensorInfo, buffer_size: int, what: str) -> None:
-    """Refuses `t` when `span_nbytes(t)` exceeds `buffer_size`, the size of the buffer it
-    lies in. Legitimate tensors never do: their elements fit their extent. What is refused:
-    an empty tensor with huge other dimensions (a 2^63-byte work buffer planned from them),
-    and elements that alias through strides of 0 or overlapping rows by more than the
-    buffer holds (work buffers and loops sized by the element count). Raises Refused."""
+def check_span(t: TensorInfo, limit: int, what: str) -> None:
+    """Refuses `t` when `span_nbytes(t)` exceeds `limit`: the size of the buffer it lies in
+    for a tensor with elements, a looser bound for an empty one (graph.py: the larger of its
+    buffer and the work budget; test-backend-ops' empty tensors span a little more than their
+    buffer). A tensor with elements that do not overlap never exceeds its buffer. What is
+    refused: elements aliased through strides of 0 or overlapping rows by more than the buffer
+    holds (work buffers and loops sized by the element count), and an empty tensor with huge
+    other dimensions (a 2^63-byte work buffer planned from them). Raises Refused."""
     span = span_nbytes(t)
-    if span > buffer_size:
-        raise Refused(f"{what}: ne {t.ne} spans {span} bytes of {t.type_name}, more than its "
-                      f"{buffer_size}-byte buffer (empty or aliasing elements)")
+    if span > limit:
+        raise Refused(f"{what}: ne {t.ne} spans {span} bytes of {t.type_name}, more than the {limit} "
+                      f"bytes its buffer allows (empty or aliasing elements)")
 
 
 # Name of the attribute `empty_sources_ok` sets on a rule.

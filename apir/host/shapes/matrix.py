@@ -13,8 +13,8 @@ ids (test-backend-ops' ids) is fine.
 
 from __future__ import annotations
 
-from apir.host.shapes.base import (FLOAT, INT_MAX, check_row_ids, dst_contiguous, extent, fail, ids_in_range,
-                                      int_rows, need, param_i32, row_ids)
+from apir.host.shapes.base import (FLOAT, INT_MAX, check_row_ids, dst_contiguous, empty_sources_ok, extent, fail,
+                                      ids_in_range, int_rows, need, param_i32, row_ids)
 
 _INT_MAX = INT_MAX  # kernels that count rows in an `int`
 # ggml-cpu's vec.h GGML_VEC_MAD_UNROLL: out_prod's F32 kernel passes src0's and src1's nb[1]
@@ -204,10 +204,15 @@ def _get_rows_back(node, srcs, _enums=None):
     ids_in_range(node, row_ids(node, b, flat=True), node.ne[1])
 
 
+@empty_sources_ok
 def _set_rows(node, srcs, enums):
     """SET_ROWS (ggml_set_rows / ggml_compute_forward_set_rows, ops.cpp): src0 rows written
     into src2 (the result is a view of it) at the ids (I64 or I32) of src1, converted with the
-    result type's from_float. src0 is F32 (F16 too since ggml 0.20)."""
+    result type's from_float. src0 is F32 (F16 too since ggml 0.20).
+
+    Empty sources are fine (`base.empty_sources_ok`; test-backend-ops sets 0 rows): the kernel
+    loops over src0's rows only, and ids without elements mean src0 has none (ids ne0 is src0's
+    ne1; their ne1, ne2 are checked > 0), so nothing is read or written."""
     b, c, a = need(node, srcs, 3)
     if node.ne != a.ne or node.nb != a.nb or node.type_name != a.type_name:
         fail(node, "result is not a view of src2")
