@@ -35,8 +35,15 @@ def _cont(g, ctx):
     return g.ggml_cont(ctx, a), [a]
 
 
+def _diag_mask_zero(g, ctx):
+    """Two 8 x 3 matrices in ne[2]."""
+    a = _in(g, ctx, "F32", 8, 3, 2)
+    return g.ggml_diag_mask_zero(ctx, a, 1), [a]
+
+
 # Cases the child builds (module-level: the child imports them by name)
 CONT = Case("CONT", _cont)
+DIAG_MASK_ZERO = Case("DIAG_MASK_ZERO", _diag_mask_zero)
 HC_COMB = Case("DSV4_HC_COMB", _hc_comb)
 GROUP_NORM = Case("GROUP_NORM", _group_norm)
 SSM_SCAN_ONE_SEQ = Case("SSM_SCAN", _ssm_scan(n_seqs=1), data={6: _ints(2)})
@@ -97,6 +104,18 @@ def test_cont_into_another_type_is_refused(ggml):
     edits = [(-1, "type", 0, "Q8_0", None)] + [(-1, "nb", i, q8[i], np.int64) for i in range(4)]
     log = _in_child("CONT", edits, "CONT")
     assert "keeps its type" in log
+
+
+def test_diag_mask_matrices_not_packed_are_refused(ggml):
+    """Found by the fuzz campaign (tests/fuzz/reproducers/diag_mask_zero-sigsegv-*.json):
+    source and result laid out [8, 3, 1, 2] with nb [4, 32, 192, 96] are contiguous for
+    ggml_is_contiguous (a dimension of 1 has any stride) and fit their extents, but
+    ggml_compute_forward_diag_mask_f32 walks the ne[2]*ne[3] matrices as k * nb[2]: the
+    second one written 96 bytes past the result (past the buffer, in the campaign)."""
+    edits = [(w, f, i, v, np.int64) for w in (0, -1) for f, i, v in
+             (("ne", 2, 1), ("ne", 3, 2), ("nb", 2, 192), ("nb", 3, 96))]
+    log = _in_child("DIAG_MASK_ZERO", edits, "DIAG_MASK_ZERO")
+    assert "nb[2]" in log
 
 
 # --- class 1: empty auxiliary sources the kernel indexes by other tensors' shapes ------------

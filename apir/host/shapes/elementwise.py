@@ -233,6 +233,11 @@ def _diag_mask(node, srcs, _enums=None):
         fail(node, "F32 only")
     if not (a.contiguous() and node.contiguous()):
         fail(node, "not contiguous")
+    # contiguous() lets a dimension of 1 have any stride, but the kernel writes the result's
+    # ne[2]*ne[3] matrices at k * nb[2], also when ne[2] is 1 (found by the fuzz campaign)
+    matrix = node.type_size * node.ne[0] * node.ne[1]
+    if node.ne[2] * node.ne[3] > 1 and node.nb[2] != matrix:
+        fail(node, f"nb[2] {node.nb[2]} is not the {matrix}-byte matrix its ne[2]*ne[3] matrices are walked by")
     if param_i32(node, 0) < 0:
         fail(node, f"n_past {param_i32(node, 0)} < 0")
 
