@@ -139,11 +139,12 @@ def test_spins_for_scales_with_time():
     short, long = atomics.spins_for(10e-6), atomics.spins_for(10e-3)
     assert 1 <= short < long
     assert atomics.spins_for(0) == 1
-    # the measured rate holds: a spin of spins_for(2 ms) on a zero word takes about that long
+    # the spin really spins on a zero word: spins_for(2 ms) does not return at once. No upper
+    # bound: a loaded machine may stall us for any time (speed belongs to benchmarks/).
     probe = atomics.Word(np.zeros(8, np.uint8), 0)
     t0 = time.perf_counter()
     probe.spin_until_nonzero(atomics.spins_for(2e-3))
-    assert 0.2e-3 < time.perf_counter() - t0 < 0.2  # loose: a shared machine may stall us
+    assert time.perf_counter() - t0 > 0.2e-3
 
 
 def test_nonzero_u32_callback_reads_the_word_like_its_twin():
