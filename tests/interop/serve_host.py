@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
+    from apir.codec.constants import CONFIG_KEY_MAX_BLOBS
     from apir.host.c_library import c_library_factory
     from apir.host.component import HostContext
     from apir.host.local_server import LocalServer
@@ -44,6 +45,12 @@ def main(argv=None) -> int:
         config["ggml.library.reg"] = args.ggml_reg
     if args.n_threads:
         config["apir.host.n_threads"] = str(args.n_threads)
+    # ggml's C guest (0.20) never destroys the blob of a host-memory buffer it frees
+    # (docs/interop.md), so one test-backend-ops process holds about two blobs per case: the
+    # default of 1024 blobs per context (apir.host.limits) ended MUL_MAT_ID's 872 cases after
+    # 511, when CREATE_BLOB failed and the C guest aborted. A quarter of Linux's default
+    # vm.max_map_count (one host mapping per blob) leaves room for every op's cases.
+    config.setdefault(CONFIG_KEY_MAX_BLOBS, "16384")
 
     def context_factory(ctx_id, capset_id, cfg):
         return HostContext(ctx_id, cfg, capset_id=capset_id, library_factory=c_library_factory)
