@@ -203,23 +203,34 @@ class PythonBackendLibrary:
         if why is not None:
             log.warning("ctx %d: no buffer of %d bytes: %s", ctx_id, size, why)
             return 0
-        ptr = make()
+        try:
+            ptr = make()
+        except BaseException:
+            self.budget.give(charge)
+            raise
         if not ptr:
             self.budget.give(charge)
             log.warning("ctx %d: ggml made no buffer of %d bytes", ctx_id, size)
             return 0
-        actual = buffer_charge(self.g.ggml_backend_buffer_get_size(ptr), align)
-        if actual > charge:
-            why = self.budget.grow(actual - charge)
-            if why is not None:
-                self.g.ggml_backend_buffer_free(ptr)
-                self.budget.give(charge)
-                log.warning("ctx %d: no buffer of %d bytes: %s", ctx_id, size, why)
-                return 0
-            charge = actual
-        if res_id is None:
-            self.g.ggml_backend_buffer_clear(ptr, 0)
-        return self._add_buffer(ptr, res_id, charge)
+        try:
+            actual = buffer_charge(self.g.ggml_backend_buffer_get_size(ptr), align)
+            if actual > charge:
+                why = self.budget.grow(actual - charge)
+                if why is not None:
+                    log.warning("ctx %d: no buffer of %d bytes: %s", ctx_id, size, why)
+                    self.g.ggml_backend_buffer_free(ptr)
+                    self.budget.give(charge)
+                    return 0
+                charge = actual
+            if res_id is None:
+                self.g.ggml_backend_buffer_clear(ptr, 0)
+            return self._add_buffer(ptr, res_id, charge)
+        except BaseException:
+            # a refusal while registering (e.g. no virtual base left) frees what was made, so
+            # neither the ggml buffer nor its charge outlives the failed command
+            self.g.ggml_backend_buffer_free(ptr)
+            self.budget.give(charge)
+            raise
 
     def _add_buffer(self, ptr: int, res_id: Optional[int], charge: int) -> int:
         """Registers a ggml buffer this context now owns; returns its id."""

@@ -12,6 +12,7 @@ import pytest
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.host import HostContext
+from apir.host.errors import Refused
 from tests.host.hostkit import DATA_RES, Guest, GgmlScratch, rpc_bytes, rpc_record
 
 SECRET = b"secret!\x00" * 2048  # 16 KiB
@@ -121,6 +122,29 @@ def test_size_zero_buffers_are_counted(ggml, host_memory):
     _serves(g)
     _free(g, handles[0])
     assert _alloc(g, 0)
+    g.close()
+
+
+def test_a_buffer_refused_while_registered_gives_its_charge_back(ggml, host_memory):
+    """A refusal after ggml made the buffer (here: no virtual base left) frees the buffer and
+    refunds its charge, so the budget does not shrink with each such command."""
+    g = Guest(HostContext(49, {"apir.host.buffer_budget": str(64 << 10)}))
+    assert _alloc(g, 0)  # the library is up; one buffer held
+    lib = g.ctx._library
+    held = lib.budget.bytes
+
+    def no_room(size, align):
+        raise Refused("no virtual address space left")
+
+    lib.vspace.reserve = no_room
+    buft = g.buffer_type()
+    for _ in range(3):
+        rc, _ = g.forward(Cmd.BUFFER_TYPE_ALLOC_BUFFER, lambda e: (e.handle(buft), e.size_t(32 << 10)))
+        assert rc != 0  # refused
+    assert lib.budget.bytes == held
+    del lib.vspace.reserve
+    assert _alloc(g, 32 << 10)  # 32 KiB still fits the 64 KiB budget
+    _serves(g)
     g.close()
 
 
