@@ -37,9 +37,21 @@ from apir.codec.constants import (
 )
 from apir.socket_path import SocketPathError, check_connect, check_listen, check_syntax
 
-__all__ = ["main", "build_parser", "SUBCOMMAND_MODULES", "host_config_from_args", "add_host_config_arguments",
-           "add_device_arguments", "device_from_args", "UsageError", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE",
-           "socket_arg", "node_arg"]
+__all__ = [
+    "main",
+    "build_parser",
+    "SUBCOMMAND_MODULES",
+    "host_config_from_args",
+    "add_host_config_arguments",
+    "add_device_arguments",
+    "device_from_args",
+    "UsageError",
+    "EXIT_OK",
+    "EXIT_ERROR",
+    "EXIT_USAGE",
+    "socket_arg",
+    "node_arg",
+]
 
 log = logging.getLogger("apir.cli")  # its module name, also when run as `python -m apir.cli`
 
@@ -77,17 +89,28 @@ def node_arg(value: str) -> str:
 def add_host_config_arguments(parser: argparse.ArgumentParser) -> None:
     """The HostContext configuration options (for `host serve` and an embedded host)."""
     group = parser.add_argument_group("host configuration")
-    group.add_argument("--ggml-library", metavar="PATH",
-                       help=f"ggml backend library the host loads ({CONFIG_KEY_GGML_LIBRARY_PATH}; default: "
-                            f"${ENV_GGML_LIBRARY_PATH}, the C host's variable, else the CPU device of "
-                            "the ggml apir loads)")
-    group.add_argument("--ggml-reg", metavar="SYMBOL",
-                       help=f"its registration symbol ({CONFIG_KEY_GGML_LIBRARY_REG}; "
-                            "default ggml_backend_init)")
-    group.add_argument("--backend-library", metavar="PATH",
-                       help=f"APIR backend library ({CONFIG_KEY_LOAD_LIBRARY_PATH})")
-    group.add_argument("--config", metavar="KEY=VALUE", action="append", default=[],
-                       help="any other HostContext configuration key (repeatable)")
+    group.add_argument(
+        "--ggml-library",
+        metavar="PATH",
+        help=f"ggml backend library the host loads ({CONFIG_KEY_GGML_LIBRARY_PATH}; default: "
+        f"${ENV_GGML_LIBRARY_PATH}, the C host's variable, else the CPU device of "
+        "the ggml apir loads)",
+    )
+    group.add_argument(
+        "--ggml-reg",
+        metavar="SYMBOL",
+        help=f"its registration symbol ({CONFIG_KEY_GGML_LIBRARY_REG}; default ggml_backend_init)",
+    )
+    group.add_argument(
+        "--backend-library", metavar="PATH", help=f"APIR backend library ({CONFIG_KEY_LOAD_LIBRARY_PATH})"
+    )
+    group.add_argument(
+        "--config",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="any other HostContext configuration key (repeatable)",
+    )
 
 
 def host_config_from_args(args: argparse.Namespace) -> Optional[dict]:
@@ -99,9 +122,11 @@ def host_config_from_args(args: argparse.Namespace) -> Optional[dict]:
         if not sep or not key:
             raise UsageError(f"--config expects KEY=VALUE, got {item!r}")
         config[key] = value
-    for key, value in ((CONFIG_KEY_GGML_LIBRARY_PATH, args.ggml_library),
-                       (CONFIG_KEY_GGML_LIBRARY_REG, args.ggml_reg),
-                       (CONFIG_KEY_LOAD_LIBRARY_PATH, args.backend_library)):
+    for key, value in (
+        (CONFIG_KEY_GGML_LIBRARY_PATH, args.ggml_library),
+        (CONFIG_KEY_GGML_LIBRARY_REG, args.ggml_reg),
+        (CONFIG_KEY_LOAD_LIBRARY_PATH, args.backend_library),
+    ):
         if value:
             config[key] = value
     return config or None
@@ -111,8 +136,9 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     """--socket / --drm (neither: an embedded host) plus the embedded host's configuration."""
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--socket", metavar="PATH", type=socket_arg, help="talk to `apir host serve` at this socket")
-    where.add_argument("--drm", metavar="NODE", type=node_arg,
-                       help="talk to a virtio-gpu render node (/dev/dri/renderD128)")
+    where.add_argument(
+        "--drm", metavar="NODE", type=node_arg, help="talk to a virtio-gpu render node (/dev/dri/renderD128)"
+    )
     add_host_config_arguments(parser)
 
 
@@ -130,9 +156,12 @@ def device_from_args(args: argparse.Namespace) -> tuple[Optional[str], Optional[
 
 def add_trace_argument(parser: argparse.ArgumentParser) -> None:
     """--trace FILE for a command that can run its host in this process (the embedded device)."""
-    parser.add_argument("--trace", metavar="FILE",
-                        help="record each command the embedded host serves to FILE (`apir trace FILE` prints it; "
-                             "a socket host traces with `apir host serve --trace`)")
+    parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="record each command the embedded host serves to FILE (`apir trace FILE` prints it; "
+        "a socket host traces with `apir host serve --trace`)",
+    )
 
 
 def embedded_trace(args: argparse.Namespace, spec: Optional[str]):
@@ -146,8 +175,10 @@ def embedded_trace(args: argparse.Namespace, spec: Optional[str]):
     from apir.host.trace import CommandTrace, traced_context_factory
 
     if parse_spec(spec).kind != "embedded":
-        raise UsageError("--trace records a host this process runs (the embedded one); for a socket host "
-                         "give --trace to `apir host serve`")
+        raise UsageError(
+            "--trace records a host this process runs (the embedded one); for a socket host "
+            "give --trace to `apir host serve`"
+        )
     trace = CommandTrace(args.trace)
     return trace, {"context_factory": traced_context_factory(default_context_factory, trace)}
 
@@ -163,9 +194,14 @@ def run_host_serve(args: argparse.Namespace) -> int:
     trace = CommandTrace(args.trace) if args.trace else None
     factory = traced_context_factory(default_context_factory, trace) if trace else default_context_factory
     try:
-        server = LocalServer(args.socket, config=config, context_factory=factory,
-                             max_context_bytes=args.max_context_mib << 20, socket_mode=args.socket_mode,
-                             stat_host_wide=args.stat_host_wide)
+        server = LocalServer(
+            args.socket,
+            config=config,
+            context_factory=factory,
+            max_context_bytes=args.max_context_mib << 20,
+            socket_mode=args.socket_mode,
+            stat_host_wide=args.stat_host_wide,
+        )
     except BaseException:
         if trace:
             trace.close()
@@ -318,31 +354,50 @@ def add_parser(subparsers, parents) -> None:
     """This module's commands: `host serve` and `info`."""
     host = subparsers.add_parser("host", help="run the host side")
     host_sub = host.add_subparsers(dest="host_command", metavar="COMMAND", required=True)
-    serve = host_sub.add_parser("serve", parents=parents,
-                                help="serve guests on a Unix socket (kernel driver + hypervisor stand-in)")
+    serve = host_sub.add_parser(
+        "serve", parents=parents, help="serve guests on a Unix socket (kernel driver + hypervisor stand-in)"
+    )
     serve.add_argument("--socket", metavar="PATH", type=socket_arg, required=True, help="Unix socket to listen on")
-    serve.add_argument("--trace", metavar="FILE",
-                       help="record each command (type, backend function, sizes, status, host time; "
-                            "no tensor data) to FILE as JSON lines; `apir trace FILE` prints it")
-    serve.add_argument("--max-context-mib", type=int, default=1 << 16, metavar="MIB",
-                       help="shared memory limit of one guest context (default %(default)s MiB)")
-    serve.add_argument("--socket-mode", type=_octal_mode, default=0o600, metavar="OCTAL",
-                       help="permission bits of the socket file, whatever the umask (default 0600)")
-    serve.add_argument("--stat-host-wide", action="store_true",
-                       help="STAT answers any guest with counts over all guests (tests, debugging; "
-                            "default: each guest's own)")
+    serve.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="record each command (type, backend function, sizes, status, host time; "
+        "no tensor data) to FILE as JSON lines; `apir trace FILE` prints it",
+    )
+    serve.add_argument(
+        "--max-context-mib",
+        type=int,
+        default=1 << 16,
+        metavar="MIB",
+        help="shared memory limit of one guest context (default %(default)s MiB)",
+    )
+    serve.add_argument(
+        "--socket-mode",
+        type=_octal_mode,
+        default=0o600,
+        metavar="OCTAL",
+        help="permission bits of the socket file, whatever the umask (default 0600)",
+    )
+    serve.add_argument(
+        "--stat-host-wide",
+        action="store_true",
+        help="STAT answers any guest with counts over all guests (tests, debugging; default: each guest's own)",
+    )
     add_host_config_arguments(serve)
     serve.set_defaults(run=run_host_serve)
 
-    trace = subparsers.add_parser("trace", parents=parents,
-                                  help="print a command trace (`apir host serve --trace FILE`) and its "
-                                       "per-function summary")
+    trace = subparsers.add_parser(
+        "trace",
+        parents=parents,
+        help="print a command trace (`apir host serve --trace FILE`) and its per-function summary",
+    )
     trace.add_argument("file", metavar="FILE", help="the trace file")
     trace.add_argument("--summary", action="store_true", help="only the per-function summary")
     trace.set_defaults(run=run_trace)
 
-    info = subparsers.add_parser("info", parents=parents,
-                                 help="HandShake with a host and describe its device and buffer type")
+    info = subparsers.add_parser(
+        "info", parents=parents, help="HandShake with a host and describe its device and buffer type"
+    )
     add_device_arguments(info)
     add_trace_argument(info)
     info.add_argument("--json", action="store_true", help="print JSON")
@@ -351,14 +406,20 @@ def add_parser(subparsers, parents) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", choices=_LOG_LEVELS, default=argparse.SUPPRESS,
-                        help="logging level (default warning)")
+    common.add_argument(
+        "--log-level", choices=_LOG_LEVELS, default=argparse.SUPPRESS, help="logging level (default warning)"
+    )
     parser = argparse.ArgumentParser(
-        prog="apir", parents=[common], description="API Remoting (APIR) for ggml, in Python.",
-        epilog="Exit status: 0 success, 1 runtime error, 2 bad usage. Environment variables: "
-               "docs/environment.md.")
-    parser.add_argument("--version", action="version",
-                        version=f"apir {__version__} (APIR protocol {APIR_PROTOCOL_MAJOR}.{APIR_PROTOCOL_MINOR})")
+        prog="apir",
+        parents=[common],
+        description="API Remoting (APIR) for ggml, in Python.",
+        epilog="Exit status: 0 success, 1 runtime error, 2 bad usage. Environment variables: docs/environment.md.",
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"apir {__version__} (APIR protocol {APIR_PROTOCOL_MAJOR}.{APIR_PROTOCOL_MINOR})",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in SUBCOMMAND_MODULES:
         module = sys.modules[__name__] if name == __name__ else importlib.import_module(name)
@@ -371,8 +432,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     level = getattr(args, "log_level", None) or os.environ.get(ENV_LOG_LEVEL) or "warning"
     if level.lower() not in _LOG_LEVELS:
-        print(f"apir: error: ${ENV_LOG_LEVEL}={level!r}: expected one of {', '.join(_LOG_LEVELS)}",
-              file=sys.stderr)
+        print(f"apir: error: ${ENV_LOG_LEVEL}={level!r}: expected one of {', '.join(_LOG_LEVELS)}", file=sys.stderr)
         return EXIT_USAGE
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

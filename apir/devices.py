@@ -85,8 +85,9 @@ class DeviceSpec:
 _SCHEMES: Dict[str, DeviceScheme] = {}
 
 
-def register_device(scheme: str, kind: str, opener: DeviceOpener, *, argument: Optional[bool],
-                    where: Callable[[Optional[str]], str]) -> None:
+def register_device(
+    scheme: str, kind: str, opener: DeviceOpener, *, argument: Optional[bool], where: Callable[[Optional[str]], str]
+) -> None:
     """Adds the device scheme `scheme` (``vhost-user``, ...): `opener(argument, config,
     options)` returns an open `VirtgpuDevice` or raises `apir.guest.errors.DeviceError`.
     Raises ValueError when the scheme is taken."""
@@ -136,8 +137,9 @@ def open_device(spec: Optional[str] = None, config: Optional[dict] = None, **opt
     return parsed.scheme.opener(parsed.argument, config, options)
 
 
-def open_client(spec: Optional[str] = None, config: Optional[dict] = None,
-                device_options: Optional[dict] = None, **client_options):
+def open_client(
+    spec: Optional[str] = None, config: Optional[dict] = None, device_options: Optional[dict] = None, **client_options
+):
     """`ApirClient.connect(open_device(spec, config, **device_options))`: the device, its
     Remote, HandShake and LoadLibrary done. `client_options` go to `ApirClient.connect`
     (timeouts, limits, Remote options). Raises what open_device and ApirClient.connect raise."""
@@ -172,8 +174,6 @@ def _open_drm(argument: Optional[str], config: Optional[dict], options: dict) ->
     return DrmDevice(argument, **options)
 
 
-register_device("embedded", "embedded", _open_embedded, argument=False,
-                where=lambda _: "embedded host in this process")
+register_device("embedded", "embedded", _open_embedded, argument=False, where=lambda _: "embedded host in this process")
 register_device("unix", "socket", _open_unix, argument=True, where=lambda path: f"host at {path}")
-register_device("drm", "drm", _open_drm, argument=None,
-                where=lambda node: f"virtio-gpu node {node or '(first found)'}")
+register_device("drm", "drm", _open_drm, argument=None, where=lambda node: f"virtio-gpu node {node or '(first found)'}")

@@ -20,6 +20,13 @@ from apir.codec.records import (
 from apir.codec.wire import Decoder, Encoder, EncoderOverflow, align4
 
 __all__ = list(_constants_all) + [
-    "Decoder", "Encoder", "EncoderOverflow", "align4",
-    "GgmlLimits", "rpc_tensor_dtype", "ggml_tensor_dtype", "RPC_TENSOR_DTYPE", "GGML_TENSOR_DTYPE",
+    "Decoder",
+    "Encoder",
+    "EncoderOverflow",
+    "align4",
+    "GgmlLimits",
+    "rpc_tensor_dtype",
+    "ggml_tensor_dtype",
+    "RPC_TENSOR_DTYPE",
+    "GGML_TENSOR_DTYPE",
 ]

@@ -27,12 +27,36 @@ from numba import types
 from numba.extending import intrinsic, overload, register_jitable
 
 __all__ = [
-    "jit", "load_u8", "load_u32", "load_i32", "load_i64", "store_u8", "store_u32", "store_i64",
-    "memmove", "memmove_kernel", "serialize_graph_kernel", "serialize_tensor_kernel", "parse_graph_kernel",
-    "TL_FIELDS", "RL_FIELDS", "LIM_FIELDS",
-    "SER_OUT_FULL", "SER_SET_FULL", "SER_NARROW", "SER_UNKNOWN_BUFFER", "SER_DATA_NO_BUFFER",
-    "PARSE_ZERO_ID", "PARSE_DUP_ID", "PARSE_BAD_TYPE", "PARSE_BAD_OP", "PARSE_NAME",
-    "PARSE_UNKNOWN_SRC", "PARSE_UNKNOWN_VIEW_SRC", "PARSE_UNKNOWN_NODE", "PARSE_CYCLE",
+    "jit",
+    "load_u8",
+    "load_u32",
+    "load_i32",
+    "load_i64",
+    "store_u8",
+    "store_u32",
+    "store_i64",
+    "memmove",
+    "memmove_kernel",
+    "serialize_graph_kernel",
+    "serialize_tensor_kernel",
+    "parse_graph_kernel",
+    "TL_FIELDS",
+    "RL_FIELDS",
+    "LIM_FIELDS",
+    "SER_OUT_FULL",
+    "SER_SET_FULL",
+    "SER_NARROW",
+    "SER_UNKNOWN_BUFFER",
+    "SER_DATA_NO_BUFFER",
+    "PARSE_ZERO_ID",
+    "PARSE_DUP_ID",
+    "PARSE_BAD_TYPE",
+    "PARSE_BAD_OP",
+    "PARSE_NAME",
+    "PARSE_UNKNOWN_SRC",
+    "PARSE_UNKNOWN_VIEW_SRC",
+    "PARSE_UNKNOWN_NODE",
+    "PARSE_CYCLE",
 ]
 
 
@@ -47,6 +71,7 @@ helper = register_jitable
 
 
 # --- raw memory: Python twins (ctypes) and their jitted intrinsics ------------------------------
+
 
 def load_u8(addr):
     return ctypes.c_uint8.from_address(int(addr)).value
@@ -202,14 +227,27 @@ def memmove_kernel(dst, src, size):
 # --- layout tables passed to the kernels ----------------------------------------------------------
 # Byte offsets of ggml_tensor (tl) and apir_rpc_tensor (rl) fields, in this order; rl has two
 # more entries: the record size and the `padding` offset. lim holds ggml's GGML_MAX_* sizes.
-TL_FIELDS = ("type", "buffer", "ne", "nb", "op", "op_params", "flags", "src", "view_src",
-             "view_offs", "data", "name")
+TL_FIELDS = ("type", "buffer", "ne", "nb", "op", "op_params", "flags", "src", "view_src", "view_offs", "data", "name")
 RL_FIELDS = ("id",) + TL_FIELDS + ("padding",)
 LIM_FIELDS = ("max_dims", "max_src", "n_op_params", "max_name")
-(T_TYPE, T_BUFFER, T_NE, T_NB, T_OP, T_OP_PARAMS, T_FLAGS, T_SRC, T_VIEW_SRC, T_VIEW_OFFS,
- T_DATA, T_NAME) = range(12)
-(R_ID, R_TYPE, R_BUFFER, R_NE, R_NB, R_OP, R_OP_PARAMS, R_FLAGS, R_SRC, R_VIEW_SRC, R_VIEW_OFFS,
- R_DATA, R_NAME, R_PADDING, R_SIZE) = range(15)
+(T_TYPE, T_BUFFER, T_NE, T_NB, T_OP, T_OP_PARAMS, T_FLAGS, T_SRC, T_VIEW_SRC, T_VIEW_OFFS, T_DATA, T_NAME) = range(12)
+(
+    R_ID,
+    R_TYPE,
+    R_BUFFER,
+    R_NE,
+    R_NB,
+    R_OP,
+    R_OP_PARAMS,
+    R_FLAGS,
+    R_SRC,
+    R_VIEW_SRC,
+    R_VIEW_OFFS,
+    R_DATA,
+    R_NAME,
+    R_PADDING,
+    R_SIZE,
+) = range(15)
 L_MAX_DIMS, L_MAX_SRC, L_N_OP_PARAMS, L_MAX_NAME = range(4)
 
 # --- serializer (guest): ggml_cgraph in memory -> wire bytes ---------------------------------------
@@ -325,8 +363,22 @@ def serialize_tensor_kernel(t, dst, tl, rl, lim, buf_ptrs, buf_handles, buf_base
 
 
 @jit
-def serialize_graph_kernel(nodes_addr, n_nodes, tl, rl, lim, buf_ptrs, buf_handles, buf_bases,
-                           out_addr, out_size, set_keys, stack_t, stack_k, info):
+def serialize_graph_kernel(
+    nodes_addr,
+    n_nodes,
+    tl,
+    rl,
+    lim,
+    buf_ptrs,
+    buf_handles,
+    buf_bases,
+    out_addr,
+    out_size,
+    set_keys,
+    stack_t,
+    stack_k,
+    info,
+):
     """Serializes the cgraph whose node pointer array is at `nodes_addr` into `out_size`
     bytes at `out_addr`: ``u32 n_nodes | u64 ids[n_nodes] | u32 n_tensors | records``.
 
@@ -371,8 +423,9 @@ def serialize_graph_kernel(nodes_addr, n_nodes, tl, rl, lim, buf_ptrs, buf_handl
                 continue
             if n_tensors == cap_tensors:
                 return SER_OUT_FULL
-            err = _serialize_tensor(t, tensors_at + rec * n_tensors, tl, rl, lim,
-                                          buf_ptrs, buf_handles, buf_bases, info)
+            err = _serialize_tensor(
+                t, tensors_at + rec * n_tensors, tl, rl, lim, buf_ptrs, buf_handles, buf_bases, info
+            )
             if err != 0:
                 return err
             n_tensors += 1
@@ -407,9 +460,25 @@ def _map_find(keys, vals, key):
 
 
 @jit
-def parse_graph_kernel(addr, n_nodes, n_tensors, rl, lim, op_count, type_valid,
-                       node_index, src_index, view_src_index, order,
-                       map_keys, map_vals, state, stack_t, stack_k, info):
+def parse_graph_kernel(
+    addr,
+    n_nodes,
+    n_tensors,
+    rl,
+    lim,
+    op_count,
+    type_valid,
+    node_index,
+    src_index,
+    view_src_index,
+    order,
+    map_keys,
+    map_vals,
+    state,
+    stack_t,
+    stack_k,
+    info,
+):
     """Validates a graph at `addr` (a private copy: ids at addr + 4, records at
     addr + 8 + 8 * n_nodes, counts already checked against the size) and fills the index
     arrays. `map_keys` (zeroed, a power of two >= 2 * n_tensors) / `map_vals` map ids to

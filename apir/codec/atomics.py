@@ -106,9 +106,12 @@ def _store_release_intrinsic(typingctx, arr, offset, value):
 # and from starving a sibling hardware thread (which may run the thread being waited for).
 # (LLVM intrinsics, not inline asm: Numba's JIT has no asm parser.)
 _MACHINE = platform.machine().lower()
-_RELAX = ({"x86_64": ("llvm.x86.sse2.pause", None), "amd64": ("llvm.x86.sse2.pause", None),
-           "aarch64": ("llvm.aarch64.hint", 1), "arm64": ("llvm.aarch64.hint", 1)}  # 1: YIELD
-          .get(_MACHINE))
+_RELAX = {
+    "x86_64": ("llvm.x86.sse2.pause", None),
+    "amd64": ("llvm.x86.sse2.pause", None),
+    "aarch64": ("llvm.aarch64.hint", 1),
+    "arm64": ("llvm.aarch64.hint", 1),
+}.get(_MACHINE)  # 1: YIELD
 
 
 @intrinsic
@@ -260,9 +263,16 @@ class Word:
         """As `spin_until_nonzero_u32` (no GIL held while spinning)."""
         return int(_spin_until_nonzero(self.array, self.offset, max(int(spins), 1)))
 
-    def store_release_then_spin(self, value: int, other: "Word", spins: int, *,
-                                before: "Optional[Tuple[Word, int]]" = None, clear: bool = False,
-                                settle: int = 0) -> int:
+    def store_release_then_spin(
+        self,
+        value: int,
+        other: "Word",
+        spins: int,
+        *,
+        before: "Optional[Tuple[Word, int]]" = None,
+        clear: bool = False,
+        settle: int = 0,
+    ) -> int:
         """Stores `value` here (release; `before` = (word, value) is stored first), then up
         to `spins` acquire loads of `other`; its first non-zero value, or 0 (`clear`: a
         non-zero value seen is then reset to 0, a plain release store, not an exchange;
@@ -274,8 +284,21 @@ class Word:
         for v in (value, first_value):
             if not 0 <= v <= 0xFFFFFFFF:
                 raise ValueError(f"{v} does not fit in a u32")
-        return int(_store_then_spin(first.array, first.offset, first_value, self.array, self.offset, value,
-                                    other.array, other.offset, max(int(spins), 1), clear, max(int(settle), 0)))
+        return int(
+            _store_then_spin(
+                first.array,
+                first.offset,
+                first_value,
+                self.array,
+                self.offset,
+                value,
+                other.array,
+                other.offset,
+                max(int(spins), 1),
+                clear,
+                max(int(settle), 0),
+            )
+        )
 
 
 _nonzero_u32_cfunc = None
@@ -288,6 +311,7 @@ def nonzero_u32_callback() -> int:
     Numba's cache above)."""
     global _nonzero_u32_cfunc
     if _nonzero_u32_cfunc is None:
+
         @cfunc(types.boolean(types.voidptr), cache=True)
         def nonzero_u32(word):
             return _load_acquire_intrinsic(carray(word, 4, np.uint8), 0) != 0

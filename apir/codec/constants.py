@@ -91,6 +91,7 @@ def device_props_fields(version: Tuple[int, int]) -> Tuple[str, ...]:
     from 0.2 on (adds mmap_support)."""
     return _DEVICE_PROPS_0_1 if tuple(version) < APIR_PROTOCOL_0_2 else _DEVICE_PROPS_0_2
 
+
 # --- capsets (virtgpu.h, include/apir_hw.h) -----------------------------------------------------
 # VIRTGPU_DRM_CAPSET_VENUS (4), VIRTGPU_DRM_CAPSET_APIR (10): virtgpu vocabulary, declared in
 # apir.codec.virtgpu and re-exported here.

@@ -34,8 +34,15 @@ import numpy as np
 from apir.codec import _kernels as K
 from apir.codec.records import GGML_0_20_LIMITS, GgmlLimits, field_offset, rpc_tensor_dtype
 
-__all__ = ["BufferTable", "GraphError", "ParsedGraph", "serialize_graph", "parse_graph",
-           "rpc_tensor_from_ggml", "graph_size"]
+__all__ = [
+    "BufferTable",
+    "GraphError",
+    "ParsedGraph",
+    "serialize_graph",
+    "parse_graph",
+    "rpc_tensor_from_ggml",
+    "graph_size",
+]
 
 _U32 = struct.Struct("<I")
 
@@ -99,8 +106,7 @@ def _rpc_layout(limits: GgmlLimits):
     """(rl, lim, rpc dtype): the kernels' apir_rpc_tensor offsets and ggml sizes."""
     rpc = rpc_tensor_dtype(limits)
     rl = np.array([field_offset(rpc, f) for f in K.RL_FIELDS] + [rpc.itemsize], dtype=np.int64)
-    lim = np.array([limits.max_dims, limits.max_src, limits.max_op_params // 4, limits.max_name],
-                   dtype=np.int64)
+    lim = np.array([limits.max_dims, limits.max_src, limits.max_op_params // 4, limits.max_name], dtype=np.int64)
     return rl, lim, rpc
 
 
@@ -124,11 +130,13 @@ def _serialize_error(g, code: int, info: np.ndarray) -> ValueError:
     t = int(info[0])
     if code == K.SER_NARROW:
         field = "ne" if info[1] == 0 else "nb"
-        return ValueError(f"{_tensor_desc(g, t)}: {field}[{int(info[2])}] = {int(info[3]) & (2**64 - 1)} "
-                          f"does not fit the wire's u32")
+        return ValueError(
+            f"{_tensor_desc(g, t)}: {field}[{int(info[2])}] = {int(info[3]) & (2**64 - 1)} does not fit the wire's u32"
+        )
     if code == K.SER_UNKNOWN_BUFFER:
-        return ValueError(f"{_tensor_desc(g, t)}: buffer {int(info[1]) & (2**64 - 1):#x} is not a "
-                          f"registered remote buffer")
+        return ValueError(
+            f"{_tensor_desc(g, t)}: buffer {int(info[1]) & (2**64 - 1):#x} is not a registered remote buffer"
+        )
     if code == K.SER_DATA_NO_BUFFER:
         return ValueError(f"{_tensor_desc(g, t)}: has data {int(info[1]) & (2**64 - 1):#x} but no buffer")
     return ValueError(f"graph serialization failed with code {code}")  # pragma: no cover
@@ -162,8 +170,22 @@ def serialize_graph(g, cgraph_addr: int, buffers: BufferTable, *, _kernel=None) 
         keys = np.zeros(set_cap, dtype=np.int64)
         stack_t = np.empty(set_cap, dtype=np.int64)
         stack_k = np.empty(set_cap, dtype=np.int64)
-        n = kernel(nodes_addr, n_nodes, tl, rl, lim, ptrs, handles, bases,
-                   out.ctypes.data, out_size, keys, stack_t, stack_k, info)
+        n = kernel(
+            nodes_addr,
+            n_nodes,
+            tl,
+            rl,
+            lim,
+            ptrs,
+            handles,
+            bases,
+            out.ctypes.data,
+            out_size,
+            keys,
+            stack_t,
+            stack_k,
+            info,
+        )
         if n >= 0:
             return out[:n]
         if n == K.SER_OUT_FULL:
@@ -247,8 +269,16 @@ def _parse_error(code: int, info: np.ndarray, tensors: np.ndarray) -> GraphError
     return GraphError(f"graph parse failed with code {code}")  # pragma: no cover
 
 
-def parse_graph(buf, start: int = 0, end: Optional[int] = None, *, limits: GgmlLimits = GGML_0_20_LIMITS,
-                op_count: int, type_valid: np.ndarray, _kernel=None) -> ParsedGraph:
+def parse_graph(
+    buf,
+    start: int = 0,
+    end: Optional[int] = None,
+    *,
+    limits: GgmlLimits = GGML_0_20_LIMITS,
+    op_count: int,
+    type_valid: np.ndarray,
+    _kernel=None,
+) -> ParsedGraph:
     """Validates the graph in ``buf[start:end]`` (any readable buffer; typically the guest's
     shared memory) and returns a `ParsedGraph`. The host's side of `apir_decode_ggml_cgraph`.
 
@@ -269,11 +299,11 @@ def parse_graph(buf, start: int = 0, end: Optional[int] = None, *, limits: GgmlL
     rpc = rpc_tensor_dtype(limits)
     if size < 4:
         raise GraphError(f"graph of {size} bytes: no room for n_nodes")
-    n_nodes = _U32.unpack(view[start:start + 4])[0]
+    n_nodes = _U32.unpack(view[start : start + 4])[0]
     need = 4 + 8 * n_nodes + 4
     if need > size:
         raise GraphError(f"n_nodes = {n_nodes} needs {need} bytes, the graph has {size}")
-    n_tensors = _U32.unpack(view[start + need - 4:start + need])[0]
+    n_tensors = _U32.unpack(view[start + need - 4 : start + need])[0]
     need += rpc.itemsize * n_tensors
     if need > size:
         raise GraphError(f"n_tensors = {n_tensors} needs {need} bytes, the graph has {size}")
@@ -297,11 +327,26 @@ def parse_graph(buf, start: int = 0, end: Optional[int] = None, *, limits: GgmlL
     info = np.zeros(4, dtype=np.int64)
     type_valid = np.ascontiguousarray(type_valid, dtype=np.bool_)
     tensors = np.frombuffer(data, dtype=rpc, count=n_tensors, offset=8 + 8 * n_nodes)
-    err = kernel(data.ctypes.data, n_nodes, n_tensors, rl, lim, int(op_count), type_valid,
-                 node_index, src_index, view_src_index, order,
-                 map_keys, map_vals, state, stack_t, stack_k, info)
+    err = kernel(
+        data.ctypes.data,
+        n_nodes,
+        n_tensors,
+        rl,
+        lim,
+        int(op_count),
+        type_valid,
+        node_index,
+        src_index,
+        view_src_index,
+        order,
+        map_keys,
+        map_vals,
+        state,
+        stack_t,
+        stack_k,
+        info,
+    )
     if err != 0:
         raise _parse_error(err, info, tensors)
     node_ids = np.frombuffer(data, dtype="<u8", count=n_nodes, offset=4).copy()
     return ParsedGraph(node_ids, tensors, order, node_index, src_index, view_src_index, need)
-

@@ -66,49 +66,52 @@ def _build(fields, total_align: int = 8) -> np.dtype:
         formats.append(fmt if count == 1 else (fmt, (count,)))
         offsets.append(off)
         off += np.dtype(fmt).itemsize * count
-    return np.dtype({"names": names, "formats": formats, "offsets": offsets,
-                     "itemsize": _align(off, total_align)})
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": _align(off, total_align)})
 
 
 def rpc_tensor_dtype(limits: GgmlLimits = GGML_0_20_LIMITS) -> np.dtype:
     """`struct apir_rpc_tensor` for ggml built with `limits` (304 bytes for 0.20.2)."""
-    return _build([
-        ("id", "<u8", 1, 8),
-        ("type", "<u4", 1, 4),
-        ("buffer", "<u8", 1, 8),
-        ("ne", "<u4", limits.max_dims, 4),
-        ("nb", "<u4", limits.max_dims, 4),
-        ("op", "<u4", 1, 4),
-        ("op_params", "<i4", limits.max_op_params // 4, 4),
-        ("flags", "<i4", 1, 4),
-        ("src", "<u8", limits.max_src, 8),
-        ("view_src", "<u8", 1, 8),
-        ("view_offs", "<u8", 1, 8),
-        ("data", "<u8", 1, 8),
-        ("name", "S1", limits.max_name, 1),
-        ("padding", "S1", 4, 1),
-    ])
+    return _build(
+        [
+            ("id", "<u8", 1, 8),
+            ("type", "<u4", 1, 4),
+            ("buffer", "<u8", 1, 8),
+            ("ne", "<u4", limits.max_dims, 4),
+            ("nb", "<u4", limits.max_dims, 4),
+            ("op", "<u4", 1, 4),
+            ("op_params", "<i4", limits.max_op_params // 4, 4),
+            ("flags", "<i4", 1, 4),
+            ("src", "<u8", limits.max_src, 8),
+            ("view_src", "<u8", 1, 8),
+            ("view_offs", "<u8", 1, 8),
+            ("data", "<u8", 1, 8),
+            ("name", "S1", limits.max_name, 1),
+            ("padding", "S1", 4, 1),
+        ]
+    )
 
 
 def ggml_tensor_dtype(limits: GgmlLimits = GGML_0_20_LIMITS) -> np.dtype:
     """`struct ggml_tensor` on a 64-bit little-endian host (336 bytes for 0.20.2).
     Pointers are u8 addresses."""
-    return _build([
-        ("type", "<u4", 1, 4),
-        ("buffer", "<u8", 1, 8),
-        ("ne", "<i8", limits.max_dims, 8),
-        ("nb", "<u8", limits.max_dims, 8),
-        ("op", "<u4", 1, 4),
-        ("op_params", "<i4", limits.max_op_params // 4, 4),
-        ("flags", "<i4", 1, 4),
-        ("src", "<u8", limits.max_src, 8),
-        ("view_src", "<u8", 1, 8),
-        ("view_offs", "<u8", 1, 8),
-        ("data", "<u8", 1, 8),
-        ("name", "S1", limits.max_name, 1),
-        ("extra", "<u8", 1, 8),
-        ("padding", "S1", 8, 1),
-    ])
+    return _build(
+        [
+            ("type", "<u4", 1, 4),
+            ("buffer", "<u8", 1, 8),
+            ("ne", "<i8", limits.max_dims, 8),
+            ("nb", "<u8", limits.max_dims, 8),
+            ("op", "<u4", 1, 4),
+            ("op_params", "<i4", limits.max_op_params // 4, 4),
+            ("flags", "<i4", 1, 4),
+            ("src", "<u8", limits.max_src, 8),
+            ("view_src", "<u8", 1, 8),
+            ("view_offs", "<u8", 1, 8),
+            ("data", "<u8", 1, 8),
+            ("name", "S1", limits.max_name, 1),
+            ("extra", "<u8", 1, 8),
+            ("padding", "S1", 8, 1),
+        ]
+    )
 
 
 RPC_TENSOR_DTYPE = rpc_tensor_dtype()

@@ -37,12 +37,24 @@ def dev_props_struct(g: Ggml) -> Type[ctypes.Structure]:
     `caps` holds one c_bool per field of that build's `ggml_backend_dev_caps`."""
     cls = _cache.get(id(g))
     if cls is None:
-        caps = type("GgmlBackendDevCaps", (ctypes.Structure,),
-                    {"_fields_": [(name, ctypes.c_bool) for name in _caps_fields(g)]})
-        cls = type("GgmlBackendDevProps", (ctypes.Structure,), {"_fields_": [
-            ("name", ctypes.c_char_p), ("description", ctypes.c_char_p),
-            ("memory_free", ctypes.c_size_t), ("memory_total", ctypes.c_size_t),
-            ("type", ctypes.c_int), ("device_id", ctypes.c_char_p), ("caps", caps)]})
+        caps = type(
+            "GgmlBackendDevCaps", (ctypes.Structure,), {"_fields_": [(name, ctypes.c_bool) for name in _caps_fields(g)]}
+        )
+        cls = type(
+            "GgmlBackendDevProps",
+            (ctypes.Structure,),
+            {
+                "_fields_": [
+                    ("name", ctypes.c_char_p),
+                    ("description", ctypes.c_char_p),
+                    ("memory_free", ctypes.c_size_t),
+                    ("memory_total", ctypes.c_size_t),
+                    ("type", ctypes.c_int),
+                    ("device_id", ctypes.c_char_p),
+                    ("caps", caps),
+                ]
+            },
+        )
         _cache[id(g)] = cls
     return cls
 

@@ -51,8 +51,12 @@ class ApirClient(DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
     `host_version` is (major, minor) once `handshake()` ran; `negotiated_version` the one
     version-dependent replies are read in."""
 
-    def __init__(self, remote: Remote, limits: GgmlLimits = GGML_0_20_LIMITS,
-                 protocol: Tuple[int, int] = (APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR)):
+    def __init__(
+        self,
+        remote: Remote,
+        limits: GgmlLimits = GGML_0_20_LIMITS,
+        protocol: Tuple[int, int] = (APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR),
+    ):
         self.remote = remote
         self.rpc_dtype = rpc_tensor_dtype(limits)
         self.tensor_dtype = ggml_tensor_dtype(limits)
@@ -68,10 +72,16 @@ class ApirClient(DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
         return negotiated_version(self.protocol, self.host_version)
 
     @classmethod
-    def connect(cls, device: VirtgpuDevice, *, limits: GgmlLimits = GGML_0_20_LIMITS,
-                handshake_timeout_s: Optional[float] = None, load_library_timeout_s: Optional[float] = None,
-                protocol: Tuple[int, int] = (APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR),
-                **remote_options) -> "ApirClient":
+    def connect(
+        cls,
+        device: VirtgpuDevice,
+        *,
+        limits: GgmlLimits = GGML_0_20_LIMITS,
+        handshake_timeout_s: Optional[float] = None,
+        load_library_timeout_s: Optional[float] = None,
+        protocol: Tuple[int, int] = (APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR),
+        **remote_options,
+    ) -> "ApirClient":
         """Remote(device, **remote_options) + HandShake (as APIR `protocol`) + LoadLibrary
         (the C `create_virtgpu`). The device is closed again if any step fails."""
         remote = Remote(device, **remote_options)
@@ -130,8 +140,13 @@ class ApirClient(DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
             raise error
 
     # --- Forward ---------------------------------------------------------------------------
-    def _forward(self, function: ApirBackendCommandType, encode_fn: Optional[Callable[[Encoder], None]],
-                 decode_fn: Optional[Callable[[Decoder], object]], timeout_s: Optional[float] = None):
+    def _forward(
+        self,
+        function: ApirBackendCommandType,
+        encode_fn: Optional[Callable[[Encoder], None]],
+        decode_fn: Optional[Callable[[Decoder], object]],
+        timeout_s: Optional[float] = None,
+    ):
         """One backend function call; returns decode_fn's result (None without one).
         Raises ForwardError subclasses, ReplyError, ApirTimeout."""
 

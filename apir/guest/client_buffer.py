@@ -60,7 +60,7 @@ class BufferCalls(ClientState):
         src = _bytes_view(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data, False)
         step = self.remote.data_size
         for start in range(0, src.size, step):
-            self._transfer(F.BUFFER_SET_TENSOR, buffer, rpc, offset + start, src[start:start + step], True)
+            self._transfer(F.BUFFER_SET_TENSOR, buffer, rpc, offset + start, src[start : start + step], True)
 
     def buffer_get_tensor(self, buffer: int, rpc_tensor, offset: int, out) -> None:
         """`apir_buffer_get_tensor`: fills the writable buffer `out` (bytearray, contiguous
@@ -71,7 +71,7 @@ class BufferCalls(ClientState):
         dst = _bytes_view(out, True)
         step = self.remote.data_size
         for start in range(0, dst.size, step):
-            self._transfer(F.BUFFER_GET_TENSOR, buffer, rpc, offset + start, dst[start:start + step], False)
+            self._transfer(F.BUFFER_GET_TENSOR, buffer, rpc, offset + start, dst[start : start + step], False)
 
     def buffer_cpy_tensor(self, buffer: int, src_rpc, dst_rpc) -> bool:
         """`apir_buffer_cpy_tensor`: copies tensor `src_rpc` into `dst_rpc` on the host;

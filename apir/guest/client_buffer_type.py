@@ -44,12 +44,15 @@ class BufferTypeCalls(ClientState):
     def buffer_type_alloc_buffer(self, buft: int, size: int) -> int:
         """`apir_buffer_type_alloc_buffer`: the new buffer's host handle (0 when the host
         could not allocate `size` bytes)."""
-        return self._buft_call(F.BUFFER_TYPE_ALLOC_BUFFER, buft, lambda dec: dec.handle(),
-                               lambda enc: enc.size_t(size))
+        return self._buft_call(F.BUFFER_TYPE_ALLOC_BUFFER, buft, lambda dec: dec.handle(), lambda enc: enc.size_t(size))
 
     def buffer_type_get_alloc_size(self, buft: int, tensor_addr: int, buffer_handle: int = 0) -> int:
         """`apir_buffer_type_get_alloc_size`: bytes the ggml_tensor at `tensor_addr` takes
         in a buffer of this type (the tensor travels inline, see client_tensor)."""
         dtype = self.tensor_dtype
-        return self._buft_call(F.BUFFER_TYPE_GET_ALLOC_SIZE, buft, lambda dec: dec.size_t(),
-                               lambda enc: encode_ggml_tensor_inline(enc, tensor_addr, buffer_handle, dtype))
+        return self._buft_call(
+            F.BUFFER_TYPE_GET_ALLOC_SIZE,
+            buft,
+            lambda dec: dec.size_t(),
+            lambda enc: encode_ggml_tensor_inline(enc, tensor_addr, buffer_handle, dtype),
+        )

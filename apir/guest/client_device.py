@@ -65,9 +65,11 @@ class DeviceCalls(ClientState):
         at `tensor_addr` (sent inline with its view_src and srcs; `buffer_handle` is its
         buffer's host handle, if it has a buffer). Raises ValueError (see client_tensor)."""
         dtype = self.tensor_dtype
-        return self._forward(F.DEVICE_SUPPORTS_OP,
-                             lambda enc: encode_ggml_tensor_inline(enc, tensor_addr, buffer_handle, dtype),
-                             lambda dec: dec.bool())
+        return self._forward(
+            F.DEVICE_SUPPORTS_OP,
+            lambda enc: encode_ggml_tensor_inline(enc, tensor_addr, buffer_handle, dtype),
+            lambda dec: dec.bool(),
+        )
 
     def device_get_buffer_type(self) -> int:
         """`apir_device_get_buffer_type`: the host handle of the device's buffer type."""

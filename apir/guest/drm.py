@@ -147,9 +147,11 @@ class DrmDevice:
             raise
 
     def _check_capabilities(self) -> None:
-        for param, what in ((VirtgpuParam.RESOURCE_BLOB, "blob resources (VIRTGPU_PARAM_RESOURCE_BLOB)"),
-                            (VirtgpuParam.HOST_VISIBLE, "host-visible blobs (VIRTGPU_PARAM_HOST_VISIBLE)"),
-                            (VirtgpuParam.CONTEXT_INIT, "context init (VIRTGPU_PARAM_CONTEXT_INIT)")):
+        for param, what in (
+            (VirtgpuParam.RESOURCE_BLOB, "blob resources (VIRTGPU_PARAM_RESOURCE_BLOB)"),
+            (VirtgpuParam.HOST_VISIBLE, "host-visible blobs (VIRTGPU_PARAM_HOST_VISIBLE)"),
+            (VirtgpuParam.CONTEXT_INIT, "context init (VIRTGPU_PARAM_CONTEXT_INIT)"),
+        ):
             if not self.get_param(param):
                 raise MissingCapability(self.name, what)
 
@@ -197,8 +199,9 @@ class DrmDevice:
     def create_blob(self, size: int) -> Blob:
         """RESOURCE_CREATE_BLOB (HOST3D, MAPPABLE) + MAP + mmap. On a MAP or mmap failure
         the GEM handle is closed before the error is raised."""
-        args = uapi.DrmVirtgpuResourceCreateBlob(blob_mem=VIRTGPU_BLOB_MEM_HOST3D,
-                                                 blob_flags=VIRTGPU_BLOB_FLAG_USE_MAPPABLE, size=size)
+        args = uapi.DrmVirtgpuResourceCreateBlob(
+            blob_mem=VIRTGPU_BLOB_MEM_HOST3D, blob_flags=VIRTGPU_BLOB_FLAG_USE_MAPPABLE, size=size
+        )
         self._ioctl(uapi.DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB, args)
         bo_handle, res_id = args.bo_handle, args.res_handle
         try:
@@ -231,13 +234,19 @@ class DrmDevice:
     def execbuffer(self, payload, ring_idx: int = 0) -> None:
         data = memoryview(payload).cast("B")
         command = (ctypes.c_char * len(data)).from_buffer_copy(data)
-        layouts = ([self._execbuffer_layout] if self._execbuffer_layout else
-                   [(uapi.DRM_IOCTL_VIRTGPU_EXECBUFFER, uapi.DrmVirtgpuExecbuffer),
-                    (uapi.DRM_IOCTL_VIRTGPU_EXECBUFFER_61, uapi.DrmVirtgpuExecbuffer61)])
+        layouts = (
+            [self._execbuffer_layout]
+            if self._execbuffer_layout
+            else [
+                (uapi.DRM_IOCTL_VIRTGPU_EXECBUFFER, uapi.DrmVirtgpuExecbuffer),
+                (uapi.DRM_IOCTL_VIRTGPU_EXECBUFFER_61, uapi.DrmVirtgpuExecbuffer61),
+            ]
+        )
         first_error: Optional[IoctlError] = None
         for request, structure in layouts:
-            args = structure(flags=VIRTGPU_EXECBUF_RING_IDX, size=len(data),
-                             command=ctypes.addressof(command), ring_idx=ring_idx)
+            args = structure(
+                flags=VIRTGPU_EXECBUF_RING_IDX, size=len(data), command=ctypes.addressof(command), ring_idx=ring_idx
+            )
             try:
                 self._ioctl(request, args)
             except IoctlError as exc:

@@ -28,14 +28,25 @@ import ctypes
 from apir.codec.virtgpu import IoctlName
 
 __all__ = [
-    "DrmVersion", "DrmGemClose",
-    "DrmVirtgpuGetparam", "DrmVirtgpuGetCaps", "DrmVirtgpuContextSetParam", "DrmVirtgpuContextInit",
-    "DrmVirtgpuResourceCreateBlob", "DrmVirtgpuMap", "DrmVirtgpuExecbuffer",
+    "DrmVersion",
+    "DrmGemClose",
+    "DrmVirtgpuGetparam",
+    "DrmVirtgpuGetCaps",
+    "DrmVirtgpuContextSetParam",
+    "DrmVirtgpuContextInit",
+    "DrmVirtgpuResourceCreateBlob",
+    "DrmVirtgpuMap",
+    "DrmVirtgpuExecbuffer",
     "DrmVirtgpuExecbuffer61",
-    "DRM_IOCTL_VERSION", "DRM_IOCTL_GEM_CLOSE",
-    "DRM_IOCTL_VIRTGPU_MAP", "DRM_IOCTL_VIRTGPU_EXECBUFFER", "DRM_IOCTL_VIRTGPU_EXECBUFFER_61",
-    "DRM_IOCTL_VIRTGPU_GETPARAM", "DRM_IOCTL_VIRTGPU_GET_CAPS",
-    "DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB", "DRM_IOCTL_VIRTGPU_CONTEXT_INIT",
+    "DRM_IOCTL_VERSION",
+    "DRM_IOCTL_GEM_CLOSE",
+    "DRM_IOCTL_VIRTGPU_MAP",
+    "DRM_IOCTL_VIRTGPU_EXECBUFFER",
+    "DRM_IOCTL_VIRTGPU_EXECBUFFER_61",
+    "DRM_IOCTL_VIRTGPU_GETPARAM",
+    "DRM_IOCTL_VIRTGPU_GET_CAPS",
+    "DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB",
+    "DRM_IOCTL_VIRTGPU_CONTEXT_INIT",
     "REQUEST_NAMES",
 ]
 
@@ -199,8 +210,9 @@ DRM_IOCTL_VIRTGPU_EXECBUFFER = DRM_IOWR(DRM_COMMAND_BASE + DRM_VIRTGPU_EXECBUFFE
 DRM_IOCTL_VIRTGPU_EXECBUFFER_61 = DRM_IOWR(DRM_COMMAND_BASE + DRM_VIRTGPU_EXECBUFFER, DrmVirtgpuExecbuffer61)
 DRM_IOCTL_VIRTGPU_GETPARAM = DRM_IOWR(DRM_COMMAND_BASE + DRM_VIRTGPU_GETPARAM, DrmVirtgpuGetparam)
 DRM_IOCTL_VIRTGPU_GET_CAPS = DRM_IOWR(DRM_COMMAND_BASE + DRM_VIRTGPU_GET_CAPS, DrmVirtgpuGetCaps)
-DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB = DRM_IOWR(DRM_COMMAND_BASE + DRM_VIRTGPU_RESOURCE_CREATE_BLOB,
-                                                  DrmVirtgpuResourceCreateBlob)
+DRM_IOCTL_VIRTGPU_RESOURCE_CREATE_BLOB = DRM_IOWR(
+    DRM_COMMAND_BASE + DRM_VIRTGPU_RESOURCE_CREATE_BLOB, DrmVirtgpuResourceCreateBlob
+)
 DRM_IOCTL_VIRTGPU_CONTEXT_INIT = DRM_IOWR(DRM_COMMAND_BASE + DRM_VIRTGPU_CONTEXT_INIT, DrmVirtgpuContextInit)
 
 # request number -> C name, for error messages and logs

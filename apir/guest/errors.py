@@ -30,15 +30,37 @@ from apir.codec.constants import (
 )
 
 __all__ = [
-    "ApirError", "DeviceError", "DeviceNotFound", "MissingCapability", "IoctlError",
-    "ApirTimeout", "HandshakeError", "ReplyError",
-    "LoadLibraryError", "LoadLibraryHypercallError", "LibraryAlreadyLoaded", "LoadLibraryConfigMissing",
-    "LoadLibraryCannotOpen", "LoadLibrarySymbolMissing",
-    "BackendInitializeError", "BackendCannotOpenBackendLibrary", "BackendCannotOpenGgmlLibrary",
-    "BackendMissingBackendSymbols", "BackendMissingGgmlSymbols", "BackendFailed", "BackendRegFailed",
-    "BackendAlreadyInited", "BackendNoDevice", "BackendInitFailed",
-    "ForwardError", "NoDispatchFunction", "HostForwardTimeout", "FailedToSyncStreams", "BackendFunctionError",
-    "load_library_error", "forward_error",
+    "ApirError",
+    "DeviceError",
+    "DeviceNotFound",
+    "MissingCapability",
+    "IoctlError",
+    "ApirTimeout",
+    "HandshakeError",
+    "ReplyError",
+    "LoadLibraryError",
+    "LoadLibraryHypercallError",
+    "LibraryAlreadyLoaded",
+    "LoadLibraryConfigMissing",
+    "LoadLibraryCannotOpen",
+    "LoadLibrarySymbolMissing",
+    "BackendInitializeError",
+    "BackendCannotOpenBackendLibrary",
+    "BackendCannotOpenGgmlLibrary",
+    "BackendMissingBackendSymbols",
+    "BackendMissingGgmlSymbols",
+    "BackendFailed",
+    "BackendRegFailed",
+    "BackendAlreadyInited",
+    "BackendNoDevice",
+    "BackendInitFailed",
+    "ForwardError",
+    "NoDispatchFunction",
+    "HostForwardTimeout",
+    "FailedToSyncStreams",
+    "BackendFunctionError",
+    "load_library_error",
+    "forward_error",
 ]
 
 
@@ -118,8 +140,10 @@ class LibraryAlreadyLoaded(LoadLibraryError):
 
 
 class LoadLibraryConfigMissing(LoadLibraryError):
-    reason = ("the hypervisor did not configure the backend library path "
-              "(apir.load_library.path / VIRGL_APIR_BACKEND_LIBRARY)")
+    reason = (
+        "the hypervisor did not configure the backend library path "
+        "(apir.load_library.path / VIRGL_APIR_BACKEND_LIBRARY)"
+    )
 
 
 class LoadLibraryCannotOpen(LoadLibraryError):

@@ -80,8 +80,7 @@ class LocalDevice:
     `HostConnectionLost` when the host goes away, `IoctlError` for a refused request.
     """
 
-    def __init__(self, path: str, connect_timeout_s: float = 5.0, io_timeout_s: float = 60.0,
-                 exec_wait_s: float = 2.0):
+    def __init__(self, path: str, connect_timeout_s: float = 5.0, io_timeout_s: float = 60.0, exec_wait_s: float = 2.0):
         self.path = os.fspath(path)
         self.node = self.name = f"local:{self.path}"
         self.io_timeout_s = io_timeout_s
@@ -107,16 +106,19 @@ class LocalDevice:
             if magic != HELLO_MAGIC or version != WIRE_VERSION or len(fds) != 1:
                 for fd in fds:
                     os.close(fd)
-                raise HostConnectionLost(f"{self.node}: not an apir host (magic {magic:#x}, "
-                                         f"wire version {version}, {len(fds)} fds)")
+                raise HostConnectionLost(
+                    f"{self.node}: not an apir host (magic {magic:#x}, wire version {version}, {len(fds)} fds)"
+                )
             self.fd = fds[0]
         except HostConnectionLost as exc:
             sock.close()
             if self._broken != _HOST_GONE:
                 raise
-            raise HostConnectionLost(f"{self.node}: the apir host closed the connection before "
-                                     "answering HELLO (it may be at its connection limit, "
-                                     "apir.local.max_connections: see its log)") from exc
+            raise HostConnectionLost(
+                f"{self.node}: the apir host closed the connection before "
+                "answering HELLO (it may be at its connection limit, "
+                "apir.local.max_connections: see its log)"
+            ) from exc
         except BaseException:
             sock.close()
             raise
@@ -203,7 +205,8 @@ class LocalDevice:
         """RESOURCE_CREATE_BLOB (HOST3D, MAPPABLE) + MAP + mmap of the shared file at the
         returned offset. The Blob's size is the host's (rounded to 16 KiB)."""
         res_id, bo_handle, real_size = self._call(
-            Op.CREATE_BLOB, VIRTGPU_BLOB_MEM_HOST3D, VIRTGPU_BLOB_FLAG_USE_MAPPABLE, size, 0)
+            Op.CREATE_BLOB, VIRTGPU_BLOB_MEM_HOST3D, VIRTGPU_BLOB_FLAG_USE_MAPPABLE, size, 0
+        )
         try:
             (offset,) = self._call(Op.MAP, bo_handle, 0)
             memory = map_shared(self.fd, real_size, offset)  # no descriptor per blob
@@ -226,8 +229,11 @@ class LocalDevice:
         try:
             blob.memory.close()
         except BufferError:
-            log.warning("%s: blob %d destroyed while a view of its memory is alive; unmapped "
-                        "when the view goes", self.node, blob.res_id)
+            log.warning(
+                "%s: blob %d destroyed while a view of its memory is alive; unmapped when the view goes",
+                self.node,
+                blob.res_id,
+            )
         self._call(Op.GEM_CLOSE, blob.bo_handle, 0)
 
     def execbuffer(self, payload, ring_idx: int = 0) -> None:

@@ -89,8 +89,9 @@ def select_capset(device: VirtgpuDevice, use_apir_capset: Optional[bool] = None)
         return VIRTGPU_DRM_CAPSET_APIR
     if mask == 0 or mask & (1 << VIRTGPU_DRM_CAPSET_VENUS):
         return VIRTGPU_DRM_CAPSET_VENUS
-    raise MissingCapability(getattr(device, "name", repr(device)), "capset 10 (APIR) or 4 (Venus)",
-                            f"offered capsets mask {mask:#x}")
+    raise MissingCapability(
+        getattr(device, "name", repr(device)), "capset 10 (APIR) or 4 (Venus)", f"offered capsets mask {mask:#x}"
+    )
 
 
 class Remote:
@@ -99,9 +100,14 @@ class Remote:
     `device`: a VirtgpuDevice, owned from now on (closed by `close`, or when this
     constructor fails). Raises MissingCapability (capset), DeviceError (context, blobs)."""
 
-    def __init__(self, device: VirtgpuDevice, *, data_size: int = SHMEM_DATA_SIZE,
-                 use_apir_capset: Optional[bool] = None,
-                 forward_timeout_s: float = DEFAULT_FORWARD_TIMEOUT_S):
+    def __init__(
+        self,
+        device: VirtgpuDevice,
+        *,
+        data_size: int = SHMEM_DATA_SIZE,
+        use_apir_capset: Optional[bool] = None,
+        forward_timeout_s: float = DEFAULT_FORWARD_TIMEOUT_S,
+    ):
         self.device = device
         self.name = getattr(device, "name", type(device).__name__)
         self.forward_timeout_s = forward_timeout_s
@@ -115,8 +121,7 @@ class Remote:
         self.closed = False
         try:
             self.capset_id = select_capset(device, use_apir_capset)
-            self.command_type_offset = (0 if self.capset_id == VIRTGPU_DRM_CAPSET_APIR
-                                        else VENUS_COMMAND_TYPE_LENGTH)
+            self.command_type_offset = 0 if self.capset_id == VIRTGPU_DRM_CAPSET_APIR else VENUS_COMMAND_TYPE_LENGTH
             caps = device.get_caps(self.capset_id, CapsetApir.SIZE)
             # Only the APIR capset has this layout (the C reads Venus's into it too, unchecked).
             self.capset = CapsetApir.unpack(caps) if self.capset_id == VIRTGPU_DRM_CAPSET_APIR else None
@@ -142,10 +147,14 @@ class Remote:
             return APIR_LOADLIBRARY_MAX_WAIT_S
         return self.forward_timeout_s
 
-    def call(self, cmd_type: int, flags: int = 0,
-             encode_fn: Optional[Callable[[Encoder], None]] = None,
-             timeout_s: Optional[float] = None,
-             decode_fn: Optional[Callable[[int, Decoder], object]] = None) -> Tuple[int, object]:
+    def call(
+        self,
+        cmd_type: int,
+        flags: int = 0,
+        encode_fn: Optional[Callable[[Encoder], None]] = None,
+        timeout_s: Optional[float] = None,
+        decode_fn: Optional[Callable[[int, Decoder], object]] = None,
+    ) -> Tuple[int, object]:
         """One remote call (`remote_call_prepare` + `remote_call`).
 
         `cmd_type`: ApirCommandType; `flags`: the backend function id for Forward;

@@ -40,8 +40,7 @@ from apir.host.library import LibraryHost
 from apir.host.limits import DEFAULT_GRAPH_TIME_LIMIT_S, parse_limit
 from apir.host.resources import Resource
 
-__all__ = ["PythonBackendLibrary", "GGML_BACKEND_DEVICE_TYPE_CPU", "CONFIG_KEY_BUFFER_BUDGET",
-           "CONFIG_KEY_N_THREADS"]
+__all__ = ["PythonBackendLibrary", "GGML_BACKEND_DEVICE_TYPE_CPU", "CONFIG_KEY_BUFFER_BUDGET", "CONFIG_KEY_N_THREADS"]
 
 GGML_BACKEND_DEVICE_TYPE_CPU = 0  # enum ggml_backend_dev_type (ggml-backend.h)
 # Threads of a CPU-like backend (one that offers ggml_backend_set_n_threads); default: the
@@ -121,8 +120,9 @@ class PythonBackendLibrary:
         g.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         self.budget = BufferBudget(BufferLimits.from_config(host.get_config, total.value, host.ctx_id))
         self._set_n_threads(host)
-        time_limit_s = parse_limit(host.get_config(CONFIG_KEY_GRAPH_TIME_LIMIT), CONFIG_KEY_GRAPH_TIME_LIMIT,
-                                   DEFAULT_GRAPH_TIME_LIMIT_S)
+        time_limit_s = parse_limit(
+            host.get_config(CONFIG_KEY_GRAPH_TIME_LIMIT), CONFIG_KEY_GRAPH_TIME_LIMIT, DEFAULT_GRAPH_TIME_LIMIT_S
+        )
         self.abort = ComputeAbort(g, reg, backend, time_limit_s, name=f"ctx {host.ctx_id}")
         self.checker = TensorChecker(g)
         return LoadRc.INIT_BASE_INDEX + InitRc.SUCCESS
@@ -166,8 +166,9 @@ class PythonBackendLibrary:
         """The hypervisor is removing blob `res_id`: free the buffers that wrap it."""
         for handle, buf in self.buffers.items():
             if buf.res_id == res_id:
-                log.warning("ctx %d: resource %d removed under buffer 0x%x: buffer freed",
-                            self.host.ctx_id, res_id, handle)
+                log.warning(
+                    "ctx %d: resource %d removed under buffer 0x%x: buffer freed", self.host.ctx_id, res_id, handle
+                )
                 self.free_buffer(handle)
 
     # --- tables -----------------------------------------------------------------------------
@@ -190,8 +191,9 @@ class PythonBackendLibrary:
             raise Refused(f"unknown buffer handle 0x{handle:x}")
         return buf
 
-    def hold_buffer(self, size: int, align: int, make: Callable[[], Optional[int]],
-                    res_id: Optional[int] = None) -> int:
+    def hold_buffer(
+        self, size: int, align: int, make: Callable[[], Optional[int]], res_id: Optional[int] = None
+    ) -> int:
         """Makes a ggml buffer of `size` bytes with `make()` (returns a ggml_backend_buffer_t
         or NULL) if it fits this context's budget (apir.host.budget, charged before `make`
         runs), and registers it. `res_id`: the blob it wraps (buffer_from_ptr). Returns its
@@ -240,8 +242,9 @@ class PythonBackendLibrary:
         base = g.ggml_backend_buffer_get_base(ptr) or 0
         align = g.ggml_backend_buft_get_alignment(buft_ptr)
         buft_handle = self.buft_handle(buft_ptr, allocatable=res_id is None)
-        return self.buffers.add(HostBuffer(ptr, base, size, self.vspace.reserve(size, align),
-                                           buft_handle, res_id, charge))
+        return self.buffers.add(
+            HostBuffer(ptr, base, size, self.vspace.reserve(size, align), buft_handle, res_id, charge)
+        )
 
     def free_buffer(self, handle: int) -> None:
         buf = self.buffers.pop(handle)

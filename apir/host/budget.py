@@ -34,8 +34,15 @@ from typing import Callable, Optional
 
 from apir.codec.constants import CONFIG_KEY_BUFFER_BUDGET, CONFIG_KEY_MAX_BUFFERS, CONFIG_KEY_MEMORY_LIMIT
 
-__all__ = ["BufferLimits", "BufferBudget", "HostMemory", "HOST_MEMORY", "MIN_BUFFER_CHARGE",
-           "DEFAULT_MAX_BUFFERS", "physical_memory"]
+__all__ = [
+    "BufferLimits",
+    "BufferBudget",
+    "HostMemory",
+    "HOST_MEMORY",
+    "MIN_BUFFER_CHARGE",
+    "DEFAULT_MAX_BUFFERS",
+    "physical_memory",
+]
 
 log = logging.getLogger("apir.host")
 
@@ -88,8 +95,9 @@ class BufferLimits:
     max_buffers: int
 
     @classmethod
-    def from_config(cls, get_config: Callable[[str], Optional[str]], device_total: int,
-                    ctx_id: int = 0) -> "BufferLimits":
+    def from_config(
+        cls, get_config: Callable[[str], Optional[str]], device_total: int, ctx_id: int = 0
+    ) -> "BufferLimits":
         """The limits a context's configuration sets (`get_config`: HostContext.get_config),
         defaults from the device's total memory in bytes (see the module docstring)."""
         total = device_total or physical_memory() or (1 << 64)
@@ -107,9 +115,11 @@ class BufferLimits:
                 return 0
             return number
 
-        return cls(read(CONFIG_KEY_BUFFER_BUDGET, total * _CONTEXT_SHARE[0] // _CONTEXT_SHARE[1]),
-                   read(CONFIG_KEY_MEMORY_LIMIT, total * _HOST_SHARE[0] // _HOST_SHARE[1]),
-                   read(CONFIG_KEY_MAX_BUFFERS, DEFAULT_MAX_BUFFERS))
+        return cls(
+            read(CONFIG_KEY_BUFFER_BUDGET, total * _CONTEXT_SHARE[0] // _CONTEXT_SHARE[1]),
+            read(CONFIG_KEY_MEMORY_LIMIT, total * _HOST_SHARE[0] // _HOST_SHARE[1]),
+            read(CONFIG_KEY_MAX_BUFFERS, DEFAULT_MAX_BUFFERS),
+        )
 
 
 def buffer_charge(size: int, alignment: int = 1) -> int:
@@ -135,11 +145,15 @@ class BufferBudget:
         if self.buffers >= lim.max_buffers:
             return f"{self.buffers} buffers held, the context's limit ({CONFIG_KEY_MAX_BUFFERS}) is {lim.max_buffers}"
         if self.bytes + charge > lim.context_bytes:
-            return (f"{charge} more bytes over the context's budget ({CONFIG_KEY_BUFFER_BUDGET}): "
-                    f"{self.bytes} of {lim.context_bytes} held")
+            return (
+                f"{charge} more bytes over the context's budget ({CONFIG_KEY_BUFFER_BUDGET}): "
+                f"{self.bytes} of {lim.context_bytes} held"
+            )
         if not self.host.take(charge, lim.host_bytes):
-            return (f"{charge} more bytes over the host's limit ({CONFIG_KEY_MEMORY_LIMIT}): "
-                    f"{self.host.used} of {lim.host_bytes} held by all contexts")
+            return (
+                f"{charge} more bytes over the host's limit ({CONFIG_KEY_MEMORY_LIMIT}): "
+                f"{self.host.used} of {lim.host_bytes} held by all contexts"
+            )
         self.bytes += charge
         self.buffers += 1
         return None

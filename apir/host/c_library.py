@@ -111,20 +111,29 @@ class _Shared:
         try:
             self.cdll = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
         except OSError as exc:
-            raise LibraryLoadError(ApirLoadLibraryReturnCode.CANNOT_OPEN,
-                                   f"cannot open the APIR backend library {path!r}: {exc}") from exc
+            raise LibraryLoadError(
+                ApirLoadLibraryReturnCode.CANNOT_OPEN, f"cannot open the APIR backend library {path!r}: {exc}"
+            ) from exc
         try:
             self.initialize_fn = self.cdll.apir_backend_initialize
             self.dispatcher_fn = self.cdll.apir_backend_dispatcher
             self.deinit_fn = self.cdll.apir_backend_deinit
         except AttributeError as exc:
-            raise LibraryLoadError(ApirLoadLibraryReturnCode.SYMBOL_MISSING,
-                                   f"{path}: missing APIR backend symbol: {exc}") from exc
+            raise LibraryLoadError(
+                ApirLoadLibraryReturnCode.SYMBOL_MISSING, f"{path}: missing APIR backend symbol: {exc}"
+            ) from exc
         self.initialize_fn.argtypes = [ctypes.c_uint32, ctypes.POINTER(VirglApirCallbacks)]
         self.initialize_fn.restype = ctypes.c_uint32
-        self.dispatcher_fn.argtypes = [ctypes.c_uint32, ctypes.POINTER(VirglApirCallbacks), ctypes.c_uint32,
-                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                       ctypes.POINTER(ctypes.c_void_p)]
+        self.dispatcher_fn.argtypes = [
+            ctypes.c_uint32,
+            ctypes.POINTER(VirglApirCallbacks),
+            ctypes.c_uint32,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_void_p),
+        ]
         self.dispatcher_fn.restype = ctypes.c_uint32
         self.deinit_fn.argtypes = [ctypes.c_uint32]
         self.deinit_fn.restype = None
@@ -134,8 +143,9 @@ class _Shared:
             self.buffer_free_fn = self.cdll.ggml_backend_buffer_free
             self.buffer_clear_fn = self.cdll.ggml_backend_buffer_clear
         except AttributeError as exc:
-            raise LibraryLoadError(ApirLoadLibraryReturnCode.SYMBOL_MISSING,
-                                   f"{path}: missing symbol the adapter needs: {exc}") from exc
+            raise LibraryLoadError(
+                ApirLoadLibraryReturnCode.SYMBOL_MISSING, f"{path}: missing symbol the adapter needs: {exc}"
+            ) from exc
         self.untrack_fn.argtypes = [ctypes.c_void_p]
         self.untrack_fn.restype = ctypes.c_bool
         self.buffer_free_fn.argtypes = [ctypes.c_void_p]
@@ -193,8 +203,7 @@ class _Shared:
             try:
                 ctypes.c_void_p.in_dll(self.cdll, name).value = None
             except ValueError:  # not exported by this build: a re-initialize will fail
-                log.warning("%s: global %r not exported; the library cannot be initialized again",
-                            self.path, name)
+                log.warning("%s: global %r not exported; the library cannot be initialized again", self.path, name)
 
 
 _shared: Dict[str, _Shared] = {}
@@ -202,8 +211,12 @@ _shared_lock = threading.Lock()
 
 
 class _DlInfo(ctypes.Structure):
-    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
-                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
 
 
 def _file_of_symbol(cdll: ctypes.CDLL, name: str) -> Optional[str]:
@@ -228,9 +241,11 @@ def _ggml_mismatch(bound_base: Optional[str], ggml_library: Optional[str]) -> Op
     sibling = Path(ggml_library).resolve().parent / "libggml-base.so"
     if not sibling.exists() or os.path.samefile(sibling, bound_base):
         return None
-    return (f"the C backend library bound libggml-base to {bound_base}, but the ggml library "
-            f"{ggml_library} belongs to {sibling}: two ggml builds would mix in one process "
-            f"(run this host with APIR_GGML_LIB_DIR / APIR_GGML_INCLUDE_DIR set to that build)")
+    return (
+        f"the C backend library bound libggml-base to {bound_base}, but the ggml library "
+        f"{ggml_library} belongs to {sibling}: two ggml builds would mix in one process "
+        f"(run this host with APIR_GGML_LIB_DIR / APIR_GGML_INCLUDE_DIR set to that build)"
+    )
 
 
 class CLibrary:
@@ -298,7 +313,7 @@ class CLibrary:
             return self._free_buffer(dec)
         n_in = dec.end - dec.pos
         # One spare byte: a zero-length ctypes array has no address to give the C.
-        cmd = (ctypes.c_char * (n_in + 1)).from_buffer_copy(bytes(dec.buf[dec.pos:dec.end]) + b"\0")
+        cmd = (ctypes.c_char * (n_in + 1)).from_buffer_copy(bytes(dec.buf[dec.pos : dec.end]) + b"\0")
         cmd_addr = ctypes.addressof(cmd)
         start = enc.pos
         room = enc.end - start
@@ -306,14 +321,23 @@ class CLibrary:
         out_addr = ctypes.addressof(out)
         after = ctypes.c_void_p(out_addr)
         with sh.lock:
-            rc = int(sh.dispatcher_fn(host.ctx_id, ctypes.byref(sh.callbacks), function_id,
-                                      cmd_addr, cmd_addr + n_in, out_addr, out_addr + room, ctypes.byref(after)))
+            rc = int(
+                sh.dispatcher_fn(
+                    host.ctx_id,
+                    ctypes.byref(sh.callbacks),
+                    function_id,
+                    cmd_addr,
+                    cmd_addr + n_in,
+                    out_addr,
+                    out_addr + room,
+                    ctypes.byref(after),
+                )
+            )
         written = (after.value or 0) - out_addr
         del out  # drop the export of the reply resource's memory before anyone closes it
         dec.pos = dec.end
         if not 0 <= written <= room:
-            log.error("ctx %d: C dispatcher reports %d reply bytes for a %d-byte window",
-                      host.ctx_id, written, room)
+            log.error("ctx %d: C dispatcher reports %d reply bytes for a %d-byte window", host.ctx_id, written, room)
             enc.fatal = True
             return rc
         enc.pos += written

@@ -87,6 +87,7 @@ CONFIG_ENV_FALLBACKS: Dict[str, str] = {
     CONFIG_KEY_MAX_BUFFERS: ENV_MAX_BUFFERS,
 }
 
+
 def _builtin_library() -> BackendLibrary:
     from apir.host.backend_library import PythonBackendLibrary  # noqa: E402 - loads ggml lazily
 
@@ -102,12 +103,19 @@ class HostContext:
     `LibraryLoadError`); the built-in Python dispatcher serves when no path is configured.
     """
 
-    def __init__(self, ctx_id: int, config: Optional[Mapping[str, str]] = None, *,
-                 capset_id: int = VIRTGPU_DRM_CAPSET_APIR,
-                 library_factory: Callable[[str], BackendLibrary] = default_library_factory):
+    def __init__(
+        self,
+        ctx_id: int,
+        config: Optional[Mapping[str, str]] = None,
+        *,
+        capset_id: int = VIRTGPU_DRM_CAPSET_APIR,
+        library_factory: Callable[[str], BackendLibrary] = default_library_factory,
+    ):
         if capset_id not in (VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS):
-            raise ValueError(f"APIR context with capset {capset_id}: expected "
-                             f"{VIRTGPU_DRM_CAPSET_APIR} (APIR) or {VIRTGPU_DRM_CAPSET_VENUS} (Venus)")
+            raise ValueError(
+                f"APIR context with capset {capset_id}: expected "
+                f"{VIRTGPU_DRM_CAPSET_APIR} (APIR) or {VIRTGPU_DRM_CAPSET_VENUS} (Venus)"
+            )
         self.ctx_id = ctx_id
         self.capset_id = capset_id
         self.config: Dict[str, str] = dict(config or {})
@@ -240,8 +248,13 @@ class HostContext:
         else:
             rc = self._load_library()
         if enc.fatal:
-            log.error("ctx %d: %s reply does not fit reply resource %d (%d bytes)",
-                      self.ctx_id, ApirCommandType(cmd_type).c_name, reply.res_id, reply.size)
+            log.error(
+                "ctx %d: %s reply does not fit reply resource %d (%d bytes)",
+                self.ctx_id,
+                ApirCommandType(cmd_type).c_name,
+                reply.res_id,
+                reply.size,
+            )
             rc = COMMAND_MALFORMED
         self._send(reply, rc)
         return rc, 0 if enc.fatal else enc.pos - NOTIFICATION_SIZE
@@ -249,8 +262,12 @@ class HostContext:
     def _reply_resource(self, res_id: int) -> Optional[Resource]:
         res = self._resources.get(res_id)
         if res is None or res.size < NOTIFICATION_SIZE:
-            log.error("ctx %d: reply resource %d %s", self.ctx_id, res_id,
-                      "unknown" if res is None else f"too small ({res.size} bytes)")
+            log.error(
+                "ctx %d: reply resource %d %s",
+                self.ctx_id,
+                res_id,
+                "unknown" if res is None else f"too small ({res.size} bytes)",
+            )
             return None
         self._last_reply_res_id = res_id
         return res
@@ -293,8 +310,14 @@ class HostContext:
             self.guest_version = (major, minor)
         else:
             # The C only logs a mismatch; apir does too, and keeps speaking its own version.
-            log.error("ctx %d: guest APIR %d.%d is not one of %s; replying as %d.%d", self.ctx_id,
-                      major, minor, APIR_PROTOCOL_VERSIONS, *self.host_version)
+            log.error(
+                "ctx %d: guest APIR %d.%d is not one of %s; replying as %d.%d",
+                self.ctx_id,
+                major,
+                minor,
+                APIR_PROTOCOL_VERSIONS,
+                *self.host_version,
+            )
             self.guest_version = self.host_version
         log.info("ctx %d: HandShake: guest %d.%d, host %d.%d", self.ctx_id, major, minor, *self.host_version)
         return APIR_HANDSHAKE_MAGIC

@@ -36,8 +36,7 @@ def graph_compute(lib, dec, enc) -> int:
     if size == 0 or size > res.size:
         raise Refused(f"backend_graph_compute: graph of {size} bytes in resource {res_id} ({res.size} bytes)")
     try:
-        parsed = parse_graph(res.memory, 0, size, limits=g.limits, op_count=g.op_count,
-                             type_valid=chk.valid_types)
+        parsed = parse_graph(res.memory, 0, size, limits=g.limits, op_count=g.op_count, type_valid=chk.valid_types)
     except GraphError as exc:
         raise Refused(f"backend_graph_compute: {exc}") from None
     _warn_if_nothing_to_compute(g, parsed)
@@ -52,10 +51,13 @@ def graph_compute(lib, dec, enc) -> int:
     return BACKEND_RC_OK
 
 
-
 def _warn_if_nothing_to_compute(g, parsed) -> None:
     compute = g.tensor_flags.get("COMPUTE", 0)
     nodes = parsed.tensors["flags"][parsed.node_index]
     if compute and len(nodes) and not (nodes & compute).any():
-        log.warning("backend_graph_compute: none of the graph's %d nodes has GGML_TENSOR_FLAG_COMPUTE (%d): "
-                    "ggml computes nothing and reports success", len(nodes), compute)
+        log.warning(
+            "backend_graph_compute: none of the graph's %d nodes has GGML_TENSOR_FLAG_COMPUTE (%d): "
+            "ggml computes nothing and reports success",
+            len(nodes),
+            compute,
+        )

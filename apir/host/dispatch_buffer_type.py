@@ -63,8 +63,9 @@ def alloc_buffer(lib, dec, enc) -> int:
     if size > max_size:
         # The C replies a null buffer when ggml cannot allocate; so does apir, also for a
         # size no allocation of this buffer type could satisfy.
-        log.warning("ctx %d: buffer_type_alloc_buffer: %d bytes over the type's max size %d",
-                    lib.host.ctx_id, size, max_size)
+        log.warning(
+            "ctx %d: buffer_type_alloc_buffer: %d bytes over the type's max size %d", lib.host.ctx_id, size, max_size
+        )
         enc.handle(0)
         return BACKEND_RC_OK
     align = g.ggml_backend_buft_get_alignment(buft.ptr)

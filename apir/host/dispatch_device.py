@@ -34,8 +34,19 @@ from apir.host.graph import lib_op_enums, tensor_info
 from apir.host.shapes import node_refusal
 from apir.host.tensors import Scratch, decode_inline_tensor
 
-__all__ = ["get_device_count", "get_count", "get_name", "get_description", "get_type", "get_memory",
-           "supports_op", "get_buffer_type", "get_props", "buffer_from_ptr"]
+__all__ = [
+    "get_device_count",
+    "get_count",
+    "get_name",
+    "get_description",
+    "get_type",
+    "get_memory",
+    "supports_op",
+    "get_buffer_type",
+    "get_props",
+    "buffer_from_ptr",
+]
+
 
 def get_device_count(lib, dec, enc) -> int:
     enc.i32(lib.g.ggml_backend_reg_dev_count(lib.reg))
@@ -106,8 +117,12 @@ def buffer_from_ptr(lib, dec, enc) -> int:
     align = g.ggml_backend_buft_get_alignment(g.ggml_backend_dev_buffer_type(lib.dev))
     if res.address % align:
         raise Refused(f"device_buffer_from_ptr: resource {res_id} is not {align}-byte aligned")
-    handle = lib.hold_buffer(size, align, lambda: g.ggml_backend_dev_buffer_from_host_ptr(
-        lib.dev, res.address, size, max_tensor_size), res_id=res_id)
+    handle = lib.hold_buffer(
+        size,
+        align,
+        lambda: g.ggml_backend_dev_buffer_from_host_ptr(lib.dev, res.address, size, max_tensor_size),
+        res_id=res_id,
+    )
     enc.handle(handle)
     enc.handle(lib.buffers.get(handle).buft_handle if handle else 0)
     return BACKEND_RC_OK
@@ -115,8 +130,15 @@ def buffer_from_ptr(lib, dec, enc) -> int:
 
 # --- helpers ---------------------------------------------------------------------------------
 # Sources ggml-cpu's supports_op dereferences for these ops (ggml-cpu.cpp), by op name.
-_REQUIRED_SRCS = {"MUL_MAT": 2, "OUT_PROD": 2, "IM2COL_BACK": 2, "GET_ROWS_BACK": 1, "CONV_2D": 1,
-                  "SOFT_MAX_BACK": 2, "SSM_SCAN": 4}
+_REQUIRED_SRCS = {
+    "MUL_MAT": 2,
+    "OUT_PROD": 2,
+    "IM2COL_BACK": 2,
+    "GET_ROWS_BACK": 1,
+    "CONV_2D": 1,
+    "SOFT_MAX_BACK": 2,
+    "SSM_SCAN": 4,
+}
 
 
 def _rule_accepts(lib, t: int) -> bool:

@@ -56,8 +56,7 @@ DISPATCH_TABLE: List[Handler] = [_BY_ID[cmd] for cmd in Cmd]
 def dispatch(lib: PythonBackendLibrary, function_id: int, dec: Decoder, enc: Encoder) -> int:
     """`apir_backend_dispatcher`: runs backend function `function_id`; its return code."""
     if not 0 <= function_id < len(DISPATCH_TABLE):
-        log.error("ctx %d: invalid backend function id %d (>= %d)", lib.host.ctx_id, function_id,
-                  len(DISPATCH_TABLE))
+        log.error("ctx %d: invalid backend function id %d (>= %d)", lib.host.ctx_id, function_id, len(DISPATCH_TABLE))
         return APIR_BACKEND_FORWARD_INDEX_INVALID
     try:
         return DISPATCH_TABLE[function_id](lib, dec, enc)

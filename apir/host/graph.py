@@ -56,9 +56,16 @@ def tensor_info(lib, index: int, rec, address: Optional[int]) -> TensorInfo:
     g, chk = lib.g, lib.checker
     type_, op = int(rec["type"]), int(rec["op"])
     return TensorInfo(
-        index=index, type_name=g.type_names[type_], ne=[int(x) for x in rec["ne"]],
-        nb=[int(x) for x in rec["nb"]], op_name=g.op_names[op], op_params=rec["op_params"].copy(),
-        type_size=chk.type_size[type_], blck_size=chk.blck_size[type_], address=address)
+        index=index,
+        type_name=g.type_names[type_],
+        ne=[int(x) for x in rec["ne"]],
+        nb=[int(x) for x in rec["nb"]],
+        op_name=g.op_names[op],
+        op_params=rec["op_params"].copy(),
+        type_size=chk.type_size[type_],
+        blck_size=chk.blck_size[type_],
+        address=address,
+    )
 
 
 def lib_op_enums(lib) -> OpEnums:
@@ -88,8 +95,10 @@ def _check_graph_needs(parsed, infos, bufs, offsets, extents) -> None:
         many = [j for j in nodes if infos[j].op_name not in _ONE_TASK_OPS]
         if many:
             who = next(info.index for info in infos if info.one_thread)
-            raise Refused(f"node {who}: only safe on one thread, and node {many[0]} "
-                          f"({infos[many[0]].op_name}) makes the CPU run this graph on several")
+            raise Refused(
+                f"node {who}: only safe on one thread, and node {many[0]} "
+                f"({infos[many[0]].op_name}) makes the CPU run this graph on several"
+            )
     read = [i for i, info in enumerate(infos) if info.snapshot is not None]
     if not read:
         return
@@ -108,8 +117,10 @@ def _check_graph_needs(parsed, infos, bufs, offsets, extents) -> None:
         lo, hi = offsets[i], offsets[i] + extents[i]
         for pos, j, k in writes:
             if pos <= until and bufs[k] is bufs[i] and offsets[k] < hi and lo < offsets[k] + extents[k]:
-                raise Refused(f"graph tensor {i}: row ids read before compute, but node {j} "
-                              f"({infos[j].op_name}) writes over them before they are read")
+                raise Refused(
+                    f"graph tensor {i}: row ids read before compute, but node {j} "
+                    f"({infos[j].op_name}) writes over them before they are read"
+                )
 
 
 class _Records(NamedTuple):
@@ -162,8 +173,9 @@ def _check_records_one_by_one(lib, parsed) -> _Records:
             raise Refused(f"graph tensor {i}: view in another buffer than its source {v}")
         offs = int(recs[i]["view_offs"])
         if offsets[i] != offsets[v] + offs or offs + extents[i] > extents[v]:
-            raise Refused(f"graph tensor {i}: view [{offs}, {offs + extents[i]}) outside its "
-                          f"source's {extents[v]} bytes")
+            raise Refused(
+                f"graph tensor {i}: view [{offs}, {offs + extents[i]}) outside its source's {extents[v]} bytes"
+            )
     return _Records(bufs, np.array(offsets, dtype=np.int64), np.array(extents, dtype=np.int64))
 
 
@@ -229,33 +241,53 @@ def _check_records(lib, parsed) -> Optional[_Records]:
         same = np.array([ident.setdefault(id(b), k) for k, b in enumerate(found)], dtype=np.int64)[inverse]
         vi = v[is_view]
         view_offs = offs_w[is_view].astype(np.int64)
-        if ((same[is_view] != same[vi]).any() or (offsets[is_view] != offsets[vi] + view_offs).any()
-                or (view_offs + extents[is_view] > extents[vi]).any()):
+        if (
+            (same[is_view] != same[vi]).any()
+            or (offsets[is_view] != offsets[vi] + view_offs).any()
+            or (view_offs + extents[is_view] > extents[vi]).any()
+        ):
             return None
     return _Records([found[k] for k in inverse.tolist()], offsets, extents)
 
 
 # TensorInfo's leading fields in order: then `_infos` passes them by position (a keyword call
 # costs twice as much), else by keyword.
-_INFO_FIELDS = ("index", "type_name", "ne", "nb", "op_name", "op_params", "type_size", "blck_size",
-                "address")
-_INFO_POSITIONAL = tuple(f.name for f in dataclasses.fields(TensorInfo))[:len(_INFO_FIELDS)] == _INFO_FIELDS
+_INFO_FIELDS = ("index", "type_name", "ne", "nb", "op_name", "op_params", "type_size", "blck_size", "address")
+_INFO_POSITIONAL = tuple(f.name for f in dataclasses.fields(TensorInfo))[: len(_INFO_FIELDS)] == _INFO_FIELDS
 
 
 def _infos(lib, parsed, addresses: List[int]) -> List[TensorInfo]:
     """`tensor_info` of every record (ne, nb, op_params read in bulk; op_params one host copy)."""
     g, chk, t = lib.g, lib.checker, parsed.tensors
     type_names, op_names, type_size, blck_size = g.type_names, g.op_names, chk.type_size, chk.blck_size
-    rows = zip(range(len(t)), t["type"].tolist(), t["op"].tolist(), t["ne"].tolist(), t["nb"].tolist(),
-               list(t["op_params"].copy()), addresses)
+    rows = zip(
+        range(len(t)),
+        t["type"].tolist(),
+        t["op"].tolist(),
+        t["ne"].tolist(),
+        t["nb"].tolist(),
+        list(t["op_params"].copy()),
+        addresses,
+    )
     if _INFO_POSITIONAL:
-        return [TensorInfo(i, type_names[ty], ne, nb, op_names[op], params, type_size[ty], blck_size[ty],
-                           addr)
-                for i, ty, op, ne, nb, params, addr in rows]
-    return [TensorInfo(index=i, type_name=type_names[ty], ne=ne, nb=nb, op_name=op_names[op],
-                       op_params=params, type_size=type_size[ty], blck_size=blck_size[ty],
-                       address=addr)
-            for i, ty, op, ne, nb, params, addr in rows]
+        return [
+            TensorInfo(i, type_names[ty], ne, nb, op_names[op], params, type_size[ty], blck_size[ty], addr)
+            for i, ty, op, ne, nb, params, addr in rows
+        ]
+    return [
+        TensorInfo(
+            index=i,
+            type_name=type_names[ty],
+            ne=ne,
+            nb=nb,
+            op_name=op_names[op],
+            op_params=params,
+            type_size=type_size[ty],
+            blck_size=blck_size[ty],
+            address=addr,
+        )
+        for i, ty, op, ne, nb, params, addr in rows
+    ]
 
 
 def _tensor_view(addrs: List[int], dtype: np.dtype) -> Optional[np.ndarray]:
@@ -300,9 +332,13 @@ def _create_tensors(lib, parsed, scratch: Scratch, recs: _Records) -> np.ndarray
     ptrs = np.array([b.ptr for b in recs.bufs], dtype=np.uint64)
     bases = np.array([b.base for b in recs.bufs], dtype=np.uint64)
     fields = {
-        "ne": t["ne"][order].astype(np.int64), "nb": t["nb"][order].astype(np.uint64),
-        "op": t["op"][order], "op_params": t["op_params"][order], "flags": t["flags"][order],
-        "buffer": ptrs[order], "data": (bases + recs.offsets.astype(np.uint64))[order],
+        "ne": t["ne"][order].astype(np.int64),
+        "nb": t["nb"][order].astype(np.uint64),
+        "op": t["op"][order],
+        "op_params": t["op_params"][order],
+        "flags": t["flags"][order],
+        "buffer": ptrs[order],
+        "data": (bases + recs.offsets.astype(np.uint64))[order],
         "src": np.where(src_index >= 0, host[src_index], 0).astype(np.uint64)[order],
         "view_src": np.where(v >= 0, host[v], 0).astype(np.uint64)[order],
         "view_offs": np.where(v >= 0, t["view_offs"], 0).astype(np.uint64)[order],

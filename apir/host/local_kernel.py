@@ -119,9 +119,13 @@ class KernelContext:
     behind the device's lock).
     """
 
-    def __init__(self, name: str = "apir-context", config: Optional[dict] = None,
-                 context_factory: ContextFactory = default_context_factory,
-                 max_bytes: int = 1 << 36):
+    def __init__(
+        self,
+        name: str = "apir-context",
+        config: Optional[dict] = None,
+        context_factory: ContextFactory = default_context_factory,
+        max_bytes: int = 1 << 36,
+    ):
         self.name = name
         self.config = config
         self.context_factory = context_factory
@@ -179,13 +183,13 @@ class KernelContext:
         if self.ctx is None:
             raise KernelError(errno.EINVAL, "CREATE_BLOB before CONTEXT_INIT")
         if blob_mem != VIRTGPU_BLOB_MEM_HOST3D or not blob_flags & VIRTGPU_BLOB_FLAG_USE_MAPPABLE:
-            raise KernelError(errno.EINVAL,
-                              f"only mappable HOST3D blobs (mem {blob_mem}, flags {blob_flags:#x})")
+            raise KernelError(errno.EINVAL, f"only mappable HOST3D blobs (mem {blob_mem}, flags {blob_flags:#x})")
         if size == 0 or blob_id != 0:
             raise KernelError(errno.EINVAL, f"bad blob size {size} / blob_id {blob_id}")
         if len(self.blobs) >= self.max_blobs:
-            raise KernelError(errno.ENOSPC, f"the context holds {len(self.blobs)} blobs, its limit "
-                                            f"({CONFIG_KEY_MAX_BLOBS})")
+            raise KernelError(
+                errno.ENOSPC, f"the context holds {len(self.blobs)} blobs, its limit ({CONFIG_KEY_MAX_BLOBS})"
+            )
         try:
             blob = self.memfile.allocate(size)
         except MemFileFull as exc:
@@ -201,8 +205,7 @@ class KernelContext:
             raise KernelError(errno.EIO, f"add_resource failed: {exc}") from None
         bo_handle = next(self._bo_handles)
         self.blobs[bo_handle] = (res_id, blob)
-        log.debug("%s: blob res %d bo %d, %d bytes at offset %d", self.name, res_id, bo_handle,
-                  blob.size, blob.offset)
+        log.debug("%s: blob res %d bo %d, %d bytes at offset %d", self.name, res_id, bo_handle, blob.size, blob.offset)
         return res_id, bo_handle, blob
 
     def map(self, bo_handle: int) -> int:

@@ -121,8 +121,7 @@ class _Connection:
             send_message(self.sock, Op.HELLO, header.seq, err=errno.EPROTONOSUPPORT)
             raise WireError(f"bad HELLO (magic {magic:#x}, wire version {version})")
         srv = self.server
-        self.kernel = KernelContext(f"guest-{self.conn_id}", srv.config, srv.context_factory,
-                                    srv.max_context_bytes)
+        self.kernel = KernelContext(f"guest-{self.conn_id}", srv.config, srv.context_factory, srv.max_context_bytes)
         reply = REPLY[Op.HELLO].pack(HELLO_MAGIC, WIRE_VERSION, BLOB_ALIGNMENT, 0)
         send_message(self.sock, Op.HELLO, header.seq, reply, fds=(self.kernel.memfile.fd,))
         srv.hangups.watch(self.sock.fileno(), self)  # a hang-up mid-EXECBUFFER cancels it
@@ -134,8 +133,13 @@ class _Connection:
             try:
                 body, err = self._handle(header.op, payload), 0
             except KernelError as exc:
-                log.info("guest %d: %s refused (%s): %s", self.conn_id, _op_name(header.op),
-                         errno.errorcode.get(exc.err, exc.err), exc)
+                log.info(
+                    "guest %d: %s refused (%s): %s",
+                    self.conn_id,
+                    _op_name(header.op),
+                    errno.errorcode.get(exc.err, exc.err),
+                    exc,
+                )
                 body, err = b"", exc.err
             send_message(self.sock, header.op, header.seq, body, err=err)
 
@@ -226,6 +230,8 @@ class _RateLimitedLog:
             self._skipped = 0
         self._next = now + self.interval_s
         log.log(level, msg, *args)
+
+
 def _kernel_stats(st: ServerStats, k: Optional[KernelContext]) -> ServerStats:
     """Adds one connection's counts to `st` (nothing for a closed or not yet HELLOed one)."""
     if k is None or k.closed:
@@ -270,10 +276,16 @@ class LocalServer:
     debugging). Raises OSError (EADDRINUSE) if another server already listens at `path`.
     """
 
-    def __init__(self, path: str, config: Optional[dict] = None,
-                 context_factory: ContextFactory = default_context_factory,
-                 max_context_bytes: int = 1 << 36, *, socket_mode: int = DEFAULT_SOCKET_MODE,
-                 stat_host_wide: bool = False):
+    def __init__(
+        self,
+        path: str,
+        config: Optional[dict] = None,
+        context_factory: ContextFactory = default_context_factory,
+        max_context_bytes: int = 1 << 36,
+        *,
+        socket_mode: int = DEFAULT_SOCKET_MODE,
+        stat_host_wide: bool = False,
+    ):
         if not 0 <= socket_mode <= 0o777:
             raise ValueError(f"socket mode {socket_mode:#o} is not a permission mode")
         self.path = os.fspath(path)
@@ -350,8 +362,13 @@ class LocalServer:
             except OSError as exc:
                 if self._closed:
                     return
-                self._refusals.log(logging.ERROR, "accept failed (%s, %s): retrying in %g s",
-                                   errno.errorcode.get(exc.errno or 0, "?"), exc, backoff_s)
+                self._refusals.log(
+                    logging.ERROR,
+                    "accept failed (%s, %s): retrying in %g s",
+                    errno.errorcode.get(exc.errno or 0, "?"),
+                    exc,
+                    backoff_s,
+                )
                 if self._stopping.wait(backoff_s):
                     return
                 backoff_s = min(2 * backoff_s, _ACCEPT_BACKOFF_MAX_S)
@@ -366,9 +383,12 @@ class LocalServer:
             if self._closed or full:
                 sock.close()
                 if full:
-                    self._refusals.log(logging.WARNING, "%d guests connected, the limit (%s): "
-                                       "new connections closed", len(self._conns),
-                                       CONFIG_KEY_MAX_CONNECTIONS)
+                    self._refusals.log(
+                        logging.WARNING,
+                        "%d guests connected, the limit (%s): new connections closed",
+                        len(self._conns),
+                        CONFIG_KEY_MAX_CONNECTIONS,
+                    )
                 return
             conn = _Connection(self, sock, next(self._conn_ids))
             self._conns.add(conn)
@@ -381,8 +401,7 @@ class LocalServer:
 
     def start(self) -> "LocalServer":
         """serve_forever() in a background thread."""
-        self._accept_thread = threading.Thread(target=self.serve_forever, name="apir-local-accept",
-                                               daemon=True)
+        self._accept_thread = threading.Thread(target=self.serve_forever, name="apir-local-accept", daemon=True)
         self._accept_thread.start()
         return self
 

@@ -116,8 +116,9 @@ class TensorChecker:
                 raise Refused(f"{what}: ne {list(ne)} out of range")
         blck = self.blck_size[type_]
         if ne[0] % blck:
-            raise Refused(f"{what}: ne[0] = {ne[0]} is not a multiple of the block size {blck} "
-                          f"of {self.g.type_names[type_]}")
+            raise Refused(
+                f"{what}: ne[0] = {ne[0]} is not a multiple of the block size {blck} of {self.g.type_names[type_]}"
+            )
         if b"\0" not in name:
             raise Refused(f"{what}: name is not NUL-terminated")
 
@@ -153,8 +154,19 @@ class TensorChecker:
             raise Refused(f"{what}: data [{data}, {data + extent}) outside its {buf.size}-byte buffer")
         return buf, extent
 
-    def host_tensor(self, scratch: Scratch, type_: int, ne, nb, op: int, op_params, flags: int,
-                    name: bytes, buffer: int = 0, data: int = 0) -> int:
+    def host_tensor(
+        self,
+        scratch: Scratch,
+        type_: int,
+        ne,
+        nb,
+        op: int,
+        op_params,
+        flags: int,
+        name: bytes,
+        buffer: int = 0,
+        data: int = 0,
+    ) -> int:
         """A tensor header in `scratch` with these (already checked) fields; no src."""
         g = self.g
         t = g.ggml_new_tensor_1d(scratch.ctx, type_, self.blck_size[type_])
@@ -174,9 +186,17 @@ class TensorChecker:
     def host_from_rpc(self, scratch: Scratch, rec, buf: Optional[HostBuffer]) -> int:
         """The host twin of a checked rpc record: data = real base + offset; no src/view."""
         return self.host_tensor(
-            scratch, int(rec["type"]), [int(x) for x in rec["ne"]], [int(x) for x in rec["nb"]],
-            int(rec["op"]), rec["op_params"], int(rec["flags"]), bytes(rec["name"]),
-            buf.ptr if buf else 0, buf.base + int(rec["data"]) if buf else 0)
+            scratch,
+            int(rec["type"]),
+            [int(x) for x in rec["ne"]],
+            [int(x) for x in rec["nb"]],
+            int(rec["op"]),
+            rec["op_params"],
+            int(rec["flags"]),
+            bytes(rec["name"]),
+            buf.ptr if buf else 0,
+            buf.base + int(rec["data"]) if buf else 0,
+        )
 
 
 def decode_inline_tensor(chk: TensorChecker, dec: Decoder, scratch: Scratch, what: str) -> int:
@@ -212,8 +232,9 @@ def decode_inline_tensor(chk: TensorChecker, dec: Decoder, scratch: Scratch, wha
         if any(x < 0 for x in nb):
             raise Refused(f"{label}: nb out of range")
         chk.check_common(label, int(rec["type"]), int(rec["op"]), ne, bytes(rec["name"]))
-        return chk.host_tensor(scratch, int(rec["type"]), ne, nb, int(rec["op"]), rec["op_params"],
-                               int(rec["flags"]), bytes(rec["name"]))
+        return chk.host_tensor(
+            scratch, int(rec["type"]), ne, nb, int(rec["op"]), rec["op_params"], int(rec["flags"]), bytes(rec["name"])
+        )
 
     t = twin(head, what)
     rec = tensor_record(t, chk.tensor_dtype)

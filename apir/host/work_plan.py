@@ -32,8 +32,14 @@ import ctypes
 
 from apir.host.errors import Refused, log
 
-__all__ = ["CONFIG_KEY_WORK_BUDGET", "DEFAULT_WORK_BUDGET", "Cplan", "check_work_size", "planned_work_size",
-           "work_budget"]
+__all__ = [
+    "CONFIG_KEY_WORK_BUDGET",
+    "DEFAULT_WORK_BUDGET",
+    "Cplan",
+    "check_work_size",
+    "planned_work_size",
+    "work_budget",
+]
 
 CONFIG_KEY_WORK_BUDGET = "apir.host.work_budget"
 DEFAULT_WORK_BUDGET = 1 << 30
@@ -43,9 +49,15 @@ class Cplan(ctypes.Structure):
     """`struct ggml_cplan` (ggml-cpu.h, the same in ggml 0.10 and 0.20), returned by value by
     `ggml_graph_plan`; only `work_size` is read."""
 
-    _fields_ = [("work_size", ctypes.c_size_t), ("work_data", ctypes.c_void_p), ("n_threads", ctypes.c_int),
-                ("threadpool", ctypes.c_void_p), ("abort_callback", ctypes.c_void_p),
-                ("abort_callback_data", ctypes.c_void_p), ("use_ref", ctypes.c_bool)]
+    _fields_ = [
+        ("work_size", ctypes.c_size_t),
+        ("work_data", ctypes.c_void_p),
+        ("n_threads", ctypes.c_int),
+        ("threadpool", ctypes.c_void_p),
+        ("abort_callback", ctypes.c_void_p),
+        ("abort_callback_data", ctypes.c_void_p),
+        ("use_ref", ctypes.c_bool),
+    ]
 
 
 def _graph_plan(g):
@@ -97,6 +109,8 @@ def check_work_size(lib, graph: int) -> int | None:
     size = planned_work_size(g, graph, getattr(lib, "n_threads", 0) or 0)
     budget = work_budget(lib)
     if size > budget:
-        raise Refused(f"backend_graph_compute: ggml plans a {size}-byte work buffer, over the "
-                      f"context's work budget of {budget} bytes ({CONFIG_KEY_WORK_BUDGET})")
+        raise Refused(
+            f"backend_graph_compute: ggml plans a {size}-byte work buffer, over the "
+            f"context's work budget of {budget} bytes ({CONFIG_KEY_WORK_BUDGET})"
+        )
     return size

@@ -87,10 +87,15 @@ class EmbeddedDevice:
 
     node = name = "embedded"
 
-    def __init__(self, config: Optional[dict] = None,
-                 context_factory: ContextFactory = default_context_factory,
-                 io_timeout_s: float = 60.0, exec_wait_s: float = 1.0,
-                 max_bytes: int = 1 << 36, host_spin_s: float = 200e-6):
+    def __init__(
+        self,
+        config: Optional[dict] = None,
+        context_factory: ContextFactory = default_context_factory,
+        io_timeout_s: float = 60.0,
+        exec_wait_s: float = 1.0,
+        max_bytes: int = 1 << 36,
+        host_spin_s: float = 200e-6,
+    ):
         self.io_timeout_s = io_timeout_s
         self.exec_wait_s = exec_wait_s
         self._host_spins = spins_for(host_spin_s) if host_spin_s > 0 else 0
@@ -160,8 +165,7 @@ class EmbeddedDevice:
         before = pending[0] if len(pending) > 1 else None
         word, value = pending[-1]
         pending.clear()
-        return word.store_release_then_spin(value, bell, spins, before=before, clear=True,
-                                            settle=self._settle_spins)
+        return word.store_release_then_spin(value, bell, spins, before=before, clear=True, settle=self._settle_spins)
 
     def _context_init(self, capset_id: int, num_rings: int) -> None:
         """CONTEXT_INIT on the host thread; the context defers its reply notifications to the
@@ -170,8 +174,16 @@ class EmbeddedDevice:
         if hasattr(self.kernel.ctx, "take_notification"):
             self.kernel.ctx.defer_notification = True
 
-    def _run(self, request: str, fn: Callable, *args, wait: bool = True, wait_s: Optional[float] = None,
-             late_ok: bool = False, spin: bool = False):
+    def _run(
+        self,
+        request: str,
+        fn: Callable,
+        *args,
+        wait: bool = True,
+        wait_s: Optional[float] = None,
+        late_ok: bool = False,
+        spin: bool = False,
+    ):
         if self._closed:
             raise DeviceError("embedded: device is closed")
         if not self._thread.is_alive():
@@ -244,8 +256,13 @@ class EmbeddedDevice:
     def create_blob(self, size: int) -> Blob:
         """RESOURCE_CREATE_BLOB (HOST3D, MAPPABLE); the Blob's memory is the host's mapping."""
         res_id, bo_handle, host_blob = self._run(
-            IoctlName.RESOURCE_CREATE_BLOB, self.kernel.create_blob,
-            VIRTGPU_BLOB_MEM_HOST3D, VIRTGPU_BLOB_FLAG_USE_MAPPABLE, size, 0)
+            IoctlName.RESOURCE_CREATE_BLOB,
+            self.kernel.create_blob,
+            VIRTGPU_BLOB_MEM_HOST3D,
+            VIRTGPU_BLOB_FLAG_USE_MAPPABLE,
+            size,
+            0,
+        )
         blob = Blob(res_id=res_id, bo_handle=bo_handle, size=host_blob.size, memory=host_blob.memory)
         self._blobs[bo_handle] = blob
         return blob
@@ -273,18 +290,31 @@ class EmbeddedDevice:
         except KernelError as exc:
             raise IoctlError(self.node, IoctlName.EXECBUFFER, exc.err, str(exc)) from None
         wait = self.exec_wait_s > 0
-        self._run(IoctlName.EXECBUFFER, self.kernel.submit, command,
-                  wait=wait, wait_s=self.exec_wait_s if wait else None, late_ok=True, spin=True)
+        self._run(
+            IoctlName.EXECBUFFER,
+            self.kernel.submit,
+            command,
+            wait=wait,
+            wait_s=self.exec_wait_s if wait else None,
+            late_ok=True,
+            spin=True,
+        )
 
     def stats(self) -> dict:
         """This device's counts, as the socket host's STAT: contexts, blobs, blob_bytes,
         file_bytes, ggml_buffers (-1 when the HostContext cannot count them)."""
+
         def count():
             k = self.kernel
             n = k.ggml_buffers
-            return {"contexts": int(k.ctx is not None and not k.closed), "blobs": k.memfile.blob_count,
-                    "blob_bytes": k.memfile.blob_bytes, "file_bytes": k.memfile.file_size,
-                    "ggml_buffers": -1 if n is None else n}
+            return {
+                "contexts": int(k.ctx is not None and not k.closed),
+                "blobs": k.memfile.blob_count,
+                "blob_bytes": k.memfile.blob_bytes,
+                "file_bytes": k.memfile.file_size,
+                "ggml_buffers": -1 if n is None else n,
+            }
+
         return self._run("STAT", count)
 
     def close(self) -> None:

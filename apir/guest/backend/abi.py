@@ -33,33 +33,65 @@ __all__ = ["Abi", "UnsupportedGgmlVersion", "abi_for", "SUPPORTED_VERSIONS", "IF
 # ggml 0.10.1 and 0.20.2: the two headers are identical).
 _IFACES_API2: Dict[str, List[Tuple[str, str]]] = {
     "ggml_backend_buffer_type_i": [
-        ("get_name", "p:p"), ("alloc_buffer", "p:pz"), ("get_alignment", "z:p"),
-        ("get_max_size", "z:p"), ("get_alloc_size", "z:pp"), ("is_host", "b:p"),
+        ("get_name", "p:p"),
+        ("alloc_buffer", "p:pz"),
+        ("get_alignment", "z:p"),
+        ("get_max_size", "z:p"),
+        ("get_alloc_size", "z:pp"),
+        ("is_host", "b:p"),
     ],
     "ggml_backend_buffer_i": [
-        ("free_buffer", "v:p"), ("get_base", "p:p"), ("init_tensor", "i:pp"),
-        ("memset_tensor", "v:ppBzz"), ("set_tensor", "v:pppzz"), ("get_tensor", "v:pppzz"),
-        ("set_tensor_2d", "v:pppzzzzz"), ("get_tensor_2d", "v:pppzzzzz"),
-        ("cpy_tensor", "b:ppp"), ("clear", "v:pB"), ("reset", "v:p"),
+        ("free_buffer", "v:p"),
+        ("get_base", "p:p"),
+        ("init_tensor", "i:pp"),
+        ("memset_tensor", "v:ppBzz"),
+        ("set_tensor", "v:pppzz"),
+        ("get_tensor", "v:pppzz"),
+        ("set_tensor_2d", "v:pppzzzzz"),
+        ("get_tensor_2d", "v:pppzzzzz"),
+        ("cpy_tensor", "b:ppp"),
+        ("clear", "v:pB"),
+        ("reset", "v:p"),
     ],
     "ggml_backend_i": [
-        ("get_name", "p:p"), ("free", "v:p"),
-        ("set_tensor_async", "v:pppzz"), ("get_tensor_async", "v:pppzz"),
-        ("set_tensor_2d_async", "v:pppzzzzz"), ("get_tensor_2d_async", "v:pppzzzzz"),
-        ("cpy_tensor_async", "b:pppp"), ("synchronize", "v:p"),
-        ("graph_plan_create", "p:pp"), ("graph_plan_free", "v:pp"), ("graph_plan_update", "v:ppp"),
-        ("graph_plan_compute", "i:pp"), ("graph_compute", "i:pp"),
-        ("event_record", "v:pp"), ("event_wait", "v:pp"), ("graph_optimize", "v:pp"),
+        ("get_name", "p:p"),
+        ("free", "v:p"),
+        ("set_tensor_async", "v:pppzz"),
+        ("get_tensor_async", "v:pppzz"),
+        ("set_tensor_2d_async", "v:pppzzzzz"),
+        ("get_tensor_2d_async", "v:pppzzzzz"),
+        ("cpy_tensor_async", "b:pppp"),
+        ("synchronize", "v:p"),
+        ("graph_plan_create", "p:pp"),
+        ("graph_plan_free", "v:pp"),
+        ("graph_plan_update", "v:ppp"),
+        ("graph_plan_compute", "i:pp"),
+        ("graph_compute", "i:pp"),
+        ("event_record", "v:pp"),
+        ("event_wait", "v:pp"),
+        ("graph_optimize", "v:pp"),
     ],
     "ggml_backend_device_i": [
-        ("get_name", "p:p"), ("get_description", "p:p"), ("get_memory", "v:ppp"), ("get_type", "i:p"),
-        ("get_props", "v:pp"), ("init_backend", "p:pp"), ("get_buffer_type", "p:p"),
-        ("get_host_buffer_type", "p:p"), ("buffer_from_host_ptr", "p:ppzz"), ("supports_op", "b:pp"),
-        ("supports_buft", "b:pp"), ("offload_op", "b:pp"),
-        ("event_new", "p:p"), ("event_free", "v:pp"), ("event_synchronize", "v:pp"),
+        ("get_name", "p:p"),
+        ("get_description", "p:p"),
+        ("get_memory", "v:ppp"),
+        ("get_type", "i:p"),
+        ("get_props", "v:pp"),
+        ("init_backend", "p:pp"),
+        ("get_buffer_type", "p:p"),
+        ("get_host_buffer_type", "p:p"),
+        ("buffer_from_host_ptr", "p:ppzz"),
+        ("supports_op", "b:pp"),
+        ("supports_buft", "b:pp"),
+        ("offload_op", "b:pp"),
+        ("event_new", "p:p"),
+        ("event_free", "v:pp"),
+        ("event_synchronize", "v:pp"),
     ],
     "ggml_backend_reg_i": [
-        ("get_name", "p:p"), ("get_device_count", "z:p"), ("get_device", "p:pz"),
+        ("get_name", "p:p"),
+        ("get_device_count", "z:p"),
+        ("get_device", "p:pz"),
         ("get_proc_address", "p:pp"),
     ],
 }
@@ -111,8 +143,9 @@ class Abi:
         ifaces = {}
         for cname, fields in spec.ifaces.items():
             self.protos[cname] = {name: _proto(sig) for name, sig in fields}
-            ifaces[cname] = type(cname, (ctypes.Structure,),
-                                 {"_fields_": [(n, self.protos[cname][n]) for n, _ in fields]})
+            ifaces[cname] = type(
+                cname, (ctypes.Structure,), {"_fields_": [(n, self.protos[cname][n]) for n, _ in fields]}
+            )
         P, Z = ctypes.c_void_p, ctypes.c_size_t
         self.BufferTypeI = ifaces["ggml_backend_buffer_type_i"]
         self.BufferI = ifaces["ggml_backend_buffer_i"]
@@ -123,23 +156,47 @@ class Abi:
         def struct(cname, fields):
             return type(cname, (ctypes.Structure,), {"_fields_": fields})
 
-        self.BufferType = struct("ggml_backend_buffer_type",
-                                 [("iface", self.BufferTypeI), ("device", P), ("context", P)])
-        self.Buffer = struct("ggml_backend_buffer", [("iface", self.BufferI), ("buft", P), ("context", P),
-                                                     ("size", Z), ("usage", ctypes.c_int)])
-        self.Backend = struct("ggml_backend", [("guid", P), ("iface", self.BackendI), ("device", P),
-                                               ("context", P)])
+        self.BufferType = struct(
+            "ggml_backend_buffer_type", [("iface", self.BufferTypeI), ("device", P), ("context", P)]
+        )
+        self.Buffer = struct(
+            "ggml_backend_buffer",
+            [("iface", self.BufferI), ("buft", P), ("context", P), ("size", Z), ("usage", ctypes.c_int)],
+        )
+        self.Backend = struct("ggml_backend", [("guid", P), ("iface", self.BackendI), ("device", P), ("context", P)])
         self.Device = struct("ggml_backend_device", [("iface", self.DeviceI), ("reg", P), ("context", P)])
-        self.Reg = struct("ggml_backend_reg", [("api_version", ctypes.c_int), ("iface", self.RegI),
-                                               ("context", P)])
+        self.Reg = struct("ggml_backend_reg", [("api_version", ctypes.c_int), ("iface", self.RegI), ("context", P)])
         self.DevCaps = struct("ggml_backend_dev_caps", [(c, ctypes.c_bool) for c in spec.caps])
-        self.DevProps = struct("ggml_backend_dev_props", [
-            ("name", P), ("description", P), ("memory_free", Z), ("memory_total", Z),
-            ("type", ctypes.c_int), ("device_id", P), ("caps", self.DevCaps)])
+        self.DevProps = struct(
+            "ggml_backend_dev_props",
+            [
+                ("name", P),
+                ("description", P),
+                ("memory_free", Z),
+                ("memory_total", Z),
+                ("type", ctypes.c_int),
+                ("device_id", P),
+                ("caps", self.DevCaps),
+            ],
+        )
         # C struct name -> class, for the layout test.
-        self.structs = {c.__name__: c for c in (
-            self.BufferTypeI, self.BufferI, self.BackendI, self.DeviceI, self.RegI, self.BufferType,
-            self.Buffer, self.Backend, self.Device, self.Reg, self.DevCaps, self.DevProps)}
+        self.structs = {
+            c.__name__: c
+            for c in (
+                self.BufferTypeI,
+                self.BufferI,
+                self.BackendI,
+                self.DeviceI,
+                self.RegI,
+                self.BufferType,
+                self.Buffer,
+                self.Backend,
+                self.Device,
+                self.Reg,
+                self.DevCaps,
+                self.DevProps,
+            )
+        }
         self._buffer_init = None
         self._lock = threading.Lock()
 
@@ -152,8 +209,9 @@ class Abi:
                     fn = getattr(cdll, "ggml_backend_buffer_init", None)
                     if fn is not None:
                         addr = ctypes.cast(fn, ctypes.c_void_p).value
-                        proto = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, self.BufferI,
-                                                 ctypes.c_void_p, ctypes.c_size_t)
+                        proto = ctypes.CFUNCTYPE(
+                            ctypes.c_void_p, ctypes.c_void_p, self.BufferI, ctypes.c_void_p, ctypes.c_size_t
+                        )
                         self._buffer_init = proto(addr)
                         break
                 else:
@@ -177,6 +235,7 @@ def abi_for(g) -> Abi:
             if spec is None:
                 raise UnsupportedGgmlVersion(
                     f"ggml {version!r} ({getattr(g, 'lib_dir', '?')}): apir declares the backend structs "
-                    f"of ggml-backend-impl.h only for {', '.join(SUPPORTED_VERSIONS)}")
+                    f"of ggml-backend-impl.h only for {', '.join(SUPPORTED_VERSIONS)}"
+                )
             abi = _abis[version] = Abi(version, spec)
         return abi

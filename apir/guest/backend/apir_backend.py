@@ -195,8 +195,11 @@ class ApirBackend:
         with self._lock:
             live = len(self._buffers) + len(self._backends)
         if live:
-            log.warning("ApirBackend closed with %d buffer(s)/backend(s) still alive in ggml; "
-                        "keeping its callbacks until they are freed", live)
+            log.warning(
+                "ApirBackend closed with %d buffer(s)/backend(s) still alive in ggml; "
+                "keeping its callbacks until they are freed",
+                live,
+            )
             with _retired_lock:
                 _retired.append(self)
 

@@ -105,8 +105,7 @@ def _checked_span(g, rb: RemoteBuffer, tensor: int, offset: int, size: int) -> i
     """Address of `size` bytes at `offset` into the tensor's data, inside `rb`'s mapping."""
     addr = tensor_field(g, tensor, "data") + offset
     if addr < rb.base or addr + size > rb.base + rb.size:
-        raise ValueError(f"tensor 0x{tensor:x}: [{addr:#x}, +{size}) is outside its buffer "
-                         f"[{rb.base:#x}, +{rb.size})")
+        raise ValueError(f"tensor 0x{tensor:x}: [{addr:#x}, +{size}) is outside its buffer [{rb.base:#x}, +{rb.size})")
     return addr
 
 
@@ -156,12 +155,17 @@ def build_buffer_iface(owner):
     def clear(buf, value):
         owner.client.buffer_clear(owner.buffer(buf).host_handle, value)
 
-    return cb.iface(abi.BufferI, abi.protos["ggml_backend_buffer_i"], {
-        "free_buffer": (free_buffer, None),
-        "get_base": (lambda buf: owner.buffer(buf).base, None),
-        "memset_tensor": (memset_tensor, None),
-        "set_tensor": (set_tensor, None),
-        "get_tensor": (get_tensor, None),
-        "cpy_tensor": (cpy_tensor, False),
-        "clear": (clear, None),
-    }, "buffer")
+    return cb.iface(
+        abi.BufferI,
+        abi.protos["ggml_backend_buffer_i"],
+        {
+            "free_buffer": (free_buffer, None),
+            "get_base": (lambda buf: owner.buffer(buf).base, None),
+            "memset_tensor": (memset_tensor, None),
+            "set_tensor": (set_tensor, None),
+            "get_tensor": (get_tensor, None),
+            "cpy_tensor": (cpy_tensor, False),
+            "clear": (clear, None),
+        },
+        "buffer",
+    )

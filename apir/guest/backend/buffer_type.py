@@ -33,23 +33,28 @@ def build_buffer_type_iface(owner):
         if abi.BufferType.from_address(abi.Buffer.from_address(buf).buft).device != device:
             return nbytes
         try:
-            size = owner.client.buffer_type_get_alloc_size(info.buft_handle, tensor,
-                                                           buffer_handle=owner.buffer(buf).host_handle)
+            size = owner.client.buffer_type_get_alloc_size(
+                info.buft_handle, tensor, buffer_handle=owner.buffer(buf).host_handle
+            )
             return max(nbytes, int(size))
         except Exception as exc:  # ggml has no error path here: fall back to ggml's default
             record_error("buffer_type.get_alloc_size", exc)
             return nbytes
 
-    return cb.iface(abi.BufferTypeI, abi.protos["ggml_backend_buffer_type_i"], {
-        "get_name": (lambda buft: name, None),
-        "alloc_buffer": (lambda buft, size: alloc_buffer(owner, buft, size), None),
-        "get_alignment": (lambda buft: info.alignment, 0),
-        "get_max_size": (lambda buft: info.max_size, 0),
-        "get_alloc_size": (get_alloc_size, 0),
-    }, "buffer_type")
+    return cb.iface(
+        abi.BufferTypeI,
+        abi.protos["ggml_backend_buffer_type_i"],
+        {
+            "get_name": (lambda buft: name, None),
+            "alloc_buffer": (lambda buft, size: alloc_buffer(owner, buft, size), None),
+            "get_alignment": (lambda buft: info.alignment, 0),
+            "get_max_size": (lambda buft: info.max_size, 0),
+            "get_alloc_size": (get_alloc_size, 0),
+        },
+        "buffer_type",
+    )
 
 
 def build_buffer_type(owner, iface, device_ptr: int):
     """A `ggml_backend_buffer_type` struct (Python-owned, never freed by ggml)."""
-    return owner.callbacks.keep(owner.abi.BufferType(iface=iface, device=device_ptr,
-                                                     context=owner.info.buft_handle))
+    return owner.callbacks.keep(owner.abi.BufferType(iface=iface, device=device_ptr, context=owner.info.buft_handle))

@@ -21,8 +21,7 @@ import logging
 import threading
 from typing import Callable, Dict, List
 
-__all__ = ["BackendCallbackError", "CallbackTable", "take_errors", "raise_errors", "clear_errors",
-           "record_error"]
+__all__ = ["BackendCallbackError", "CallbackTable", "take_errors", "raise_errors", "clear_errors", "record_error"]
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +91,13 @@ class CallbackTable:
                 return fn(*args)
             except BaseException as exc:  # noqa: BLE001 - nothing may unwind into C
                 try:
-                    log.error("ggml backend callback %s failed: %s: %s", name, type(exc).__name__, exc,
-                              exc_info=not isinstance(exc, (KeyboardInterrupt, SystemExit)))
+                    log.error(
+                        "ggml backend callback %s failed: %s: %s",
+                        name,
+                        type(exc).__name__,
+                        exc,
+                        exc_info=not isinstance(exc, (KeyboardInterrupt, SystemExit)),
+                    )
                     _record(name, exc)
                 except BaseException:  # noqa: BLE001 - logging itself failed; still return to C
                     pass

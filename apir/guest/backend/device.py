@@ -61,18 +61,23 @@ def build_device_iface(owner):
     def supports_buft(dev, buft):
         return abi.BufferType.from_address(buft).device == dev
 
-    return cb.iface(abi.DeviceI, abi.protos["ggml_backend_device_i"], {
-        "get_name": (lambda dev: name, None),
-        "get_description": (lambda dev: description, None),
-        "get_memory": (get_memory, None),
-        "get_type": (lambda dev: info.type, 0),
-        "get_props": (get_props, None),
-        "init_backend": (lambda dev, params: owner.init_backend(dev), None),
-        "get_buffer_type": (lambda dev: owner.device_record(dev).buffer_type_ptr, None),
-        "supports_op": (supports_op, False),
-        "supports_buft": (supports_buft, False),
-        "offload_op": (lambda dev, op: False, False),
-    }, "device")
+    return cb.iface(
+        abi.DeviceI,
+        abi.protos["ggml_backend_device_i"],
+        {
+            "get_name": (lambda dev: name, None),
+            "get_description": (lambda dev: description, None),
+            "get_memory": (get_memory, None),
+            "get_type": (lambda dev: info.type, 0),
+            "get_props": (get_props, None),
+            "init_backend": (lambda dev, params: owner.init_backend(dev), None),
+            "get_buffer_type": (lambda dev: owner.device_record(dev).buffer_type_ptr, None),
+            "supports_op": (supports_op, False),
+            "supports_buft": (supports_buft, False),
+            "offload_op": (lambda dev, op: False, False),
+        },
+        "device",
+    )
 
 
 def build_device(owner, iface, reg_ptr: int):

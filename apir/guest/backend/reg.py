@@ -69,9 +69,14 @@ def build_reg(owner):
             raise IndexError(f"device {index} of {len(ptrs)}")
         return ptrs[index]
 
-    iface = cb.iface(abi.RegI, abi.protos["ggml_backend_reg_i"], {
-        "get_name": (lambda reg: name, None),
-        "get_device_count": (lambda reg: len(owner.devices), 0),
-        "get_device": (get_device, None),
-    }, "reg")
+    iface = cb.iface(
+        abi.RegI,
+        abi.protos["ggml_backend_reg_i"],
+        {
+            "get_name": (lambda reg: name, None),
+            "get_device_count": (lambda reg: len(owner.devices), 0),
+            "get_device": (get_device, None),
+        },
+        "reg",
+    )
     return cb.keep(abi.Reg(api_version=abi.backend_api_version, iface=iface, context=None))

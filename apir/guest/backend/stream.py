@@ -17,8 +17,7 @@ __all__ = ["build_backend_iface", "new_backend", "BACKEND_NAME", "GUID", "GGML_S
 
 BACKEND_NAME = "API Remoting backend"
 # ggml_backend_remoting_guid(): the same bytes, so ggml_guid_matches tells this backend apart.
-GUID = bytes([0xb8, 0xf7, 0x4f, 0x86, 0x14, 0x03, 0x86, 0x02,
-              0x91, 0xc8, 0xdd, 0xe9, 0x02, 0x3f, 0xc0, 0x2b])
+GUID = bytes([0xB8, 0xF7, 0x4F, 0x86, 0x14, 0x03, 0x86, 0x02, 0x91, 0xC8, 0xDD, 0xE9, 0x02, 0x3F, 0xC0, 0x2B])
 GGML_STATUS_FAILED = -1  # enum ggml_status (ggml.h)
 _GUID_C = (ctypes.c_uint8 * 16).from_buffer_copy(GUID)  # static, as in the C
 
@@ -34,11 +33,16 @@ def build_backend_iface(owner):
         graph = serialize_graph(g, cgraph, owner.buffer_table)
         return int(owner.client.backend_graph_compute(graph))
 
-    return cb.iface(abi.BackendI, abi.protos["ggml_backend_i"], {
-        "get_name": (lambda backend: name, None),
-        "free": (lambda backend: owner.forget_backend(backend), None),
-        "graph_compute": (graph_compute, GGML_STATUS_FAILED),
-    }, "backend")
+    return cb.iface(
+        abi.BackendI,
+        abi.protos["ggml_backend_i"],
+        {
+            "get_name": (lambda backend: name, None),
+            "free": (lambda backend: owner.forget_backend(backend), None),
+            "graph_compute": (graph_compute, GGML_STATUS_FAILED),
+        },
+        "backend",
+    )
 
 
 def new_backend(owner, iface, device_ptr: int):

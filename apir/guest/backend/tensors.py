@@ -18,8 +18,16 @@ from apir.guest.backend.callbacks import clear_errors, raise_errors
 
 __all__ = ["numpy_dtype", "tensor_shape", "tensor_set", "tensor_get"]
 
-_PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16,
-          "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
+_PLAIN = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "F64": np.float64,
+    "BF16": np.uint16,
+    "I8": np.int8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+}
 
 
 def numpy_dtype(g, type_: int) -> np.dtype:

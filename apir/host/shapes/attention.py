@@ -6,8 +6,16 @@ test-backend-ops has no case of it.)"""
 
 from __future__ import annotations
 
-from apir.host.shapes.base import (INT_MAX, check_row_ids, dst_contiguous, fail, int_counted_rules, need,
-                                   param_f32, param_i32)
+from apir.host.shapes.base import (
+    INT_MAX,
+    check_row_ids,
+    dst_contiguous,
+    fail,
+    int_counted_rules,
+    need,
+    param_f32,
+    param_i32,
+)
 
 _PREC = (0, 10)  # GGML_PREC_DEFAULT, GGML_PREC_F32: any other makes the CPU kernel abort
 
@@ -66,8 +74,12 @@ def _flash_attn_ext(node, srcs, enums):
     if mask is not None:
         if mask.type_name != "F16" or not mask.contiguous():
             fail(node, f"mask must be contiguous F16, not {mask.type_name} nb {mask.nb}")
-        if (mask.ne[0] < k.ne[1] or mask.ne[1] < q.ne[1] or not _divides(mask.ne[2], q.ne[2])
-                or not _divides(mask.ne[3], q.ne[3])):
+        if (
+            mask.ne[0] < k.ne[1]
+            or mask.ne[1] < q.ne[1]
+            or not _divides(mask.ne[2], q.ne[2])
+            or not _divides(mask.ne[3], q.ne[3])
+        ):
             fail(node, f"mask {mask.ne} does not cover kv {k.ne[1]} for q {q.ne}")
     elif param_f32(node, 1) > 0.0:
         fail(node, "max_bias needs a mask")
@@ -271,9 +283,19 @@ def _lightning_indexer(node, srcs, enums):
         fail(node, f"mask must be F16, not {m.type_name}")
     if not (k.type_name in ("F32", "F16", "BF16") or k.type_name in enums.to_float) or k.ne[0] % k.blck_size:
         fail(node, f"k type {k.type_name} has no conversion to F32 for rows of {k.ne[0]}")
-    if (q.ne[0] != k.ne[0] or m.ne[0] != k.ne[2] or q.ne[1] != w.ne[0] or k.ne[1] != 1
-            or m.ne[1] != q.ne[2] or q.ne[2] != w.ne[1] or w.ne[2] != 1 or m.ne[2] != 1
-            or q.ne[3] != k.ne[3] or k.ne[3] != w.ne[3] or not _divides(m.ne[3], w.ne[3])):
+    if (
+        q.ne[0] != k.ne[0]
+        or m.ne[0] != k.ne[2]
+        or q.ne[1] != w.ne[0]
+        or k.ne[1] != 1
+        or m.ne[1] != q.ne[2]
+        or q.ne[2] != w.ne[1]
+        or w.ne[2] != 1
+        or m.ne[2] != 1
+        or q.ne[3] != k.ne[3]
+        or k.ne[3] != w.ne[3]
+        or not _divides(m.ne[3], w.ne[3])
+    ):
         fail(node, f"q {q.ne}, k {k.ne}, weights {w.ne} and mask {m.ne} do not fit")
     want = [k.ne[2], q.ne[2], 1, q.ne[3]]
     if node.ne != want or node.type_name != "F32":
@@ -328,8 +350,13 @@ def _dsv4_hc_post(node, srcs, _enums=None):
     x, res, post, comb = need(node, srcs, 4)
     _f32(node, [x, res, post, comb, node], ["x", "residual", "post", "comb", "result"])
     n_embd, n_tokens, hc = x.ne[0], x.ne[1], res.ne[1]
-    if (hc < 1 or x.ne[2:] != [1, 1] or res.ne != [n_embd, hc, n_tokens, 1]
-            or post.ne != [hc, n_tokens, 1, 1] or comb.ne != [hc, hc, n_tokens, 1]):
+    if (
+        hc < 1
+        or x.ne[2:] != [1, 1]
+        or res.ne != [n_embd, hc, n_tokens, 1]
+        or post.ne != [hc, n_tokens, 1, 1]
+        or comb.ne != [hc, hc, n_tokens, 1]
+    ):
         fail(node, f"x {x.ne}, residual {res.ne}, post {post.ne} and comb {comb.ne} do not fit")
     want = [n_embd, hc, n_tokens, 1]
     if node.ne != want:
@@ -337,16 +364,18 @@ def _dsv4_hc_post(node, srcs, _enums=None):
 
 
 # Every kernel here counts rows, heads or tokens in C `int` (base.int_counted).
-RULES = int_counted_rules({
-    "FLASH_ATTN_EXT": _flash_attn_ext,
-    "RWKV_WKV6": _rwkv_wkv6,
-    "GATED_LINEAR_ATTN": _gated_linear_attn,
-    "RWKV_WKV7": _rwkv_wkv7,
-    "SSM_CONV": _ssm_conv,
-    "GATED_DELTA_NET": _gated_delta_net,
-    "SSM_SCAN": _ssm_scan,
-    "LIGHTNING_INDEXER": _lightning_indexer,
-    "DSV4_HC_COMB": _dsv4_hc_comb,
-    "DSV4_HC_PRE": _dsv4_hc_pre,
-    "DSV4_HC_POST": _dsv4_hc_post,
-})
+RULES = int_counted_rules(
+    {
+        "FLASH_ATTN_EXT": _flash_attn_ext,
+        "RWKV_WKV6": _rwkv_wkv6,
+        "GATED_LINEAR_ATTN": _gated_linear_attn,
+        "RWKV_WKV7": _rwkv_wkv7,
+        "SSM_CONV": _ssm_conv,
+        "GATED_DELTA_NET": _gated_delta_net,
+        "SSM_SCAN": _ssm_scan,
+        "LIGHTNING_INDEXER": _lightning_indexer,
+        "DSV4_HC_COMB": _dsv4_hc_comb,
+        "DSV4_HC_PRE": _dsv4_hc_pre,
+        "DSV4_HC_POST": _dsv4_hc_post,
+    }
+)

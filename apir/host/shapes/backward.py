@@ -93,8 +93,12 @@ def _opt_step(node, srcs, n_states, n_params):
     (the last source) F32, `n_params` of them (GGML_ASSERT nelements), read as a flat array."""
     got = need(node, srcs, 2 + n_states + 1)
     w, params = got[0], got[-1]
-    if node.ne != w.ne or node.nb != w.nb or node.type_name != w.type_name or (
-            node.address is not None and node.address != w.address):
+    if (
+        node.ne != w.ne
+        or node.nb != w.nb
+        or node.type_name != w.type_name
+        or (node.address is not None and node.address != w.address)
+    ):
         fail(node, "result is not a view of src0")
     if w.type_name != "F32" or not w.rows_contiguous():
         fail(node, f"src0 {w.type_name} nb {w.nb}: need F32 rows of elements")
@@ -117,8 +121,14 @@ def _opt_step_sgd(node, srcs, _enums=None):
 
 
 # Every kernel here counts rows (and most elements) in C `int` (base.int_counted).
-RULES = int_counted_rules({
-    "SILU_BACK": _silu_back, "RMS_NORM_BACK": _rms_norm_back, "SOFT_MAX_BACK": _soft_max_back,
-    "CROSS_ENTROPY_LOSS": _cross_entropy_loss, "CROSS_ENTROPY_LOSS_BACK": _cross_entropy_loss_back,
-    "OPT_STEP_ADAMW": _opt_step_adamw, "OPT_STEP_SGD": _opt_step_sgd,
-})
+RULES = int_counted_rules(
+    {
+        "SILU_BACK": _silu_back,
+        "RMS_NORM_BACK": _rms_norm_back,
+        "SOFT_MAX_BACK": _soft_max_back,
+        "CROSS_ENTROPY_LOSS": _cross_entropy_loss,
+        "CROSS_ENTROPY_LOSS_BACK": _cross_entropy_loss_back,
+        "OPT_STEP_ADAMW": _opt_step_adamw,
+        "OPT_STEP_SGD": _opt_step_sgd,
+    }
+)

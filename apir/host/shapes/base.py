@@ -66,8 +66,12 @@ def op_enums(g) -> OpEnums:
                 vec_dot[name] = g.type_names[cpu.vec_dot_type]
         base = _TypeTraits.from_address(g.ggml_get_type_traits(t))
         # The mirrored layout is trusted only where it reads back what ggml reports.
-        if (base.is_quantized and base.to_float and base.blck_size == g.ggml_blck_size(t)
-                and base.type_size == g.ggml_type_size(t)):
+        if (
+            base.is_quantized
+            and base.to_float
+            and base.blck_size == g.ggml_blck_size(t)
+            and base.type_size == g.ggml_type_size(t)
+        ):
             to_float.add(name)
     version = tuple(int(x) for x in re.findall(r"\d+", g.ggml_version().decode())[:3])
     vec_dot_row = {}
@@ -75,24 +79,42 @@ def op_enums(g) -> OpEnums:
         if dot in from_float:
             a, b = blck_size[name], blck_size[dot]
             vec_dot_row[name] = a * b // math.gcd(a, b)
-    return OpEnums(glu, rope, frozenset(from_float), frozenset(to_float), version, unary=unary,
-                   vec_dot=vec_dot, blck_size=blck_size, vec_dot_row=vec_dot_row)
+    return OpEnums(
+        glu,
+        rope,
+        frozenset(from_float),
+        frozenset(to_float),
+        version,
+        unary=unary,
+        vec_dot=vec_dot,
+        blck_size=blck_size,
+        vec_dot_row=vec_dot_row,
+    )
 
 
 class _TypeTraitsCpu(ctypes.Structure):
     """`struct ggml_type_traits_cpu` (ggml-cpu.h, the same in ggml 0.10 and 0.20)."""
 
-    _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p),
-                ("vec_dot_type", ctypes.c_int), ("nrows", ctypes.c_int64)]
+    _fields_ = [
+        ("from_float", ctypes.c_void_p),
+        ("vec_dot", ctypes.c_void_p),
+        ("vec_dot_type", ctypes.c_int),
+        ("nrows", ctypes.c_int64),
+    ]
 
 
 class _TypeTraits(ctypes.Structure):
     """`struct ggml_type_traits` (ggml.h, the same in ggml 0.10 and 0.20)."""
 
-    _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64),
-                ("blck_size_interleave", ctypes.c_int64), ("type_size", ctypes.c_size_t),
-                ("is_quantized", ctypes.c_bool), ("to_float", ctypes.c_void_p),
-                ("from_float_ref", ctypes.c_void_p)]
+    _fields_ = [
+        ("type_name", ctypes.c_char_p),
+        ("blck_size", ctypes.c_int64),
+        ("blck_size_interleave", ctypes.c_int64),
+        ("type_size", ctypes.c_size_t),
+        ("is_quantized", ctypes.c_bool),
+        ("to_float", ctypes.c_void_p),
+        ("from_float_ref", ctypes.c_void_p),
+    ]
 
 
 @dataclass
@@ -235,8 +257,10 @@ def check_span(t: TensorInfo, limit: int, what: str) -> None:
     other dimensions (a 2^63-byte work buffer planned from them). Raises Refused."""
     span = span_nbytes(t)
     if span > limit:
-        raise Refused(f"{what}: ne {t.ne} spans {span} bytes of {t.type_name}, more than the {limit} "
-                      f"bytes its buffer allows (empty or aliasing elements)")
+        raise Refused(
+            f"{what}: ne {t.ne} spans {span} bytes of {t.type_name}, more than the {limit} "
+            f"bytes its buffer allows (empty or aliasing elements)"
+        )
 
 
 # Name of the attribute `empty_sources_ok` sets on a rule.
@@ -269,8 +293,11 @@ def check_empty_sources(node: TensorInfo, srcs: Sequence[TensorInfo | None], all
         return
     for k, s in enumerate(srcs):
         if s is not None and 0 in s.ne:
-            fail(node, f"src{k} {s.ne} has no elements but the result {node.ne} has: the kernel "
-                       f"would walk it by another tensor's shape")
+            fail(
+                node,
+                f"src{k} {s.ne} has no elements but the result {node.ne} has: the kernel "
+                f"would walk it by another tensor's shape",
+            )
 
 
 _ID_DTYPES = {"I32": np.int32, "I64": np.int64}
@@ -309,8 +336,7 @@ def row_ids(node: TensorInfo, ids: TensorInfo, types=("I32",), flat: bool = Fals
         return np.frombuffer(ids.snapshot, dtype=dtype, count=n).copy()
     if ids.nb[0] < dtype.itemsize and ids.ne[0] > 1:
         fail(node, f"row ids overlap (nb {ids.nb})")
-    return np.ndarray(shape=tuple(ids.ne[::-1]), dtype=dtype, buffer=ids.snapshot,
-                      strides=tuple(ids.nb[::-1])).copy()
+    return np.ndarray(shape=tuple(ids.ne[::-1]), dtype=dtype, buffer=ids.snapshot, strides=tuple(ids.nb[::-1])).copy()
 
 
 def ids_in_range(node: TensorInfo, values: Optional[np.ndarray], n_rows: int, what: str = "row id") -> None:
@@ -348,6 +374,7 @@ def int_counted_rules(rules: Dict[str, Callable]) -> Dict[str, Callable]:
         def checked(node, srcs, enums=None):
             int_counted(node, srcs)
             return rule(node, srcs, enums)
+
         return checked
 
     return {op: wrap(rule) for op, rule in rules.items()}

@@ -120,8 +120,7 @@ def _im2col(node, srcs, enums):
     ow = _conv_out(b.ne[0], a.ne[0], s0, p0, d0)
     if (is_2d and oh <= 0) or ow <= 0:
         fail(node, f"src1 {b.ne} too small for src0 {a.ne}")
-    want = ([a.ne[2] * a.ne[1] * a.ne[0], ow, oh, b.ne[3]] if is_2d
-            else [a.ne[1] * a.ne[0], ow, b.ne[2], 1])
+    want = [a.ne[2] * a.ne[1] * a.ne[0], ow, oh, b.ne[3]] if is_2d else [a.ne[1] * a.ne[0], ow, b.ne[2], 1]
     _shape(node, want, "im2col")
     if node.type_name == "F32":
         _types(node, b.type_name == "F32", a, b)
@@ -223,8 +222,11 @@ def _conv_2d(node, srcs, _enums=None):
     _positive(node, s0=s0, s1=s1)
     if a.ne[2] != b.ne[2]:
         fail(node, f"channels of src0 {a.ne} and src1 {b.ne} differ")
-    _shape(node, [_conv_out(b.ne[0], a.ne[0], s0, p0, d0), _conv_out(b.ne[1], a.ne[1], s1, p1, d1),
-                  a.ne[3], b.ne[3]], "conv_2d")
+    _shape(
+        node,
+        [_conv_out(b.ne[0], a.ne[0], s0, p0, d0), _conv_out(b.ne[1], a.ne[1], s1, p1, d1), a.ne[3], b.ne[3]],
+        "conv_2d",
+    )
     # The result has src1's type (the constructor) and is written as F32 (the kernel).
     _types(node, a.type_name in ("F32", "F16") and b.type_name == "F32" and node.type_name == "F32", a, b)
     if not _ggml_contiguous(a):  # GGML_ASSERTed
@@ -241,8 +243,16 @@ def _conv_3d(node, srcs, _enums=None):
     _positive(node, s0=s0, s1=s1, s2=s2, c=c, n=n, oc=oc)
     if a.ne[3] != c * oc or b.ne[3] != c * n:
         fail(node, f"src0 {a.ne} / src1 {b.ne} do not hold {c} channels x {oc} / {n}")
-    _shape(node, [_conv_out(b.ne[0], a.ne[0], s0, p0, d0), _conv_out(b.ne[1], a.ne[1], s1, p1, d1),
-                  _conv_out(b.ne[2], a.ne[2], s2, p2, d2), oc * n], "conv_3d")
+    _shape(
+        node,
+        [
+            _conv_out(b.ne[0], a.ne[0], s0, p0, d0),
+            _conv_out(b.ne[1], a.ne[1], s1, p1, d1),
+            _conv_out(b.ne[2], a.ne[2], s2, p2, d2),
+            oc * n,
+        ],
+        "conv_3d",
+    )
     _types(node, a.type_name in ("F32", "F16") and b.type_name == "F32" and node.type_name == "F32", a, b)
     if not _ggml_contiguous(a):  # GGML_ASSERTed
         fail(node, "src0 is not contiguous")
@@ -258,8 +268,11 @@ def _conv_2d_dw(node, srcs, enums):
     _positive(node, s0=s0, s1=s1)
     if a.ne[2] != 1 or a.ne[3] != b.ne[2]:
         fail(node, f"src0 {a.ne} is no depthwise kernel of src1 {b.ne}")
-    _shape(node, [_conv_out(b.ne[0], a.ne[0], s0, p0, d0), _conv_out(b.ne[1], a.ne[1], s1, p1, d1),
-                  b.ne[2], b.ne[3]], "conv_2d_dw")
+    _shape(
+        node,
+        [_conv_out(b.ne[0], a.ne[0], s0, p0, d0), _conv_out(b.ne[1], a.ne[1], s1, p1, d1), b.ne[2], b.ne[3]],
+        "conv_2d_dw",
+    )
     kernels = ("F32", "F16") if enums.version >= _F16_KERNELS_SINCE else ("F32",)  # 0.10 reads F32
     _types(node, a.type_name in kernels and b.type_name == "F32" and node.type_name == "F32", a, b)
     ts, ne = node.type_size, node.ne
@@ -308,8 +321,7 @@ def _conv_transpose_2d(node, srcs, _enums=None):
     _positive(node, stride=s)
     if a.ne[3] != b.ne[2]:
         fail(node, f"src0 {a.ne} and src1 {b.ne} do not match")
-    _shape(node, [(b.ne[0] - 1) * s + a.ne[0], (b.ne[1] - 1) * s + a.ne[1], a.ne[2], b.ne[3]],
-           "conv_transpose_2d")
+    _shape(node, [(b.ne[0] - 1) * s + a.ne[0], (b.ne[1] - 1) * s + a.ne[1], a.ne[2], b.ne[3]], "conv_transpose_2d")
     _types(node, a.type_name in ("F32", "F16") and b.type_name == "F32" and node.type_name == "F32", a, b)
     if a.nb[0] != a.type_size or b.nb[0] != b.type_size:  # GGML_ASSERTed
         fail(node, "sources' rows are not contiguous")
@@ -542,8 +554,7 @@ def _add_rel_pos(node, srcs, _enums=None):
     (inplace,) = _p(node, 0)
     if inplace not in (0, 1):
         fail(node, f"inplace {inplace}")
-    if (pw.ne != ph.ne or pw.ne[3] != a.ne[2] or pw.ne[0] * pw.ne[0] != a.ne[0]
-            or pw.ne[1] * pw.ne[2] != a.ne[1]):
+    if pw.ne != ph.ne or pw.ne[3] != a.ne[2] or pw.ne[0] * pw.ne[0] != a.ne[0] or pw.ne[1] * pw.ne[2] != a.ne[1]:
         fail(node, f"src1 {pw.ne} / src2 {ph.ne} do not fit src0 {a.ne}")
     _shape(node, a.ne, "add_rel_pos")
     _types(node, all(t.type_name == "F32" for t in (a, pw, ph, node)), a, pw, ph)
@@ -554,11 +565,23 @@ def _add_rel_pos(node, srcs, _enums=None):
 
 
 RULES = {
-    "IM2COL": _im2col, "IM2COL_BACK": _im2col_back, "IM2COL_3D": _im2col_3d,
-    "COL2IM_1D": _col2im_1d, "CONV_2D": _conv_2d, "CONV_3D": _conv_3d, "CONV_2D_DW": _conv_2d_dw,
-    "CONV_TRANSPOSE_1D": _conv_transpose_1d, "CONV_TRANSPOSE_2D": _conv_transpose_2d,
-    "POOL_1D": _pool_1d, "POOL_2D": _pool_2d, "POOL_2D_BACK": _pool_2d_back,
-    "UPSCALE": _upscale, "PAD_REFLECT_1D": _pad_reflect_1d, "ROLL": _roll,
-    "WIN_PART": _win_part, "WIN_UNPART": _win_unpart,
-    "GET_REL_POS": _get_rel_pos, "ADD_REL_POS": _add_rel_pos,
+    "IM2COL": _im2col,
+    "IM2COL_BACK": _im2col_back,
+    "IM2COL_3D": _im2col_3d,
+    "COL2IM_1D": _col2im_1d,
+    "CONV_2D": _conv_2d,
+    "CONV_3D": _conv_3d,
+    "CONV_2D_DW": _conv_2d_dw,
+    "CONV_TRANSPOSE_1D": _conv_transpose_1d,
+    "CONV_TRANSPOSE_2D": _conv_transpose_2d,
+    "POOL_1D": _pool_1d,
+    "POOL_2D": _pool_2d,
+    "POOL_2D_BACK": _pool_2d_back,
+    "UPSCALE": _upscale,
+    "PAD_REFLECT_1D": _pad_reflect_1d,
+    "ROLL": _roll,
+    "WIN_PART": _win_part,
+    "WIN_UNPART": _win_unpart,
+    "GET_REL_POS": _get_rel_pos,
+    "ADD_REL_POS": _add_rel_pos,
 }

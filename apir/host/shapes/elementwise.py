@@ -3,23 +3,61 @@
 from __future__ import annotations
 
 
-from apir.host.shapes.base import (INT_MAX, dst_contiguous, fail, int_counted_rules, need,
-                                      param_f32, param_i32, same_shape)
+from apir.host.shapes.base import (
+    INT_MAX,
+    dst_contiguous,
+    fail,
+    int_counted_rules,
+    need,
+    param_f32,
+    param_i32,
+    same_shape,
+)
 
 
 # (src0, src1, result) types binary_op (binary-ops.cpp) instantiates; ggml_add_impl & co. give
 # the result src0's type, ggml_add_cast (ADD only) any type, so F16 / BF16 + F32 into F32 too.
-_BINARY_TYPES = {("F32", "F32", "F32"), ("F16", "F16", "F16"), ("BF16", "BF16", "BF16"),
-                 ("BF16", "F32", "BF16"), ("F16", "F32", "F16")}
+_BINARY_TYPES = {
+    ("F32", "F32", "F32"),
+    ("F16", "F16", "F16"),
+    ("BF16", "BF16", "BF16"),
+    ("BF16", "F32", "BF16"),
+    ("F16", "F32", "F16"),
+}
 _ADD_CAST_TYPES = {("BF16", "F32", "F32"), ("F16", "F32", "F32")}
 
 
 # The quantized src0 types ggml_compute_forward_add sends to add_q_f32 (the same list in ggml
 # 0.10 and 0.20, where Q2_0 is new); any other quantized type GGML_ABORTs.
-_ADD_QUANTIZED = frozenset((
-    "Q1_0", "Q2_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "NVFP4", "Q2_K", "Q3_K", "Q4_K",
-    "Q5_K", "Q6_K", "TQ1_0", "TQ2_0", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ1_M", "IQ4_NL",
-    "IQ4_XS", "IQ3_S", "IQ2_S"))
+_ADD_QUANTIZED = frozenset(
+    (
+        "Q1_0",
+        "Q2_0",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "MXFP4",
+        "NVFP4",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "TQ1_0",
+        "TQ2_0",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ3_XXS",
+        "IQ1_S",
+        "IQ1_M",
+        "IQ4_NL",
+        "IQ4_XS",
+        "IQ3_S",
+        "IQ2_S",
+    )
+)
 
 
 def _add_quantized(node, a, b, enums):
@@ -70,8 +108,14 @@ def _soft_max(node, srcs, _enums=None):
     if mask is not None:
         if mask.type_name not in ("F32", "F16") or not mask.contiguous():
             fail(node, "mask must be contiguous F32 or F16")
-        if (mask.ne[0] != a.ne[0] or mask.ne[1] < a.ne[1] or mask.ne[2] == 0 or mask.ne[3] == 0
-                or a.ne[2] % mask.ne[2] or a.ne[3] % mask.ne[3]):
+        if (
+            mask.ne[0] != a.ne[0]
+            or mask.ne[1] < a.ne[1]
+            or mask.ne[2] == 0
+            or mask.ne[3] == 0
+            or a.ne[2] % mask.ne[2]
+            or a.ne[3] % mask.ne[3]
+        ):
             fail(node, f"mask {mask.ne} does not fit src0 {a.ne}")
     sinks = srcs[2] if len(srcs) > 2 else None
     if sinks is not None:
@@ -265,12 +309,29 @@ def _glu(node, srcs, enums):
 
 
 # Every kernel here counts rows (and most elements) in C `int` (base.int_counted).
-RULES = int_counted_rules({
-    "ADD": _binary, "SUB": _binary, "MUL": _binary, "DIV": _binary,
-    "SOFT_MAX": _soft_max, "SCALE": _scale, "NORM": _strided_norm,
-    "RMS_NORM": _norm, "L2_NORM": _strided_norm, "GROUP_NORM": _group_norm,
-    "UNARY": _unary, "GLU": _glu,
-    "SQR": _elementwise, "SQRT": _elementwise, "LOG": _elementwise, "SIN": _elementwise,
-    "COS": _elementwise, "CLAMP": _clamp, "LEAKY_RELU": _leaky_relu, "ADD1": _add1,
-    "DIAG_MASK_INF": _diag_mask, "DIAG_MASK_ZERO": _diag_mask,
-})
+RULES = int_counted_rules(
+    {
+        "ADD": _binary,
+        "SUB": _binary,
+        "MUL": _binary,
+        "DIV": _binary,
+        "SOFT_MAX": _soft_max,
+        "SCALE": _scale,
+        "NORM": _strided_norm,
+        "RMS_NORM": _norm,
+        "L2_NORM": _strided_norm,
+        "GROUP_NORM": _group_norm,
+        "UNARY": _unary,
+        "GLU": _glu,
+        "SQR": _elementwise,
+        "SQRT": _elementwise,
+        "LOG": _elementwise,
+        "SIN": _elementwise,
+        "COS": _elementwise,
+        "CLAMP": _clamp,
+        "LEAKY_RELU": _leaky_relu,
+        "ADD1": _add1,
+        "DIAG_MASK_INF": _diag_mask,
+        "DIAG_MASK_ZERO": _diag_mask,
+    }
+)

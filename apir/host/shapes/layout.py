@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from apir.host.shapes.base import (FLOAT, OpEnums, TensorInfo, dst_contiguous, fail, int_counted_rules,
-                                      need, param_f32, param_i32)
+from apir.host.shapes.base import (
+    FLOAT,
+    OpEnums,
+    TensorInfo,
+    dst_contiguous,
+    fail,
+    int_counted_rules,
+    need,
+    param_f32,
+    param_i32,
+)
 
 
 _INT_CONVERSIONS = {("F32", "I32"), ("I32", "F32")}
@@ -29,8 +38,12 @@ def _copy_types(node, src: TensorInfo, dst: TensorInfo, enums: OpEnums, is_cpy: 
         # except that with a contiguous result and a source that is not, it copies
         # ne[0] * type_size bytes per row, i.e. blck_size times a quantized row: only the
         # same-shape row copy (both rows contiguous) is taken before that path.
-        if (src.blck_size > 1 and dst.contiguous() and not src.contiguous()
-                and not (src.ne == dst.ne and src.rows_contiguous() and dst.rows_contiguous())):
+        if (
+            src.blck_size > 1
+            and dst.contiguous()
+            and not src.contiguous()
+            and not (src.ne == dst.ne and src.rows_contiguous() and dst.rows_contiguous())
+        ):
             fail(node, f"{src.type_name} copy of a non-contiguous source into a contiguous result")
         return
     if (src.type_name, dst.type_name) in _INT_CONVERSIONS:
@@ -235,12 +248,29 @@ def _top_k(node, srcs, _enums=None):
 # Leaves and views are not computed (ggml_op_is_empty): no kernel counts anything of them.
 # Every other kernel here counts rows (and most elements) in C `int` (base.int_counted).
 RULES = {
-    "NONE": _leaf, "VIEW": _view, "PERMUTE": _view, "TRANSPOSE": _view, "RESHAPE": _reshape,
-    **int_counted_rules({
-        "CPY": _cpy, "DUP": _dup, "CONT": _cont,
-        "SUM": _sum, "SUM_ROWS": _row_reduce, "MEAN": _row_reduce, "ARGMAX": _argmax,
-        "COUNT_EQUAL": _count_equal, "REPEAT": _repeat, "REPEAT_BACK": _repeat_back,
-        "CONCAT": _concat, "PAD": _pad, "ARANGE": _arange, "TIMESTEP_EMBEDDING": _timestep_embedding,
-        "ARGSORT": _argsort, "TOP_K": _top_k,
-    }),
+    "NONE": _leaf,
+    "VIEW": _view,
+    "PERMUTE": _view,
+    "TRANSPOSE": _view,
+    "RESHAPE": _reshape,
+    **int_counted_rules(
+        {
+            "CPY": _cpy,
+            "DUP": _dup,
+            "CONT": _cont,
+            "SUM": _sum,
+            "SUM_ROWS": _row_reduce,
+            "MEAN": _row_reduce,
+            "ARGMAX": _argmax,
+            "COUNT_EQUAL": _count_equal,
+            "REPEAT": _repeat,
+            "REPEAT_BACK": _repeat_back,
+            "CONCAT": _concat,
+            "PAD": _pad,
+            "ARANGE": _arange,
+            "TIMESTEP_EMBEDDING": _timestep_embedding,
+            "ARGSORT": _argsort,
+            "TOP_K": _top_k,
+        }
+    ),
 }

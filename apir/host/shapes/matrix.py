@@ -13,8 +13,20 @@ ids (test-backend-ops' ids) is fine.
 
 from __future__ import annotations
 
-from apir.host.shapes.base import (FLOAT, INT_MAX, check_row_ids, dst_contiguous, empty_sources_ok, extent, fail,
-                                      ids_in_range, int_rows, need, param_i32, row_ids)
+from apir.host.shapes.base import (
+    FLOAT,
+    INT_MAX,
+    check_row_ids,
+    dst_contiguous,
+    empty_sources_ok,
+    extent,
+    fail,
+    ids_in_range,
+    int_rows,
+    need,
+    param_i32,
+    row_ids,
+)
 
 _INT_MAX = INT_MAX  # kernels that count rows in an `int`
 # ggml-cpu's vec.h GGML_VEC_MAD_UNROLL: out_prod's F32 kernel passes src0's and src1's nb[1]
@@ -24,10 +36,35 @@ _VEC_MAD_UNROLL = 32
 # Types whose rows ggml-cpu's get_rows (and out_prod) dequantize: the quantized `case`s of
 # ggml_compute_forward_get_rows / ggml_compute_forward_out_prod (any other type aborts).
 # A type this build lacks never matches.
-_Q_ROWS = frozenset((
-    "Q1_0", "Q2_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "NVFP4", "Q2_K", "Q3_K",
-    "Q4_K", "Q5_K", "Q6_K", "TQ1_0", "TQ2_0", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ1_M",
-    "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ2_S"))
+_Q_ROWS = frozenset(
+    (
+        "Q1_0",
+        "Q2_0",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "MXFP4",
+        "NVFP4",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "TQ1_0",
+        "TQ2_0",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ3_XXS",
+        "IQ1_S",
+        "IQ1_M",
+        "IQ4_NL",
+        "IQ4_XS",
+        "IQ3_S",
+        "IQ2_S",
+    )
+)
 _GET_ROWS_Q = _Q_ROWS | {"Q8_1"}
 _OUT_PROD_Q = _Q_ROWS
 
@@ -92,8 +129,7 @@ def _mul_mat(node, srcs, enums):
     if a.ne[2] == 0 or a.ne[3] == 0 or b.ne[2] % a.ne[2] or b.ne[3] % a.ne[3]:
         fail(node, f"src0 {a.ne} cannot be broadcast to src1 {b.ne}")
     if node.ne != [a.ne[1], b.ne[1], b.ne[2], b.ne[3]]:
-        fail(node, f"shape {node.ne}, mul_mat of {a.ne} and {b.ne} gives "
-                    f"{[a.ne[1], b.ne[1], b.ne[2], b.ne[3]]}")
+        fail(node, f"shape {node.ne}, mul_mat of {a.ne} and {b.ne} gives {[a.ne[1], b.ne[1], b.ne[2], b.ne[3]]}")
     if node.type_name != "F32":
         fail(node, f"result {node.type_name} is not F32")
     hint = param_i32(node, 1) if enums.version >= _HINT_SINCE else 0
@@ -216,8 +252,17 @@ def _set_rows(node, srcs, enums):
     b, c, a = need(node, srcs, 3)
     if node.ne != a.ne or node.nb != a.nb or node.type_name != a.type_name:
         fail(node, "result is not a view of src2")
-    if (a.ne[0] != b.ne[0] or a.ne[2] != b.ne[2] or a.ne[3] != b.ne[3] or b.ne[1] != c.ne[0]
-            or c.ne[1] == 0 or c.ne[2] == 0 or b.ne[2] % c.ne[1] or b.ne[3] % c.ne[2] or c.ne[3] != 1):
+    if (
+        a.ne[0] != b.ne[0]
+        or a.ne[2] != b.ne[2]
+        or a.ne[3] != b.ne[3]
+        or b.ne[1] != c.ne[0]
+        or c.ne[1] == 0
+        or c.ne[2] == 0
+        or b.ne[2] % c.ne[1]
+        or b.ne[3] % c.ne[2]
+        or c.ne[3] != 1
+    ):
         fail(node, f"set_rows of {b.ne} into {a.ne} at {c.ne}")
     src_types = ("F32", "F16") if enums.version >= _SET_ROWS_F16_SINCE else ("F32",)
     if b.type_name not in src_types or a.type_name not in enums.from_float:
@@ -250,7 +295,11 @@ def _add_id(node, srcs, _enums=None):
 
 
 RULES = {
-    "MUL_MAT": _mul_mat, "MUL_MAT_ID": _mul_mat_id, "OUT_PROD": _out_prod,
-    "GET_ROWS": _get_rows, "GET_ROWS_BACK": _get_rows_back, "SET_ROWS": _set_rows,
+    "MUL_MAT": _mul_mat,
+    "MUL_MAT_ID": _mul_mat_id,
+    "OUT_PROD": _out_prod,
+    "GET_ROWS": _get_rows,
+    "GET_ROWS_BACK": _get_rows_back,
+    "SET_ROWS": _set_rows,
     "ADD_ID": _add_id,
 }

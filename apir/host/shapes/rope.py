@@ -33,8 +33,7 @@ def _rope(node, srcs, enums):
     # negative n_dims would start the copy of the rest before the row. Odd ne[0] would make
     # that pairwise copy read and write one element past the row (vision has no such copy:
     # its pairs (i, i + n_dims) for i <= (ne[0] - 1) / 2 stay in the row).
-    if ((ne0 % 2 and not vision) or not 0 <= n_dims <= ne0 or n_dims % 2
-            or (vision and n_dims != ne0 // 2)):
+    if (ne0 % 2 and not vision) or not 0 <= n_dims <= ne0 or n_dims % 2 or (vision and n_dims != ne0 // 2):
         fail(node, f"n_dims {n_dims} does not fit ne[0] {ne0} (mode {mode})")
     want = a.ne[2] * (4 if multi else 1)
     if pos.type_name != "I32" or pos.ne != [want, 1, 1, 1] or not pos.contiguous():
@@ -54,12 +53,13 @@ def _rope(node, srcs, enums):
             fail(node, f"frequency factors {ff.type_name} {ff.ne} do not cover n_dims {n_dims}")
         read = 4 * ((ne0 + 1) // 2)
         if ff.ne[0] < (ne0 + 1) // 2 and ff.room is not None and ff.room < read:
-            fail(node, f"frequency factors: {read} bytes read past the end of their buffer "
-                       f"({ff.room} bytes left)")
+            fail(node, f"frequency factors: {read} bytes read past the end of their buffer ({ff.room} bytes left)")
 
 
 # Every kernel here counts rows (and most elements) in C `int` (base.int_counted).
-RULES = int_counted_rules({
-    "ROPE": _rope,
-    "ROPE_BACK": _rope,
-})
+RULES = int_counted_rules(
+    {
+        "ROPE": _rope,
+        "ROPE_BACK": _rope,
+    }
+)

@@ -54,8 +54,11 @@ def _viewed_region(node, a: TensorInfo, b: TensorInfo, elem_types) -> None:
     last = [max(n - 1, 0) for n in b.ne]  # the kernels' im0..im3 (0 for an empty dim)
     end = offset + last[0] * 4 + last[1] * nb1 + last[2] * nb2 + last[3] * nb3 + 4
     if end > _nbytes_contiguous(node):
-        fail(node, f"src1 {b.ne} at offset {offset} strides {[nb1, nb2, nb3]} ends at byte {end}, "
-                   f"past the result's {_nbytes_contiguous(node)}")
+        fail(
+            node,
+            f"src1 {b.ne} at offset {offset} strides {[nb1, nb2, nb3]} ends at byte {end}, "
+            f"past the result's {_nbytes_contiguous(node)}",
+        )
 
 
 def _acc(node, srcs, _enums=None):
@@ -149,6 +152,11 @@ def _solve_tri(node, srcs, _enums=None):
 
 
 RULES = {
-    "ACC": _acc, "SET": _set, "CUMSUM": _cumsum, "FILL": _fill, "DIAG": _diag, "TRI": _tri,
+    "ACC": _acc,
+    "SET": _set,
+    "CUMSUM": _cumsum,
+    "FILL": _fill,
+    "DIAG": _diag,
+    "TRI": _tri,
     "SOLVE_TRI": _solve_tri,
 }
