@@ -378,3 +378,38 @@ def int_counted_rules(rules: Dict[str, Callable]) -> Dict[str, Callable]:
         return checked
 
     return {op: wrap(rule) for op, rule in rules.items()}
+
+
+# The quantized types ggml-cpu's kernels switch on where they dequantize a row:
+# ggml_compute_forward_add (add_q_f32), ggml_compute_forward_get_rows and
+# ggml_compute_forward_out_prod list the same `case`s in ggml 0.10 and 0.20 (Q2_0 is new in
+# 0.20; a type this build lacks never matches); any other quantized type GGML_ABORTs there.
+CPU_QUANTIZED_ROW_TYPES = frozenset(
+    (
+        "Q1_0",
+        "Q2_0",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "MXFP4",
+        "NVFP4",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "TQ1_0",
+        "TQ2_0",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ3_XXS",
+        "IQ1_S",
+        "IQ1_M",
+        "IQ4_NL",
+        "IQ4_XS",
+        "IQ3_S",
+        "IQ2_S",
+    )
+)

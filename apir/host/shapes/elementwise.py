@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 from apir.host.shapes.base import (
+    CPU_QUANTIZED_ROW_TYPES,
     INT_MAX,
     dst_contiguous,
     fail,
@@ -27,39 +28,6 @@ _BINARY_TYPES = {
 _ADD_CAST_TYPES = {("BF16", "F32", "F32"), ("F16", "F32", "F32")}
 
 
-# The quantized src0 types ggml_compute_forward_add sends to add_q_f32 (the same list in ggml
-# 0.10 and 0.20, where Q2_0 is new); any other quantized type GGML_ABORTs.
-_ADD_QUANTIZED = frozenset(
-    (
-        "Q1_0",
-        "Q2_0",
-        "Q4_0",
-        "Q4_1",
-        "Q5_0",
-        "Q5_1",
-        "Q8_0",
-        "MXFP4",
-        "NVFP4",
-        "Q2_K",
-        "Q3_K",
-        "Q4_K",
-        "Q5_K",
-        "Q6_K",
-        "TQ1_0",
-        "TQ2_0",
-        "IQ2_XXS",
-        "IQ2_XS",
-        "IQ3_XXS",
-        "IQ1_S",
-        "IQ1_M",
-        "IQ4_NL",
-        "IQ4_XS",
-        "IQ3_S",
-        "IQ2_S",
-    )
-)
-
-
 def _add_quantized(node, a, b, enums):
     """ADD of a quantized src0 (ggml_add, or ggml_add_cast into another type):
     ggml_compute_forward_add_q_f32 GGML_ASSERTs src0, src1 and the result are one shape,
@@ -67,7 +35,7 @@ def _add_quantized(node, a, b, enums):
     of src0 is dequantized (its to_float), src1's row added, and the sum written to the
     result's row with the result type's from_float, or, where that type has none, memcpy'd as
     ne0 * nb0 bytes (blck_size times a quantized row): so the result type needs from_float."""
-    if a.type_name not in _ADD_QUANTIZED or a.type_name not in enums.to_float:
+    if a.type_name not in CPU_QUANTIZED_ROW_TYPES or a.type_name not in enums.to_float:
         fail(node, f"ADD of {a.type_name} has no CPU kernel")
     if b.type_name != "F32" or b.ne != a.ne or b.nb[0] != 4:
         fail(node, f"src1 of a quantized ADD must be F32 of src0's shape, not {b.type_name} {b.ne} nb {b.nb}")

@@ -14,6 +14,7 @@ ids (test-backend-ops' ids) is fine.
 from __future__ import annotations
 
 from apir.host.shapes.base import (
+    CPU_QUANTIZED_ROW_TYPES,
     FLOAT,
     INT_MAX,
     check_row_ids,
@@ -33,40 +34,7 @@ _INT_MAX = INT_MAX  # kernels that count rows in an `int`
 # to ggml_vec_mad_f32_unroll as `int`s and steps them `i * xs` for i below it.
 _VEC_MAD_UNROLL = 32
 
-# Types whose rows ggml-cpu's get_rows (and out_prod) dequantize: the quantized `case`s of
-# ggml_compute_forward_get_rows / ggml_compute_forward_out_prod (any other type aborts).
-# A type this build lacks never matches.
-_Q_ROWS = frozenset(
-    (
-        "Q1_0",
-        "Q2_0",
-        "Q4_0",
-        "Q4_1",
-        "Q5_0",
-        "Q5_1",
-        "Q8_0",
-        "MXFP4",
-        "NVFP4",
-        "Q2_K",
-        "Q3_K",
-        "Q4_K",
-        "Q5_K",
-        "Q6_K",
-        "TQ1_0",
-        "TQ2_0",
-        "IQ2_XXS",
-        "IQ2_XS",
-        "IQ3_XXS",
-        "IQ1_S",
-        "IQ1_M",
-        "IQ4_NL",
-        "IQ4_XS",
-        "IQ3_S",
-        "IQ2_S",
-    )
-)
-_GET_ROWS_Q = _Q_ROWS | {"Q8_1"}
-_OUT_PROD_Q = _Q_ROWS
+_GET_ROWS_Q = CPU_QUANTIZED_ROW_TYPES | {"Q8_1"}  # get_rows also dequantizes Q8_1
 
 # The most work buffer a MUL_MAT_ID's row mappings may take (ggml-cpu allocates the work
 # buffer with `new` and aborts when it cannot): far above any model's (experts x ids x 8).
@@ -183,7 +151,7 @@ def _out_prod(node, srcs, enums):
         fail(node, f"src1 {b.type_name} and result {node.type_name} must be F32")
     f16 = a.type_name == "F16" and enums.version >= _OUT_PROD_F16_SINCE
     if a.type_name != "F32":
-        if not (f16 or a.type_name in _OUT_PROD_Q):
+        if not (f16 or a.type_name in CPU_QUANTIZED_ROW_TYPES):
             fail(node, f"src0 type {a.type_name} has no out_prod here")
         if a.ne[2] != b.ne[2] or a.ne[3] != b.ne[3]:
             fail(node, f"{a.type_name} src0 {a.ne} is not broadcast to src1 {b.ne}")
