@@ -318,6 +318,10 @@ SIGNATURES: Dict[str, str] = {
     "ggml_add_inplace": "p:ppp",
     "ggml_mul_inplace": "p:ppp",
     "ggml_add_cast": "p:pppi",
+    # host shape rules of what ggml 0.25 added (tests/host/test_shapes_ggml025.py)
+    "ggml_swiglu_clamp": "p:pppf",
+    "ggml_rope_set_offset": "p:pi",
+    "ggml_dsv4_hc_pre_gated": "p:pppf",
     # host shape rules (apir/host/shapes/): which types the CPU can quantize into (from_float)
     "ggml_get_type_traits_cpu": "p:i",
     "ggml_get_type_traits": "p:i",

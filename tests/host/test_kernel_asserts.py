@@ -148,6 +148,7 @@ KERNEL_ASSERTS: dict[str, dict[str, Cover]] = {
         "dst->ne[0] == nc": v(("ne", "dst", 0, 7)),
         "src0->nb[0] == sizeof(ggml_fp16_t)": v(("nb", "src0", 0, 2)),  # the F16 kernel: the same rule
         "src0->nb[0] == sizeof(float)": v(("nb", "src0", 0, 2)),
+        "r >= 0 && r < dst->ne[1]": _IDS,  # ggml 0.25 (the F16 and F32 kernels)
     },
     "MUL_MAT": {
         "ne0 == ne01": v(("ne", "dst", 0, 4)),
@@ -161,10 +162,18 @@ KERNEL_ASSERTS: dict[str, dict[str, Cover]] = {
         "nb1 <= nb2": v(("nb", "dst", 2, 16)),
         "nb2 <= nb3": v(("nb", "dst", 3, 50)),
         "src1->type == GGML_TYPE_F32": v(("type", "src1", 0, I32)),
+        # ggml 0.25 widens F16 / BF16 src1 for an F32 vec_dot_type (case 6: Q4_0 src0)
+        "!widen || vec_dot_type == GGML_TYPE_F32": v(("type", "src1", 0, "F16"), ("nb", "src1", 1, 128), case=6,
+                                                     since=(0, 25, 0)),
+        "!widen || src1->type == GGML_TYPE_F16 || src1->type == GGML_TYPE_BF16": v(("type", "src1", 0, I32),
+                                                                                   since=(0, 25, 0)),
         # ggml_compute_forward_fwht (op_params[1] = GGML_HINT_SRC0_IS_HADAMARD, ggml 0.20)
         "dst->type == GGML_TYPE_F32": v(("param", "dst", 1, 1), ("type", "dst", 0, I32)),
         "(n & (n - 1)) == 0": v(("param", "dst", 1, 1), ("ne", "src0", 0, 48), ("ne", "src1", 0, 48),
                                 since=(0, 20, 0)),
+        # ggml 0.25's fwht_impl<float or ggml_fp16_t>
+        "src1->type == (std::is_same_v<src_t, float> ? GGML_TYPE_F32 : GGML_TYPE_F16)": v(
+            ("param", "dst", 1, 1), ("type", "src1", 0, I32), since=(0, 25, 0)),
     },
     "MUL_MAT_ID": {
         "nb00 == ggml_type_size(type)": v(("nb", "src0", 0, 2)),
@@ -278,7 +287,7 @@ KERNEL_FUNCTIONS = {
     "GET_ROWS": ["get_rows_q", "get_rows_f16", "get_rows_bf16", "get_rows_f32", "get_rows"],
     "SET_ROWS": ["set_rows_impl", "set_rows"],
     "GET_ROWS_BACK": ["get_rows_back_f32_f16", "get_rows_back_f32", "get_rows_back"],
-    "MUL_MAT": ["mul_mat_one_chunk", "mul_mat", "fwht_f32", "fwht"],
+    "MUL_MAT": ["mul_mat_one_chunk", "mul_mat", "fwht_f32", "fwht_impl", "fwht"],
     "MUL_MAT_ID": ["mul_mat_id_one_chunk", "mul_mat_id"],
     "CONV_TRANSPOSE_1D": ["conv_transpose_1d_f16_f32", "conv_transpose_1d_f32", "conv_transpose_1d"],
     "IM2COL": ["im2col_f32", "im2col_f16", "im2col"], "IM2COL_BACK": ["im2col_back_f32"],
@@ -296,10 +305,17 @@ PLAN_OPS = ("CONV_TRANSPOSE_1D", "CONV_TRANSPOSE_2D")
 
 
 def _cpu_sources():
-    """(version, folder of ggml-cpu's ops.cpp and ggml-cpu.c) of the C reference builds."""
+    """(version, folder of ggml-cpu's ops.cpp and ggml-cpu.c) of the C reference builds, and of
+    ggml 0.25 in llama.cpp's tree (scripts/build-llama-cpp.sh, tests/llama/build.py)."""
+    from tests.llama.build import build_dir
+
     cache = Path(os.environ.get("APIR_CREF_CACHE", Path.home() / ".cache" / "apir" / "cref"))
-    for version, sub in (("0.20", "0.20/src/ggml"), ("0.10", "0.10/src/vendor/ggml")):
-        folder = cache / sub / "src" / "ggml-cpu"
+    for version, root in (
+        ("0.20", cache / "0.20/src/ggml"),
+        ("0.10", cache / "0.10/src/vendor/ggml"),
+        ("0.25", build_dir() / "src/vendor/llama.cpp/ggml"),
+    ):
+        folder = root / "src" / "ggml-cpu"
         if (folder / "ops.cpp").exists() and (folder / "ggml-cpu.c").exists():
             yield version, folder
 

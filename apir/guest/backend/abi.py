@@ -96,6 +96,15 @@ _IFACES_API2: Dict[str, List[Tuple[str, str]]] = {
     ],
 }
 
+# ggml 0.25.3 (llama-cpp-python 0.3.36's llama.cpp): the same tables, but graph_optimize takes a
+# third argument, `struct ggml_backend_graph_optimize_params *` (allocation dependencies).
+_IFACES_API2_OPTIMIZE_PARAMS: Dict[str, List[Tuple[str, str]]] = {
+    **_IFACES_API2,
+    "ggml_backend_i": [
+        (name, "v:ppp" if name == "graph_optimize" else sig) for name, sig in _IFACES_API2["ggml_backend_i"]
+    ],
+}
+
 # Public for the layout test: every iface struct's C name and field names.
 IFACE_FIELDS: Dict[str, List[str]] = {k: [f for f, _ in v] for k, v in _IFACES_API2.items()}
 
@@ -108,9 +117,10 @@ class _Spec:
 
 
 # A build's ggml_backend_dev_caps are what its C guest's device_get_props carries: ggml 0.20's
-# are APIR 0.2's booleans, ggml 0.10's APIR 0.1's (tests/guest_backend/test_abi.py checks them
-# against each version's header).
+# and 0.25's are APIR 0.2's booleans, ggml 0.10's APIR 0.1's (tests/guest_backend/test_abi.py
+# checks them against each version's header).
 _SPECS: Dict[str, _Spec] = {
+    "0.25.3": _Spec(2, _IFACES_API2_OPTIMIZE_PARAMS, device_props_fields(APIR_PROTOCOL_0_2)),
     "0.20.2": _Spec(2, _IFACES_API2, device_props_fields(APIR_PROTOCOL_0_2)),
     "0.10.1": _Spec(2, _IFACES_API2, device_props_fields(APIR_PROTOCOL_0_1)),
 }
