@@ -13,6 +13,7 @@ A file lock per item keeps two processes from building or unpacking it at once; 
 from __future__ import annotations
 
 import fcntl
+import os
 import subprocess
 import sys
 import zipfile
@@ -69,9 +70,12 @@ def build() -> Dict[str, str]:
         if not is_built():
             sdist = _download(LLAMA_CPP_PYTHON, LLAMA_SDIST, source=True)
             log = out / "build.log"
+            # the script's `python3` (pip download of a header wheel) is this interpreter, which
+            # has pip (Debian's system python3 may not)
+            env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
             with open(log, "w") as fh:
                 done = subprocess.run(["bash", str(BUILD_SCRIPT), str(sdist), str(out)], stdout=fh,
-                                      stderr=subprocess.STDOUT)
+                                      stderr=subprocess.STDOUT, env=env)
             if done.returncode != 0:
                 tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
                 raise BuildFailed(f"{BUILD_SCRIPT.name} failed (exit {done.returncode}); log: {log}; its end:\n{tail}")

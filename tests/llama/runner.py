@@ -73,7 +73,7 @@ class Generation:
 
 
 def generate(paths: Dict[str, str], model: Path, prompt: str, env: dict, n_predict: int = 64,
-             logits_file: Optional[Path] = None, threads: int = 2, timeout: float = 600) -> Generation:
+             logits_file: Optional[Path] = None, threads: int = 1, timeout: float = 600) -> Generation:
     """Greedy generation of `n_predict` tokens with llama_tokens; raises CalledProcessError
     (stderr in its message) when it fails."""
     prog = build_tokens_program(paths)

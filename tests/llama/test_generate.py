@@ -32,7 +32,7 @@ def _through_apir(paths, model, prompt, tmp_path, **kw):
     sock = tmp_path / "apir.sock"
     # presented as a GPU (apir.host.device_type): a remote device of type CPU is taken by
     # llama.cpp for its own CPU, which aborts on its first input (docs/llama.md)
-    with HostProcess(paths, sock, n_threads=2, device_type="gpu") as host:
+    with HostProcess(paths, sock, n_threads=1, device_type="gpu") as host:
         try:
             gen = generate(paths, model, prompt, apir_env(paths, sock), **kw)
         finally:
