@@ -14,14 +14,18 @@ from tests.interop.harness import HostProcess
 from tests.llama.runner import HOST_ERROR, apir_env, generate, local_env
 
 # Both sides run the same ggml-cpu kernels of one build on the same data, so the logits are
-# expected bit-identical; the tolerance only allows for a different split of the graph between
-# the guest's CPU backend and the host (ggml's scheduler) reordering an F32 reduction.
+# expected bit-identical (and were, for all four prompts); the tolerance only allows for a
+# different split of the graph between the guest's CPU backend and the host reordering an F32
+# reduction.
 LOGITS_ATOL = 1e-3
+# One thread on each side: on a shared 2-core machine ggml's spinning worker threads make a
+# 2-thread run many times slower (llama.cpp's -t, apir.host.n_threads); the tokens do not depend
+# on it (ggml splits rows between threads, not reductions).
 
 # CI (tox py311: -m "not (llama and slow)") runs the first only.
 PROMPTS = [
     "The capital of France is",
-    pytest.param("<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+    pytest.param("<|im_start|>user\nExplain in detail how a steam engine works.<|im_end|>\n<|im_start|>assistant\n",
                  marks=pytest.mark.slow),
     pytest.param("def fibonacci(n):", marks=pytest.mark.slow),
     pytest.param("Once upon a time, in a small village,", marks=pytest.mark.slow),
