@@ -10,7 +10,8 @@ Replies, in order (APIR wire values):
                                  its op's shape rule (apir.host.shapes) as far as it can be
                                  checked without data: what graph_compute would refuse is
                                  reported unsupported, so a guest schedules it elsewhere
-                                 instead of failing at compute
+                                 instead of failing at compute. False for every op on a
+                                 backend the host has no profile for (apir.host.profiles)
     get_buffer_type              u64 buffer type handle (opaque id)
     get_props                    bool async, host_buffer, buffer_from_host_ptr, events
                                  [, mmap_support]: the layout of the version the HandShake
@@ -31,6 +32,7 @@ from apir.ggml.backend_props import get_dev_props
 from apir.ggml.layout import tensor_record
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.graph import lib_op_enums, tensor_info
+from apir.host.profiles import CPU
 from apir.host.shapes import node_refusal
 from apir.host.tensors import Scratch, decode_inline_tensor
 
@@ -86,7 +88,12 @@ def supports_op(lib, dec, enc) -> int:
     with Scratch(lib.g, 2 + chk.limits.max_src) as scratch:
         op = decode_inline_tensor(chk, dec, scratch, "device_supports_op")
         _check_required_srcs(lib, op)
-        ok = bool(lib.g.ggml_backend_dev_supports_op(lib.dev, op)) and _rule_accepts(lib, op)
+        profile = getattr(lib, "profile", CPU)
+        ok = (
+            profile is not None
+            and bool(lib.g.ggml_backend_dev_supports_op(lib.dev, op))
+            and _rule_accepts(lib, op, profile.rules)
+        )
         enc.bool(ok)
     return BACKEND_RC_OK
 
@@ -141,7 +148,7 @@ _REQUIRED_SRCS = {
 }
 
 
-def _rule_accepts(lib, t: int) -> bool:
+def _rule_accepts(lib, t: int, rules) -> bool:
     """Whether the op's shape rule accepts inline tensor `t` (its twin) and the sources sent
     with it. The inline encoding stops at the first null source, so a later source (e.g.
     soft_max's sinks without a mask) is not seen here; graph_compute still checks it."""
@@ -152,7 +159,7 @@ def _rule_accepts(lib, t: int) -> bool:
         if not p:
             break
         srcs.append(tensor_info(lib, i + 1, tensor_record(p, dtype), None))
-    why = node_refusal(tensor_info(lib, 0, rec, None), srcs, lib_op_enums(lib))
+    why = node_refusal(tensor_info(lib, 0, rec, None), srcs, lib_op_enums(lib), rules)
     if why is not None:
         log.debug("ctx %d: device_supports_op: false, %s", lib.host.ctx_id, why)
     return why is None

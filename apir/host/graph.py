@@ -40,6 +40,7 @@ from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
 from apir.host.shapes import OpEnums, TensorInfo, check_node, op_enums
 from apir.host.shapes.base import check_span
+from apir.host.profiles import CPU, EMPTY_OPS, BackendProfile
 from apir.host.work_plan import work_budget
 from apir.host.tensors import Scratch
 
@@ -76,23 +77,21 @@ def lib_op_enums(lib) -> OpEnums:
     return enums
 
 
-# Ops the CPU does not compute (ggml_op_is_empty): their nodes write nothing.
-_EMPTY_OPS = frozenset(("NONE", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE"))
-# Ops ggml-cpu's ggml_get_n_tasks gives 1 task (ggml 0.10 and 0.20): a graph of only these
-# runs on one thread (cplan.n_threads = the most tasks of any node).
-_ONE_TASK_OPS = _EMPTY_OPS | {"GET_ROWS", "SET_ROWS", "GET_ROWS_BACK"}
+_EMPTY_OPS = EMPTY_OPS  # ops whose nodes write nothing (ggml_op_is_empty)
 
 
-def _check_graph_needs(parsed, infos, bufs, offsets, extents) -> None:
+def _check_graph_needs(parsed, infos, bufs, offsets, extents, profile: BackendProfile = CPU) -> None:
     """What rules asked of the whole graph: row ids they read before compute are not written
     by a node that runs before (or is) their last reader (a node's own result, or the sources
     an OPT_STEP_* updates in place): ggml CPU would then read other ids than those checked.
     A write after the last reader is fine (ggml's allocator reuses a consumed input's memory),
     and the kernels read the checked copy anyway (TensorInfo.snapshot). And a kernel that is
-    only safe on one thread is in a graph that the CPU runs on one thread."""
+    only safe on one thread is in a graph that the CPU runs on one thread (the profile's
+    `one_task_ops`). Where kernels read the buffer itself (not host-addressable), row ids in
+    a buffer wrapping guest memory are refused: the guest could change them after the check."""
     nodes = [int(j) for j in parsed.node_index]
     if any(info.one_thread for info in infos):
-        many = [j for j in nodes if infos[j].op_name not in _ONE_TASK_OPS]
+        many = [j for j in nodes if infos[j].op_name not in profile.one_task_ops]
         if many:
             who = next(info.index for info in infos if info.one_thread)
             raise Refused(
@@ -102,6 +101,13 @@ def _check_graph_needs(parsed, infos, bufs, offsets, extents) -> None:
     read = [i for i, info in enumerate(infos) if info.snapshot is not None]
     if not read:
         return
+    if not profile.host_addressable:
+        for i in read:
+            if bufs[i].res_id is not None:
+                raise Refused(
+                    f"graph tensor {i}: row ids in a buffer of guest memory (resource {bufs[i].res_id}), "
+                    f"which the {profile.name} backend reads after the check"
+                )
     position = {j: pos for pos, j in enumerate(nodes)}
     src_rows = parsed.src_index.tolist()
     writes = []  # (position, node, tensor it writes)
@@ -369,8 +375,12 @@ def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
     # per tensor: its HostBuffer and data offset (Python ints); recs.extents: its extent
     bufs, offsets = recs.bufs, recs.offsets.tolist()
     infos = _infos(lib, parsed, [b.base + o for b, o in zip(bufs, offsets)])
+    profile = getattr(lib, "profile", None) or CPU
     for info, b, o in zip(infos, bufs, offsets):
         info.room = b.size - o  # bytes to the end of its buffer (TensorInfo.room)
+    if not profile.host_addressable:
+        for info, b, o in zip(infos, bufs, offsets):
+            info.fetch = _fetcher(lib, b, o)
     _check_spans(lib, parsed, infos, recs)
     src_rows = parsed.src_index.tolist()
     for i in range(n):
@@ -378,16 +388,46 @@ def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
         k = len(row)
         while k and row[k - 1] < 0:
             k -= 1
-        check_node(infos[i], [infos[j] if j >= 0 else None for j in row[:k]], enums)
-    _check_graph_needs(parsed, infos, bufs, offsets, recs.extents.tolist())
+        check_node(infos[i], [infos[j] if j >= 0 else None for j in row[:k]], enums, profile.rules)
+    _check_graph_needs(parsed, infos, bufs, offsets, recs.extents.tolist(), profile)
 
     host = _create_tensors(lib, parsed, scratch, recs).tolist()
-    for info, addr in zip(infos, host):
-        if info.snapshot is not None:  # row ids: the kernel reads the copy the rule checked
-            tensor_record(addr, lib.checker.tensor_dtype)["data"] = ctypes.addressof(info.snapshot)
-            scratch.pinned.append(info.snapshot)
+    if profile.host_addressable:
+        for info, addr in zip(infos, host):
+            if info.snapshot is not None:  # row ids: the kernel reads the copy the rule checked
+                tensor_record(addr, lib.checker.tensor_dtype)["data"] = ctypes.addressof(info.snapshot)
+                scratch.pinned.append(info.snapshot)
+    if profile.device_checks_nodes:
+        _check_device_supports(lib, parsed, infos, host)
     graph = g.ggml_new_graph_custom(scratch.ctx, max(len(parsed.node_index), 1), False)
     add = g.ggml_graph_add_node
     for j in parsed.node_index.tolist():
         add(graph, host[j])
     return graph
+
+
+def _check_device_supports(lib, parsed, infos, host) -> None:
+    """Every node that computes something passes the device's own `supports_op` (a GPU
+    backend aborts on a node it has no kernel for; apir.host.profiles)."""
+    supports = lib.g.ggml_backend_dev_supports_op
+    for j in parsed.node_index.tolist():
+        if infos[j].op_name not in _EMPTY_OPS and not supports(lib.dev, host[j]):
+            raise Refused(f"node {j}: the device does not support {infos[j].op_name} of this shape and types")
+
+
+def _fetcher(lib, buf, offset: int):
+    """`TensorInfo.fetch` of a tensor at `offset` in `buf`: its first `n` bytes copied out
+    through the backend (`ggml_backend_tensor_get` on a byte tensor over them)."""
+
+    def fetch(n: int) -> ctypes.Array:
+        out = ctypes.create_string_buffer(max(n, 1))
+        if n:
+            g, chk = lib.g, lib.checker
+            with Scratch(g, 1) as s:
+                t = chk.host_tensor(
+                    s, g.types["I8"], [n, 1, 1, 1], [1, n, n, n], 0, 0, 0, b"row ids\0", buf.ptr, buf.base + offset
+                )
+                g.ggml_backend_tensor_get(t, ctypes.addressof(out), 0, n)
+        return out
+
+    return fetch
