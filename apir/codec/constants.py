@@ -110,6 +110,8 @@ APIR_LOADLIBRARY_MAX_WAIT_S = 60.0
 CONFIG_KEY_LOAD_LIBRARY_PATH = "apir.load_library.path"
 CONFIG_KEY_GGML_LIBRARY_PATH = "ggml.library.path"
 CONFIG_KEY_GGML_LIBRARY_REG = "ggml.library.reg"
+# apir's own: the ggml backend spec (apir.ggml.backend_spec) when no ggml.library.path is set
+CONFIG_KEY_BACKEND = "apir.host.backend"
 ENV_BACKEND_LIBRARY = "VIRGL_APIR_BACKEND_LIBRARY"
 ENV_GGML_LIBRARY_PATH = "APIR_LLAMA_CPP_GGML_LIBRARY_PATH"
 ENV_GGML_LIBRARY_REG = "APIR_LLAMA_CPP_GGML_LIBRARY_REG"

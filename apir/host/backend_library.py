@@ -2,10 +2,14 @@
 
 Theory of operation: the twin of ggml's `libggml-virtgpu-backend.so` (`backend.cpp`,
 `backend-dispatched.cpp`), as a `BackendLibrary`. `initialize` picks the ggml backend: with
-no `ggml.library.path` configured, the CPU device of the loaded ggml's registry
-(`ggml_backend_dev_by_type(CPU)`); with one, that shared library's registration symbol
-(`ggml.library.reg`, default `ggml_backend_init`), like the C. Device 0 of the registration
-serves every command; one `ggml_backend_t` runs the graphs.
+`ggml.library.path` configured, that shared library's registration symbol (`ggml.library.reg`,
+default `ggml_backend_init`) and its device 0, like the C; else with `apir.host.backend`
+(`apir host serve --backend`), the device that spec names in the loaded ggml's registry
+(apir.ggml.backend_spec: `cpu`, `vulkan[:N]`, `rpc:HOST:PORT[,...]`; the contexts of a host
+on several rpc servers are spread over their devices in turn); else the CPU device
+(`ggml_backend_dev_by_type(CPU)`). That device serves every command; one `ggml_backend_t` runs
+the graphs. The backend's profile (apir.host.profiles, by registration name) holds the rules
+its graphs are checked with; a backend without one computes nothing.
 
 Unlike the C, whose buffer list is process-wide, everything a guest can name lives in this
 object, one per context: buffer types and buffers by opaque id (`apir.host.handles`), each
@@ -19,10 +23,12 @@ context is being destroyed or its guest left.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 from typing import Callable, Optional
 
 from apir.codec.constants import (
+    CONFIG_KEY_BACKEND,
     CONFIG_KEY_BUFFER_BUDGET,
     CONFIG_KEY_GRAPH_TIME_LIMIT,
     CONFIG_KEY_GGML_LIBRARY_PATH,
@@ -39,14 +45,23 @@ from apir.host.handles import HostBuffer, HostBufferType, VirtualAddressSpace, n
 from apir.host.library import LibraryHost
 from apir.host.limits import DEFAULT_GRAPH_TIME_LIMIT_S, parse_limit
 from apir.host.resources import Resource
+from apir.ggml.backend_spec import BackendSpecError, resolve as resolve_backend
+from apir.host.profiles import BackendProfile, profile_for
 
-__all__ = ["PythonBackendLibrary", "GGML_BACKEND_DEVICE_TYPE_CPU", "CONFIG_KEY_BUFFER_BUDGET", "CONFIG_KEY_N_THREADS"]
+__all__ = [
+    "PythonBackendLibrary",
+    "GGML_BACKEND_DEVICE_TYPE_CPU",
+    "CONFIG_KEY_BACKEND",
+    "CONFIG_KEY_BUFFER_BUDGET",
+    "CONFIG_KEY_N_THREADS",
+]
 
 GGML_BACKEND_DEVICE_TYPE_CPU = 0  # enum ggml_backend_dev_type (ggml-backend.h)
 # Threads of a CPU-like backend (one that offers ggml_backend_set_n_threads); default: the
 # machine's cores. ggml's own default (GGML_DEFAULT_N_THREADS = 4) oversubscribes small
 # hosts, and its spinning worker threads then slow a graph down several times.
 CONFIG_KEY_N_THREADS = "apir.host.n_threads"
+_next_context = itertools.count()  # spreads contexts over the devices of a multi-device spec
 
 
 class PythonBackendLibrary:
@@ -56,6 +71,8 @@ class PythonBackendLibrary:
         self.host: Optional[LibraryHost] = None
         self.g = None
         self.reg = self.dev = self.backend = None
+        self.profile: Optional[BackendProfile] = None  # None: a backend the host has no rules for
+        self.backend_name = ""  # the ggml registration's name ("CPU", "Vulkan", "RPC", ...)
         self._ggml_cdll = None
         self.bufts, self.buffers = new_tables()
         self.vspace = VirtualAddressSpace()
@@ -82,7 +99,18 @@ class PythonBackendLibrary:
             log.error("ctx %d: cannot load ggml: %s", host.ctx_id, exc)
             return LoadRc.CANNOT_OPEN
         path = host.get_config(CONFIG_KEY_GGML_LIBRARY_PATH)
-        if path is None:
+        spec = host.get_config(CONFIG_KEY_BACKEND)
+        dev = None
+        if path is None and spec:
+            try:
+                choice = resolve_backend(g, spec)
+            except BackendSpecError as exc:
+                log.error("ctx %d: backend %r: %s", host.ctx_id, spec, exc)
+                return LoadRc.INIT_BASE_INDEX + InitRc.NO_DEVICE
+            k = next(_next_context) % len(choice.devices)
+            dev = choice.devices[k]
+            reg = g.ggml_backend_dev_backend_reg(dev)
+        elif path is None:
             dev = g.ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
             if not dev:
                 log.error("ctx %d: ggml has no CPU device", host.ctx_id)
@@ -105,10 +133,11 @@ class PythonBackendLibrary:
         if not reg:
             log.error("ctx %d: ggml backend registration failed", host.ctx_id)
             return LoadRc.INIT_BASE_INDEX + InitRc.BACKEND_REG_FAILED
-        if g.ggml_backend_reg_dev_count(reg) == 0:
-            log.error("ctx %d: ggml backend %s has no device", host.ctx_id, g.ggml_backend_reg_name(reg))
-            return LoadRc.INIT_BASE_INDEX + InitRc.NO_DEVICE
-        dev = g.ggml_backend_reg_dev_get(reg, 0)
+        if dev is None:
+            if g.ggml_backend_reg_dev_count(reg) == 0:
+                log.error("ctx %d: ggml backend %s has no device", host.ctx_id, g.ggml_backend_reg_name(reg))
+                return LoadRc.INIT_BASE_INDEX + InitRc.NO_DEVICE
+            dev = g.ggml_backend_reg_dev_get(reg, 0)
         if not dev:
             return LoadRc.INIT_BASE_INDEX + InitRc.NO_DEVICE
         backend = g.ggml_backend_dev_init(dev, None)
@@ -116,6 +145,21 @@ class PythonBackendLibrary:
             log.error("ctx %d: ggml backend initialization failed", host.ctx_id)
             return LoadRc.INIT_BASE_INDEX + InitRc.BACKEND_INIT_FAILED
         self.reg, self.dev, self.backend = reg, dev, backend
+        self.backend_name = g.ggml_backend_reg_name(reg).decode()
+        self.profile = profile_for(self.backend_name)
+        if self.profile is None:
+            log.warning(
+                "ctx %d: no profile of ggml backend %s (apir.host.profiles): it supports no op and computes no graph",
+                host.ctx_id,
+                self.backend_name,
+            )
+        log.info(
+            "ctx %d: serving on %s (%s), backend %s",
+            host.ctx_id,
+            g.ggml_backend_dev_name(dev).decode(),
+            g.ggml_backend_dev_description(dev).decode(),
+            self.backend_name,
+        )
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         g.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         self.budget = BufferBudget(BufferLimits.from_config(host.get_config, total.value, host.ctx_id))
