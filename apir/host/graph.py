@@ -87,8 +87,7 @@ def _check_graph_needs(parsed, infos, bufs, offsets, extents, profile: BackendPr
     A write after the last reader is fine (ggml's allocator reuses a consumed input's memory),
     and the kernels read the checked copy anyway (TensorInfo.snapshot). And a kernel that is
     only safe on one thread is in a graph that the CPU runs on one thread (the profile's
-    `one_task_ops`). Where kernels read the buffer itself (not host-addressable), row ids in
-    a buffer wrapping guest memory are refused: the guest could change them after the check."""
+    `one_task_ops`)."""
     nodes = [int(j) for j in parsed.node_index]
     if any(info.one_thread for info in infos):
         many = [j for j in nodes if infos[j].op_name not in profile.one_task_ops]
@@ -101,13 +100,6 @@ def _check_graph_needs(parsed, infos, bufs, offsets, extents, profile: BackendPr
     read = [i for i, info in enumerate(infos) if info.snapshot is not None]
     if not read:
         return
-    if not profile.host_addressable:
-        for i in read:
-            if bufs[i].res_id is not None:
-                raise Refused(
-                    f"graph tensor {i}: row ids in a buffer of guest memory (resource {bufs[i].res_id}), "
-                    f"which the {profile.name} backend reads after the check"
-                )
     position = {j: pos for pos, j in enumerate(nodes)}
     src_rows = parsed.src_index.tolist()
     writes = []  # (position, node, tensor it writes)
@@ -392,11 +384,15 @@ def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
     _check_graph_needs(parsed, infos, bufs, offsets, recs.extents.tolist(), profile)
 
     host = _create_tensors(lib, parsed, scratch, recs).tolist()
+    # row ids: the kernel reads the copy the rule checked (the guest may write the original,
+    # e.g. in a buffer of its memory, between the check and the kernel)
     if profile.host_addressable:
         for info, addr in zip(infos, host):
-            if info.snapshot is not None:  # row ids: the kernel reads the copy the rule checked
+            if info.snapshot is not None:
                 tensor_record(addr, lib.checker.tensor_dtype)["data"] = ctypes.addressof(info.snapshot)
                 scratch.pinned.append(info.snapshot)
+    else:
+        _point_at_device_copies(lib, scratch, [(info, addr) for info, addr in zip(infos, host) if info.snapshot])
     if profile.device_checks_nodes:
         _check_device_supports(lib, parsed, infos, host)
     graph = g.ggml_new_graph_custom(scratch.ctx, max(len(parsed.node_index), 1), False)
@@ -415,6 +411,15 @@ def _check_device_supports(lib, parsed, infos, host) -> None:
             raise Refused(f"node {j}: the device does not support {infos[j].op_name} of this shape and types")
 
 
+def _bytes_tensor(lib, scratch: Scratch, buffer: int, data: int, n: int) -> int:
+    """A 1-d I8 tensor over the `n` bytes at `data` of ggml buffer `buffer`, for copies
+    through the backend (ggml_backend_tensor_get / _set)."""
+    g = lib.g
+    return lib.checker.host_tensor(
+        scratch, g.types["I8"], [n, 1, 1, 1], [1, n, n, n], 0, 0, 0, b"row ids\0", buffer, data
+    )
+
+
 def _fetcher(lib, buf, offset: int):
     """`TensorInfo.fetch` of a tensor at `offset` in `buf`: its first `n` bytes copied out
     through the backend (`ggml_backend_tensor_get` on a byte tensor over them)."""
@@ -422,12 +427,39 @@ def _fetcher(lib, buf, offset: int):
     def fetch(n: int) -> ctypes.Array:
         out = ctypes.create_string_buffer(max(n, 1))
         if n:
-            g, chk = lib.g, lib.checker
-            with Scratch(g, 1) as s:
-                t = chk.host_tensor(
-                    s, g.types["I8"], [n, 1, 1, 1], [1, n, n, n], 0, 0, 0, b"row ids\0", buf.ptr, buf.base + offset
-                )
-                g.ggml_backend_tensor_get(t, ctypes.addressof(out), 0, n)
+            with Scratch(lib.g, 1) as s:
+                t = _bytes_tensor(lib, s, buf.ptr, buf.base + offset, n)
+                lib.g.ggml_backend_tensor_get(t, ctypes.addressof(out), 0, n)
         return out
 
     return fetch
+
+
+def _point_at_device_copies(lib, scratch: Scratch, snaps) -> None:
+    """Where kernels read device memory: the checked row ids (`snaps`: (TensorInfo with a
+    snapshot, host tensor)) copied into one buffer of the device's own type, made for this
+    graph and freed with `scratch`, and each host tensor pointed at its copy (its view_src
+    cleared: ggml-vulkan addresses a view through its source). The copies are at most the ids'
+    extents, already inside the context's charged buffers."""
+    if not snaps:
+        return
+    g = lib.g
+    buft = g.ggml_backend_dev_buffer_type(lib.dev)
+    align = max(1, g.ggml_backend_buft_get_alignment(buft))
+    offsets, total = [], 0
+    for info, _ in snaps:
+        offsets.append(total)
+        total += -(-len(info.snapshot) // align) * align
+    buf = g.ggml_backend_buft_alloc_buffer(buft, total)
+    if not buf:
+        raise Refused(f"graph: no device buffer of {total} bytes for the checked row ids")
+    scratch.buffers.append(buf)
+    base = g.ggml_backend_buffer_get_base(buf)
+    dtype = lib.checker.tensor_dtype
+    with Scratch(g, len(snaps)) as copies:
+        for (info, addr), off in zip(snaps, offsets):
+            n = len(info.snapshot)
+            t = _bytes_tensor(lib, copies, buf, base + off, n)
+            g.ggml_backend_tensor_set(t, ctypes.addressof(info.snapshot), 0, n)
+            rec = tensor_record(addr, dtype)
+            rec["buffer"], rec["data"], rec["view_src"], rec["view_offs"] = buf, base + off, 0, 0

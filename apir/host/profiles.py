@@ -21,9 +21,10 @@ Profiles (by ggml registration name):
             than Vulkan needs where they encode CPU-only limits (types without a CPU
             from_float / vec_dot, the one-thread rule): Vulkan then refuses what it could
             run, never the reverse. Row ids are read through the backend
-            (`ggml_backend_tensor_get`) since Vulkan buffers are device memory; the shader
-            reads the device copy, which no one can change between check and compute, except
-            in a buffer wrapping guest memory (buffer_from_ptr): row ids there are refused.
+            (`ggml_backend_tensor_get`) since Vulkan buffers are device memory, and, as on the
+            CPU, the kernel reads the checked copy: it is written into a device buffer made for
+            the graph, and the node's source points there (the guest may change the original,
+            e.g. in a buffer of its own memory, between the check and the kernel).
             No work-buffer bound: ggml-vulkan sizes its scratch from the graph itself.
     RPC     ggml-rpc (servers added by `rpc:HOST:PORT`): the same as Vulkan. The rpc-server's
             device runs the kernels (a CPU or a GPU of the server's), the server checks each
@@ -61,7 +62,8 @@ class BackendProfile:
     backend allocates ggml-cpu's planned work buffer (apir.host.work_plan bounds it).
     `host_addressable`: kernels read tensor memory at the host address of its buffer, so row
     ids are snapshotted by address and the kernel is pointed at the snapshot; else row ids are
-    read through `ggml_backend_tensor_get` and the kernel reads the buffer.
+    read through `ggml_backend_tensor_get` and the kernel is pointed at a device copy of the
+    snapshot (apir.host.graph).
     `device_checks_nodes`: every node must also pass the device's own `supports_op` at
     graph_compute (the backend aborts on a node it has no kernel for)."""
 

@@ -6,7 +6,7 @@
 --device: through APIR over an apir.devices spec (``unix:PATH``: an `apir host serve` process;
 ``embedded``: a host in this process computing on --backend). A process of its own because the
 ggml build (APIR_GGML_LIB_DIR) and the Vulkan driver are chosen by environment at load time.
-Prints one line: the backend's description.
+Prints the backend's description, then "batch N done" after each of --repeat batches.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     where.add_argument("--local", action="store_true")
     where.add_argument("--device")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=1, help="embed the sentences this many times, a line after each")
     p.add_argument("out")
     args = p.parse_args(argv)
 
@@ -43,11 +44,13 @@ def main(argv=None) -> int:
         device = None if args.device == "embedded" else args.device
         config = {"apir.host.backend": args.backend, "apir.host.n_threads": str(args.threads)}
         ob = open_backend(device, allow_fallback=False, config=config)
+    print(ob.description, flush=True)
     with ob:
         with MiniLM(ob.backend, ob.buft) as model:
-            out = model.embed(SENTENCES)
+            for i in range(args.repeat):
+                out = model.embed(SENTENCES)
+                print(f"batch {i + 1} done", flush=True)
     np.save(args.out, out)
-    print(ob.description)
     return 0
 
 

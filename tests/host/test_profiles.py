@@ -167,15 +167,24 @@ def test_device_memory_profile_reads_no_host_address(monkeypatch, ggml):
         guest.close()
 
 
-def test_device_memory_profile_refuses_row_ids_in_guest_memory(monkeypatch, ggml):
-    """On a backend that reads the buffer after the check, ids in a buffer wrapping guest
-    memory (buffer_from_ptr) could change in between: refused. The CPU profile points its
-    kernel at the checked copy and computes the same graph."""
-    for profile, refused in ((_DEVICE_MEMORY, True), (profiles.CPU, False)):
+def test_row_ids_in_guest_memory_are_read_from_the_checked_copy(monkeypatch, ggml):
+    """Ids in a buffer wrapping guest memory (buffer_from_ptr) can change between the check and
+    the kernel: on both kinds of profile the kernel reads the checked copy (the CPU's: the
+    snapshot itself; a device-memory one: a device buffer made for the graph, freed after).
+    The ids are rewritten in guest memory right after the graph's checks; the result is still
+    the checked ids'."""
+    from apir.host import graph as host_graph
+
+    checked_ids, later_ids = [1, 2, 3, 4, 5], [0, 0, 0, 0, 0]
+    want = _direct(ggml, _get_rows_graph, _rows_data(checked_ids))
+    assert want != _direct(ggml, _get_rows_graph, _rows_data(later_ids))
+    real_needs = host_graph._check_graph_needs
+    for profile in (_DEVICE_MEMORY, profiles.CPU):
         monkeypatch.setattr(backend_library, "profile_for", lambda name, p=profile: p)
         guest = Guest(HostContext(7))
         blob = mmap.mmap(-1, 1 << 16)
         guest.ctx.add_resource(BLOB_RES, blob)
+        s = GgmlScratch(ggml)
         try:
             rc, d = guest.forward(
                 Cmd.DEVICE_BUFFER_FROM_PTR, lambda e: (e.u32(BLOB_RES), e.size_t(1 << 16), e.size_t(1 << 16))
@@ -183,23 +192,31 @@ def test_device_memory_profile_refuses_row_ids_in_guest_memory(monkeypatch, ggml
             assert rc == 0
             handle = d.handle()
             assert handle
-            s = GgmlScratch(ggml)
             graph, inputs, y = _get_rows_graph(ggml, s.ctx)
             remote = RemoteGraph(guest, ggml, s.ctx, graph)
             # the same layout, in the guest-memory buffer instead
             table = BufferTable()
-            table.register(remote.local, handle, ggml.ggml_backend_buffer_get_base(remote.local))
-            wire = serialize_graph(ggml, graph, table).tobytes()
             base = ggml.ggml_backend_buffer_get_base(remote.local)
-            for t, d_ in zip(inputs, _rows_data([1, 2, 3, 4, 5])):
-                off = int(tensor_record(t, ggml.tensor_dtype)["data"]) - base
-                blob[off : off + len(d_)] = d_
+            table.register(remote.local, handle, base)
+            wire = serialize_graph(ggml, graph, table).tobytes()
+            offs = [int(tensor_record(t, ggml.tensor_dtype)["data"]) - base for t in inputs + [y]]
+            for off, data in zip(offs, _rows_data(checked_ids)):
+                blob[off : off + len(data)] = data
+            ids_off = offs[1]
+
+            def needs_then_rewrite(*args, **kw):
+                real_needs(*args, **kw)
+                later = np.asarray(later_ids, np.int32).tobytes()
+                blob[ids_off : ids_off + len(later)] = later
+
+            monkeypatch.setattr(host_graph, "_check_graph_needs", needs_then_rewrite)
             guest.data[: len(wire)] = wire
             rc, dec = guest.forward(Cmd.BACKEND_GRAPH_COMPUTE, lambda e: (e.u32(DATA_RES), e.size_t(len(wire))))
-            assert (rc != 0) is refused, profile.name
-            if not refused:
-                assert dec.i32() == 0
+            assert rc == 0 and dec.i32() == 0, profile.name
+            got = bytes(blob[offs[2] : offs[2] + ggml.ggml_nbytes(y)])
+            assert got == want, profile.name
+            monkeypatch.setattr(host_graph, "_check_graph_needs", real_needs)
             remote.close()
-            s.close()
         finally:
+            s.close()
             guest.close()
