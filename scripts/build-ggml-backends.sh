@@ -8,9 +8,9 @@
 #   scripts/build-ggml-backends.sh ~/.cache/apir/cref/sdist/libggml_python-0.20.2.post1.tar.gz \
 #       ~/.cache/apir/ggml-backends/0.20.2.post1
 # Outputs, named in OUTDIR/paths.env (shell syntax, one KEY=VALUE a line):
-#   build/bin/libggml-base.so libggml-cpu.so libggml-vulkan.so libggml-rpc.so libggml.so
-#       (GGML_BACKEND_DL=OFF: libggml.so's registry holds CPU, Vulkan and RPC; point apir at
-#       them with APIR_GGML_LIB_DIR=<build/bin>)
+#   build/src/libggml-base.so libggml-cpu.so libggml.so, build/src/ggml-vulkan/libggml-vulkan.so,
+#       build/src/ggml-rpc/libggml-rpc.so (GGML_BACKEND_DL=OFF: libggml.so's registry holds CPU,
+#       Vulkan and RPC; point apir at them with APIR_GGML_LIB_DIR=<build/src>)
 #   build/bin/test-backend-ops, build/bin/rpc-server (scripts/rpc-server.c)
 #   mesa/: Mesa 25.0.7's lavapipe (bookworm-backports mesa-vulkan-drivers, unpacked), with
 #       lvp_icd.json naming the library by absolute path (VK_ICD_FILENAMES)
@@ -62,11 +62,11 @@ timed() {  # timed LABEL CMD...
 apt_get() {
     local suite=$1 dir="$OUT/apt/$1"
     shift
-    mkdir -p "$dir/lists/partial" "$dir/cache/archives/partial"
+    mkdir -p "$dir/lists/partial" "$dir/cache/archives/partial" "$dir/empty.d"
     echo "deb [signed-by=$KEYRING] http://deb.debian.org/debian $suite main" > "$dir/sources.list"
-    apt-get -q -o Dir::Etc::sourcelist="$dir/sources.list" -o Dir::Etc::sourceparts=/nonexistent \
+    apt-get -q -o Dir::Etc::sourcelist="$dir/sources.list" -o Dir::Etc::sourceparts="$dir/empty.d" \
         -o Dir::State::lists="$dir/lists" -o Dir::Cache="$dir/cache" \
-        -o Dir::Etc::preferencesparts=/nonexistent -o Debug::NoLocking=1 \
+        -o Dir::Etc::preferencesparts="$dir/empty.d" -o Debug::NoLocking=1 \
         -o APT::Sandbox::User=root "$@"
 }
 # fetch_deb SUITE PACKAGE VERSION DEST: PACKAGE=VERSION unpacked into DEST (once).
@@ -142,10 +142,11 @@ for t in ggml-base ggml-cpu ggml-rpc ggml-vulkan ggml test-backend-ops; do
     timed "ninja $t" build "$t"
 done
 
+LIB="$BUILD/src"   # libggml-base, -cpu and libggml; the backends in src/ggml-<name>/
 rpc_server() {
-    local bin="$BUILD/bin"
+    local bin="$BUILD/bin" rpc="$LIB/ggml-rpc"
     nice -n 10 gcc -O2 -Wall -o "$bin/rpc-server.tmp" "$HERE/rpc-server.c" -I"$GGML/include" \
-        -L"$bin" -lggml -lggml-base -lggml-rpc -Wl,-rpath,"$bin"
+        -L"$LIB" -L"$rpc" -lggml -lggml-base -lggml-rpc -Wl,-rpath,"$LIB" -Wl,-rpath,"$rpc"
     mv "$bin/rpc-server.tmp" "$bin/rpc-server"
 }
 timed "rpc-server" rpc_server
@@ -154,14 +155,15 @@ timed "rpc-server" rpc_server
 echo "== build times (wall clock, this run, -j$JOBS) =="
 printf '%s\n' "${TIMES[@]}"
 BIN="$BUILD/bin"
-for f in libggml-base.so libggml-cpu.so libggml-vulkan.so libggml-rpc.so libggml.so test-backend-ops rpc-server; do
-    [ -e "$BIN/$f" ] || { echo "missing output $BIN/$f" >&2; exit 1; }
+for f in "$LIB"/libggml-base.so "$LIB"/libggml-cpu.so "$LIB"/libggml.so "$LIB"/ggml-vulkan/libggml-vulkan.so \
+        "$LIB"/ggml-rpc/libggml-rpc.so "$BIN"/test-backend-ops "$BIN"/rpc-server; do
+    [ -e "$f" ] || { echo "missing output $f" >&2; exit 1; }
 done
 ENVF="$OUT/paths.env"
 {
     echo "GGML_SRC=$GGML"
     echo "GGML_INCLUDE=$GGML/include"
-    echo "GGML_LIB_DIR=$BIN"
+    echo "GGML_LIB_DIR=$LIB"
     echo "TEST_BACKEND_OPS=$BIN/test-backend-ops"
     echo "RPC_SERVER=$BIN/rpc-server"
     echo "LVP_ICD=$LVP_ICD"

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import mmap
 import os
 from typing import Callable, Optional
 
 from apir.codec.constants import (
     CONFIG_KEY_BACKEND,
+    CONFIG_KEY_IMPORT_HOST_MEMORY,
     CONFIG_KEY_BUFFER_BUDGET,
     CONFIG_KEY_GRAPH_TIME_LIMIT,
     CONFIG_KEY_GGML_LIBRARY_PATH,
@@ -45,6 +47,7 @@ from apir.host.handles import HostBuffer, HostBufferType, VirtualAddressSpace, n
 from apir.host.library import LibraryHost
 from apir.host.limits import DEFAULT_GRAPH_TIME_LIMIT_S, parse_limit
 from apir.host.resources import Resource
+from apir.ggml.backend_props import get_dev_props
 from apir.ggml.backend_spec import BackendSpecError, resolve as resolve_backend
 from apir.host.profiles import BackendProfile, profile_for
 
@@ -61,6 +64,7 @@ GGML_BACKEND_DEVICE_TYPE_CPU = 0  # enum ggml_backend_dev_type (ggml-backend.h)
 # machine's cores. ggml's own default (GGML_DEFAULT_N_THREADS = 4) oversubscribes small
 # hosts, and its spinning worker threads then slow a graph down several times.
 CONFIG_KEY_N_THREADS = "apir.host.n_threads"
+_IMPORT_PROBE_SIZE = 1 << 16  # bytes of the host-memory import probe (a multiple of any page size)
 _next_context = itertools.count()  # spreads contexts over the devices of a multi-device spec
 
 
@@ -73,6 +77,9 @@ class PythonBackendLibrary:
         self.reg = self.dev = self.backend = None
         self.profile: Optional[BackendProfile] = None  # None: a backend the host has no rules for
         self.backend_name = ""  # the ggml registration's name ("CPU", "Vulkan", "RPC", ...)
+        # whether device_buffer_from_ptr wraps guest blobs (the device's buffer_from_host_ptr
+        # cap, or an import probe under apir.host.import_host_memory)
+        self.host_ptr_buffers = False
         self._ggml_cdll = None
         self.bufts, self.buffers = new_tables()
         self.vspace = VirtualAddressSpace()
@@ -146,6 +153,7 @@ class PythonBackendLibrary:
             return LoadRc.INIT_BASE_INDEX + InitRc.BACKEND_INIT_FAILED
         self.reg, self.dev, self.backend = reg, dev, backend
         self.backend_name = g.ggml_backend_reg_name(reg).decode()
+        self.host_ptr_buffers = self._host_ptr_buffers(host)
         self.profile = profile_for(self.backend_name)
         if self.profile is None:
             log.warning(
@@ -170,6 +178,30 @@ class PythonBackendLibrary:
         self.abort = ComputeAbort(g, reg, backend, time_limit_s, name=f"ctx {host.ctx_id}")
         self.checker = TensorChecker(g)
         return LoadRc.INIT_BASE_INDEX + InitRc.SUCCESS
+
+    def _host_ptr_buffers(self, host) -> bool:
+        """The device's `buffer_from_host_ptr` cap; else, under config
+        `apir.host.import_host_memory=1`, whether it imports a page-aligned probe mapping
+        (ggml-vulkan implements buffer_from_host_ptr with VK_EXT_external_memory_host but its
+        props say false: the import fails on devices without the extension)."""
+        g = self.g
+        if get_dev_props(g, self.dev).get("buffer_from_host_ptr", False):
+            return True
+        if (host.get_config(CONFIG_KEY_IMPORT_HOST_MEMORY) or "").lower() not in ("1", "true", "on", "yes"):
+            return False
+        probe = mmap.mmap(-1, _IMPORT_PROBE_SIZE)
+        try:
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(probe))
+            buf = g.ggml_backend_dev_buffer_from_host_ptr(self.dev, addr, _IMPORT_PROBE_SIZE, _IMPORT_PROBE_SIZE)
+            if buf:
+                g.ggml_backend_buffer_free(buf)
+        finally:
+            try:
+                probe.close()
+            except BufferError:  # pragma: no cover - the from_buffer view is gone by now
+                pass
+        log.info("ctx %d: host memory import %s", host.ctx_id, "works" if buf else "refused by the device")
+        return bool(buf)
 
     def _set_n_threads(self, host) -> None:
         """`ggml_backend_set_n_threads` through the registry (ggml's way to find it for any

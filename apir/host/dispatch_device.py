@@ -26,6 +26,7 @@ Replies, in order (APIR wire values):
 from __future__ import annotations
 
 import ctypes
+import mmap
 
 from apir.codec.constants import device_props_fields, negotiated_version
 from apir.ggml.backend_props import get_dev_props
@@ -105,6 +106,7 @@ def get_buffer_type(lib, dec, enc) -> int:
 
 def get_props(lib, dec, enc) -> int:
     caps = get_dev_props(lib.g, lib.dev)
+    caps["buffer_from_host_ptr"] = getattr(lib, "host_ptr_buffers", caps.get("buffer_from_host_ptr", False))
     host = lib.host
     for name in device_props_fields(negotiated_version(host.guest_version, host.host_version)):
         enc.bool(caps.get(name, False))
@@ -119,17 +121,24 @@ def buffer_from_ptr(lib, dec, enc) -> int:
     res = lib.shmem(res_id, "device_buffer_from_ptr")
     if size == 0 or size > res.size:
         raise Refused(f"device_buffer_from_ptr: size {size} does not fit resource {res_id} ({res.size} bytes)")
-    if not get_dev_props(g, lib.dev).get("buffer_from_host_ptr", False):
+    offered = getattr(lib, "host_ptr_buffers", None)
+    if offered is None:
+        offered = get_dev_props(g, lib.dev).get("buffer_from_host_ptr", False)
+    if not offered:
         raise Refused("device_buffer_from_ptr: the device cannot wrap host memory")
     align = g.ggml_backend_buft_get_alignment(g.ggml_backend_dev_buffer_type(lib.dev))
     if res.address % align:
         raise Refused(f"device_buffer_from_ptr: resource {res_id} is not {align}-byte aligned")
+    # an importing GPU wants whole pages (Vulkan: minImportedHostPointerAlignment); the blob
+    # is whole pages, so the wrapped size is rounded up within it
+    wrap = min(res.size, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
     handle = lib.hold_buffer(
-        size,
+        wrap,
         align,
-        lambda: g.ggml_backend_dev_buffer_from_host_ptr(lib.dev, res.address, size, max_tensor_size),
+        lambda: g.ggml_backend_dev_buffer_from_host_ptr(lib.dev, res.address, wrap, max_tensor_size),
         res_id=res_id,
     )
+    log.debug("ctx %d: device_buffer_from_ptr: resource %d, %d bytes wrapped", lib.host.ctx_id, res_id, wrap)
     enc.handle(handle)
     enc.handle(lib.buffers.get(handle).buft_handle if handle else 0)
     return BACKEND_RC_OK
