@@ -36,15 +36,15 @@ them into `CHECKED_OPS`.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Mapping, Optional, Sequence
+from typing import Dict, Mapping, Optional, Sequence
 
 from apir.host.errors import Refused
 from apir.host.shapes import attention, backward, conv, elementwise, layout, matrix, rope, tensor_ops
-from apir.host.shapes.base import OpEnums, TensorInfo, allows_empty_sources, check_empty_sources, op_enums
+from apir.host.shapes.base import OpEnums, Rule, TensorInfo, allows_empty_sources, check_empty_sources, op_enums
 
-__all__ = ["TensorInfo", "OpEnums", "op_enums", "check_node", "node_refusal", "CHECKED_OPS"]
+__all__ = ["TensorInfo", "OpEnums", "Rule", "op_enums", "check_node", "node_refusal", "CHECKED_OPS"]
 
-CHECKED_OPS: Dict[str, Callable] = {}
+CHECKED_OPS: Dict[str, Rule] = {}
 for _family in (elementwise, layout, matrix, rope, backward, tensor_ops, conv, attention):
     if CHECKED_OPS.keys() & _family.RULES.keys():  # two rules for one op: a merge mistake
         raise RuntimeError(f"{_family.__name__} redefines {CHECKED_OPS.keys() & _family.RULES.keys()}")
@@ -55,7 +55,7 @@ def check_node(
     node: TensorInfo,
     srcs: Sequence[Optional[TensorInfo]],
     enums: OpEnums,
-    rules: Optional[Mapping[str, Callable]] = None,
+    rules: Optional[Mapping[str, Rule]] = None,
 ) -> None:
     """Raises Refused unless `node` is what ggml would build from `srcs`. First, for every op,
     `base.check_empty_sources` (a result with elements from a source without, unless the
@@ -72,7 +72,7 @@ def node_refusal(
     node: TensorInfo,
     srcs: Sequence[Optional[TensorInfo]],
     enums: OpEnums,
-    rules: Optional[Mapping[str, Callable]] = None,
+    rules: Optional[Mapping[str, Rule]] = None,
 ) -> Optional[str]:
     """Why check_node would refuse `node`, or None: device_supports_op's view of the rules
     (with `address=None` infos the checks of row ids' values are skipped)."""
