@@ -66,12 +66,16 @@ def main(argv=None) -> int:
     p.add_argument("--backend", metavar="SPEC", default=None,
                    help="ggml backend (apir.ggml.backend_spec: cpu, vulkan:0, rpc:HOST:PORT) of the embedded "
                         "host and of the local baseline (default: ggml CPU)")
+    p.add_argument("--host-config", metavar="KEY=VALUE", action="append", default=[],
+                   help="configuration of the embedded host (repeatable), e.g. apir.host.import_host_memory=1")
     args = p.parse_args(argv)
 
     assets = load_assets()
     sentences = make_sentences(args.batch_size, args.max_words)
-    config = {"apir.host.backend": args.backend} if args.backend else None
-    target_ob = open_backend(device_spec(args.socket, args.drm), n_threads=args.threads, config=config)
+    config = dict(item.split("=", 1) for item in args.host_config)
+    if args.backend:
+        config["apir.host.backend"] = args.backend
+    target_ob = open_backend(device_spec(args.socket, args.drm), n_threads=args.threads, config=config or None)
     local_ob = open_local_device(args.backend, args.threads) if args.backend else open_local_cpu(args.threads)
     try:
         target = MiniLM(target_ob.backend, target_ob.buft, assets=assets)
