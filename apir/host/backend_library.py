@@ -95,6 +95,9 @@ class PythonBackendLibrary:
         # whether device_buffer_from_ptr wraps guest blobs (the device's buffer_from_host_ptr
         # cap, or an import probe under apir.host.import_host_memory)
         self.host_ptr_buffers = False
+        # (ggml_backend_buffer_t, size) of the device buffer the checked row ids are copied into
+        # on a backend whose kernels read device memory (apir.host.graph); kept between graphs
+        self._ids_buffer: Optional[tuple] = None
         self.bufts, self.buffers = new_tables()
         self.vspace = VirtualAddressSpace()
         self._abort: Optional[ComputeAbort] = None  # graph time limit and cancellation
@@ -271,6 +274,23 @@ class PythonBackendLibrary:
         log.info("ctx %d: host memory import %s", host.ctx_id, "works" if buf else "refused by the device")
         return bool(buf)
 
+    def ids_buffer(self, size: int) -> int:
+        """A device buffer (the device's own type) of at least `size` bytes for the checked row
+        ids of one graph (apir.host.graph), kept and grown between graphs: allocating device
+        memory per graph costs more than the graph on a GPU. 0 when ggml cannot allocate.
+        Not charged to the budget: at most the ids' extents, inside the context's buffers."""
+        g = self.g
+        if self._ids_buffer is not None and self._ids_buffer[1] >= size:
+            return self._ids_buffer[0]
+        if self._ids_buffer is not None:
+            g.ggml_backend_buffer_free(self._ids_buffer[0])
+            self._ids_buffer = None
+        size = max(size, 1 << 16)
+        buf = g.ggml_backend_buft_alloc_buffer(g.ggml_backend_dev_buffer_type(self.dev), size)
+        if buf:
+            self._ids_buffer = (buf, size)
+        return buf or 0
+
     def _set_n_threads(self, host: LibraryHost) -> None:
         """`ggml_backend_set_n_threads` through the registry (ggml's way to find it for any
         backend that has threads), with config `apir.host.n_threads` or the core count."""
@@ -302,6 +322,9 @@ class PythonBackendLibrary:
         self.cancel_compute("the context is destroyed")
         for handle, _ in self.buffers.items():
             self.free_buffer(handle)
+        if self._ids_buffer is not None and self._g is not None:
+            self._g.ggml_backend_buffer_free(self._ids_buffer[0])
+            self._ids_buffer = None
         if self._backend and self._g is not None:
             self._g.ggml_backend_free(self._backend)
         self._backend = self._dev = self.reg = None

@@ -444,9 +444,10 @@ def _fetcher(lib, buf, offset: int):
 
 def _point_at_device_copies(lib, scratch: Scratch, snaps) -> None:
     """Where kernels read device memory: the checked row ids (`snaps`: (TensorInfo with a
-    snapshot, host tensor)) copied into one buffer of the device's own type, made for this
-    graph and freed with `scratch`, and each host tensor pointed at its copy (its view_src
-    cleared: ggml-vulkan addresses a view through its source). The copies are at most the ids'
+    snapshot, host tensor)) copied, in one transfer, into a buffer of the device's own type
+    (the context's `ids_buffer`, kept between graphs; else one made for this graph and freed
+    with `scratch`), and each host tensor pointed at its copy (its view_src cleared:
+    ggml-vulkan addresses a view through its source). The copies are at most the ids'
     extents, already inside the context's charged buffers."""
     if not snaps:
         return
@@ -457,16 +458,19 @@ def _point_at_device_copies(lib, scratch: Scratch, snaps) -> None:
     for info, _ in snaps:
         offsets.append(total)
         total += -(-len(info.snapshot) // align) * align
-    buf = g.ggml_backend_buft_alloc_buffer(buft, total)
+    keep = getattr(lib, "ids_buffer", None)
+    buf = keep(total) if keep is not None else g.ggml_backend_buft_alloc_buffer(buft, total)
     if not buf:
         raise Refused(f"graph: no device buffer of {total} bytes for the checked row ids")
-    scratch.buffers.append(buf)
+    if keep is None:
+        scratch.buffers.append(buf)
     base = g.ggml_backend_buffer_get_base(buf)
+    staging = (ctypes.c_char * total)()
+    for (info, _), off in zip(snaps, offsets):
+        staging[off : off + len(info.snapshot)] = info.snapshot.raw
+    with Scratch(g, 1) as copies:
+        g.ggml_backend_tensor_set(_bytes_tensor(lib, copies, buf, base, total), ctypes.addressof(staging), 0, total)
     dtype = lib.checker.tensor_dtype
-    with Scratch(g, len(snaps)) as copies:
-        for (info, addr), off in zip(snaps, offsets):
-            n = len(info.snapshot)
-            t = _bytes_tensor(lib, copies, buf, base + off, n)
-            g.ggml_backend_tensor_set(t, ctypes.addressof(info.snapshot), 0, n)
-            rec = tensor_record(addr, dtype)
-            rec["buffer"], rec["data"], rec["view_src"], rec["view_offs"] = buf, base + off, 0, 0
+    for (_, addr), off in zip(snaps, offsets):
+        rec = tensor_record(addr, dtype)
+        rec["buffer"], rec["data"], rec["view_src"], rec["view_offs"] = buf, base + off, 0, 0
