@@ -55,12 +55,12 @@ __all__ = [
 
 
 def get_device_count(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
-    enc.i32(lib.g.ggml_backend_reg_dev_count(lib.reg))
+    enc.i32(_device_count(lib))
     return BACKEND_RC_OK
 
 
 def get_count(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
-    enc.i32(lib.g.ggml_backend_reg_dev_count(lib.reg))
+    enc.i32(_device_count(lib))
     return BACKEND_RC_OK
 
 
@@ -149,6 +149,13 @@ def buffer_from_ptr(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> in
 
 
 # --- helpers ---------------------------------------------------------------------------------
+def _device_count(lib: PythonBackendLibrary) -> int:
+    """The registration's device count, as the C answers; at least 1: ggml-rpc's registration
+    enumerates none (its servers' devices hang off per-server registrations), yet the host
+    serves one of them."""
+    return max(1, lib.g.ggml_backend_reg_dev_count(lib.reg))
+
+
 # Sources ggml-cpu's supports_op dereferences for these ops (ggml-cpu.cpp), by op name.
 _REQUIRED_SRCS = {
     "MUL_MAT": 2,
