@@ -12,8 +12,17 @@ import pytest
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.host.shapes import op_enums
-from tests.host.shapekit import ERROR, Case, Remote, _in, _ints, assert_computes_like_cpu, case_tests, rule_refusal
-from tests.host.test_shapes_more import _random_blocks
+from tests.host.shapekit import (
+    ERROR,
+    Case,
+    Remote,
+    _in,
+    _ints,
+    assert_computes_like_cpu,
+    case_tests,
+    random_blocks,
+    rule_refusal,
+)
 
 
 def _f16_blocks(block_bytes, blck=32):
@@ -155,12 +164,12 @@ CASES = [
     Case("GET_ROWS", _get_rows("F32", view=True), lie=(-1, 0, -1), data={1: _ints(6)}),
     Case("GET_ROWS", _get_rows("I32"), data={0: lambda n, r: r.integers(-99, 99, n).astype(np.int32), 1: _ints(6)}),
     Case("GET_ROWS", _get_rows("BF16"), data={0: _bf16, 1: _ints(6)}),
-    Case("GET_ROWS", _get_rows("Q6_K", n=256, view=True), lie=(0, 2, 1), data={0: _random_blocks(210, 256), 1: _ints(6)}),
+    Case("GET_ROWS", _get_rows("Q6_K", n=256, view=True), lie=(0, 2, 1), data={0: random_blocks(210, 256), 1: _ints(6)}),
     Case("GET_ROWS_BACK", _get_rows_back("F32"), lie=(0, 1, -2), data={1: _ints(6)}),
     Case("GET_ROWS_BACK", _get_rows_back("F16", view=True), lie=(0, 0, -2), data={1: _ints(6)}),
     Case("SET_ROWS", _set_rows("F32", "Q8_0", "I32", view=True), lie=(0, 2, 1), data={0: Q8_0, 2: _ints(10, np.int32)}),
     Case("SET_ROWS", _set_rows("F32", "F32", "I64"), data={2: _ints(10, np.int64)}),
-    Case("SET_ROWS", _set_rows("F32", "IQ4_NL", "I64"), lie=(-1, 1, -1), data={0: _random_blocks(18), 2: _ints(10, np.int64)}),
+    Case("SET_ROWS", _set_rows("F32", "IQ4_NL", "I64"), lie=(-1, 1, -1), data={0: random_blocks(18), 2: _ints(10, np.int64)}),
     Case("ADD_ID", _add_id(), lie=(1, 0, -1), data={2: _ints(5)}),
     Case("ADD_ID", _add_id(view=False, n_used=5), lie=(-1, 1, -1), data={2: _ints(5)}),
 ]

@@ -20,6 +20,8 @@ from tests.host.shapekit import (
     _ints,
     case_tests,
     g_nb,
+    random_blocks,
+    zero_blocks,
 )
 
 
@@ -59,22 +61,6 @@ def _two(fn, ne_b=(8, 3, 2), type_name="F32"):
 def _set_rows(g, ctx):
     dst, src, ids = _in(g, ctx, "F16", 8, 10, 2), _in(g, ctx, "F32", 8, 3, 2), _in(g, ctx, "I64", 3, 2)
     return g.ggml_set_rows(ctx, dst, src, ids), [dst, src, ids]
-
-
-def _rope(mode_name, ff=False, multi=False):
-    def build(g, ctx):
-        mode = op_enums(g).rope[mode_name]
-        vision = mode_name == "VISION"
-        a = _in(g, ctx, "F32", 16, 2, 3)
-        pos = _in(g, ctx, "I32", 3 * (4 if multi else 1))
-        c = _in(g, ctx, "F32", 8) if ff else None
-        ins = [a, pos] + ([c] if ff else [])
-        args = (10000.0, 1.0, 0.0, 1.0, 32.0, 1.0)
-        if multi:
-            sections = (ctypes.c_int * 4)(*((4, 4, 0, 0) if vision else (2, 3, 3, 0)))
-            return g.ggml_rope_multi(ctx, a, pos, c, 8 if vision else 12, sections, mode, 0, *args), ins
-        return g.ggml_rope_ext(ctx, a, pos, c, 12, mode, 0, *args), ins
-    return build
 
 
 def _permuted(g, ctx, type_name, *ne):
@@ -121,14 +107,6 @@ def _cont_of_view(type_name):
         v = g.ggml_view_3d(ctx, a, 7, 5, 2, g_nb(g, a, 1), g_nb(g, a, 2), 2 * g_nb(g, a, 0))
         return g.ggml_cont(ctx, v), [a]
     return build
-
-
-def _random_blocks(block_bytes, blck=32):
-    return lambda n, rng: rng.integers(0, 256, n // blck * block_bytes).astype(np.uint8)
-
-
-def _zero_blocks(block_bytes, blck=32):
-    return lambda n, rng: np.zeros(n // blck * block_bytes, np.uint8)
 
 
 # ggml >= 0.20 (the default ggml here): norms of strided rows (0.10's kernels assume packed rows)
@@ -178,17 +156,13 @@ CASES = [
         _in(g, c, "F32", 5))),
     Case("ARGSORT", _one(lambda g, c, a: g.ggml_argsort(c, a, 1))),
     Case("TOP_K", _one(lambda g, c, a: g.ggml_top_k(c, a, 3)), lie=(-1, 1, -1)),
-    Case("ROPE", _rope("NORMAL"), lie=(1, 0, -1), data={1: _ints(100)}),
-    Case("ROPE", _rope("NEOX", ff=True), lie=(2, 0, -6), data={1: _ints(100), 2: lambda n, r: r.random(n).astype(np.float32) + 1}),
-    Case("ROPE", _rope("MROPE", multi=True), lie=(1, 0, -3), data={1: _ints(100)}),
-    Case("ROPE", _rope("VISION", multi=True), lie=(-1, 0, -2), data={1: _ints(100)}),
     Case("SET_ROWS", _set_rows, lie=(-1, 1, -1), data={2: _ints(10, np.int64)}),
     Case("ADD", _bin_permuted("ggml_add")),
     Case("MUL", _bin_permuted("ggml_mul")),
     Case("UNARY", _gelu_of_view),
-    Case("CPY", _cpy_permuted_to("Q8_0"), lie=(-1, 1, -1), data={1: _zero_blocks(34)}),
-    Case("CPY", _cpy_permuted_to("Q5_1"), lie=(-1, 2, -1), data={1: _zero_blocks(24)}),
-    Case("CPY", _cpy_quantized_to_f32, lie=(-1, 1, -1), data={0: _random_blocks(34), 1: _zero_blocks(4, 1)}),
+    Case("CPY", _cpy_permuted_to("Q8_0"), lie=(-1, 1, -1), data={1: zero_blocks(34)}),
+    Case("CPY", _cpy_permuted_to("Q5_1"), lie=(-1, 2, -1), data={1: zero_blocks(24)}),
+    Case("CPY", _cpy_quantized_to_f32, lie=(-1, 1, -1), data={0: random_blocks(34), 1: zero_blocks(4, 1)}),
     Case("CONT", _cont_of_view("I32"), lie=(-1, 1, -1), data={0: lambda n, r: r.integers(-9, 9, n).astype(np.int32)}),
     Case("CONT", _cont_of_view("F16")),
     *STRIDED_NORMS,
@@ -215,7 +189,6 @@ def test_set_rows_ids_out_of_range(guest, ggml, bad, caplog):
 @pytest.mark.parametrize("op_param,value", [
     ("L2_NORM", np.float32(np.nan)), ("L2_NORM", np.float32(-1.0)), ("GROUP_NORM", 0),
     ("ARGSORT", 2), ("DIAG_MASK_INF", -1), ("GLU", 99), ("CONCAT", 4), ("PAD", -1),
-    ("ROPE", 7), ("ROPE", 3), ("ROPE", 18),
 ])
 def test_bad_op_params_are_refused(guest, ggml, op_param, value, caplog):
     """op_params a kernel GGML_ASSERTs or aborts on (eps >= 0, group count, sort order,
@@ -224,7 +197,7 @@ def test_bad_op_params_are_refused(guest, ggml, op_param, value, caplog):
     r = Remote(guest, ggml, case)
     recs = r.recs.copy()
     i = r.index(r.out)
-    slot = 1 if op_param in ("PAD", "ROPE") else 0  # ROPE: n_dims (odd, too large)
+    slot = 1 if op_param == "PAD" else 0
     recs["op_params"][i][slot] = np.array([value]).astype(np.float32 if isinstance(value, np.floating) else np.int32).view(np.int32)[0]
     with caplog.at_level(logging.WARNING, logger="apir.host"):
         rc, _ = r.compute(recs)
@@ -241,7 +214,7 @@ def test_cpy_to_quantized_with_longer_source_rows_is_refused(guest, ggml, caplog
         a, dst = _in(g, ctx, "F32", 64, 2), _in(g, ctx, "Q8_0", 32, 4)
         return g.ggml_cpy(ctx, a, dst), [a, dst]
 
-    r = Remote(guest, ggml, Case("CPY", build, data={1: _zero_blocks(34)}))
+    r = Remote(guest, ggml, Case("CPY", build, data={1: zero_blocks(34)}))
     with caplog.at_level(logging.WARNING, logger="apir.host"):
         rc, _ = r.compute()
     assert rc == ERROR and "(CPY): src0 rows of 64 do not fit Q8_0 rows of 32" in caplog.text, caplog.text
@@ -257,7 +230,7 @@ def test_concat_quantized(guest, ggml, dim):
         a, b = _in(g, ctx, "Q8_0", 64, 3, 2), _in(g, ctx, "Q8_0", *((32, 3, 2) if dim == 0 else (64, 2, 2)))
         return g.ggml_concat(ctx, a, b, dim), [a, b]
 
-    case = Case("CONCAT", build, data={0: _random_blocks(34), 1: _random_blocks(34)})
+    case = Case("CONCAT", build, data={0: random_blocks(34), 1: random_blocks(34)})
     r = Remote(guest, ggml, case)
     rc, dec = r.compute()
     if op_enums(ggml).version < (0, 20, 0):
@@ -276,7 +249,7 @@ def test_quantized_copy_walked_as_elements_is_refused(guest, ggml, caplog):
         v = g.ggml_view_2d(ctx, a, 32, 4, g_nb(g, a, 1), 0)
         return g.ggml_cpy(ctx, v, _in(g, ctx, "Q8_0", 64, 2)), [a]
 
-    r = Remote(guest, ggml, Case("CPY", build, data={0: _zero_blocks(34)}))
+    r = Remote(guest, ggml, Case("CPY", build, data={0: zero_blocks(34)}))
     with caplog.at_level(logging.WARNING, logger="apir.host"):
         rc, _ = r.compute()
     assert rc == ERROR and "Q8_0 copy of a non-contiguous source into a contiguous result" in caplog.text
@@ -287,10 +260,10 @@ def _minilm_graph(g, ctx):
     """A 2-layer, 64-wide BERT through apir.models.bert_graph (the MiniLM graph's ops)."""
     from apir.models.assets import BertConfig
     from apir.models.bert_graph import build_graph, weight_ne
-    from tests.models.test_bert_graph import _tiny_weights
+    from tests.models.reference import tiny_weights
 
     cfg = BertConfig(50, 64, 2, 4, 96, 40, 2, 1e-12, "gelu", 40)
-    w = _tiny_weights(np.random.default_rng(1), 64, 96, 2, 50, 40)
+    w = tiny_weights(np.random.default_rng(1), 64, 96, 2, 50, 40)
     tensors = {}
     for name, arr in w.items():
         ne = weight_ne(arr.shape)
@@ -336,3 +309,17 @@ def test_minilm_graph_matches_ggml_cpu(guest, ggml):
     assert outs[1] == outs[0]
     emb = np.frombuffer(outs[0], np.float32).reshape(3, 64)
     np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, rtol=1e-5)  # L2_NORM ran
+
+
+def test_soft_max_empty_sinks_are_refused(guest, ggml):
+    """sinks [ne[2], 0] (issue 13 class 1): the kernel still reads sinks[i02]; refused before
+    the rule, by the empty-source check."""
+    from apir.host.shapes import base
+    from tests.host.shapekit import assert_refused_by_rule, refusal
+
+    r = Remote(guest, ggml, Case("SOFT_MAX", _sinks))
+    recs = r.recs.copy()
+    recs["ne"][r.index(r.inputs[2])][1] = 0
+    assert_refused_by_rule(refusal(r, recs), "SOFT_MAX", r.index(r.out), "src2 [3, 0, 1, 1] has no elements",
+                           rule=base.check_empty_sources)
+    r.close()

@@ -211,12 +211,30 @@ def param_f32(node: TensorInfo, i: int) -> float:
 def need(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]], n: int) -> List[TensorInfo]:
     got = list(srcs[:n])
     if len(got) < n or any(s is None for s in got):
-        raise Refused(f"node {node.index} ({node.op_name}) needs {n} sources")
+        raise Refused(
+            f"node {node.index} ({node.op_name}) needs {n} sources",
+            node=node.index,
+            op=node.op_name,
+            reason=f"needs {n} sources",
+        )
     return got  # type: ignore[return-value]
 
 
-def fail(node: TensorInfo, why: str) -> None:
-    raise Refused(f"node {node.index} ({node.op_name}): {why}")
+def rule_name(rule: Callable) -> str:
+    """`module.qualname` of a rule function (a Refused's `rule` field)."""
+    return f"{rule.__module__}.{rule.__qualname__}"
+
+
+def fail(node: TensorInfo, why: str, rule: Optional[Callable] = None) -> None:
+    """Raises Refused for `node`: `why` the reason; `rule` the check refusing it where that
+    is not the op's own rule (check_node names the op's rule otherwise)."""
+    raise Refused(
+        f"node {node.index} ({node.op_name}): {why}",
+        node=node.index,
+        op=node.op_name,
+        reason=why,
+        rule=None if rule is None else rule_name(rule),
+    )
 
 
 def same_shape(node: TensorInfo, a: TensorInfo, what: str) -> None:
@@ -297,6 +315,7 @@ def check_empty_sources(node: TensorInfo, srcs: Sequence[TensorInfo | None], all
                 node,
                 f"src{k} {s.ne} has no elements but the result {node.ne} has: the kernel "
                 f"would walk it by another tensor's shape",
+                check_empty_sources,
             )
 
 
@@ -362,7 +381,7 @@ def int_counted(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]]) -> None:
     (Issue 13, class 3.)"""
     for t in (node, *srcs):
         if t is not None and (any(n > INT_MAX for n in t.ne) or t.nrows() > INT_ROWS_MAX):
-            fail(node, f"tensor {t.index} {t.ne} is too large for the kernel's int counts")
+            fail(node, f"tensor {t.index} {t.ne} is too large for the kernel's int counts", int_counted)
 
 
 def int_counted_rules(rules: Dict[str, Callable]) -> Dict[str, Callable]:
