@@ -31,10 +31,11 @@ __all__ = ["Seed", "build_seeds", "load_or_build_seeds", "record_bytes", "CASE_M
 CASE_MODULES = (
     "tests.host.shapes.test_attention",
     "tests.host.shapes.test_backward",
+    "tests.host.shapes.test_elementwise",
+    "tests.host.shapes.test_layout",
     "tests.host.shapes.test_rope",
     "tests.host.test_shapes_conv",
     "tests.host.test_shapes_matrix",
-    "tests.host.test_shapes_more",
     "tests.host.test_shapes_tensor_ops",
 )
 

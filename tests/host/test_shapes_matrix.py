@@ -173,15 +173,11 @@ CASES = [
     Case("ADD_ID", _add_id(), lie=(1, 0, -1), data={2: _ints(5)}),
     Case("ADD_ID", _add_id(view=False, n_used=5), lie=(-1, 1, -1), data={2: _ints(5)}),
 ]
-# CPY / CONT in test-backend-ops' layouts (the rules are in layout.py)
+# SET_ROWS of F32 rows into F16 with I64 ids (from test_shapes_more.py)
 CASES += [
-    Case("CPY", _cpy("F16", "BF16", (1, 0, 2, 3)), lie=(-1, 1, -1), data={1: _bf16}),
-    Case("CPY", _cpy("F32", "I32", (0, 2, 1, 3)), data={0: lambda n, r: r.integers(-99, 99, n).astype(np.float32)}),
-    Case("CPY", _cpy("Q4_0", "Q4_0", (0, 2, 1, 3), dst_perm=(0, 2, 1, 3)), lie=(-1, 1, -1), data={0: Q4_0, 1: Q4_0}),
-    Case("CPY", _cpy("Q4_0", "F32"), data={0: Q4_0}),
-    Case("CPY", _cpy("BF16", "Q8_0"), lie=(-1, 1, -1), data={0: _bf16, 1: Q8_0}),
-    Case("CONT", lambda g, c: (lambda a: (g.ggml_cont(c, g.ggml_transpose(c, a)), [a]))(_in(g, c, "BF16", 8, 6)),
-         data={0: _bf16}),
+    Case("SET_ROWS", lambda g, ctx: (lambda dst, src, ids: (g.ggml_set_rows(ctx, dst, src, ids), [dst, src, ids]))(
+        _in(g, ctx, "F16", 8, 10, 2), _in(g, ctx, "F32", 8, 3, 2), _in(g, ctx, "I64", 3, 2)),
+        lie=(-1, 1, -1), data={2: _ints(10, np.int64)}),
 ]
 # ggml >= 0.20 only (0.10 refuses them: its kernels abort)
 CASES_020 = [
@@ -376,3 +372,17 @@ def test_mul_mat_aliasing_result_is_refused(guest, ggml, caplog):
         recs["nb"][r.index(r.out)] = [4, 4, 4, 4]
 
     _refused(guest, ggml, Case("MUL_MAT", _mul_mat("F32", "F32")), "(MUL_MAT): result elements overlap", caplog, edit)
+
+
+@pytest.mark.parametrize("bad", [[0, 10, 1, 2, 3, 4], [0, -1, 1, 2, 3, 4]])
+def test_set_rows_i64_ids_out_of_range(guest, ggml, bad):
+    from tests.host.shapekit import assert_refused_by_rule, refusal
+
+    def build(g, ctx):
+        dst, src, ids = _in(g, ctx, "F16", 8, 10, 2), _in(g, ctx, "F32", 8, 3, 2), _in(g, ctx, "I64", 3, 2)
+        return g.ggml_set_rows(ctx, dst, src, ids), [dst, src, ids]
+
+    r = Remote(guest, ggml, Case("SET_ROWS", build, data={2: lambda n, rng: np.array(bad, dtype=np.int64)[:n]}))
+    assert_refused_by_rule(refusal(r, serves_next=False), "SET_ROWS", r.index(r.out), "row id out of [0, 10)")
+    assert guest.forward(Cmd.DEVICE_GET_COUNT)[0] == 0
+    r.close()
