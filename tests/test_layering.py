@@ -66,14 +66,7 @@ def _test_file_imports(path: Path) -> set:
     return found
 
 
-# (issue 18 item 6: its tables move into the rule modules' test files next)
-_NOT_SPLIT_YET = {"host/test_kernel_asserts.py"}
-
-
-@pytest.mark.parametrize("path", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="not split yet"))
-    if str(p.relative_to(TESTS)) in _NOT_SPLIT_YET else p
-    for p in sorted(TESTS.rglob("*.py"))], ids=lambda p: str(p.relative_to(TESTS)))
+@pytest.mark.parametrize("path", sorted(TESTS.rglob("*.py")), ids=lambda p: str(p.relative_to(TESTS)))
 def test_no_test_file_imports_another(path):
     """What tests share lives in kit modules (tests/host/shapekit.py, tests/local/localkit.py,
     ...) or conftest fixtures: a test file imported by another runs its tests' module code

@@ -26,17 +26,10 @@ from apir.codec.records import rpc_tensor_dtype
 
 __all__ = ["Seed", "build_seeds", "load_or_build_seeds", "record_bytes", "CASE_MODULES", "split_wire", "join_wire"]
 
-# The shape-rule test files whose CASES seed the corpus: tests/host/shapes/test_<rule module>.py,
-# and the tests/host/test_shapes_*.py files not yet moved there (issue 18 item 6).
-CASE_MODULES = (
-    "tests.host.shapes.test_attention",
-    "tests.host.shapes.test_backward",
-    "tests.host.shapes.test_elementwise",
-    "tests.host.shapes.test_layout",
-    "tests.host.shapes.test_rope",
-    "tests.host.test_shapes_conv",
-    "tests.host.test_shapes_matrix",
-    "tests.host.test_shapes_tensor_ops",
+# The shape-rule test files whose CASES seed the corpus: tests/host/shapes/test_<rule module>.py.
+CASE_MODULES = tuple(
+    f"tests.host.shapes.test_{m}"
+    for m in ("attention", "backward", "conv", "elementwise", "layout", "matrix", "rope", "tensor_ops")
 )
 
 
@@ -118,7 +111,7 @@ def _cases(g):
     out = []
     for module in CASE_MODULES:
         mod = importlib.import_module(module)
-        mod_name = module.rsplit(".", 1)[-1].removeprefix("test_").removeprefix("shapes_")
+        mod_name = module.rsplit(".", 1)[-1].removeprefix("test_")
         cases = list(mod.CASES)
         if not old:
             cases += [c for c in getattr(mod, "CASES_020", []) if c not in cases]

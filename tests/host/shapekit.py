@@ -263,44 +263,6 @@ def ctor(g, name):
     return fn
 
 
-def case_tests(cases, ids, skip=None):
-    """The `remote` fixture and the two tests of `cases`; a test module takes them with
-    `remote, test_op_matches_ggml_cpu, test_lying_shape_is_refused = case_tests(CASES, IDS)`.
-    `skip(ggml, case)`: why this ggml cannot build the case (the test is skipped), or None."""
-
-    @pytest.fixture
-    def remote(guest, ggml, request):
-        why = skip(ggml, request.param) if skip is not None else None
-        if why:
-            pytest.skip(why)
-        r = Remote(guest, ggml, request.param)
-        yield r
-        r.close()
-
-    @pytest.mark.parametrize("remote", cases, ids=ids, indirect=True)
-    def test_op_matches_ggml_cpu(remote, ggml, request):
-        case = request.node.callspec.params["remote"]
-        assert case.op in ggml.ops
-        rc, dec = remote.compute()
-        assert rc == 0 and dec.i32() == 0
-        got, expect = remote.result(), _direct(ggml, case)
-        assert got == expect
-        assert len(set(got)) > 1  # not an untouched buffer
-        COVERAGE["accepted"].add(case.op)
-
-    @pytest.mark.parametrize("remote", cases, ids=ids, indirect=True)
-    def test_lying_shape_is_refused(remote, request):
-        case = request.node.callspec.params["remote"]
-        which, dim, delta = case.lie
-        t = remote.out if which < 0 else remote.inputs[which]
-        recs = remote.recs.copy()
-        i = remote.index(t)
-        recs["ne"][i][dim] = int(recs["ne"][i][dim]) + delta
-        assert_refused_by_rule(refusal(remote, recs), case.op, remote.index(remote.out))
-
-    return remote, test_op_matches_ggml_cpu, test_lying_shape_is_refused
-
-
 def rule_check(guest, r, recs, t=None) -> Optional[Refused]:
     """The `Refused` that `apir.host.shapes.check_node` raises for node `t` (default: the
     case's result) of records `recs` (a `Remote`'s, edited), or None: the rules as

@@ -275,10 +275,11 @@ def check_span(t: TensorInfo, limit: int, what: str) -> None:
     other dimensions (a 2^63-byte work buffer planned from them). Raises Refused."""
     span = span_nbytes(t)
     if span > limit:
-        raise Refused(
-            f"{what}: ne {t.ne} spans {span} bytes of {t.type_name}, more than the {limit} "
+        why = (
+            f"ne {t.ne} spans {span} bytes of {t.type_name}, more than the {limit} "
             f"bytes its buffer allows (empty or aliasing elements)"
         )
+        raise Refused(f"{what}: {why}", reason=why, rule=rule_name(check_span))
 
 
 # A shape rule (one per op, in a module's RULES table): raises Refused unless `node` is what

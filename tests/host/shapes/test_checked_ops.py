@@ -35,8 +35,6 @@ def test_every_checked_op_has_an_accepted_and_a_refused_case(ggml):
     for op in sorted(CHECKED_OPS):
         if op not in ggml.ops:  # (a rule for an op of another ggml version)
             continue
-        if not (HERE / f"test_{_module(op)}.py").exists():
-            continue  # (its module's tests are not moved here yet: test_every_rule_module_has_a_test_file)
         lacks = [kind for kind in ("accepted", "refused") if op not in COVERAGE[kind]]
         if op in REFUSES_NOTHING and lacks == ["refused"]:
             continue
@@ -45,15 +43,10 @@ def test_every_checked_op_has_an_accepted_and_a_refused_case(ggml):
     assert not missing, f"ggml {version}: " + "; ".join(missing)
 
 
-# Rule modules whose tests still live in tests/host/test_shapes_*.py (issue 18 item 6, being
-# moved here one module at a time): their test file's absence is expected, strictly.
-_NOT_MOVED_YET = {"conv", "matrix", "tensor_ops"}
 RULE_MODULES = sorted({_module(op) for op in CHECKED_OPS})
 
 
-@pytest.mark.parametrize("module", [
-    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason="not moved yet")) if m in _NOT_MOVED_YET else m
-    for m in RULE_MODULES])
+@pytest.mark.parametrize("module", RULE_MODULES)
 def test_every_rule_module_has_a_test_file(module):
     assert (HERE / f"test_{module}.py").exists(), f"apir.host.shapes.{module} has no tests/host/shapes/test_{module}.py"
 
