@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 
+from apir.errors import ApirError
+
 __all__ = ["Refused", "log", "BACKEND_RC_OK", "BACKEND_RC_ERROR"]
 
 # Every apir module logs to `logging.getLogger(__name__)`, but for this one: the refusals of
@@ -23,7 +25,7 @@ BACKEND_RC_OK = 0
 BACKEND_RC_ERROR = 1
 
 
-class Refused(Exception):
+class Refused(ApirError):
     """A guest command the host will not run: the message says why (for the log).
 
     The fields say the same for code (tests, tools): `node` the index of the graph node
