@@ -170,9 +170,9 @@ def assert_computes_like_cpu(guest, g, case):
 def assert_matches_ggml_cpu(guest, g, case):
     """`case` through the host: accepted, and its result is ggml CPU's bytes, not an untouched
     buffer (more than one distinct byte)."""
-    assert case.op in g.ops
-    r = Remote(guest, g, case)
+    r = Remote(guest, g, case)  # (skips the test where this ggml lacks the case's constructor)
     try:
+        assert case.op in g.ops
         rc, dec = r.compute()
         assert rc == 0 and dec.i32() == 0
         got, expect = r.result(), _direct(g, case)
@@ -311,22 +311,3 @@ def infos_check(g, node, srcs) -> Optional[Refused]:
     except Refused as exc:
         return exc
     return None
-
-
-def rule_refusal(guest, r, recs, t=None):
-    """Why the shape rules refuse node `t` (default: the case's result) of records `recs`
-    (a `Remote`'s, edited), or None: `apir.host.shapes.node_refusal` on the records as the
-    rules see them, without data (device_supports_op's view: row ids are not read) and
-    without the graph-level checks (extents, spans) that would refuse first through the
-    host. For rules whose bound needs a tensor larger than a test can allocate."""
-    from apir.host.graph import lib_op_enums, tensor_info
-    from apir.host.shapes import node_refusal
-
-    lib = guest.ctx._library
-    ids = {int(v): k for k, v in enumerate(recs["id"])}
-    info = [tensor_info(lib, k, recs[k], None) for k in range(len(recs))]
-    node = r.index(r.out if t is None else t)
-    src = [int(v) for v in recs[node]["src"]]
-    while src and not src[-1]:
-        src.pop()
-    return node_refusal(info[node], [info[ids[v]] if v else None for v in src], lib_op_enums(lib))
