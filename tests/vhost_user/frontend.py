@@ -244,6 +244,8 @@ class FakeFrontend:
         return self.wait(self.post(request, resp_size), timeout)
 
     def close(self) -> None:
+        if self._stop:
+            return
         self._stop = True
         try:
             self.sock.close()
