@@ -33,6 +33,7 @@ def send_chain(fe, descs, head=40):
 CHAINS = [
     # (name, descriptors with head 40, written bytes expected)
     ("loop", [(REQ, 24, F_NEXT, 40)], 0),
+    ("loop of empty descriptors", [(REQ, 0, F_NEXT, 41), (REQ, 0, F_NEXT, 40)], 0),
     ("next index past the ring", [(REQ, 24, F_NEXT, 64)], 0),
     ("indirect", [(REQ, 16, F_INDIRECT, 0)], 0),
     ("huge length", [(REQ, 0xFFFFFFFF, F_NEXT, 41), (RESP, 64, F_WRITE, 0)], 0),
