@@ -17,9 +17,10 @@ that is logged as a warning, since it is almost always a guest that forgot the f
 
 from __future__ import annotations
 
-from apir.host.errors import BACKEND_RC_OK, Refused, log
-
 from apir.codec.graph import GraphError, parse_graph
+from apir.codec.wire import Decoder, Encoder
+from apir.host.backend_library import PythonBackendLibrary
+from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.graph import build_graph, lib_op_enums
 from apir.host.tensors import Scratch
 from apir.host.work_plan import check_work_size
@@ -27,7 +28,7 @@ from apir.host.work_plan import check_work_size
 __all__ = ["graph_compute"]
 
 
-def graph_compute(lib, dec, enc) -> int:
+def graph_compute(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     g, chk = lib.g, lib.checker
     res_id, size = dec.u32(), dec.size_t()
     if dec.fatal:
