@@ -1,13 +1,18 @@
 """vhost-user negotiation and set-up messages, against the fake front-end."""
 
+import os
+import socket
 import struct
+
+import pytest
 
 from apir.codec.virtgpu import VirtioGpuCtrlType as T
 from apir.host.vhost_user import protocol as vu
 from apir.host.vhost_user.session import DEVICE_FEATURES, PROTOCOL_FEATURES
 
-from .conftest import SHM_SIZE
+from .conftest import SHM_SIZE, wait_for
 from .frontend import GPA_BASE, MEM_SIZE, UVA_BASE, FakeFrontend, hdr, resp_type
+from .gpu import ctx_create
 
 
 def test_features_are_what_qemu_11_acked(fe):
@@ -63,3 +68,33 @@ def test_add_and_remove_memory_regions(fe, server):
     assert fe.ack(R.REM_MEM_REG, region) == 0
     assert memory.region_count == 1
     assert fe.request(R.GET_MAX_MEM_SLOTS).payload == vu.U64.pack(509)
+
+
+def _raw(fe, data, fds=()):
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] if fds else []
+    fe.sock.sendmsg([data], anc)
+
+
+@pytest.mark.parametrize(
+    "name,data,nfds",
+    [
+        ("payload over the limit", vu.HEADER.pack(1, 1, vu.MAX_PAYLOAD + 1), 0),
+        ("wrong version", vu.HEADER.pack(1, 2, 0), 0),
+        ("too many descriptors", vu.HEADER.pack(vu.Request.SET_MEM_TABLE, 1, 0), vu.MAX_FDS + 2),
+    ],
+)
+def test_broken_framing_ends_the_session_and_frees_it(server, name, data, nfds):
+    fe = FakeFrontend.connect(server.path)
+    try:
+        assert resp_type(fe.command(ctx_create(1))) == T.RESP_OK_NODATA
+        device = server.session.device
+        fds = [os.dup(fe.mem_fd) for _ in range(nfds)]
+        _raw(fe, data, fds)
+        for fd in fds:
+            os.close(fd)
+        wait_for(lambda: server.sessions_served == 1, what="session end")
+        assert device.counts().contexts == 0
+    finally:
+        fe.close()
+    fe2 = FakeFrontend.connect(server.path)  # the next front-end is served
+    fe2.close()

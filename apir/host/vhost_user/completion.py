@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Callable, Deque, Dict, Hashable, List, Optional
+from typing import Callable, Deque, Dict, Hashable, Optional
 
 __all__ = ["FenceOrder", "Ticket"]
 
@@ -44,16 +44,17 @@ class FenceOrder:
         if ticket is None:
             send()
             return
-        ready: List[Callable[[], None]] = []
+        # Sent under the lock: two threads each sending what they took could swap the order.
+        # A send is a few bytes into the used ring and an eventfd write.
         with self._lock:
             ticket.send = send
             queue = self._queues[ticket.timeline]
             while queue and queue[0].send is not None:
-                ready.append(queue.popleft().send)  # type: ignore[arg-type]
+                fn = queue.popleft().send
+                assert fn is not None
+                fn()
             if not queue:
                 del self._queues[ticket.timeline]
-        for fn in ready:  # in fence order; only this thread took them
-            fn()
 
     @property
     def waiting(self) -> int:

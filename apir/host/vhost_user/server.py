@@ -15,6 +15,7 @@ import os
 import socket
 import stat
 import threading
+import time
 from typing import Optional, Tuple
 
 from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR
@@ -27,7 +28,8 @@ __all__ = ["VhostUserServer", "DEFAULT_SHM_SIZE"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SHM_SIZE = 1 << 30  # the host-visible region: every mapped blob of the VM fits in it
+DEFAULT_SHM_SIZE = 1 << 30
+_ACCEPT_BACKOFF_S = 0.5  # the host-visible region: every mapped blob of the VM fits in it
 
 
 class VhostUserServer:
@@ -76,10 +78,13 @@ class VhostUserServer:
         while not self._closed:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
+            except OSError as exc:
                 if self._closed:
                     return
-                raise
+                # EMFILE, ENOMEM...: the listener stays; the next QEMU is taken once there is room
+                log.error("%s: accept failed: %s", self.path, exc)
+                time.sleep(_ACCEPT_BACKOFF_S)
+                continue
             session = FrontendSession(sock, self.make_device, self.config, name=f"vhost-user {self.path}")
             with self._lock:
                 if self._closed:
