@@ -29,6 +29,7 @@ from typing import Optional, Protocol, Tuple
 
 from apir.codec.constants import ApirLoadLibraryReturnCode
 from apir.codec.wire import Decoder, Encoder
+from apir.errors import ApirError
 from apir.host.resources import Resource
 
 __all__ = ["BackendLibrary", "LibraryHost", "LibraryLoadError", "default_library_factory"]
@@ -56,7 +57,7 @@ class BackendLibrary(Protocol):
     def deinit(self) -> None: ...
 
 
-class LibraryLoadError(Exception):
+class LibraryLoadError(ApirError):
     """A backend library could not be loaded; `code` is the LoadLibrary return code."""
 
     def __init__(self, code: ApirLoadLibraryReturnCode, message: str):

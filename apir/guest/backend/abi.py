@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from apir.codec.constants import APIR_PROTOCOL_0_1, APIR_PROTOCOL_0_2, device_props_fields
+from apir.errors import ApirError
 from apir.ggml.lib import SIGNATURE_LETTERS as _CODES
 
 __all__ = ["Abi", "UnsupportedGgmlVersion", "abi_for", "SUPPORTED_VERSIONS", "IFACE_FIELDS"]
@@ -117,7 +118,7 @@ _SPECS: Dict[str, _Spec] = {
 SUPPORTED_VERSIONS = tuple(_SPECS)
 
 
-class UnsupportedGgmlVersion(RuntimeError):
+class UnsupportedGgmlVersion(ApirError, RuntimeError):
     """The loaded ggml's backend structs are not declared in apir (see `SUPPORTED_VERSIONS`)."""
 
 
