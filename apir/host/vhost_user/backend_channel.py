@@ -18,6 +18,7 @@ import socket
 import threading
 from typing import Optional
 
+from apir.errors import ApirError
 from apir.host.vhost_user.protocol import (
     FLAG_NEED_REPLY,
     FLAG_REPLY,
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 SHMEM_MAP_RW = 1  # VHOST_USER_FLAG_MAP_RW: the guest may read and write the mapping
 
 
-class BackendError(Exception):
+class BackendError(ApirError):
     """A back-end request that failed: no channel, no ack in time, a refusal, a closed peer."""
 
 

@@ -15,6 +15,7 @@ import struct
 from dataclasses import dataclass
 from typing import Tuple
 
+from apir.errors import ApirError
 from apir.codec.virtgpu import VIRTIO_GPU_FLAG_FENCE, VIRTIO_GPU_FLAG_INFO_RING_IDX, VirtioGpuCtrlType
 
 __all__ = [
@@ -55,7 +56,7 @@ DISPLAY_ONE = struct.Struct("<IIIIII")  # r.x, r.y, r.width, r.height, enabled, 
 UPDATE_CURSOR_REQ = struct.Struct("<IIIIIIII")  # pos (scanout_id, x, y, pad), resource_id, hot_x, hot_y, pad
 
 
-class GpuError(Exception):
+class GpuError(ApirError):
     """A command refused with response type `code` (a VIRTIO_GPU_RESP_ERR_*)."""
 
     def __init__(self, code: VirtioGpuCtrlType, why: str):

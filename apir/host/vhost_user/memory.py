@@ -19,6 +19,8 @@ import threading
 from dataclasses import dataclass
 from typing import List, Tuple
 
+from apir.errors import ApirError
+
 __all__ = ["GuestMemory", "GuestMemoryError", "Region", "MAX_MEM_SLOTS"]
 
 log = logging.getLogger(__name__)
@@ -28,7 +30,7 @@ _ADDR_LIMIT = 1 << 64
 _PAGE = mmap.PAGESIZE
 
 
-class GuestMemoryError(ValueError):
+class GuestMemoryError(ApirError, ValueError):
     """A guest range outside the memory table, or a region the table cannot take."""
 
 

@@ -21,6 +21,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
+from apir.errors import ApirError
+
 __all__ = [
     "Request",
     "BackendRequest",
@@ -128,7 +130,7 @@ MAX_PAYLOAD = 4096
 MAX_FDS = 8  # VHOST_MEMORY_BASELINE_NREGIONS: the most descriptors one message carries
 
 
-class ProtocolError(Exception):
+class ProtocolError(ApirError):
     """The peer broke the framing (the session cannot continue)."""
 
 

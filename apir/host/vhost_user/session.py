@@ -30,6 +30,7 @@ import struct
 import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
+from apir.errors import ApirError
 from apir.codec.virtgpu import VIRTIO_GPU_SHM_ID_HOST_VISIBLE, VirtioGpuCtrlType, VirtioGpuFeature
 from apir.codec.constants import CONFIG_KEY_VHOST_BACKEND_TIMEOUT
 from apir.host.limits import DEFAULT_VHOST_BACKEND_TIMEOUT_S, config_limit
@@ -95,7 +96,7 @@ MAX_CURSOR_CHAIN = 4096
 _FAILED = 1  # a REPLY_ACK status other than 0
 
 
-class _Refused(Exception):
+class _Refused(ApirError):
     """A front-end message the back-end does not carry out (acked as failed)."""
 
 

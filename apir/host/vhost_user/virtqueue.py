@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from apir.errors import ApirError
 from apir.host.vhost_user.memory import GuestMemory, GuestMemoryError
 from apir.host.vhost_user.protocol import close_quietly
 
@@ -42,7 +43,7 @@ _USED_ELEM = struct.Struct("<II")  # id, len
 _EVENT = struct.Struct("<Q")
 
 
-class QueueError(ValueError):
+class QueueError(ApirError, ValueError):
     """A ring or descriptor chain the device refuses; `chain`: the chain whose head was
     consumed (to be completed as an error), None when the ring itself is bad."""
 
