@@ -239,6 +239,24 @@ def size_arg(text: str) -> int:
     return int(digits) * scale
 
 
+def write_vhost_stats(path: str, servers) -> None:
+    """Writes what each socket's VM holds now to `path` as JSON, atomically (a reader never
+    sees half a file): {"sockets": {socket: {"contexts", "blobs", "blob_bytes",
+    "closing_contexts", "ggml_buffers", "sessions_served", "connected"}}}."""
+    import dataclasses
+
+    stats = {}
+    for server in servers:
+        entry = dataclasses.asdict(server.counts())
+        entry["sessions_served"] = server.sessions_served
+        entry["connected"] = server.session is not None
+        stats[server.path] = entry
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({"sockets": stats}, fh)
+    os.replace(tmp, path)
+
+
 def run_host_vhost_user(args: argparse.Namespace) -> int:
     from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS
     from apir.host.local_kernel import default_context_factory
@@ -287,7 +305,8 @@ def run_host_vhost_user(args: argparse.Namespace) -> int:
     print(f"apir: virtio-gpu vhost-user device on {where}{traced}", file=sys.stderr, flush=True)
     try:
         while not stop.wait(0.5):
-            pass
+            if args.stats:
+                write_vhost_stats(args.stats, servers)
     finally:
         for server in servers:
             server.close()
@@ -480,6 +499,12 @@ def add_parser(subparsers, parents) -> None:
         "--trace",
         metavar="FILE",
         help="record each APIR command (as `apir host serve --trace`) to FILE; `apir trace FILE` prints it",
+    )
+    vhost.add_argument(
+        "--stats",
+        metavar="FILE",
+        help="keep FILE updated (every 0.5 s, as JSON) with what each socket's VM holds: contexts, "
+        "blobs, blob bytes, ggml buffers, front-ends served (for tests and monitoring)",
     )
     vhost.add_argument(
         "--socket-mode",
