@@ -136,3 +136,18 @@ def test_a_front_end_that_never_acks_shmem_map_fails_the_map_not_the_device(make
         assert resp_type(fe.command(hdr(T.CMD_GET_DISPLAY_INFO))) == T.RESP_OK_DISPLAY_INFO
     finally:
         fe.close()
+
+
+def test_commands_queued_on_one_context_are_bounded(slow, monkeypatch):
+    from apir.host.vhost_user import gpu_device
+
+    monkeypatch.setattr(gpu_device, "MAX_PENDING_SUBMITS", 3)
+    srv, fe, log, contexts = slow
+    assert resp_type(fe.command(ctx_create(1))) == OK
+    slots = [fe.post(submit(1, b"block"))]
+    wait_for(lambda: (1, b"block") in log)
+    slots += [fe.post(submit(1, b"x")) for _ in range(2)]
+    assert resp_type(fe.command(submit(1, b"x"))) == T.RESP_ERR_OUT_OF_MEMORY
+    contexts[1].release.set()
+    assert [resp_type(fe.wait(s)) for s in slots] == [OK] * 3
+    assert resp_type(fe.command(submit(1, b"x"))) == OK
