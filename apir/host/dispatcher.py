@@ -56,12 +56,12 @@ DISPATCH_TABLE: List[Handler] = [_BY_ID[cmd] for cmd in Cmd]
 def dispatch(lib: PythonBackendLibrary, function_id: int, dec: Decoder, enc: Encoder) -> int:
     """`apir_backend_dispatcher`: runs backend function `function_id`; its return code."""
     if not 0 <= function_id < len(DISPATCH_TABLE):
-        log.error("ctx %d: invalid backend function id %d (>= %d)", lib.host.ctx_id, function_id, len(DISPATCH_TABLE))
+        log.error("ctx %d: invalid backend function id %d (>= %d)", lib.ctx_id, function_id, len(DISPATCH_TABLE))
         return APIR_BACKEND_FORWARD_INDEX_INVALID
     try:
         return DISPATCH_TABLE[function_id](lib, dec, enc)
     except Refused as exc:
-        log.warning("ctx %d: %s refused: %s", lib.host.ctx_id, Cmd(function_id).c_name, exc)
+        log.warning("ctx %d: %s refused: %s", lib.ctx_id, Cmd(function_id).c_name, exc)
     except Exception:  # noqa: BLE001 - a host bug is this command's failure, not the host's
-        log.exception("ctx %d: %s failed", lib.host.ctx_id, Cmd(function_id).c_name)
+        log.exception("ctx %d: %s failed", lib.ctx_id, Cmd(function_id).c_name)
     return BACKEND_RC_ERROR

@@ -237,7 +237,7 @@ def _check_records(lib, parsed) -> Optional[_Records]:
     v = parsed.view_src_index
     is_view = v >= 0
     if is_view.any():
-        ident = {}
+        ident: dict[int, int] = {}  # id(buffer) -> index of its first handle
         same = np.array([ident.setdefault(id(b), k) for k, b in enumerate(found)], dtype=np.int64)[inverse]
         vi = v[is_view]
         view_offs = offs_w[is_view].astype(np.int64)
@@ -300,7 +300,7 @@ def _tensor_view(addrs: List[int], dtype: np.dtype) -> Optional[np.ndarray]:
     if stride < dtype.itemsize or any(addrs[k + 1] - addrs[k] != stride for k in range(n - 1)):
         return None
     raw = (ctypes.c_char * (stride * (n - 1) + dtype.itemsize)).from_address(addrs[0])
-    return np.ndarray((n,), dtype=dtype, buffer=raw, strides=(stride,))
+    return np.ndarray((n,), dtype=dtype, buffer=memoryview(raw), strides=(stride,))
 
 
 def _create_tensors(lib, parsed, scratch: Scratch, recs: _Records) -> np.ndarray:

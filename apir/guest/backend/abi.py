@@ -23,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from apir.codec.constants import device_props_fields
 from apir.ggml.errors import GgmlLoadError
@@ -210,7 +210,8 @@ class Abi:
                 self.DevProps,
             )
         }
-        self._buffer_init = None
+        # ggml_backend_buffer_init, typed for this version's BufferI (made on first use)
+        self._buffer_init: Optional[Callable[..., Optional[int]]] = None
         self._lock = threading.Lock()
 
     def buffer_init(self, g):
@@ -221,11 +222,10 @@ class Abi:
                 for cdll in g.cdlls:
                     fn = getattr(cdll, "ggml_backend_buffer_init", None)
                     if fn is not None:
-                        addr = ctypes.cast(fn, ctypes.c_void_p).value
                         proto = ctypes.CFUNCTYPE(
                             ctypes.c_void_p, ctypes.c_void_p, self.BufferI, ctypes.c_void_p, ctypes.c_size_t
                         )
-                        self._buffer_init = proto(addr)
+                        self._buffer_init = ctypes.cast(fn, proto)
                         break
                 else:
                     raise GgmlLoadError(f"ggml_backend_buffer_init: not in {g.lib_dir}")

@@ -330,10 +330,12 @@ def row_ids(node: TensorInfo, ids: TensorInfo, types=("I32",), flat: bool = Fals
     if flat:
         if n * dtype.itemsize > size:
             fail(node, f"{n} packed row ids reach past ids' extent (nb {ids.nb})")
-        return np.frombuffer(ids.snapshot, dtype=dtype, count=n).copy()
+        return np.frombuffer(memoryview(ids.snapshot), dtype=dtype, count=n).copy()
     if ids.nb[0] < dtype.itemsize and ids.ne[0] > 1:
         fail(node, f"row ids overlap (nb {ids.nb})")
-    return np.ndarray(shape=tuple(ids.ne[::-1]), dtype=dtype, buffer=ids.snapshot, strides=tuple(ids.nb[::-1])).copy()
+    return np.ndarray(
+        shape=tuple(ids.ne[::-1]), dtype=dtype, buffer=memoryview(ids.snapshot), strides=tuple(ids.nb[::-1])
+    ).copy()
 
 
 def ids_in_range(node: TensorInfo, values: Optional[np.ndarray], n_rows: int, what: str = "row id") -> None:
