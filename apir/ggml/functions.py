@@ -90,7 +90,7 @@ class MissingFunction:
         return f"MissingFunction({self.name!r})"
 
 
-@dataclass(frozen=True, eq=False, kw_only=True)
+@dataclass(eq=False, kw_only=True, slots=True)
 class GgmlFunctions:
     """The ggml functions apir calls, each declared with its signature (see the module doc)."""
 

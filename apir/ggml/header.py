@@ -80,6 +80,7 @@ class HeaderFacts:
     unary_ops: Dict[str, int]  # enum ggml_unary_op, COUNT included
     glu_ops: Dict[str, int]  # enum ggml_glu_op, COUNT included; {} where the build has none
     rope_types: Dict[str, int]  # #define GGML_ROPE_TYPE_*: "NORMAL" 0, "NEOX" 2, ...
+    op_hints: Dict[str, int]  # enum ggml_op_hint: "NONE" 0, "SRC0_IS_HADAMARD" 1; {} where none
     dev_types: Dict[str, int]  # enum ggml_backend_dev_type (ggml-backend.h): "CPU", "GPU", ...
     dev_caps: Tuple[str, ...]  # struct ggml_backend_dev_caps' bool fields (ggml-backend.h)
 
@@ -109,6 +110,7 @@ def read_headers(include_dir: Path) -> HeaderFacts:
         statuses = parse_enum(text, "ggml_status", "GGML_STATUS_")
         unary_ops = parse_enum(text, "ggml_unary_op", "GGML_UNARY_OP_")
         glu_ops = parse_enum(text, "ggml_glu_op", "GGML_GLU_OP_") if "enum ggml_glu_op" in text else {}
+        op_hints = parse_enum(text, "ggml_op_hint", "GGML_HINT_") if "enum ggml_op_hint" in text else {}
     except GgmlLoadError as exc:
         raise GgmlLoadError(f"{ggml_h}: {exc}") from None
     try:
@@ -127,6 +129,7 @@ def read_headers(include_dir: Path) -> HeaderFacts:
         unary_ops=unary_ops,
         glu_ops=glu_ops,
         rope_types=parse_defines(text, "GGML_ROPE_TYPE_"),
+        op_hints=op_hints,
         dev_types=dev_types,
         dev_caps=dev_caps,
     )

@@ -5,8 +5,8 @@ the three shared libraries (libggml-base, libggml-cpu, libggml) of one ggml buil
 the functions of `apir.ggml.functions`, reads the headers that came with it
 (`apir.ggml.header`: op and type enums, GGML_MAX_* sizes, ...), checks those against the
 library itself (`ggml_op_name`, `ggml_type_name`, and a real tensor's field offsets, see
-`apir.ggml.layout`), looks its version up in `apir.ggml.features`, and returns one complete,
-immutable `Ggml` object.
+`apir.ggml.layout`), looks its version up in `apir.ggml.features`, and returns one complete `Ggml`
+object (no attribute is added to it later).
 
 Which build: `APIR_GGML_LIB_DIR` (a folder with the .so files) and `APIR_GGML_INCLUDE_DIR`
 (a folder with ggml.h) select another build; by default the pinned libggml-python wheel's
@@ -53,9 +53,11 @@ def default_paths() -> tuple[Path, Path]:
     return Path(lib_dir or root / "lib64"), Path(inc_dir or root / "include")
 
 
-@dataclass(frozen=True, eq=False, kw_only=True)
+# slots: no attribute can be added after load(); a test may still replace a declared function
+# (fault injection through monkeypatch). eq=False: compared and hashed by identity.
+@dataclass(eq=False, kw_only=True, slots=True)
 class Ggml(GgmlFunctions):
-    """One loaded ggml build, complete when built (by `load()`) and immutable. Functions are
+    """One loaded ggml build, complete when built (by `load()`). Functions are
     the fields of `GgmlFunctions` (`g.ggml_add(...)`; `g.has(name)` says whether this build
     exports one). Facts: `ops` / `types` map names (``"ADD"``, ``"F32"``) to enum values and
     `op_names` / `type_names` back; `op_count` / `type_count` are GGML_OP_COUNT /

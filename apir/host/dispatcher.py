@@ -12,17 +12,19 @@ Each handler is `handler(lib, dec, enc) -> int`, in the module named after its C
 
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import TYPE_CHECKING, Callable, List
 
 from apir.codec.constants import APIR_BACKEND_FORWARD_INDEX_INVALID, ApirBackendCommandType as Cmd
 from apir.codec.wire import Decoder, Encoder
 from apir.host import dispatch_backend, dispatch_buffer, dispatch_buffer_type, dispatch_device
-from apir.host.backend_library import PythonBackendLibrary
 from apir.host.errors import BACKEND_RC_ERROR, Refused, log
 
-__all__ = ["dispatch", "DISPATCH_TABLE", "PythonBackendLibrary"]
+if TYPE_CHECKING:  # for annotations only: backend_library calls `dispatch`, so imports this module
+    from apir.host.backend_library import PythonBackendLibrary
 
-Handler = Callable[[PythonBackendLibrary, Decoder, Encoder], int]
+__all__ = ["dispatch", "DISPATCH_TABLE"]
+
+Handler = Callable[["PythonBackendLibrary", Decoder, Encoder], int]
 
 _BY_ID = {
     Cmd.DEVICE_GET_DEVICE_COUNT: dispatch_device.get_device_count,

@@ -64,6 +64,7 @@ from apir.codec.constants import (
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.codec.wire import Decoder
+from apir.ggml import load as load_ggml
 
 __all__ = ["TRACE_VERSION", "CommandTrace", "traced_context_factory", "read_trace", "format_trace", "TraceError"]
 
@@ -125,9 +126,7 @@ class _GgmlFacts:
 
     @classmethod
     def of_loaded(cls) -> "_GgmlFacts":
-        from apir.ggml import load
-
-        return cls(load())
+        return cls(load_ggml())
 
     def tensor(self, dec: Decoder) -> Dict[str, Any]:
         """One apir_rpc_tensor off `dec`: its type, shape and op (no name, no address)."""

@@ -125,7 +125,7 @@ def assert_computes_like_cpu(guest, g, case):
 
 
 def ctor(g, name):
-    """ggml's constructor `name` (declared by apir.ggml.lib.SIGNATURES); the test is skipped
+    """ggml's constructor `name` (a field of apir.ggml.functions.GgmlFunctions); the test is skipped
     where this ggml build lacks it."""
     if not g.has(name):
         pytest.skip(f"{name} is not in this ggml build")

@@ -9,7 +9,7 @@ series is refused with `UnsupportedGgmlVersion` rather than guessed.
 tests/guest_backend/test_abi.py compiles a C program against each version's headers and checks
 every offset and size below.
 
-Function-pointer types use the letters of `apir.ggml.lib.SIGNATURE_LETTERS` (result, ":", arguments):
+Function-pointer types use the letters of `apir.ggml.functions.SIGNATURE_LETTERS` (result, ":", arguments):
 v void, p pointer, z size_t, b bool, i int / enum, B uint8_t. Strings returned by callbacks are
 `p` (an address the owner keeps alive), never `c_char_p`, which ctypes cannot return safely
 from a callback.

@@ -40,6 +40,7 @@ class OpEnums:
     # that the blocks of both divide (FLASH_ATTN_EXT's K)
     vec_dot_row: Dict[str, int] = field(default_factory=dict)
     features: FrozenSet[Feature] = frozenset()  # apir.ggml.features.features_of(version)
+    hints: Dict[str, int] = field(default_factory=dict)  # `enum ggml_op_hint` ({} before 0.20)
 
     @property
     def glu_count(self) -> int:
@@ -48,7 +49,7 @@ class OpEnums:
 
 def op_enums(g: Ggml) -> OpEnums:
     """`OpEnums` of build `g`, from its header facts (`enum ggml_unary_op`, `enum
-    ggml_glu_op`, `#define GGML_ROPE_TYPE_*`: `g.header`), `ggml_get_type_traits_cpu` (whose
+    ggml_glu_op`, `#define GGML_ROPE_TYPE_*`, `enum ggml_op_hint`: `g.header`), `ggml_get_type_traits_cpu` (whose
     first field is `from_float`), `ggml_get_type_traits` (`to_float`), its version and
     features (`g.version_tuple`, `g.features`)."""
     from_float, to_float, vec_dot, blck_size = set(), set(), {}, {}
@@ -86,6 +87,7 @@ def op_enums(g: Ggml) -> OpEnums:
         blck_size=blck_size,
         vec_dot_row=vec_dot_row,
         features=g.features,
+        hints=dict(g.header.op_hints),
     )
 
 

@@ -41,11 +41,10 @@ _GET_ROWS_Q = CPU_QUANTIZED_ROW_TYPES | {"Q8_1"}  # get_rows also dequantizes Q8
 # buffer with `new` and aborts when it cannot): far above any model's (experts x ids x 8).
 _MMID_WORK_MAX = 1 << 30
 
-# ggml 0.20's mul_mat takes op_params[1] as a hint: GGML_HINT_SRC0_IS_HADAMARD (1) routes
-# it to ggml_compute_forward_fwht (src1's rows transformed; src0 not read); other values
-# are ignored.
+# ggml 0.20's mul_mat takes op_params[1] as a hint: GGML_HINT_SRC0_IS_HADAMARD (`enum
+# ggml_op_hint`, enums.hints) routes it to ggml_compute_forward_fwht (src1's rows transformed;
+# src0 not read); other values are ignored.
 # (Feature.MUL_MAT_HINT, apir.ggml.features)
-_HINT_SRC0_IS_HADAMARD = 1
 # ggml 0.20's out_prod takes F16 src0 (ggml 0.10 aborts: "todo").
 # (Feature.OUT_PROD_F16, apir.ggml.features)
 # ggml 0.20's set_rows also takes F16 rows (ggml 0.10: F32 only).
@@ -102,7 +101,7 @@ def _mul_mat(node, srcs, enums):
     if node.type_name != "F32":
         fail(node, f"result {node.type_name} is not F32")
     hint = param_i32(node, 1) if Feature.MUL_MAT_HINT in enums.features else 0
-    if hint == _HINT_SRC0_IS_HADAMARD:
+    if hint and hint == enums.hints.get("SRC0_IS_HADAMARD"):
         # ggml_compute_forward_fwht: each src1 row of n = ne10 floats (GGML_ASSERTed a power
         # of 2; src1 and result GGML_ASSERTed F32) transformed into n floats of a result row.
         n = b.ne[0]
