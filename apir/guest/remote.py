@@ -54,7 +54,7 @@ from apir.codec.constants import (
 )
 from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS, VirtgpuParam, blob_size
 from apir.codec.wire import Decoder, Encoder
-from apir.guest.device import Blob, VirtgpuDevice
+from apir.guest.device import Blob, VirtgpuDevice, WatchedDevice
 from apir.guest.errors import ApirTimeout, DeviceError, MissingCapability
 
 __all__ = ["Remote", "select_capset", "DEFAULT_FORWARD_TIMEOUT_S", "COMMAND_BUFFER_SIZE"]
@@ -116,7 +116,8 @@ class Remote:
         self._command = bytearray(COMMAND_BUFFER_SIZE)
         self._encoder = Encoder(self._command)  # reset for each call
         self._latency_s = _SPIN_MIN_S
-        self._pause = getattr(device, "watch", None) or time.sleep  # the wait's sleep
+        # the wait's sleep
+        self._pause: Callable[[float], None] = device.watch if isinstance(device, WatchedDevice) else time.sleep
         self._reply: Optional[Blob] = None  # None until made, and once closed
         self._data: Optional[Blob] = None
         self.closed = False

@@ -42,6 +42,7 @@ from apir.host.handles import HostBuffer, HostBufferType, VirtualAddressSpace, n
 from apir.host.library import LibraryHost
 from apir.host.limits import DEFAULT_GRAPH_TIME_LIMIT_S, parse_limit
 from apir.host.resources import Resource
+from apir.host.shapes.base import OpEnums
 from apir.host.tensors import TensorChecker
 
 __all__ = ["PythonBackendLibrary", "CONFIG_KEY_BUFFER_BUDGET", "CONFIG_KEY_N_THREADS"]
@@ -61,14 +62,16 @@ class PythonBackendLibrary:
         self._g: Optional[Ggml] = None
         self._checker: Optional[TensorChecker] = None
         self._budget: Optional[BufferBudget] = None
-        # ggml_backend_reg_t, ggml_backend_dev_t, ggml_backend_t (None before initialize)
+        # ggml_backend_reg_t, ggml_backend_dev_t, ggml_backend_t (None before initialize and
+        # after deinit)
         self.reg: Optional[int] = None
-        self.dev: Optional[int] = None
-        self.backend: Optional[int] = None
+        self._dev: Optional[int] = None
+        self._backend: Optional[int] = None
         self._ggml_cdll: Optional[ctypes.CDLL] = None
+        self._op_enums: Optional[OpEnums] = None  # apir.host.graph.lib_op_enums's, once
         self.bufts, self.buffers = new_tables()
         self.vspace = VirtualAddressSpace()
-        self.abort: Optional[ComputeAbort] = None  # graph time limit and cancellation
+        self._abort: Optional[ComputeAbort] = None  # graph time limit and cancellation
         # threads the backend computes with (0: never set, ggml's default); the work-size
         # bound plans with the same count (apir.host.work_plan)
         self.n_threads = 0
@@ -99,6 +102,28 @@ class PythonBackendLibrary:
         if self._checker is None:
             raise Refused("the backend library is not initialized")
         return self._checker
+
+    @property
+    def dev(self) -> int:
+        """The `ggml_backend_dev_t` serving every command. Refused before initialize."""
+        if self._dev is None:
+            raise Refused("the backend library is not initialized")
+        return self._dev
+
+    @property
+    def backend(self) -> int:
+        """The `ggml_backend_t` running the graphs. Refused before initialize."""
+        if self._backend is None:
+            raise Refused("the backend library is not initialized")
+        return self._backend
+
+    @property
+    def abort(self) -> ComputeAbort:
+        """The graph time limit and cancellation (apir.host.compute_abort). Refused before
+        initialize."""
+        if self._abort is None:
+            raise Refused("the backend library is not initialized")
+        return self._abort
 
     @property
     def budget(self) -> BufferBudget:
@@ -152,7 +177,7 @@ class PythonBackendLibrary:
         if not backend:
             log.error("ctx %d: ggml backend initialization failed", host.ctx_id)
             return LoadRc.INIT_BASE_INDEX + InitRc.BACKEND_INIT_FAILED
-        self.reg, self.dev, self.backend = reg, dev, backend
+        self.reg, self._dev, self._backend = reg, dev, backend
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         g.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         self._budget = BufferBudget(BufferLimits.from_config(host.get_config, total.value, host.ctx_id))
@@ -160,7 +185,7 @@ class PythonBackendLibrary:
         time_limit_s = parse_limit(
             host.get_config(CONFIG_KEY_GRAPH_TIME_LIMIT), CONFIG_KEY_GRAPH_TIME_LIMIT, DEFAULT_GRAPH_TIME_LIMIT_S
         )
-        self.abort = ComputeAbort(g, reg, backend, time_limit_s, name=f"ctx {host.ctx_id}")
+        self._abort = ComputeAbort(g, reg, backend, time_limit_s, name=f"ctx {host.ctx_id}")
         self._checker = TensorChecker(g)
         return LoadRc.INIT_BASE_INDEX + InitRc.SUCCESS
 
@@ -186,7 +211,7 @@ class PythonBackendLibrary:
     def cancel_compute(self, reason: str) -> None:
         """Stops the graph compute in flight, if any, and refuses later ones (GGML_STATUS_ABORTED):
         the context is going away. Any thread (no lock: the compute holds the context's)."""
-        abort = self.abort
+        abort = self._abort
         if abort is not None:
             abort.cancel(reason)
 
@@ -195,9 +220,9 @@ class PythonBackendLibrary:
         self.cancel_compute("the context is destroyed")
         for handle, _ in self.buffers.items():
             self.free_buffer(handle)
-        if self.backend and self._g is not None:
-            self._g.ggml_backend_free(self.backend)
-        self.backend = self.dev = self.reg = None
+        if self._backend and self._g is not None:
+            self._g.ggml_backend_free(self._backend)
+        self._backend = self._dev = self.reg = None
 
     def forget_resource(self, res_id: int) -> None:
         """The hypervisor is removing blob `res_id`: free the buffers that wrap it."""

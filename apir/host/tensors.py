@@ -20,7 +20,6 @@ own `ggml_nbytes`, or a contiguous first row when `nb[0]` is smaller than an ele
 from __future__ import annotations
 
 import ctypes
-
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np

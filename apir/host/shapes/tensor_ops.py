@@ -3,8 +3,11 @@ ACC, SET, CUMSUM, FILL, DIAG, TRI, SOLVE_TRI."""
 
 from __future__ import annotations
 
+from typing import Dict
+
 from apir.ggml.features import Feature
 from apir.host.shapes.base import (
+    Rule,
     TensorInfo,
     fail,
     int_rows,
@@ -152,7 +155,7 @@ def _solve_tri(node, srcs, _enums=None):
         fail(node, "A, B and the result must be contiguous")
 
 
-RULES = {
+RULES: Dict[str, Rule] = {
     "ACC": _acc,
     "SET": _set,
     "CUMSUM": _cumsum,
