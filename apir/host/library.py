@@ -30,6 +30,7 @@ from typing import Optional, Protocol, Tuple
 
 from apir.codec.constants import ApirLoadLibraryReturnCode
 from apir.codec.wire import Decoder, Encoder
+from apir.errors import ApirError
 from apir.host.resources import Resource
 
 __all__ = ["BackendLibrary", "LibraryHost", "LibraryLoadError"]
@@ -57,7 +58,7 @@ class BackendLibrary(Protocol):
     def deinit(self) -> None: ...
 
 
-class LibraryLoadError(Exception):
+class LibraryLoadError(ApirError):
     """A backend library could not be loaded; `code` is the LoadLibrary return code."""
 
     def __init__(self, code: ApirLoadLibraryReturnCode, message: str):

@@ -30,6 +30,7 @@ from apir.codec.virtgpu import (
     VIRTGPU_MAX_RINGS,
     VirtgpuParam,
 )
+from apir.errors import ApirError
 from apir.host.component import HostContext
 from apir.host.limits import DEFAULT_MAX_BLOBS, config_limit
 from apir.host.local_memfile import HostBlob, MemFile, MemFileFull
@@ -82,7 +83,7 @@ def next_ctx_id() -> int:
         return next(_ctx_ids)
 
 
-class KernelError(Exception):
+class KernelError(ApirError):
     """A request refused with `err` (an errno), as the ioctl would fail."""
 
     def __init__(self, err: int, why: str):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from apir.codec.constants import device_props_fields
+from apir.errors import ApirError
 from apir.ggml.errors import GgmlLoadError
 from apir.ggml.features import SERIES, parse_version, series_name
 from apir.ggml.functions import SIGNATURE_LETTERS as _CODES
@@ -129,7 +130,7 @@ def _spec(series: str) -> _Spec:
 SUPPORTED_VERSIONS = tuple(s for s in SERIES if s in _IFACES)
 
 
-class UnsupportedGgmlVersion(RuntimeError):
+class UnsupportedGgmlVersion(ApirError, RuntimeError):
     """The loaded ggml's API series has no backend structs declared in apir (see
     `SUPPORTED_VERSIONS`)."""
 
