@@ -32,7 +32,7 @@ import os
 import struct
 import threading
 import time
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Mapping, Optional, Tuple
 
 from apir.codec.atomics import Word
 from apir.codec.constants import (
@@ -65,6 +65,9 @@ from apir.host.limits import LIMIT_ENV_FALLBACKS
 from apir.host.c_library import c_library_factory
 from apir.host.library import BackendLibrary, LibraryLoadError
 from apir.host.resources import Resource
+
+if TYPE_CHECKING:  # annotations only
+    from apir.host.trace import CommandTrace
 
 __all__ = ["HostContext", "COMMAND_MALFORMED", "NOTIFICATION_SIZE", "CONFIG_ENV_FALLBACKS"]
 
@@ -135,7 +138,7 @@ class HostContext:
         self._pending_notification: Optional[Tuple[Word, int]] = None
         # An apir.host.trace.CommandTrace: its describe(self, command) before each command,
         # finish(record, (rc, reply_bytes) or None, host_seconds) after. None: no tracing.
-        self.tracer: Optional[Any] = None
+        self.tracer: Optional[CommandTrace] = None
 
     # --- configuration and resources (hypervisor side) ------------------------------------
     def set_config(self, key: str, value: str) -> None:
@@ -222,7 +225,7 @@ class HostContext:
                 result = self._submit(cmd)
             except Exception:  # noqa: BLE001 - a host bug must not take the hypervisor down
                 log.exception("ctx %d: internal error while serving a command", self.ctx_id)
-            if tracer is not None:
+            if tracer is not None and record is not None:
                 tracer.finish(record, result, time.perf_counter() - t0)
 
     def _submit(self, cmd: memoryview) -> Optional[Tuple[int, int]]:
