@@ -114,11 +114,8 @@ def embed():
 
 def rpc(g, tid, buffer, n, data_offset, op="NONE", src=()):
     """An F32 vector tensor of `n` elements as an apir_rpc_tensor record."""
-    from apir.ggml.lib import _parse_enum
-
     rec = np.zeros((), RPC_TENSOR_DTYPE)
-    flags = _parse_enum((g.include_dir / "ggml.h").read_text(), "ggml_tensor_flag", "GGML_TENSOR_FLAG_")
-    rec["flags"] = flags["COMPUTE"] if op != "NONE" else 0
+    rec["flags"] = g.tensor_flags["COMPUTE"] if op != "NONE" else 0  # the CPU backend skips unflagged nodes
     rec["id"], rec["type"], rec["buffer"] = tid, g.types["F32"], buffer
     rec["ne"] = [n, 1, 1, 1]
     rec["nb"] = [4, 4 * n, 4 * n, 4 * n]
