@@ -363,12 +363,10 @@ def gather_info(client) -> dict:
 def device_type_name(value: int) -> Optional[str]:
     """The name of an `enum ggml_backend_dev_type` value ("CPU", "GPU", "IGPU", "ACCEL"), read
     from the loaded ggml build's ggml-backend.h; None when that header or the value is missing."""
-    from apir.ggml import load
-    from apir.ggml.lib import GgmlLoadError, _parse_enum
+    from apir.ggml import GgmlLoadError, load
 
     try:
-        header = load().include_dir / "ggml-backend.h"
-        names = _parse_enum(header.read_text(), "ggml_backend_dev_type", "GGML_BACKEND_DEVICE_TYPE_")
+        names = load().header.dev_types
     except (OSError, GgmlLoadError):
         return None
     return {v: k for k, v in names.items()}.get(value)

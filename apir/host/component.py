@@ -62,7 +62,8 @@ from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS
 from apir.codec.wire import Decoder, Encoder
 from apir.host.errors import log
 from apir.host.limits import LIMIT_ENV_FALLBACKS
-from apir.host.library import BackendLibrary, LibraryLoadError, default_library_factory
+from apir.host.c_library import c_library_factory
+from apir.host.library import BackendLibrary, LibraryLoadError
 from apir.host.resources import Resource
 
 if TYPE_CHECKING:  # annotations only
@@ -92,7 +93,8 @@ CONFIG_ENV_FALLBACKS: Dict[str, str] = {
 
 
 def _builtin_library() -> BackendLibrary:
-    from apir.host.backend_library import PythonBackendLibrary  # noqa: E402 - loads ggml lazily
+    # on first use: it imports the dispatcher, the shape rules and the codec's Numba kernels
+    from apir.host.backend_library import PythonBackendLibrary
 
     return PythonBackendLibrary()
 
@@ -112,7 +114,7 @@ class HostContext:
         config: Optional[Mapping[str, str]] = None,
         *,
         capset_id: int = VIRTGPU_DRM_CAPSET_APIR,
-        library_factory: Callable[[str], BackendLibrary] = default_library_factory,
+        library_factory: Callable[[str], BackendLibrary] = c_library_factory,
     ):
         if capset_id not in (VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS):
             raise ValueError(

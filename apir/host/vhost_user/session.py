@@ -35,7 +35,7 @@ from apir.codec.virtgpu import VIRTIO_GPU_SHM_ID_HOST_VISIBLE, VirtioGpuCtrlType
 from apir.codec.constants import CONFIG_KEY_VHOST_BACKEND_TIMEOUT
 from apir.host.limits import DEFAULT_VHOST_BACKEND_TIMEOUT_S, config_limit
 from apir.host.vhost_user.backend_channel import BackendChannel
-from apir.host.vhost_user.gpu_device import GpuDevice
+from apir.host.vhost_user.gpu_device import GpuDevice, Send
 from apir.host.vhost_user.gpu_wire import NO_HEADER, response
 from apir.host.vhost_user.memory import MAX_MEM_SLOTS, GuestMemory, GuestMemoryError
 from apir.host.vhost_user.protocol import (
@@ -59,7 +59,7 @@ from apir.host.vhost_user.protocol import (
     recv_message,
     send_message,
 )
-from apir.host.vhost_user.virtqueue import QueueError, Virtqueue
+from apir.host.vhost_user.virtqueue import Chain, QueueError, Virtqueue
 
 __all__ = ["FrontendSession", "DEVICE_FEATURES", "PROTOCOL_FEATURES", "NUM_QUEUES", "CONFIG_SIZE"]
 
@@ -449,7 +449,16 @@ class FrontendSession:
                 log.warning("%s: control request unreadable: %s", self.name, exc)
                 vq.complete(chain, response(NO_HEADER, VirtioGpuCtrlType.RESP_ERR_INVALID_PARAMETER))
                 continue
-            self.device.handle(request, lambda data, chain=chain, vq=vq: vq.complete(chain, data))  # type: ignore[misc]
+            self.device.handle(request, _reply_to(vq, chain))
+
+
+def _reply_to(vq: Virtqueue, chain: Chain) -> Send:
+    """`send(data)` for the control command in `chain`: its response, written back on `vq`."""
+
+    def send(data: bytes) -> None:
+        vq.complete(chain, data)
+
+    return send
 
 
 def _u64(msg: Message) -> int:
