@@ -21,6 +21,8 @@ import struct
 from dataclasses import dataclass
 from typing import Optional
 
+from apir.errors import ApirError
+
 __all__ = [
     "HEADER",
     "HELLO_MAGIC",
@@ -101,7 +103,7 @@ class Header:
     seq: int
 
 
-class WireError(Exception):
+class WireError(ApirError):
     """The peer broke the wire format (bad length, bad magic, short message)."""
 
 

@@ -30,9 +30,7 @@ from typing import List
 
 from apir.ggml.lib import Ggml
 
-__all__ = ["BackendSpecError", "BackendChoice", "parse_spec", "resolve", "GGML_BACKEND_DEVICE_TYPE_CPU"]
-
-GGML_BACKEND_DEVICE_TYPE_CPU = 0  # enum ggml_backend_dev_type (ggml-backend.h)
+__all__ = ["BackendSpecError", "BackendChoice", "parse_spec", "resolve"]
 RPC_CONNECT_TIMEOUT_S = 5.0
 
 
@@ -104,7 +102,7 @@ def resolve(g: Ggml, spec: str) -> BackendChoice:
     """The devices `spec` names in build `g`'s registry. Raises BackendSpecError."""
     p = parse_spec(spec)
     if p.kind == "cpu":
-        dev = g.ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
+        dev = g.ggml_backend_dev_by_type(g.header.dev_types["CPU"])
         if not dev:
             raise BackendSpecError("this ggml has no CPU device")
         return BackendChoice(spec, [dev], [g.ggml_backend_dev_backend_reg(dev)])

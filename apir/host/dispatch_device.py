@@ -27,18 +27,20 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from apir.codec.constants import device_props_fields, negotiated_version
 from apir.codec.wire import Decoder, Encoder
 from apir.ggml.backend_props import get_dev_props
 from apir.ggml.layout import tensor_record
-from apir.host.backend_library import PythonBackendLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.graph import lib_op_enums, tensor_info
 from apir.host.profiles import CPU
 from apir.host.shapes import Rule, node_refusal
 from apir.host.tensors import Scratch, decode_inline_tensor
+
+if TYPE_CHECKING:  # annotations only: backend_library imports the dispatcher, which imports this module
+    from apir.host.backend_library import PythonBackendLibrary
 
 __all__ = [
     "get_device_count",
