@@ -28,13 +28,14 @@ import socket
 from dataclasses import dataclass
 from typing import List
 
+from apir.errors import ApirError
 from apir.ggml.lib import Ggml
 
 __all__ = ["BackendSpecError", "BackendChoice", "parse_spec", "resolve"]
 RPC_CONNECT_TIMEOUT_S = 5.0
 
 
-class BackendSpecError(ValueError):
+class BackendSpecError(ApirError, ValueError):
     """A backend spec that names nothing this ggml build (or network) has."""
 
 
