@@ -19,6 +19,7 @@ ggml has both."""
 
 import ctypes
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
@@ -150,9 +151,15 @@ class Remote:
         self.s.close()
 
 
-# Ops seen accepted (computed through the host to ggml CPU's bytes) and refused by their own
-# rule in this process, for test_checked_ops.py.
+# (op, test file) seen accepted (computed through the host to ggml CPU's bytes) and refused
+# by the op's own rule in this process, for test_checked_ops.py.
 COVERAGE: Dict[str, set] = {"accepted": set(), "refused": set()}
+
+
+def _record(kind: str, op: str) -> None:
+    # pytest names the running test in PYTEST_CURRENT_TEST: "path/test_x.py::test_y[id] (call)"
+    where = os.environ.get("PYTEST_CURRENT_TEST", "").split("::", 1)[0].rsplit("/", 1)[-1]
+    COVERAGE[kind].add((op, where))
 
 
 def assert_computes_like_cpu(guest, g, case):
@@ -164,7 +171,7 @@ def assert_computes_like_cpu(guest, g, case):
         assert r.result() == _direct(g, case)
     finally:
         r.close()
-    COVERAGE["accepted"].add(case.op)
+    _record("accepted", case.op)
 
 
 def assert_matches_ggml_cpu(guest, g, case):
@@ -180,7 +187,7 @@ def assert_matches_ggml_cpu(guest, g, case):
         r.close()
     assert got == expect
     assert len(set(got)) > 1  # not an untouched buffer
-    COVERAGE["accepted"].add(case.op)
+    _record("accepted", case.op)
 
 
 class _Refusals(logging.Handler):
@@ -225,7 +232,7 @@ def assert_refused_by_rule(refused: Optional[Refused], op: str, node: int, reaso
     assert got == (node, op, want), (got, str(refused))
     assert refused.reason.startswith(reason), refused.reason
     if own:
-        COVERAGE["refused"].add(op)
+        _record("refused", op)
 
 
 def lie_refusal(guest, g, case) -> Refused:
