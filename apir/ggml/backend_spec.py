@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
-from typing import List
+from typing import List, Tuple
 
 from apir.errors import ApirError
 from apir.ggml.lib import Ggml
@@ -47,7 +47,7 @@ class ParsedSpec:
     kind: str
     name: str = ""
     index: int = 0
-    endpoints: tuple = ()
+    endpoints: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def resolve(g: Ggml, spec: str) -> BackendChoice:
     return BackendChoice(spec, [g.ggml_backend_reg_dev_get(reg, p.index)], [reg])
 
 
-def _resolve_rpc(g: Ggml, spec: str, reg: int, endpoints) -> BackendChoice:
+def _resolve_rpc(g: Ggml, spec: str, reg: int, endpoints: Tuple[str, ...]) -> BackendChoice:
     import ctypes
 
     fn_ptr = g.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_server")

@@ -26,7 +26,7 @@ import ctypes
 import itertools
 import mmap
 import os
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from apir.codec.constants import (
     CONFIG_KEY_BACKEND,
@@ -89,7 +89,7 @@ class PythonBackendLibrary:
         self.host_ptr_buffers = False
         # (ggml_backend_buffer_t, size) of the device buffer the checked row ids are copied into
         # on a backend whose kernels read device memory (apir.host.graph); kept between graphs
-        self._ids_buffer: Optional[tuple] = None
+        self._ids_buffer: Optional[Tuple[int, int]] = None
         self.bufts, self.buffers = new_tables()
         self.vspace = VirtualAddressSpace()
         self._abort: Optional[ComputeAbort] = None  # graph time limit and cancellation
