@@ -50,6 +50,14 @@ __all__ = [
     "ENV_HELLO_TIMEOUT",
     "CONFIG_KEY_MAX_BLOBS",
     "ENV_MAX_BLOBS",
+    "CONFIG_KEY_VHOST_MAX_CONTEXTS",
+    "ENV_VHOST_MAX_CONTEXTS",
+    "CONFIG_KEY_VHOST_MAX_RESOURCES",
+    "ENV_VHOST_MAX_RESOURCES",
+    "CONFIG_KEY_VHOST_MAX_BLOB_BYTES",
+    "ENV_VHOST_MAX_BLOB_BYTES",
+    "CONFIG_KEY_VHOST_BACKEND_TIMEOUT",
+    "ENV_VHOST_BACKEND_TIMEOUT",
     "DEFAULT_GGML_LIBRARY_REG",
     "CONFIG_KEY_BUFFER_BUDGET",
     "CONFIG_KEY_MEMORY_LIMIT",
@@ -110,6 +118,11 @@ APIR_LOADLIBRARY_MAX_WAIT_S = 60.0
 CONFIG_KEY_LOAD_LIBRARY_PATH = "apir.load_library.path"
 CONFIG_KEY_GGML_LIBRARY_PATH = "ggml.library.path"
 CONFIG_KEY_GGML_LIBRARY_REG = "ggml.library.reg"
+# apir's own: the ggml backend spec (apir.ggml.backend_spec) when no ggml.library.path is set
+CONFIG_KEY_BACKEND = "apir.host.backend"
+# apir's own: "1" offers buffer_from_ptr (guest blobs imported as device buffers) on a device
+# that can import host memory although its props do not say so (ggml-vulkan: external memory host)
+CONFIG_KEY_IMPORT_HOST_MEMORY = "apir.host.import_host_memory"
 ENV_BACKEND_LIBRARY = "VIRGL_APIR_BACKEND_LIBRARY"
 ENV_GGML_LIBRARY_PATH = "APIR_LLAMA_CPP_GGML_LIBRARY_PATH"
 ENV_GGML_LIBRARY_REG = "APIR_LLAMA_CPP_GGML_LIBRARY_REG"
@@ -127,6 +140,15 @@ CONFIG_KEY_HELLO_TIMEOUT = "apir.local.hello_timeout_s"  # seconds a new connect
 ENV_HELLO_TIMEOUT = "APIR_LOCAL_HELLO_TIMEOUT_S"
 CONFIG_KEY_MAX_BLOBS = "apir.local.max_blobs"  # blobs one context may hold at once
 ENV_MAX_BLOBS = "APIR_LOCAL_MAX_BLOBS"
+# The vhost-user virtio-gpu device (apir.host.vhost_user): what one VM can make it hold.
+CONFIG_KEY_VHOST_MAX_CONTEXTS = "apir.vhost.max_contexts"  # virtio-gpu contexts of one VM
+ENV_VHOST_MAX_CONTEXTS = "APIR_VHOST_MAX_CONTEXTS"
+CONFIG_KEY_VHOST_MAX_RESOURCES = "apir.vhost.max_resources"  # resources (blobs) of one VM
+ENV_VHOST_MAX_RESOURCES = "APIR_VHOST_MAX_RESOURCES"
+CONFIG_KEY_VHOST_MAX_BLOB_BYTES = "apir.vhost.max_blob_bytes"  # bytes of HOST3D blobs of one VM
+ENV_VHOST_MAX_BLOB_BYTES = "APIR_VHOST_MAX_BLOB_BYTES"
+CONFIG_KEY_VHOST_BACKEND_TIMEOUT = "apir.vhost.backend_timeout_s"  # seconds QEMU has to ack SHMEM_MAP
+ENV_VHOST_BACKEND_TIMEOUT = "APIR_VHOST_BACKEND_TIMEOUT_S"
 # --- apir's own host keys (no C twin): what one guest can make the host hold -------------------
 # Values are decimal integers; apir.host.budget documents each bound and its default.
 CONFIG_KEY_BUFFER_BUDGET = "apir.host.buffer_budget"  # bytes of ggml buffers per context

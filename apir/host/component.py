@@ -62,10 +62,13 @@ from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS
 from apir.codec.wire import Decoder, Encoder
 from apir.host.errors import log
 from apir.host.limits import LIMIT_ENV_FALLBACKS
-from apir.host.library import BackendLibrary, LibraryLoadError, default_library_factory
+from apir.host.c_library import c_library_factory
+from apir.host.library import BackendLibrary, LibraryLoadError
 from apir.host.resources import Resource
 
 if TYPE_CHECKING:  # annotations only
+    from typing_extensions import Buffer  # any bytes-like object (collections.abc.Buffer in 3.12)
+
     from apir.host.trace import CommandTrace
 
 __all__ = ["HostContext", "COMMAND_MALFORMED", "NOTIFICATION_SIZE", "CONFIG_ENV_FALLBACKS"]
@@ -92,7 +95,8 @@ CONFIG_ENV_FALLBACKS: Dict[str, str] = {
 
 
 def _builtin_library() -> BackendLibrary:
-    from apir.host.backend_library import PythonBackendLibrary  # noqa: E402 - loads ggml lazily
+    # on first use: it imports the dispatcher, the shape rules and the codec's Numba kernels
+    from apir.host.backend_library import PythonBackendLibrary
 
     return PythonBackendLibrary()
 
@@ -112,7 +116,7 @@ class HostContext:
         config: Optional[Mapping[str, str]] = None,
         *,
         capset_id: int = VIRTGPU_DRM_CAPSET_APIR,
-        library_factory: Callable[[str], BackendLibrary] = default_library_factory,
+        library_factory: Callable[[str], BackendLibrary] = c_library_factory,
     ):
         if capset_id not in (VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS):
             raise ValueError(
@@ -150,7 +154,7 @@ class HostContext:
             value = os.environ.get(CONFIG_ENV_FALLBACKS[key])
         return value
 
-    def add_resource(self, res_id: int, memory) -> None:
+    def add_resource(self, res_id: int, memory: Buffer) -> None:
         """Registers a blob: `memory` is any writable contiguous buffer (an mmap); its length
         is the resource's size. Raises ValueError for a duplicate id or an unusable buffer."""
         with self._lock:
@@ -208,7 +212,7 @@ class HostContext:
         self.close()
 
     # --- commands ---------------------------------------------------------------------------
-    def submit(self, command) -> None:
+    def submit(self, command: Buffer) -> None:
         """Runs one EXECBUFFER payload and writes its reply. Never raises for guest input."""
         with self._lock:
             if self._closed:

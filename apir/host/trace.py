@@ -66,6 +66,7 @@ from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.codec.wire import Decoder
 from apir.errors import ApirError
+from apir.ggml import load as load_ggml
 from apir.host.library import LibraryHost
 from apir.host.local_kernel import ApirContext, ContextFactory
 
@@ -134,9 +135,7 @@ class _GgmlFacts:
 
     @classmethod
     def of_loaded(cls) -> "_GgmlFacts":
-        from apir.ggml import load
-
-        return cls(load())
+        return cls(load_ggml())
 
     def tensor(self, dec: Decoder) -> Dict[str, Any]:
         """One apir_rpc_tensor off `dec`: its type, shape and op (no name, no address)."""

@@ -20,7 +20,8 @@ CONV_TRANSPOSE_*'s copies of kernel and input; per-thread rows for the rest): fa
 for models whose activations fit in a few hundred MiB. A value that is not a number means 0
 (every graph that plans a work buffer is refused), as for `apir.host.buffer_budget`.
 
-Backends: only a CPU backend (`ggml_backend_is_cpu`) plans this way; another backend (a
+Backends: only a CPU backend (`ggml_backend_is_cpu`, and a backend profile that says so,
+apir.host.profiles `plans_work_buffer`) plans this way; another backend (Vulkan, RPC, a
 configured `ggml.library.path`) allocates its own scratch, and no bound is applied here.
 
 Errors: `Refused` when the plan exceeds the budget.
@@ -28,7 +29,6 @@ Errors: `Refused` when the plan exceeds the budget.
 
 from __future__ import annotations
 
-import ctypes
 from typing import TYPE_CHECKING
 
 from apir.host.errors import Refused, log
@@ -39,7 +39,6 @@ if TYPE_CHECKING:  # annotations only: the dispatcher it leads to imports this m
 __all__ = [
     "CONFIG_KEY_WORK_BUDGET",
     "DEFAULT_WORK_BUDGET",
-    "Cplan",
     "check_work_size",
     "planned_work_size",
     "work_budget",
@@ -49,44 +48,11 @@ CONFIG_KEY_WORK_BUDGET = "apir.host.work_budget"
 DEFAULT_WORK_BUDGET = 1 << 30
 
 
-class Cplan(ctypes.Structure):
-    """`struct ggml_cplan` (ggml-cpu.h, the same in ggml 0.10 and 0.20), returned by value by
-    `ggml_graph_plan`; only `work_size` is read."""
-
-    _fields_ = [
-        ("work_size", ctypes.c_size_t),
-        ("work_data", ctypes.c_void_p),
-        ("n_threads", ctypes.c_int),
-        ("threadpool", ctypes.c_void_p),
-        ("abort_callback", ctypes.c_void_p),
-        ("abort_callback_data", ctypes.c_void_p),
-        ("use_ref", ctypes.c_bool),
-    ]
-
-
-def _graph_plan(g):
-    """`ggml_graph_plan(const struct ggml_cgraph *, int n_threads, struct ggml_threadpool *)`
-    of build `g` (libggml-cpu), declared once (its struct result has no SIGNATURES letter)."""
-    fn = getattr(g, "_apir_graph_plan", None)
-    if fn is None:
-        for cdll in g.cdlls:
-            try:
-                fn = cdll.ggml_graph_plan
-            except AttributeError:
-                continue
-            fn.restype, fn.argtypes = Cplan, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-            break
-        else:
-            raise RuntimeError("ggml_graph_plan: not in this ggml build")
-        g._apir_graph_plan = fn
-    return fn
-
-
 def planned_work_size(g, graph: int, n_threads: int) -> int:
     """Bytes of work buffer the CPU backend will allocate for `graph` (a host cgraph whose
     nodes passed the rules) on `n_threads` threads (0: ggml's default, as a CPU backend whose
     thread count was never set): `ggml_graph_plan(graph, n_threads, NULL).work_size`."""
-    return int(_graph_plan(g)(graph, n_threads, None).work_size)
+    return int(g.ggml_graph_plan(graph, n_threads, None).work_size)
 
 
 def work_budget(lib: PythonBackendLibrary) -> int:
@@ -107,13 +73,15 @@ def check_work_size(lib: PythonBackendLibrary, graph: int) -> int | None:
     for it than `work_budget(lib)` (issue 13, class 2); returns the planned size (None for a
     backend that is not the CPU's). Raises Refused."""
     g = lib.g
-    if not g.ggml_backend_is_cpu(lib.backend):
+    profile = getattr(lib, "profile", None)
+    if (profile is not None and not profile.plans_work_buffer) or not g.ggml_backend_is_cpu(lib.backend):
         return None
     size = planned_work_size(g, graph, lib.n_threads)
     budget = work_budget(lib)
     if size > budget:
-        raise Refused(
-            f"backend_graph_compute: ggml plans a {size}-byte work buffer, over the "
+        why = (
+            f"ggml plans a {size}-byte work buffer, over the "
             f"context's work budget of {budget} bytes ({CONFIG_KEY_WORK_BUDGET})"
         )
+        raise Refused(f"backend_graph_compute: {why}", reason=why, rule=f"{__name__}.check_work_size")
     return size

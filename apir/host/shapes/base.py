@@ -10,6 +10,8 @@ from typing import Callable, Dict, FrozenSet, List, NoReturn, Optional, Sequence
 
 import numpy as np
 
+from apir.ggml.features import Feature
+from apir.ggml.lib import Ggml
 from apir.host.errors import Refused
 from apir.host.tensors import tensor_extent
 
@@ -17,8 +19,9 @@ from apir.host.tensors import tensor_extent
 @dataclass(frozen=True)
 class OpEnums:
     """Facts of the loaded ggml build the rules need: sizes of the enums some ops carry in
-    op_params, which types its CPU backend converts rows of F32 into and out of, and its
-    version."""
+    op_params, which types its CPU backend converts rows of F32 into and out of, its version
+    and the version-dependent kernel facts it has (`features`, apir.ggml.features; a rule
+    asks `Feature.X in enums.features`)."""
 
     glu: Dict[str, int] = field(default_factory=dict)  # `enum ggml_glu_op`, COUNT included
     rope: Dict[str, int] = field(default_factory=dict)  # the GGML_ROPE_TYPE_* modes
@@ -36,24 +39,19 @@ class OpEnums:
     # F32 converted to it and dotted with a row of the type) -> the row length, in elements,
     # that the blocks of both divide (FLASH_ATTN_EXT's K)
     vec_dot_row: Dict[str, int] = field(default_factory=dict)
+    features: FrozenSet[Feature] = frozenset()  # apir.ggml.features.features_of(version)
+    hints: Dict[str, int] = field(default_factory=dict)  # `enum ggml_op_hint` ({} before 0.20)
 
     @property
     def glu_count(self) -> int:
         return self.glu.get("COUNT", 0)  # 0: this build has no GLU (GLU nodes are refused)
 
 
-def op_enums(g) -> OpEnums:
-    """`OpEnums` of build `g`, from its ggml.h (`enum ggml_unary_op`, `enum ggml_glu_op`,
-    `#define GGML_ROPE_TYPE_*`), `ggml_get_type_traits_cpu` (whose first field is
-    `from_float`), `ggml_get_type_traits` (`to_float`) and `ggml_version`."""
-    import re
-
-    from apir.ggml.lib import _parse_enum
-
-    text = (g.include_dir / "ggml.h").read_text()
-    unary = _parse_enum(text, "ggml_unary_op", "GGML_UNARY_OP_")
-    glu = _parse_enum(text, "ggml_glu_op", "GGML_GLU_OP_") if "enum ggml_glu_op" in text else {}
-    rope = {m.group(1): int(m.group(2)) for m in re.finditer(r"#\s*define\s+GGML_ROPE_TYPE_(\w+)\s+(\d+)", text)}
+def op_enums(g: Ggml) -> OpEnums:
+    """`OpEnums` of build `g`, from its header facts (`enum ggml_unary_op`, `enum
+    ggml_glu_op`, `#define GGML_ROPE_TYPE_*`, `enum ggml_op_hint`: `g.header`), `ggml_get_type_traits_cpu` (whose
+    first field is `from_float`), `ggml_get_type_traits` (`to_float`), its version and
+    features (`g.version_tuple`, `g.features`)."""
     from_float, to_float, vec_dot, blck_size = set(), set(), {}, {}
     for t, name in g.type_names.items():
         blck_size[name] = int(g.ggml_blck_size(t))
@@ -73,22 +71,23 @@ def op_enums(g) -> OpEnums:
             and base.type_size == g.ggml_type_size(t)
         ):
             to_float.add(name)
-    version = tuple(int(x) for x in re.findall(r"\d+", g.ggml_version().decode())[:3])
     vec_dot_row = {}
     for name, dot in vec_dot.items():
         if dot in from_float:
             a, b = blck_size[name], blck_size[dot]
             vec_dot_row[name] = a * b // math.gcd(a, b)
     return OpEnums(
-        glu,
-        rope,
+        dict(g.header.glu_ops),
+        dict(g.header.rope_types),
         frozenset(from_float),
         frozenset(to_float),
-        version,
-        unary=unary,
+        g.version_tuple,
+        unary=dict(g.header.unary_ops),
         vec_dot=vec_dot,
         blck_size=blck_size,
         vec_dot_row=vec_dot_row,
+        features=g.features,
+        hints=dict(g.header.op_hints),
     )
 
 
@@ -142,6 +141,10 @@ class TensorInfo:
     # in which a node writes over the original before its readers ran (the ids used would not
     # be those of ggml CPU)
     snapshot: Optional[ctypes.Array] = None
+    # how to copy `n` bytes of its data when kernels do not read host memory (a GPU or a
+    # remote backend, apir.host.profiles: `address` is then the backend's own pointer, never
+    # dereferenced): a copy through the backend (ggml_backend_tensor_get); None: read `address`
+    fetch: Optional[Callable[[int], ctypes.Array]] = None
     read_by: Optional[List[int]] = None  # graph indices of the nodes whose rules read the snapshot
     # set by a rule whose kernel is only safe when the whole graph runs on one thread
     one_thread: bool = False
@@ -211,12 +214,30 @@ def param_f32(node: TensorInfo, i: int) -> float:
 def need(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]], n: int) -> List[TensorInfo]:
     got = [s for s in srcs[:n] if s is not None]
     if len(got) < n:  # fewer than n, or one of the first n absent
-        raise Refused(f"node {node.index} ({node.op_name}) needs {n} sources")
+        raise Refused(
+            f"node {node.index} ({node.op_name}) needs {n} sources",
+            node=node.index,
+            op=node.op_name,
+            reason=f"needs {n} sources",
+        )
     return got
 
 
-def fail(node: TensorInfo, why: str) -> NoReturn:
-    raise Refused(f"node {node.index} ({node.op_name}): {why}")
+def rule_name(rule: Callable) -> str:
+    """`module.qualname` of a rule function (a Refused's `rule` field)."""
+    return f"{rule.__module__}.{rule.__qualname__}"
+
+
+def fail(node: TensorInfo, why: str, rule: Optional[Callable] = None) -> NoReturn:
+    """Raises Refused for `node`: `why` the reason; `rule` the check refusing it where that
+    is not the op's own rule (check_node names the op's rule otherwise)."""
+    raise Refused(
+        f"node {node.index} ({node.op_name}): {why}",
+        node=node.index,
+        op=node.op_name,
+        reason=why,
+        rule=None if rule is None else rule_name(rule),
+    )
 
 
 def same_shape(node: TensorInfo, a: TensorInfo, what: str) -> None:
@@ -257,10 +278,11 @@ def check_span(t: TensorInfo, limit: int, what: str) -> None:
     other dimensions (a 2^63-byte work buffer planned from them). Raises Refused."""
     span = span_nbytes(t)
     if span > limit:
-        raise Refused(
-            f"{what}: ne {t.ne} spans {span} bytes of {t.type_name}, more than the {limit} "
+        why = (
+            f"ne {t.ne} spans {span} bytes of {t.type_name}, more than the {limit} "
             f"bytes its buffer allows (empty or aliasing elements)"
         )
+        raise Refused(f"{what}: {why}", reason=why, rule=rule_name(check_span))
 
 
 # A shape rule (one per op, in a module's RULES table): raises Refused unless `node` is what
@@ -302,6 +324,7 @@ def check_empty_sources(node: TensorInfo, srcs: Sequence[TensorInfo | None], all
                 node,
                 f"src{k} {s.ne} has no elements but the result {node.ne} has: the kernel "
                 f"would walk it by another tensor's shape",
+                check_empty_sources,
             )
 
 
@@ -331,7 +354,9 @@ def row_ids(node: TensorInfo, ids: TensorInfo, types=("I32",), flat: bool = Fals
     if n == 0:
         return np.zeros(0, dtype)
     size = extent(ids)
-    if ids.snapshot is None:
+    if ids.snapshot is None and ids.fetch is not None:
+        ids.snapshot = ids.fetch(size)
+    elif ids.snapshot is None:
         ids.snapshot = ctypes.create_string_buffer(size)
         ctypes.memmove(ids.snapshot, ids.address, size)
     ids.read_by = (ids.read_by or []) + [node.index]
@@ -367,7 +392,7 @@ def int_counted(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]]) -> None:
     (Issue 13, class 3.)"""
     for t in (node, *srcs):
         if t is not None and (any(n > INT_MAX for n in t.ne) or t.nrows() > INT_ROWS_MAX):
-            fail(node, f"tensor {t.index} {t.ne} is too large for the kernel's int counts")
+            fail(node, f"tensor {t.index} {t.ne} is too large for the kernel's int counts", int_counted)
 
 
 def int_counted_rules(rules: Dict[str, Rule]) -> Dict[str, Rule]:

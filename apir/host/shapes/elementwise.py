@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+from apir.ggml.features import Feature
 from apir.host.shapes.base import (
     CPU_QUANTIZED_ROW_TYPES,
     INT_MAX,
@@ -112,7 +113,6 @@ def _norm(node, srcs, _enums=None):
 # ggml 0.25 adds BF16 kernels: ggml_compute_forward_unary_bf16_rows (GELU, GELU_ERF,
 # GELU_QUICK, SILU), ..._glu_bf16_rows (REGLU, GEGLU, SWIGLU, GEGLU_ERF, GEGLU_QUICK) and
 # ..._scale_bf16, each with the same layout assertions as its F32 / F16 kernel.
-_BF16_KERNELS_SINCE = (0, 25, 0)
 _GLU_BF16 = ("REGLU", "GEGLU", "SWIGLU", "GEGLU_ERF", "GEGLU_QUICK")
 
 
@@ -121,7 +121,7 @@ def _scale(node, srcs, enums=None):
     GGML_ASSERTs src0 and the result contiguous): same shape and type."""
     (a,) = need(node, srcs, 1)
     same_shape(node, a, "src0")
-    types = ("F32", "BF16") if enums is not None and enums.version >= _BF16_KERNELS_SINCE else ("F32",)
+    types = ("F32", "BF16") if enums is not None and Feature.BF16_KERNELS in enums.features else ("F32",)
     if a.type_name not in types or node.type_name != a.type_name:
         fail(node, f"types {a.type_name} -> {node.type_name}")
     if not a.contiguous():
@@ -147,7 +147,7 @@ def _unary(node, srcs, enums):
     if name is None:
         fail(node, f"unary op {op} out of range")
     same_shape(node, a, "src0")
-    bf16 = name not in _UNARY_F32_F16 or enums.version >= _BF16_KERNELS_SINCE
+    bf16 = name not in _UNARY_F32_F16 or Feature.BF16_KERNELS in enums.features
     types = ("F32", "F16", "BF16") if bf16 else ("F32", "F16")
     if a.type_name not in types or node.type_name != a.type_name:
         fail(node, f"{name} of {a.type_name} -> {node.type_name}")
@@ -197,13 +197,13 @@ def _leaky_relu(node, srcs, _enums=None):
 
 # ggml 0.20's norm and l2_norm read and write each element at i00 * nb[0] unless rows are
 # packed (0.10's assert or assume packed rows).
-_NORM_STRIDED_SINCE = (0, 20, 0)
+# (Feature.NORM_STRIDED_ROWS, apir.ggml.features)
 
 
 def _strided_norm(node, srcs, enums):
     """NORM, L2_NORM: rows of any strides on ggml >= 0.20, else as `_norm`."""
     (a,) = need(node, srcs, 1)
-    if enums.version < _NORM_STRIDED_SINCE:
+    if Feature.NORM_STRIDED_ROWS not in enums.features:
         return _norm(node, srcs)
     same_shape(node, a, "src0")
     if a.type_name != "F32" or node.type_name != "F32":
@@ -275,7 +275,7 @@ def _glu(node, srcs, enums):
     # SWIGLU_OAI's kernel is F32 only; SWIGLU_CLAMP (ggml 0.25) F32 and F16
     if name == "SWIGLU_OAI":
         types: tuple = ("F32",)
-    elif name in _GLU_BF16 and enums.version >= _BF16_KERNELS_SINCE:
+    elif name in _GLU_BF16 and Feature.BF16_KERNELS in enums.features:
         types = ("F32", "F16", "BF16")
     else:
         types = ("F32", "F16")

@@ -3,12 +3,13 @@ ggml 0.10 and 0.20, ggml 0.25 adds the offset of the rotated channels, op_params
 
 from __future__ import annotations
 
+from apir.ggml.features import Feature
+
 from apir.host.shapes.base import fail, int_counted_rules, need, param_i32, same_shape
 
 
 # ggml 0.25: ggml_rope_set_offset stores n_offs in op_params[15]; rope_flt rotates the n_dims
 # channels from n_offs and copies the others, skipping the rotated ones.
-_ROPE_OFFSET_SINCE = (0, 25, 0)
 
 
 def _rope_offset(node, n_dims: int, ne0: int, vision: bool) -> None:
@@ -58,7 +59,7 @@ def _rope(node, srcs, enums):
     # its pairs (i, i + n_dims) for i <= (ne[0] - 1) / 2 stay in the row).
     if (ne0 % 2 and not vision) or not 0 <= n_dims <= ne0 or n_dims % 2 or (vision and n_dims != ne0 // 2):
         fail(node, f"n_dims {n_dims} does not fit ne[0] {ne0} (mode {mode})")
-    if enums.version >= _ROPE_OFFSET_SINCE:
+    if Feature.ROPE_OFFSET in enums.features:
         _rope_offset(node, n_dims, ne0, vision)
     want = a.ne[2] * (4 if multi else 1)
     if pos.type_name != "I32" or pos.ne != [want, 1, 1, 1] or not pos.contiguous():
