@@ -148,7 +148,7 @@ def main(argv=None) -> int:
         cpu = bo.run_op(direct_tbo, name, direct_device, direct_env, timeout=args.timeout, max_resume=0,
                         params=params or None)
         env = guest_env(paths, shim, workers.host().socket_path)
-        ap_run = bo.run_op(tbo, name, apir_device, env, expected=cpu.passed(), params=params or None,
+        ap_run = bo.run_op(tbo, name, apir_device, env, expected=cpu.passed_runs(), params=params or None,
                            timeout=args.timeout, max_resume=args.max_resume, deadline=deadline,
                            resume_jobs=args.resume_jobs)
         return op, cpu, ap_run

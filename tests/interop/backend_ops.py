@@ -9,7 +9,9 @@ compared. The same binary with `-b CPU` gives the counts on ggml CPU directly.
 Each op runs in its own test-backend-ops process. The C guest aborts the whole process when a
 backend function fails (GGML_ABORT in REMOTE_CALL), so one refused or crashed case would hide all
 the cases after it: when a run ends early, the op's remaining cases (known from the CPU run) are
-run one per process, and the case that was running when it ended counts as failed ("crashed").
+run again, many to a process (`-o` takes a list of full case names), and the case that was
+running when a process ended counts as failed ("crashed"). The suite lists some cases twice
+(TOP_K, OUT_PROD, MUL_MAT): a case is resumed while it was seen fewer times than on CPU.
 Only the cases that passed on CPU are resumed: the others need not pass through apir, and each
 would cost a process (the C guest aborts on every case the host refuses).
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import re
 import subprocess
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +42,7 @@ def parse(stdout: str) -> List[Tuple[str, str]]:
     but no status (the process died computing it) is CRASHED."""
     cases: List[Tuple[str, str]] = []
     lines = stdout.splitlines()
-    for i, line in enumerate(lines):
+    for line in lines:
         m = _CASE.match(line)
         if m and m.group(3).strip():
             status = m.group(3)
@@ -88,6 +91,10 @@ class OpRun:
         ok = {c for c, s in self.cases if s == OK}
         return [c for c in self.names() if c in ok]
 
+    def passed_runs(self) -> List[str]:
+        """The name of every run that passed, in order (a case the suite lists twice, twice)."""
+        return [c for c, s in self.cases if s == OK]
+
     def status_of(self, case: str) -> Optional[str]:
         """OK if any run of `case` passed, else the last status seen, else None."""
         seen = [s for c, s in self.cases if c == case]
@@ -113,9 +120,12 @@ def run_op(test_backend_ops: str, op: str, device: str, env: Optional[dict] = No
            params: Optional[str] = None, deadline: Optional[float] = None,
            resume_jobs: int = 1) -> OpRun:
     """All cases of `op` (those whose parameters match the regex `params`, if given) on
-    `device`. `expected`: the op's case names (from the CPU run), used to resume case by case
-    after the process ended early, `resume_jobs` processes at a time, until `deadline`
-    (time.monotonic()) if given."""
+    `device`. `expected`: the op's case names from the CPU run, a name once per run of it
+    (`OpRun.passed_runs`: the suite lists some cases twice), used to resume after the process
+    ended early: each name seen fewer times than expected is re-run (all its runs, replacing
+    the ones seen), many names to a process (`resume_filters`), `resume_jobs` processes at a
+    time, until `deadline` (time.monotonic()) if given. A resumed process that ends early
+    blames the first of its names it did not print (CRASHED) and the rest go on."""
     run = OpRun(op)
     t0 = time.monotonic()
     cases, rc, err = run_cases(test_backend_ops, device, op, env, timeout, params)
@@ -123,31 +133,70 @@ def run_op(test_backend_ops: str, op: str, device: str, env: Optional[dict] = No
     run.cases.extend(cases)
     if rc != 0:
         run.notes.append(f"{op}: process ended with {rc} ({_last_line(err)})")
-        done = set(run.names())
-        remaining = [c for c in dict.fromkeys(expected) if c not in done][:max_resume]
+        need, seen = Counter(expected), Counter(c for c, _ in run.cases)
+        short = [c for c in need if seen[c] < need[c]]
+        remaining = short[:max_resume]
+        run.cases = [(c, s) for c, s in run.cases if c not in set(remaining)]
 
-        def one(case):
-            if deadline is not None and time.monotonic() > deadline:
-                return case, None, None, None
-            return (case,) + run_cases(test_backend_ops, device, case, env, timeout)
+        def resume(chunk: List[str]):
+            got: List[Tuple[str, str]] = []
+            notes: List[str] = []
+            processes = 0
+            while chunk:
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                cases, rc, err = run_cases(test_backend_ops, device, ",".join(chunk), env, timeout)
+                processes += 1
+                printed = {c for c, _ in cases}
+                got.extend(cases)
+                left = [c for c in chunk if c not in printed]
+                if rc == 0:  # a name the filter ran no case of
+                    got.extend((c, CRASHED) for c in left)
+                    chunk = []
+                elif left:
+                    got.append((left[0], CRASHED))
+                    notes.append(f"{left[0]}: process ended with {rc} ({_last_line(err)})")
+                    chunk = left[1:]
+                else:
+                    notes.append(f"{op}: a resumed process ended with {rc} after its last case")
+                    chunk = []
+            return got, notes, processes, len(chunk)
 
         skipped = 0
         with ThreadPoolExecutor(max_workers=max(1, resume_jobs)) as pool:
-            for case, cases, rc, err in pool.map(one, remaining):  # results in case order
-                if rc is None and err is None:
-                    skipped += 1
-                    continue
-                run.processes += 1
-                run.cases.extend(cases or [(case, CRASHED)])
-                if rc != 0:
-                    run.notes.append(f"{case}: process ended with {rc} ({_last_line(err)})")
+            for got, notes, processes, left in pool.map(resume, resume_filters(remaining, resume_jobs)):
+                run.cases.extend(got)
+                run.notes.extend(notes)
+                run.processes += processes
+                skipped += left
         if skipped:
             run.notes.append(f"{op}: deadline passed, {skipped} cases not resumed")
-        not_tried = len([c for c in dict.fromkeys(expected) if c not in done]) - len(remaining)
-        if not_tried:
-            run.notes.append(f"{op}: {not_tried} cases not resumed")
+        if len(short) > len(remaining):
+            run.notes.append(f"{op}: {len(short) - len(remaining)} cases not resumed")
     run.seconds = time.monotonic() - t0
     return run
+
+
+# test-backend-ops' -o filter is one argument: Linux caps one at 128 KiB (MAX_ARG_STRLEN)
+_FILTER_CHARS = 100_000
+
+
+def resume_filters(names: List[str], parts: int = 1) -> List[List[str]]:
+    """`names` in order, cut into about `parts` runs of names whose comma-joined `-o` filter
+    (test-backend-ops matches_filter: `OP(params)` entries) stays under 100,000 characters."""
+    per = max(1, -(-len(names) // max(1, parts)))
+    chunks: List[List[str]] = []
+    cur: List[str] = []
+    size = 0
+    for name in names:
+        if cur and (len(cur) >= per or size + len(name) + 1 > _FILTER_CHARS):
+            chunks.append(cur)
+            cur, size = [], 0
+        cur.append(name)
+        size += len(name) + 1
+    if cur:
+        chunks.append(cur)
+    return chunks
 
 
 def _last_line(text: str) -> str:
