@@ -351,7 +351,7 @@ def paired():
     mine = 1000.0 if role == "a" else 2000.0
     theirs = 3000.0 - mine
     out = {"role": role}
-    c = connect(forward_timeout_s=120)
+    c = connect(forward_timeout_s=120, handshake_timeout_s=60)  # the first contact with a fresh host
     buft = c.device_get_buffer_type()
     # b holds more buffers, so a's probes of handles it was not given hit numbers b owns
     bufs = [c.buffer_type_alloc_buffer(buft, 1 << 20) for _ in range(1 if role == "a" else 6)]
