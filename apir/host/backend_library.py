@@ -35,6 +35,7 @@ from apir.codec.wire import Decoder, Encoder
 from apir.host.budget import BufferBudget, BufferLimits, buffer_charge
 from apir.host.compute_abort import ComputeAbort
 from apir.host.errors import Refused, log
+from apir.host.graph_cache import GraphCache
 from apir.host.handles import HostBuffer, HostBufferType, VirtualAddressSpace, new_tables
 from apir.host.library import LibraryHost
 from apir.host.limits import DEFAULT_GRAPH_TIME_LIMIT_S, parse_limit
@@ -65,6 +66,8 @@ class PythonBackendLibrary:
         # threads the backend computes with (0: never set, ggml's default); the work-size
         # bound plans with the same count (apir.host.work_plan)
         self.n_threads = 0
+        # checked, built graphs reused when the same graph structure comes again
+        self.graph_cache = GraphCache()
 
     # --- BackendLibrary -------------------------------------------------------------------
     def initialize(self, host: LibraryHost) -> int:
@@ -156,6 +159,7 @@ class PythonBackendLibrary:
     def deinit(self) -> None:
         """`apir_backend_deinit`, for this context only: frees its buffers and its backend."""
         self.cancel_compute("the context is destroyed")
+        self.graph_cache.clear()
         for handle, _ in self.buffers.items():
             self.free_buffer(handle)
         if self.backend:
@@ -249,6 +253,7 @@ class PythonBackendLibrary:
     def free_buffer(self, handle: int) -> None:
         buf = self.buffers.pop(handle)
         if buf is not None:
+            self.graph_cache.drop_buffer(buf)
             self.g.ggml_backend_buffer_free(buf.ptr)
             self.budget.give(buf.charge)
 

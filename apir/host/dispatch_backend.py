@@ -5,7 +5,9 @@ that shared-memory resource. Reply: the `enum ggml_status` (i32) of the compute.
 checked against the resource's real size (the C has a placeholder there), the graph is
 parsed and checked (`parse_graph`, `apir.host.graph`), ggml's planned work buffer is bounded
 by the context's work budget (`apir.host.work_plan`), and only a graph that passes is
-computed; one that does not is refused (BACKEND_RC_ERROR, no status). The compute runs under
+computed; one that does not is refused (BACKEND_RC_ERROR, no status). A graph whose structure
+the context computed before reuses that built graph after the re-checks `apir.host.graph_cache`
+describes (`prepare_graph`). The compute runs under
 the context's abort flag: past `apir.host.graph_time_limit_s`, or once the context is being
 destroyed, it stops and the status is GGML_STATUS_ABORTED.
 
@@ -20,11 +22,12 @@ from __future__ import annotations
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 
 from apir.codec.graph import GraphError, parse_graph
-from apir.host.graph import build_graph, lib_op_enums
+from apir.host.graph import BuiltGraph, build_graph_parts, lib_op_enums
+from apir.host.graph_cache import GraphCacheEntry, graph_key
 from apir.host.tensors import Scratch
 from apir.host.work_plan import check_work_size
 
-__all__ = ["graph_compute"]
+__all__ = ["graph_compute", "prepare_graph"]
 
 
 def graph_compute(lib, dec, enc) -> int:
@@ -40,15 +43,56 @@ def graph_compute(lib, dec, enc) -> int:
     except GraphError as exc:
         raise Refused(f"backend_graph_compute: {exc}") from None
     _warn_if_nothing_to_compute(g, parsed)
-    enums = lib_op_enums(lib)
-    with Scratch(g, len(parsed.tensors), max(len(parsed.node_index), 1)) as scratch:
-        graph = build_graph(lib, parsed, scratch, enums)
-        check_work_size(lib, graph)  # before the CPU backend allocates its work buffer
+    cache = getattr(lib, "graph_cache", None)
+    entry = prepare_graph(lib, parsed, cache)
+    try:
+        check_work_size(lib, entry.graph)  # before the CPU backend allocates its work buffer
         # under the context's time limit and cancellation (apir.host.compute_abort)
-        status = lib.abort.run(g.ggml_backend_graph_compute, lib.backend, graph)
+        status = lib.abort.run(g.ggml_backend_graph_compute, lib.backend, entry.graph)
         g.ggml_backend_synchronize(lib.backend)
+    except BaseException:
+        entry.close()
+        raise
+    if cache is not None:
+        cache.put(entry)
+    else:
+        entry.close()
     enc.i32(status)
     return BACKEND_RC_OK
+
+
+def prepare_graph(lib, parsed, cache) -> GraphCacheEntry:
+    """The checked, built host graph of `parsed`: from `cache` (an `apir.host.graph_cache`
+    GraphCache, or None) when it holds the same structure and the re-check passes, else
+    checked and built in full. Raises Refused; the caller owns the entry (put it back or
+    close it)."""
+    enums = lib_op_enums(lib)
+    key = graph_key(parsed) if cache is not None else b""
+    entry = cache.take(key, lib) if cache is not None else None
+    if entry is not None:
+        try:
+            fresh = entry.recheck(lib, enums)
+        except BaseException:
+            entry.close()
+            raise
+        if fresh:
+            return entry
+        entry.close()
+    scratch = Scratch(lib.g, len(parsed.tensors), max(len(parsed.node_index), 1))
+    try:
+        built = build_graph_parts(lib, parsed, scratch, enums)
+    except BaseException:
+        scratch.close()
+        raise
+    return _entry(key, scratch, built, parsed)
+
+
+def _entry(key: bytes, scratch: Scratch, built: BuiltGraph, parsed) -> GraphCacheEntry:
+    """The cache entry of a graph just built (its scratch context now owned by the entry)."""
+    handles = parsed.tensors["buffer"].tolist()
+    buffers = {h: b for h, b in zip(handles, built.bufs)}
+    readers = sorted({j for info in built.infos if info.snapshot is not None for j in info.read_by or ()})
+    return GraphCacheEntry(key, scratch, built.graph, built.host, buffers, built.infos, built.src_rows, readers)
 
 
 def _warn_if_nothing_to_compute(g, parsed) -> None:
