@@ -26,6 +26,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload, register_jitable
 
+from apir.codec import numba_cache
+
 __all__ = [
     "jit",
     "load_u8",
@@ -60,8 +62,12 @@ __all__ = [
 ]
 
 
+numba_cache.install()
+
+
 def jit(fn):
-    """The one JIT helper: nopython, cached on disk, GIL released while it runs."""
+    """The one JIT helper: nopython, cached on disk (one cache per machine,
+    apir.codec.numba_cache), GIL released while it runs."""
     return numba.njit(cache=True, nogil=True)(fn)
 
 
