@@ -26,7 +26,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload, register_jitable
 
-from apir.codec import numba_cache
+from apir import numba_cache
 
 __all__ = [
     "jit",
@@ -67,7 +67,7 @@ numba_cache.install()
 
 def jit(fn):
     """The one JIT helper: nopython, cached on disk (one cache per machine,
-    apir.codec.numba_cache), GIL released while it runs."""
+    apir.numba_cache), GIL released while it runs."""
     return numba.njit(cache=True, nogil=True)(fn)
 
 

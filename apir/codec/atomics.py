@@ -49,7 +49,7 @@ from numba import carray, cfunc, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from apir.codec import numba_cache
+from apir import numba_cache
 
 __all__ = [
     "load_acquire_u32",
@@ -68,7 +68,7 @@ _U32 = struct.Struct("=I")
 
 # Intrinsics and the functions using them live in one file: Numba's on-disk cache of a
 # function is invalidated only by changes to its own file (docs/numba-notes.md).
-# (in the machine-wide cache folder of apir.codec.numba_cache)
+# (in the machine-wide cache folder of apir.numba_cache)
 numba_cache.install()
 _jit = njit(cache=True, nogil=True)
 

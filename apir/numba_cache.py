@@ -26,7 +26,7 @@ from numba.core import caching, config
 
 __all__ = ["ApirCacheLocator", "cache_root", "install"]
 
-_PACKAGE_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
+_PACKAGE_DIR = str(Path(__file__).resolve().parent) + os.sep
 
 
 def cache_root() -> Path:

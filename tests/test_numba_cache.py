@@ -1,4 +1,4 @@
-"""apir.codec.numba_cache: kernels compile into one cache per machine, keyed by their source."""
+"""apir.numba_cache: kernels compile into one cache per machine, keyed by their source."""
 
 import hashlib
 import os
@@ -7,14 +7,14 @@ import sys
 from pathlib import Path
 
 import apir.codec._kernels as K
-from apir.codec.numba_cache import ApirCacheLocator, cache_root
+from apir.numba_cache import ApirCacheLocator, cache_root
 
 _RUN = "import numpy as np; from apir.codec import _kernels as K; a = np.arange(8, dtype=np.uint8); " \
        "K.memmove_kernel(a.ctypes.data + 1, a.ctypes.data, 4); print(a.tolist())"
 
 
 def _run(env):
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[1])
     full = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
     full.update(env, PYTHONPATH=root)
     return subprocess.run([sys.executable, "-c", _RUN], env=full, capture_output=True, text=True, timeout=300)
