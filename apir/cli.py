@@ -35,6 +35,7 @@ from apir.codec.constants import (
     CONFIG_KEY_LOAD_LIBRARY_PATH,
     ENV_GGML_LIBRARY_PATH,
 )
+from apir.errors import ApirError
 from apir.socket_path import SocketPathError, check_connect, check_listen, check_syntax
 
 __all__ = [
@@ -65,7 +66,7 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 EXIT_PIPE = 128 + signal.SIGPIPE  # 141: what a shell reports for a command killed by SIGPIPE
 
 
-class UsageError(ValueError):
+class UsageError(ApirError, ValueError):
     """A value the user gave that can never work (not merely one that fails now): exit 2."""
 
 

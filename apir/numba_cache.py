@@ -53,7 +53,7 @@ class ApirCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLoca
 
     @classmethod
     def from_function(cls, py_func, py_file):
-        if config.CACHE_DIR or not os.path.abspath(py_file).startswith(_PACKAGE_DIR):
+        if getattr(config, "CACHE_DIR", "") or not os.path.abspath(py_file).startswith(_PACKAGE_DIR):
             return None
         return super().from_function(py_func, py_file)
 

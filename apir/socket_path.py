@@ -11,13 +11,15 @@ from __future__ import annotations
 import os
 import stat
 
+from apir.errors import ApirError
+
 __all__ = ["SUN_PATH_MAX", "SocketPathError", "check_syntax", "check_connect", "check_listen"]
 
 # struct sockaddr_un.sun_path is 108 bytes on Linux, the last one the terminating NUL.
 SUN_PATH_MAX = 107
 
 
-class SocketPathError(ValueError):
+class SocketPathError(ApirError, ValueError):
     """A socket path that cannot be used; the message names it and says why."""
 
 

@@ -221,7 +221,7 @@ def _ol_store_i64(addr, value):
 
 @overload(memmove)
 def _ol_memmove(dst, src, size):
-    return lambda dst, src, size: _i_memmove(dst, src, size)
+    return lambda dst, src, size: _i_memmove(dst, src, size)  # type: ignore[call-arg]  # typingctx: numba passes it
 
 
 @jit

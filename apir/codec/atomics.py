@@ -135,19 +135,19 @@ def _cpu_relax_intrinsic(typingctx):
 
 @_jit
 def _load_acquire(arr, offset):
-    return _load_acquire_intrinsic(arr, offset)
+    return _load_acquire_intrinsic(arr, offset)  # type: ignore[call-arg]  # typingctx: numba passes it
 
 
 @_jit
 def _store_release(arr, offset, value):
-    _store_release_intrinsic(arr, offset, np.uint32(value))
+    _store_release_intrinsic(arr, offset, np.uint32(value))  # type: ignore[call-arg]  # typingctx: numba passes it
 
 
 @_jit
 def _spin_until_nonzero(arr, offset, spins):
     value = np.uint32(0)
     for _ in range(spins):
-        value = _load_acquire_intrinsic(arr, offset)
+        value = _load_acquire_intrinsic(arr, offset)  # type: ignore[call-arg]  # typingctx: numba passes it
         if value != 0:
             break
         _cpu_relax_intrinsic()
@@ -156,7 +156,7 @@ def _spin_until_nonzero(arr, offset, spins):
 
 @_jit
 def _store_then_spin(arr, offset, value, arr2, offset2, value2, wait_arr, wait_offset, spins, clear, settle):
-    _store_release_intrinsic(arr, offset, np.uint32(value))
+    _store_release_intrinsic(arr, offset, np.uint32(value))  # type: ignore[call-arg]  # typingctx: numba passes it
     _store_release_intrinsic(arr2, offset2, np.uint32(value2))
     seen = np.uint32(0)
     for _ in range(spins):
@@ -318,7 +318,7 @@ def nonzero_u32_callback() -> int:
 
         @cfunc(types.boolean(types.voidptr), cache=True)
         def nonzero_u32(word):
-            return _load_acquire_intrinsic(carray(word, 4, np.uint8), 0) != 0
+            return _load_acquire_intrinsic(carray(word, 4, np.uint8), 0) != 0  # type: ignore[call-arg]  # typingctx: numba passes it
 
         _nonzero_u32_cfunc = nonzero_u32
     address = _nonzero_u32_cfunc.address

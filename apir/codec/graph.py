@@ -33,6 +33,7 @@ import numpy as np
 
 from apir.codec import _kernels as K
 from apir.codec.records import GGML_0_20_LIMITS, GgmlLimits, field_offset, rpc_tensor_dtype
+from apir.errors import ApirError
 
 __all__ = [
     "BufferTable",
@@ -47,7 +48,7 @@ __all__ = [
 _U32 = struct.Struct("<I")
 
 
-class GraphError(ValueError):
+class GraphError(ApirError, ValueError):
     """A serialized graph is malformed or hostile; the message says what is wrong."""
 
 

@@ -21,6 +21,8 @@ import struct
 from dataclasses import dataclass
 from typing import Optional
 
+from apir.errors import ApirError
+
 __all__ = [
     "HEADER",
     "HELLO_MAGIC",
@@ -36,6 +38,7 @@ __all__ = [
     "ConnectionClosed",
     "pack_message",
     "unpack_header",
+    "fixed_reply",
 ]
 
 HEADER = struct.Struct("<IIII")  # op, err, len, seq
@@ -62,8 +65,8 @@ class Op(enum.IntEnum):
     STAT = 9  # debug: counts of contexts, blobs and ggml buffers (the connection's own by default)
 
 
-# Fixed payload layouts. None = no fixed layout (see the op's notes in docs/local-transport.md).
-REQUEST: dict[Op, Optional[struct.Struct]] = {
+# Fixed payload layouts (every request has one; EXECBUFFER's is followed by the command).
+REQUEST: dict[Op, struct.Struct] = {
     Op.HELLO: struct.Struct("<II"),  # magic, wire_version
     Op.GETPARAM: struct.Struct("<Q"),  # param
     Op.GET_CAPS: struct.Struct("<IIII"),  # cap_set_id, cap_set_ver, size, pad
@@ -74,6 +77,7 @@ REQUEST: dict[Op, Optional[struct.Struct]] = {
     Op.EXECBUFFER: struct.Struct("<IIII"),  # flags, size, ring_idx, pad; then `size` bytes
     Op.STAT: struct.Struct(""),
 }
+# None = no fixed layout (see the op's notes in docs/local-transport.md).
 REPLY: dict[Op, Optional[struct.Struct]] = {
     # magic, wire_version, blob_alignment (apir.codec.virtgpu.BLOB_ALIGNMENT), pad; + 1 fd
     Op.HELLO: struct.Struct("<IIII"),
@@ -99,7 +103,7 @@ class Header:
     seq: int
 
 
-class WireError(Exception):
+class WireError(ApirError):
     """The peer broke the wire format (bad length, bad magic, short message)."""
 
 
@@ -119,3 +123,12 @@ def unpack_header(data: bytes, max_payload: int = MAX_PAYLOAD) -> Header:
     if header.length > max_payload:
         raise WireError(f"message of {header.length} bytes exceeds the {max_payload}-byte limit")
     return header
+
+
+def fixed_reply(op: Op) -> struct.Struct:
+    """REPLY[op] for an op whose reply has a fixed layout; ValueError for GET_CAPS (whose reply
+    is the capset's bytes)."""
+    fmt = REPLY[op]
+    if fmt is None:
+        raise ValueError(f"{op.name} replies have no fixed layout")
+    return fmt

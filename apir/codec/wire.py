@@ -24,6 +24,8 @@ from typing import Optional
 
 import numpy as np
 
+from apir.errors import ApirError
+
 __all__ = ["Decoder", "Encoder", "EncoderOverflow", "align4"]
 
 _U32 = struct.Struct("<I")
@@ -47,7 +49,7 @@ def _byte_view(buf) -> memoryview:
     return view
 
 
-class EncoderOverflow(Exception):
+class EncoderOverflow(ApirError):
     """An encoder ran out of room: the command or reply does not fit its buffer."""
 
 

@@ -28,6 +28,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from apir.codec.records import GgmlLimits
+from apir.errors import ApirError
 
 __all__ = ["Ggml", "GgmlLoadError", "load", "default_paths", "SIGNATURES", "SIGNATURE_LETTERS", "InitParams"]
 
@@ -35,7 +36,7 @@ ENV_LIB_DIR = "APIR_GGML_LIB_DIR"
 ENV_INCLUDE_DIR = "APIR_GGML_INCLUDE_DIR"
 
 
-class GgmlLoadError(RuntimeError):
+class GgmlLoadError(ApirError, RuntimeError):
     """The ggml build cannot be used: a library, header, symbol or layout is missing or off."""
 
 

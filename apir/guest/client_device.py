@@ -83,7 +83,9 @@ class DeviceCalls(ClientState):
 
         def decode(dec):
             flags = [dec.bool() for _ in fields]
-            return DeviceProps(*flags[:4], mmap_support=flags[4] if len(flags) > 4 else None)
+            async_, host_buffer, buffer_from_host_ptr, events = flags[:4]
+            mmap_support = flags[4] if len(flags) > 4 else None
+            return DeviceProps(async_, host_buffer, buffer_from_host_ptr, events, mmap_support)
 
         return self._forward(F.DEVICE_GET_PROPS, None, decode)
 

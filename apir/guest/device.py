@@ -18,9 +18,10 @@ by `apir.codec.virtgpu.blob_size`, as the C `virtgpu_shmem_create` does, before 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+import mmap
+from typing import Protocol, runtime_checkable
 
-__all__ = ["Blob", "VirtgpuDevice"]
+__all__ = ["Blob", "VirtgpuDevice", "WatchedDevice"]
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Blob:
     res_id: int
     bo_handle: int
     size: int
-    memory: Any
+    memory: mmap.mmap
 
 
 @runtime_checkable
@@ -73,4 +74,15 @@ class VirtgpuDevice(Protocol):
 
     def close(self) -> None:
         """Releases the device (remaining blobs are released with it)."""
+        ...
+
+
+@runtime_checkable
+class WatchedDevice(Protocol):
+    """A device that can tell, while the guest waits on a reply notification word, that its
+    host is gone (apir.guest.remote uses `watch` in place of sleeping when a device has it)."""
+
+    def watch(self, timeout_s: float) -> None:
+        """Waits up to `timeout_s` seconds (less when something arrives); raises DeviceError
+        at once when the host is gone (socket EOF, dead host thread)."""
         ...

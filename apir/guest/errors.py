@@ -1,4 +1,5 @@
-"""The guest's exceptions: one base, `ApirError`, and a class per thing that can go wrong.
+"""The guest's exceptions: a class per thing that can go wrong, under apir's one root
+`ApirError` (apir.errors, re-exported here).
 
 Theory of operation: the C guest aborts the process on every failure (GGML_ABORT); apir
 raises instead, and the class says whose fault it is and what to fix:
@@ -28,6 +29,7 @@ from apir.codec.constants import (
     ApirForwardReturnCode,
     ApirLoadLibraryReturnCode,
 )
+from apir.errors import ApirError
 
 __all__ = [
     "ApirError",
@@ -62,10 +64,6 @@ __all__ = [
     "load_library_error",
     "forward_error",
 ]
-
-
-class ApirError(Exception):
-    """Base of every apir guest error."""
 
 
 # --- device / transport -------------------------------------------------------------------

@@ -36,6 +36,7 @@ from apir.codec.local_wire import (
     ConnectionClosed,
     Op,
     WireError,
+    fixed_reply,
 )
 from apir.codec.virtgpu import (
     VIRTGPU_BLOB_FLAG_USE_MAPPABLE,
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 
 _HOST_GONE = "the apir host closed the connection (it exited or crashed)"
 _POLL_EVENTS = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
-_IOCTL_NAMES = {
+_IOCTL_NAMES: dict[Op, str] = {
     Op.GETPARAM: IoctlName.GETPARAM,
     Op.GET_CAPS: IoctlName.GET_CAPS,
     Op.CONTEXT_INIT: IoctlName.CONTEXT_INIT,
@@ -102,7 +103,7 @@ class LocalDevice:
         self.sock = sock
         try:
             body, fds = self._request(Op.HELLO, REQUEST[Op.HELLO].pack(HELLO_MAGIC, WIRE_VERSION))
-            magic, version, self.blob_alignment, _ = REPLY[Op.HELLO].unpack(body)
+            magic, version, self.blob_alignment, _ = fixed_reply(Op.HELLO).unpack(body)
             if magic != HELLO_MAGIC or version != WIRE_VERSION or len(fds) != 1:
                 for fd in fds:
                     os.close(fd)
@@ -131,13 +132,16 @@ class LocalDevice:
         self._broken = why
         return HostConnectionLost(f"{self.node}: {why}")
 
-    def _read_reply(self, op: int, seq: int) -> tuple[bytes, list[int]]:
+    def _read_reply(self, op: Op, seq: int) -> tuple[bytes, list[int]]:
+        sock = self.sock
+        if sock is None:
+            raise DeviceError(f"{self.node}: device is closed")
         try:
-            header, body, fds = recv_message(self.sock)
+            header, body, fds = recv_message(sock)
         except (ConnectionClosed, ConnectionResetError):
             raise self._fail(_HOST_GONE) from None
         except socket.timeout:
-            raise self._fail(f"no answer from the apir host within {self.sock.gettimeout():g} s") from None
+            raise self._fail(f"no answer from the apir host within {sock.gettimeout():g} s") from None
         except (WireError, OSError) as exc:
             raise self._fail(f"connection to the apir host failed: {exc}") from None
         if header.op != op or header.seq != seq:
@@ -147,7 +151,7 @@ class LocalDevice:
         if header.err:
             for fd in fds:
                 os.close(fd)
-            name = _IOCTL_NAMES.get(op, Op(op).name)
+            name = _IOCTL_NAMES.get(op, op.name)
             raise IoctlError(self.node, name, header.err, os.strerror(header.err))
         return body, fds
 
@@ -156,7 +160,7 @@ class LocalDevice:
         while self._exec_seqs:
             self._read_reply(Op.EXECBUFFER, self._exec_seqs.pop(0))
 
-    def _send(self, op: int, payload: bytes) -> int:
+    def _send(self, op: Op, payload: bytes) -> int:
         if self._broken is not None:
             raise HostConnectionLost(f"{self.node}: {self._broken}")
         if self.sock is None:
@@ -170,17 +174,17 @@ class LocalDevice:
             raise self._fail(f"sending to the apir host failed: {exc.strerror or exc}") from None
         return self._seq
 
-    def _request(self, op: int, payload: bytes) -> tuple[bytes, list[int]]:
+    def _request(self, op: Op, payload: bytes) -> tuple[bytes, list[int]]:
         with self._lock:
             self._drain_pending()
             seq = self._send(op, payload)
             return self._read_reply(op, seq)
 
-    def _call(self, op: int, *args) -> tuple:
+    def _call(self, op: Op, *args: int) -> tuple:
         body, _ = self._request(op, REQUEST[op].pack(*args))
         fmt = REPLY[op]
         if fmt is not None and len(body) != fmt.size:
-            raise self._fail(f"{Op(op).name} reply of {len(body)} bytes, expected {fmt.size}")
+            raise self._fail(f"{op.name} reply of {len(body)} bytes, expected {fmt.size}")
         return fmt.unpack(body) if fmt is not None else (body,)
 
     # --- VirtgpuDevice -------------------------------------------------------------------

@@ -54,7 +54,7 @@ from apir.codec.constants import (
 )
 from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS, VirtgpuParam, blob_size
 from apir.codec.wire import Decoder, Encoder
-from apir.guest.device import Blob, VirtgpuDevice
+from apir.guest.device import Blob, VirtgpuDevice, WatchedDevice
 from apir.guest.errors import ApirTimeout, DeviceError, MissingCapability
 
 __all__ = ["Remote", "select_capset", "DEFAULT_FORWARD_TIMEOUT_S", "COMMAND_BUFFER_SIZE"]
@@ -73,6 +73,7 @@ _SPIN_MAX_S = 500e-6
 _SPIN_CHUNK = 2048
 _SLEEP_MIN_S = 10e-6
 _SLEEP_MAX_S = 1e-3
+_NO_DATA = np.zeros(0, dtype=np.uint8)  # a closed Remote's data_view
 
 
 def select_capset(device: VirtgpuDevice, use_apir_capset: Optional[bool] = None) -> int:
@@ -115,9 +116,10 @@ class Remote:
         self._command = bytearray(COMMAND_BUFFER_SIZE)
         self._encoder = Encoder(self._command)  # reset for each call
         self._latency_s = _SPIN_MIN_S
-        self._pause = getattr(device, "watch", None) or time.sleep  # the wait's sleep
-        self.reply: Optional[Blob] = None
-        self.data: Optional[Blob] = None
+        # the wait's sleep
+        self._pause: Callable[[float], None] = device.watch if isinstance(device, WatchedDevice) else time.sleep
+        self._reply: Optional[Blob] = None  # None until made, and once closed
+        self._data: Optional[Blob] = None
         self.closed = False
         try:
             self.capset_id = select_capset(device, use_apir_capset)
@@ -128,13 +130,27 @@ class Remote:
             if self.capset is not None and not self.capset.supports_blob_resources:
                 raise MissingCapability(self.name, "blob resources in capset 10 (APIR)")
             device.context_init(self.capset_id, 1)
-            self.reply = device.create_blob(blob_size(SHMEM_REPLY_SIZE))
-            self.data = device.create_blob(blob_size(data_size))
+            self._reply = reply = device.create_blob(blob_size(SHMEM_REPLY_SIZE))
+            self._data = data = device.create_blob(blob_size(data_size))
         except BaseException:
             self.close()  # the device is ours: released on failure too
             raise
-        self._reply_word = Word(self.reply.memory, 0)  # the reply notification word
-        self.data_view = np.frombuffer(self.data.memory, dtype=np.uint8)  # the data window, as bytes
+        self._reply_word: Optional[Word] = Word(reply.memory, 0)  # the reply notification word
+        self.data_view = np.frombuffer(data.memory, dtype=np.uint8)  # the data window, as bytes
+
+    @property
+    def reply(self) -> Blob:
+        """The reply blob (notification word, then the reply payload). RuntimeError once closed."""
+        if self._reply is None:
+            raise RuntimeError("the Remote is closed")
+        return self._reply
+
+    @property
+    def data(self) -> Blob:
+        """The data window's blob. RuntimeError once closed."""
+        if self._data is None:
+            raise RuntimeError("the Remote is closed")
+        return self._data
 
     @property
     def data_size(self) -> int:
@@ -168,30 +184,33 @@ class Remote:
         if timeout_s is None:
             timeout_s = self.default_timeout(cmd_type)
         with self.lock:
-            if self.closed:
+            reply = self._reply
+            if self.closed or reply is None or self._reply_word is None:
                 raise RuntimeError("remote call on a closed Remote")
             enc = self._encoder
             enc.reset()
             enc.i32(int(cmd_type) + self.command_type_offset)
             enc.i32(int(flags))
-            enc.u32(self.reply.res_id)
+            enc.u32(reply.res_id)
             if encode_fn is not None:
                 encode_fn(enc)
             enc.check()
             self._reply_word.store_release(0)
             self.device.execbuffer(memoryview(self._command)[: enc.written])
-            word = self._wait(timeout_s, cmd_type, flags)
-            dec = Decoder(self.reply.memory, 4, self.reply.size)
+            word = self._wait(self._reply_word, timeout_s, cmd_type, flags)
+            dec = Decoder(reply.memory, 4, reply.size)
             ret = word - 1
             if decode_fn is None:
                 return ret, dec
             return ret, decode_fn(ret, dec)
 
-    def _wait(self, limit_s: float, cmd_type: int, flags: int) -> int:
-        """The notification word once non-zero; ApirTimeout after `limit_s` seconds, or the
-        device's DeviceError as soon as its `watch` (used in place of sleeping) finds the host
-        gone with no reply in the word."""
-        reply_word, pause = self._reply_word, self._pause
+    def _wait(self, reply_word: Word, limit_s: float, cmd_type: int, flags: int) -> int:
+        """The notification word `reply_word` once non-zero; ApirTimeout after `limit_s`
+        seconds, or the device's DeviceError as soon as its `watch` (used in place of sleeping)
+        finds the host gone with no reply in the word. (The word is an argument, not a local
+        of the caller, so that the `del` below leaves no frame of a kept traceback pinning the
+        reply mapping.)"""
+        pause = self._pause
         start = time.perf_counter()
         deadline = start + limit_s
         spin_s = min(max(2 * self._latency_s, _SPIN_MIN_S), _SPIN_MAX_S)
@@ -206,7 +225,7 @@ class Remote:
                 if word:
                     break
                 # a kept traceback must not pin the reply mapping (it could not be unmapped)
-                reply_word = None
+                del reply_word
                 raise ApirTimeout(_command_name(cmd_type, flags), limit_s)
             try:
                 pause(min(sleep_s, deadline - now))
@@ -214,7 +233,7 @@ class Remote:
                 word = reply_word.load_acquire()  # the reply may have come before the host went
                 if word:
                     break
-                reply_word = None
+                del reply_word
                 raise
             sleep_s = min(sleep_s * 2, _SLEEP_MAX_S)
             word = reply_word.load_acquire()
@@ -241,8 +260,8 @@ class Remote:
                 return
             self.closed = True
             self._reply_word = None
-            self.data_view = None
-            for blob in (self.reply, self.data):
+            self.data_view = _NO_DATA  # drops the view of the mapping
+            for blob in (self._reply, self._data):
                 if blob is not None:
                     try:
                         self.device.destroy_blob(blob)
@@ -250,7 +269,7 @@ class Remote:
                         log.warning("%s: blob %d is still in use; left mapped", self.name, blob.res_id)
                     except DeviceError as exc:  # the host is gone, and the blob with it
                         log.info("%s: blob %d not destroyed: %s", self.name, blob.res_id, exc)
-            self.reply = self.data = None
+            self._reply = self._data = None
             self.device.close()
 
     def __enter__(self) -> "Remote":

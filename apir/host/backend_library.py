@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Callable, Optional
+from types import ModuleType
+from typing import TYPE_CHECKING, Callable, Optional
 
 from apir.codec.constants import (
     CONFIG_KEY_BUFFER_BUDGET,
@@ -41,6 +42,11 @@ from apir.host.library import LibraryHost
 from apir.host.limits import DEFAULT_GRAPH_TIME_LIMIT_S, parse_limit
 from apir.host.resources import Resource
 
+if TYPE_CHECKING:  # both import modules that import this one
+    from apir.ggml.lib import Ggml
+    from apir.host.shapes.base import OpEnums
+    from apir.host.tensors import TensorChecker
+
 __all__ = ["PythonBackendLibrary", "GGML_BACKEND_DEVICE_TYPE_CPU", "CONFIG_KEY_BUFFER_BUDGET", "CONFIG_KEY_N_THREADS"]
 
 GGML_BACKEND_DEVICE_TYPE_CPU = 0  # enum ggml_backend_dev_type (ggml-backend.h)
@@ -53,21 +59,83 @@ CONFIG_KEY_N_THREADS = "apir.host.n_threads"
 class PythonBackendLibrary:
     """A `BackendLibrary` running the 23 backend functions in Python over ggml."""
 
-    def __init__(self):
-        self.host: Optional[LibraryHost] = None
-        self.g = None
-        self.reg = self.dev = self.backend = None
-        self._ggml_cdll = None
+    def __init__(self) -> None:
+        # set by initialize; read through the properties below, which refuse before it
+        self._host: Optional[LibraryHost] = None
+        self._g: Optional[Ggml] = None
+        self._checker: Optional[TensorChecker] = None
+        self._budget: Optional[BufferBudget] = None
+        # ggml_backend_reg_t, ggml_backend_dev_t, ggml_backend_t (None before initialize and
+        # after deinit)
+        self.reg: Optional[int] = None
+        self._dev: Optional[int] = None
+        self._backend: Optional[int] = None
+        self._ggml_cdll: Optional[ctypes.CDLL] = None
+        self._op_enums: Optional[OpEnums] = None  # apir.host.graph.lib_op_enums's, once
         self.bufts, self.buffers = new_tables()
         self.vspace = VirtualAddressSpace()
-        self.checker = None
-        self.budget: Optional[BufferBudget] = None
-        self.abort: Optional[ComputeAbort] = None  # graph time limit and cancellation
+        self._abort: Optional[ComputeAbort] = None  # graph time limit and cancellation
         # threads the backend computes with (0: never set, ggml's default); the work-size
         # bound plans with the same count (apir.host.work_plan)
         self.n_threads = 0
         # checked, built graphs reused when the same graph structure comes again
         self.graph_cache = GraphCache()
+
+    # --- what initialize set ---------------------------------------------------------------
+    @property
+    def ctx_id(self) -> int:
+        """The context's id, for log lines (0 before initialize)."""
+        return self._host.ctx_id if self._host is not None else 0
+
+    @property
+    def host(self) -> LibraryHost:
+        """The component that initialized this library. Refused before initialize."""
+        if self._host is None:
+            raise Refused("the backend library is not initialized")
+        return self._host
+
+    @property
+    def g(self) -> Ggml:
+        """The loaded ggml. Refused before initialize."""
+        if self._g is None:
+            raise Refused("the backend library is not initialized")
+        return self._g
+
+    @property
+    def checker(self) -> TensorChecker:
+        """The guest-tensor checker of this ggml build. Refused before initialize."""
+        if self._checker is None:
+            raise Refused("the backend library is not initialized")
+        return self._checker
+
+    @property
+    def dev(self) -> int:
+        """The `ggml_backend_dev_t` serving every command. Refused before initialize."""
+        if self._dev is None:
+            raise Refused("the backend library is not initialized")
+        return self._dev
+
+    @property
+    def backend(self) -> int:
+        """The `ggml_backend_t` running the graphs. Refused before initialize."""
+        if self._backend is None:
+            raise Refused("the backend library is not initialized")
+        return self._backend
+
+    @property
+    def abort(self) -> ComputeAbort:
+        """The graph time limit and cancellation (apir.host.compute_abort). Refused before
+        initialize."""
+        if self._abort is None:
+            raise Refused("the backend library is not initialized")
+        return self._abort
+
+    @property
+    def budget(self) -> BufferBudget:
+        """The context's buffer budget (apir.host.budget). Refused before initialize."""
+        if self._budget is None:
+            raise Refused("the backend library is not initialized")
+        return self._budget
 
     # --- BackendLibrary -------------------------------------------------------------------
     def initialize(self, host: LibraryHost) -> int:
@@ -78,9 +146,9 @@ class PythonBackendLibrary:
 
         if self.reg is not None:
             return LoadRc.INIT_BASE_INDEX + InitRc.ALREADY_INITED
-        self.host = host
+        self._host = host
         try:
-            self.g = g = apir.ggml.load()
+            self._g = g = apir.ggml.load()
         except GgmlLoadError as exc:
             log.error("ctx %d: cannot load ggml: %s", host.ctx_id, exc)
             return LoadRc.CANNOT_OPEN
@@ -118,19 +186,19 @@ class PythonBackendLibrary:
         if not backend:
             log.error("ctx %d: ggml backend initialization failed", host.ctx_id)
             return LoadRc.INIT_BASE_INDEX + InitRc.BACKEND_INIT_FAILED
-        self.reg, self.dev, self.backend = reg, dev, backend
+        self.reg, self._dev, self._backend = reg, dev, backend
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         g.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-        self.budget = BufferBudget(BufferLimits.from_config(host.get_config, total.value, host.ctx_id))
+        self._budget = BufferBudget(BufferLimits.from_config(host.get_config, total.value, host.ctx_id))
         self._set_n_threads(host)
         time_limit_s = parse_limit(
             host.get_config(CONFIG_KEY_GRAPH_TIME_LIMIT), CONFIG_KEY_GRAPH_TIME_LIMIT, DEFAULT_GRAPH_TIME_LIMIT_S
         )
-        self.abort = ComputeAbort(g, reg, backend, time_limit_s, name=f"ctx {host.ctx_id}")
-        self.checker = TensorChecker(g)
+        self._abort = ComputeAbort(g, reg, backend, time_limit_s, name=f"ctx {host.ctx_id}")
+        self._checker = TensorChecker(g)
         return LoadRc.INIT_BASE_INDEX + InitRc.SUCCESS
 
-    def _set_n_threads(self, host) -> None:
+    def _set_n_threads(self, host: LibraryHost) -> None:
         """`ggml_backend_set_n_threads` through the registry (ggml's way to find it for any
         backend that has threads), with config `apir.host.n_threads` or the core count."""
         fn_ptr = self.g.ggml_backend_reg_get_proc_address(self.reg, b"ggml_backend_set_n_threads")
@@ -152,7 +220,7 @@ class PythonBackendLibrary:
     def cancel_compute(self, reason: str) -> None:
         """Stops the graph compute in flight, if any, and refuses later ones (GGML_STATUS_ABORTED):
         the context is going away. Any thread (no lock: the compute holds the context's)."""
-        abort = self.abort
+        abort = self._abort
         if abort is not None:
             abort.cancel(reason)
 
@@ -162,17 +230,15 @@ class PythonBackendLibrary:
         self.graph_cache.clear()
         for handle, _ in self.buffers.items():
             self.free_buffer(handle)
-        if self.backend:
-            self.g.ggml_backend_free(self.backend)
-        self.backend = self.dev = self.reg = None
+        if self._backend and self._g is not None:
+            self._g.ggml_backend_free(self._backend)
+        self._backend = self._dev = self.reg = None
 
     def forget_resource(self, res_id: int) -> None:
         """The hypervisor is removing blob `res_id`: free the buffers that wrap it."""
         for handle, buf in self.buffers.items():
             if buf.res_id == res_id:
-                log.warning(
-                    "ctx %d: resource %d removed under buffer 0x%x: buffer freed", self.host.ctx_id, res_id, handle
-                )
+                log.warning("ctx %d: resource %d removed under buffer 0x%x: buffer freed", self.ctx_id, res_id, handle)
                 self.free_buffer(handle)
 
     # --- tables -----------------------------------------------------------------------------
@@ -264,7 +330,7 @@ class PythonBackendLibrary:
         return res
 
 
-def _dispatcher():
+def _dispatcher() -> ModuleType:
     """apir.host.dispatcher, imported on first use (it imports this module) and kept: an
     import statement per command costs about a microsecond."""
     global _DISPATCHER
@@ -275,4 +341,4 @@ def _dispatcher():
     return _DISPATCHER
 
 
-_DISPATCHER = None
+_DISPATCHER: Optional[ModuleType] = None

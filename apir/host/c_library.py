@@ -255,7 +255,7 @@ class CLibrary:
         self._shared = shared
         self._host: Optional[LibraryHost] = None
         self._active = False  # counted in shared.hosts for this context
-        self._buffers: set = set()  # buffer handles the C created for this context
+        self._buffers: set[int] = set()  # buffer handles the C created for this context
 
     @classmethod
     def open(cls, path: str) -> "CLibrary":
@@ -310,7 +310,7 @@ class CLibrary:
             log.error("Forward to %s before it was initialized", sh.path)
             return _RC_ERROR
         if function_id == _FREE_BUFFER:
-            return self._free_buffer(dec)
+            return self._free_buffer(dec, host.ctx_id)
         n_in = dec.end - dec.pos
         # One spare byte: a zero-length ctypes array has no address to give the C.
         cmd = (ctypes.c_char * (n_in + 1)).from_buffer_copy(bytes(dec.buf[dec.pos : dec.end]) + b"\0")
@@ -350,14 +350,14 @@ class CLibrary:
                         sh.buffer_clear_fn(handle, 0)
         return rc
 
-    def _free_buffer(self, dec: Decoder) -> int:
+    def _free_buffer(self, dec: Decoder, ctx_id: int) -> int:
         handle = dec.handle()
         if dec.fatal or not handle:
-            log.error("ctx %d: buffer_free_buffer: invalid buffer handle", self._host.ctx_id)
+            log.error("ctx %d: buffer_free_buffer: invalid buffer handle", ctx_id)
             return _RC_ERROR
         with self._shared.lock:
             if not self._shared.free_buffer(handle):
-                log.warning("ctx %d: buffer_free_buffer: unknown buffer %#x", self._host.ctx_id, handle)
+                log.warning("ctx %d: buffer_free_buffer: unknown buffer %#x", ctx_id, handle)
                 return _RC_ERROR
         self._buffers.discard(handle)
         return _RC_OK
@@ -367,10 +367,11 @@ class CLibrary:
         `apir_backend_deinit` and resets the C globals so the library can initialize again."""
         sh = self._shared
         with sh.lock:
-            if not self._active:
+            host = self._host
+            if not self._active or host is None:  # _active: initialize set _host
                 return
             self._active = False
-            ctx_id = self._host.ctx_id
+            ctx_id = host.ctx_id
             sh.hosts.pop(ctx_id, None)
             # This context's leftovers (another context may have freed one: untrack says so).
             freed = sum(sh.free_buffer(h) for h in self._buffers)

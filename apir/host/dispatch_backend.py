@@ -19,18 +19,21 @@ that is logged as a warning, since it is almost always a guest that forgot the f
 
 from __future__ import annotations
 
-from apir.host.errors import BACKEND_RC_OK, Refused, log
+from typing import Optional
 
-from apir.codec.graph import GraphError, parse_graph
+from apir.codec.graph import GraphError, ParsedGraph, parse_graph
+from apir.codec.wire import Decoder, Encoder
+from apir.host.backend_library import PythonBackendLibrary
+from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.graph import BuiltGraph, build_graph_parts, lib_op_enums
-from apir.host.graph_cache import GraphCacheEntry, graph_key
+from apir.host.graph_cache import GraphCache, GraphCacheEntry, graph_key
 from apir.host.tensors import Scratch
 from apir.host.work_plan import check_work_size
 
 __all__ = ["graph_compute", "prepare_graph"]
 
 
-def graph_compute(lib, dec, enc) -> int:
+def graph_compute(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     g, chk = lib.g, lib.checker
     res_id, size = dec.u32(), dec.size_t()
     if dec.fatal:
@@ -61,7 +64,7 @@ def graph_compute(lib, dec, enc) -> int:
     return BACKEND_RC_OK
 
 
-def prepare_graph(lib, parsed, cache) -> GraphCacheEntry:
+def prepare_graph(lib: PythonBackendLibrary, parsed: ParsedGraph, cache: Optional[GraphCache]) -> GraphCacheEntry:
     """The checked, built host graph of `parsed`: from `cache` (an `apir.host.graph_cache`
     GraphCache, or None) when it holds the same structure and the re-check passes, else
     checked and built in full. Raises Refused; the caller owns the entry (put it back or
@@ -87,7 +90,7 @@ def prepare_graph(lib, parsed, cache) -> GraphCacheEntry:
     return _entry(key, scratch, built, parsed)
 
 
-def _entry(key: bytes, scratch: Scratch, built: BuiltGraph, parsed) -> GraphCacheEntry:
+def _entry(key: bytes, scratch: Scratch, built: BuiltGraph, parsed: ParsedGraph) -> GraphCacheEntry:
     """The cache entry of a graph just built (its scratch context now owned by the entry)."""
     handles = parsed.tensors["buffer"].tolist()
     buffers = {h: b for h, b in zip(handles, built.bufs)}

@@ -15,26 +15,29 @@ the resource; cpy_tensor's destination has room for the source's bytes.
 
 from __future__ import annotations
 
+from apir.codec.wire import Decoder, Encoder
+from apir.host.backend_library import PythonBackendLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused
+from apir.host.handles import HostBuffer
 from apir.host.tensors import Scratch
 
 __all__ = ["get_base", "set_tensor", "get_tensor", "cpy_tensor", "clear", "free_buffer"]
 
 
-def _buffer(lib, dec, what: str):
+def _buffer(lib: PythonBackendLibrary, dec: Decoder, what: str) -> tuple[int, HostBuffer]:
     handle = dec.handle()
     if dec.fatal:
         raise Refused(f"{what}: truncated arguments")
     return handle, lib.buffer(handle)
 
 
-def get_base(lib, dec, enc) -> int:
+def get_base(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     _, buf = _buffer(lib, dec, "buffer_get_base")
     enc.uintptr(buf.virtual_base)
     return BACKEND_RC_OK
 
 
-def _transfer(lib, dec, what: str, to_tensor: bool) -> None:
+def _transfer(lib: PythonBackendLibrary, dec: Decoder, what: str, to_tensor: bool) -> None:
     g, chk = lib.g, lib.checker
     handle, buf = _buffer(lib, dec, what)
     rec = chk.rpc_record(dec, what)
@@ -60,17 +63,17 @@ def _transfer(lib, dec, what: str, to_tensor: bool) -> None:
             g.ggml_backend_tensor_get(t, res.address, offset, size)
 
 
-def set_tensor(lib, dec, enc) -> int:
+def set_tensor(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     _transfer(lib, dec, "buffer_set_tensor", to_tensor=True)
     return BACKEND_RC_OK
 
 
-def get_tensor(lib, dec, enc) -> int:
+def get_tensor(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     _transfer(lib, dec, "buffer_get_tensor", to_tensor=False)
     return BACKEND_RC_OK
 
 
-def cpy_tensor(lib, dec, enc) -> int:
+def cpy_tensor(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     g, chk = lib.g, lib.checker
     handle, buf = _buffer(lib, dec, "buffer_cpy_tensor")
     src_rec = chk.rpc_record(dec, "buffer_cpy_tensor src")
@@ -92,7 +95,7 @@ def cpy_tensor(lib, dec, enc) -> int:
     return BACKEND_RC_OK
 
 
-def clear(lib, dec, enc) -> int:
+def clear(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     _, buf = _buffer(lib, dec, "buffer_clear")
     value = dec.u8()
     if dec.fatal:
@@ -101,7 +104,7 @@ def clear(lib, dec, enc) -> int:
     return BACKEND_RC_OK
 
 
-def free_buffer(lib, dec, enc) -> int:
+def free_buffer(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     handle, _ = _buffer(lib, dec, "buffer_free_buffer")
     lib.free_buffer(handle)
     return BACKEND_RC_OK

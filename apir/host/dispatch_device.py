@@ -27,8 +27,10 @@ from __future__ import annotations
 import ctypes
 
 from apir.codec.constants import device_props_fields, negotiated_version
+from apir.codec.wire import Decoder, Encoder
 from apir.ggml.backend_props import get_dev_props
 from apir.ggml.layout import tensor_record
+from apir.host.backend_library import PythonBackendLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.graph import lib_op_enums, tensor_info
 from apir.host.shapes import node_refusal
@@ -48,32 +50,32 @@ __all__ = [
 ]
 
 
-def get_device_count(lib, dec, enc) -> int:
+def get_device_count(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     enc.i32(lib.g.ggml_backend_reg_dev_count(lib.reg))
     return BACKEND_RC_OK
 
 
-def get_count(lib, dec, enc) -> int:
+def get_count(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     enc.i32(lib.g.ggml_backend_reg_dev_count(lib.reg))
     return BACKEND_RC_OK
 
 
-def get_name(lib, dec, enc) -> int:
+def get_name(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     enc.string(lib.g.ggml_backend_dev_name(lib.dev))
     return BACKEND_RC_OK
 
 
-def get_description(lib, dec, enc) -> int:
+def get_description(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     enc.string(lib.g.ggml_backend_dev_description(lib.dev))
     return BACKEND_RC_OK
 
 
-def get_type(lib, dec, enc) -> int:
+def get_type(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     enc.u32(lib.g.ggml_backend_dev_type(lib.dev))
     return BACKEND_RC_OK
 
 
-def get_memory(lib, dec, enc) -> int:
+def get_memory(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
     lib.g.ggml_backend_dev_memory(lib.dev, ctypes.byref(free), ctypes.byref(total))
     enc.size_t(free.value)
@@ -81,7 +83,7 @@ def get_memory(lib, dec, enc) -> int:
     return BACKEND_RC_OK
 
 
-def supports_op(lib, dec, enc) -> int:
+def supports_op(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     chk = lib.checker
     with Scratch(lib.g, 2 + chk.limits.max_src) as scratch:
         op = decode_inline_tensor(chk, dec, scratch, "device_supports_op")
@@ -91,12 +93,12 @@ def supports_op(lib, dec, enc) -> int:
     return BACKEND_RC_OK
 
 
-def get_buffer_type(lib, dec, enc) -> int:
+def get_buffer_type(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     enc.handle(lib.buft_handle(lib.g.ggml_backend_dev_buffer_type(lib.dev), allocatable=True))
     return BACKEND_RC_OK
 
 
-def get_props(lib, dec, enc) -> int:
+def get_props(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     caps = get_dev_props(lib.g, lib.dev)
     host = lib.host
     for name in device_props_fields(negotiated_version(host.guest_version, host.host_version)):
@@ -104,7 +106,7 @@ def get_props(lib, dec, enc) -> int:
     return BACKEND_RC_OK
 
 
-def buffer_from_ptr(lib, dec, enc) -> int:
+def buffer_from_ptr(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     g = lib.g
     res_id, size, max_tensor_size = dec.u32(), dec.size_t(), dec.size_t()
     if dec.fatal:
@@ -124,7 +126,8 @@ def buffer_from_ptr(lib, dec, enc) -> int:
         res_id=res_id,
     )
     enc.handle(handle)
-    enc.handle(lib.buffers.get(handle).buft_handle if handle else 0)
+    buf = lib.buffers.get(handle) if handle else None
+    enc.handle(buf.buft_handle if buf is not None else 0)
     return BACKEND_RC_OK
 
 
@@ -141,7 +144,7 @@ _REQUIRED_SRCS = {
 }
 
 
-def _rule_accepts(lib, t: int) -> bool:
+def _rule_accepts(lib: PythonBackendLibrary, t: int) -> bool:
     """Whether the op's shape rule accepts inline tensor `t` (its twin) and the sources sent
     with it. The inline encoding stops at the first null source, so a later source (e.g.
     soft_max's sinks without a mask) is not seen here; graph_compute still checks it."""
@@ -158,7 +161,7 @@ def _rule_accepts(lib, t: int) -> bool:
     return why is None
 
 
-def _check_required_srcs(lib, t: int) -> None:
+def _check_required_srcs(lib: PythonBackendLibrary, t: int) -> None:
     """A guest that omits these sources asks about a tensor no ggml constructor builds, and
     ggml's supports_op would read through the missing pointer."""
     rec = tensor_record(t, lib.g.tensor_dtype)

@@ -12,7 +12,7 @@ Each handler is `handler(lib, dec, enc) -> int`, in the module named after its C
 
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import Callable, Dict, List
 
 from apir.codec.constants import APIR_BACKEND_FORWARD_INDEX_INVALID, ApirBackendCommandType as Cmd
 from apir.codec.wire import Decoder, Encoder
@@ -20,11 +20,14 @@ from apir.host import dispatch_backend, dispatch_buffer, dispatch_buffer_type, d
 from apir.host.backend_library import PythonBackendLibrary
 from apir.host.errors import BACKEND_RC_ERROR, Refused, log
 
-__all__ = ["dispatch", "DISPATCH_TABLE", "PythonBackendLibrary"]
+__all__ = ["dispatch", "DISPATCH_TABLE", "Handler", "PythonBackendLibrary"]
 
+# A backend function's handler: (this context's library, the arguments, the reply payload) ->
+# the function's return code (BACKEND_RC_OK, BACKEND_RC_ERROR; raising Refused is the same as
+# the latter). One per function id, in dispatch_device / _buffer_type / _buffer / _backend.
 Handler = Callable[[PythonBackendLibrary, Decoder, Encoder], int]
 
-_BY_ID = {
+_BY_ID: Dict[Cmd, Handler] = {
     Cmd.DEVICE_GET_DEVICE_COUNT: dispatch_device.get_device_count,
     Cmd.DEVICE_GET_COUNT: dispatch_device.get_count,
     Cmd.DEVICE_GET_NAME: dispatch_device.get_name,
@@ -56,12 +59,12 @@ DISPATCH_TABLE: List[Handler] = [_BY_ID[cmd] for cmd in Cmd]
 def dispatch(lib: PythonBackendLibrary, function_id: int, dec: Decoder, enc: Encoder) -> int:
     """`apir_backend_dispatcher`: runs backend function `function_id`; its return code."""
     if not 0 <= function_id < len(DISPATCH_TABLE):
-        log.error("ctx %d: invalid backend function id %d (>= %d)", lib.host.ctx_id, function_id, len(DISPATCH_TABLE))
+        log.error("ctx %d: invalid backend function id %d (>= %d)", lib.ctx_id, function_id, len(DISPATCH_TABLE))
         return APIR_BACKEND_FORWARD_INDEX_INVALID
     try:
         return DISPATCH_TABLE[function_id](lib, dec, enc)
     except Refused as exc:
-        log.warning("ctx %d: %s refused: %s", lib.host.ctx_id, Cmd(function_id).c_name, exc)
+        log.warning("ctx %d: %s refused: %s", lib.ctx_id, Cmd(function_id).c_name, exc)
     except Exception:  # noqa: BLE001 - a host bug is this command's failure, not the host's
-        log.exception("ctx %d: %s failed", lib.host.ctx_id, Cmd(function_id).c_name)
+        log.exception("ctx %d: %s failed", lib.ctx_id, Cmd(function_id).c_name)
     return BACKEND_RC_ERROR

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 
+from apir.errors import ApirError
+
 __all__ = ["Refused", "log", "BACKEND_RC_OK", "BACKEND_RC_ERROR"]
 
 # Every apir module logs to `logging.getLogger(__name__)`, but for this one: the refusals of
@@ -23,5 +25,5 @@ BACKEND_RC_OK = 0
 BACKEND_RC_ERROR = 1
 
 
-class Refused(Exception):
+class Refused(ApirError):
     """A guest command the host will not run: the message says why (for the log)."""

@@ -32,16 +32,20 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from typing import List, NamedTuple, Optional
+from typing import TYPE_CHECKING, List, NamedTuple, Optional
 
 import numpy as np
 
 from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
+from apir.host.handles import HostBuffer
 from apir.host.shapes import OpEnums, TensorInfo, check_node, op_enums
 from apir.host.shapes.base import check_span
 from apir.host.work_plan import work_budget
 from apir.host.tensors import Scratch
+
+if TYPE_CHECKING:  # annotations only: the dispatcher it leads to imports this module
+    from apir.host.backend_library import PythonBackendLibrary
 
 __all__ = ["build_graph", "build_graph_parts", "BuiltGraph", "tensor_info", "lib_op_enums"]
 
@@ -50,7 +54,7 @@ _FAST_LIMIT = float(1 << 60)
 _NE_MAX = 1 << 62  # as apir.host.tensors
 
 
-def tensor_info(lib, index: int, rec, address: Optional[int]) -> TensorInfo:
+def tensor_info(lib: PythonBackendLibrary, index: int, rec, address: Optional[int]) -> TensorInfo:
     """The `TensorInfo` the shape rules see of tensor record `rec` (an rpc record or a
     `ggml_tensor`: both have type, op, ne, nb and op_params) of the dispatcher `lib`."""
     g, chk = lib.g, lib.checker
@@ -68,9 +72,9 @@ def tensor_info(lib, index: int, rec, address: Optional[int]) -> TensorInfo:
     )
 
 
-def lib_op_enums(lib) -> OpEnums:
+def lib_op_enums(lib: PythonBackendLibrary) -> OpEnums:
     """`op_enums` of the dispatcher's ggml, computed once per dispatcher."""
-    enums = getattr(lib, "_op_enums", None)
+    enums = lib._op_enums
     if enums is None:
         enums = lib._op_enums = op_enums(lib.g)
     return enums
@@ -131,7 +135,7 @@ class _Records(NamedTuple):
     extents: np.ndarray  # int64
 
 
-def _check_spans(lib, parsed, infos: list[TensorInfo], recs: _Records) -> None:
+def _check_spans(lib: PythonBackendLibrary, parsed, infos: list[TensorInfo], recs: _Records) -> None:
     """Every tensor's span (`base.span_nbytes`: its elements' bytes with each 0 dimension
     taken as 1) within its buffer's size, an empty tensor's within the larger of that and the
     context's work budget (`base.check_span`, issue 13 classes 1 and 2: an empty tensor is
@@ -152,7 +156,7 @@ def _check_spans(lib, parsed, infos: list[TensorInfo], recs: _Records) -> None:
         check_span(infos[i], size if 0 not in infos[i].ne else max(size, budget), f"graph tensor {i}")
 
 
-def _check_records_one_by_one(lib, parsed) -> _Records:
+def _check_records_one_by_one(lib: PythonBackendLibrary, parsed) -> _Records:
     """The per-tensor checks, in tensor order; raises the first Refused."""
     chk, recs = lib.checker, parsed.tensors
     n = len(recs)
@@ -179,7 +183,7 @@ def _check_records_one_by_one(lib, parsed) -> _Records:
     return _Records(bufs, np.array(offsets, dtype=np.int64), np.array(extents, dtype=np.int64))
 
 
-def _check_records(lib, parsed) -> Optional[_Records]:
+def _check_records(lib: PythonBackendLibrary, parsed) -> Optional[_Records]:
     """`_check_records_one_by_one` on whole arrays: the same checks (check_common, extent,
     check_rpc, a buffer with data, views inside their source), or None when any fails or a
     value leaves the range where int64 arithmetic is exact (the caller then runs the
@@ -227,9 +231,12 @@ def _check_records(lib, parsed) -> Optional[_Records]:
     offsets = data_w.astype(np.int64)
     handles, inverse = np.unique(t["buffer"], return_inverse=True)
     inverse = inverse.reshape(-1)
-    found = [lib.buffers.get(int(h)) for h in handles.tolist()]
-    if any(b is None or not b.base or not 0 <= b.size < _NE_MAX for b in found):
-        return None
+    found: List[HostBuffer] = []
+    for h in handles.tolist():
+        b = lib.buffers.get(int(h))
+        if b is None or not b.base or not 0 <= b.size < _NE_MAX:
+            return None
+        found.append(b)
     sizes = np.array([b.size for b in found], dtype=np.int64)
     if (offsets + extents > sizes[inverse]).any():
         return None
@@ -237,7 +244,7 @@ def _check_records(lib, parsed) -> Optional[_Records]:
     v = parsed.view_src_index
     is_view = v >= 0
     if is_view.any():
-        ident = {}
+        ident: dict[int, int] = {}  # id(buffer) -> index of its first handle
         same = np.array([ident.setdefault(id(b), k) for k, b in enumerate(found)], dtype=np.int64)[inverse]
         vi = v[is_view]
         view_offs = offs_w[is_view].astype(np.int64)
@@ -256,7 +263,7 @@ _INFO_FIELDS = ("index", "type_name", "ne", "nb", "op_name", "op_params", "type_
 _INFO_POSITIONAL = tuple(f.name for f in dataclasses.fields(TensorInfo))[: len(_INFO_FIELDS)] == _INFO_FIELDS
 
 
-def _infos(lib, parsed, addresses: List[int]) -> List[TensorInfo]:
+def _infos(lib: PythonBackendLibrary, parsed, addresses: List[int]) -> List[TensorInfo]:
     """`tensor_info` of every record (ne, nb, op_params read in bulk; op_params one host copy)."""
     g, chk, t = lib.g, lib.checker, parsed.tensors
     type_names, op_names, type_size, blck_size = g.type_names, g.op_names, chk.type_size, chk.blck_size
@@ -300,10 +307,10 @@ def _tensor_view(addrs: List[int], dtype: np.dtype) -> Optional[np.ndarray]:
     if stride < dtype.itemsize or any(addrs[k + 1] - addrs[k] != stride for k in range(n - 1)):
         return None
     raw = (ctypes.c_char * (stride * (n - 1) + dtype.itemsize)).from_address(addrs[0])
-    return np.ndarray((n,), dtype=dtype, buffer=raw, strides=(stride,))
+    return np.ndarray((n,), dtype=dtype, buffer=memoryview(raw), strides=(stride,))
 
 
-def _create_tensors(lib, parsed, scratch: Scratch, recs: _Records) -> np.ndarray:
+def _create_tensors(lib: PythonBackendLibrary, parsed, scratch: Scratch, recs: _Records) -> np.ndarray:
     """The host twins of the checked records (as `TensorChecker.host_from_rpc`, with src and
     view_src pointing at the twins), created in sources-first order; their addresses by
     tensor index."""
@@ -367,12 +374,12 @@ class BuiltGraph(NamedTuple):
     bufs: list  # HostBuffer per tensor
 
 
-def build_graph(lib, parsed, scratch: Scratch, enums: OpEnums) -> int:
+def build_graph(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums: OpEnums) -> int:
     """A host cgraph (in `scratch`) for `parsed`; raises Refused."""
     return build_graph_parts(lib, parsed, scratch, enums).graph
 
 
-def build_graph_parts(lib, parsed, scratch: Scratch, enums: OpEnums) -> BuiltGraph:
+def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums: OpEnums) -> BuiltGraph:
     """`build_graph`, returning the graph with what its checks saw; raises Refused."""
     g = lib.g
     n = len(parsed.tensors)

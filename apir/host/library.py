@@ -10,7 +10,7 @@ protocol, `BackendLibrary`:
 
 `host` is the `LibraryHost` the component passes, the twin of `virgl_apir_callbacks`:
 `get_config(key)`, `get_shmem(res_id)` (a `Resource`, with its size, where the C gives a bare
-pointer), plus `ctx_id` and `guest_version`. `initialize` returns the C's codes: 3/4/5 for a
+pointer), plus `ctx_id`, `guest_version` and `host_version`. `initialize` returns the C's codes: 3/4/5 for a
 missing configuration, an unopenable library or a missing symbol, and 6 + n for the ggml
 dispatcher's own `APIR_BACKEND_INITIALIZE_*` code n (so 6 is success, like 0).
 
@@ -29,6 +29,7 @@ from typing import Optional, Protocol, Tuple
 
 from apir.codec.constants import ApirLoadLibraryReturnCode
 from apir.codec.wire import Decoder, Encoder
+from apir.errors import ApirError
 from apir.host.resources import Resource
 
 __all__ = ["BackendLibrary", "LibraryHost", "LibraryLoadError", "default_library_factory"]
@@ -38,7 +39,8 @@ class LibraryHost(Protocol):
     """The component as a backend library sees it (`virgl_apir_callbacks` + context)."""
 
     ctx_id: int
-    guest_version: Tuple[int, int]
+    guest_version: Tuple[int, int]  # (major, minor) the guest sent in HandShake
+    host_version: Tuple[int, int]  # (major, minor) of the protocol this host speaks
 
     def get_config(self, key: str) -> Optional[str]: ...
 
@@ -55,7 +57,7 @@ class BackendLibrary(Protocol):
     def deinit(self) -> None: ...
 
 
-class LibraryLoadError(Exception):
+class LibraryLoadError(ApirError):
     """A backend library could not be loaded; `code` is the LoadLibrary return code."""
 
     def __init__(self, code: ApirLoadLibraryReturnCode, message: str):

@@ -15,8 +15,10 @@ import errno
 import itertools
 import logging
 import threading
-from typing import Any, Callable, Optional
+import mmap
+from typing import Callable, Optional, Protocol, Tuple, Union, runtime_checkable
 
+from apir.codec.atomics import Word
 from apir.codec.constants import CONFIG_KEY_MAX_BLOBS, CapsetApir
 from apir.codec.local_wire import MAX_EXEC_COMMAND
 from apir.codec.virtgpu import (
@@ -28,12 +30,15 @@ from apir.codec.virtgpu import (
     VIRTGPU_MAX_RINGS,
     VirtgpuParam,
 )
+from apir.errors import ApirError
 from apir.host.limits import DEFAULT_MAX_BLOBS, config_limit
 from apir.host.local_memfile import HostBlob, MemFile, MemFileFull
 
 __all__ = [
     "KernelContext",
     "KernelError",
+    "ApirContext",
+    "DeferredNotification",
     "ContextFactory",
     "default_context_factory",
     "ggml_buffer_count",
@@ -48,7 +53,8 @@ log = logging.getLogger(__name__)
 # The capset content virglrenderer's APIR component reports (apir_renderer_get_capset).
 CAPSET_APIR_VERSION = 1
 # DRM_IOCTL_VIRTGPU_GETPARAM answers of a device with blobs, context init and the two capsets.
-GETPARAMS = {
+# Keyed by int: the param comes off the wire as a plain int (IntEnum members hash alike).
+GETPARAMS: dict[int, int] = {
     VirtgpuParam.FEATURES_3D: 1,
     VirtgpuParam.CAPSET_QUERY_FIX: 1,
     VirtgpuParam.RESOURCE_BLOB: 1,
@@ -76,7 +82,7 @@ def next_ctx_id() -> int:
         return next(_ctx_ids)
 
 
-class KernelError(Exception):
+class KernelError(ApirError):
     """A request refused with `err` (an errno), as the ioctl would fail."""
 
     def __init__(self, err: int, why: str):
@@ -84,17 +90,43 @@ class KernelError(Exception):
         self.err = err
 
 
-ContextFactory = Callable[[int, int, Optional[dict]], Any]
+class ApirContext(Protocol):
+    """What a transport's kernel stand-in needs of an APIR context: `apir.host.component.
+    HostContext`, or a test's stand-in. Optional members, looked up with getattr where used:
+    `cancel_compute(reason)`, `buffer_count()`, and `DeferredNotification`'s."""
+
+    def add_resource(self, res_id: int, memory: mmap.mmap) -> None: ...
+
+    def remove_resource(self, res_id: int) -> None: ...
+
+    def submit(self, command: Union[bytes, memoryview]) -> None: ...
+
+    def close(self) -> None: ...
 
 
-def default_context_factory(ctx_id: int, capset_id: int, config: Optional[dict]):
+@runtime_checkable
+class DeferredNotification(Protocol):
+    """A context that can leave its reply notification store to the caller of `submit`
+    (`HostContext.defer_notification` / `take_notification`: the embedded device's host
+    thread makes the store from its doorbell spin)."""
+
+    defer_notification: bool
+
+    def take_notification(self) -> Optional[Tuple[Word, int]]: ...
+
+
+# (ctx_id, capset_id, config) -> a new context; config: the C keys (apir.codec.constants)
+ContextFactory = Callable[[int, int, Optional[dict]], ApirContext]
+
+
+def default_context_factory(ctx_id: int, capset_id: int, config: Optional[dict]) -> ApirContext:
     """A fresh `apir.host.component.HostContext` for context `ctx_id` on capset `capset_id`."""
     from apir.host.component import HostContext
 
     return HostContext(ctx_id, config, capset_id=capset_id)
 
 
-def ggml_buffer_count(ctx: Any) -> Optional[int]:
+def ggml_buffer_count(ctx: ApirContext) -> Optional[int]:
     """How many ggml buffers `ctx` holds, when the HostContext can tell (else None).
 
     Uses `ctx.buffer_count()` when the HostContext has it; until then, the length of the
@@ -130,7 +162,7 @@ class KernelContext:
         self.config = config
         self.context_factory = context_factory
         self.memfile = MemFile(name, limit=max_bytes)
-        self.ctx: Any = None
+        self.ctx: Optional[ApirContext] = None
         self.ctx_id = 0
         self.capset_id = 0
         self.num_rings = 0
@@ -224,7 +256,8 @@ class KernelContext:
 
     def _free_blob(self, res_id: int, blob: HostBlob) -> None:
         try:
-            self.ctx.remove_resource(res_id)
+            if self.ctx is not None:  # (a blob exists only once the context does)
+                self.ctx.remove_resource(res_id)
         except Exception:
             log.exception("%s: remove_resource(%d) failed", self.name, res_id)
         self.memfile.free(blob)
@@ -242,16 +275,19 @@ class KernelContext:
         if size > MAX_EXEC_COMMAND:
             raise KernelError(errno.EINVAL, f"command of {size} bytes")
 
-    def submit(self, command) -> None:
+    def submit(self, command: Union[bytes, memoryview]) -> None:
         """Runs one checked command with `HostContext.submit`. EIO if submit raises (a host
-        bug: submit answers bad guest input in the reply blob, never by raising)."""
+        bug: submit answers bad guest input in the reply blob, never by raising); EINVAL
+        before CONTEXT_INIT."""
+        if self.ctx is None:
+            raise KernelError(errno.EINVAL, "EXECBUFFER before CONTEXT_INIT")
         try:
             self.ctx.submit(command)
         except Exception as exc:
             log.exception("%s: submit raised", self.name)
             raise KernelError(errno.EIO, f"submit raised {type(exc).__name__}: {exc}") from None
 
-    def execbuffer(self, flags: int, ring_idx: int, command) -> None:
+    def execbuffer(self, flags: int, ring_idx: int, command: Union[bytes, memoryview]) -> None:
         """DRM_IOCTL_VIRTGPU_EXECBUFFER, run to completion: check_execbuffer, then submit."""
         self.check_execbuffer(flags, ring_idx, len(command))
         self.submit(command)

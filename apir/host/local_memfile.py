@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass
 
 from apir.codec.virtgpu import BLOB_ALIGNMENT
+from apir.errors import ApirError
 from apir.local.shm import map_shared
 
 __all__ = ["MemFile", "MemFileFull", "HostBlob"]
@@ -29,7 +30,7 @@ __all__ = ["MemFile", "MemFileFull", "HostBlob"]
 log = logging.getLogger(__name__)
 
 
-class MemFileFull(Exception):
+class MemFileFull(ApirError):
     """The context's blobs would exceed the file's size limit (the guest gets ENOMEM)."""
 
 

@@ -43,12 +43,12 @@ from apir.codec.constants import CONFIG_KEY_HELLO_TIMEOUT, CONFIG_KEY_MAX_CONNEC
 from apir.codec.local_wire import (
     HELLO_MAGIC,
     MAX_GET_CAPS,
-    REPLY,
     REQUEST,
     WIRE_VERSION,
     ConnectionClosed,
     Op,
     WireError,
+    fixed_reply,
 )
 from apir.codec.virtgpu import BLOB_ALIGNMENT
 from apir.host.limits import DEFAULT_HELLO_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, config_limit
@@ -121,9 +121,10 @@ class _Connection:
             send_message(self.sock, Op.HELLO, header.seq, err=errno.EPROTONOSUPPORT)
             raise WireError(f"bad HELLO (magic {magic:#x}, wire version {version})")
         srv = self.server
-        self.kernel = KernelContext(f"guest-{self.conn_id}", srv.config, srv.context_factory, srv.max_context_bytes)
-        reply = REPLY[Op.HELLO].pack(HELLO_MAGIC, WIRE_VERSION, BLOB_ALIGNMENT, 0)
-        send_message(self.sock, Op.HELLO, header.seq, reply, fds=(self.kernel.memfile.fd,))
+        kernel = KernelContext(f"guest-{self.conn_id}", srv.config, srv.context_factory, srv.max_context_bytes)
+        self.kernel = kernel
+        reply = fixed_reply(Op.HELLO).pack(HELLO_MAGIC, WIRE_VERSION, BLOB_ALIGNMENT, 0)
+        send_message(self.sock, Op.HELLO, header.seq, reply, fds=(kernel.memfile.fd,))
         srv.hangups.watch(self.sock.fileno(), self)  # a hang-up mid-EXECBUFFER cancels it
         log.info("guest %d connected", self.conn_id)
 
@@ -131,7 +132,7 @@ class _Connection:
             header, payload, fds = recv_message(self.sock)
             _close_fds(fds)
             try:
-                body, err = self._handle(header.op, payload), 0
+                body, err = self._handle(kernel, header.op, payload), 0
             except KernelError as exc:
                 log.info(
                     "guest %d: %s refused (%s): %s",
@@ -143,19 +144,20 @@ class _Connection:
                 body, err = b"", exc.err
             send_message(self.sock, header.op, header.seq, body, err=err)
 
-    def _handle(self, op: int, payload: bytes) -> bytes:
-        """The reply payload of one request; KernelError for an errno reply."""
+    def _handle(self, k: KernelContext, wire_op: int, payload: bytes) -> bytes:
+        """The reply payload of one request to kernel context `k`; KernelError for an errno
+        reply."""
         try:
-            fmt = REQUEST[Op(op)]
+            op = Op(wire_op)
         except ValueError:
-            raise KernelError(errno.ENOSYS, f"unknown op {op}") from None
+            raise KernelError(errno.ENOSYS, f"unknown op {wire_op}") from None
+        fmt = REQUEST[op]
         if op == Op.HELLO:
             raise KernelError(errno.EINVAL, "HELLO twice")
         size = fmt.size
         if len(payload) < size or (op != Op.EXECBUFFER and len(payload) != size):
             raise KernelError(errno.EINVAL, f"payload of {len(payload)} bytes, expected {size}")
         args = fmt.unpack_from(payload)
-        k = self.kernel
         if op == Op.EXECBUFFER:
             flags, cmd_size, ring_idx, _pad = args
             command = memoryview(payload)[size:]
@@ -164,7 +166,7 @@ class _Connection:
             k.execbuffer(flags, ring_idx, command)
             return b""
         if op == Op.GETPARAM:
-            return REPLY[op].pack(k.get_param(args[0]))
+            return fixed_reply(op).pack(k.get_param(args[0]))
         if op == Op.GET_CAPS:
             capset_id, capset_ver, caps_size, _pad = args
             return k.get_caps(capset_id, capset_ver, min(caps_size, MAX_GET_CAPS))
@@ -174,16 +176,16 @@ class _Connection:
             return b""
         if op == Op.CREATE_BLOB:
             res_id, bo_handle, blob = k.create_blob(*args)
-            return REPLY[op].pack(res_id, bo_handle, blob.size)
+            return fixed_reply(op).pack(res_id, bo_handle, blob.size)
         if op == Op.MAP:
-            return REPLY[op].pack(k.map(args[0]))
+            return fixed_reply(op).pack(k.map(args[0]))
         if op == Op.GEM_CLOSE:
             k.gem_close(args[0])
             return b""
         if op == Op.STAT:
             srv = self.server
-            st = srv.stats() if srv.stat_host_wide else _kernel_stats(ServerStats(), self.kernel)
-            return REPLY[op].pack(*st.as_tuple())
+            st = srv.stats() if srv.stat_host_wide else _kernel_stats(ServerStats(), k)
+            return fixed_reply(op).pack(*st.as_tuple())
         raise KernelError(errno.ENOSYS, f"unhandled op {op}")
 
     def on_hangup(self) -> None:

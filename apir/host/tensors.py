@@ -19,6 +19,7 @@ own `ggml_nbytes`, or a contiguous first row when `nb[0]` is smaller than an ele
 
 from __future__ import annotations
 
+import ctypes
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -42,7 +43,7 @@ class Scratch:
 
     def __init__(self, g, n_tensors: int, graph_size: int = 0):
         self.g = g
-        self.pinned = []  # memory the context's tensors point into, kept until close
+        self.pinned: list[ctypes.Array] = []  # memory the context's tensors point into, kept until close
         size = g.ggml_tensor_overhead() * (n_tensors + 1) + 1024
         if graph_size:
             size += g.ggml_graph_overhead_custom(graph_size, False)

@@ -64,6 +64,7 @@ from apir.codec.constants import (
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.codec.wire import Decoder
+from apir.errors import ApirError
 
 __all__ = ["TRACE_VERSION", "CommandTrace", "traced_context_factory", "read_trace", "format_trace", "TraceError"]
 
@@ -72,7 +73,7 @@ _HEADER = struct.Struct("<III")  # command type, flags, reply resource id (apir.
 _FORWARD = int(ApirCommandType.FORWARD)
 
 
-class TraceError(ValueError):
+class TraceError(ApirError, ValueError):
     """A file that is not an apir trace (the message names it and the line)."""
 
 

@@ -29,8 +29,12 @@ Errors: `Refused` when the plan exceeds the budget.
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 from apir.host.errors import Refused, log
+
+if TYPE_CHECKING:  # annotations only: the dispatcher it leads to imports this module
+    from apir.host.backend_library import PythonBackendLibrary
 
 __all__ = [
     "CONFIG_KEY_WORK_BUDGET",
@@ -85,11 +89,10 @@ def planned_work_size(g, graph: int, n_threads: int) -> int:
     return int(_graph_plan(g)(graph, n_threads, None).work_size)
 
 
-def work_budget(lib) -> int:
+def work_budget(lib: PythonBackendLibrary) -> int:
     """The context's work budget in bytes: config `apir.host.work_budget`, else
     `DEFAULT_WORK_BUDGET`."""
-    host = getattr(lib, "host", None)
-    value = host.get_config(CONFIG_KEY_WORK_BUDGET) if host is not None else None
+    value = lib.host.get_config(CONFIG_KEY_WORK_BUDGET)
     if value is None:
         return DEFAULT_WORK_BUDGET
     try:
@@ -99,14 +102,14 @@ def work_budget(lib) -> int:
         return 0
 
 
-def check_work_size(lib, graph: int) -> int | None:
+def check_work_size(lib: PythonBackendLibrary, graph: int) -> int | None:
     """Refuses `graph` when the CPU backend of dispatcher `lib` would plan more work buffer
     for it than `work_budget(lib)` (issue 13, class 2); returns the planned size (None for a
     backend that is not the CPU's). Raises Refused."""
     g = lib.g
     if not g.ggml_backend_is_cpu(lib.backend):
         return None
-    size = planned_work_size(g, graph, getattr(lib, "n_threads", 0) or 0)
+    size = planned_work_size(g, graph, lib.n_threads)
     budget = work_budget(lib)
     if size > budget:
         raise Refused(

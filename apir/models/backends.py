@@ -16,12 +16,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from apir.errors import ApirError
 from apir.ggml import load as load_ggml
 
 __all__ = ["OpenedBackend", "BackendUnavailable", "open_backend", "open_local_cpu"]
 
 
-class BackendUnavailable(RuntimeError):
+class BackendUnavailable(ApirError, RuntimeError):
     """The requested APIR transport cannot be opened (not built yet, no device, no host)."""
 
 
@@ -91,7 +92,6 @@ def _open_apir(
     reached."""
     from apir.devices import open_client, parse_spec
     from apir.guest.backend import ApirBackend
-    from apir.guest.errors import ApirError
 
     spec = parse_spec(device)
     transport = spec.kind

@@ -27,6 +27,7 @@ from typing import Callable, Dict, Iterable, Optional, Sequence
 
 import numpy as np
 
+from apir.errors import ApirError
 from apir.ggml import InitParams
 from apir.ggml import load as load_ggml
 from apir.models.assets import Assets, TokenBatch, load_assets
@@ -40,7 +41,7 @@ UPLOAD_CHUNK = 4 << 20
 Progress = Callable[[int, int], None]  # (bytes uploaded so far, total bytes)
 
 
-class MiniLMError(RuntimeError):
+class MiniLMError(ApirError, RuntimeError):
     """ggml refused an allocation, or a graph compute returned a status other than success."""
 
 

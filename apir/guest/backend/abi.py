@@ -22,9 +22,10 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from apir.codec.constants import APIR_PROTOCOL_0_1, APIR_PROTOCOL_0_2, device_props_fields
+from apir.errors import ApirError
 from apir.ggml.lib import SIGNATURE_LETTERS as _CODES
 
 __all__ = ["Abi", "UnsupportedGgmlVersion", "abi_for", "SUPPORTED_VERSIONS", "IFACE_FIELDS"]
@@ -117,7 +118,7 @@ _SPECS: Dict[str, _Spec] = {
 SUPPORTED_VERSIONS = tuple(_SPECS)
 
 
-class UnsupportedGgmlVersion(RuntimeError):
+class UnsupportedGgmlVersion(ApirError, RuntimeError):
     """The loaded ggml's backend structs are not declared in apir (see `SUPPORTED_VERSIONS`)."""
 
 
@@ -197,7 +198,8 @@ class Abi:
                 self.DevProps,
             )
         }
-        self._buffer_init = None
+        # ggml_backend_buffer_init, typed for this version's BufferI (made on first use)
+        self._buffer_init: Optional[Callable[..., Optional[int]]] = None
         self._lock = threading.Lock()
 
     def buffer_init(self, g):
@@ -208,11 +210,10 @@ class Abi:
                 for cdll in g.cdlls:
                     fn = getattr(cdll, "ggml_backend_buffer_init", None)
                     if fn is not None:
-                        addr = ctypes.cast(fn, ctypes.c_void_p).value
                         proto = ctypes.CFUNCTYPE(
                             ctypes.c_void_p, ctypes.c_void_p, self.BufferI, ctypes.c_void_p, ctypes.c_size_t
                         )
-                        self._buffer_init = proto(addr)
+                        self._buffer_init = ctypes.cast(fn, proto)
                         break
                 else:
                     from apir.ggml.lib import GgmlLoadError

@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from apir.errors import ApirError
 from apir.guest.backend.abi import abi_for
 from apir.guest.backend.buffer import RemoteBuffer, build_buffer_iface
 from apir.guest.backend.buffer_type import build_buffer_type, build_buffer_type_iface
@@ -43,12 +44,12 @@ _retired: List["ApirBackend"] = []
 _retired_lock = threading.Lock()
 
 
-class BackendInitError(RuntimeError):
+class BackendInitError(ApirError, RuntimeError):
     """The backend cannot be built: the host offers no device, or the zero-copy path was
     required but the host does not offer it."""
 
 
-class GraphComputeError(RuntimeError):
+class GraphComputeError(ApirError, RuntimeError):
     """`ggml_backend_graph_compute` returned a status other than GGML_STATUS_SUCCESS."""
 
     def __init__(self, status: int, text: str):

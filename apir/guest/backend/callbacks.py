@@ -21,6 +21,8 @@ import logging
 import threading
 from typing import Callable, Dict, List
 
+from apir.errors import ApirError
+
 __all__ = ["BackendCallbackError", "CallbackTable", "take_errors", "raise_errors", "clear_errors", "record_error"]
 
 log = logging.getLogger(__name__)
@@ -28,7 +30,7 @@ log = logging.getLogger(__name__)
 _pending = threading.local()
 
 
-class BackendCallbackError(RuntimeError):
+class BackendCallbackError(ApirError, RuntimeError):
     """A backend callback failed inside a ggml call; `errors` lists (callback name,
     exception) in order and `__cause__` is the first exception."""
 

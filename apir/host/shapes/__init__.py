@@ -36,15 +36,15 @@ them into `CHECKED_OPS`.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 from apir.host.errors import Refused
 from apir.host.shapes import attention, backward, conv, elementwise, layout, matrix, rope, tensor_ops
-from apir.host.shapes.base import OpEnums, TensorInfo, allows_empty_sources, check_empty_sources, op_enums
+from apir.host.shapes.base import OpEnums, Rule, TensorInfo, allows_empty_sources, check_empty_sources, op_enums
 
-__all__ = ["TensorInfo", "OpEnums", "op_enums", "check_node", "node_refusal", "CHECKED_OPS"]
+__all__ = ["TensorInfo", "OpEnums", "Rule", "op_enums", "check_node", "node_refusal", "CHECKED_OPS"]
 
-CHECKED_OPS: Dict[str, Callable] = {}
+CHECKED_OPS: Dict[str, Rule] = {}
 for _family in (elementwise, layout, matrix, rope, backward, tensor_ops, conv, attention):
     if CHECKED_OPS.keys() & _family.RULES.keys():  # two rules for one op: a merge mistake
         raise RuntimeError(f"{_family.__name__} redefines {CHECKED_OPS.keys() & _family.RULES.keys()}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
+from typing import Callable, Dict, FrozenSet, List, NoReturn, Optional, Sequence
 
 import numpy as np
 
@@ -209,13 +209,13 @@ def param_f32(node: TensorInfo, i: int) -> float:
 
 
 def need(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]], n: int) -> List[TensorInfo]:
-    got = list(srcs[:n])
-    if len(got) < n or any(s is None for s in got):
+    got = [s for s in srcs[:n] if s is not None]
+    if len(got) < n:  # fewer than n, or one of the first n absent
         raise Refused(f"node {node.index} ({node.op_name}) needs {n} sources")
-    return got  # type: ignore[return-value]
+    return got
 
 
-def fail(node: TensorInfo, why: str) -> None:
+def fail(node: TensorInfo, why: str) -> NoReturn:
     raise Refused(f"node {node.index} ({node.op_name}): {why}")
 
 
@@ -263,11 +263,16 @@ def check_span(t: TensorInfo, limit: int, what: str) -> None:
         )
 
 
+# A shape rule (one per op, in a module's RULES table): raises Refused unless `node` is what
+# ggml would build from its sources `srcs` (None for an absent optional source) in the build
+# whose enum sizes are `enums`.
+Rule = Callable[[TensorInfo, Sequence[Optional[TensorInfo]], OpEnums], None]
+
 # Name of the attribute `empty_sources_ok` sets on a rule.
 _EMPTY_SOURCES_OK = "empty_sources_ok"
 
 
-def empty_sources_ok(rule):
+def empty_sources_ok(rule: Rule) -> Rule:
     """Decorator for a rule whose kernel is known to read nothing of a source with no
     elements while still writing a result with elements; without it `check_empty_sources`
     refuses such a node before the rule runs."""
@@ -275,7 +280,7 @@ def empty_sources_ok(rule):
     return rule
 
 
-def allows_empty_sources(rule) -> bool:
+def allows_empty_sources(rule: Rule) -> bool:
     return bool(getattr(rule, _EMPTY_SOURCES_OK, False))
 
 
@@ -333,10 +338,12 @@ def row_ids(node: TensorInfo, ids: TensorInfo, types=("I32",), flat: bool = Fals
     if flat:
         if n * dtype.itemsize > size:
             fail(node, f"{n} packed row ids reach past ids' extent (nb {ids.nb})")
-        return np.frombuffer(ids.snapshot, dtype=dtype, count=n).copy()
+        return np.frombuffer(memoryview(ids.snapshot), dtype=dtype, count=n).copy()
     if ids.nb[0] < dtype.itemsize and ids.ne[0] > 1:
         fail(node, f"row ids overlap (nb {ids.nb})")
-    return np.ndarray(shape=tuple(ids.ne[::-1]), dtype=dtype, buffer=ids.snapshot, strides=tuple(ids.nb[::-1])).copy()
+    return np.ndarray(
+        shape=tuple(ids.ne[::-1]), dtype=dtype, buffer=memoryview(ids.snapshot), strides=tuple(ids.nb[::-1])
+    ).copy()
 
 
 def ids_in_range(node: TensorInfo, values: Optional[np.ndarray], n_rows: int, what: str = "row id") -> None:
@@ -363,15 +370,15 @@ def int_counted(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]]) -> None:
             fail(node, f"tensor {t.index} {t.ne} is too large for the kernel's int counts")
 
 
-def int_counted_rules(rules: Dict[str, Callable]) -> Dict[str, Callable]:
+def int_counted_rules(rules: Dict[str, Rule]) -> Dict[str, Rule]:
     """`rules` with `int_counted` checked before each (a module's RULES table, for the op
     families whose every kernel counts in `int`); the wrapper keeps the rule's name, docstring
     and attributes (functools.wraps)."""
     import functools
 
-    def wrap(rule):
+    def wrap(rule: Rule) -> Rule:
         @functools.wraps(rule)
-        def checked(node, srcs, enums=None):
+        def checked(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]], enums: OpEnums) -> None:
             int_counted(node, srcs)
             return rule(node, srcs, enums)
 

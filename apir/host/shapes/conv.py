@@ -10,9 +10,12 @@ indices in C `int`s: a rule bounds those to int32.
 
 from __future__ import annotations
 
+from typing import Dict
+
 import numpy as np
 
 from apir.host.shapes.base import (
+    Rule,
     TensorInfo,
     dst_contiguous,
     extent,
@@ -564,7 +567,7 @@ def _add_rel_pos(node, srcs, _enums=None):
     dst_contiguous(node)
 
 
-RULES = {
+RULES: Dict[str, Rule] = {
     "IM2COL": _im2col,
     "IM2COL_BACK": _im2col_back,
     "IM2COL_3D": _im2col_3d,

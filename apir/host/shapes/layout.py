@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Dict
+
 import numpy as np
 
 from apir.host.shapes.base import (
+    Rule,
     FLOAT,
     OpEnums,
     TensorInfo,
@@ -247,7 +250,7 @@ def _top_k(node, srcs, _enums=None):
 
 # Leaves and views are not computed (ggml_op_is_empty): no kernel counts anything of them.
 # Every other kernel here counts rows (and most elements) in C `int` (base.int_counted).
-RULES = {
+RULES: Dict[str, Rule] = {
     "NONE": _leaf,
     "VIEW": _view,
     "PERMUTE": _view,

@@ -13,7 +13,10 @@ ids (test-backend-ops' ids) is fine.
 
 from __future__ import annotations
 
+from typing import Dict
+
 from apir.host.shapes.base import (
+    Rule,
     CPU_QUANTIZED_ROW_TYPES,
     FLOAT,
     INT_MAX,
@@ -262,7 +265,7 @@ def _add_id(node, srcs, _enums=None):
     check_row_ids(node, ids, b.ne[1], ("I32",))
 
 
-RULES = {
+RULES: Dict[str, Rule] = {
     "MUL_MAT": _mul_mat,
     "MUL_MAT_ID": _mul_mat_id,
     "OUT_PROD": _out_prod,

@@ -3,7 +3,10 @@ ACC, SET, CUMSUM, FILL, DIAG, TRI, SOLVE_TRI."""
 
 from __future__ import annotations
 
+from typing import Dict
+
 from apir.host.shapes.base import (
+    Rule,
     TensorInfo,
     fail,
     int_rows,
@@ -151,7 +154,7 @@ def _solve_tri(node, srcs, _enums=None):
         fail(node, "A, B and the result must be contiguous")
 
 
-RULES = {
+RULES: Dict[str, Rule] = {
     "ACC": _acc,
     "SET": _set,
     "CUMSUM": _cumsum,
