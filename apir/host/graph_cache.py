@@ -129,6 +129,12 @@ class GraphCacheEntry:
         if copied != before or any(fresh[i].read_by != self.infos[i].read_by for i in copied):
             return False
         dtype = lib.checker.tensor_dtype
+        # the host tensors must read the copies themselves (as build_graph points them): a
+        # build that placed the ids elsewhere (e.g. a device copy) is not re-pointed, rebuilt
+        for i in copied:
+            old = self.infos[i].snapshot
+            if old is None or int(tensor_record(self.host[i], dtype)["data"]) != ctypes.addressof(old):
+                return False
         pinned = []
         for i in copied:
             snap = fresh[i].snapshot
