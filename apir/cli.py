@@ -228,6 +228,93 @@ def run_host_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- apir host vhost-user ------------------------------------------------------------------
+def size_arg(text: str) -> int:
+    """argparse `type` of a byte count: decimal, or with a K/M/G suffix (powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    scale = units.get(text[-1:].upper(), 1)
+    digits = text[:-1] if scale > 1 else text
+    if not digits.isdigit() or int(digits) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (a positive number of bytes, or with K, M or G)")
+    return int(digits) * scale
+
+
+def write_vhost_stats(path: str, servers) -> None:
+    """Writes what each socket's VM holds now to `path` as JSON, atomically (a reader never
+    sees half a file): {"sockets": {socket: {"contexts", "blobs", "blob_bytes",
+    "closing_contexts", "ggml_buffers", "sessions_served", "connected"}}}."""
+    import dataclasses
+
+    stats = {}
+    for server in servers:
+        entry = dataclasses.asdict(server.counts())
+        entry["sessions_served"] = server.sessions_served
+        entry["connected"] = server.session is not None
+        stats[server.path] = entry
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({"sockets": stats}, fh)
+    os.replace(tmp, path)
+
+
+def run_host_vhost_user(args: argparse.Namespace) -> int:
+    from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS
+    from apir.host.local_kernel import default_context_factory
+    from apir.host.trace import CommandTrace, traced_context_factory
+    from apir.host.vhost_user import VhostUserServer
+
+    for path in args.socket:
+        check_listen(path)
+    if args.shm_size % os.sysconf("SC_PAGE_SIZE"):
+        raise UsageError(f"--shm-size {args.shm_size} is not a multiple of the page size")
+    config = host_config_from_args(args)
+    capsets = (VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS) if args.venus else (VIRTGPU_DRM_CAPSET_APIR,)
+    trace = CommandTrace(args.trace) if args.trace else None
+    factory = traced_context_factory(default_context_factory, trace) if trace else default_context_factory
+    servers = []
+    try:
+        for path in args.socket:
+            servers.append(
+                VhostUserServer(
+                    path,
+                    config=config,
+                    context_factory=factory,
+                    capsets=capsets,
+                    shm_size=args.shm_size,
+                    socket_mode=args.socket_mode,
+                )
+            )
+    except BaseException:
+        for server in servers:
+            server.close()
+        if trace:
+            trace.close()
+        raise
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        log.info("signal %d: stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for server in servers:
+        server.start()
+    traced = f", tracing commands to {args.trace}" if trace else ""
+    where = ", ".join(args.socket)
+    print(f"apir: virtio-gpu vhost-user device on {where}{traced}", file=sys.stderr, flush=True)
+    try:
+        while not stop.wait(0.5):
+            if args.stats:
+                write_vhost_stats(args.stats, servers)
+    finally:
+        for server in servers:
+            server.close()
+        if trace:
+            trace.close()
+    return 0
+
+
 # --- apir trace ------------------------------------------------------------------------------
 def run_trace(args: argparse.Namespace) -> int:
     from apir.host.trace import format_trace, read_trace
@@ -276,12 +363,10 @@ def gather_info(client) -> dict:
 def device_type_name(value: int) -> Optional[str]:
     """The name of an `enum ggml_backend_dev_type` value ("CPU", "GPU", "IGPU", "ACCEL"), read
     from the loaded ggml build's ggml-backend.h; None when that header or the value is missing."""
-    from apir.ggml import load
-    from apir.ggml.lib import GgmlLoadError, _parse_enum
+    from apir.ggml import GgmlLoadError, load
 
     try:
-        header = load().include_dir / "ggml-backend.h"
-        names = _parse_enum(header.read_text(), "ggml_backend_dev_type", "GGML_BACKEND_DEVICE_TYPE_")
+        names = load().header.dev_types
     except (OSError, GgmlLoadError):
         return None
     return {v: k for k, v in names.items()}.get(value)
@@ -386,6 +471,48 @@ def add_parser(subparsers, parents) -> None:
     )
     add_host_config_arguments(serve)
     serve.set_defaults(run=run_host_serve)
+
+    vhost = host_sub.add_parser(
+        "vhost-user",
+        parents=parents,
+        help="serve VMs: a virtio-gpu device for QEMU's vhost-user-test-device-pci (docs/vm.md)",
+    )
+    vhost.add_argument(
+        "--socket",
+        metavar="PATH",
+        type=socket_arg,
+        action="append",
+        required=True,
+        help="vhost-user socket QEMU connects to (its -chardev socket,path=PATH); repeat for one VM per socket",
+    )
+    vhost.add_argument(
+        "--shm-size",
+        type=size_arg,
+        default=1 << 30,
+        metavar="BYTES",
+        help="size of the host-visible region blobs are mapped into (K/M/G suffixes; default 1G)",
+    )
+    vhost.add_argument("--venus", action="store_true", help="offer the Venus capset (4) besides APIR (10)")
+    vhost.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="record each APIR command (as `apir host serve --trace`) to FILE; `apir trace FILE` prints it",
+    )
+    vhost.add_argument(
+        "--stats",
+        metavar="FILE",
+        help="keep FILE updated (every 0.5 s, as JSON) with what each socket's VM holds: contexts, "
+        "blobs, blob bytes, ggml buffers, front-ends served (for tests and monitoring)",
+    )
+    vhost.add_argument(
+        "--socket-mode",
+        type=_octal_mode,
+        default=0o600,
+        metavar="OCTAL",
+        help="permission bits of the socket file, whatever the umask (default 0600)",
+    )
+    add_host_config_arguments(vhost)
+    vhost.set_defaults(run=run_host_vhost_user)
 
     trace = subparsers.add_parser(
         "trace",

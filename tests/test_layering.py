@@ -1,9 +1,11 @@
 """The package layering docs/design.md describes, checked on the import statements (those inside
 functions included): the codec imports neither half and does no I/O; no guest module imports the
 host (embedded mode lives in apir.local, where the halves meet, and the device registry in
-apir.devices); what apir.local shares with both halves imports neither."""
+apir.devices); what apir.local shares with both halves imports neither; and no module of apir
+imports itself through others (an import cycle), not even from inside a function."""
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,95 @@ def _imports(path: Path) -> set:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
     return names
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_nodes(tree: ast.AST):
+    """The nodes of `tree` Python may execute: all but the bodies of `if TYPE_CHECKING:`
+    (imports there are for annotations only and never run)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _apir_imports(path: Path, known: set) -> set:
+    """The apir modules `path` imports at run time, anywhere in it. `from P import X` counts
+    as importing P.X when that is a module, else P; relative imports are resolved."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            subs = {f"{module}.{alias.name}" for alias in node.names} & known
+            out |= subs
+            if len(subs) < len(node.names):
+                out.add(module)
+    return (out & known) - {name}
+
+
+def _import_cycles() -> list:
+    """Each import cycle among apir's modules, as a list of module names (Tarjan's strongly
+    connected components of the import graph)."""
+    paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    graph = {name: _apir_imports(p, set(paths)) for name, p in paths.items()}
+    index: dict = {}
+    low: dict = {}
+    stack: list = []
+    cycles = []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles():
+    assert _import_cycles() == []
+
+
+def test_the_cycle_check_sees_imports_inside_functions(tmp_path, monkeypatch):
+    """A cycle hidden behind an import inside a function is still a cycle."""
+    pkg = tmp_path / "apir"
+    (pkg / "x").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "x" / "__init__.py").write_text("")
+    (pkg / "x" / "a.py").write_text("from apir.x import b\n")
+    (pkg / "x" / "b.py").write_text("def f():\n    from apir.x.a import g\n")
+    (pkg / "x" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from apir.x import a\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", pkg)
+    assert _import_cycles() == [["apir.x.a", "apir.x.b"]]
 
 
 def _modules(package: str):

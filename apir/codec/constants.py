@@ -50,6 +50,14 @@ __all__ = [
     "ENV_HELLO_TIMEOUT",
     "CONFIG_KEY_MAX_BLOBS",
     "ENV_MAX_BLOBS",
+    "CONFIG_KEY_VHOST_MAX_CONTEXTS",
+    "ENV_VHOST_MAX_CONTEXTS",
+    "CONFIG_KEY_VHOST_MAX_RESOURCES",
+    "ENV_VHOST_MAX_RESOURCES",
+    "CONFIG_KEY_VHOST_MAX_BLOB_BYTES",
+    "ENV_VHOST_MAX_BLOB_BYTES",
+    "CONFIG_KEY_VHOST_BACKEND_TIMEOUT",
+    "ENV_VHOST_BACKEND_TIMEOUT",
     "DEFAULT_GGML_LIBRARY_REG",
     "CONFIG_KEY_BUFFER_BUDGET",
     "CONFIG_KEY_MEMORY_LIMIT",
@@ -127,6 +135,15 @@ CONFIG_KEY_HELLO_TIMEOUT = "apir.local.hello_timeout_s"  # seconds a new connect
 ENV_HELLO_TIMEOUT = "APIR_LOCAL_HELLO_TIMEOUT_S"
 CONFIG_KEY_MAX_BLOBS = "apir.local.max_blobs"  # blobs one context may hold at once
 ENV_MAX_BLOBS = "APIR_LOCAL_MAX_BLOBS"
+# The vhost-user virtio-gpu device (apir.host.vhost_user): what one VM can make it hold.
+CONFIG_KEY_VHOST_MAX_CONTEXTS = "apir.vhost.max_contexts"  # virtio-gpu contexts of one VM
+ENV_VHOST_MAX_CONTEXTS = "APIR_VHOST_MAX_CONTEXTS"
+CONFIG_KEY_VHOST_MAX_RESOURCES = "apir.vhost.max_resources"  # resources (blobs) of one VM
+ENV_VHOST_MAX_RESOURCES = "APIR_VHOST_MAX_RESOURCES"
+CONFIG_KEY_VHOST_MAX_BLOB_BYTES = "apir.vhost.max_blob_bytes"  # bytes of HOST3D blobs of one VM
+ENV_VHOST_MAX_BLOB_BYTES = "APIR_VHOST_MAX_BLOB_BYTES"
+CONFIG_KEY_VHOST_BACKEND_TIMEOUT = "apir.vhost.backend_timeout_s"  # seconds QEMU has to ack SHMEM_MAP
+ENV_VHOST_BACKEND_TIMEOUT = "APIR_VHOST_BACKEND_TIMEOUT_S"
 # --- apir's own host keys (no C twin): what one guest can make the host hold -------------------
 # Values are decimal integers; apir.host.budget documents each bound and its default.
 CONFIG_KEY_BUFFER_BUDGET = "apir.host.buffer_budget"  # bytes of ggml buffers per context

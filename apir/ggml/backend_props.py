@@ -2,43 +2,32 @@
 
 Theory of operation: `ggml_backend_dev_get_props` fills a caller-owned struct whose tail,
 `struct ggml_backend_dev_caps`, grew a fifth boolean (`mmap_support`) between ggml 0.10 and
-0.20. The struct is therefore declared per build from the build's own `ggml-backend.h`, so
-reading the caps never reads past what the library wrote.
-
-Errors: `GgmlLoadError` when a header lacks the struct.
+0.20. The struct is therefore declared per build from the caps fields of the build's own
+`ggml-backend.h` (`Ggml.header.dev_caps`), so reading the caps never reads past what the
+library wrote.
 """
 
 from __future__ import annotations
 
 import ctypes
-import re
-from typing import Dict, List, Type
+from typing import Dict, Tuple, Type
 
-from apir.ggml.lib import Ggml, GgmlLoadError
+from apir.ggml.lib import Ggml
 
 __all__ = ["dev_props_struct", "get_dev_props", "DevProps"]
 
-_cache: Dict[int, Type[ctypes.Structure]] = {}
-
-
-def _caps_fields(g: Ggml) -> List[str]:
-    header = g.include_dir / "ggml-backend.h"
-    if not header.exists():
-        raise GgmlLoadError(f"{header}: not found")
-    m = re.search(r"struct\s+ggml_backend_dev_caps\s*\{(.*?)\};", header.read_text(), re.S)
-    if not m:
-        raise GgmlLoadError(f"{header}: struct ggml_backend_dev_caps not found")
-    body = re.sub(r"//[^\n]*|/\*.*?\*/", "", m.group(1), flags=re.S)
-    return re.findall(r"bool\s+(\w+)\s*;", body)
+_cache: Dict[Tuple[str, ...], Type[ctypes.Structure]] = {}
 
 
 def dev_props_struct(g: Ggml) -> Type[ctypes.Structure]:
     """The ctypes twin of `struct ggml_backend_dev_props` (ggml-backend.h) for build `g`;
     `caps` holds one c_bool per field of that build's `ggml_backend_dev_caps`."""
-    cls = _cache.get(id(g))
+    cls = _cache.get(g.header.dev_caps)
     if cls is None:
         caps = type(
-            "GgmlBackendDevCaps", (ctypes.Structure,), {"_fields_": [(name, ctypes.c_bool) for name in _caps_fields(g)]}
+            "GgmlBackendDevCaps",
+            (ctypes.Structure,),
+            {"_fields_": [(name, ctypes.c_bool) for name in g.header.dev_caps]},
         )
         cls = type(
             "GgmlBackendDevProps",
@@ -55,7 +44,7 @@ def dev_props_struct(g: Ggml) -> Type[ctypes.Structure]:
                 ]
             },
         )
-        _cache[id(g)] = cls
+        _cache[g.header.dev_caps] = cls
     return cls
 
 

@@ -1,7 +1,7 @@
 """Start-up check that `struct ggml_tensor` is where apir's records say it is.
 
 Theory of operation: the codec reads and writes ggml tensors as raw bytes through
-`ggml_tensor_dtype(limits)`. Before anything relies on that, build real tensors with the
+`apir.codec.records.ggml_tensor_dtype(limits)`. Before anything relies on that, build real tensors with the
 loaded libggml and check every field apir uses at its offset: type, buffer, ne, nb, op,
 op_params, flags, src, view_src, view_offs, data, name; and the struct's size through
 `ggml_tensor_overhead()` (= sizeof(struct ggml_object) + sizeof(struct ggml_tensor)).
@@ -10,10 +10,14 @@ op_params, flags, src, view_src, view_offs, data, name; and the struct's size th
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
-from apir.codec.records import ggml_tensor_dtype
+from apir.ggml.errors import GgmlLoadError
+from apir.ggml.functions import GgmlFunctions, InitParams
+from apir.ggml.header import HeaderFacts
 
 __all__ = ["check_layout", "tensor_record", "GGML_OBJECT_SIZE"]
 
@@ -28,15 +32,12 @@ def tensor_record(address: int, dtype: np.dtype) -> np.ndarray:
     return np.frombuffer(memoryview(buf), dtype=dtype, count=1)[0]
 
 
-def check_layout(g) -> None:
-    """Raises GgmlLoadError when the loaded ggml's tensor layout differs from apir's."""
-    from apir.ggml.lib import GgmlLoadError, InitParams
+def check_layout(g: GgmlFunctions, h: HeaderFacts, dtype: np.dtype, lib_dir: Path) -> None:
+    """Raises GgmlLoadError when the tensor layout of the ggml build at `lib_dir` (functions
+    `g`, header facts `h`) differs from `dtype` (apir.codec.records.ggml_tensor_dtype)."""
 
-    dtype = ggml_tensor_dtype(g.limits)
-    g.tensor_dtype = dtype
-
-    def fail(what: str):
-        raise GgmlLoadError(f"ggml_tensor layout of {g.lib_dir} differs from apir's records: {what}")
+    def fail(what: str) -> NoReturn:
+        raise GgmlLoadError(f"ggml_tensor layout of {lib_dir} differs from apir's records: {what}")
 
     overhead = g.ggml_tensor_overhead()
     if overhead != GGML_OBJECT_SIZE + dtype.itemsize:
@@ -46,7 +47,7 @@ def check_layout(g) -> None:
     if not ctx:
         fail("ggml_init failed")
     try:
-        f32, f16 = g.types["F32"], g.types["F16"]
+        f32, f16 = h.types["F32"], h.types["F16"]
         a = g.ggml_new_tensor_4d(ctx, f16, 3, 5, 7, 2)
         b = g.ggml_new_tensor_4d(ctx, f16, 3, 5, 7, 2)
         g.ggml_set_name(a, b"apir-layout-probe")
@@ -60,11 +61,11 @@ def check_layout(g) -> None:
             fail(f"nb reads {list(rec['nb'])}")
         if bytes(rec["name"]).split(b"\0")[0] != b"apir-layout-probe":
             fail("name")
-        if rec["data"] == 0 or rec["buffer"] != 0 or rec["op"] != g.ops["NONE"]:
+        if rec["data"] == 0 or rec["buffer"] != 0 or rec["op"] != h.ops["NONE"]:
             fail("data/buffer/op of a fresh tensor")
         s = g.ggml_add(ctx, a, b)
         rs = tensor_record(s, dtype)
-        if rs["op"] != g.ops["ADD"] or rs["src"][0] != a or rs["src"][1] != b or rs["src"][2] != 0:
+        if rs["op"] != h.ops["ADD"] or rs["src"][0] != a or rs["src"][1] != b or rs["src"][2] != 0:
             fail("op/src of ggml_add")
         v = g.ggml_view_1d(ctx, a, 4, 8)
         rv = tensor_record(v, dtype)

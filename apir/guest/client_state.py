@@ -7,14 +7,19 @@ use of the `ApirClient` they are mixed into, declared once for type checkers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Optional, Tuple, TypeVar, overload
 
 import numpy as np
+
+from apir.codec.constants import ApirBackendCommandType
+from apir.codec.wire import Decoder, Encoder
 
 if TYPE_CHECKING:
     from apir.guest.remote import Remote
 
 __all__ = ["ClientState"]
+
+T = TypeVar("T")
 
 
 class ClientState:
@@ -23,4 +28,31 @@ class ClientState:
     tensor_dtype: np.dtype  # ggml_tensor as sent inline
     protocol: Tuple[int, int]
     host_version: Optional[Tuple[int, int]]
-    _forward: Callable[..., Any]  # ApirClient._forward(function, encode_fn, decode_fn, timeout_s)
+
+    if TYPE_CHECKING:  # ApirClient._forward: a call returns what its decode_fn returns
+
+        @overload
+        def _forward(
+            self,
+            function: ApirBackendCommandType,
+            encode_fn: Optional[Callable[[Encoder], None]],
+            decode_fn: Callable[[Decoder], T],
+            timeout_s: Optional[float] = None,
+        ) -> T: ...
+
+        @overload
+        def _forward(
+            self,
+            function: ApirBackendCommandType,
+            encode_fn: Optional[Callable[[Encoder], None]],
+            decode_fn: None,
+            timeout_s: Optional[float] = None,
+        ) -> None: ...
+
+        def _forward(
+            self,
+            function: ApirBackendCommandType,
+            encode_fn: Optional[Callable[[Encoder], None]],
+            decode_fn: Optional[Callable[[Decoder], T]],
+            timeout_s: Optional[float] = None,
+        ) -> Optional[T]: ...

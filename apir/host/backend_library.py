@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from types import ModuleType
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 from apir.codec.constants import (
     CONFIG_KEY_BUFFER_BUDGET,
@@ -33,6 +32,9 @@ from apir.codec.constants import (
     ApirLoadLibraryReturnCode as LoadRc,
 )
 from apir.codec.wire import Decoder, Encoder
+from apir.ggml import GgmlLoadError, load as load_ggml
+from apir.ggml.lib import Ggml
+from apir.host import dispatcher
 from apir.host.budget import BufferBudget, BufferLimits, buffer_charge
 from apir.host.compute_abort import ComputeAbort
 from apir.host.errors import Refused, log
@@ -41,15 +43,11 @@ from apir.host.handles import HostBuffer, HostBufferType, VirtualAddressSpace, n
 from apir.host.library import LibraryHost
 from apir.host.limits import DEFAULT_GRAPH_TIME_LIMIT_S, parse_limit
 from apir.host.resources import Resource
+from apir.host.shapes.base import OpEnums
+from apir.host.tensors import TensorChecker
 
-if TYPE_CHECKING:  # both import modules that import this one
-    from apir.ggml.lib import Ggml
-    from apir.host.shapes.base import OpEnums
-    from apir.host.tensors import TensorChecker
+__all__ = ["PythonBackendLibrary", "CONFIG_KEY_BUFFER_BUDGET", "CONFIG_KEY_N_THREADS"]
 
-__all__ = ["PythonBackendLibrary", "GGML_BACKEND_DEVICE_TYPE_CPU", "CONFIG_KEY_BUFFER_BUDGET", "CONFIG_KEY_N_THREADS"]
-
-GGML_BACKEND_DEVICE_TYPE_CPU = 0  # enum ggml_backend_dev_type (ggml-backend.h)
 # Threads of a CPU-like backend (one that offers ggml_backend_set_n_threads); default: the
 # machine's cores. ggml's own default (GGML_DEFAULT_N_THREADS = 4) oversubscribes small
 # hosts, and its spinning worker threads then slow a graph down several times.
@@ -140,21 +138,17 @@ class PythonBackendLibrary:
     # --- BackendLibrary -------------------------------------------------------------------
     def initialize(self, host: LibraryHost) -> int:
         """`apir_backend_initialize`: LoadLibrary codes 3/4/5, else 6 + APIR_BACKEND_INITIALIZE_*."""
-        import apir.ggml
-        from apir.ggml.lib import GgmlLoadError
-        from apir.host.tensors import TensorChecker
-
         if self.reg is not None:
             return LoadRc.INIT_BASE_INDEX + InitRc.ALREADY_INITED
         self._host = host
         try:
-            self._g = g = apir.ggml.load()
+            self._g = g = load_ggml()
         except GgmlLoadError as exc:
             log.error("ctx %d: cannot load ggml: %s", host.ctx_id, exc)
             return LoadRc.CANNOT_OPEN
         path = host.get_config(CONFIG_KEY_GGML_LIBRARY_PATH)
         if path is None:
-            dev = g.ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
+            dev = g.ggml_backend_dev_by_type(g.header.dev_types["CPU"])
             if not dev:
                 log.error("ctx %d: ggml has no CPU device", host.ctx_id)
                 return LoadRc.INIT_BASE_INDEX + InitRc.NO_DEVICE
@@ -215,7 +209,7 @@ class PythonBackendLibrary:
         set_n_threads(self.backend, self.n_threads)
 
     def dispatch(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
-        return _dispatcher().dispatch(self, function_id, dec, enc)
+        return dispatcher.dispatch(self, function_id, dec, enc)
 
     def cancel_compute(self, reason: str) -> None:
         """Stops the graph compute in flight, if any, and refuses later ones (GGML_STATUS_ABORTED):
@@ -328,17 +322,3 @@ class PythonBackendLibrary:
         if res is None:
             raise Refused(f"{what}: unknown shared-memory resource {res_id}")
         return res
-
-
-def _dispatcher() -> ModuleType:
-    """apir.host.dispatcher, imported on first use (it imports this module) and kept: an
-    import statement per command costs about a microsecond."""
-    global _DISPATCHER
-    if _DISPATCHER is None:
-        from apir.host import dispatcher
-
-        _DISPATCHER = dispatcher
-    return _DISPATCHER
-
-
-_DISPATCHER: Optional[ModuleType] = None

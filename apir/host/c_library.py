@@ -387,5 +387,7 @@ class CLibrary:
 
 
 def c_library_factory(path: str) -> CLibrary:
-    """A `library_factory` for `HostContext`: every configured path is a C backend library."""
+    """A `library_factory` for `HostContext` (its default): every configured path is a C
+    backend library. Raises LibraryLoadError: CANNOT_OPEN when dlopen fails, SYMBOL_MISSING
+    when an apir_backend_* symbol is absent."""
     return CLibrary.open(str(Path(path)))

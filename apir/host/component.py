@@ -32,7 +32,7 @@ import os
 import struct
 import threading
 import time
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Mapping, Optional, Tuple
 
 from apir.codec.atomics import Word
 from apir.codec.constants import (
@@ -62,8 +62,12 @@ from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS
 from apir.codec.wire import Decoder, Encoder
 from apir.host.errors import log
 from apir.host.limits import LIMIT_ENV_FALLBACKS
-from apir.host.library import BackendLibrary, LibraryLoadError, default_library_factory
+from apir.host.c_library import c_library_factory
+from apir.host.library import BackendLibrary, LibraryLoadError
 from apir.host.resources import Resource
+
+if TYPE_CHECKING:  # annotations only
+    from apir.host.trace import CommandTrace
 
 __all__ = ["HostContext", "COMMAND_MALFORMED", "NOTIFICATION_SIZE", "CONFIG_ENV_FALLBACKS"]
 
@@ -89,7 +93,8 @@ CONFIG_ENV_FALLBACKS: Dict[str, str] = {
 
 
 def _builtin_library() -> BackendLibrary:
-    from apir.host.backend_library import PythonBackendLibrary  # noqa: E402 - loads ggml lazily
+    # on first use: it imports the dispatcher, the shape rules and the codec's Numba kernels
+    from apir.host.backend_library import PythonBackendLibrary
 
     return PythonBackendLibrary()
 
@@ -109,7 +114,7 @@ class HostContext:
         config: Optional[Mapping[str, str]] = None,
         *,
         capset_id: int = VIRTGPU_DRM_CAPSET_APIR,
-        library_factory: Callable[[str], BackendLibrary] = default_library_factory,
+        library_factory: Callable[[str], BackendLibrary] = c_library_factory,
     ):
         if capset_id not in (VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS):
             raise ValueError(
@@ -133,7 +138,7 @@ class HostContext:
         self._pending_notification: Optional[Tuple[Word, int]] = None
         # An apir.host.trace.CommandTrace: its describe(self, command) before each command,
         # finish(record, (rc, reply_bytes) or None, host_seconds) after. None: no tracing.
-        self.tracer: Optional[Any] = None
+        self.tracer: Optional[CommandTrace] = None
 
     # --- configuration and resources (hypervisor side) ------------------------------------
     def set_config(self, key: str, value: str) -> None:
@@ -220,7 +225,7 @@ class HostContext:
                 result = self._submit(cmd)
             except Exception:  # noqa: BLE001 - a host bug must not take the hypervisor down
                 log.exception("ctx %d: internal error while serving a command", self.ctx_id)
-            if tracer is not None:
+            if tracer is not None and record is not None:
                 tracer.finish(record, result, time.perf_counter() - t0)
 
     def _submit(self, cmd: memoryview) -> Optional[Tuple[int, int]]:

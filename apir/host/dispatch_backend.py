@@ -19,16 +19,18 @@ that is logged as a warning, since it is almost always a guest that forgot the f
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from apir.codec.graph import GraphError, ParsedGraph, parse_graph
 from apir.codec.wire import Decoder, Encoder
-from apir.host.backend_library import PythonBackendLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.graph import BuiltGraph, build_graph_parts, lib_op_enums
 from apir.host.graph_cache import GraphCache, GraphCacheEntry, graph_key
 from apir.host.tensors import Scratch
 from apir.host.work_plan import check_work_size
+
+if TYPE_CHECKING:  # annotations only: backend_library imports the dispatcher, which imports this module
+    from apir.host.backend_library import PythonBackendLibrary
 
 __all__ = ["graph_compute", "prepare_graph"]
 

@@ -15,11 +15,15 @@ the resource; cpy_tensor's destination has room for the source's bytes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from apir.codec.wire import Decoder, Encoder
-from apir.host.backend_library import PythonBackendLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused
 from apir.host.handles import HostBuffer
 from apir.host.tensors import Scratch
+
+if TYPE_CHECKING:  # annotations only: backend_library imports the dispatcher, which imports this module
+    from apir.host.backend_library import PythonBackendLibrary
 
 __all__ = ["get_base", "set_tensor", "get_tensor", "cpy_tensor", "clear", "free_buffer"]
 

@@ -15,11 +15,15 @@ hand out is refused (the C casts it to a pointer). Replies:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from apir.codec.wire import Decoder, Encoder
-from apir.host.backend_library import PythonBackendLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.handles import HostBufferType
 from apir.host.tensors import Scratch, decode_inline_tensor
+
+if TYPE_CHECKING:  # annotations only: backend_library imports the dispatcher, which imports this module
+    from apir.host.backend_library import PythonBackendLibrary
 
 __all__ = ["get_name", "get_alignment", "get_max_size", "is_host", "alloc_buffer", "get_alloc_size"]
 

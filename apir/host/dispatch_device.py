@@ -25,16 +25,19 @@ Replies, in order (APIR wire values):
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 from apir.codec.constants import device_props_fields, negotiated_version
 from apir.codec.wire import Decoder, Encoder
 from apir.ggml.backend_props import get_dev_props
 from apir.ggml.layout import tensor_record
-from apir.host.backend_library import PythonBackendLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.graph import lib_op_enums, tensor_info
 from apir.host.shapes import node_refusal
 from apir.host.tensors import Scratch, decode_inline_tensor
+
+if TYPE_CHECKING:  # annotations only: backend_library imports the dispatcher, which imports this module
+    from apir.host.backend_library import PythonBackendLibrary
 
 __all__ = [
     "get_device_count",

@@ -12,20 +12,22 @@ Each handler is `handler(lib, dec, enc) -> int`, in the module named after its C
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import TYPE_CHECKING, Callable, Dict, List
 
 from apir.codec.constants import APIR_BACKEND_FORWARD_INDEX_INVALID, ApirBackendCommandType as Cmd
 from apir.codec.wire import Decoder, Encoder
 from apir.host import dispatch_backend, dispatch_buffer, dispatch_buffer_type, dispatch_device
-from apir.host.backend_library import PythonBackendLibrary
 from apir.host.errors import BACKEND_RC_ERROR, Refused, log
 
-__all__ = ["dispatch", "DISPATCH_TABLE", "Handler", "PythonBackendLibrary"]
+if TYPE_CHECKING:  # for annotations only: backend_library calls `dispatch`, so imports this module
+    from apir.host.backend_library import PythonBackendLibrary
+
+__all__ = ["dispatch", "DISPATCH_TABLE", "Handler"]
 
 # A backend function's handler: (this context's library, the arguments, the reply payload) ->
 # the function's return code (BACKEND_RC_OK, BACKEND_RC_ERROR; raising Refused is the same as
 # the latter). One per function id, in dispatch_device / _buffer_type / _buffer / _backend.
-Handler = Callable[[PythonBackendLibrary, Decoder, Encoder], int]
+Handler = Callable[["PythonBackendLibrary", Decoder, Encoder], int]
 
 _BY_ID: Dict[Cmd, Handler] = {
     Cmd.DEVICE_GET_DEVICE_COUNT: dispatch_device.get_device_count,

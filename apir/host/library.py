@@ -16,7 +16,8 @@ dispatcher's own `APIR_BACKEND_INITIALIZE_*` code n (so 6 is success, like 0).
 
 With no backend library configured, the built-in Python dispatcher
 (`apir.host.backend_library.PythonBackendLibrary`) is used. A configured path goes to the
-`library_factory` the `HostContext` was given; the default one opens it as a C backend library
+`library_factory` the `HostContext` was given; the default one
+(`apir.host.c_library.c_library_factory`) opens it as a C backend library
 (`libggml-virtgpu-backend.so`) through `apir.host.c_library.CLibrary`, so `apir host serve
 --backend-library PATH` serves it from configuration alone. That adapter refuses to initialize
 (6 + APIR_BACKEND_INITIALIZE_CANNOT_OPEN_GGML_LIBRARY) when the C library bound to another
@@ -32,7 +33,7 @@ from apir.codec.wire import Decoder, Encoder
 from apir.errors import ApirError
 from apir.host.resources import Resource
 
-__all__ = ["BackendLibrary", "LibraryHost", "LibraryLoadError", "default_library_factory"]
+__all__ = ["BackendLibrary", "LibraryHost", "LibraryLoadError"]
 
 
 class LibraryHost(Protocol):
@@ -63,13 +64,3 @@ class LibraryLoadError(ApirError):
     def __init__(self, code: ApirLoadLibraryReturnCode, message: str):
         super().__init__(message)
         self.code = ApirLoadLibraryReturnCode(code)
-
-
-def default_library_factory(path: str) -> BackendLibrary:
-    """Opens the C backend library at `path` (`apir.host.c_library.c_library_factory`).
-
-    Raises LibraryLoadError: CANNOT_OPEN when dlopen fails, SYMBOL_MISSING when an
-    apir_backend_* symbol is absent."""
-    from apir.host.c_library import c_library_factory  # c_library imports this module
-
-    return c_library_factory(path)

@@ -19,6 +19,15 @@ variable as fallback, like the C's keys (apir.host.component.CONFIG_ENV_FALLBACK
         Blobs one context may hold at once (CREATE_BLOB past it: ENOSPC). With the default
         connection limit, at most 32,768 blob mappings: half of Linux's default
         vm.max_map_count, so guests cannot use up the host process's mappings either.
+    apir.vhost.max_contexts       (APIR_VHOST_MAX_CONTEXTS)       default 64
+    apir.vhost.max_resources      (APIR_VHOST_MAX_RESOURCES)      default 4096
+    apir.vhost.max_blob_bytes     (APIR_VHOST_MAX_BLOB_BYTES)     default 16 GiB
+        What one VM can make the vhost-user device (apir.host.vhost_user) hold: virtio-gpu
+        contexts, resources, and bytes of HOST3D blobs (memfds) at once. Past a bound the
+        command gets VIRTIO_GPU_RESP_ERR_OUT_OF_MEMORY.
+    apir.vhost.backend_timeout_s  (APIR_VHOST_BACKEND_TIMEOUT_S)  default 10 s
+        How long the device waits for QEMU's ack of a SHMEM_MAP / SHMEM_UNMAP; past it the
+        RESOURCE_MAP_BLOB fails (VIRTIO_GPU_RESP_ERR_UNSPEC).
 
 A value that is not a number, or is negative, is logged and the default is used instead.
 """
@@ -34,10 +43,18 @@ from apir.codec.constants import (
     CONFIG_KEY_HELLO_TIMEOUT,
     CONFIG_KEY_MAX_BLOBS,
     CONFIG_KEY_MAX_CONNECTIONS,
+    CONFIG_KEY_VHOST_BACKEND_TIMEOUT,
+    CONFIG_KEY_VHOST_MAX_BLOB_BYTES,
+    CONFIG_KEY_VHOST_MAX_CONTEXTS,
+    CONFIG_KEY_VHOST_MAX_RESOURCES,
     ENV_GRAPH_TIME_LIMIT,
     ENV_HELLO_TIMEOUT,
     ENV_MAX_BLOBS,
     ENV_MAX_CONNECTIONS,
+    ENV_VHOST_BACKEND_TIMEOUT,
+    ENV_VHOST_MAX_BLOB_BYTES,
+    ENV_VHOST_MAX_CONTEXTS,
+    ENV_VHOST_MAX_RESOURCES,
 )
 
 __all__ = [
@@ -46,6 +63,10 @@ __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_HELLO_TIMEOUT_S",
     "DEFAULT_MAX_BLOBS",
+    "DEFAULT_VHOST_MAX_CONTEXTS",
+    "DEFAULT_VHOST_MAX_RESOURCES",
+    "DEFAULT_VHOST_MAX_BLOB_BYTES",
+    "DEFAULT_VHOST_BACKEND_TIMEOUT_S",
     "parse_limit",
     "config_limit",
 ]
@@ -56,12 +77,20 @@ DEFAULT_GRAPH_TIME_LIMIT_S = 300.0
 DEFAULT_MAX_CONNECTIONS = 32
 DEFAULT_HELLO_TIMEOUT_S = 10.0
 DEFAULT_MAX_BLOBS = 1024
+DEFAULT_VHOST_MAX_CONTEXTS = 64
+DEFAULT_VHOST_MAX_RESOURCES = 4096
+DEFAULT_VHOST_MAX_BLOB_BYTES = 16 << 30
+DEFAULT_VHOST_BACKEND_TIMEOUT_S = 10.0
 
 LIMIT_ENV_FALLBACKS = {
     CONFIG_KEY_GRAPH_TIME_LIMIT: ENV_GRAPH_TIME_LIMIT,
     CONFIG_KEY_MAX_CONNECTIONS: ENV_MAX_CONNECTIONS,
     CONFIG_KEY_HELLO_TIMEOUT: ENV_HELLO_TIMEOUT,
     CONFIG_KEY_MAX_BLOBS: ENV_MAX_BLOBS,
+    CONFIG_KEY_VHOST_MAX_CONTEXTS: ENV_VHOST_MAX_CONTEXTS,
+    CONFIG_KEY_VHOST_MAX_RESOURCES: ENV_VHOST_MAX_RESOURCES,
+    CONFIG_KEY_VHOST_MAX_BLOB_BYTES: ENV_VHOST_MAX_BLOB_BYTES,
+    CONFIG_KEY_VHOST_BACKEND_TIMEOUT: ENV_VHOST_BACKEND_TIMEOUT,
 }
 
 Number = Union[int, float]

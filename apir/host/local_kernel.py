@@ -31,6 +31,7 @@ from apir.codec.virtgpu import (
     VirtgpuParam,
 )
 from apir.errors import ApirError
+from apir.host.component import HostContext
 from apir.host.limits import DEFAULT_MAX_BLOBS, config_limit
 from apir.host.local_memfile import HostBlob, MemFile, MemFileFull
 
@@ -121,8 +122,6 @@ ContextFactory = Callable[[int, int, Optional[dict]], ApirContext]
 
 def default_context_factory(ctx_id: int, capset_id: int, config: Optional[dict]) -> ApirContext:
     """A fresh `apir.host.component.HostContext` for context `ctx_id` on capset `capset_id`."""
-    from apir.host.component import HostContext
-
     return HostContext(ctx_id, config, capset_id=capset_id)
 
 

@@ -44,12 +44,13 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import struct
 import threading
 import time
 from collections import Counter, defaultdict
-from typing import IO, Any, Callable, Dict, List, Optional, Tuple
+from typing import IO, Any, Callable, Dict, List, Optional, Protocol, Tuple, Union, runtime_checkable
 
 import numpy as np
 
@@ -65,10 +66,18 @@ from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.codec.wire import Decoder
 from apir.errors import ApirError
+from apir.ggml import load as load_ggml
+from apir.host.library import LibraryHost
+from apir.host.local_kernel import ApirContext, ContextFactory
 
 __all__ = ["TRACE_VERSION", "CommandTrace", "traced_context_factory", "read_trace", "format_trace", "TraceError"]
 
+log = logging.getLogger(__name__)
+
 TRACE_VERSION = 1
+# What a record is made of: the context (a HostContext, whose shared memory holds the graphs),
+# or its id alone (a replay, a test: graphs then read as "unreadable").
+TracedContext = Union[LibraryHost, int]
 _HEADER = struct.Struct("<III")  # command type, flags, reply resource id (apir.host.component)
 _FORWARD = int(ApirCommandType.FORWARD)
 
@@ -126,9 +135,7 @@ class _GgmlFacts:
 
     @classmethod
     def of_loaded(cls) -> "_GgmlFacts":
-        from apir.ggml import load
-
-        return cls(load())
+        return cls(load_ggml())
 
     def tensor(self, dec: Decoder) -> Dict[str, Any]:
         """One apir_rpc_tensor off `dec`: its type, shape and op (no name, no address)."""
@@ -145,11 +152,11 @@ class _GgmlFacts:
             out["op"] = self.op_names.get(op, op)
         return out
 
-    def graph(self, ctx: Any, res_id: int, size: int) -> Dict[str, Any]:
+    def graph(self, ctx: TracedContext, res_id: int, size: int) -> Dict[str, Any]:
         """The graph `backend_graph_compute` names: its node and tensor counts and its nodes'
         ops, parsed as the host parses it (apir.codec.graph.parse_graph)."""
         out: Dict[str, Any] = {"graph_bytes": size}
-        res = ctx.get_shmem(res_id) if hasattr(ctx, "get_shmem") else None
+        res = None if isinstance(ctx, int) else ctx.get_shmem(res_id)
         if res is None or size == 0 or size > res.size:
             out["graph"] = "unreadable"
             return out
@@ -165,12 +172,12 @@ class _GgmlFacts:
         return out
 
 
-def _alloc_buffer(facts: _GgmlFacts, ctx: Any, dec: Decoder) -> Dict[str, Any]:
+def _alloc_buffer(facts: _GgmlFacts, ctx: TracedContext, dec: Decoder) -> Dict[str, Any]:
     dec.handle()
     return {"size": dec.size_t()}
 
 
-def _transfer(facts: _GgmlFacts, ctx: Any, dec: Decoder) -> Dict[str, Any]:
+def _transfer(facts: _GgmlFacts, ctx: TracedContext, dec: Decoder) -> Dict[str, Any]:
     dec.handle()
     tensor = facts.tensor(dec)
     dec.u32()  # the shared memory resource
@@ -178,12 +185,12 @@ def _transfer(facts: _GgmlFacts, ctx: Any, dec: Decoder) -> Dict[str, Any]:
     return {"tensor": tensor, "offset": offset, "size": size}
 
 
-def _cpy_tensor(facts: _GgmlFacts, ctx: Any, dec: Decoder) -> Dict[str, Any]:
+def _cpy_tensor(facts: _GgmlFacts, ctx: TracedContext, dec: Decoder) -> Dict[str, Any]:
     dec.handle()
     return {"src": facts.tensor(dec), "dst": facts.tensor(dec)}
 
 
-def _graph_compute(facts: _GgmlFacts, ctx: Any, dec: Decoder) -> Dict[str, Any]:
+def _graph_compute(facts: _GgmlFacts, ctx: TracedContext, dec: Decoder) -> Dict[str, Any]:
     res_id, size = dec.u32(), dec.size_t()
     if dec.fatal:
         raise ValueError("truncated")
@@ -218,13 +225,13 @@ class CommandTrace:
             if not self._file.closed:
                 self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
 
-    def describe(self, ctx: Any, command: memoryview) -> Dict[str, Any]:
+    def describe(self, ctx: TracedContext, command: memoryview) -> Dict[str, Any]:
         """The record of `command` before it runs (HostContext.submit calls this first, while
         the guest waits, so a graph in shared memory is read as the host will read it):
         start time, context, type, function and, for the functions that move tensors or run
         a graph, their arguments' shapes and sizes. Never raises: a command too hostile to
         describe gets the header fields only."""
-        record: Dict[str, Any] = {"t": round(time.perf_counter() - self._t0, 6), "ctx": getattr(ctx, "ctx_id", ctx)}
+        record: Dict[str, Any] = {"t": round(time.perf_counter() - self._t0, 6), "ctx": _ctx_id(ctx)}
         if len(command) < _HEADER.size:
             record["type"] = "truncated"
             record["cmd_bytes"] = len(command)
@@ -253,7 +260,9 @@ class CommandTrace:
         record["host_us"] = round(seconds * 1e6, 1)
         self._write(record)
 
-    def __call__(self, ctx: Any, command: memoryview, result: Optional[Tuple[int, int]], seconds: float) -> None:
+    def __call__(
+        self, ctx: TracedContext, command: memoryview, result: Optional[Tuple[int, int]], seconds: float
+    ) -> None:
         """`describe` and `finish` at once (for a caller that did not describe beforehand)."""
         record = self.describe(ctx, command)
         record["t"] = round(max(record["t"] - seconds, 0.0), 6)
@@ -269,13 +278,28 @@ class CommandTrace:
             self._file.close()
 
 
-def traced_context_factory(factory: Callable[..., Any], trace: CommandTrace) -> Callable[..., Any]:
-    """`factory` (ctx_id, capset_id, config) -> context, with `trace` set as each context's
-    tracer (the contexts must be `HostContext`s, or have a `tracer` attribute)."""
+def _ctx_id(ctx: TracedContext) -> int:
+    return ctx if isinstance(ctx, int) else ctx.ctx_id
 
-    def make(ctx_id: int, capset_id: int, config: Optional[dict]):
+
+@runtime_checkable
+class Traceable(Protocol):
+    """A context that reports its commands to a tracer (`HostContext.tracer`)."""
+
+    tracer: Optional[CommandTrace]
+
+
+def traced_context_factory(factory: ContextFactory, trace: CommandTrace) -> ContextFactory:
+    """`factory` (ctx_id, capset_id, config) -> context, with `trace` set as each context's
+    tracer (the contexts must be `HostContext`s, or have a `tracer` attribute; another one
+    is left untraced, with a warning)."""
+
+    def make(ctx_id: int, capset_id: int, config: Optional[dict]) -> ApirContext:
         ctx = factory(ctx_id, capset_id, config)
-        ctx.tracer = trace
+        if isinstance(ctx, Traceable):
+            ctx.tracer = trace
+        else:
+            log.warning("ctx %d: %s has no tracer: its commands are not traced", ctx_id, type(ctx).__name__)
         return ctx
 
     return make

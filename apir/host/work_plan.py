@@ -28,7 +28,6 @@ Errors: `Refused` when the plan exceeds the budget.
 
 from __future__ import annotations
 
-import ctypes
 from typing import TYPE_CHECKING
 
 from apir.host.errors import Refused, log
@@ -39,7 +38,6 @@ if TYPE_CHECKING:  # annotations only: the dispatcher it leads to imports this m
 __all__ = [
     "CONFIG_KEY_WORK_BUDGET",
     "DEFAULT_WORK_BUDGET",
-    "Cplan",
     "check_work_size",
     "planned_work_size",
     "work_budget",
@@ -49,44 +47,11 @@ CONFIG_KEY_WORK_BUDGET = "apir.host.work_budget"
 DEFAULT_WORK_BUDGET = 1 << 30
 
 
-class Cplan(ctypes.Structure):
-    """`struct ggml_cplan` (ggml-cpu.h, the same in ggml 0.10 and 0.20), returned by value by
-    `ggml_graph_plan`; only `work_size` is read."""
-
-    _fields_ = [
-        ("work_size", ctypes.c_size_t),
-        ("work_data", ctypes.c_void_p),
-        ("n_threads", ctypes.c_int),
-        ("threadpool", ctypes.c_void_p),
-        ("abort_callback", ctypes.c_void_p),
-        ("abort_callback_data", ctypes.c_void_p),
-        ("use_ref", ctypes.c_bool),
-    ]
-
-
-def _graph_plan(g):
-    """`ggml_graph_plan(const struct ggml_cgraph *, int n_threads, struct ggml_threadpool *)`
-    of build `g` (libggml-cpu), declared once (its struct result has no SIGNATURES letter)."""
-    fn = getattr(g, "_apir_graph_plan", None)
-    if fn is None:
-        for cdll in g.cdlls:
-            try:
-                fn = cdll.ggml_graph_plan
-            except AttributeError:
-                continue
-            fn.restype, fn.argtypes = Cplan, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-            break
-        else:
-            raise RuntimeError("ggml_graph_plan: not in this ggml build")
-        g._apir_graph_plan = fn
-    return fn
-
-
 def planned_work_size(g, graph: int, n_threads: int) -> int:
     """Bytes of work buffer the CPU backend will allocate for `graph` (a host cgraph whose
     nodes passed the rules) on `n_threads` threads (0: ggml's default, as a CPU backend whose
     thread count was never set): `ggml_graph_plan(graph, n_threads, NULL).work_size`."""
-    return int(_graph_plan(g)(graph, n_threads, None).work_size)
+    return int(g.ggml_graph_plan(graph, n_threads, None).work_size)
 
 
 def work_budget(lib: PythonBackendLibrary) -> int:

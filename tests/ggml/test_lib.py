@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from apir.ggml.lib import GgmlLoadError, _parse_enum
+from apir.ggml import GgmlLoadError
+from apir.ggml.header import parse_enum
 
 PROBE = """
 import json, apir.ggml as G
@@ -65,6 +66,39 @@ def test_enum_parser_handles_holes_and_comments():
         GGML_TYPE_R,
         GGML_TYPE_COUNT,
     };"""
-    assert _parse_enum(text, "ggml_type", "GGML_TYPE_") == {"F32": 0, "Q": 6, "R": 7, "COUNT": 8}
+    assert parse_enum(text, "ggml_type", "GGML_TYPE_") == {"F32": 0, "Q": 6, "R": 7, "COUNT": 8}
     with pytest.raises(GgmlLoadError):
-        _parse_enum(text, "ggml_op", "GGML_OP_")
+        parse_enum(text, "ggml_op", "GGML_OP_")
+
+
+def test_ggml_is_complete_and_closed(ggml):
+    """Every declared function and fact is there when load() returns; nothing is added later."""
+    import dataclasses
+
+    from apir.ggml.functions import SIGNATURES
+
+    names = {f.name for f in dataclasses.fields(ggml)}
+    assert set(SIGNATURES) <= names and {"tensor_dtype", "valid_types", "features", "header"} <= names
+    assert all(callable(getattr(ggml, n)) for n in SIGNATURES)
+    with pytest.raises(AttributeError):
+        ggml.apir_graph_plan = None  # nothing can be added after load() (slots)
+    # hasattr never raises: an undeclared name is simply not an attribute.
+    assert not hasattr(ggml, "ggml_not_declared") and not hasattr(ggml, "_apir_graph_plan")
+
+
+def test_missing_function_is_falsy_and_raises_when_called(ggml):
+    from apir.ggml.functions import MissingFunction
+
+    missing = MissingFunction("ggml_gone", ggml.lib_dir)
+    assert not missing and ggml.has("ggml_add") and not ggml.has("ggml_not_declared")
+    with pytest.raises(GgmlLoadError, match="ggml_gone: not in this ggml build"):
+        missing()
+
+
+def test_header_facts(ggml):
+    h = ggml.header
+    assert (h.ops, h.types, h.limits) == (ggml.ops, ggml.types, ggml.limits)
+    assert h.statuses == {"ALLOC_FAILED": -2, "FAILED": -1, "SUCCESS": 0, "ABORTED": 1}
+    assert h.rope_types["NEOX"] == 2 and h.dev_types["CPU"] == 0
+    assert h.dev_caps == ("async", "host_buffer", "buffer_from_host_ptr", "events", "mmap_support")
+    assert h.glu_ops["COUNT"] == len(h.glu_ops) - 1 and h.unary_ops["COUNT"] == len(h.unary_ops) - 1

@@ -57,9 +57,7 @@ def g():
 
 def flag_compute(g):
     """GGML_TENSOR_FLAG_COMPUTE from this build's ggml.h (the CPU backend skips nodes without it)."""
-    from apir.ggml.lib import _parse_enum
-
-    return _parse_enum((g.include_dir / "ggml.h").read_text(), "ggml_tensor_flag", "GGML_TENSOR_FLAG_")["COMPUTE"]
+    return g.tensor_flags["COMPUTE"]
 
 
 def rpc(g, tid, buffer, n, data_offset, op="NONE", src=()):

@@ -70,12 +70,21 @@ def test_backend_api_version_matches_the_header(cref_020, tmp_path):
 
 
 def test_unknown_version_is_refused():
-    with pytest.raises(abi_mod.UnsupportedGgmlVersion, match=r"0\.99\.0.*0\.20\.2"):
+    with pytest.raises(abi_mod.UnsupportedGgmlVersion, match=r"0\.99\.0.*series 0\.10, 0\.20$"):
         abi_mod.abi_for(SimpleNamespace(version="0.99.0", lib_dir="/x"))
+
+
+def test_a_patch_release_uses_its_series_abi():
+    """The tables are keyed by API series: another 0.20.x patch release needs no change."""
+    a = abi_mod.abi_for(SimpleNamespace(version="0.20.2"))
+    assert abi_mod.abi_for(SimpleNamespace(version="0.20.7")) is a and a.series == "0.20"
+    old = abi_mod.abi_for(SimpleNamespace(version="0.10.3"))
+    assert old.series == "0.10" and [f for f, _ in old.DevCaps._fields_] == [
+        "async", "host_buffer", "buffer_from_host_ptr", "events"]
 
 
 def test_loaded_ggml_has_an_abi_and_buffer_init(ggml):
     a = abi_mod.abi_for(ggml)
-    assert a.version == ggml.version
+    assert a.series == ggml.series
     fn = a.buffer_init(ggml)
     assert fn.argtypes[1] is a.BufferI

@@ -125,12 +125,11 @@ def assert_computes_like_cpu(guest, g, case):
 
 
 def ctor(g, name):
-    """ggml's constructor `name` (declared by apir.ggml.lib.SIGNATURES); the test is skipped
+    """ggml's constructor `name` (a field of apir.ggml.functions.GgmlFunctions); the test is skipped
     where this ggml build lacks it."""
-    fn = g.__dict__.get(name)  # (getattr of an undeclared name raises)
-    if fn is None:
+    if not g.has(name):
         pytest.skip(f"{name} is not in this ggml build")
-    return fn
+    return getattr(g, name)
 
 
 def case_tests(cases, ids, skip=None):

@@ -202,3 +202,19 @@ def test_tensor_arguments_are_described_by_shape_and_type(tmp_path):
     text = format_trace(read_trace(str(path)))
     assert "F32[6,5] offset 0 size 120" in text and "F32[6,5] -> F32[6,5]" in text
     assert "1234.5" not in path.read_text() and secret.tobytes() not in path.read_bytes()
+
+
+def test_traced_factory_sets_the_tracer_of_contexts_that_have_one(tmp_path):
+    class Untraceable:  # a context stand-in without a `tracer` attribute
+        def __init__(self, ctx_id, capset_id, config):
+            self.ctx_id = ctx_id
+
+    trace = CommandTrace(str(tmp_path / "trace.jsonl"))
+    try:
+        host = traced_context_factory(default_context_factory, trace)(5, 10, None)
+        assert host.tracer is trace
+        host.close()
+        other = traced_context_factory(Untraceable, trace)(6, 10, None)
+        assert isinstance(other, Untraceable) and not hasattr(other, "tracer")  # left untraced
+    finally:
+        trace.close()

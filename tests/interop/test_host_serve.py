@@ -1,5 +1,5 @@
 """`apir host serve` with a C backend library named only in its configuration (the default
-library factory, apir.host.library.default_library_factory), and its refusal to mix two ggml
+library factory, apir.host.c_library.c_library_factory), and its refusal to mix two ggml
 builds in one process."""
 
 import os

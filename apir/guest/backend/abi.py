@@ -3,12 +3,13 @@
 Theory of operation: a ggml backend is five C objects — registry, device, buffer type, buffer,
 backend (a stream) — each `{iface, parent, context}` with `iface` a table of function
 pointers. Their layout is internal to ggml and changes between releases, so it is written here
-as data, once per ggml version, and `abi_for(g)` returns the set matching the loaded build
-(`g.version`); an unknown version is refused with `UnsupportedGgmlVersion` rather than guessed.
+as data, once per ggml API series (every 0.20.x is "0.20", apir.ggml.features.SERIES), and
+`abi_for(g)` returns the set matching the loaded build's series (`g.series`); an unknown
+series is refused with `UnsupportedGgmlVersion` rather than guessed.
 tests/guest_backend/test_abi.py compiles a C program against each version's headers and checks
 every offset and size below.
 
-Function-pointer types use the letters of `apir.ggml.lib.SIGNATURE_LETTERS` (result, ":", arguments):
+Function-pointer types use the letters of `apir.ggml.functions.SIGNATURE_LETTERS` (result, ":", arguments):
 v void, p pointer, z size_t, b bool, i int / enum, B uint8_t. Strings returned by callbacks are
 `p` (an address the owner keeps alive), never `c_char_p`, which ctypes cannot return safely
 from a callback.
@@ -24,9 +25,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from apir.codec.constants import APIR_PROTOCOL_0_1, APIR_PROTOCOL_0_2, device_props_fields
+from apir.codec.constants import device_props_fields
 from apir.errors import ApirError
-from apir.ggml.lib import SIGNATURE_LETTERS as _CODES
+from apir.ggml.errors import GgmlLoadError
+from apir.ggml.features import SERIES, parse_version, series_name
+from apir.ggml.functions import SIGNATURE_LETTERS as _CODES
 
 __all__ = ["Abi", "UnsupportedGgmlVersion", "abi_for", "SUPPORTED_VERSIONS", "IFACE_FIELDS"]
 
@@ -108,18 +111,28 @@ class _Spec:
     caps: Tuple[str, ...]  # struct ggml_backend_dev_caps, all bool
 
 
-# A build's ggml_backend_dev_caps are what its C guest's device_get_props carries: ggml 0.20's
-# are APIR 0.2's booleans, ggml 0.10's APIR 0.1's (tests/guest_backend/test_abi.py checks them
-# against each version's header).
-_SPECS: Dict[str, _Spec] = {
-    "0.20.2": _Spec(2, _IFACES_API2, device_props_fields(APIR_PROTOCOL_0_2)),
-    "0.10.1": _Spec(2, _IFACES_API2, device_props_fields(APIR_PROTOCOL_0_1)),
+# The interface tables of each API series (apir.ggml.features.SERIES).
+_IFACES: Dict[str, Dict[str, List[Tuple[str, str]]]] = {
+    "0.10": _IFACES_API2,
+    "0.20": _IFACES_API2,
 }
-SUPPORTED_VERSIONS = tuple(_SPECS)
+
+
+def _spec(series: str) -> _Spec:
+    # A build's ggml_backend_dev_caps are what its C guest's device_get_props carries: the
+    # booleans of the APIR version its series speaks (tests/guest_backend/test_abi.py checks
+    # them against each version's header).
+    s = SERIES[series]
+    return _Spec(s.backend_api_version, _IFACES[series], device_props_fields(s.apir_protocol))
+
+
+# The API series whose backend structs are declared here ("0.10", "0.20").
+SUPPORTED_VERSIONS = tuple(s for s in SERIES if s in _IFACES)
 
 
 class UnsupportedGgmlVersion(ApirError, RuntimeError):
-    """The loaded ggml's backend structs are not declared in apir (see `SUPPORTED_VERSIONS`)."""
+    """The loaded ggml's API series has no backend structs declared in apir (see
+    `SUPPORTED_VERSIONS`)."""
 
 
 def _proto(sig: str):
@@ -130,15 +143,15 @@ def _proto(sig: str):
 
 
 class Abi:
-    """The ctypes classes of one ggml version's backend structs.
+    """The ctypes classes of one ggml API series' backend structs.
 
     Iface structs: `BufferTypeI`, `BufferI`, `BackendI`, `DeviceI`, `RegI` (fields are
     CFUNCTYPE pointers, NULL when unset; `protos[cname][field]` is each field's CFUNCTYPE).
     Objects: `BufferType`, `Buffer`, `Backend`, `Device`, `Reg`. Properties: `DevCaps`,
     `DevProps`. `structs` maps each C struct name to its class."""
 
-    def __init__(self, version: str, spec: _Spec):
-        self.version = version
+    def __init__(self, series: str, spec: _Spec):
+        self.series = series  # the ggml API series, "0.20"
         self.backend_api_version = spec.backend_api_version
         self.protos: Dict[str, Dict[str, object]] = {}
         ifaces = {}
@@ -216,8 +229,6 @@ class Abi:
                         self._buffer_init = ctypes.cast(fn, proto)
                         break
                 else:
-                    from apir.ggml.lib import GgmlLoadError
-
                     raise GgmlLoadError(f"ggml_backend_buffer_init: not in {g.lib_dir}")
             return self._buffer_init
 
@@ -227,16 +238,16 @@ _abis_lock = threading.Lock()
 
 
 def abi_for(g) -> Abi:
-    """The `Abi` of the loaded ggml `g` (by `g.version`). Raises UnsupportedGgmlVersion."""
-    version = g.version
+    """The `Abi` of the loaded ggml `g`, by the API series of `g.version` ("0.20" for every
+    0.20.x). Raises UnsupportedGgmlVersion."""
+    series = series_name(parse_version(g.version))
     with _abis_lock:
-        abi = _abis.get(version)
+        abi = _abis.get(series)
         if abi is None:
-            spec = _SPECS.get(version)
-            if spec is None:
+            if series not in SUPPORTED_VERSIONS:
                 raise UnsupportedGgmlVersion(
-                    f"ggml {version!r} ({getattr(g, 'lib_dir', '?')}): apir declares the backend structs "
-                    f"of ggml-backend-impl.h only for {', '.join(SUPPORTED_VERSIONS)}"
+                    f"ggml {g.version!r} ({getattr(g, 'lib_dir', '?')}): apir declares the backend structs "
+                    f"of ggml-backend-impl.h only for the ggml API series {', '.join(SUPPORTED_VERSIONS)}"
                 )
-            abi = _abis[version] = Abi(version, spec)
+            abi = _abis[series] = Abi(series, _spec(series))
         return abi

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from apir.errors import ApirError
+from apir.ggml import load as load_ggml
 from apir.guest.backend.abi import abi_for
 from apir.guest.backend.buffer import RemoteBuffer, build_buffer_iface
 from apir.guest.backend.buffer_type import build_buffer_type, build_buffer_type_iface
@@ -85,9 +86,7 @@ class ApirBackend:
 
     def __init__(self, client, g=None, *, zero_copy: Optional[bool] = None, remote_supports_op: bool = False):
         if g is None:
-            import apir.ggml
-
-            g = apir.ggml.load()
+            g = load_ggml()
         from apir.codec.graph import BufferTable
 
         self.g = g

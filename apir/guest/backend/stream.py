@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["build_backend_iface", "new_backend", "BACKEND_NAME", "GUID", "GGML_STATUS_FAILED"]
+__all__ = ["build_backend_iface", "new_backend", "BACKEND_NAME", "GUID"]
 
 BACKEND_NAME = "API Remoting backend"
 # ggml_backend_remoting_guid(): the same bytes, so ggml_guid_matches tells this backend apart.
 GUID = bytes([0xB8, 0xF7, 0x4F, 0x86, 0x14, 0x03, 0x86, 0x02, 0x91, 0xC8, 0xDD, 0xE9, 0x02, 0x3F, 0xC0, 0x2B])
-GGML_STATUS_FAILED = -1  # enum ggml_status (ggml.h)
 _GUID_C = (ctypes.c_uint8 * 16).from_buffer_copy(GUID)  # static, as in the C
 
 
@@ -39,7 +38,7 @@ def build_backend_iface(owner):
         {
             "get_name": (lambda backend: name, None),
             "free": (lambda backend: owner.forget_backend(backend), None),
-            "graph_compute": (graph_compute, GGML_STATUS_FAILED),
+            "graph_compute": (graph_compute, g.statuses["FAILED"]),  # on an exception
         },
         "backend",
     )

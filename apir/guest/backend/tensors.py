@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from apir.ggml.layout import tensor_record
 from apir.guest.backend.callbacks import clear_errors, raise_errors
 
 __all__ = ["numpy_dtype", "tensor_shape", "tensor_set", "tensor_get"]
@@ -39,8 +40,6 @@ def numpy_dtype(g, type_: int) -> np.dtype:
 
 
 def _record(g, tensor: int):
-    from apir.ggml.layout import tensor_record
-
     return tensor_record(tensor, g.tensor_dtype)
 
 

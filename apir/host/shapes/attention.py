@@ -6,6 +6,7 @@ test-backend-ops has no case of it.)"""
 
 from __future__ import annotations
 
+from apir.ggml.features import Feature
 from apir.host.shapes.base import (
     INT_MAX,
     check_row_ids,
@@ -179,7 +180,7 @@ def _ssm_conv(node, srcs, _enums=None):
 
 
 # ggml 0.20 added SSM_SCAN's K state snapshots (op_params[0]).
-_SSM_SNAPSHOTS_SINCE = (0, 20, 0)
+# (Feature.SSM_SCAN_SNAPSHOTS, apir.ggml.features)
 
 
 def _ssm_scan(node, srcs, enums):
@@ -215,7 +216,7 @@ def _ssm_scan(node, srcs, enums):
     if ids.type_name != "I32" or ids.nb[0] != 4:  # the kernel GGML_ASSERTs nb[0] == 4
         fail(node, f"ids {ids.type_name} nb {ids.nb} are not packed I32")
     check_row_ids(node, ids, s.ne[3])
-    snapshots = param_i32(node, 0) if enums.version >= _SSM_SNAPSHOTS_SINCE else 1
+    snapshots = param_i32(node, 0) if Feature.SSM_SCAN_SNAPSHOTS in enums.features else 1
     if snapshots < 1 or (a.ne[0] != 1 and snapshots != 1):
         fail(node, f"snapshot count {snapshots} (A {a.ne})")
     want = [x.nelements() + snapshots * d_state * head_dim * n_head * n_seqs, 1, 1, 1]
@@ -225,7 +226,7 @@ def _ssm_scan(node, srcs, enums):
 
 
 # ggml 0.20 added GATED_DELTA_NET's K snapshot slots (op_params[0]) and its 4d state.
-_GDN_SNAPSHOTS_SINCE = (0, 20, 0)
+# (Feature.GATED_DELTA_NET_SNAPSHOTS, apir.ggml.features)
 
 
 def _gated_delta_net(node, srcs, enums):
@@ -249,7 +250,7 @@ def _gated_delta_net(node, srcs, enums):
         fail(node, f"g {g.ne} does not fit v {v.ne}")
     if beta.ne != [1, h, t, n_seqs]:
         fail(node, f"beta {beta.ne} does not fit v {v.ne}")
-    if enums.version >= _GDN_SNAPSHOTS_SINCE:
+    if Feature.GATED_DELTA_NET_SNAPSHOTS in enums.features:
         snapshots = param_i32(node, 0)
         if snapshots < 1:
             fail(node, f"snapshot count {snapshots} is not >= 1")

@@ -10,6 +10,8 @@ from typing import Callable, Dict, FrozenSet, List, NoReturn, Optional, Sequence
 
 import numpy as np
 
+from apir.ggml.features import Feature
+from apir.ggml.lib import Ggml
 from apir.host.errors import Refused
 from apir.host.tensors import tensor_extent
 
@@ -17,8 +19,9 @@ from apir.host.tensors import tensor_extent
 @dataclass(frozen=True)
 class OpEnums:
     """Facts of the loaded ggml build the rules need: sizes of the enums some ops carry in
-    op_params, which types its CPU backend converts rows of F32 into and out of, and its
-    version."""
+    op_params, which types its CPU backend converts rows of F32 into and out of, its version
+    and the version-dependent kernel facts it has (`features`, apir.ggml.features; a rule
+    asks `Feature.X in enums.features`)."""
 
     glu: Dict[str, int] = field(default_factory=dict)  # `enum ggml_glu_op`, COUNT included
     rope: Dict[str, int] = field(default_factory=dict)  # the GGML_ROPE_TYPE_* modes
@@ -36,24 +39,19 @@ class OpEnums:
     # F32 converted to it and dotted with a row of the type) -> the row length, in elements,
     # that the blocks of both divide (FLASH_ATTN_EXT's K)
     vec_dot_row: Dict[str, int] = field(default_factory=dict)
+    features: FrozenSet[Feature] = frozenset()  # apir.ggml.features.features_of(version)
+    hints: Dict[str, int] = field(default_factory=dict)  # `enum ggml_op_hint` ({} before 0.20)
 
     @property
     def glu_count(self) -> int:
         return self.glu.get("COUNT", 0)  # 0: this build has no GLU (GLU nodes are refused)
 
 
-def op_enums(g) -> OpEnums:
-    """`OpEnums` of build `g`, from its ggml.h (`enum ggml_unary_op`, `enum ggml_glu_op`,
-    `#define GGML_ROPE_TYPE_*`), `ggml_get_type_traits_cpu` (whose first field is
-    `from_float`), `ggml_get_type_traits` (`to_float`) and `ggml_version`."""
-    import re
-
-    from apir.ggml.lib import _parse_enum
-
-    text = (g.include_dir / "ggml.h").read_text()
-    unary = _parse_enum(text, "ggml_unary_op", "GGML_UNARY_OP_")
-    glu = _parse_enum(text, "ggml_glu_op", "GGML_GLU_OP_") if "enum ggml_glu_op" in text else {}
-    rope = {m.group(1): int(m.group(2)) for m in re.finditer(r"#\s*define\s+GGML_ROPE_TYPE_(\w+)\s+(\d+)", text)}
+def op_enums(g: Ggml) -> OpEnums:
+    """`OpEnums` of build `g`, from its header facts (`enum ggml_unary_op`, `enum
+    ggml_glu_op`, `#define GGML_ROPE_TYPE_*`, `enum ggml_op_hint`: `g.header`), `ggml_get_type_traits_cpu` (whose
+    first field is `from_float`), `ggml_get_type_traits` (`to_float`), its version and
+    features (`g.version_tuple`, `g.features`)."""
     from_float, to_float, vec_dot, blck_size = set(), set(), {}, {}
     for t, name in g.type_names.items():
         blck_size[name] = int(g.ggml_blck_size(t))
@@ -73,22 +71,23 @@ def op_enums(g) -> OpEnums:
             and base.type_size == g.ggml_type_size(t)
         ):
             to_float.add(name)
-    version = tuple(int(x) for x in re.findall(r"\d+", g.ggml_version().decode())[:3])
     vec_dot_row = {}
     for name, dot in vec_dot.items():
         if dot in from_float:
             a, b = blck_size[name], blck_size[dot]
             vec_dot_row[name] = a * b // math.gcd(a, b)
     return OpEnums(
-        glu,
-        rope,
+        dict(g.header.glu_ops),
+        dict(g.header.rope_types),
         frozenset(from_float),
         frozenset(to_float),
-        version,
-        unary=unary,
+        g.version_tuple,
+        unary=dict(g.header.unary_ops),
         vec_dot=vec_dot,
         blck_size=blck_size,
         vec_dot_row=vec_dot_row,
+        features=g.features,
+        hints=dict(g.header.op_hints),
     )
 
 

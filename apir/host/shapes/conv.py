@@ -14,6 +14,7 @@ from typing import Dict
 
 import numpy as np
 
+from apir.ggml.features import Feature
 from apir.host.shapes.base import (
     Rule,
     TensorInfo,
@@ -29,7 +30,7 @@ _INT_MAX = 2**31 - 1
 
 # ggml 0.20 reads F16 (and BF16, as halves) kernels where ggml 0.10 reads F32 only, and
 # lets im2col's F16 result come from any src0 (0.10 asserts F16).
-_F16_KERNELS_SINCE = (0, 20, 0)
+# (Feature.CONV_F16_KERNELS, apir.ggml.features)
 
 # `enum ggml_op_pool`: MAX, AVG (COUNT aborts); `enum ggml_scale_mode` and its flags.
 _POOL_OPS = (0, 1)
@@ -129,7 +130,7 @@ def _im2col(node, srcs, enums):
         _types(node, b.type_name == "F32", a, b)
     elif node.type_name == "F16":
         _types(node, b.type_name in ("F16", "F32"), a, b)
-        if enums.version < _F16_KERNELS_SINCE and (a.type_name != "F16" or a.nb[0] != 2):
+        if Feature.CONV_F16_KERNELS not in enums.features and (a.type_name != "F16" or a.nb[0] != 2):
             fail(node, f"this ggml makes an F16 im2col from an F16 src0 only, not {a.type_name}")
     else:
         _types(node, False, a, b)
@@ -150,7 +151,7 @@ def _im2col_back(node, srcs, enums):
     if is_2d not in (0, 1):
         fail(node, f"is_2D {is_2d}")
     _positive(node, s0=s0, **({"s1": s1} if is_2d else {}))  # the kernel takes `% s`
-    kernels = ("F32", "F16") if enums.version >= _F16_KERNELS_SINCE else ("F32",)
+    kernels = ("F32", "F16") if Feature.CONV_F16_KERNELS in enums.features else ("F32",)
     _types(node, a.type_name == "F32" and node.type_name == "F32" and k.type_name in kernels, a, k)
     n, ic = (node.ne[3], node.ne[2]) if is_2d else (node.ne[2], node.ne[1])
     kh, kw = (k.ne[1] if is_2d else 1), k.ne[0]
@@ -181,7 +182,7 @@ def _im2col_3d(node, srcs, enums):
         fail(node, f"src1 {b.ne} too small for src0 {a.ne}")
     _shape(node, [a.ne[0] * a.ne[1] * a.ne[2] * ic, ow, oh, od * n], "im2col_3d")
     ok = b.type_name == "F32" and node.type_name in ("F32", "F16")
-    if node.type_name == "F16" and enums.version < _F16_KERNELS_SINCE:
+    if node.type_name == "F16" and Feature.CONV_F16_KERNELS not in enums.features:
         ok = ok and a.type_name == "F16"
     _types(node, ok, a, b)
     if b.nb[0] != b.type_size:  # GGML_ASSERTed
@@ -276,7 +277,7 @@ def _conv_2d_dw(node, srcs, enums):
         [_conv_out(b.ne[0], a.ne[0], s0, p0, d0), _conv_out(b.ne[1], a.ne[1], s1, p1, d1), b.ne[2], b.ne[3]],
         "conv_2d_dw",
     )
-    kernels = ("F32", "F16") if enums.version >= _F16_KERNELS_SINCE else ("F32",)  # 0.10 reads F32
+    kernels = ("F32", "F16") if Feature.CONV_F16_KERNELS in enums.features else ("F32",)  # 0.10 reads F32
     _types(node, a.type_name in kernels and b.type_name == "F32" and node.type_name == "F32", a, b)
     ts, ne = node.type_size, node.ne
     if _ggml_contiguous(b):

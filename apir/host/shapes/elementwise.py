@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+from apir.ggml.features import Feature
 from apir.host.shapes.base import (
     CPU_QUANTIZED_ROW_TYPES,
     INT_MAX,
@@ -192,13 +193,13 @@ def _leaky_relu(node, srcs, _enums=None):
 
 # ggml 0.20's norm and l2_norm read and write each element at i00 * nb[0] unless rows are
 # packed (0.10's assert or assume packed rows).
-_NORM_STRIDED_SINCE = (0, 20, 0)
+# (Feature.NORM_STRIDED_ROWS, apir.ggml.features)
 
 
 def _strided_norm(node, srcs, enums):
     """NORM, L2_NORM: rows of any strides on ggml >= 0.20, else as `_norm`."""
     (a,) = need(node, srcs, 1)
-    if enums.version < _NORM_STRIDED_SINCE:
+    if Feature.NORM_STRIDED_ROWS not in enums.features:
         return _norm(node, srcs)
     same_shape(node, a, "src0")
     if a.type_name != "F32" or node.type_name != "F32":

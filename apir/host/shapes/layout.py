@@ -6,6 +6,7 @@ from typing import Dict
 
 import numpy as np
 
+from apir.ggml.features import Feature
 from apir.host.shapes.base import (
     Rule,
     FLOAT,
@@ -169,7 +170,7 @@ def _repeat_back(node, srcs, _enums=None):
 
 # ggml 0.20's concat walks quantized rows block by block (ggml 0.10's walks them as elements,
 # blck_size times past each row).
-_CONCAT_BLOCKS_SINCE = (0, 20, 0)
+# (Feature.CONCAT_QUANTIZED, apir.ggml.features)
 
 
 def _concat(node, srcs, enums):
@@ -180,7 +181,7 @@ def _concat(node, srcs, enums):
     if a.type_name != b.type_name or node.type_name != a.type_name:
         fail(node, f"types {a.type_name}, {b.type_name} -> {node.type_name}")
     if a.blck_size != 1:
-        if enums.version < _CONCAT_BLOCKS_SINCE:
+        if Feature.CONCAT_QUANTIZED not in enums.features:
             fail(node, f"this ggml cannot concatenate {a.type_name}")
         if not (a.rows_contiguous() and b.rows_contiguous()):  # GGML_ASSERTed
             fail(node, "sources' rows are not contiguous")

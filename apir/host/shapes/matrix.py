@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Dict
 
+from apir.ggml.features import Feature
 from apir.host.shapes.base import (
     Rule,
     CPU_QUANTIZED_ROW_TYPES,
@@ -43,15 +44,14 @@ _GET_ROWS_Q = CPU_QUANTIZED_ROW_TYPES | {"Q8_1"}  # get_rows also dequantizes Q8
 # buffer with `new` and aborts when it cannot): far above any model's (experts x ids x 8).
 _MMID_WORK_MAX = 1 << 30
 
-# ggml 0.20's mul_mat takes op_params[1] as a hint: GGML_HINT_SRC0_IS_HADAMARD (1) routes
-# it to ggml_compute_forward_fwht (src1's rows transformed; src0 not read); other values
-# are ignored.
-_HINT_SINCE = (0, 20, 0)
-_HINT_SRC0_IS_HADAMARD = 1
+# ggml 0.20's mul_mat takes op_params[1] as a hint: GGML_HINT_SRC0_IS_HADAMARD (`enum
+# ggml_op_hint`, enums.hints) routes it to ggml_compute_forward_fwht (src1's rows transformed;
+# src0 not read); other values are ignored.
+# (Feature.MUL_MAT_HINT, apir.ggml.features)
 # ggml 0.20's out_prod takes F16 src0 (ggml 0.10 aborts: "todo").
-_OUT_PROD_F16_SINCE = (0, 20, 0)
+# (Feature.OUT_PROD_F16, apir.ggml.features)
 # ggml 0.20's set_rows also takes F16 rows (ggml 0.10: F32 only).
-_SET_ROWS_F16_SINCE = (0, 20, 0)
+# (Feature.SET_ROWS_F16, apir.ggml.features)
 
 
 def _dst_ordered(node) -> None:
@@ -103,8 +103,8 @@ def _mul_mat(node, srcs, enums):
         fail(node, f"shape {node.ne}, mul_mat of {a.ne} and {b.ne} gives {[a.ne[1], b.ne[1], b.ne[2], b.ne[3]]}")
     if node.type_name != "F32":
         fail(node, f"result {node.type_name} is not F32")
-    hint = param_i32(node, 1) if enums.version >= _HINT_SINCE else 0
-    if hint == _HINT_SRC0_IS_HADAMARD:
+    hint = param_i32(node, 1) if Feature.MUL_MAT_HINT in enums.features else 0
+    if hint and hint == enums.hints.get("SRC0_IS_HADAMARD"):
         # ggml_compute_forward_fwht: each src1 row of n = ne10 floats (GGML_ASSERTed a power
         # of 2; src1 and result GGML_ASSERTed F32) transformed into n floats of a result row.
         n = b.ne[0]
@@ -152,7 +152,7 @@ def _out_prod(node, srcs, enums):
         fail(node, f"shape {node.ne}, out_prod gives {[a.ne[0], b.ne[0], b.ne[2], b.ne[3]]}")
     if node.type_name != "F32" or b.type_name != "F32":
         fail(node, f"src1 {b.type_name} and result {node.type_name} must be F32")
-    f16 = a.type_name == "F16" and enums.version >= _OUT_PROD_F16_SINCE
+    f16 = a.type_name == "F16" and Feature.OUT_PROD_F16 in enums.features
     if a.type_name != "F32":
         if not (f16 or a.type_name in CPU_QUANTIZED_ROW_TYPES):
             fail(node, f"src0 type {a.type_name} has no out_prod here")
@@ -235,7 +235,7 @@ def _set_rows(node, srcs, enums):
         or c.ne[3] != 1
     ):
         fail(node, f"set_rows of {b.ne} into {a.ne} at {c.ne}")
-    src_types = ("F32", "F16") if enums.version >= _SET_ROWS_F16_SINCE else ("F32",)
+    src_types = ("F32", "F16") if Feature.SET_ROWS_F16 in enums.features else ("F32",)
     if b.type_name not in src_types or a.type_name not in enums.from_float:
         fail(node, f"types {b.type_name} -> {a.type_name}")
     if not (a.rows_contiguous() and b.rows_contiguous()):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Dict
 
+from apir.ggml.features import Feature
 from apir.host.shapes.base import (
     Rule,
     TensorInfo,
@@ -18,7 +19,7 @@ from apir.host.shapes.base import (
 _INT_MAX = 0x7FFFFFFF
 
 # ggml 0.20's fill has an F16 kernel; 0.10's writes F32 into whatever the result is.
-_FILL_F16_SINCE = (0, 20, 0)
+# (Feature.FILL_F16, apir.ggml.features)
 
 
 def _int_sized(node, *tensors: TensorInfo) -> None:
@@ -99,7 +100,7 @@ def _fill(node, srcs, enums):
     ggml 0.20, where 0.10 writes F32 whatever the type)."""
     (a,) = need(node, srcs, 1)
     same_shape(node, a, "src0")
-    types = ("F32", "F16") if enums.version >= _FILL_F16_SINCE else ("F32",)
+    types = ("F32", "F16") if Feature.FILL_F16 in enums.features else ("F32",)
     if a.type_name not in types or node.type_name != a.type_name:
         fail(node, f"types {a.type_name} -> {node.type_name}")
     if not (a.contiguous() and node.contiguous()):

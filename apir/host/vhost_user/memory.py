@@ -1,0 +1,174 @@
+"""Guest RAM through the vhost-user memory table, with every access bounds-checked.
+
+Theory of operation: the front-end shares the VM's RAM as memfds: SET_MEM_TABLE replaces the
+whole table, ADD_MEM_REG / REM_MEM_REG (CONFIGURE_MEM_SLOTS) add and remove one region. Each
+region maps guest physical addresses [gpa, gpa + size) to `size` bytes at `mmap_offset` of its
+file, and QEMU's own address of it (`uva`, which SET_VRING_ADDR uses). `GuestMemory` maps each
+region here and copies bytes in and out: `read(gpa, n)` and `write(gpa, data)` refuse with
+`GuestMemoryError` any range that is not wholly inside one region (guest addresses come from
+the guest and are hostile; nothing is read outside what the front-end shared). Copies, not
+views: a region can be removed while another thread works, and a view would keep a removed
+mapping alive or crash on it. One lock serialises table changes with accesses.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+from dataclasses import dataclass
+from typing import List, Tuple
+
+from apir.errors import ApirError
+
+__all__ = ["GuestMemory", "GuestMemoryError", "Region", "MAX_MEM_SLOTS"]
+
+log = logging.getLogger(__name__)
+
+MAX_MEM_SLOTS = 509  # what GET_MAX_MEM_SLOTS answers (libvhost-user's VHOST_USER_MAX_RAM_SLOTS)
+_ADDR_LIMIT = 1 << 64
+_PAGE = mmap.PAGESIZE
+
+
+class GuestMemoryError(ApirError, ValueError):
+    """A guest range outside the memory table, or a region the table cannot take."""
+
+
+@dataclass
+class Region:
+    """One memory table entry, mapped: guest `gpa`, `size` bytes, QEMU's `uva`, and the mapping
+    `mm` whose byte `delta` is guest byte `gpa`."""
+
+    gpa: int
+    size: int
+    uva: int
+    mm: mmap.mmap
+    delta: int
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:  # an export still alive (should not happen: only copies go out)
+            log.error("guest memory region gpa=%#x still exported; left to the collector", self.gpa)
+
+
+class GuestMemory:
+    """The memory table of one front-end. Thread-safe."""
+
+    def __init__(self, max_regions: int = MAX_MEM_SLOTS):
+        self.max_regions = max_regions
+        self._regions: List[Region] = []
+        self._lock = threading.Lock()
+
+    # --- the table --------------------------------------------------------------------------
+    @staticmethod
+    def map_region(fd: int, gpa: int, size: int, uva: int, mmap_offset: int) -> Region:
+        """Maps `size` bytes at `mmap_offset` of `fd` (the caller closes fd). Raises
+        GuestMemoryError for an empty or wrapping region, OSError when mmap fails."""
+        if size <= 0 or gpa + size > _ADDR_LIMIT or uva + size > _ADDR_LIMIT or mmap_offset + size > _ADDR_LIMIT:
+            raise GuestMemoryError(f"bad memory region gpa={gpa:#x} size={size:#x} offset={mmap_offset:#x}")
+        start = mmap_offset - mmap_offset % _PAGE
+        delta = mmap_offset - start
+        mm = mmap.mmap(fd, size + delta, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        return Region(gpa, size, uva, mm, delta)
+
+    def set_table(self, regions: List[Region]) -> None:
+        """SET_MEM_TABLE: replaces every region. Raises GuestMemoryError (and closes the new
+        regions) when they overlap or are too many; the old table stays then."""
+        try:
+            self._check(regions)
+        except GuestMemoryError:
+            for r in regions:
+                r.close()
+            raise
+        with self._lock:
+            old, self._regions = self._regions, list(regions)
+        for r in old:
+            r.close()
+
+    def add(self, region: Region) -> None:
+        """ADD_MEM_REG. Raises GuestMemoryError (and closes `region`) for an overlap or a full
+        table."""
+        with self._lock:
+            try:
+                self._check(self._regions + [region])
+            except GuestMemoryError:
+                region.close()
+                raise
+            self._regions.append(region)
+
+    def remove(self, gpa: int, size: int) -> bool:
+        """REM_MEM_REG: drops the region at exactly (gpa, size). False when none matches."""
+        with self._lock:
+            for i, r in enumerate(self._regions):
+                if r.gpa == gpa and r.size == size:
+                    del self._regions[i]
+                    break
+            else:
+                return False
+        r.close()
+        return True
+
+    def close(self) -> None:
+        """Unmaps every region."""
+        with self._lock:
+            old, self._regions = self._regions, []
+        for r in old:
+            r.close()
+
+    def _check(self, regions: List[Region]) -> None:
+        if len(regions) > self.max_regions:
+            raise GuestMemoryError(f"{len(regions)} memory regions (at most {self.max_regions})")
+        ordered = sorted(regions, key=lambda r: r.gpa)
+        for a, b in zip(ordered, ordered[1:]):
+            if a.gpa + a.size > b.gpa:
+                raise GuestMemoryError(f"memory regions at {a.gpa:#x} and {b.gpa:#x} overlap")
+
+    @property
+    def region_count(self) -> int:
+        return len(self._regions)
+
+    # --- addresses --------------------------------------------------------------------------
+    def uva_to_gpa(self, uva: int) -> int:
+        """QEMU's address `uva` as a guest physical address. Raises GuestMemoryError."""
+        with self._lock:
+            for r in self._regions:
+                if r.uva <= uva < r.uva + r.size:
+                    return r.gpa + (uva - r.uva)
+        raise GuestMemoryError(f"front-end address {uva:#x} is outside guest memory")
+
+    def _find(self, gpa: int, n: int) -> Tuple[mmap.mmap, int]:
+        if gpa < 0 or n < 0 or gpa + n > _ADDR_LIMIT:
+            raise GuestMemoryError(f"guest range {gpa:#x}+{n:#x} is not an address range")
+        for r in self._regions:
+            if r.gpa <= gpa and gpa + n <= r.gpa + r.size:
+                return r.mm, r.delta + (gpa - r.gpa)
+        raise GuestMemoryError(f"guest range {gpa:#x}+{n:#x} is outside guest memory (or spans regions)")
+
+    def contains(self, gpa: int, n: int) -> bool:
+        """Whether [gpa, gpa + n) lies inside one region."""
+        with self._lock:
+            try:
+                self._find(gpa, n)
+            except GuestMemoryError:
+                return False
+            return True
+
+    # --- bytes ------------------------------------------------------------------------------
+    def read(self, gpa: int, n: int) -> bytes:
+        """A copy of guest bytes [gpa, gpa + n). Raises GuestMemoryError."""
+        with self._lock:
+            mm, off = self._find(gpa, n)
+            return mm[off : off + n]
+
+    def write(self, gpa: int, data: bytes) -> None:
+        """Stores `data` at guest address `gpa`. Raises GuestMemoryError (nothing written)."""
+        with self._lock:
+            mm, off = self._find(gpa, len(data))
+            mm[off : off + len(data)] = data
+
+    def read_into(self, gpa: int, out: bytearray, pos: int, n: int) -> None:
+        """Copies guest bytes [gpa, gpa + n) into out[pos : pos + n]. Raises GuestMemoryError."""
+        with self._lock:
+            mm, off = self._find(gpa, n)
+            out[pos : pos + n] = mm[off : off + n]
