@@ -263,6 +263,10 @@ def run_host_vhost_user(args: argparse.Namespace) -> int:
     from apir.host.trace import CommandTrace, traced_context_factory
     from apir.host.vhost_user import VhostUserServer
 
+    # Imported now, not at the first CTX_CREATE: importing it (seconds on a loaded machine)
+    # would eat into the 2 s the guest gives the HandShake that follows (seen in a VM).
+    import apir.host.component  # noqa: F401
+
     for path in args.socket:
         check_listen(path)
     if args.shm_size % os.sysconf("SC_PAGE_SIZE"):

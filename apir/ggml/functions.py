@@ -90,7 +90,7 @@ class MissingFunction:
         return f"MissingFunction({self.name!r})"
 
 
-@dataclass(eq=False, kw_only=True, slots=True)
+@dataclass(eq=False, kw_only=True, slots=True, repr=False)
 class GgmlFunctions:
     """The ggml functions apir calls, each declared with its signature (see the module doc)."""
 

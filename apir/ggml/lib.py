@@ -55,7 +55,7 @@ def default_paths() -> tuple[Path, Path]:
 
 # slots: no attribute can be added after load(); a test may still replace a declared function
 # (fault injection through monkeypatch). eq=False: compared and hashed by identity.
-@dataclass(eq=False, kw_only=True, slots=True)
+@dataclass(eq=False, kw_only=True, slots=True, repr=False)
 class Ggml(GgmlFunctions):
     """One loaded ggml build, complete when built (by `load()`). Functions are
     the fields of `GgmlFunctions` (`g.ggml_add(...)`; `g.has(name)` says whether this build
@@ -90,6 +90,9 @@ class Ggml(GgmlFunctions):
     # (`ggml_blck_size`, `ggml_type_size`; ggml keeps placeholders of some removed types with
     # neither). The `type_valid` argument of `apir.codec.graph.parse_graph`.
     valid_types: np.ndarray
+
+    def __repr__(self) -> str:  # not the ~270 fields: it shows up in test failures and logs
+        return f"Ggml({self.version!r}, lib_dir={str(self.lib_dir)!r})"
 
     def has(self, name: str) -> bool:
         """Whether `name` is a function of `GgmlFunctions` that this build exports."""

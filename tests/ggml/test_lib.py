@@ -84,6 +84,7 @@ def test_ggml_is_complete_and_closed(ggml):
         ggml.apir_graph_plan = None  # nothing can be added after load() (slots)
     # hasattr never raises: an undeclared name is simply not an attribute.
     assert not hasattr(ggml, "ggml_not_declared") and not hasattr(ggml, "_apir_graph_plan")
+    assert repr(ggml) == f"Ggml({ggml.version!r}, lib_dir={str(ggml.lib_dir)!r})"  # not ~270 fields
 
 
 def test_missing_function_is_falsy_and_raises_when_called(ggml):

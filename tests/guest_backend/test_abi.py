@@ -88,3 +88,11 @@ def test_loaded_ggml_has_an_abi_and_buffer_init(ggml):
     assert a.series == ggml.series
     fn = a.buffer_init(ggml)
     assert fn.argtypes[1] is a.BufferI
+
+
+def test_every_series_has_its_backend_structs():
+    """A series added to apir.ggml.features.SERIES without its interface tables here would
+    leave the guest backend refusing that ggml: the two lists must agree."""
+    from apir.ggml.features import SERIES
+
+    assert set(abi_mod._IFACES) == set(SERIES) and abi_mod.SUPPORTED_VERSIONS == tuple(SERIES)

@@ -128,6 +128,28 @@ class FakeFrontend:
         assert self.ack(R.SET_VRING_KICK, vu.U64.pack(q), fds=[self.kick[q]]) == 0
         assert self.ack(R.SET_VRING_ENABLE, vu.VRING_STATE.pack(q, 1)) == 0
 
+    def stop_queue(self, q: int) -> int:
+        """GET_VRING_BASE: QEMU stops the ring (VM paused or device reset); the base."""
+        reply = self.request(vu.Request.GET_VRING_BASE, vu.VRING_STATE.pack(q, 0))
+        assert reply is not None
+        return vu.VRING_STATE.unpack(reply.payload)[1]
+
+    def restart_queue(self, q: int, base: int) -> None:
+        """SET_VRING_BASE + SET_VRING_KICK: QEMU starts the ring again at `base`."""
+        assert self.ack(vu.Request.SET_VRING_BASE, vu.VRING_STATE.pack(q, base)) == 0
+        assert self.ack(vu.Request.SET_VRING_KICK, vu.U64.pack(q), fds=[self.kick[q]]) == 0
+
+    def reset_driver(self) -> None:
+        """What a rebooted guest's driver does: both rings stopped, zeroed and started at 0."""
+        for q in (0, 1):
+            self.stop_queue(q)
+            desc, avail, used = RING_OFFSETS[q]
+            self.write(GPA_BASE + desc, bytes(0x3000))
+            self.avail_idx[q] = self.used_seen[q] = 0
+            self.done[q] = {}
+            self.restart_queue(q, 0)
+        self.free_slots = list(range(SLOTS))
+
     # --- the back-end channel (QEMU's side) ---------------------------------------------------
     def _serve_backend(self) -> None:
         sock = self._backend_sock

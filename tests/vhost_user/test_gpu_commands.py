@@ -256,3 +256,51 @@ def test_resource_and_context_limits(make_server):
         assert resp_type(fe.command(create_blob(4, 1 << 20))) == OK
     finally:
         fe.close()
+
+
+def test_two_front_ends_on_two_sockets_are_isolated(make_server):
+    a_srv, b_srv = make_server("a.sock"), make_server("b.sock")
+    a, b = FakeFrontend.connect(a_srv.path), FakeFrontend.connect(b_srv.path)
+    try:
+        for fe, byte in ((a, b"A"), (b, b"B")):  # the same ids in both VMs
+            assert resp_type(fe.command(ctx_create(1))) == OK
+            assert resp_type(fe.command(create_blob(1, 4096))) == OK
+            assert resp_type(fe.command(map_blob(1, 0))) == T.RESP_OK_MAP_INFO
+            fe.bar[0][:1] = byte
+        assert (a.bar[0][:1], b.bar[0][:1]) == (b"A", b"B")  # two blobs, not one
+        a.close()
+        wait_for(lambda: a_srv.sessions_served == 1)
+        assert a_srv.counts().blobs == 0
+        c = b_srv.counts()
+        assert (c.contexts, c.blobs) == (1, 1)
+        assert resp_type(b.command(create_blob(2, 4096))) == OK
+        assert b.bar[0][:1] == b"B"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_guest_reboot_frees_the_old_guests_state(fe, server):
+    """The driver reset the device: the control queue starts again at avail index 0."""
+    assert resp_type(fe.command(ctx_create(1))) == OK
+    assert resp_type(fe.command(create_blob(1, 8192))) == OK
+    assert resp_type(fe.command(map_blob(1, 0x2000))) == T.RESP_OK_MAP_INFO
+    fe.reset_driver()
+    # the new guest's first command finds a clean device: its ids are free, its offsets too
+    assert resp_type(fe.command(ctx_create(1))) == OK
+    assert fe.backend_requests[-1] == (10, (1, 0, 0x2000, 8192, 0))  # the old blob left the region
+    assert resp_type(fe.command(create_blob(1, 8192))) == OK
+    assert resp_type(fe.command(map_blob(1, 0x2000))) == T.RESP_OK_MAP_INFO
+    c = server.counts()
+    assert (c.contexts, c.closing_contexts, c.blobs) == (1, 0, 1)
+
+
+def test_a_pause_keeps_the_guests_state(fe, server):
+    """A VM pause: QEMU stops the rings and starts them again where they stopped."""
+    assert resp_type(fe.command(ctx_create(1))) == OK
+    assert resp_type(fe.command(create_blob(1, 8192))) == OK
+    for q in (0, 1):
+        fe.restart_queue(q, fe.stop_queue(q))
+    assert resp_type(fe.command(ctx_create(1))) == T.RESP_ERR_INVALID_CONTEXT_ID  # still there
+    assert resp_type(fe.command(res_cmd(T.CMD_RESOURCE_UNREF, 1))) == OK
+    assert server.counts().contexts == 1

@@ -35,7 +35,7 @@ CHAINS = [
     ("loop", [(REQ, 24, F_NEXT, 40)], 0),
     ("loop of empty descriptors", [(REQ, 0, F_NEXT, 41), (REQ, 0, F_NEXT, 40)], 0),
     ("next index past the ring", [(REQ, 24, F_NEXT, 64)], 0),
-    ("indirect", [(REQ, 16, F_INDIRECT, 0)], 0),
+    ("indirect", [(REQ, 24, F_INDIRECT | F_NEXT, 41), (RESP, 512, F_WRITE, 0)], 0),
     ("huge length", [(REQ, 0xFFFFFFFF, F_NEXT, 41), (RESP, 64, F_WRITE, 0)], 0),
     ("request outside guest memory", [(0x1000, 24, F_NEXT, 41), (RESP, 64, F_WRITE, 0)], 24),
     ("request runs off guest memory", [(GPA_BASE + MEM_SIZE - 8, 24, F_NEXT, 41), (RESP, 64, F_WRITE, 0)], 24),

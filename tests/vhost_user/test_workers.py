@@ -151,3 +151,20 @@ def test_commands_queued_on_one_context_are_bounded(slow, monkeypatch):
     contexts[1].release.set()
     assert [resp_type(fe.wait(s)) for s in slots] == [OK] * 3
     assert resp_type(fe.command(submit(1, b"x"))) == OK
+
+
+def test_a_chain_finishing_after_its_ring_stopped_is_not_written(slow):
+    srv, fe, log, contexts = slow
+    assert resp_type(fe.command(ctx_create(1))) == OK
+    fe.post(submit(1, b"block"))
+    wait_for(lambda: (1, b"block") in log)
+    used = fe.used_idx(0)
+    reply = fe.request(vu.Request.GET_VRING_BASE, vu.VRING_STATE.pack(0, 0))  # QEMU stops the ring
+    contexts[1].release.set()
+    worker = srv.session.device.contexts[1].worker
+    wait_for(lambda: worker.pending == 0, what="the submit finished")
+    assert fe.used_idx(0) == used  # the old ring incarnation is not written to
+    base = vu.VRING_STATE.unpack(reply.payload)[1]
+    assert fe.ack(vu.Request.SET_VRING_BASE, vu.VRING_STATE.pack(0, base)) == 0
+    assert fe.ack(vu.Request.SET_VRING_KICK, vu.U64.pack(0), fds=[fe.kick[0]]) == 0
+    assert resp_type(fe.command(hdr(T.CMD_GET_DISPLAY_INFO))) == T.RESP_OK_DISPLAY_INFO

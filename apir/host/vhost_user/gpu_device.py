@@ -198,10 +198,11 @@ class GpuDevice:
             log.warning("control command refused: %s", exc)
             send(response(NO_HEADER, exc.code))
             return
-        ticket = self._fences.ticket(hdr.timeline) if hdr.fenced else None
+        fences = self._fences  # the one this command's ticket is on, also after a reset
+        ticket = fences.ticket(hdr.timeline) if hdr.fenced else None
 
         def reply(data: bytes) -> None:
-            self._fences.finish(ticket, lambda: send(data))
+            fences.finish(ticket, lambda: send(data))
 
         handler = self._handlers.get(hdr.type)
         try:
@@ -575,6 +576,24 @@ class GpuDevice:
             if self.closed:
                 return
             self.closed = True
+        self._drop_all(timeout_s)
+
+    def reset(self, timeout_s: float = 10.0) -> None:
+        """The guest's driver reset the device (a reboot in the same VM): as `close`, but the
+        device serves on, and blobs still mapped leave the host-visible region first
+        (SHMEM_UNMAP), so the new guest kernel can map its own there. The queue thread calls
+        it (the back-end channel's acks come while the control channel is free)."""
+        with self._lock:
+            mapped = [blob for blob in self.resources.values() if blob.mapped_at is not None]
+        for blob in mapped:
+            self._shmem_unmap(blob)
+        self._drop_all(timeout_s)
+        with self._lock:
+            self._fences = FenceOrder()  # a ticket of a compute that never ends must not block the new guest
+        log.info("device reset: every context and blob of the previous guest freed")
+
+    def _drop_all(self, timeout_s: float) -> None:
+        with self._lock:
             retiring = list(self.contexts.values())
             for ctx in retiring:
                 self._retire_context(ctx)

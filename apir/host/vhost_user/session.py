@@ -126,6 +126,7 @@ class FrontendSession:
         self.shmem_config_sent = False
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._stopping = False
+        self._reset_pending = False
         self._queue_thread = threading.Thread(target=self._serve_queues, name=f"{name}-queues", daemon=True)
         self._handlers: Dict[int, Callable[[Message], Optional[bytes]]] = {
             Request.GET_FEATURES: lambda m: U64.pack(DEVICE_FEATURES),
@@ -347,6 +348,11 @@ class FrontendSession:
 
     def _set_vring_kick(self, msg: Message) -> None:
         vq, fd = self._vring_file(msg)
+        if vq.index == CONTROL_QUEUE and vq.restarts_fresh():
+            # A new driver (the guest rebooted): the old guest's contexts and blobs go, on
+            # the queue thread before it serves the new ring's first command.
+            log.info("%s: the control queue restarts at 0: the guest reset the device", self.name)
+            self._reset_pending = True
         vq.set_kick(fd)
         self._wake()  # serve what is already available, and poll the new descriptor
 
@@ -430,6 +436,9 @@ class FrontendSession:
 
     def _serve(self, vq: Virtqueue) -> None:
         while not self._stopping:
+            if self._reset_pending:
+                self._reset_pending = False
+                self.device.reset(self.backend_timeout_s)
             try:
                 chain = vq.pop()
             except QueueError as exc:

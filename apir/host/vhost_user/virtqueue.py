@@ -90,6 +90,7 @@ class Virtqueue:
         self.retired_kicks: List[int] = []
         self.started = False
         self.broken = False  # a bad ring: no more processing until it is set up again
+        self.base_at_stop: Optional[int] = None  # what the last GET_VRING_BASE answered
         self.generation = 0
         self.lock = threading.Lock()
 
@@ -121,6 +122,7 @@ class Virtqueue:
             self.kick_fd = fd
             self.generation += 1
             self.broken = False
+            self.base_at_stop = None
             self.started = self.addresses_set and self.num > 0
             if self.started:
                 try:
@@ -143,7 +145,16 @@ class Virtqueue:
             if self.kick_fd is not None:
                 self.retired_kicks.append(self.kick_fd)
             self.kick_fd = None
+            self.base_at_stop = self.last_avail
             return self.last_avail
+
+    def restarts_fresh(self) -> bool:
+        """Whether the ring, stopped after serving chains, is about to start again at avail
+        index 0: the driver reset the device (QEMU's virtio reset zeroes its saved index;
+        after a pause QEMU gives back what GET_VRING_BASE answered). Only a stop at an exact
+        multiple of 65536 chains looks like a pause either way, and is taken as one."""
+        with self.lock:
+            return bool(self.base_at_stop) and self.last_avail == 0
 
     def close_retired(self) -> None:
         """Closes the kick descriptors `set_kick` / `stop` replaced (the polling thread)."""

@@ -1,0 +1,129 @@
+"""Host-side pieces of a guest session shared by tests/vm's fixtures: the device process
+(`apir host vhost-user`), the guest's environment, one boot running guest_program.py's checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Optional
+
+from tests.vm import machine
+
+GUEST_PROGRAM = Path(__file__).with_name("guest_program.py")
+
+
+def device_command(socket: Path) -> list:
+    """apir's virtio-gpu device over vhost-user on `socket` (apir/host/vhost_user)."""
+    return [sys.executable, "-m", "apir", "host", "vhost-user", "--socket", str(socket)]
+
+
+def guest_env(work: Path) -> Dict[str, str]:
+    """Environment of Python in the guest (and of the host run that warms its Numba cache):
+    this clone's apir, Numba's cache in the writable work folder compiled for a generic CPU
+    (the guest's TCG CPU is not the host's)."""
+    return {"PYTHONPATH": str(machine.REPO), "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(work / "numba")}
+
+
+@dataclass
+class Device:
+    """One device process serving `socket`; its output goes to `log`."""
+
+    socket: Path
+    log: Path
+    proc: Optional[subprocess.Popen] = field(default=None, repr=False)
+
+    def start(self, env=None) -> "Device":
+        self.socket.unlink(missing_ok=True)
+        with open(self.log, "wb") as fh:
+            self.proc = subprocess.Popen(device_command(self.socket), stdout=fh, stderr=subprocess.STDOUT,
+                                         env=dict(os.environ, PYTHONPATH=str(machine.REPO), **(env or {})), start_new_session=True,
+                                         cwd=machine.REPO)
+        deadline = time.monotonic() + 60
+        while not self.socket.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"device did not listen on {self.socket}:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.05)
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait()
+
+    def stop(self, timeout_s: float = 10) -> None:
+        """The device exits when QEMU closes the socket; kill it if it does not."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+@dataclass
+class GuestSession:
+    """One boot running guest_program.py's checks: results (its JSON), the VM, the logs."""
+
+    kernel: machine.Kernel
+    vm: machine.Vm
+    results: dict
+    logs: Dict[str, str]
+    killed_after_s: Optional[float] = None
+
+    @property
+    def timing(self) -> dict:
+        return json.loads(next(v for k, v in self.logs.items() if k.startswith("timing")))
+
+    def check(self, name: str):
+        """The value of guest check `name`; fails with the guest's traceback if it failed."""
+        entry = self.results.get("checks", {}).get(name)
+        assert entry is not None, f"guest check {name!r} did not run (VM rc {self.vm.rc})"
+        assert entry["ok"], entry.get("trace") or entry.get("error")
+        return entry["value"]
+
+
+def run_guest(prov, kernel, work: Path, checks, *, kill_device: bool, name: str = "vm",
+              timeout_s: float = 900) -> GuestSession:
+    """Boots `kernel` with a fresh device and runs guest_program.py `checks` in it. With
+    `kill_device`, the device is SIGKILLed 2 s after the guest writes work/kill.ready."""
+    env = guest_env(work)
+    out = work / "guest.json"
+    command = (" ".join(f"{k}={v}" for k, v in env.items())
+               + f" {sys.executable} {GUEST_PROGRAM} {out} {' '.join(checks)} > {work}/guest.log 2>&1")
+    device = Device(work / "vgpu.sock", work / "device.log").start()
+    vm = machine.Vm(prov, kernel, work, command, socket=device.socket, timeout_s=timeout_s, name=name)
+    killed = []
+
+    def killer():
+        while vm.proc is not None and vm.proc.poll() is None:
+            if (work / "kill.ready").exists():
+                time.sleep(2)
+                killed.append(time.monotonic() - vm.started)
+                device.kill()
+                return
+            time.sleep(0.1)
+
+    try:
+        vm.start()
+        if kill_device:
+            th = threading.Thread(target=killer, daemon=True)
+            th.start()
+        vm.wait()
+    finally:
+        vm.kill()
+        device.stop()
+    results = json.loads(out.read_text()) if out.exists() else {}
+    timing = {"boot_s": vm.boot_seconds(), "vm_s": round(vm.seconds, 1), "import_s": results.get("import_seconds"),
+              "checks_s": {k: v["seconds"] for k, v in results.get("checks", {}).items()}}
+    logs = {f"timing ({name})": json.dumps(timing), f"console ({name})": vm.console}
+    for log in ("guest.log", "device.log"):
+        p = work / log
+        logs[f"{log} ({name})"] = p.read_text(errors="replace")[-20000:] if p.exists() else "(none)"
+    return GuestSession(kernel, vm, results, logs, killed[0] if killed else None)
