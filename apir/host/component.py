@@ -67,6 +67,8 @@ from apir.host.library import BackendLibrary, LibraryLoadError
 from apir.host.resources import Resource
 
 if TYPE_CHECKING:  # annotations only
+    from typing_extensions import Buffer  # any bytes-like object (collections.abc.Buffer in 3.12)
+
     from apir.host.trace import CommandTrace
 
 __all__ = ["HostContext", "COMMAND_MALFORMED", "NOTIFICATION_SIZE", "CONFIG_ENV_FALLBACKS"]
@@ -152,7 +154,7 @@ class HostContext:
             value = os.environ.get(CONFIG_ENV_FALLBACKS[key])
         return value
 
-    def add_resource(self, res_id: int, memory) -> None:
+    def add_resource(self, res_id: int, memory: Buffer) -> None:
         """Registers a blob: `memory` is any writable contiguous buffer (an mmap); its length
         is the resource's size. Raises ValueError for a duplicate id or an unusable buffer."""
         with self._lock:
@@ -210,7 +212,7 @@ class HostContext:
         self.close()
 
     # --- commands ---------------------------------------------------------------------------
-    def submit(self, command) -> None:
+    def submit(self, command: Buffer) -> None:
         """Runs one EXECBUFFER payload and writes its reply. Never raises for guest input."""
         with self._lock:
             if self._closed:

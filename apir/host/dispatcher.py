@@ -66,7 +66,8 @@ def dispatch(lib: PythonBackendLibrary, function_id: int, dec: Decoder, enc: Enc
     try:
         return DISPATCH_TABLE[function_id](lib, dec, enc)
     except Refused as exc:
-        log.warning("ctx %d: %s refused: %s", lib.ctx_id, Cmd(function_id).c_name, exc)
+        # (the Refused rides on the record too: its fields for whoever watches the log)
+        log.warning("ctx %d: %s refused: %s", lib.ctx_id, Cmd(function_id).c_name, exc, extra={"refusal": exc})
     except Exception:  # noqa: BLE001 - a host bug is this command's failure, not the host's
         log.exception("ctx %d: %s failed", lib.ctx_id, Cmd(function_id).c_name)
     return BACKEND_RC_ERROR

@@ -26,4 +26,26 @@ BACKEND_RC_ERROR = 1
 
 
 class Refused(ApirError):
-    """A guest command the host will not run: the message says why (for the log)."""
+    """A guest command the host will not run: the message says why (for the log).
+
+    The fields say the same for code (tests, tools): `node` the index of the graph node
+    refused (None where no node is concerned), `op` its op name, `reason` why (the message's
+    own words, without the node prefix), `rule` the check that refused it (the rule
+    function's `module.qualname`, e.g. "apir.host.shapes.rope._rope"; None where not a shape
+    rule). The message, which is all the log and the guest ever see of it, is unchanged by
+    them."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        node: int | None = None,
+        op: str | None = None,
+        reason: str | None = None,
+        rule: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.node = node
+        self.op = op
+        self.reason = message if reason is None else reason
+        self.rule = rule

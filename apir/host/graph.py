@@ -98,11 +98,12 @@ def _check_graph_needs(parsed, infos, bufs, offsets, extents) -> None:
     if any(info.one_thread for info in infos):
         many = [j for j in nodes if infos[j].op_name not in _ONE_TASK_OPS]
         if many:
-            who = next(info.index for info in infos if info.one_thread)
-            raise Refused(
-                f"node {who}: only safe on one thread, and node {many[0]} "
-                f"({infos[many[0]].op_name}) makes the CPU run this graph on several"
+            who = next(info for info in infos if info.one_thread)
+            why = (
+                f"only safe on one thread, and node {many[0]} ({infos[many[0]].op_name}) "
+                f"makes the CPU run this graph on several"
             )
+            raise Refused(f"node {who.index}: {why}", node=who.index, op=who.op_name, reason=why, rule=_GRAPH_NEEDS)
     read = [i for i, info in enumerate(infos) if info.snapshot is not None]
     if not read:
         return
@@ -121,10 +122,15 @@ def _check_graph_needs(parsed, infos, bufs, offsets, extents) -> None:
         lo, hi = offsets[i], offsets[i] + extents[i]
         for pos, j, k in writes:
             if pos <= until and bufs[k] is bufs[i] and offsets[k] < hi and lo < offsets[k] + extents[k]:
-                raise Refused(
-                    f"graph tensor {i}: row ids read before compute, but node {j} "
-                    f"({infos[j].op_name}) writes over them before they are read"
+                why = (
+                    f"row ids read before compute, but node {j} ({infos[j].op_name}) "
+                    f"writes over them before they are read"
                 )
+                raise Refused(f"graph tensor {i}: {why}", node=j, op=infos[j].op_name, reason=why, rule=_GRAPH_NEEDS)
+
+
+# (the `rule` of _check_graph_needs' refusals: apir.host.errors.Refused)
+_GRAPH_NEEDS = f"{__name__}._check_graph_needs"
 
 
 class _Records(NamedTuple):

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from apir.codec.atomics import Word
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # any bytes-like object (collections.abc.Buffer in 3.12)
 
 __all__ = ["Resource"]
 
@@ -30,7 +33,7 @@ class Resource:
     _word: Optional[Word] = field(default=None, repr=False)
 
     @classmethod
-    def wrap(cls, res_id: int, buffer) -> "Resource":
+    def wrap(cls, res_id: int, buffer: Buffer) -> "Resource":
         """Raises TypeError / ValueError for a read-only, empty or non-contiguous buffer."""
         view = memoryview(buffer)
         if view.readonly:

@@ -77,8 +77,9 @@ def check_work_size(lib: PythonBackendLibrary, graph: int) -> int | None:
     size = planned_work_size(g, graph, lib.n_threads)
     budget = work_budget(lib)
     if size > budget:
-        raise Refused(
-            f"backend_graph_compute: ggml plans a {size}-byte work buffer, over the "
+        why = (
+            f"ggml plans a {size}-byte work buffer, over the "
             f"context's work budget of {budget} bytes ({CONFIG_KEY_WORK_BUDGET})"
         )
+        raise Refused(f"backend_graph_compute: {why}", reason=why, rule=f"{__name__}.check_work_size")
     return size

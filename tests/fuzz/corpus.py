@@ -26,7 +26,11 @@ from apir.codec.records import rpc_tensor_dtype
 
 __all__ = ["Seed", "build_seeds", "load_or_build_seeds", "record_bytes", "CASE_MODULES", "split_wire", "join_wire"]
 
-CASE_MODULES = ("attention", "backward", "conv", "matrix", "more", "tensor_ops")
+# The shape-rule test files whose CASES seed the corpus: tests/host/shapes/test_<rule module>.py.
+CASE_MODULES = tuple(
+    f"tests.host.shapes.test_{m}"
+    for m in ("attention", "backward", "conv", "elementwise", "layout", "matrix", "rope", "tensor_ops")
+)
 
 
 @dataclass
@@ -105,16 +109,14 @@ def _cases(g):
 
     old = op_enums(g).version < (0, 20, 0)
     out = []
-    for mod_name in CASE_MODULES:
-        try:
-            mod = importlib.import_module(f"tests.host.test_shapes_{mod_name}")
-        except ImportError:
-            continue
-        cases = list(getattr(mod, "CASES", []))
+    for module in CASE_MODULES:
+        mod = importlib.import_module(module)
+        mod_name = module.rsplit(".", 1)[-1].removeprefix("test_")
+        cases = list(mod.CASES)
         if not old:
             cases += [c for c in getattr(mod, "CASES_020", []) if c not in cases]
         for i, case in enumerate(cases):
-            out.append((f"{mod_name}:{case.op}-{i}", case))
+            out.append((f"{mod_name}:{case.id if case.name else f'{case.op}-{i}'}", case))
     return out
 
 

@@ -5,7 +5,8 @@ pytest.
 `compute_mutated(case_ref, edits)` runs in the child (spawned, so it imports this worktree's
 `apir` afresh): it lays out the graph of a shapekit `Case` in a host buffer (`Remote`), applies
 `edits` to its tensor records, sends it with BACKEND_GRAPH_COMPUTE, then sends the unedited
-graph again. `run_in_child` starts it and returns its `ChildResult`.
+graph again. `run_in_child` starts it and returns its `ChildResult`; `refusal_in_child` does
+both and returns the host's `Refused` of the edited graph.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import multiprocessing
 import queue
 import time
-from typing import NamedTuple, Sequence, Tuple
+from typing import List, NamedTuple, Sequence, Tuple
 
 import numpy as np
 
@@ -30,6 +31,8 @@ class ChildResult(NamedTuple):
     log: str  # apir.host's warnings during it
     next_rc: int  # backend rc and ggml status of the unedited graph sent next
     next_status: int
+    refusals: List  # the apir.host.errors.Refused objects logged for the edited graph
+    out_node: int  # the case's result's index in the graph's tensor records
 
 
 def compute_mutated(case_ref: Tuple[str, str], edits: Sequence[Edit]) -> ChildResult:
@@ -51,9 +54,15 @@ def compute_mutated(case_ref: Tuple[str, str], edits: Sequence[Edit]) -> ChildRe
             recs["type"][i] = g.types[value]
         else:
             recs[field][i][index] = value
-    lines = []
+    lines, refusals = [], []
+
+    def emit(record):
+        lines.append(record.getMessage())
+        if getattr(record, "refusal", None) is not None:
+            refusals.append(record.refusal)
+
     handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    handler.emit = emit  # type: ignore[method-assign]
     log = logging.getLogger("apir.host")
     log.addHandler(handler)
     try:
@@ -64,7 +73,18 @@ def compute_mutated(case_ref: Tuple[str, str], edits: Sequence[Edit]) -> ChildRe
     next_status = dec.i32() if next_rc == 0 else -1
     r.close()
     guest.close()
-    return ChildResult(rc, "\n".join(lines), next_rc, next_status)
+    return ChildResult(rc, "\n".join(lines), next_rc, next_status, refusals, r.index(r.out))
+
+
+def refusal_in_child(case_ref: Tuple[str, str], edits: Sequence[Edit]):
+    """The case's graph with `edits`, computed by a host in a child process: refused (one
+    `Refused`, returned with the index of the case's result: `(refused, out_node)`), and the
+    unedited graph sent next computed (the host served on)."""
+    got = run_in_child(compute_mutated, case_ref, edits)
+    assert got.rc == 1, got  # BACKEND_RC_ERROR
+    assert len(got.refusals) == 1, got
+    assert (got.next_rc, got.next_status) == (0, 0), got
+    return got.refusals[0], got.out_node
 
 
 def _main(out, fn, args):

@@ -1,11 +1,25 @@
-"""What the host shape-rule tests share: a `Case` (an op built with ggml's own constructor),
-`Remote` (its graph laid out in a host buffer and computed through the host), `direct` (the
-same graph on ggml CPU), and `case_tests(CASES)`, the two tests every case gets: through the
-host it equals ggml CPU's bytes, and a lie about one ne is refused by the op's own rule (the
-host then serves the next command)."""
+"""What the host shape-rule tests (tests/host/shapes/, one file per rule module of
+apir.host.shapes) share: a `Case` (an op built with ggml's own constructor, named for the test
+id `OP-name`), `Remote` (its graph laid out in a host buffer and computed through the host),
+`direct` (the same graph on ggml CPU), and the assertions every rule test makes:
+
+- `assert_matches_ggml_cpu(guest, g, case)`: through the host the case computes to ggml CPU's
+  bytes (an *accepted* case of `case.op`);
+- `refusal(remote, recs)`: the records refused (BACKEND_RC_ERROR), the host's `Refused` (its
+  fields: node, op, reason, rule), and the host serving the next command;
+  `assert_refused_by_rule(refusal, op, node, ...)` checks those fields (a *refused* case of
+  `op` when its own rule refused it); `lie_refusal(guest, g, case)` does both for the case's
+  lie about one ne;
+- `rule_check(...)`: the rules' view without compute, for bounds that need tensors larger
+  than a test can allocate.
+
+The accepted and refused ops are recorded (`COVERAGE`): tests/host/shapes/test_checked_ops.py
+checks, at the end of a run of the whole folder, that every op of CHECKED_OPS in the loaded
+ggml has both."""
 
 import ctypes
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
@@ -13,6 +27,9 @@ import numpy as np
 import pytest
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
+from apir.host.errors import Refused
+from apir.host.shapes import CHECKED_OPS
+from apir.host.shapes.base import rule_name
 from tests.host.hostkit import DATA_RES, GgmlScratch, RemoteGraph, cpu_compute
 
 ERROR = 1  # BACKEND_RC_ERROR
@@ -20,13 +37,24 @@ ERROR = 1  # BACKEND_RC_ERROR
 
 @dataclass
 class Case:
-    """`build(g, ctx, f32) -> (out, inputs)`; `lie` = (input index or -1 for the node, dim,
-    delta) applied to ne; `data` fills input i (else standard normal of its type)."""
+    """`build(g, ctx) -> (out, inputs)`; `lie` = (input index or -1 for the node, dim,
+    delta) applied to ne (None: no lie); `data` fills input i (else standard normal of its
+    type); `name` says what the case is (its test id is `OP-name`)."""
 
     op: str
     build: Callable
-    lie: Tuple[int, int, int] = (-1, 0, -1)
+    lie: Optional[Tuple[int, int, int]] = (-1, 0, -1)
     data: Optional[Dict[int, Callable]] = None
+    name: str = ""
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}-{self.name}" if self.name else self.op
+
+
+def case_id(case) -> str:
+    """pytest id of a parametrized `Case` (`OP-name`); other values get pytest's own."""
+    return case.id if isinstance(case, Case) else None  # type: ignore[return-value]
 
 
 def _in(g, ctx, type_name, *ne):
@@ -43,6 +71,16 @@ def g_nb(g, t, i):
 
 def _ints(hi, dtype=np.int32):
     return lambda n, rng: rng.permutation(hi)[:n].astype(dtype) if n <= hi else rng.integers(0, hi, n).astype(dtype)
+
+
+def random_blocks(block_bytes, blck=32):
+    """Data of a quantized input: random bytes, `block_bytes` per block of `blck` elements."""
+    return lambda n, rng: rng.integers(0, 256, n // blck * block_bytes).astype(np.uint8)
+
+
+def zero_blocks(block_bytes, blck=32):
+    """Data of a quantized input: zero bytes, `block_bytes` per block of `blck` elements."""
+    return lambda n, rng: np.zeros(n // blck * block_bytes, np.uint8)
 
 
 def _data(g, case, inputs, seed=3):
@@ -113,6 +151,17 @@ class Remote:
         self.s.close()
 
 
+# (op, test file) seen accepted (computed through the host to ggml CPU's bytes) and refused
+# by the op's own rule in this process, for test_checked_ops.py.
+COVERAGE: Dict[str, set] = {"accepted": set(), "refused": set()}
+
+
+def _record(kind: str, op: str) -> None:
+    # pytest names the running test in PYTEST_CURRENT_TEST: "path/test_x.py::test_y[id] (call)"
+    where = os.environ.get("PYTEST_CURRENT_TEST", "").split("::", 1)[0].rsplit("/", 1)[-1]
+    COVERAGE[kind].add((op, where))
+
+
 def assert_computes_like_cpu(guest, g, case):
     """`case` through the host: accepted, and its result is ggml CPU's bytes."""
     r = Remote(guest, g, case)
@@ -122,6 +171,94 @@ def assert_computes_like_cpu(guest, g, case):
         assert r.result() == _direct(g, case)
     finally:
         r.close()
+    _record("accepted", case.op)
+
+
+def assert_matches_ggml_cpu(guest, g, case):
+    """`case` through the host: accepted, and its result is ggml CPU's bytes, not an untouched
+    buffer (more than one distinct byte)."""
+    r = Remote(guest, g, case)  # (skips the test where this ggml lacks the case's constructor)
+    try:
+        assert case.op in g.ops
+        rc, dec = r.compute()
+        assert rc == 0 and dec.i32() == 0
+        got, expect = r.result(), _direct(g, case)
+    finally:
+        r.close()
+    assert got == expect
+    assert len(set(got)) > 1  # not an untouched buffer
+    _record("accepted", case.op)
+
+
+class _Refusals(logging.Handler):
+    """The `Refused` objects on apir.host's records (apir.host.dispatcher puts them there)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.seen: list = []
+
+    def emit(self, record):
+        if isinstance(getattr(record, "refusal", None), Refused):
+            self.seen.append(record.refusal)
+
+
+def refusal(remote, recs=None, serves_next=True) -> Refused:
+    """`remote`'s graph (its records `recs`, default its own) through the host: refused
+    (BACKEND_RC_ERROR), with exactly one `Refused`, which is returned; with `serves_next` the
+    unedited graph is then computed (the host serves the next command)."""
+    handler = _Refusals()
+    log = logging.getLogger("apir.host")
+    log.addHandler(handler)
+    try:
+        rc, _ = remote.compute(recs)
+    finally:
+        log.removeHandler(handler)
+    assert rc == ERROR
+    assert len(handler.seen) == 1, handler.seen
+    if serves_next:
+        rc, dec = remote.compute()
+        assert rc == 0 and dec.i32() == 0
+    return handler.seen[0]
+
+
+def assert_refused_by_rule(refused: Optional[Refused], op: str, node: int, reason: str = "", rule=None):
+    """`refused` names node `node` of op `op`, its reason starts with `reason`, and the check
+    that refused it is `rule` (a function; default: `op`'s own rule in CHECKED_OPS, and then it
+    counts as a refused case of `op`)."""
+    assert refused is not None, f"{op}: not refused"
+    own = rule is None
+    want = rule_name(CHECKED_OPS[op] if own else rule)
+    got = (refused.node, refused.op, refused.rule)
+    assert got == (node, op, want), (got, str(refused))
+    assert refused.reason.startswith(reason), refused.reason
+    if own:
+        _record("refused", op)
+
+
+def lie_refusal(guest, g, case) -> Refused:
+    """`case` with its lie (one ne of an input or of the node changed by a delta): refused by
+    the op's own rule for the case's node, and the host serves the unedited graph next."""
+    which, dim, delta = case.lie
+    r = Remote(guest, g, case)
+    try:
+        recs = r.recs.copy()
+        i = r.index(r.out if which < 0 else r.inputs[which])
+        recs["ne"][i][dim] = int(recs["ne"][i][dim]) + delta
+        got = refusal(r, recs)
+        assert_refused_by_rule(got, case.op, r.index(r.out))
+    finally:
+        r.close()
+    return got
+
+
+def with_op_params(remote, slot, value, t=None):
+    """A copy of `remote`'s records with op_params word `slot` of `t` (default: the result)
+    set to `value` (a numpy float32 is written as its bits)."""
+    recs = remote.recs.copy()
+    i = remote.index(remote.out if t is None else t)
+    dtype = np.float32 if isinstance(value, np.floating) else np.int32
+    recs["op_params"][i][slot] = np.array([value]).astype(dtype).view(np.int32)[0]
+    return recs
 
 
 def ctor(g, name):
@@ -132,57 +269,14 @@ def ctor(g, name):
     return getattr(g, name)
 
 
-def case_tests(cases, ids, skip=None):
-    """The `remote` fixture and the two tests of `cases`; a test module takes them with
-    `remote, test_op_matches_ggml_cpu, test_lying_shape_is_refused = case_tests(CASES, IDS)`.
-    `skip(ggml, case)`: why this ggml cannot build the case (the test is skipped), or None."""
-
-    @pytest.fixture
-    def remote(guest, ggml, request):
-        why = skip(ggml, request.param) if skip is not None else None
-        if why:
-            pytest.skip(why)
-        r = Remote(guest, ggml, request.param)
-        yield r
-        r.close()
-
-    @pytest.mark.parametrize("remote", cases, ids=ids, indirect=True)
-    def test_op_matches_ggml_cpu(remote, ggml, request):
-        case = request.node.callspec.params["remote"]
-        assert case.op in ggml.ops
-        rc, dec = remote.compute()
-        assert rc == 0 and dec.i32() == 0
-        got, expect = remote.result(), _direct(ggml, case)
-        assert got == expect
-        assert len(set(got)) > 1  # not an untouched buffer
-
-    @pytest.mark.parametrize("remote", cases, ids=ids, indirect=True)
-    def test_lying_shape_is_refused(remote, request, caplog):
-        case = request.node.callspec.params["remote"]
-        which, dim, delta = case.lie
-        t = remote.out if which < 0 else remote.inputs[which]
-        recs = remote.recs.copy()
-        i = remote.index(t)
-        recs["ne"][i][dim] = int(recs["ne"][i][dim]) + delta
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="apir.host"):
-            rc, _ = remote.compute(recs)
-        assert rc == ERROR
-        assert f"({case.op})" in caplog.text, caplog.text  # refused by the op's own rule
-        rc, dec = remote.compute()  # the host serves the next valid command
-        assert rc == 0 and dec.i32() == 0
-
-    return remote, test_op_matches_ggml_cpu, test_lying_shape_is_refused
-
-
-def rule_refusal(guest, r, recs, t=None):
-    """Why the shape rules refuse node `t` (default: the case's result) of records `recs`
-    (a `Remote`'s, edited), or None: `apir.host.shapes.node_refusal` on the records as the
-    rules see them, without data (device_supports_op's view: row ids are not read) and
-    without the graph-level checks (extents, spans) that would refuse first through the
-    host. For rules whose bound needs a tensor larger than a test can allocate."""
+def rule_check(guest, r, recs, t=None) -> Optional[Refused]:
+    """The `Refused` that `apir.host.shapes.check_node` raises for node `t` (default: the
+    case's result) of records `recs` (a `Remote`'s, edited), or None: the rules as
+    device_supports_op sees them, without data (row ids are not read) and without the
+    graph-level checks (extents, spans) that would refuse first through the host. For rules
+    whose bound needs a tensor larger than a test can allocate."""
     from apir.host.graph import lib_op_enums, tensor_info
-    from apir.host.shapes import node_refusal
+    from apir.host.shapes import check_node
 
     lib = guest.ctx._library
     ids = {int(v): k for k, v in enumerate(recs["id"])}
@@ -191,4 +285,35 @@ def rule_refusal(guest, r, recs, t=None):
     src = [int(v) for v in recs[node]["src"]]
     while src and not src[-1]:
         src.pop()
-    return node_refusal(info[node], [info[ids[v]] if v else None for v in src], lib_op_enums(lib))
+    try:
+        check_node(info[node], [info[ids[v]] if v else None for v in src], lib_op_enums(lib))
+    except Refused as exc:
+        return exc
+    return None
+
+
+def info(index, type_name, ne, op="NONE", op_params=(), type_size=4, blck_size=1, nb=None):
+    """A `TensorInfo` as the rules see one (no data: `address` None), packed unless `nb` is
+    given: for bounds whose tensors are gigabytes (shown on the rules, `infos_check`)."""
+    from apir.host.shapes import TensorInfo
+
+    if nb is None:
+        nb = [type_size]
+        for n in ne[:-1]:
+            nb.append(nb[-1] * n)
+    params = np.zeros(16, np.int32)
+    params[: len(op_params)] = op_params
+    return TensorInfo(index=index, type_name=type_name, ne=list(ne), nb=list(nb), op_name=op,
+                      op_params=params, type_size=type_size, blck_size=blck_size, address=None)
+
+
+def infos_check(g, node, srcs) -> Optional[Refused]:
+    """The `Refused` `apir.host.shapes.check_node` raises for `node` (a TensorInfo) from
+    `srcs`, or None."""
+    from apir.host.shapes import check_node, op_enums
+
+    try:
+        check_node(node, srcs, op_enums(g))
+    except Refused as exc:
+        return exc
+    return None

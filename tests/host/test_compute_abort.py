@@ -19,7 +19,7 @@ from apir.guest.local import HostConnectionLost, LocalDevice
 from apir.host import HostContext
 from apir.host.local_server import LocalServer
 from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph
-from tests.local.test_local_server import wait_for
+from tests.local.localkit import wait_for
 
 N_ELEMENTS = 1 << 22  # 16 MiB of F32: each node touches all of it
 N_NODES = 2000  # far longer than any limit below: seconds of compute

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from tests.host.childkit import run_in_child
-from tests.host.shapekit import ERROR, Case, Remote, _in, ctor, rule_refusal
+from apir.host.shapes import CHECKED_OPS
+from apir.host.shapes.base import check_empty_sources, check_span, rule_name
+from tests.host.shapekit import ERROR, Case, Remote, _in, assert_refused_by_rule, ctor, refusal, rule_check
 
 HUGE = (1 << 32) - 1  # the largest ne an apir_rpc_tensor carries (uint32)
 
@@ -46,29 +48,30 @@ def _ids(n, rng):
 AS_LIMIT = 2 << 30  # a child's address space: a planned work buffer beyond it fails at once
 
 
-def _in_child(name: str) -> str:
+def _in_child(name: str) -> list:
     """In the child: runs `name()` of this module with the address space limited and returns
-    apir.host's warnings (the refusal)."""
+    the `Refused` objects on apir.host's records (the refusal)."""
     import resource
 
+    from tests.host.shapekit import _Refusals
+
     resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
-    lines = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    handler = _Refusals()
     log = logging.getLogger("apir.host")
     log.addHandler(handler)
     try:
         globals()[name]()
     finally:
         log.removeHandler(handler)
-    return "\n".join(lines)
+    return handler.seen
 
 
-def assert_child_ok(name: str, why: str, timeout: float = 300) -> None:
-    """`name()` runs in a child process (it asserts the refusal and the next graph itself), and
-    `why` is in the host's log."""
-    log = run_in_child(_in_child, name, timeout=timeout)
-    assert why in log, log
+def child_refusal(name: str, timeout: float = 300):
+    """`name()` runs in a child process (it asserts the refusal and the next graph itself);
+    the one `Refused` it got."""
+    seen = run_in_child(_in_child, name, timeout=timeout)
+    assert len(seen) == 1, seen
+    return seen[0]
 
 def _child_remote(case):
     import apir.ggml
@@ -135,25 +138,25 @@ def _child_conv_transpose_2d_channel_stride_0():
     _refused_then_serves(r, recs)
 
 
-@pytest.mark.parametrize("child, why", [
-    ("_child_conv_transpose_2d_empty_huge", "spans"),
-    ("_child_add_id_empty_ids", "(ADD_ID): src2"),
-    ("_child_conv_transpose_1d_channel_stride_0", "spans"),
-    ("_child_conv_transpose_2d_channel_stride_0", "spans"),
+@pytest.mark.parametrize("child, op, rule, why", [
+    ("_child_conv_transpose_2d_empty_huge", None, check_span, "ne "),
+    ("_child_add_id_empty_ids", "ADD_ID", check_empty_sources, "src2 "),
+    ("_child_conv_transpose_1d_channel_stride_0", None, check_span, "ne "),
+    ("_child_conv_transpose_2d_channel_stride_0", None, check_span, "ne "),
 ])
-def test_issue_example_is_refused_in_a_child(child, why):
-    assert_child_ok(child, why)
+def test_issue_example_is_refused_in_a_child(child, op, rule, why):
+    got = child_refusal(child)
+    assert (got.op, got.rule) == (op, rule_name(rule)), (got.op, got.rule, str(got))
+    assert got.reason.startswith(why), got.reason
 
 
 # --- the mechanisms, one by one ---------------------------------------------------------------
-def _refused(r, recs, caplog, why):
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="apir.host"):
-        rc, _ = r.compute(recs)
-    assert rc == ERROR
-    assert why in caplog.text, caplog.text
-    rc, dec = r.compute()
-    assert rc == 0 and dec.i32() == 0
+def _refused(r, recs, rule, why, op=None, node=None):
+    """`recs` refused by the check `rule` (a function), for node `node` of op `op` (None: not a
+    node's check), its reason containing `why`; the host then serves the unedited graph."""
+    got = refusal(r, recs)
+    assert (got.node, got.op, got.rule) == (node, op, rule_name(rule)), (got.node, got.op, got.rule, str(got))
+    assert why in got.reason, got.reason
 
 
 @pytest.fixture
@@ -163,13 +166,13 @@ def mm(guest, ggml):
     r.close()
 
 
-def test_empty_source_of_a_node_with_elements_is_refused(mm, caplog):
+def test_empty_source_of_a_node_with_elements_is_refused(mm):
     """MUL_MAT with k = 0: the result has elements, its sources none (the general rule,
     before MUL_MAT's own)."""
     recs = mm.recs.copy()
     for t in mm.inputs:
         recs["ne"][mm.index(t)][0] = 0
-    _refused(mm, recs, caplog, "has no elements but the result")
+    _refused(mm, recs, check_empty_sources, "has no elements but the result", "MUL_MAT", mm.index(mm.out))
 
 
 def test_empty_node_with_empty_sources_is_accepted(mm):
@@ -181,24 +184,24 @@ def test_empty_node_with_empty_sources_is_accepted(mm):
     assert rc == 0 and dec.i32() == 0
 
 
-def test_span_of_an_empty_tensor_beyond_its_buffer_is_refused(mm, caplog):
+def test_span_of_an_empty_tensor_beyond_its_buffer_is_refused(mm):
     recs = mm.recs.copy()
     b, o = mm.index(mm.inputs[1]), mm.index(mm.out)
     recs["ne"][b][1] = recs["ne"][o][1] = 0
     recs["ne"][b][2] = recs["ne"][o][2] = HUGE
-    _refused(mm, recs, caplog, "spans")
+    _refused(mm, recs, check_span, "spans")
 
 
-def test_span_of_aliasing_elements_beyond_the_buffer_is_refused(mm, caplog):
+def test_span_of_aliasing_elements_beyond_the_buffer_is_refused(mm):
     recs = mm.recs.copy()
     b, o = mm.index(mm.inputs[1]), mm.index(mm.out)
     recs["ne"][b][2] = recs["ne"][o][2] = 1 << 20
     recs["nb"][b][2] = recs["nb"][b][3] = 0
     recs["nb"][o][2] = recs["nb"][o][3] = 0
-    _refused(mm, recs, caplog, "spans")
+    _refused(mm, recs, check_span, "spans")
 
 
-def test_work_budget_bounds_the_planned_work_buffer(guest, mm, ggml, caplog):
+def test_work_budget_bounds_the_planned_work_buffer(guest, mm, ggml):
     """F16 x F32 MUL_MAT: ggml plans src1 converted to F16 (2 * 64 * 16 bytes) plus a cache
     line per thread; a budget below that refuses the graph, the default computes it."""
     from apir.host.work_plan import CONFIG_KEY_WORK_BUDGET
@@ -206,11 +209,9 @@ def test_work_budget_bounds_the_planned_work_buffer(guest, mm, ggml, caplog):
     lib = guest.ctx._library
     assert lib.n_threads >= 1
     guest.ctx.set_config(CONFIG_KEY_WORK_BUDGET, "1024")
-    _refused_budget = "work buffer, over the context's work budget of 1024 bytes"
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="apir.host"):
-        rc, _ = mm.compute()
-    assert rc == ERROR and _refused_budget in caplog.text, caplog.text
+    got = refusal(mm, serves_next=False)
+    assert (got.node, got.op, got.rule) == (None, None, "apir.host.work_plan.check_work_size"), str(got)
+    assert "work buffer, over the context's work budget of 1024 bytes" in got.reason, got.reason
     guest.ctx.set_config(CONFIG_KEY_WORK_BUDGET, str(2 * 64 * 16 + 64 * lib.n_threads))
     rc, dec = mm.compute()
     assert rc == 0 and dec.i32() == 0
@@ -303,29 +304,32 @@ def _child_pool_2d_back_huge_window():
     _refused_then_serves(r, recs)
 
 
-@pytest.mark.parametrize("child, why", [
-    ("_child_pool_1d_huge_window", "(POOL_1D): padding 1073741824 of dimension 0 exceeds"),
-    ("_child_pool_2d_huge_window", "(POOL_2D): padding 1073741824 of dimension 1 exceeds"),
-    ("_child_pool_2d_back_huge_window", "(POOL_2D_BACK): padding 1073741824 of dimension 1 exceeds"),
+@pytest.mark.parametrize("child, op, why", [
+    ("_child_pool_1d_huge_window", "POOL_1D", "padding 1073741824 of dimension 0 exceeds"),
+    ("_child_pool_2d_huge_window", "POOL_2D", "padding 1073741824 of dimension 1 exceeds"),
+    ("_child_pool_2d_back_huge_window", "POOL_2D_BACK", "padding 1073741824 of dimension 1 exceeds"),
 ])
-def test_op_param_loop_count_is_refused_in_a_child(child, why):
-    assert_child_ok(child, why, timeout=120)
+def test_op_param_loop_count_is_refused_in_a_child(child, op, why):
+    got = child_refusal(child, timeout=120)
+    assert (got.op, got.rule) == (op, rule_name(CHECKED_OPS[op])), (got.op, got.rule, str(got))
+    assert got.reason.startswith(why), got.reason
 
 
-def test_pool_2d_back_gradient_shape_is_checked(guest, ggml, caplog):
+def test_pool_2d_back_gradient_shape_is_checked(guest, ggml):
     r = Remote(guest, ggml, Case("POOL_2D_BACK", _pool_2d_back))
     try:
         recs = r.recs.copy()
         gr = r.index(r.inputs[1])
         recs["ne"][gr] = [3, 3, 64, 1]
         recs["nb"][gr] = _packed([3, 3, 64, 1])
-        _refused(r, recs, caplog, "(POOL_2D_BACK): src0 [3, 3, 64, 1] is not pool_2d's [4, 3]")
+        _refused(r, recs, CHECKED_OPS["POOL_2D_BACK"], "src0 [3, 3, 64, 1] is not pool_2d's [4, 3]", "POOL_2D_BACK",
+                 r.index(r.out))
     finally:
         r.close()
 
 
 # Bounds that need a tensor larger than a test can allocate are checked at the rule itself
-# (shapekit.rule_refusal: the records as the rules see them, without buffers).
+# (shapekit.rule_check: the records as the rules see them, without buffers).
 ROWS = 2**31 - 1 - 100  # an `int` row count that wraps once the threads' `nth - 1` is added
 
 
@@ -388,13 +392,13 @@ def _acc(g, ctx):
 
 
 INT_BOUNDS = [
-    ("MUL_MAT", _mm_f32, _mm_long_rows, "(MUL_MAT): rows of 2147483712 exceed the dot product's int"),
-    ("MUL_MAT", _mul_mat_f16, _mm_long_rows, "(MUL_MAT): rows of 2147483712 exceed the dot product's int"),
-    ("OUT_PROD", _out_prod_f32, _out_prod_strides, "(OUT_PROD): row strides 134217728, 20 exceed"),
-    ("ADD_ID", _add_id, _add_id_rows, "(ADD_ID): src0's rows (2684354560) exceed the kernel's int row count"),
-    ("ACC", _acc, _acc_rows, f"(ACC): src1's rows ({ROWS}) exceed the kernel's int row count"),
-    ("CONV_TRANSPOSE_1D", _ct1d, _ct1d_rows, f"(CONV_TRANSPOSE_1D): result rows ({ROWS}) exceed"),
-    ("CONV_TRANSPOSE_2D", _ct2d, _ct2d_planes, f"(CONV_TRANSPOSE_2D): result planes ({ROWS}) exceed"),
+    ("MUL_MAT", _mm_f32, _mm_long_rows, "rows of 2147483712 exceed the dot product's int"),
+    ("MUL_MAT", _mul_mat_f16, _mm_long_rows, "rows of 2147483712 exceed the dot product's int"),
+    ("OUT_PROD", _out_prod_f32, _out_prod_strides, "row strides 134217728, 20 exceed"),
+    ("ADD_ID", _add_id, _add_id_rows, "src0's rows (2684354560) exceed the kernel's int row count"),
+    ("ACC", _acc, _acc_rows, f"src1's rows ({ROWS}) exceed the kernel's int row count"),
+    ("CONV_TRANSPOSE_1D", _ct1d, _ct1d_rows, f"result rows ({ROWS}) exceed"),
+    ("CONV_TRANSPOSE_2D", _ct2d, _ct2d_planes, f"result planes ({ROWS}) exceed"),
 ]
 
 
@@ -402,10 +406,10 @@ INT_BOUNDS = [
 def test_int_arithmetic_bound_is_refused_by_the_rule(guest, ggml, op, build, edit, why):
     r = Remote(guest, ggml, Case(op, build, data={2: _ids} if op == "ADD_ID" else None))
     try:
-        assert rule_refusal(guest, r, r.recs) is None  # the unedited graph passes its rule
+        assert rule_check(guest, r, r.recs) is None  # the unedited graph passes its rule
         recs = r.recs.copy()
         edit(r, recs)
-        assert why in (rule_refusal(guest, r, recs) or "accepted")
+        assert_refused_by_rule(rule_check(guest, r, recs), op, r.index(r.out), why)
     finally:
         r.close()
 

@@ -66,7 +66,9 @@ def test_handles_of_another_context(ggml, caplog):
     foreign = other.alloc(64)
     with caplog.at_level(logging.WARNING, logger="apir.host"):
         rc, _ = mine.forward(Cmd.BUFFER_GET_BASE, lambda e: e.handle(foreign))
-    assert rc == ERROR and "unknown buffer handle" in caplog.text
+    refusals = [r.refusal for r in caplog.records if getattr(r, "refusal", None) is not None]
+    assert rc == ERROR and len(refusals) == 1, refusals
+    assert "unknown buffer handle" in refusals[0].reason, refusals[0].reason
     assert mine.forward(Cmd.DEVICE_GET_COUNT)[0] == 0
     assert other.base(foreign)  # still valid where it belongs
     mine.close()

@@ -91,7 +91,7 @@ def test_a_cut_last_line_is_dropped_and_other_files_refused(tmp_path):
 
 
 def test_cli_serve_trace_and_print(tmp_path):
-    from tests.local.test_cli import run_cli
+    from tests.local.localkit import run_cli
 
     path = tmp_path / "serve.jsonl"
     host = HostProcess(tmp_path / "apir.sock", "--trace", str(path))

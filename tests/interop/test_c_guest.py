@@ -5,29 +5,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from tests.interop.harness import HostProcess, build_program, build_shim, guest_env
-
-
-def parse(stdout: str) -> dict:
-    out = {}
-    for line in stdout.splitlines():
-        key, sep, value = line.partition("=")
-        if sep and key.replace("_", "").isalnum():
-            out[key] = value
-    return out
-
-
-def expected_matmul(K: int, M: int, N: int) -> np.ndarray:
-    """out = mul_mat(a, b) + c with the program's inputs, in float64 (exact: every value is a
-    multiple of 1/8, so every float32 partial sum is exact too)."""
-    def values(seed, n):
-        i = np.arange(n)
-        return (((seed * 7919 + i * 104729) % 32) - 16) / 8.0
-
-    a = values(1, K * M).reshape(M, K)
-    b = values(2, K * N).reshape(N, K)
-    c = values(3, M * N).reshape(N, M)
-    return (b @ a.T + c).reshape(-1)  # ggml: out[n, m] = sum_k a[m, k] * b[n, k]
+from tests.interop.harness import HostProcess, build_program, build_shim, expected_matmul, guest_env, parse
 
 
 @pytest.mark.parametrize("c_library", [False, True], ids=["apir-dispatcher", "C-backend-library"])

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from tests.interop.harness import REPO, build_program, build_shim, c_build_env, guest_env
-from tests.interop.test_c_guest import expected_matmul, parse
+from tests.interop.harness import expected_matmul, parse
 
 # LoadLibrary in a process whose first libggml-base is `base`: the C library binds to it.
 _LOAD = r"""

@@ -13,11 +13,7 @@ import apir
 import apir.ggml
 from apir.cli import build_parser, human_size, main
 from tests.local.hostproc import HostProcess
-
-
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "apir.cli", *args], capture_output=True, text=True,
-                          timeout=120)
+from tests.local.localkit import run_cli
 
 
 def expected_cpu():

@@ -7,7 +7,7 @@ import pytest
 
 from apir.guest.errors import DeviceError, IoctlError
 from apir.local.embedded import EmbeddedDevice
-from tests.local.test_local_server import EchoContext
+from tests.local.localkit import EchoContext
 
 
 @pytest.mark.parametrize("exec_wait_s", [0.0, 1.0])

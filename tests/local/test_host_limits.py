@@ -16,7 +16,7 @@ import pytest
 from apir.codec.local_wire import HEADER, Op
 from apir.guest.local import HostConnectionLost, LocalDevice
 from apir.host.local_server import LocalServer
-from tests.local.test_local_server import EchoContext, hello, raw, request, wait_for
+from tests.local.localkit import EchoContext, hello, raw, request, wait_for
 
 
 def open_fds():

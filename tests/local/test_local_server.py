@@ -4,7 +4,6 @@ a guest or the host dies."""
 import errno
 import os
 import signal
-import socket
 import stat
 import struct
 import subprocess
@@ -14,7 +13,7 @@ import time
 
 import pytest
 
-from apir.codec.local_wire import HEADER, HELLO_MAGIC, WIRE_VERSION, Op
+from apir.codec.local_wire import HEADER, HELLO_MAGIC, Op
 from apir.codec.virtgpu import VirtgpuParam
 from apir.guest.client import ApirClient
 from apir.guest.errors import IoctlError
@@ -22,29 +21,7 @@ from apir.guest.local import HostConnectionLost, LocalDevice, host_stats
 from apir.host.local_server import LocalServer
 from apir.local.socket_io import recv_message
 from tests.local.hostproc import HostProcess
-
-
-class EchoContext:
-    """A HostContext stand-in: submit(u32 src_res, u32 dst_res) copies 4 bytes of src into
-    dst+4 and stores 1 in dst's notification word, through the registered memory."""
-
-    def __init__(self, ctx_id, capset_id, config):
-        self.res = {}
-        self.closed = False
-
-    def add_resource(self, res_id, memory):
-        self.res[res_id] = memory
-
-    def remove_resource(self, res_id):
-        del self.res[res_id]
-
-    def submit(self, command):
-        src, dst = struct.unpack_from("<II", command)
-        self.res[dst][4:8] = self.res[src][0:4]
-        self.res[dst][0:4] = struct.pack("<I", 1)
-
-    def close(self):
-        self.closed = True
+from tests.local.localkit import EchoContext, hello, raw, request, wait_for
 
 
 @pytest.fixture
@@ -52,36 +29,6 @@ def server(tmp_path):
     srv = LocalServer(str(tmp_path / "s.sock"), context_factory=EchoContext).start()
     yield srv
     srv.close()
-
-
-def raw(server):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(5)
-    s.connect(server.path)
-    return s
-
-
-def hello(s):
-    s.sendall(HEADER.pack(Op.HELLO, 0, 8, 1) + struct.pack("<II", HELLO_MAGIC, WIRE_VERSION))
-    header, body, fds = recv_message(s)
-    assert header.err == 0 and len(fds) == 1
-    return fds[0]
-
-
-def request(s, op, payload, seq=2):
-    s.sendall(HEADER.pack(op, 0, len(payload), seq) + payload)
-    header, body, fds = recv_message(s)
-    assert (header.op, header.seq, fds) == (op, seq, [])
-    return header.err, body
-
-
-def wait_for(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_blobs_are_shared_memory_at_their_map_offsets(server):

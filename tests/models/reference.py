@@ -78,3 +78,23 @@ def sentence_embedding(weights: dict, config, ids, type_ids=None) -> np.ndarray:
     """The normalized mean-pooled embedding (hidden,) float64 of one unpadded sentence."""
     e = encode(weights, config, ids, type_ids).mean(axis=0)
     return e / max(np.linalg.norm(e), 1e-12)
+
+
+def tiny_weights(rng, hidden, inter, layers, vocab, positions):
+    """Random BERT weights (normal, sigma 0.5) of the given sizes, by their HuggingFace names:
+    a second, small BERT for the graph tests."""
+    shapes = {"embeddings.word_embeddings.weight": (vocab, hidden),
+              "embeddings.position_embeddings.weight": (positions, hidden),
+              "embeddings.token_type_embeddings.weight": (2, hidden),
+              "embeddings.LayerNorm.weight": (hidden,), "embeddings.LayerNorm.bias": (hidden,)}
+    for i in range(layers):
+        p = f"encoder.layer.{i}."
+        for name in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
+            shapes[p + name + ".weight"] = (hidden, hidden)
+            shapes[p + name + ".bias"] = (hidden,)
+        shapes.update({p + "intermediate.dense.weight": (inter, hidden), p + "intermediate.dense.bias": (inter,),
+                       p + "output.dense.weight": (hidden, inter), p + "output.dense.bias": (hidden,)})
+        for name in ("attention.output.LayerNorm", "output.LayerNorm"):
+            shapes[p + name + ".weight"] = (hidden,)
+            shapes[p + name + ".bias"] = (hidden,)
+    return {k: rng.normal(0, 0.5, s).astype(np.float32) for k, s in shapes.items()}

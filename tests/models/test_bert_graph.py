@@ -10,24 +10,7 @@ from apir.ggml import InitParams
 from apir.models.assets import Assets, TokenBatch
 from apir.models.bert_graph import GRAPH_SIZE, build_graph, weight_ne
 from tests.models import reference
-
-
-def _tiny_weights(rng, hidden, inter, layers, vocab, positions):
-    shapes = {"embeddings.word_embeddings.weight": (vocab, hidden),
-              "embeddings.position_embeddings.weight": (positions, hidden),
-              "embeddings.token_type_embeddings.weight": (2, hidden),
-              "embeddings.LayerNorm.weight": (hidden,), "embeddings.LayerNorm.bias": (hidden,)}
-    for i in range(layers):
-        p = f"encoder.layer.{i}."
-        for name in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
-            shapes[p + name + ".weight"] = (hidden, hidden)
-            shapes[p + name + ".bias"] = (hidden,)
-        shapes.update({p + "intermediate.dense.weight": (inter, hidden), p + "intermediate.dense.bias": (inter,),
-                       p + "output.dense.weight": (hidden, inter), p + "output.dense.bias": (hidden,)})
-        for name in ("attention.output.LayerNorm", "output.LayerNorm"):
-            shapes[p + name + ".weight"] = (hidden,)
-            shapes[p + name + ".bias"] = (hidden,)
-    return {k: rng.normal(0, 0.5, s).astype(np.float32) for k, s in shapes.items()}
+from tests.models.reference import tiny_weights
 
 
 def test_small_random_bert_matches_reference(assets):
@@ -38,7 +21,7 @@ def test_small_random_bert_matches_reference(assets):
     cfg = dataclasses.replace(assets.config, hidden_size=64, num_attention_heads=4, intermediate_size=96,
                               num_hidden_layers=2, vocab_size=50, max_position_embeddings=40)
     rng = np.random.default_rng(6)
-    w = _tiny_weights(rng, 64, 96, 2, 50, 40)
+    w = tiny_weights(rng, 64, 96, 2, 50, 40)
     lengths = [40, 7, 1, 23]
     ids, type_ids, mask = (np.zeros((4, 40), np.int32) for _ in range(3))
     for i, n in enumerate(lengths):

@@ -40,7 +40,15 @@ from typing import Dict, Optional, Sequence
 
 from apir.host.errors import Refused
 from apir.host.shapes import attention, backward, conv, elementwise, layout, matrix, rope, tensor_ops
-from apir.host.shapes.base import OpEnums, Rule, TensorInfo, allows_empty_sources, check_empty_sources, op_enums
+from apir.host.shapes.base import (
+    OpEnums,
+    Rule,
+    TensorInfo,
+    allows_empty_sources,
+    check_empty_sources,
+    op_enums,
+    rule_name,
+)
 
 __all__ = ["TensorInfo", "OpEnums", "Rule", "op_enums", "check_node", "node_refusal", "CHECKED_OPS"]
 
@@ -57,9 +65,20 @@ def check_node(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]], enums: Op
     rule is marked `base.empty_sources_ok`), then the op's rule."""
     rule = CHECKED_OPS.get(node.op_name)
     if rule is None:
-        raise Refused(f"node {node.index}: op {node.op_name} has no shape check on this host")
+        raise Refused(
+            f"node {node.index}: op {node.op_name} has no shape check on this host",
+            node=node.index,
+            op=node.op_name,
+            reason="no shape check on this host",
+            rule=rule_name(check_node),
+        )
     check_empty_sources(node, srcs, allows_empty_sources(rule))
-    rule(node, srcs, enums)
+    try:
+        rule(node, srcs, enums)
+    except Refused as exc:
+        if exc.rule is None:  # raised by the op's own rule (or a helper it called)
+            exc.rule = rule_name(rule)
+        raise
 
 
 def node_refusal(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]], enums: OpEnums) -> Optional[str]:

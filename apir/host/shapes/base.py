@@ -210,12 +210,30 @@ def param_f32(node: TensorInfo, i: int) -> float:
 def need(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]], n: int) -> List[TensorInfo]:
     got = [s for s in srcs[:n] if s is not None]
     if len(got) < n:  # fewer than n, or one of the first n absent
-        raise Refused(f"node {node.index} ({node.op_name}) needs {n} sources")
+        raise Refused(
+            f"node {node.index} ({node.op_name}) needs {n} sources",
+            node=node.index,
+            op=node.op_name,
+            reason=f"needs {n} sources",
+        )
     return got
 
 
-def fail(node: TensorInfo, why: str) -> NoReturn:
-    raise Refused(f"node {node.index} ({node.op_name}): {why}")
+def rule_name(rule: Callable) -> str:
+    """`module.qualname` of a rule function (a Refused's `rule` field)."""
+    return f"{rule.__module__}.{rule.__qualname__}"
+
+
+def fail(node: TensorInfo, why: str, rule: Optional[Callable] = None) -> NoReturn:
+    """Raises Refused for `node`: `why` the reason; `rule` the check refusing it where that
+    is not the op's own rule (check_node names the op's rule otherwise)."""
+    raise Refused(
+        f"node {node.index} ({node.op_name}): {why}",
+        node=node.index,
+        op=node.op_name,
+        reason=why,
+        rule=None if rule is None else rule_name(rule),
+    )
 
 
 def same_shape(node: TensorInfo, a: TensorInfo, what: str) -> None:
@@ -256,10 +274,11 @@ def check_span(t: TensorInfo, limit: int, what: str) -> None:
     other dimensions (a 2^63-byte work buffer planned from them). Raises Refused."""
     span = span_nbytes(t)
     if span > limit:
-        raise Refused(
-            f"{what}: ne {t.ne} spans {span} bytes of {t.type_name}, more than the {limit} "
+        why = (
+            f"ne {t.ne} spans {span} bytes of {t.type_name}, more than the {limit} "
             f"bytes its buffer allows (empty or aliasing elements)"
         )
+        raise Refused(f"{what}: {why}", reason=why, rule=rule_name(check_span))
 
 
 # A shape rule (one per op, in a module's RULES table): raises Refused unless `node` is what
@@ -301,6 +320,7 @@ def check_empty_sources(node: TensorInfo, srcs: Sequence[TensorInfo | None], all
                 node,
                 f"src{k} {s.ne} has no elements but the result {node.ne} has: the kernel "
                 f"would walk it by another tensor's shape",
+                check_empty_sources,
             )
 
 
@@ -366,7 +386,7 @@ def int_counted(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]]) -> None:
     (Issue 13, class 3.)"""
     for t in (node, *srcs):
         if t is not None and (any(n > INT_MAX for n in t.ne) or t.nrows() > INT_ROWS_MAX):
-            fail(node, f"tensor {t.index} {t.ne} is too large for the kernel's int counts")
+            fail(node, f"tensor {t.index} {t.ne} is too large for the kernel's int counts", int_counted)
 
 
 def int_counted_rules(rules: Dict[str, Rule]) -> Dict[str, Rule]:
