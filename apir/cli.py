@@ -30,6 +30,7 @@ from apir import __version__
 from apir.codec.constants import (
     APIR_PROTOCOL_MAJOR,
     APIR_PROTOCOL_MINOR,
+    CONFIG_KEY_BACKEND,
     CONFIG_KEY_GGML_LIBRARY_PATH,
     CONFIG_KEY_GGML_LIBRARY_REG,
     CONFIG_KEY_LOAD_LIBRARY_PATH,
@@ -91,6 +92,13 @@ def add_host_config_arguments(parser: argparse.ArgumentParser) -> None:
     """The HostContext configuration options (for `host serve` and an embedded host)."""
     group = parser.add_argument_group("host configuration")
     group.add_argument(
+        "--backend",
+        metavar="SPEC",
+        help="the ggml backend the host computes on, found through ggml's backend registry: cpu (default), "
+        "vulkan[:N], NAME[:N] (any backend of the loaded ggml), rpc:HOST:PORT[,HOST:PORT...] (ggml-rpc "
+        f"servers; {CONFIG_KEY_BACKEND}), or a path to a ggml backend library (the same as --ggml-library)",
+    )
+    group.add_argument(
         "--ggml-library",
         metavar="PATH",
         help=f"ggml backend library the host loads ({CONFIG_KEY_GGML_LIBRARY_PATH}; default: "
@@ -123,6 +131,10 @@ def host_config_from_args(args: argparse.Namespace) -> Optional[dict]:
         if not sep or not key:
             raise UsageError(f"--config expects KEY=VALUE, got {item!r}")
         config[key] = value
+    backend = getattr(args, "backend", None)
+    if backend:
+        # a path is a library (the C host's key); anything else a registry spec
+        config[CONFIG_KEY_GGML_LIBRARY_PATH if "/" in backend else CONFIG_KEY_BACKEND] = backend
     for key, value in (
         (CONFIG_KEY_GGML_LIBRARY_PATH, args.ggml_library),
         (CONFIG_KEY_GGML_LIBRARY_REG, args.ggml_reg),
@@ -428,6 +440,7 @@ def format_info(info: dict) -> str:
     lines = [
         f"transport:          {info['where']}",
         f"APIR protocol:      guest {p['guest']}, host {p['host']} ({capset}), HandShake ok",
+        f"served by:          {d['name']} ({d['description']})",
         f"device:             {d['name']}",
         f"description:        {d['description']}",
         f"type:               {dev_type}",

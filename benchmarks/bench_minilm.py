@@ -30,7 +30,7 @@ import numpy as np
 
 from apir.models.assets import load_assets
 from apir.devices import device_spec
-from apir.models.backends import open_backend, open_local_cpu
+from apir.models.backends import open_backend, open_local_cpu, open_local_device
 from apir.models.minilm import MiniLM
 
 _TEXT = ("the quick brown fox jumps over the lazy dog while a committee of engineers argues about "
@@ -63,12 +63,20 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=2, help="threads of the local CPU backend(s)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--backend", metavar="SPEC", default=None,
+                   help="ggml backend (apir.ggml.backend_spec: cpu, vulkan:0, rpc:HOST:PORT) of the embedded "
+                        "host and of the local baseline (default: ggml CPU)")
+    p.add_argument("--host-config", metavar="KEY=VALUE", action="append", default=[],
+                   help="configuration of the embedded host (repeatable), e.g. apir.host.import_host_memory=1")
     args = p.parse_args(argv)
 
     assets = load_assets()
     sentences = make_sentences(args.batch_size, args.max_words)
-    target_ob = open_backend(device_spec(args.socket, args.drm), n_threads=args.threads)
-    local_ob = open_local_cpu(args.threads)
+    config = dict(item.split("=", 1) for item in args.host_config)
+    if args.backend:
+        config["apir.host.backend"] = args.backend
+    target_ob = open_backend(device_spec(args.socket, args.drm), n_threads=args.threads, config=config or None)
+    local_ob = open_local_device(args.backend, args.threads) if args.backend else open_local_cpu(args.threads)
     try:
         target = MiniLM(target_ob.backend, target_ob.buft, assets=assets)
         local = MiniLM(local_ob.backend, local_ob.buft, assets=assets)

@@ -18,7 +18,11 @@ as not run), so a run fits a machine lent for a fixed time. An --ops entry `OP/R
 cases of OP whose parameters match REGEX (test-backend-ops -p), so a heavy op can be split
 over several workers (e.g. FLASH_ATTN_EXT/type_KV=f16, FLASH_ATTN_EXT/type_KV=q8_0).
 `--resume-jobs K` re-runs up to K cases of an op at a time after an early end; `--host-threads`
-sets the CPU threads of each apir host (default: the core count, too many with -j). Run from the
+sets the CPU threads of each apir host (default: the core count, too many with -j).
+`--backend vulkan[:N]` makes the hosts compute on ggml Vulkan (scripts/build-ggml-backends.sh's
+build) and the baseline that build's test-backend-ops on `VulkanN` directly, so the counts read
+"through apir on Vulkan" next to "Vulkan directly"; `--lavapipe` runs both on the build's Mesa
+lavapipe (tests/ggml_backends.py), else on the machine's Vulkan driver. Run from the
 repository root (or anywhere: it puts the root on sys.path). See docs/interop.md.
 """
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -50,8 +55,9 @@ class _Worker:
     """One apir host process per worker thread (a host that dies takes only its worker's op
     with it, and is restarted for the next)."""
 
-    def __init__(self, paths, sock_dir: Path, c_library: bool, n_threads=None):
+    def __init__(self, paths, sock_dir: Path, c_library: bool, n_threads=None, backend=None, env=None):
         self.paths, self.sock_dir, self.c_library, self.n_threads = paths, sock_dir, c_library, n_threads
+        self.backend, self.env = backend, env
         self.local = threading.local()
         self.hosts = []
         self.lock = threading.Lock()
@@ -66,7 +72,7 @@ class _Worker:
             with self.lock:
                 n = len(self.hosts)
                 h = HostProcess(self.paths, self.sock_dir / f"host{n}.sock", c_library=self.c_library,
-                                n_threads=self.n_threads)
+                                n_threads=self.n_threads, backend=self.backend, env=self.env)
                 self.hosts.append(h)
             self.local.host = h
         return h
@@ -91,18 +97,39 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline", type=float, help="seconds after which no op is started or case resumed")
     ap.add_argument("--resume-jobs", type=int, default=1, help="cases of one op re-run at a time")
     ap.add_argument("--host-threads", type=int, help="CPU backend threads of each apir host")
+    ap.add_argument("--backend", metavar="vulkan[:N]",
+                    help="the apir hosts compute on this ggml Vulkan device (scripts/build-ggml-backends.sh's "
+                         "build), compared with test-backend-ops of that build on the device directly")
+    ap.add_argument("--lavapipe", action="store_true",
+                    help="with --backend: Vulkan on the build's Mesa lavapipe (else the machine's driver)")
     args = ap.parse_args(argv)
 
     paths = cref.build(args.version)
-    tbo = paths["TEST_BACKEND_OPS"]
+    tbo = direct_tbo = paths["TEST_BACKEND_OPS"]
+    direct_device, direct_env, host_env = "CPU", None, None
+    if args.backend:
+        from apir.ggml.backend_spec import parse_spec
+        from tests import ggml_backends
+
+        spec = parse_spec(args.backend)
+        if spec.kind != "reg" or spec.name.lower() != "vulkan":
+            ap.error("--backend takes vulkan[:N]")
+        vk = ggml_backends.build()
+        direct_tbo = vk["TEST_BACKEND_OPS"]
+        direct_device = f"Vulkan{spec.index}"
+        extra = ggml_backends.lavapipe_env(vk) if args.lavapipe else {}
+        direct_env = {**os.environ, **extra}
+        host_env = {**ggml_backends.ggml_env(vk), **extra}
+    apir_device = f"[virtgpu] {direct_device}"
     ops = args.ops.split(",") if args.ops else bo.list_ops(tbo)
     shim = build_shim(paths)
     sock_dir = Path(tempfile.mkdtemp(prefix="apir-tbo-"))
-    workers = _Worker(paths, sock_dir, args.c_library, args.host_threads)
+    workers = _Worker(paths, sock_dir, args.c_library, args.host_threads, args.backend, host_env)
     cpu_runs, apir_runs = {}, {}
     t0 = time.monotonic()
     print(f"test-backend-ops {args.version} ({tbo}); host: "
-          f"{'C backend library' if args.c_library else 'apir dispatcher'}; {args.jobs} job(s)", flush=True)
+          f"{'C backend library' if args.c_library else 'apir dispatcher'} on {direct_device}; {args.jobs} job(s)",
+          flush=True)
     print(f"{'op':24} {'CPU ok/fail/ns':>18} {'apir ok/fail/ns/crash':>24} {'CPU s':>7} {'apir s':>7}", flush=True)
 
     deadline = t0 + args.deadline if args.deadline else None
@@ -112,9 +139,10 @@ def main(argv=None) -> int:
         if deadline is not None and time.monotonic() > deadline:
             return op, None, None
         name, _, params = op.partition("/")
-        cpu = bo.run_op(tbo, name, "CPU", None, timeout=args.timeout, max_resume=0, params=params or None)
+        cpu = bo.run_op(direct_tbo, name, direct_device, direct_env, timeout=args.timeout, max_resume=0,
+                        params=params or None)
         env = guest_env(paths, shim, workers.host().socket_path)
-        ap_run = bo.run_op(tbo, name, bo.VIRTGPU_DEVICE, env, expected=cpu.passed(), params=params or None,
+        ap_run = bo.run_op(tbo, name, apir_device, env, expected=cpu.passed(), params=params or None,
                            timeout=args.timeout, max_resume=args.max_resume, deadline=deadline,
                            resume_jobs=args.resume_jobs)
         return op, cpu, ap_run
@@ -148,7 +176,8 @@ def main(argv=None) -> int:
     print(f"ops: {len(ops)}  (wall {wall:.0f} s with {args.jobs} job(s))")
     if not_run:
         print(f"not run (deadline): {len(not_run)} ops: {','.join(not_run)}")
-    print(f"ggml CPU directly : passed {tc[bo.OK]}, failed {tc[bo.FAIL]}, not supported {tc[bo.NOT_SUPPORTED]}, "
+    print(f"{direct_device + ' directly':18}: passed {tc[bo.OK]}, failed {tc[bo.FAIL]}, "
+          f"not supported {tc[bo.NOT_SUPPORTED]}, "
           f"skipped {tc[bo.SKIPPED]}  ({t_cpu:.0f} s)")
     print(f"through apir      : passed {ta[bo.OK]}, failed {ta[bo.FAIL]}, not supported {ta[bo.NOT_SUPPORTED]}, "
           f"skipped {ta[bo.SKIPPED]}, crashed {ta[bo.CRASHED]}  ({t_apir:.0f} s)")

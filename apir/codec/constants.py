@@ -118,6 +118,11 @@ APIR_LOADLIBRARY_MAX_WAIT_S = 60.0
 CONFIG_KEY_LOAD_LIBRARY_PATH = "apir.load_library.path"
 CONFIG_KEY_GGML_LIBRARY_PATH = "ggml.library.path"
 CONFIG_KEY_GGML_LIBRARY_REG = "ggml.library.reg"
+# apir's own: the ggml backend spec (apir.ggml.backend_spec) when no ggml.library.path is set
+CONFIG_KEY_BACKEND = "apir.host.backend"
+# apir's own: "1" offers buffer_from_ptr (guest blobs imported as device buffers) on a device
+# that can import host memory although its props do not say so (ggml-vulkan: external memory host)
+CONFIG_KEY_IMPORT_HOST_MEMORY = "apir.host.import_host_memory"
 ENV_BACKEND_LIBRARY = "VIRGL_APIR_BACKEND_LIBRARY"
 ENV_GGML_LIBRARY_PATH = "APIR_LLAMA_CPP_GGML_LIBRARY_PATH"
 ENV_GGML_LIBRARY_REG = "APIR_LLAMA_CPP_GGML_LIBRARY_REG"

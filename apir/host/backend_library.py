@@ -2,10 +2,14 @@
 
 Theory of operation: the twin of ggml's `libggml-virtgpu-backend.so` (`backend.cpp`,
 `backend-dispatched.cpp`), as a `BackendLibrary`. `initialize` picks the ggml backend: with
-no `ggml.library.path` configured, the CPU device of the loaded ggml's registry
-(`ggml_backend_dev_by_type(CPU)`); with one, that shared library's registration symbol
-(`ggml.library.reg`, default `ggml_backend_init`), like the C. Device 0 of the registration
-serves every command; one `ggml_backend_t` runs the graphs.
+`ggml.library.path` configured, that shared library's registration symbol (`ggml.library.reg`,
+default `ggml_backend_init`) and its device 0, like the C; else with `apir.host.backend`
+(`apir host serve --backend`), the device that spec names in the loaded ggml's registry
+(apir.ggml.backend_spec: `cpu`, `vulkan[:N]`, `rpc:HOST:PORT[,...]`; the contexts of a host
+on several rpc servers are spread over their devices in turn); else the CPU device
+(`ggml_backend_dev_by_type(CPU)`). That device serves every command; one `ggml_backend_t` runs
+the graphs. The backend's profile (apir.host.profiles, by registration name) holds the rules
+its graphs are checked with; a backend without one computes nothing.
 
 Unlike the C, whose buffer list is process-wide, everything a guest can name lives in this
 object, one per context: buffer types and buffers by opaque id (`apir.host.handles`), each
@@ -19,10 +23,14 @@ context is being destroyed or its guest left.
 from __future__ import annotations
 
 import ctypes
+import itertools
+import mmap
 import os
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from apir.codec.constants import (
+    CONFIG_KEY_BACKEND,
+    CONFIG_KEY_IMPORT_HOST_MEMORY,
     CONFIG_KEY_BUFFER_BUDGET,
     CONFIG_KEY_GRAPH_TIME_LIMIT,
     CONFIG_KEY_GGML_LIBRARY_PATH,
@@ -43,6 +51,9 @@ from apir.host.handles import HostBuffer, HostBufferType, VirtualAddressSpace, n
 from apir.host.library import LibraryHost
 from apir.host.limits import DEFAULT_GRAPH_TIME_LIMIT_S, parse_limit
 from apir.host.resources import Resource
+from apir.ggml.backend_props import get_dev_props
+from apir.ggml.backend_spec import BackendSpecError, resolve as resolve_backend
+from apir.host.profiles import BackendProfile, profile_for
 from apir.host.shapes.base import OpEnums
 from apir.host.tensors import TensorChecker
 
@@ -52,6 +63,8 @@ __all__ = ["PythonBackendLibrary", "CONFIG_KEY_BUFFER_BUDGET", "CONFIG_KEY_N_THR
 # machine's cores. ggml's own default (GGML_DEFAULT_N_THREADS = 4) oversubscribes small
 # hosts, and its spinning worker threads then slow a graph down several times.
 CONFIG_KEY_N_THREADS = "apir.host.n_threads"
+_IMPORT_PROBE_SIZE = 1 << 16  # bytes of the host-memory import probe (a multiple of any page size)
+_next_context = itertools.count()  # spreads contexts over the devices of a multi-device spec
 
 
 class PythonBackendLibrary:
@@ -70,6 +83,14 @@ class PythonBackendLibrary:
         self._backend: Optional[int] = None
         self._ggml_cdll: Optional[ctypes.CDLL] = None
         self._op_enums: Optional[OpEnums] = None  # apir.host.graph.lib_op_enums's, once
+        self.profile: Optional[BackendProfile] = None  # None: a backend the host has no rules for
+        self.backend_name = ""  # the ggml registration's name ("CPU", "Vulkan", "RPC", ...)
+        # whether device_buffer_from_ptr wraps guest blobs (the device's buffer_from_host_ptr
+        # cap, or an import probe under apir.host.import_host_memory)
+        self.host_ptr_buffers = False
+        # (ggml_backend_buffer_t, size) of the device buffer the checked row ids are copied into
+        # on a backend whose kernels read device memory (apir.host.graph); kept between graphs
+        self._ids_buffer: Optional[Tuple[int, int]] = None
         self.bufts, self.buffers = new_tables()
         self.vspace = VirtualAddressSpace()
         self._abort: Optional[ComputeAbort] = None  # graph time limit and cancellation
@@ -147,7 +168,18 @@ class PythonBackendLibrary:
             log.error("ctx %d: cannot load ggml: %s", host.ctx_id, exc)
             return LoadRc.CANNOT_OPEN
         path = host.get_config(CONFIG_KEY_GGML_LIBRARY_PATH)
-        if path is None:
+        spec = host.get_config(CONFIG_KEY_BACKEND)
+        dev = None
+        if path is None and spec:
+            try:
+                choice = resolve_backend(g, spec)
+            except BackendSpecError as exc:
+                log.error("ctx %d: backend %r: %s", host.ctx_id, spec, exc)
+                return LoadRc.INIT_BASE_INDEX + InitRc.NO_DEVICE
+            k = next(_next_context) % len(choice.devices)
+            dev = choice.devices[k]
+            reg = g.ggml_backend_dev_backend_reg(dev)
+        elif path is None:
             dev = g.ggml_backend_dev_by_type(g.header.dev_types["CPU"])
             if not dev:
                 log.error("ctx %d: ggml has no CPU device", host.ctx_id)
@@ -170,10 +202,11 @@ class PythonBackendLibrary:
         if not reg:
             log.error("ctx %d: ggml backend registration failed", host.ctx_id)
             return LoadRc.INIT_BASE_INDEX + InitRc.BACKEND_REG_FAILED
-        if g.ggml_backend_reg_dev_count(reg) == 0:
-            log.error("ctx %d: ggml backend %s has no device", host.ctx_id, g.ggml_backend_reg_name(reg))
-            return LoadRc.INIT_BASE_INDEX + InitRc.NO_DEVICE
-        dev = g.ggml_backend_reg_dev_get(reg, 0)
+        if dev is None:
+            if g.ggml_backend_reg_dev_count(reg) == 0:
+                log.error("ctx %d: ggml backend %s has no device", host.ctx_id, g.ggml_backend_reg_name(reg))
+                return LoadRc.INIT_BASE_INDEX + InitRc.NO_DEVICE
+            dev = g.ggml_backend_reg_dev_get(reg, 0)
         if not dev:
             return LoadRc.INIT_BASE_INDEX + InitRc.NO_DEVICE
         backend = g.ggml_backend_dev_init(dev, None)
@@ -181,6 +214,22 @@ class PythonBackendLibrary:
             log.error("ctx %d: ggml backend initialization failed", host.ctx_id)
             return LoadRc.INIT_BASE_INDEX + InitRc.BACKEND_INIT_FAILED
         self.reg, self._dev, self._backend = reg, dev, backend
+        self.backend_name = g.ggml_backend_reg_name(reg).decode()
+        self.host_ptr_buffers = self._host_ptr_buffers(host)
+        self.profile = profile_for(self.backend_name)
+        if self.profile is None:
+            log.warning(
+                "ctx %d: no profile of ggml backend %s (apir.host.profiles): it supports no op and computes no graph",
+                host.ctx_id,
+                self.backend_name,
+            )
+        log.info(
+            "ctx %d: serving on %s (%s), backend %s",
+            host.ctx_id,
+            g.ggml_backend_dev_name(dev).decode(),
+            g.ggml_backend_dev_description(dev).decode(),
+            self.backend_name,
+        )
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         g.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         self._budget = BufferBudget(BufferLimits.from_config(host.get_config, total.value, host.ctx_id))
@@ -191,6 +240,47 @@ class PythonBackendLibrary:
         self._abort = ComputeAbort(g, reg, backend, time_limit_s, name=f"ctx {host.ctx_id}")
         self._checker = TensorChecker(g)
         return LoadRc.INIT_BASE_INDEX + InitRc.SUCCESS
+
+    def _host_ptr_buffers(self, host: LibraryHost) -> bool:
+        """The device's `buffer_from_host_ptr` cap; else, under config
+        `apir.host.import_host_memory=1`, whether it imports a page-aligned probe mapping
+        (ggml-vulkan implements buffer_from_host_ptr with VK_EXT_external_memory_host but its
+        props say false: the import fails on devices without the extension)."""
+        g = self.g
+        if get_dev_props(g, self.dev).get("buffer_from_host_ptr", False):
+            return True
+        if (host.get_config(CONFIG_KEY_IMPORT_HOST_MEMORY) or "").lower() not in ("1", "true", "on", "yes"):
+            return False
+        probe = mmap.mmap(-1, _IMPORT_PROBE_SIZE)
+        try:
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(probe))
+            buf = g.ggml_backend_dev_buffer_from_host_ptr(self.dev, addr, _IMPORT_PROBE_SIZE, _IMPORT_PROBE_SIZE)
+            if buf:
+                g.ggml_backend_buffer_free(buf)
+        finally:
+            try:
+                probe.close()
+            except BufferError:  # pragma: no cover - the from_buffer view is gone by now
+                pass
+        log.info("ctx %d: host memory import %s", host.ctx_id, "works" if buf else "refused by the device")
+        return bool(buf)
+
+    def ids_buffer(self, size: int) -> int:
+        """A device buffer (the device's own type) of at least `size` bytes for the checked row
+        ids of one graph (apir.host.graph), kept and grown between graphs: allocating device
+        memory per graph costs more than the graph on a GPU. 0 when ggml cannot allocate.
+        Not charged to the budget: at most the ids' extents, inside the context's buffers."""
+        g = self.g
+        if self._ids_buffer is not None and self._ids_buffer[1] >= size:
+            return self._ids_buffer[0]
+        if self._ids_buffer is not None:
+            g.ggml_backend_buffer_free(self._ids_buffer[0])
+            self._ids_buffer = None
+        size = max(size, 1 << 16)
+        buf = g.ggml_backend_buft_alloc_buffer(g.ggml_backend_dev_buffer_type(self.dev), size)
+        if buf:
+            self._ids_buffer = (buf, size)
+        return buf or 0
 
     def _set_n_threads(self, host: LibraryHost) -> None:
         """`ggml_backend_set_n_threads` through the registry (ggml's way to find it for any
@@ -224,6 +314,9 @@ class PythonBackendLibrary:
         self.graph_cache.clear()
         for handle, _ in self.buffers.items():
             self.free_buffer(handle)
+        if self._ids_buffer is not None and self._g is not None:
+            self._g.ggml_backend_buffer_free(self._ids_buffer[0])
+            self._ids_buffer = None
         if self._backend and self._g is not None:
             self._g.ggml_backend_free(self._backend)
         self._backend = self._dev = self.reg = None

@@ -5,11 +5,12 @@ that shared-memory resource. Reply: the `enum ggml_status` (i32) of the compute.
 checked against the resource's real size (the C has a placeholder there), the graph is
 parsed and checked (`parse_graph`, `apir.host.graph`), ggml's planned work buffer is bounded
 by the context's work budget (`apir.host.work_plan`), and only a graph that passes is
-computed; one that does not is refused (BACKEND_RC_ERROR, no status). A graph whose structure
-the context computed before reuses that built graph after the re-checks `apir.host.graph_cache`
-describes (`prepare_graph`). The compute runs under
-the context's abort flag: past `apir.host.graph_time_limit_s`, or once the context is being
-destroyed, it stops and the status is GGML_STATUS_ABORTED.
+computed (on a backend without a profile, apir.host.profiles, none is); one that does not
+is refused (BACKEND_RC_ERROR, no status). On the CPU profile a graph whose structure the
+context computed before reuses that built graph after the re-checks `apir.host.graph_cache`
+describes (`prepare_graph`). The compute runs under the context's abort flag: past
+`apir.host.graph_time_limit_s`, or once the context is being destroyed, it stops and the
+status is GGML_STATUS_ABORTED.
 
 Nodes without GGML_TENSOR_FLAG_COMPUTE are skipped by ggml (ggml_build_forward_select leaves
 the branches it does not select without it), so such a graph is computed as ggml computes it;
@@ -26,6 +27,7 @@ from apir.codec.wire import Decoder, Encoder
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.graph import BuiltGraph, build_graph_parts, lib_op_enums
 from apir.host.graph_cache import GraphCache, GraphCacheEntry, graph_key
+from apir.host.profiles import CPU
 from apir.host.tensors import Scratch
 from apir.host.work_plan import check_work_size
 
@@ -40,6 +42,11 @@ def graph_compute(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     res_id, size = dec.u32(), dec.size_t()
     if dec.fatal:
         raise Refused("backend_graph_compute: truncated arguments")
+    if getattr(lib, "profile", CPU) is None:
+        raise Refused(
+            f"backend_graph_compute: the host has no profile of backend {lib.backend_name!r} "
+            "(apir.host.profiles): it computes no graph there"
+        )
     res = lib.shmem(res_id, "backend_graph_compute")
     if size == 0 or size > res.size:
         raise Refused(f"backend_graph_compute: graph of {size} bytes in resource {res_id} ({res.size} bytes)")
@@ -48,7 +55,9 @@ def graph_compute(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     except GraphError as exc:
         raise Refused(f"backend_graph_compute: {exc}") from None
     _warn_if_nothing_to_compute(g, parsed)
-    cache = getattr(lib, "graph_cache", None)
+    # only on the CPU profile: what another backend's compute does to a graph's tensors (and
+    # where its row-id copies live) has not been audited for reuse
+    cache = getattr(lib, "graph_cache", None) if getattr(lib, "profile", CPU) is CPU else None
     entry = prepare_graph(lib, parsed, cache)
     try:
         check_work_size(lib, entry.graph)  # before the CPU backend allocates its work buffer

@@ -10,7 +10,8 @@ Replies, in order (APIR wire values):
                                  its op's shape rule (apir.host.shapes) as far as it can be
                                  checked without data: what graph_compute would refuse is
                                  reported unsupported, so a guest schedules it elsewhere
-                                 instead of failing at compute
+                                 instead of failing at compute. False for every op on a
+                                 backend the host has no profile for (apir.host.profiles)
     get_buffer_type              u64 buffer type handle (opaque id)
     get_props                    bool async, host_buffer, buffer_from_host_ptr, events
                                  [, mmap_support]: the layout of the version the HandShake
@@ -25,7 +26,8 @@ Replies, in order (APIR wire values):
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+import mmap
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from apir.codec.constants import device_props_fields, negotiated_version
 from apir.codec.wire import Decoder, Encoder
@@ -33,7 +35,8 @@ from apir.ggml.backend_props import get_dev_props
 from apir.ggml.layout import tensor_record
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.graph import lib_op_enums, tensor_info
-from apir.host.shapes import node_refusal
+from apir.host.profiles import CPU
+from apir.host.shapes import Rule, node_refusal
 from apir.host.tensors import Scratch, decode_inline_tensor
 
 if TYPE_CHECKING:  # annotations only: backend_library imports the dispatcher, which imports this module
@@ -54,12 +57,12 @@ __all__ = [
 
 
 def get_device_count(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
-    enc.i32(lib.g.ggml_backend_reg_dev_count(lib.reg))
+    enc.i32(_device_count(lib))
     return BACKEND_RC_OK
 
 
 def get_count(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
-    enc.i32(lib.g.ggml_backend_reg_dev_count(lib.reg))
+    enc.i32(_device_count(lib))
     return BACKEND_RC_OK
 
 
@@ -91,7 +94,12 @@ def supports_op(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     with Scratch(lib.g, 2 + chk.limits.max_src) as scratch:
         op = decode_inline_tensor(chk, dec, scratch, "device_supports_op")
         _check_required_srcs(lib, op)
-        ok = bool(lib.g.ggml_backend_dev_supports_op(lib.dev, op)) and _rule_accepts(lib, op)
+        profile = getattr(lib, "profile", CPU)
+        ok = (
+            profile is not None
+            and bool(lib.g.ggml_backend_dev_supports_op(lib.dev, op))
+            and _rule_accepts(lib, op, profile.rules)
+        )
         enc.bool(ok)
     return BACKEND_RC_OK
 
@@ -103,6 +111,7 @@ def get_buffer_type(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> in
 
 def get_props(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     caps = get_dev_props(lib.g, lib.dev)
+    caps["buffer_from_host_ptr"] = getattr(lib, "host_ptr_buffers", caps.get("buffer_from_host_ptr", False))
     host = lib.host
     for name in device_props_fields(negotiated_version(host.guest_version, host.host_version)):
         enc.bool(caps.get(name, False))
@@ -117,17 +126,24 @@ def buffer_from_ptr(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> in
     res = lib.shmem(res_id, "device_buffer_from_ptr")
     if size == 0 or size > res.size:
         raise Refused(f"device_buffer_from_ptr: size {size} does not fit resource {res_id} ({res.size} bytes)")
-    if not get_dev_props(g, lib.dev).get("buffer_from_host_ptr", False):
+    offered = getattr(lib, "host_ptr_buffers", None)
+    if offered is None:
+        offered = get_dev_props(g, lib.dev).get("buffer_from_host_ptr", False)
+    if not offered:
         raise Refused("device_buffer_from_ptr: the device cannot wrap host memory")
     align = g.ggml_backend_buft_get_alignment(g.ggml_backend_dev_buffer_type(lib.dev))
     if res.address % align:
         raise Refused(f"device_buffer_from_ptr: resource {res_id} is not {align}-byte aligned")
+    # an importing GPU wants whole pages (Vulkan: minImportedHostPointerAlignment); the blob
+    # is whole pages, so the wrapped size is rounded up within it
+    wrap = min(res.size, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
     handle = lib.hold_buffer(
-        size,
+        wrap,
         align,
-        lambda: g.ggml_backend_dev_buffer_from_host_ptr(lib.dev, res.address, size, max_tensor_size),
+        lambda: g.ggml_backend_dev_buffer_from_host_ptr(lib.dev, res.address, wrap, max_tensor_size),
         res_id=res_id,
     )
+    log.debug("ctx %d: device_buffer_from_ptr: resource %d, %d bytes wrapped", lib.host.ctx_id, res_id, wrap)
     enc.handle(handle)
     buf = lib.buffers.get(handle) if handle else None
     enc.handle(buf.buft_handle if buf is not None else 0)
@@ -135,6 +151,13 @@ def buffer_from_ptr(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> in
 
 
 # --- helpers ---------------------------------------------------------------------------------
+def _device_count(lib: PythonBackendLibrary) -> int:
+    """The registration's device count, as the C answers; at least 1: ggml-rpc's registration
+    enumerates none (its servers' devices hang off per-server registrations), yet the host
+    serves one of them."""
+    return max(1, lib.g.ggml_backend_reg_dev_count(lib.reg))
+
+
 # Sources ggml-cpu's supports_op dereferences for these ops (ggml-cpu.cpp), by op name.
 _REQUIRED_SRCS = {
     "MUL_MAT": 2,
@@ -147,7 +170,7 @@ _REQUIRED_SRCS = {
 }
 
 
-def _rule_accepts(lib: PythonBackendLibrary, t: int) -> bool:
+def _rule_accepts(lib: PythonBackendLibrary, t: int, rules: Optional[Mapping[str, Rule]] = None) -> bool:
     """Whether the op's shape rule accepts inline tensor `t` (its twin) and the sources sent
     with it. The inline encoding stops at the first null source, so a later source (e.g.
     soft_max's sinks without a mask) is not seen here; graph_compute still checks it."""
@@ -158,7 +181,7 @@ def _rule_accepts(lib: PythonBackendLibrary, t: int) -> bool:
         if not p:
             break
         srcs.append(tensor_info(lib, i + 1, tensor_record(p, dtype), None))
-    why = node_refusal(tensor_info(lib, 0, rec, None), srcs, lib_op_enums(lib))
+    why = node_refusal(tensor_info(lib, 0, rec, None), srcs, lib_op_enums(lib), rules)
     if why is not None:
         log.debug("ctx %d: device_supports_op: false, %s", lib.host.ctx_id, why)
     return why is None

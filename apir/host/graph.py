@@ -41,6 +41,7 @@ from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
 from apir.host.shapes import OpEnums, TensorInfo, check_node, op_enums
 from apir.host.shapes.base import check_span
+from apir.host.profiles import CPU, EMPTY_OPS, BackendProfile
 from apir.host.work_plan import work_budget
 from apir.host.tensors import Scratch
 
@@ -80,23 +81,20 @@ def lib_op_enums(lib: PythonBackendLibrary) -> OpEnums:
     return enums
 
 
-# Ops the CPU does not compute (ggml_op_is_empty): their nodes write nothing.
-_EMPTY_OPS = frozenset(("NONE", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE"))
-# Ops ggml-cpu's ggml_get_n_tasks gives 1 task (ggml 0.10 and 0.20): a graph of only these
-# runs on one thread (cplan.n_threads = the most tasks of any node).
-_ONE_TASK_OPS = _EMPTY_OPS | {"GET_ROWS", "SET_ROWS", "GET_ROWS_BACK"}
+_EMPTY_OPS = EMPTY_OPS  # ops whose nodes write nothing (ggml_op_is_empty)
 
 
-def _check_graph_needs(parsed, infos, bufs, offsets, extents) -> None:
+def _check_graph_needs(parsed, infos, bufs, offsets, extents, profile: BackendProfile = CPU) -> None:
     """What rules asked of the whole graph: row ids they read before compute are not written
     by a node that runs before (or is) their last reader (a node's own result, or the sources
     an OPT_STEP_* updates in place): ggml CPU would then read other ids than those checked.
     A write after the last reader is fine (ggml's allocator reuses a consumed input's memory),
     and the kernels read the checked copy anyway (TensorInfo.snapshot). And a kernel that is
-    only safe on one thread is in a graph that the CPU runs on one thread."""
+    only safe on one thread is in a graph that the CPU runs on one thread (the profile's
+    `one_task_ops`)."""
     nodes = [int(j) for j in parsed.node_index]
     if any(info.one_thread for info in infos):
-        many = [j for j in nodes if infos[j].op_name not in _ONE_TASK_OPS]
+        many = [j for j in nodes if infos[j].op_name not in profile.one_task_ops]
         if many:
             who = next(info for info in infos if info.one_thread)
             why = (
@@ -397,8 +395,12 @@ def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums
     # per tensor: its HostBuffer and data offset (Python ints); recs.extents: its extent
     bufs, offsets = recs.bufs, recs.offsets.tolist()
     infos = _infos(lib, parsed, [b.base + o for b, o in zip(bufs, offsets)])
+    profile = getattr(lib, "profile", None) or CPU
     for info, b, o in zip(infos, bufs, offsets):
         info.room = b.size - o  # bytes to the end of its buffer (TensorInfo.room)
+    if not profile.host_addressable:
+        for info, b, o in zip(infos, bufs, offsets):
+            info.fetch = _fetcher(lib, b, o)
     _check_spans(lib, parsed, infos, recs)
     src_rows = parsed.src_index.tolist()
     for i in range(n):
@@ -406,16 +408,90 @@ def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums
         k = len(row)
         while k and row[k - 1] < 0:
             k -= 1
-        check_node(infos[i], [infos[j] if j >= 0 else None for j in row[:k]], enums)
-    _check_graph_needs(parsed, infos, bufs, offsets, recs.extents.tolist())
+        check_node(infos[i], [infos[j] if j >= 0 else None for j in row[:k]], enums, profile.rules)
+    _check_graph_needs(parsed, infos, bufs, offsets, recs.extents.tolist(), profile)
 
     host = _create_tensors(lib, parsed, scratch, recs).tolist()
-    for info, addr in zip(infos, host):
-        if info.snapshot is not None:  # row ids: the kernel reads the copy the rule checked
-            tensor_record(addr, lib.checker.tensor_dtype)["data"] = ctypes.addressof(info.snapshot)
-            scratch.pinned.append(info.snapshot)
+    # row ids: the kernel reads the copy the rule checked (the guest may write the original,
+    # e.g. in a buffer of its memory, between the check and the kernel)
+    if profile.host_addressable:
+        for info, addr in zip(infos, host):
+            if info.snapshot is not None:
+                tensor_record(addr, lib.checker.tensor_dtype)["data"] = ctypes.addressof(info.snapshot)
+                scratch.pinned.append(info.snapshot)
+    else:
+        _point_at_device_copies(lib, scratch, [(info, addr) for info, addr in zip(infos, host) if info.snapshot])
+    if profile.device_checks_nodes:
+        _check_device_supports(lib, parsed, infos, host)
     graph = g.ggml_new_graph_custom(scratch.ctx, max(len(parsed.node_index), 1), False)
     add = g.ggml_graph_add_node
     for j in parsed.node_index.tolist():
         add(graph, host[j])
     return BuiltGraph(graph, host, infos, src_rows, bufs)
+
+
+def _check_device_supports(lib, parsed, infos, host) -> None:
+    """Every node that computes something passes the device's own `supports_op` (a GPU
+    backend aborts on a node it has no kernel for; apir.host.profiles)."""
+    supports = lib.g.ggml_backend_dev_supports_op
+    for j in parsed.node_index.tolist():
+        if infos[j].op_name not in _EMPTY_OPS and not supports(lib.dev, host[j]):
+            raise Refused(f"node {j}: the device does not support {infos[j].op_name} of this shape and types")
+
+
+def _bytes_tensor(lib, scratch: Scratch, buffer: int, data: int, n: int) -> int:
+    """A 1-d I8 tensor over the `n` bytes at `data` of ggml buffer `buffer`, for copies
+    through the backend (ggml_backend_tensor_get / _set)."""
+    g = lib.g
+    return lib.checker.host_tensor(
+        scratch, g.types["I8"], [n, 1, 1, 1], [1, n, n, n], 0, 0, 0, b"row ids\0", buffer, data
+    )
+
+
+def _fetcher(lib, buf, offset: int):
+    """`TensorInfo.fetch` of a tensor at `offset` in `buf`: its first `n` bytes copied out
+    through the backend (`ggml_backend_tensor_get` on a byte tensor over them)."""
+
+    def fetch(n: int) -> ctypes.Array:
+        out = ctypes.create_string_buffer(max(n, 1))
+        if n:
+            with Scratch(lib.g, 1) as s:
+                t = _bytes_tensor(lib, s, buf.ptr, buf.base + offset, n)
+                lib.g.ggml_backend_tensor_get(t, ctypes.addressof(out), 0, n)
+        return out
+
+    return fetch
+
+
+def _point_at_device_copies(lib, scratch: Scratch, snaps) -> None:
+    """Where kernels read device memory: the checked row ids (`snaps`: (TensorInfo with a
+    snapshot, host tensor)) copied, in one transfer, into a buffer of the device's own type
+    (the context's `ids_buffer`, kept between graphs; else one made for this graph and freed
+    with `scratch`), and each host tensor pointed at its copy (its view_src cleared:
+    ggml-vulkan addresses a view through its source). The copies are at most the ids'
+    extents, already inside the context's charged buffers."""
+    if not snaps:
+        return
+    g = lib.g
+    buft = g.ggml_backend_dev_buffer_type(lib.dev)
+    align = max(1, g.ggml_backend_buft_get_alignment(buft))
+    offsets, total = [], 0
+    for info, _ in snaps:
+        offsets.append(total)
+        total += -(-len(info.snapshot) // align) * align
+    keep = getattr(lib, "ids_buffer", None)
+    buf = keep(total) if keep is not None else g.ggml_backend_buft_alloc_buffer(buft, total)
+    if not buf:
+        raise Refused(f"graph: no device buffer of {total} bytes for the checked row ids")
+    if keep is None:
+        scratch.buffers.append(buf)
+    base = g.ggml_backend_buffer_get_base(buf)
+    staging = (ctypes.c_char * total)()
+    for (info, _), off in zip(snaps, offsets):
+        staging[off : off + len(info.snapshot)] = info.snapshot.raw
+    with Scratch(g, 1) as copies:
+        g.ggml_backend_tensor_set(_bytes_tensor(lib, copies, buf, base, total), ctypes.addressof(staging), 0, total)
+    dtype = lib.checker.tensor_dtype
+    for (_, addr), off in zip(snaps, offsets):
+        rec = tensor_record(addr, dtype)
+        rec["buffer"], rec["data"], rec["view_src"], rec["view_offs"] = buf, base + off, 0, 0

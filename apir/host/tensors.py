@@ -44,6 +44,7 @@ class Scratch:
     def __init__(self, g, n_tensors: int, graph_size: int = 0):
         self.g = g
         self.pinned: list[ctypes.Array] = []  # memory the context's tensors point into, kept until close
+        self.buffers: list[int] = []  # ggml buffers made for this scratch's tensors, freed on close
         size = g.ggml_tensor_overhead() * (n_tensors + 1) + 1024
         if graph_size:
             size += g.ggml_graph_overhead_custom(graph_size, False)
@@ -53,6 +54,9 @@ class Scratch:
             raise MemoryError(f"ggml_init of a {size}-byte context failed")
 
     def close(self) -> None:
+        for buf in self.buffers:
+            self.g.ggml_backend_buffer_free(buf)
+        self.buffers = []
         if self.ctx:
             self.g.ggml_free(self.ctx)
             self.ctx = None

@@ -20,7 +20,8 @@ CONV_TRANSPOSE_*'s copies of kernel and input; per-thread rows for the rest): fa
 for models whose activations fit in a few hundred MiB. A value that is not a number means 0
 (every graph that plans a work buffer is refused), as for `apir.host.buffer_budget`.
 
-Backends: only a CPU backend (`ggml_backend_is_cpu`) plans this way; another backend (a
+Backends: only a CPU backend (`ggml_backend_is_cpu`, and a backend profile that says so,
+apir.host.profiles `plans_work_buffer`) plans this way; another backend (Vulkan, RPC, a
 configured `ggml.library.path`) allocates its own scratch, and no bound is applied here.
 
 Errors: `Refused` when the plan exceeds the budget.
@@ -72,7 +73,8 @@ def check_work_size(lib: PythonBackendLibrary, graph: int) -> int | None:
     for it than `work_budget(lib)` (issue 13, class 2); returns the planned size (None for a
     backend that is not the CPU's). Raises Refused."""
     g = lib.g
-    if not g.ggml_backend_is_cpu(lib.backend):
+    profile = getattr(lib, "profile", None)
+    if (profile is not None and not profile.plans_work_buffer) or not g.ggml_backend_is_cpu(lib.backend):
         return None
     size = planned_work_size(g, graph, lib.n_threads)
     budget = work_budget(lib)

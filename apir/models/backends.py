@@ -19,7 +19,7 @@ from typing import Callable, Optional
 from apir.errors import ApirError
 from apir.ggml import load as load_ggml
 
-__all__ = ["OpenedBackend", "BackendUnavailable", "open_backend", "open_local_cpu"]
+__all__ = ["OpenedBackend", "BackendUnavailable", "open_backend", "open_local_cpu", "open_local_device"]
 
 
 class BackendUnavailable(ApirError, RuntimeError):
@@ -32,7 +32,7 @@ class OpenedBackend:
 
     backend:     `ggml_backend_t` (int).
     buft:        the buffer type to allocate weights and compute buffers in.
-    transport:   "embedded", "socket", "drm" (through APIR) or "local-cpu" (no APIR).
+    transport:   "embedded", "socket", "drm" (through APIR), "local-cpu" or "local" (no APIR).
     description: one line for people: device name and where it runs.
     fallback:    True when APIR was the default choice but local ggml CPU stands in for it.
     """
@@ -46,7 +46,7 @@ class OpenedBackend:
 
     @property
     def through_apir(self) -> bool:
-        return self.transport != "local-cpu"
+        return self.transport not in ("local-cpu", "local")
 
     def close(self) -> None:
         if self._close is not None:
@@ -78,6 +78,41 @@ def open_local_cpu(n_threads: Optional[int] = None, fallback_reason: Optional[st
         "local-cpu",
         desc,
         fallback=fallback_reason is not None,
+        _close=lambda: g.ggml_backend_free(backend),
+    )
+
+
+def open_local_device(spec: str, n_threads: Optional[int] = None) -> OpenedBackend:
+    """The ggml device an apir.ggml.backend_spec names (``cpu``, ``vulkan:0``, ``rpc:HOST:PORT``:
+    its first device), in this process, not through APIR: the baseline a remote run on the same
+    backend is compared with. A CPU device gets `n_threads` (default min(4, cores)). Raises
+    BackendUnavailable."""
+    import ctypes
+
+    from apir.ggml.backend_spec import BackendSpecError, resolve
+
+    g = load_ggml()
+    try:
+        dev = resolve(g, spec).devices[0]
+    except BackendSpecError as exc:
+        raise BackendUnavailable(str(exc)) from exc
+    backend = g.ggml_backend_dev_init(dev, None)
+    if not backend:
+        raise BackendUnavailable(f"{spec}: ggml_backend_dev_init failed")
+    reg = g.ggml_backend_dev_backend_reg(dev)
+    fn_ptr = g.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_set_n_threads")
+    threads = ""
+    if fn_ptr:
+        n = n_threads or min(4, os.cpu_count() or 1)
+        ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int)(fn_ptr)(backend, n)
+        threads = f", {n} threads"
+    name = g.ggml_backend_dev_name(dev).decode()
+    desc = f"{name} ({g.ggml_backend_dev_description(dev).decode()}; local ggml {g.version}{threads}, not through APIR)"
+    return OpenedBackend(
+        backend,
+        g.ggml_backend_dev_buffer_type(dev),
+        "local",
+        desc,
         _close=lambda: g.ggml_backend_free(backend),
     )
 

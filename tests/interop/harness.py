@@ -89,22 +89,26 @@ def guest_env(paths: Dict[str, str], shim: Path, socket_path: str) -> dict:
 class HostProcess:
     """`python -m tests.interop.serve_host` on the C build's ggml, with apir's Python dispatcher
     (c_library=False) or the C backend library. Use as a context manager; `log` holds its stderr
-    once stopped."""
+    once stopped. `backend`: a backend spec (apir.host.backend, e.g. ``vulkan:0``) served
+    instead of the C build's CPU library, with `env` (e.g. another ggml build's
+    APIR_GGML_LIB_DIR, the Vulkan driver's variables) over the C build's environment."""
 
     def __init__(self, paths: Dict[str, str], socket_path: Path, c_library: bool = False,
-                 log_level: str = "WARNING", n_threads: Optional[int] = None):
+                 log_level: str = "WARNING", n_threads: Optional[int] = None,
+                 backend: Optional[str] = None, env: Optional[dict] = None):
         self.paths = paths
         self.socket_path = Path(socket_path)
         self.log_path = self.socket_path.with_suffix(".log")
+        where = (["--backend", backend] if backend else
+                 ["--ggml-library", paths["LIBGGML_CPU"], "--ggml-reg", "ggml_backend_cpu_reg"])
         cmd = [sys.executable, "-m", "tests.interop.serve_host", "--socket", str(self.socket_path),
-               "--ggml-library", paths["LIBGGML_CPU"], "--ggml-reg", "ggml_backend_cpu_reg",
-               "--log-level", log_level]
+               *where, "--log-level", log_level]
         if n_threads:
             cmd += ["--n-threads", str(n_threads)]
         if c_library:
             cmd += ["--c-library", paths["LIBGGML_VIRTGPU_BACKEND"]]
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=c_build_env(paths), cwd=REPO, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(cmd, env={**c_build_env(paths), **(env or {})}, cwd=REPO, stdout=subprocess.PIPE,
                                      stderr=self._log, text=True)
         line = self.proc.stdout.readline()  # "ready" once the socket listens
         if line.strip() != "ready":

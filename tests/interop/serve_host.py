@@ -2,6 +2,7 @@
 guest, with either apir's Python dispatcher or a C backend library behind it.
 
     python -m tests.interop.serve_host --socket PATH [--c-library LIB] [--ggml-library LIB --ggml-reg SYM]
+                                       [--backend SPEC]
 
 `--c-library` makes every context load that C backend library (libggml-virtgpu-backend.so)
 through apir.host.c_library; without it the built-in Python dispatcher serves. The ggml this
@@ -25,6 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--c-library", help="C APIR backend library (apir.load_library.path)")
     ap.add_argument("--ggml-library", help="ggml backend library for the C library (ggml.library.path)")
     ap.add_argument("--ggml-reg", help="its registration symbol (ggml.library.reg)")
+    ap.add_argument("--backend", help="ggml backend spec (apir.host.backend: vulkan:0, rpc:HOST:PORT, ...)")
     ap.add_argument("--log-level", default="WARNING")
     ap.add_argument("--n-threads", type=int, help="CPU backend threads (apir.host.n_threads)")
     args = ap.parse_args(argv)
@@ -43,6 +45,8 @@ def main(argv=None) -> int:
         config["ggml.library.path"] = args.ggml_library
     if args.ggml_reg:
         config["ggml.library.reg"] = args.ggml_reg
+    if args.backend:
+        config["apir.host.backend"] = args.backend
     if args.n_threads:
         config["apir.host.n_threads"] = str(args.n_threads)
     # ggml's C guest (0.20) never destroys the blob of a host-memory buffer it frees

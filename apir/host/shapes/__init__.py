@@ -36,7 +36,7 @@ them into `CHECKED_OPS`.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, Mapping, Optional, Sequence
 
 from apir.host.errors import Refused
 from apir.host.shapes import attention, backward, conv, elementwise, layout, matrix, rope, tensor_ops
@@ -59,11 +59,17 @@ for _family in (elementwise, layout, matrix, rope, backward, tensor_ops, conv, a
     CHECKED_OPS.update(_family.RULES)
 
 
-def check_node(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]], enums: OpEnums) -> None:
+def check_node(
+    node: TensorInfo,
+    srcs: Sequence[Optional[TensorInfo]],
+    enums: OpEnums,
+    rules: Optional[Mapping[str, Rule]] = None,
+) -> None:
     """Raises Refused unless `node` is what ggml would build from `srcs`. First, for every op,
     `base.check_empty_sources` (a result with elements from a source without, unless the
-    rule is marked `base.empty_sources_ok`), then the op's rule."""
-    rule = CHECKED_OPS.get(node.op_name)
+    rule is marked `base.empty_sources_ok`), then the op's rule from `rules` (a backend
+    profile's table, apir.host.profiles; default `CHECKED_OPS`, the CPU's)."""
+    rule = (CHECKED_OPS if rules is None else rules).get(node.op_name)
     if rule is None:
         raise Refused(
             f"node {node.index}: op {node.op_name} has no shape check on this host",
@@ -81,11 +87,16 @@ def check_node(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]], enums: Op
         raise
 
 
-def node_refusal(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]], enums: OpEnums) -> Optional[str]:
+def node_refusal(
+    node: TensorInfo,
+    srcs: Sequence[Optional[TensorInfo]],
+    enums: OpEnums,
+    rules: Optional[Mapping[str, Rule]] = None,
+) -> Optional[str]:
     """Why check_node would refuse `node`, or None: device_supports_op's view of the rules
     (with `address=None` infos the checks of row ids' values are skipped)."""
     try:
-        check_node(node, srcs, enums)
+        check_node(node, srcs, enums, rules)
     except Refused as exc:
         return str(exc)
     return None

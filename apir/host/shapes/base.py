@@ -141,6 +141,10 @@ class TensorInfo:
     # in which a node writes over the original before its readers ran (the ids used would not
     # be those of ggml CPU)
     snapshot: Optional[ctypes.Array] = None
+    # how to copy `n` bytes of its data when kernels do not read host memory (a GPU or a
+    # remote backend, apir.host.profiles: `address` is then the backend's own pointer, never
+    # dereferenced): a copy through the backend (ggml_backend_tensor_get); None: read `address`
+    fetch: Optional[Callable[[int], ctypes.Array]] = None
     read_by: Optional[List[int]] = None  # graph indices of the nodes whose rules read the snapshot
     # set by a rule whose kernel is only safe when the whole graph runs on one thread
     one_thread: bool = False
@@ -350,7 +354,9 @@ def row_ids(node: TensorInfo, ids: TensorInfo, types=("I32",), flat: bool = Fals
     if n == 0:
         return np.zeros(0, dtype)
     size = extent(ids)
-    if ids.snapshot is None:
+    if ids.snapshot is None and ids.fetch is not None:
+        ids.snapshot = ids.fetch(size)
+    elif ids.snapshot is None:
         ids.snapshot = ctypes.create_string_buffer(size)
         ctypes.memmove(ids.snapshot, ids.address, size)
     ids.read_by = (ids.read_by or []) + [node.index]

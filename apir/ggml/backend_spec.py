@@ -1,0 +1,140 @@
+"""A ggml backend device named by a short spec, found through ggml's own backend registry.
+
+Theory of operation: ggml registers every backend it was built with (`ggml_backend_reg_*`,
+ggml-backend-reg.cpp): a registration ("CPU", "Vulkan", "RPC", ...) has devices, and a device
+makes backends and buffer types. So choosing a backend needs no per-backend code: a name finds
+the registration (`ggml_backend_reg_by_name`, case-insensitive), an index its device. The one
+exception is ggml-rpc, whose registration enumerates no devices: its servers are added with
+the function the registration hands out by name (`ggml_backend_reg_get_proc_address(reg,
+"ggml_backend_rpc_add_server")`), each becoming a registration with the server's devices.
+
+Specs (`apir host serve --backend SPEC`, config key `apir.host.backend`):
+    cpu                           ggml's CPU device (`ggml_backend_dev_by_type(CPU)`)
+    NAME[:N]                      device N (default 0) of registration NAME: vulkan, vulkan:1,...
+    rpc:HOST:PORT[,HOST:PORT...]  ggml-rpc servers, every device of each, in order
+A path to a ggml backend library is not a spec: it goes to `ggml.library.path` (the C host's
+key, apir.host.backend_library), which dlopens it and calls its registration symbol.
+
+ggml-rpc aborts its client process (GGML_ABORT, "Remote RPC server crashed") when a server does
+not answer, also while adding one: `resolve` first connects to each server itself and refuses
+one it cannot reach.
+
+Errors: `BackendSpecError` (a bad spec, an unknown registration or device, an unreachable server).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import List, Tuple
+
+from apir.errors import ApirError
+from apir.ggml.lib import Ggml
+
+__all__ = ["BackendSpecError", "BackendChoice", "parse_spec", "resolve"]
+RPC_CONNECT_TIMEOUT_S = 5.0
+
+
+class BackendSpecError(ApirError, ValueError):
+    """A backend spec that names nothing this ggml build (or network) has."""
+
+
+@dataclass(frozen=True)
+class ParsedSpec:
+    """`kind` "cpu", "rpc" or "reg"; `name` the registration's name; `index` the device (reg);
+    `endpoints` HOST:PORT strings (rpc)."""
+
+    kind: str
+    name: str = ""
+    index: int = 0
+    endpoints: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """What a spec resolved to: `devices` (ggml_backend_dev_t, at least one) and the
+    registration of each (`regs`, same order)."""
+
+    spec: str
+    devices: List[int]
+    regs: List[int]
+
+
+def parse_spec(spec: str) -> ParsedSpec:
+    """The parts of `spec` (see the module docstring). Raises BackendSpecError."""
+    text = spec.strip()
+    if not text:
+        raise BackendSpecError("empty backend spec")
+    head, sep, rest = text.partition(":")
+    if head.lower() == "cpu" and not sep:
+        return ParsedSpec("cpu", "CPU")
+    if head.lower() == "rpc":
+        endpoints = tuple(e.strip() for e in rest.split(",")) if sep else ()
+        if not endpoints or any(not _endpoint_ok(e) for e in endpoints):
+            raise BackendSpecError(f"{spec!r}: expected rpc:HOST:PORT[,HOST:PORT...]")
+        return ParsedSpec("rpc", "RPC", endpoints=endpoints)
+    if "/" in text:
+        raise BackendSpecError(f"{spec!r}: a library path goes to ggml.library.path, not a backend spec")
+    index = 0
+    if sep:
+        if not rest.isdigit():
+            raise BackendSpecError(f"{spec!r}: expected NAME[:DEVICE_INDEX]")
+        index = int(rest)
+    return ParsedSpec("reg", head, index=index)
+
+
+def _endpoint_ok(endpoint: str) -> bool:
+    host, sep, port = endpoint.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def check_reachable(endpoint: str, timeout: float = RPC_CONNECT_TIMEOUT_S) -> None:
+    """Connects to ggml-rpc server `endpoint` (HOST:PORT) and hangs up. Raises
+    BackendSpecError when nothing listens there."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise BackendSpecError(f"ggml-rpc server {endpoint} not reachable: {exc}") from exc
+
+
+def resolve(g: Ggml, spec: str) -> BackendChoice:
+    """The devices `spec` names in build `g`'s registry. Raises BackendSpecError."""
+    p = parse_spec(spec)
+    if p.kind == "cpu":
+        dev = g.ggml_backend_dev_by_type(g.header.dev_types["CPU"])
+        if not dev:
+            raise BackendSpecError("this ggml has no CPU device")
+        return BackendChoice(spec, [dev], [g.ggml_backend_dev_backend_reg(dev)])
+    reg = g.ggml_backend_reg_by_name(p.name.encode())
+    if not reg:
+        names = [g.ggml_backend_reg_name(g.ggml_backend_reg_get(i)).decode() for i in range(g.ggml_backend_reg_count())]
+        raise BackendSpecError(f"{spec!r}: this ggml has no backend {p.name!r} (it has {', '.join(names)})")
+    if p.kind == "rpc":
+        return _resolve_rpc(g, spec, reg, p.endpoints)
+    n = g.ggml_backend_reg_dev_count(reg)
+    if p.index >= n:
+        raise BackendSpecError(f"{spec!r}: backend {p.name} has {n} device(s)")
+    return BackendChoice(spec, [g.ggml_backend_reg_dev_get(reg, p.index)], [reg])
+
+
+def _resolve_rpc(g: Ggml, spec: str, reg: int, endpoints: Tuple[str, ...]) -> BackendChoice:
+    import ctypes
+
+    fn_ptr = g.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_server")
+    if not fn_ptr:
+        raise BackendSpecError("the RPC backend of this ggml has no ggml_backend_rpc_add_server")
+    add_server = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(fn_ptr)
+    devices, regs = [], []
+    for endpoint in endpoints:
+        check_reachable(endpoint)
+        server_reg = add_server(endpoint.encode())
+        if not server_reg:
+            raise BackendSpecError(f"ggml-rpc server {endpoint}: ggml_backend_rpc_add_server failed")
+        for i in range(g.ggml_backend_reg_dev_count(server_reg)):
+            devices.append(g.ggml_backend_reg_dev_get(server_reg, i))
+            regs.append(server_reg)
+    if not devices:
+        raise BackendSpecError(f"{spec!r}: the servers offer no device")
+    return BackendChoice(spec, devices, regs)

@@ -1,0 +1,89 @@
+"""apir's host computing on ggml's Vulkan backend (Mesa's lavapipe: Vulkan on the CPU), next to
+ggml Vulkan directly. Needs scripts/build-ggml-backends.sh's build (made on first use, about 6
+minutes on 2 cores; skipped without its prerequisites, failed under APIR_REQUIRE_SYSTEM_TESTS=1)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests import ggml_backends
+from tests.backends.conftest import REPO, base_env, host_serve, minilm
+
+pytestmark = pytest.mark.vulkan
+
+
+@pytest.fixture(scope="module")
+def vk(backends_build):
+    """The build, once its Vulkan device (lavapipe) is seen: ggml prints `ggml_vulkan: 0 = ...`."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import apir.ggml, apir.ggml.backend_spec as s; g = apir.ggml.load(); "
+         "d = s.resolve(g, 'vulkan:0').devices[0]; print(g.ggml_backend_dev_description(d).decode())"],
+        env=base_env(backends_build, True), cwd=REPO, capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0 or "ggml_vulkan: 0 = " not in probe.stderr + probe.stdout:
+        ggml_backends.skip_or_fail(f"no ggml Vulkan device on lavapipe: {(probe.stderr + probe.stdout)[-1500:]}")
+    assert "llvmpipe" in probe.stdout, probe.stdout
+    return backends_build
+
+
+def test_info_names_the_vulkan_device(vk, tmp_path):
+    sock = tmp_path / "host.sock"
+    host = host_serve(vk, sock, "vulkan:0", True, tmp_path / "host.log")
+    try:
+        out = subprocess.run([sys.executable, "-m", "apir", "info", "--socket", str(sock), "--json"],
+                             env=base_env(vk, True), cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        info = json.loads(out.stdout)
+        assert info["device"]["name"] == "Vulkan0"
+        assert "llvmpipe" in info["device"]["description"]
+        assert info["buffer_type"]["name"] == "Vulkan0"
+        assert "backend Vulkan" in host.log()
+    finally:
+        host.close()
+
+
+def test_minilm_through_apir_is_byte_identical_to_local_vulkan(vk, tmp_path):
+    local = minilm(vk, "vulkan:0", tmp_path / "local.npy", True)
+    assert local.returncode == 0, local.stderr[-3000:]
+    assert "Vulkan0" in local.stdout and "not through APIR" in local.stdout
+    sock = tmp_path / "host.sock"
+    host = host_serve(vk, sock, "vulkan:0", True, tmp_path / "host.log")
+    try:
+        remote = minilm(vk, "vulkan:0", tmp_path / "remote.npy", True, device=f"unix:{sock}")
+        assert remote.returncode == 0, remote.stderr[-3000:] + host.log()[-3000:]
+    finally:
+        host.close()
+    assert "Vulkan0 through APIR" in remote.stdout
+    a, b = np.load(tmp_path / "local.npy"), np.load(tmp_path / "remote.npy")
+    assert a.shape == (4, 384) and np.isfinite(a).all()
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    # and it is Vulkan's result, not the CPU's: lavapipe's sums differ in the last bits
+    cpu = minilm(vk, "cpu", tmp_path / "cpu.npy", False)
+    assert cpu.returncode == 0, cpu.stderr[-3000:]
+    c = np.load(tmp_path / "cpu.npy")
+    assert np.abs(a - c).max() < 1e-3
+
+
+# A subset that keeps CI within a few minutes once lavapipe's shader cache is warm: an
+# elementwise op, a unary one and row gathers (GET_ROWS: the row-id copies on the device).
+TBO_OPS = "ADD,SCALE,GET_ROWS"
+
+
+def test_backend_ops_through_apir_pass_where_vulkan_passes(vk, tmp_path):
+    out = tmp_path / "tbo.json"
+    done = subprocess.run(
+        [sys.executable, "scripts/run-test-backend-ops.py", "--backend", "vulkan:0", "--lavapipe",
+         "--ops", TBO_OPS, "--json", str(out), "--host-threads", "1", "--timeout", "900"],
+        env=base_env(vk, False), cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(out.read_text())["summary"]
+    direct, apir = summary["cpu"], summary["apir"]  # "cpu": the baseline, here Vulkan0 directly
+    print(done.stdout[-2500:])
+    assert direct["ok"] > 50, summary
+    assert summary["regressions"] == [], summary["regressions"][:20]
+    assert apir["ok"] >= direct["ok"]
+    assert done.returncode == 0, done.stdout[-3000:]

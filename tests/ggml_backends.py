@@ -1,0 +1,117 @@
+"""ggml with its Vulkan and RPC backends (plus test-backend-ops, rpc-server and Mesa's lavapipe),
+built once with scripts/build-ggml-backends.sh from the libggml-python 0.20.2.post1 sdist (the
+one tests/cref.py downloads) and cached in <cache>/ggml-backends/0.20.2.post1, <cache> as in
+tests/cref.py (`user_cache_dir()`). A file lock keeps two test processes from building at once.
+
+System tests (markers `vulkan`, `rpc`) reach the build through `build_or_skip()`: it skips with
+the reason when a prerequisite is missing (glslc, spirv-headers, ... : .ci/run installs them) or
+the build fails, but when APIR_REQUIRE_SYSTEM_TESTS=1 (CI sets it) that is a failure instead.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests import cref
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD_SCRIPT = REPO / "scripts" / "build-ggml-backends.sh"
+SDIST_VERSION = "0.20.2.post1"  # libggml-python, the sdist tests/cref.py fetches for "0.20"
+ENV_REQUIRE = "APIR_REQUIRE_SYSTEM_TESTS"
+_TOOLS = ("cmake", "ninja", "gcc", "g++", "glslc", "apt-get", "dpkg-deb")
+
+
+class BuildFailed(RuntimeError):
+    """scripts/build-ggml-backends.sh failed; the message ends with its log's last lines."""
+
+
+def required() -> bool:
+    """Whether a missing prerequisite of a system test fails it ($APIR_REQUIRE_SYSTEM_TESTS=1)."""
+    return os.environ.get(ENV_REQUIRE, "") not in ("", "0")
+
+
+def skip_or_fail(reason: str) -> None:
+    """pytest.skip(reason), or pytest.fail when system tests are required."""
+    if required():
+        pytest.fail(f"{reason} ({ENV_REQUIRE}=1)")
+    pytest.skip(reason)
+
+
+def cache_dir() -> Path:
+    return cref.user_cache_dir() / "ggml-backends" / SDIST_VERSION
+
+
+def missing_prerequisites() -> list:
+    """What the build needs and this machine lacks (tool names, files)."""
+    missing = [t for t in _TOOLS if shutil.which(t) is None]
+    if not Path("/usr/include/spirv/unified1/spirv.hpp").exists():
+        missing.append("spirv-headers")
+    return missing
+
+
+def build() -> dict:
+    """paths.env of the build as a dict (GGML_LIB_DIR, GGML_INCLUDE, TEST_BACKEND_OPS,
+    RPC_SERVER, LVP_ICD, MESA_SHADER_CACHE_DIR); builds on first use (about 6 minutes on 2
+    cores; the log is <cache_dir>/build.log). Raises BuildFailed."""
+    out = cache_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    env_file = out / "paths.env"
+    with open(out / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (env_file.exists() and (out / ".complete").exists()):
+            sdist = cref._sdist("0.20")
+            log = out / "build.log"
+            with open(log, "w") as fh:
+                done = subprocess.run(
+                    ["bash", str(BUILD_SCRIPT), str(sdist), str(out)], stdout=fh, stderr=subprocess.STDOUT
+                )
+            if done.returncode != 0:
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+                raise BuildFailed(
+                    f"{BUILD_SCRIPT.name} failed (exit {done.returncode}); log: {log}; its end:\n{tail}"
+                )
+            (out / ".complete").touch()
+    paths = {}
+    for line in env_file.read_text().splitlines():
+        key, _, value = line.partition("=")
+        paths[key] = value
+    return paths
+
+
+def build_or_skip() -> dict:
+    """`build()`, skipping (or failing, `required()`) when a prerequisite is missing or the
+    build fails."""
+    missing = missing_prerequisites()
+    if missing:
+        skip_or_fail(f"ggml Vulkan/RPC build needs {', '.join(missing)} (.ci/run installs them)")
+    try:
+        return build()
+    except (BuildFailed, subprocess.CalledProcessError) as exc:
+        skip_or_fail(f"ggml Vulkan/RPC build failed: {exc}")
+        raise  # not reached
+
+
+def ggml_env(paths: dict) -> dict:
+    """Environment variables that make apir (and its child processes) load this build's ggml."""
+    return {"APIR_GGML_LIB_DIR": paths["GGML_LIB_DIR"], "APIR_GGML_INCLUDE_DIR": paths["GGML_INCLUDE"]}
+
+
+def lavapipe_env(paths: dict) -> dict:
+    """Environment for ggml Vulkan on Mesa's lavapipe (../shared/docs/vulkan-notes.md): only the
+    unpacked Mesa 25 ICD; ggml skips CPU-type Vulkan devices unless GGML_VK_VISIBLE_DEVICES
+    names them; a persistent shader cache (cold compiles dominate)."""
+    cache = Path(paths["MESA_SHADER_CACHE_DIR"])
+    cache.mkdir(parents=True, exist_ok=True)  # Mesa 22.3 turned its cache off when missing
+    return {
+        "VK_ICD_FILENAMES": paths["LVP_ICD"],
+        "VK_DRIVER_FILES": paths["LVP_ICD"],
+        "GGML_VK_VISIBLE_DEVICES": "0",
+        "MESA_SHADER_CACHE_DIR": str(cache),
+        "MESA_SHADER_CACHE_MAX_SIZE": "4G",
+    }
