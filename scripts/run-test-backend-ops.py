@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """ggml's test-backend-ops through apir's host, next to the same suite on ggml CPU directly.
 
-    scripts/run-test-backend-ops.py [--version 0.20|0.10] [--ops ADD,MUL_MAT,...] [--c-library]
+    scripts/run-test-backend-ops.py [--version 0.20|0.10|0.25] [--ops ADD,MUL_MAT,...] [--c-library]
                                     [-j N] [--json FILE] [--timeout S] [--max-resume N]
                                     [--deadline S] [--resume-jobs K] [--host-threads N]
 
@@ -84,7 +84,8 @@ class _Worker:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--version", default="0.20", choices=sorted(cref.SDISTS))
+    ap.add_argument("--version", default="0.20", choices=sorted(cref.SDISTS) + ["0.25"],
+                    help="the C reference build (0.20, 0.10) or llama.cpp's ggml 0.25 (tests/llama/build.py)")
     ap.add_argument("--ops", help="comma-separated op names (default: all)")
     ap.add_argument("--c-library", action="store_true", help="serve with the C backend library")
     ap.add_argument("--json", help="write the summary (counts per op and in total, the cases passing on "
@@ -104,7 +105,12 @@ def main(argv=None) -> int:
                     help="with --backend: Vulkan on the build's Mesa lavapipe (else the machine's driver)")
     args = ap.parse_args(argv)
 
-    paths = cref.build(args.version)
+    if args.version == "0.25":
+        from tests.llama.build import build as llama_build
+
+        paths = llama_build()
+    else:
+        paths = cref.build(args.version)
     tbo = direct_tbo = paths["TEST_BACKEND_OPS"]
     direct_device, direct_env, host_env = "CPU", None, None
     if args.backend:

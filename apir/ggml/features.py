@@ -45,6 +45,7 @@ class Series:
 SERIES: Dict[str, Series] = {
     "0.10": Series("0.10", APIR_PROTOCOL_0_1, 2),
     "0.20": Series("0.20", APIR_PROTOCOL_0_2, 2),
+    "0.25": Series("0.25", APIR_PROTOCOL_0_2, 2),  # llama.cpp's (llama-cpp-python 0.3.36), docs/llama.md
 }
 
 
@@ -60,6 +61,12 @@ class Feature(enum.Enum):
     SET_ROWS_F16 = "set_rows takes F16 rows"
     SSM_SCAN_SNAPSHOTS = "ssm_scan keeps K state snapshots (op_params[0])"
     GATED_DELTA_NET_SNAPSHOTS = "gated_delta_net keeps K snapshot slots (op_params[0]) and a 4d state"
+    ROPE_OFFSET = "rope rotates n_dims channels from n_offs (op_params[15])"
+    BF16_KERNELS = "BF16 kernels of GELU, GELU_ERF, GELU_QUICK, SILU, the GLUs but SWIGLU_OAI / _CLAMP, SCALE"
+    CONCAT_ROWS = "concat of a type without its own kernel copies whole rows (asserts rows contiguous)"
+    MUL_MAT_WIDEN = "mul_mat widens F16 / BF16 src1 for an F32 vec_dot_type; fwht reads F16 rows"
+    TILED_MATMUL = "the tiled matmul reads a vec_dot_type src1's rows as r * nb[1] (K-quant / IQ src0)"
+    HC_GATED = "dsv4_hc_pre takes a gate (op_params[1]); dsv4_hc_post's comb is optional"
 
 
 # Feature -> the first ggml version that has it.
@@ -73,6 +80,12 @@ SINCE: Dict[Feature, Version] = {
     Feature.SET_ROWS_F16: (0, 20, 0),
     Feature.SSM_SCAN_SNAPSHOTS: (0, 20, 0),
     Feature.GATED_DELTA_NET_SNAPSHOTS: (0, 20, 0),
+    Feature.ROPE_OFFSET: (0, 25, 0),
+    Feature.BF16_KERNELS: (0, 25, 0),
+    Feature.CONCAT_ROWS: (0, 25, 0),
+    Feature.MUL_MAT_WIDEN: (0, 25, 0),
+    Feature.TILED_MATMUL: (0, 25, 0),
+    Feature.HC_GATED: (0, 25, 0),
 }
 
 

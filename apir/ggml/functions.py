@@ -348,6 +348,10 @@ class GgmlFunctions:
     ggml_mul_inplace: Fn = sig("p:ppp")
     ggml_add_cast: Fn = sig("p:pppi")
     # host shape rules (apir/host/shapes/): which types the CPU can quantize into (from_float)
+    # host shape rules of what ggml 0.25 added (tests/host/test_shapes_ggml025.py)
+    ggml_swiglu_clamp: Fn = sig("p:pppf")
+    ggml_rope_set_offset: Fn = sig("p:pi")
+    ggml_dsv4_hc_pre_gated: Fn = sig("p:pppf")
     ggml_get_type_traits_cpu: Fn = sig("p:i")
     ggml_get_type_traits: Fn = sig("p:i")
     # host work-size bound (apir/host/work_plan.py): struct ggml_cplan returned by value

@@ -26,7 +26,7 @@ import ctypes
 import itertools
 import mmap
 import os
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 from apir.codec.constants import (
     CONFIG_KEY_BACKEND,
@@ -57,12 +57,24 @@ from apir.host.profiles import BackendProfile, profile_for
 from apir.host.shapes.base import OpEnums
 from apir.host.tensors import TensorChecker
 
-__all__ = ["PythonBackendLibrary", "CONFIG_KEY_BUFFER_BUDGET", "CONFIG_KEY_N_THREADS"]
+__all__ = [
+    "PythonBackendLibrary",
+    "CONFIG_KEY_BUFFER_BUDGET",
+    "CONFIG_KEY_N_THREADS",
+    "CONFIG_KEY_DEVICE_TYPE",
+    "device_types",
+]
 
 # Threads of a CPU-like backend (one that offers ggml_backend_set_n_threads); default: the
 # machine's cores. ggml's own default (GGML_DEFAULT_N_THREADS = 4) oversubscribes small
 # hosts, and its spinning worker threads then slow a graph down several times.
 CONFIG_KEY_N_THREADS = "apir.host.n_threads"
+# The device type device_get_type reports (cpu, gpu, igpu, accel: `enum ggml_backend_dev_type`
+# of the loaded build's ggml-backend.h); default: the served device's own. A guest takes a
+# remote device of type CPU for its own CPU: llama.cpp then runs everything on it as "the CPU
+# backend" and GGML_ASSERTs that its input buffers are host memory (llama-kv-cache.cpp), which
+# a virtgpu buffer is not. A host serving ggml CPU to such a guest presents it as `gpu`.
+CONFIG_KEY_DEVICE_TYPE = "apir.host.device_type"
 _IMPORT_PROBE_SIZE = 1 << 16  # bytes of the host-memory import probe (a multiple of any page size)
 _next_context = itertools.count()  # spreads contexts over the devices of a multi-device spec
 
@@ -99,6 +111,9 @@ class PythonBackendLibrary:
         self.n_threads = 0
         # checked, built graphs reused when the same graph structure comes again
         self.graph_cache = GraphCache()
+        # enum ggml_backend_dev_type value device_get_type reports instead of the device's own
+        # (config apir.host.device_type), or None
+        self.device_type: Optional[int] = None
 
     # --- what initialize set ---------------------------------------------------------------
     @property
@@ -234,6 +249,9 @@ class PythonBackendLibrary:
         g.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         self._budget = BufferBudget(BufferLimits.from_config(host.get_config, total.value, host.ctx_id))
         self._set_n_threads(host)
+        rc = self._set_device_type(host)
+        if rc is not None:
+            return rc
         time_limit_s = parse_limit(
             host.get_config(CONFIG_KEY_GRAPH_TIME_LIMIT), CONFIG_KEY_GRAPH_TIME_LIMIT, DEFAULT_GRAPH_TIME_LIMIT_S
         )
@@ -297,6 +315,19 @@ class PythonBackendLibrary:
         set_n_threads = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int)(fn_ptr)
         self.n_threads = max(1, n_threads)
         set_n_threads(self.backend, self.n_threads)
+
+    def _set_device_type(self, host: LibraryHost) -> Optional[int]:
+        """Config `apir.host.device_type`: the type device_get_type reports. An unknown name fails
+        initialization (INIT_BASE_INDEX + BACKEND_INIT_FAILED) rather than being ignored."""
+        value = host.get_config(CONFIG_KEY_DEVICE_TYPE)
+        if not value:
+            return None
+        types = device_types(self.g)
+        if value.upper() not in types:
+            log.error("ctx %d: %s=%r is none of %s", host.ctx_id, CONFIG_KEY_DEVICE_TYPE, value, sorted(types))
+            return LoadRc.INIT_BASE_INDEX + InitRc.BACKEND_INIT_FAILED
+        self.device_type = types[value.upper()]
+        return None
 
     def dispatch(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
         return dispatcher.dispatch(self, function_id, dec, enc)
@@ -415,3 +446,13 @@ class PythonBackendLibrary:
         if res is None:
             raise Refused(f"{what}: unknown shared-memory resource {res_id}")
         return res
+
+
+def device_types(g: Ggml) -> Dict[str, int]:
+    """`enum ggml_backend_dev_type` of build `g` ({"CPU": 0, "GPU": 1, ...}), from its
+    ggml-backend.h."""
+    from apir.ggml.header import parse_enum
+
+    return parse_enum(
+        (g.include_dir / "ggml-backend.h").read_text(), "ggml_backend_dev_type", "GGML_BACKEND_DEVICE_TYPE_"
+    )

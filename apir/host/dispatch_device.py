@@ -77,7 +77,8 @@ def get_description(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> in
 
 
 def get_type(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
-    enc.u32(lib.g.ggml_backend_dev_type(lib.dev))
+    # the device's own type, unless configured otherwise (apir.host.device_type)
+    enc.u32(lib.g.ggml_backend_dev_type(lib.dev) if lib.device_type is None else lib.device_type)
     return BACKEND_RC_OK
 
 

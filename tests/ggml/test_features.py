@@ -17,7 +17,11 @@ def test_every_feature_has_a_version():
 
 def test_features_by_version():
     assert features_of((0, 10, 1)) == frozenset()
-    assert features_of((0, 20, 0)) == frozenset(Feature)
+    since_025 = {f for f, v in SINCE.items() if v == (0, 25, 0)}
+    assert since_025 == {Feature.ROPE_OFFSET, Feature.BF16_KERNELS, Feature.CONCAT_ROWS, Feature.MUL_MAT_WIDEN,
+                         Feature.TILED_MATMUL, Feature.HC_GATED}
+    assert features_of((0, 20, 0)) == frozenset(Feature) - since_025
+    assert features_of((0, 25, 3)) == frozenset(Feature)
     assert features_of((0, 19, 9)) == frozenset()
 
 

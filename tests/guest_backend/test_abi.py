@@ -70,7 +70,7 @@ def test_backend_api_version_matches_the_header(cref_020, tmp_path):
 
 
 def test_unknown_version_is_refused():
-    with pytest.raises(abi_mod.UnsupportedGgmlVersion, match=r"0\.99\.0.*series 0\.10, 0\.20$"):
+    with pytest.raises(abi_mod.UnsupportedGgmlVersion, match=r"0\.99\.0.*series 0\.10, 0\.20, 0\.25$"):
         abi_mod.abi_for(SimpleNamespace(version="0.99.0", lib_dir="/x"))
 
 

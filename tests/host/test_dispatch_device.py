@@ -121,3 +121,39 @@ def test_buffer_from_ptr(guest, ggml):
     # removing the resource frees the buffer that wraps it
     guest.ctx.remove_resource(DATA_RES)
     assert guest.forward(Cmd.BUFFER_GET_BASE, lambda e: e.handle(buffer))[0] == 1
+
+
+@pytest.mark.parametrize("name", ["gpu", "ACCEL"])
+def test_configured_device_type(ggml, name):
+    """apir.host.device_type: device_get_type reports that `enum ggml_backend_dev_type` value
+    (read from ggml-backend.h) instead of the CPU device's own; the rest is unchanged."""
+    from apir.host import HostContext
+    from apir.host.backend_library import device_types
+    from tests.host.hostkit import Guest
+
+    g = Guest(HostContext(7, {"apir.host.device_type": name}))
+    try:
+        rc, d = g.forward(Cmd.DEVICE_GET_TYPE)
+        assert rc == 0 and d.u32() == device_types(ggml)[name.upper()] != ggml.ggml_backend_dev_type(_cpu(ggml))
+        rc, d = g.forward(Cmd.DEVICE_GET_NAME)
+        assert rc == 0 and d.string() == ggml.ggml_backend_dev_name(_cpu(ggml)).decode()
+    finally:
+        g.close()
+
+
+def test_unknown_device_type_fails_load_library(ggml):
+    """An apir.host.device_type that names no type fails the backend's initialization (6 +
+    APIR_BACKEND_INITIALIZE_BACKEND_INIT_FAILED, which LoadLibrary answers as 6 + that, the C
+    component's encoding) instead of being ignored."""
+    from apir.codec.constants import ApirBackendInitializeReturnCode as InitRc
+    from apir.codec.constants import ApirCommandType, ApirLoadLibraryReturnCode as LoadRc
+    from apir.host import HostContext
+    from tests.host.hostkit import Guest
+
+    g = Guest(HostContext(7, {"apir.host.device_type": "tpu"}), load=False)
+    try:
+        rc, _ = g.command(ApirCommandType.LOADLIBRARY, 0)
+        base = LoadRc.INIT_BASE_INDEX
+        assert rc == base + base + InitRc.BACKEND_INIT_FAILED
+    finally:
+        g.close()

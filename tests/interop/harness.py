@@ -95,7 +95,7 @@ class HostProcess:
 
     def __init__(self, paths: Dict[str, str], socket_path: Path, c_library: bool = False,
                  log_level: str = "WARNING", n_threads: Optional[int] = None,
-                 backend: Optional[str] = None, env: Optional[dict] = None):
+                 backend: Optional[str] = None, env: Optional[dict] = None, device_type: Optional[str] = None):
         self.paths = paths
         self.socket_path = Path(socket_path)
         self.log_path = self.socket_path.with_suffix(".log")
@@ -105,6 +105,8 @@ class HostProcess:
                *where, "--log-level", log_level]
         if n_threads:
             cmd += ["--n-threads", str(n_threads)]
+        if device_type:
+            cmd += ["--device-type", device_type]
         if c_library:
             cmd += ["--c-library", paths["LIBGGML_VIRTGPU_BACKEND"]]
         self._log = open(self.log_path, "w")

@@ -29,6 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", help="ggml backend spec (apir.host.backend: vulkan:0, rpc:HOST:PORT, ...)")
     ap.add_argument("--log-level", default="WARNING")
     ap.add_argument("--n-threads", type=int, help="CPU backend threads (apir.host.n_threads)")
+    ap.add_argument("--device-type", help="device type reported to the guest (apir.host.device_type)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -49,6 +50,8 @@ def main(argv=None) -> int:
         config["apir.host.backend"] = args.backend
     if args.n_threads:
         config["apir.host.n_threads"] = str(args.n_threads)
+    if args.device_type:
+        config["apir.host.device_type"] = args.device_type
     # ggml's C guest (0.20) never destroys the blob of a host-memory buffer it frees
     # (docs/interop.md), so one test-backend-ops process holds about two blobs per case: the
     # default of 1024 blobs per context (apir.host.limits) ended MUL_MAT_ID's 872 cases after

@@ -100,6 +100,15 @@ _IFACES_API2: Dict[str, List[Tuple[str, str]]] = {
     ],
 }
 
+# ggml 0.25 (llama-cpp-python 0.3.36's llama.cpp): the same tables, but graph_optimize takes a
+# third argument, `struct ggml_backend_graph_optimize_params *` (allocation dependencies).
+_IFACES_API2_OPTIMIZE_PARAMS: Dict[str, List[Tuple[str, str]]] = {
+    **_IFACES_API2,
+    "ggml_backend_i": [
+        (name, "v:ppp" if name == "graph_optimize" else sig) for name, sig in _IFACES_API2["ggml_backend_i"]
+    ],
+}
+
 # Public for the layout test: every iface struct's C name and field names.
 IFACE_FIELDS: Dict[str, List[str]] = {k: [f for f, _ in v] for k, v in _IFACES_API2.items()}
 
@@ -115,6 +124,7 @@ class _Spec:
 _IFACES: Dict[str, Dict[str, List[Tuple[str, str]]]] = {
     "0.10": _IFACES_API2,
     "0.20": _IFACES_API2,
+    "0.25": _IFACES_API2_OPTIMIZE_PARAMS,
 }
 
 

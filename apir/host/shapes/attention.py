@@ -332,33 +332,46 @@ def _dsv4_hc_comb(node, srcs, _enums=None):
         fail(node, f"shape {node.ne}, dsv4_hc_comb gives {want}")
 
 
-def _dsv4_hc_pre(node, srcs, _enums=None):
+# ggml 0.25: ggml_dsv4_hc_pre_gated (op_params[1] != 0: the weights are a per-element gate
+# [n_embd, hc, n_tokens], read at i0, ih, it) and ggml_dsv4_hc_post without comb (src[3] NULL).
+
+
+def _dsv4_hc_pre(node, srcs, enums):
     """DSV4_HC_PRE (ggml 0.20: ggml_dsv4_hc_pre; its CPU kernel): x [n_embd, hc, n_tokens],
-    weights [hc, n_tokens], all F32 walked by their own strides; result [n_embd, n_tokens]."""
+    weights [hc, n_tokens] (ggml 0.25, gated by op_params[1]: a gate [n_embd, hc, n_tokens]),
+    all F32 walked by their own strides; result [n_embd, n_tokens]."""
     x, w = need(node, srcs, 2)
     _f32(node, [x, w, node], ["x", "weights", "result"])
-    if x.ne[1] < 1 or x.ne[3] != 1 or w.ne != [x.ne[1], x.ne[2], 1, 1]:
-        fail(node, f"x {x.ne} and weights {w.ne} do not fit")
+    gated = Feature.HC_GATED in enums.features and param_i32(node, 1) != 0
+    want_w = [x.ne[0], x.ne[1], x.ne[2], 1] if gated else [x.ne[1], x.ne[2], 1, 1]
+    if x.ne[1] < 1 or x.ne[3] != 1 or w.ne != want_w:
+        fail(node, f"x {x.ne} and {'gate' if gated else 'weights'} {w.ne} do not fit")
     want = [x.ne[0], x.ne[2], 1, 1]
     if node.ne != want:
         fail(node, f"shape {node.ne}, dsv4_hc_pre gives {want}")
 
 
-def _dsv4_hc_post(node, srcs, _enums=None):
+def _dsv4_hc_post(node, srcs, enums):
     """DSV4_HC_POST (ggml 0.20: ggml_dsv4_hc_post; its CPU kernel): x [n_embd, n_tokens],
-    residual [n_embd, hc, n_tokens], post [hc, n_tokens], comb [hc, hc, n_tokens], all F32
-    walked by their own strides; result [n_embd, hc, n_tokens]."""
-    x, res, post, comb = need(node, srcs, 4)
-    _f32(node, [x, res, post, comb, node], ["x", "residual", "post", "comb", "result"])
+    residual [n_embd, hc, n_tokens], post [hc, n_tokens], comb [hc, hc, n_tokens] (optional
+    since ggml 0.25: without it the identity, residual read at [i0, idst, it]), all F32 walked
+    by their own strides; result [n_embd, hc, n_tokens]."""
+    optional_comb = Feature.HC_GATED in enums.features
+    x, res, post = need(node, srcs, 3)
+    comb = srcs[3] if len(srcs) > 3 else None
+    if comb is None and not optional_comb:
+        fail(node, "comb is missing")
+    named = [(x, "x"), (res, "residual"), (post, "post"), (comb, "comb"), (node, "result")]
+    _f32(node, [t for t, _ in named if t is not None], [n for t, n in named if t is not None])
     n_embd, n_tokens, hc = x.ne[0], x.ne[1], res.ne[1]
     if (
         hc < 1
         or x.ne[2:] != [1, 1]
         or res.ne != [n_embd, hc, n_tokens, 1]
         or post.ne != [hc, n_tokens, 1, 1]
-        or comb.ne != [hc, hc, n_tokens, 1]
+        or (comb is not None and comb.ne != [hc, hc, n_tokens, 1])
     ):
-        fail(node, f"x {x.ne}, residual {res.ne}, post {post.ne} and comb {comb.ne} do not fit")
+        fail(node, f"x {x.ne}, residual {res.ne}, post {post.ne} and comb {comb and comb.ne} do not fit")
     want = [n_embd, hc, n_tokens, 1]
     if node.ne != want:
         fail(node, f"shape {node.ne}, dsv4_hc_post gives {want}")

@@ -319,7 +319,8 @@ def _conv_transpose_1d(node, srcs, _enums=None):
 def _conv_transpose_2d(node, srcs, _enums=None):
     """CONV_TRANSPOSE_2D: ggml_conv_transpose_2d_p0 and ggml_compute_forward_conv_transpose_2d:
     src0 [KW, KH, Cout, Cin] F32/F16 read as packed [KH, KW] planes, src1 [W, H, Cin, N] F32
-    (only its first batch is read), the result written as packed planes, indices in ints."""
+    (its first batch only before ggml 0.25, every batch since), the result written as packed
+    planes, indices in ints."""
     a, b = need(node, srcs, 2)
     (s,) = _p(node, 0)
     _positive(node, stride=s)

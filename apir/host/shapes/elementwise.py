@@ -98,16 +98,6 @@ def _soft_max(node, srcs, _enums=None):
     dst_contiguous(node)
 
 
-def _same_f32(node, srcs, _enums=None):
-    (a,) = need(node, srcs, 1)
-    same_shape(node, a, "src0")
-    if a.type_name != "F32" or node.type_name != "F32":
-        fail(node, "F32 only")
-    if not a.rows_contiguous():
-        fail(node, "src0's rows are not contiguous")
-    dst_contiguous(node)
-
-
 def _norm(node, srcs, _enums=None):
     """NORM, RMS_NORM, L2_NORM: F32 rows; the kernels GGML_ASSERT(eps >= 0) (NaN fails it)."""
     (a,) = need(node, srcs, 1)
@@ -120,16 +110,29 @@ def _norm(node, srcs, _enums=None):
         fail(node, f"eps {param_f32(node, 0)} is not >= 0")
 
 
-def _scale(node, srcs, _enums=None):
-    _same_f32(node, srcs)
-    if not srcs[0].contiguous():
+# ggml 0.25 adds BF16 kernels: ggml_compute_forward_unary_bf16_rows (GELU, GELU_ERF,
+# GELU_QUICK, SILU), ..._glu_bf16_rows (REGLU, GEGLU, SWIGLU, GEGLU_ERF, GEGLU_QUICK) and
+# ..._scale_bf16, each with the same layout assertions as its F32 / F16 kernel.
+_GLU_BF16 = ("REGLU", "GEGLU", "SWIGLU", "GEGLU_ERF", "GEGLU_QUICK")
+
+
+def _scale(node, srcs, enums=None):
+    """SCALE (ggml_scale_impl; ggml_compute_forward_scale_f32, and _bf16 since ggml 0.25, which
+    GGML_ASSERTs src0 and the result contiguous): same shape and type."""
+    (a,) = need(node, srcs, 1)
+    same_shape(node, a, "src0")
+    types = ("F32", "BF16") if enums is not None and Feature.BF16_KERNELS in enums.features else ("F32",)
+    if a.type_name not in types or node.type_name != a.type_name:
+        fail(node, f"types {a.type_name} -> {node.type_name}")
+    if not a.contiguous():
         fail(node, "src0 is not contiguous")
+    dst_contiguous(node)
 
 
 # Unary ops with their own kernel in ops.cpp (ggml_compute_forward_gelu & co.): F32 and F16
 # only (anything else GGML_ABORTs); the others are unary_op / unary_op_functor of
 # unary-ops.cpp, which also compute BF16.
-_UNARY_F32_F16 = ("GELU", "GELU_ERF", "GELU_QUICK", "SILU")
+_UNARY_F32_F16 = ("GELU", "GELU_ERF", "GELU_QUICK", "SILU")  # and BF16 since ggml 0.25
 # unary_op_functor (XIELU) GGML_ASSERTs ggml_is_contiguous_1 of src0 and the result.
 _UNARY_ROWS_PACKED = ("XIELU",)
 
@@ -144,7 +147,8 @@ def _unary(node, srcs, enums):
     if name is None:
         fail(node, f"unary op {op} out of range")
     same_shape(node, a, "src0")
-    types = ("F32", "F16") if name in _UNARY_F32_F16 else ("F32", "F16", "BF16")
+    bf16 = name not in _UNARY_F32_F16 or Feature.BF16_KERNELS in enums.features
+    types = ("F32", "F16", "BF16") if bf16 else ("F32", "F16")
     if a.type_name not in types or node.type_name != a.type_name:
         fail(node, f"{name} of {a.type_name} -> {node.type_name}")
     if not (a.rows_contiguous() and node.rows_contiguous()):
@@ -258,13 +262,23 @@ def _diag_mask(node, srcs, _enums=None):
 # --- GLU ------------------------------------------------------------------------------------
 def _glu(node, srcs, enums):
     """ggml_glu_impl: src0 (and src1 of the same shape) rows packed; the result has half of
-    src0's ne[0] (or all of it with src1); rows are walked flat."""
+    src0's ne[0] (or all of it with src1); rows are walked flat. The op (op_params[0]) is one of
+    this build's `enum ggml_glu_op` (ggml 0.25 adds SWIGLU_CLAMP, whose kernels have the same
+    layout as SWIGLU's and read a float limit from op_params[3]); BF16 since ggml 0.25 for the
+    ops with a BF16 kernel."""
     a = need(node, srcs, 1)[0]
     b = srcs[1] if len(srcs) > 1 else None
     op = param_i32(node, 0)
     if not 0 <= op < enums.glu_count:
         fail(node, f"glu op {op} out of range")
-    types = ("F32",) if op == enums.glu.get("SWIGLU_OAI") else ("F32", "F16")  # its kernel is F32 only
+    name = next((k for k, v in enums.glu.items() if v == op), "")
+    # SWIGLU_OAI's kernel is F32 only; SWIGLU_CLAMP (ggml 0.25) F32 and F16
+    if name == "SWIGLU_OAI":
+        types: tuple = ("F32",)
+    elif name in _GLU_BF16 and Feature.BF16_KERNELS in enums.features:
+        types = ("F32", "F16", "BF16")
+    else:
+        types = ("F32", "F16")
     if a.type_name not in types or node.type_name != a.type_name:
         fail(node, f"types {a.type_name} -> {node.type_name}")
     if b is not None:

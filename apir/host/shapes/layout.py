@@ -173,14 +173,31 @@ def _repeat_back(node, srcs, _enums=None):
 # (Feature.CONCAT_QUANTIZED, apir.ggml.features)
 
 
+# ggml 0.25's concat_any (every type without its own kernel below: quantized, F64, I64) copies
+# whole rows with memcpy: it GGML_ASSERTs both sources' rows contiguous (all types, not only
+# quantized ones) and writes ggml_row_size bytes per row of the result.
+# types with their own element-wise kernel (ggml_compute_forward_concat_f16 / _i8 / _f32)
+_CONCAT_ELEMENT_TYPES = ("F16", "BF16", "I16", "I8", "F32", "I32")
+
+
 def _concat(node, srcs, enums):
+    """CONCAT (ggml_concat; ggml_compute_forward_concat): sources of one type, equal but on
+    `dim`; the F32 / F16 / I8 kernels walk every element at its own strides; concat_any walks
+    quantized rows block by block (ggml 0.20) or copies whole rows (ggml 0.25, see above)."""
     a, b = need(node, srcs, 2)
     dim = param_i32(node, 0)
     if not 0 <= dim < 4:
         fail(node, f"dim {dim} out of range")
     if a.type_name != b.type_name or node.type_name != a.type_name:
         fail(node, f"types {a.type_name}, {b.type_name} -> {node.type_name}")
-    if a.blck_size != 1:
+    if Feature.CONCAT_ROWS in enums.features and a.type_name not in _CONCAT_ELEMENT_TYPES:
+        if not (a.rows_contiguous() and b.rows_contiguous()):  # GGML_ASSERTed
+            fail(node, "sources' rows are not contiguous")
+        if not node.rows_contiguous():  # a row of ggml_row_size bytes is memcpy'd into each
+            fail(node, "result rows are not contiguous")
+        if a.ne[0] % a.blck_size or b.ne[0] % b.blck_size:  # GGML_ASSERTed for dim 0
+            fail(node, "rows are not whole blocks")
+    elif a.blck_size != 1:
         if Feature.CONCAT_QUANTIZED not in enums.features:
             fail(node, f"this ggml cannot concatenate {a.type_name}")
         if not (a.rows_contiguous() and b.rows_contiguous()):  # GGML_ASSERTed

@@ -48,6 +48,30 @@ _MMID_WORK_MAX = 1 << 30
 # ggml_op_hint`, enums.hints) routes it to ggml_compute_forward_fwht (src1's rows transformed;
 # src0 not read); other values are ignored.
 # (Feature.MUL_MAT_HINT, apir.ggml.features)
+# ggml 0.25's mul_mat widens an F16 or BF16 src1 into the F32 work buffer when src0's
+# vec_dot_type is F32 (GGML_ASSERTs `!widen || vec_dot_type == F32`, `!widen || src1 F16 or
+# BF16`), and its fwht (the Hadamard hint) reads F16 src1 rows too. mul_mat_id does neither.
+# ggml 0.25's tiled matmul (ggml-cpu/tiled/tiled.cpp, x86 AVX/AVX2 builds; used for src0 of
+# these types from 8 src1 rows on): when src1 is already src0's vec_dot_type (Q8_K) it reads
+# src1's row r at `r * nb[1]` over all ne[1]*ne[2]*ne[3] rows (MUL_MAT_ID: (i11 + i12 * ne11)
+# * nb[1]), ignoring nb[2] and nb[3]: such a src1 must have its rows packed.
+_TILED_SRC0 = frozenset(
+    (
+        "Q6_K",
+        "Q5_K",
+        "Q4_K",
+        "Q3_K",
+        "Q2_K",
+        "IQ4_XS",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ2_S",
+        "IQ3_XXS",
+        "IQ3_S",
+        "IQ1_S",
+        "IQ1_M",
+    )
+)
 # ggml 0.20's out_prod takes F16 src0 (ggml 0.10 aborts: "todo").
 # (Feature.OUT_PROD_F16, apir.ggml.features)
 # ggml 0.20's set_rows also takes F16 rows (ggml 0.10: F32 only).
@@ -66,15 +90,17 @@ def _dst_ordered(node) -> None:
         fail(node, f"result elements overlap (ne {node.ne}, nb {nb})")
 
 
-def _vec_dot(node, a, b, enums) -> None:
+def _vec_dot(node, a, b, enums, widen: bool = False) -> None:
     """src0 has a CPU dot product, and src1 is F32 (converted row by row into src0's
-    vec_dot_type in the work buffer) or already of the vec_dot_type (ggml-cpu's supports_op;
-    anything else is GGML_ASSERTed). Both have rows of elements (GGML_ASSERTed)."""
+    vec_dot_type in the work buffer), or F16 / BF16 widened to an F32 vec_dot_type (`widen`:
+    MUL_MAT since ggml 0.25), or already of the vec_dot_type (ggml-cpu's supports_op; anything
+    else is GGML_ASSERTed). Both have rows of elements (GGML_ASSERTed)."""
     vdt = enums.vec_dot.get(a.type_name)
     if vdt is None:
         fail(node, f"src0 type {a.type_name} has no dot product")
     if b.type_name != vdt:
-        if b.type_name != "F32" or vdt not in enums.from_float:
+        widened = widen and vdt == "F32" and b.type_name in ("F16", "BF16")
+        if not widened and (b.type_name != "F32" or vdt not in enums.from_float):
             fail(node, f"src1 {b.type_name} is neither F32 nor {vdt}, the dot type of {a.type_name}")
         # the work buffer is sized as ggml_row_size(vec_dot_type, nelements(src1)): whole blocks
         if b.ne[0] % enums.blck_size.get(vdt, 1):
@@ -88,6 +114,13 @@ def _vec_dot(node, a, b, enums) -> None:
         fail(node, "src0 or src1 is permuted (nb[0] is not the element size)")
     if a.ne[0] > _INT_MAX:  # ggml_vec_dot_t takes the row length as an `int n`
         fail(node, f"rows of {a.ne[0]} exceed the dot product's int")
+    if (
+        Feature.TILED_MATMUL in enums.features
+        and b.type_name == vdt
+        and a.type_name in _TILED_SRC0
+        and not b.rows_packed()
+    ):
+        fail(node, f"src1 {vdt} rows are not packed (nb {b.nb}): the tiled kernel reads them as r * nb[1]")
 
 
 def _mul_mat(node, srcs, enums):
@@ -108,9 +141,11 @@ def _mul_mat(node, srcs, enums):
         # ggml_compute_forward_fwht: each src1 row of n = ne10 floats (GGML_ASSERTed a power
         # of 2; src1 and result GGML_ASSERTed F32) transformed into n floats of a result row.
         n = b.ne[0]
-        if b.type_name != "F32" or n & (n - 1) or node.ne[0] < n:
+        rows = ("F32", "F16") if Feature.MUL_MAT_WIDEN in enums.features else ("F32",)
+        if b.type_name not in rows or n & (n - 1) or node.ne[0] < n:
             fail(node, f"Hadamard hint on src1 {b.type_name} rows of {n} into rows of {node.ne[0]}")
-    _vec_dot(node, a, b, enums)  # (the plain kernel runs instead when the CPU is asked for reference results)
+    # (the plain kernel runs instead when the CPU is asked for reference results)
+    _vec_dot(node, a, b, enums, widen=Feature.MUL_MAT_WIDEN in enums.features)
     _dst_ordered(node)
 
 

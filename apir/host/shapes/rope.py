@@ -1,9 +1,32 @@
-"""Rules of ROPE and ROPE_BACK (one CPU kernel, ggml_compute_forward_rope_flt, the same in
-ggml 0.10 and 0.20)."""
+"""Rules of ROPE and ROPE_BACK (one CPU kernel, ggml_compute_forward_rope_flt; the same in
+ggml 0.10 and 0.20, ggml 0.25 adds the offset of the rotated channels, op_params[15])."""
 
 from __future__ import annotations
 
+from apir.ggml.features import Feature
+
 from apir.host.shapes.base import fail, int_counted_rules, need, param_i32, same_shape
+
+
+# ggml 0.25: ggml_rope_set_offset stores n_offs in op_params[15]; rope_flt rotates the n_dims
+# channels from n_offs and copies the others, skipping the rotated ones.
+
+
+def _rope_offset(node, n_dims: int, ne0: int, vision: bool) -> None:
+    """ggml 0.25's n_offs (op_params[15]): rope_flt GGML_ASSERTs n_offs >= 0, even, n_offs +
+    n_dims <= ne[0], and 0 for vision (an abort of the host otherwise). Its copy of the
+    unrotated channels steps i0 by 2 and, at i0 == n_offs, jumps n_dims - 2 ahead: with n_dims
+    0 that jump goes back 2 and the loop never ends (a hang), so n_dims 0 is refused wherever
+    i0 reaches n_offs (n_offs < ne[0])."""
+    n_offs = param_i32(node, 15)
+    if vision:
+        if n_offs != 0:
+            fail(node, f"n_offs {n_offs} with the vision mode")
+        return
+    if n_offs < 0 or n_offs % 2 or n_offs + n_dims > ne0:
+        fail(node, f"n_offs {n_offs} with n_dims {n_dims} does not fit ne[0] {ne0}")
+    if n_dims == 0 and n_offs < ne0:
+        fail(node, f"n_dims 0 at n_offs {n_offs}: the copy of the other channels would not end")
 
 
 def _rope(node, srcs, enums):
@@ -13,7 +36,8 @@ def _rope(node, srcs, enums):
     and nb (views allowed); positions I32, a vector of ne[2] (4 per ne[2] for the
     multi-section modes, vision included), read as a flat array; optional F32 frequency
     factors. Per row the kernel rotates pairs inside the first n_dims (vision: all ne[0],
-    paired at n_dims apart) and copies the rest two at a time."""
+    paired at n_dims apart) and copies the rest two at a time; ggml 0.25 rotates from n_offs
+    (`_rope_offset`)."""
     a, pos = need(node, srcs, 2)
     ff = srcs[2] if len(srcs) > 2 else None
     modes = enums.rope
@@ -35,6 +59,8 @@ def _rope(node, srcs, enums):
     # its pairs (i, i + n_dims) for i <= (ne[0] - 1) / 2 stay in the row).
     if (ne0 % 2 and not vision) or not 0 <= n_dims <= ne0 or n_dims % 2 or (vision and n_dims != ne0 // 2):
         fail(node, f"n_dims {n_dims} does not fit ne[0] {ne0} (mode {mode})")
+    if Feature.ROPE_OFFSET in enums.features:
+        _rope_offset(node, n_dims, ne0, vision)
     want = a.ne[2] * (4 if multi else 1)
     if pos.type_name != "I32" or pos.ne != [want, 1, 1, 1] or not pos.contiguous():
         fail(node, f"positions {pos.type_name} {pos.ne}: need I32 [{want}]")

