@@ -8,7 +8,7 @@ context_worker): SUBMIT_3D, and registering or dropping a blob with that HostCon
 there in order, so a long graph compute stalls neither the queue nor another context.
 Fenced responses leave in fence order (apir.host.vhost_user.completion).
 
-Blobs: a HOST3D blob is a memfd of its own (page-rounded), mapped here and registered with
+Blobs: a HOST3D blob is a memfd of its own (page-rounded, sealed against resizing), mapped here and registered with
 the HostContext of the context that created it and of every context it is attached to;
 RESOURCE_MAP_BLOB maps the memfd into the host-visible shared memory region at the offset the
 guest kernel chose (SHMEM_MAP on the back-end channel). A GUEST blob is guest pages, checked
@@ -26,6 +26,7 @@ What one VM may hold is bounded (apir.host.limits: apir.vhost.*).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -414,8 +415,11 @@ class GpuDevice:
             )
         fd = -1
         try:
-            fd = os.memfd_create(f"apir-vgpu-blob-{res_id}", os.MFD_CLOEXEC)
+            fd = os.memfd_create(f"apir-vgpu-blob-{res_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(fd, rounded)
+            # SHMEM_MAP gives this file to the front-end: sealed, it cannot truncate it under
+            # the HostContext (a host access past the end would be SIGBUS, the host process gone).
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             mm = mmap.mmap(fd, rounded)
         except (OSError, OverflowError, ValueError) as exc:
             if fd >= 0:

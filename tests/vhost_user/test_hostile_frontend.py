@@ -1,0 +1,64 @@
+"""A hostile front-end (QEMU replaced by something that wants the host process down): every
+malformed set-up message is refused through the vhost-user error path (a failed REPLY_ACK),
+the session goes on, and nothing the front-end holds can make the host touch memory that is
+gone (SIGBUS)."""
+
+import os
+import struct
+
+import pytest
+
+from apir.codec.virtgpu import VirtioGpuCtrlType as T
+from apir.host.vhost_user import protocol as vu
+
+from .frontend import GPA_BASE, MEM_SIZE, UVA_BASE, hdr, resp_type
+from .gpu import create_blob, ctx_create, map_blob
+
+OK = T.RESP_OK_NODATA
+
+
+def _still_serving(fe) -> None:
+    assert resp_type(fe.command(hdr(T.CMD_GET_DISPLAY_INFO), 24 + 16 * 24)) == T.RESP_OK_DISPLAY_INFO
+
+
+@pytest.mark.parametrize(
+    "size, offset",
+    [
+        (1 << 63, 0),  # a length mmap cannot take (over ssize_t)
+        ((1 << 64) - GPA_BASE - MEM_SIZE, 0),  # the largest size that does not wrap the address
+        (4096, 1 << 63),  # an offset over off_t
+        (4096, (1 << 64) - 4096 * 2),
+    ],
+)
+def test_add_mem_reg_with_a_size_or_offset_mmap_cannot_take_is_refused(fe, server, size, offset):
+    region = struct.pack("<Q", 0) + vu.MEMORY_REGION.pack(GPA_BASE + MEM_SIZE, size, UVA_BASE + MEM_SIZE, offset)
+    assert fe.ack(vu.Request.ADD_MEM_REG, region, fds=[fe.mem_fd]) != 0
+    assert server.session.memory.region_count == 1
+    _still_serving(fe)
+
+
+def test_set_mem_table_with_a_size_mmap_cannot_take_is_refused_and_the_old_table_stays(fe, server):
+    table = struct.pack("<II", 1, 0) + vu.MEMORY_REGION.pack(GPA_BASE, 1 << 63, UVA_BASE, 0)
+    assert fe.ack(vu.Request.SET_MEM_TABLE, table, fds=[fe.mem_fd]) != 0
+    assert server.session.memory.region_count == 1
+    _still_serving(fe)
+
+
+def test_the_front_end_cannot_shrink_or_grow_a_blob_it_was_given(fe, server):
+    # SHMEM_MAP hands QEMU the blob's memfd. Truncated, every host access to the blob (the
+    # HostContext's tensors live there) would raise SIGBUS and kill the host process.
+    assert resp_type(fe.command(ctx_create(1))) == OK
+    assert resp_type(fe.command(create_blob(5, 8192))) == OK
+    assert resp_type(fe.command(map_blob(5, 0))) == T.RESP_OK_MAP_INFO
+    blob = server.session.device.resources[5]
+    fd = os.dup(blob.fd)  # the same open file the front-end received
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 1 << 30)
+        assert os.fstat(fd).st_size == 8192
+    finally:
+        os.close(fd)
+    blob.mm[8191] = 7  # the last page is still there
+    assert fe.bar[0][8191] == 7
