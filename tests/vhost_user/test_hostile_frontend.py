@@ -5,6 +5,7 @@ gone (SIGBUS)."""
 
 import os
 import struct
+import time
 
 import pytest
 
@@ -62,3 +63,24 @@ def test_the_front_end_cannot_shrink_or_grow_a_blob_it_was_given(fe, server):
         os.close(fd)
     blob.mm[8191] = 7  # the last page is still there
     assert fe.bar[0][8191] == 7
+
+
+def test_a_kick_descriptor_numbered_past_fd_setsize_is_served(fe, server):
+    # A guest holding a few hundred blobs (a memfd and its mapping's descriptor each) makes
+    # the host's next descriptors numbered past 1024, where select() cannot wait: the ring
+    # started again (a VM pause, a reboot) must still be served, not leave a dead queue thread.
+    assert resp_type(fe.command(ctx_create(1))) == OK
+    res_id = 1
+    while True:
+        assert resp_type(fe.command(create_blob(res_id, 4096))) == OK
+        probe = os.dup(0)
+        os.close(probe)
+        res_id += 1
+        if probe > 1100:
+            break
+    fe.restart_queue(0, fe.stop_queue(0))
+    kick = server.session.queues[0].kick_fd
+    assert kick is not None and kick > 1024
+    for _ in range(3):  # each once the queue thread waits on the kicks again
+        time.sleep(0.2)
+        assert resp_type(fe.command(hdr(T.CMD_GET_DISPLAY_INFO), 24 + 16 * 24, timeout=5)) == T.RESP_OK_DISPLAY_INFO

@@ -413,7 +413,12 @@ class FrontendSession:
                     with vq.lock:
                         if vq.kick_fd is not None:
                             kicks.append((vq.kick_fd, vq))
-                ready, _, _ = select.select([self._wake_r] + [fd for fd, _ in kicks], [], [])
+                # poll, not select: a descriptor numbered past FD_SETSIZE (1024; a guest's blobs
+                # hold two each) is refused by select, and the queues would stop for good.
+                poller = select.poll()
+                for fd in [self._wake_r] + [fd for fd, _ in kicks]:
+                    poller.register(fd, select.POLLIN)
+                ready = {fd for fd, _ in poller.poll()}
                 if self._wake_r in ready:
                     try:
                         os.read(self._wake_r, 4096)
