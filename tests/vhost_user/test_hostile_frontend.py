@@ -12,8 +12,10 @@ import pytest
 from apir.codec.virtgpu import VirtioGpuCtrlType as T
 from apir.host.vhost_user import protocol as vu
 
+from .conftest import wait_for
 from .frontend import GPA_BASE, MEM_SIZE, UVA_BASE, hdr, resp_type
-from .gpu import create_blob, ctx_create, map_blob
+from .gpu import create_blob, ctx_create, map_blob, res_cmd, submit
+from .test_workers import slow  # noqa: F401, F811 - the fixture
 
 OK = T.RESP_OK_NODATA
 
@@ -66,21 +68,56 @@ def test_the_front_end_cannot_shrink_or_grow_a_blob_it_was_given(fe, server):
 
 
 def test_a_kick_descriptor_numbered_past_fd_setsize_is_served(fe, server):
-    # A guest holding a few hundred blobs (a memfd and its mapping's descriptor each) makes
-    # the host's next descriptors numbered past 1024, where select() cannot wait: the ring
-    # started again (a VM pause, a reboot) must still be served, not leave a dead queue thread.
-    assert resp_type(fe.command(ctx_create(1))) == OK
-    res_id = 1
-    while True:
-        assert resp_type(fe.command(create_blob(res_id, 4096))) == OK
-        probe = os.dup(0)
-        os.close(probe)
-        res_id += 1
-        if probe > 1100:
-            break
-    fe.restart_queue(0, fe.stop_queue(0))
-    kick = server.session.queues[0].kick_fd
-    assert kick is not None and kick > 1024
-    for _ in range(3):  # each once the queue thread waits on the kicks again
-        time.sleep(0.2)
-        assert resp_type(fe.command(hdr(T.CMD_GET_DISPLAY_INFO), 24 + 16 * 24, timeout=5)) == T.RESP_OK_DISPLAY_INFO
+    # The host's descriptors numbered past 1024 (a guest holding ~500 blobs gets there: a
+    # memfd and its mapping's descriptor each; here the test holds them), where select()
+    # cannot wait: a ring started again (a VM pause, a reboot) must still be served, not leave
+    # a dead queue thread.
+    vq = server.session.queues[0]
+    base = fe.stop_queue(0)
+    wait_for(lambda: not vq.retired_kicks, what="the old kick descriptor closed")
+    held = []
+    try:
+        while True:
+            held.append(os.dup(0))
+            if held[-1] > 1100:
+                break
+        fe.restart_queue(0, base)
+        assert vq.kick_fd is not None and vq.kick_fd > 1024
+        for _ in range(3):  # each once the queue thread waits on the kicks again
+            time.sleep(0.2)
+            data = fe.command(hdr(T.CMD_GET_DISPLAY_INFO), 24 + 16 * 24, timeout=5)
+            assert resp_type(data) == T.RESP_OK_DISPLAY_INFO
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def test_attach_detach_loops_against_a_busy_context_are_bounded(slow, monkeypatch):  # noqa: F811
+    # Each ATTACH / DETACH posts a job on the context's worker; while it computes, a guest
+    # looping the two must not grow the host's queue (and memory) without bound.
+    from apir.host.vhost_user import gpu_device
+
+    monkeypatch.setattr(gpu_device, "MAX_PENDING_JOBS", 8, raising=False)
+    srv, fe, log, contexts = slow
+    for ctx in (1, 2):
+        assert resp_type(fe.command(ctx_create(ctx))) == OK
+    assert resp_type(fe.command(create_blob(5, 4096, ctx_id=2))) == OK
+    blocked = fe.post(submit(1, b"block"))
+    wait_for(lambda: (1, b"block") in log)
+    worker = srv.session.device.contexts[1].worker
+    answers = []
+    for _ in range(20):
+        answers.append(resp_type(fe.command(res_cmd(T.CMD_CTX_ATTACH_RESOURCE, 5, ctx_id=1))))
+        answers.append(resp_type(fe.command(res_cmd(T.CMD_CTX_DETACH_RESOURCE, 5, ctx_id=1))))
+    assert worker.pending <= 8
+    assert T.RESP_ERR_OUT_OF_MEMORY in answers and answers[:6] == [OK] * 6
+    contexts[1].release.set()
+    assert resp_type(fe.wait(blocked)) == OK
+    wait_for(lambda: worker.pending == 0, what="the worker drained")
+    # served again, and the blob's bookkeeping is whole: attach, then the memory goes only
+    # once both contexts let go of it
+    assert resp_type(fe.command(res_cmd(T.CMD_CTX_ATTACH_RESOURCE, 5, ctx_id=1))) == OK
+    wait_for(lambda: 5 in contexts[1].resources, what="attached")
+    assert resp_type(fe.command(res_cmd(T.CMD_RESOURCE_UNREF, 5))) == OK
+    wait_for(lambda: srv.counts().blobs == 0, what="blob freed")
+    assert 5 not in contexts[1].resources and 5 not in contexts[2].resources

@@ -93,6 +93,10 @@ log = logging.getLogger(__name__)
 CAPSET_MAX_VERSION = 0  # the only capset version (the C guest and apir ask for 0)
 MAX_GUEST_ENTRIES = 1 << 16  # page entries of one GUEST blob (256 MiB of 4 KiB pages)
 MAX_PENDING_SUBMITS = 256  # SUBMIT_3D waiting on one context's worker
+# Any job waiting on one context's worker, past which ATTACH / DETACH are refused: a guest
+# looping them while the context computes would otherwise grow the queue without bound
+# (CREATE_BLOB / UNREF are bounded by the resource limit, SUBMIT_3D by MAX_PENDING_SUBMITS).
+MAX_PENDING_JOBS = 4096
 DISPLAY_SIZE = (1024, 768)  # scanout 0's mode (a headless device still reports one)
 _BLOB_FLAGS = (
     VIRTGPU_BLOB_FLAG_USE_MAPPABLE | VIRTIO_GPU_BLOB_FLAG_USE_SHAREABLE | VIRTIO_GPU_BLOB_FLAG_USE_CROSS_DEVICE
@@ -454,6 +458,7 @@ class GpuDevice:
             ctx = self._context(hdr.ctx_id)
             blob = self._blob(res_id)
             if ctx.ctx_id not in blob.attached:
+                _check_backlog(ctx)
                 if blob.mm is not None:
                     self._register(ctx, blob)
                 else:
@@ -466,6 +471,7 @@ class GpuDevice:
             ctx = self._context(hdr.ctx_id)
             blob = self._blob(res_id, live=False)
             if ctx.ctx_id in blob.attached:
+                _check_backlog(ctx)
                 self._unregister(ctx, blob)
         return response(hdr, T.RESP_OK_NODATA)
 
@@ -614,6 +620,11 @@ class GpuDevice:
         for worker in workers:
             if not worker.join(timeout_s):
                 log.error("%s still running after %s s: its memory stays until it ends", worker.name, timeout_s)
+
+
+def _check_backlog(ctx: _Context) -> None:
+    if ctx.worker.pending >= MAX_PENDING_JOBS:
+        raise GpuError(T.RESP_ERR_OUT_OF_MEMORY, f"context {ctx.ctx_id} has {MAX_PENDING_JOBS} jobs queued")
 
 
 def _page_round(n: int) -> int:
