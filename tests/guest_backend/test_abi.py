@@ -1,56 +1,21 @@
 """apir.guest.backend.abi: every struct's size and every field's offset and size against the
 C compiler's view of ggml-backend-impl.h, for each declared ggml version."""
 
-import ctypes
-import shutil
 import subprocess
 from types import SimpleNamespace
 
 import pytest
 
 from apir.guest.backend import abi as abi_mod
-
-CC = shutil.which("cc") or shutil.which("gcc")
-
-
-def _c_layout(paths: dict, a: abi_mod.Abi, tmp_path) -> dict:
-    """{(struct, field or None): (offset, size)} from a program compiled against the headers."""
-    lines = []
-    for cname, cls in a.structs.items():
-        lines.append(f'printf("%s - 0 %zu\\n", "{cname}", sizeof(struct {cname}));')
-        for field, _ in cls._fields_:
-            lines.append(f'printf("%s %s %zu %zu\\n", "{cname}", "{field}", '
-                         f"offsetof(struct {cname}, {field}), sizeof(((struct {cname} *)0)->{field}));")
-    src = tmp_path / "layout.c"
-    src.write_text("#include <stddef.h>\n#include <stdio.h>\n#include \"ggml-backend-impl.h\"\n"
-                   "int main(void) {\n" + "\n".join(lines) + "\nreturn 0; }\n")
-    exe = tmp_path / "layout"
-    subprocess.run([CC, "-std=c11", "-I", paths["GGML_INCLUDE"], "-I", paths["GGML_SRC"] + "/src",
-                    str(src), "-o", str(exe)], check=True)
-    out = {}
-    for line in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.splitlines():
-        struct, field, off, size = line.split()
-        out[(struct, None if field == "-" else field)] = (int(off), int(size))
-    return out
-
-
-def _py_layout(a: abi_mod.Abi) -> dict:
-    out = {}
-    for cname, cls in a.structs.items():
-        out[(cname, None)] = (0, ctypes.sizeof(cls))
-        for field, _ in cls._fields_:
-            desc = getattr(cls, field)
-            out[(cname, field)] = (desc.offset, desc.size)
-    return out
-
+from tests.guest_backend.abikit import CC, c_layout, py_layout
 
 @pytest.mark.skipif(CC is None, reason="no C compiler")
 @pytest.mark.parametrize("fixture, version", [("cref_020", "0.20.2"), ("cref_010", "0.10.1")])
 def test_struct_layouts_match_the_c_header(fixture, version, request, tmp_path):
     paths = request.getfixturevalue(fixture)
     a = abi_mod.abi_for(SimpleNamespace(version=version))
-    c = _c_layout(paths, a, tmp_path)
-    py = _py_layout(a)
+    c = c_layout(paths, a, tmp_path)
+    py = py_layout(a)
     assert set(c) == set(py)
     diff = {k: (py[k], c[k]) for k in c if py[k] != c[k]}
     assert diff == {}

@@ -28,7 +28,7 @@ def vhost(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(vhost):
     srv, fe = vhost
-    c = ApirClient.connect(FrontendDriver(fe), data_size=WINDOW)
+    c = ApirClient.connect(FrontendDriver(fe), data_size=WINDOW, handshake_timeout_s=60)
     yield c
     c.close()
 
@@ -60,7 +60,9 @@ def test_handshake_through_the_device(client, vhost):
 def test_closing_the_client_frees_its_context_blobs_and_buffers(vhost):
     srv, fe = vhost
     before = srv.counts()
-    c = ApirClient.connect(FrontendDriver(fe, ctx_id=50, first_res_id=5000, bar_base=32 << 20), data_size=WINDOW)
+    c = ApirClient.connect(
+        FrontendDriver(fe, ctx_id=50, first_res_id=5000, bar_base=32 << 20), data_size=WINDOW, handshake_timeout_s=60
+    )
     buft = c.device_get_buffer_type()
     c.buffer_type_alloc_buffer(buft, 1 << 20)
     during = srv.counts()

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.vm import machine
-from tests.vm.session import GUEST_PROGRAM, GuestSession, guest_env, run_guest
+from tests.vm.session import C_GUEST_OPS, GUEST_PROGRAM, GuestSession, guest_env, run_guest
 
 SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.", "The sky is blue today."]
 
@@ -86,14 +86,17 @@ def embedded_embeddings(vm_work):
 
 
 @pytest.fixture(scope="session")
-def guest(provisioned, vm_kernel, vm_work, embedded_embeddings) -> GuestSession:
-    """apir's guest program in one boot of `vm_kernel`: every check, the device killed last."""
+def guest(provisioned, vm_kernel, vm_work, embedded_embeddings, cref_020) -> GuestSession:
+    """apir's guest program in one boot of `vm_kernel`: every check, ggml's C guest
+    (test-backend-ops on C_GUEST_OPS), the device killed last."""
     work = vm_work / vm_kernel.suite
     work.mkdir()
     shutil.copytree(vm_work / "numba", work / "numba", dirs_exist_ok=True)
     session = run_guest(provisioned, vm_kernel, work,
-                        ["params", "info", "embed", "client", "threads", "backend", "kill"], kill_device=True,
-                        name=vm_kernel.suite)
+                        ["params", "client", "info", "embed", "threads", "backend", "c_guest", "kill"],
+                        kill_device=True, name=vm_kernel.suite,
+                        extra_env={"APIR_VM_C_GUEST_OPS": json.dumps(C_GUEST_OPS),
+                                   "APIR_VM_TEST_BACKEND_OPS": cref_020["TEST_BACKEND_OPS"]})
     return session
 
 
@@ -106,7 +109,7 @@ def pytest_runtest_makereport(item, call):
     if report.when != "call":
         return
     for value in getattr(item, "funcargs", {}).values():
-        for session in value if isinstance(value, (list, tuple)) else [value]:
+        for session in value.values() if isinstance(value, dict) else [value]:
             if isinstance(session, GuestSession):
                 for title, text in session.logs.items():
                     report.sections.append((title, text[-20000:]))

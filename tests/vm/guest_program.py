@@ -4,10 +4,11 @@ each check's outcome to a JSON file the host-side tests read and assert on.
 
     python guest_program.py OUT.json CHECK [CHECK ...]
 
-Checks (names): params, info, embed, client, threads, backend, kill (the last: waits for the
-host to kill the device, see `kill`). With APIR_VM_GUEST_DEVICE=embedded (client, threads,
-backend only) the checks run against an embedded host instead: the host runs them so first,
-which compiles Numba's functions into the cache the guest then loads. Each entry: {"ok": bool, "value": ..., "error": ...,
+Checks (names): params, info, embed, client, threads, backend, c_guest (ggml's C guest:
+test-backend-ops), paired (tests/vm/test_paired.py), kill (the last: waits for the host to kill
+the device). With APIR_VM_GUEST_DEVICE=embedded (client, threads, backend only) the checks run
+against an embedded host instead: the host runs them so first, which compiles Numba's functions
+into the cache the guest then loads. Each entry: {"ok": bool, "value": ..., "error": ...,
 "trace": ..., "seconds": float}; the file is rewritten after each check, so a hang still leaves
 the earlier results. apir's guest goes through the kernel's virtio-gpu driver: DrmDevice on
 /dev/dri/renderD128.
@@ -130,9 +131,13 @@ def client():
     """Device, buffer type and buffer functions; a 1 MiB tensor (16 data windows) set and read
     back; ADD computed on the host."""
     g = ggml()
-    with connect(forward_timeout_s=120) as c:
+    t = time.monotonic()
+    # the first contact with a freshly started device: a generous HandShake limit, and its time
+    # reported (the device's first context costs it seconds on a loaded host)
+    with connect(forward_timeout_s=120, handshake_timeout_s=60) as c:
+        first_connect_s = round(time.monotonic() - t, 3)
         buft = c.device_get_buffer_type()
-        out = {"version": list(c.negotiated_version), "name": c.device_get_name(),
+        out = {"first_connect_s": first_connect_s, "version": list(c.negotiated_version), "name": c.device_get_name(),
                "buft_name": c.buffer_type_get_name(buft), "alignment": c.buffer_type_get_alignment(buft),
                "memory": list(c.device_get_memory())}
         buf = c.buffer_type_alloc_buffer(buft, 8 << 20)
@@ -282,7 +287,31 @@ def kill():
             "seconds_to_error": round(failed_at - last_ok, 3), "alive_after": True}
 
 
-def wait_for(path, limit_s=600):
+@check
+def c_guest():
+    """ggml's own C guest (libggml-virtgpu, linked into the C reference's test-backend-ops) on
+    this VM's render node: `test-backend-ops test -b "[virtgpu] CPU" -o OP -p PARAMS` for each
+    [OP, PARAMS] in $APIR_VM_C_GUEST_OPS (JSON); their console output goes to the host, which
+    parses it and compares with the same cases on ggml CPU."""
+    import subprocess
+
+    runs = []
+    for op, params in json.loads(os.environ["APIR_VM_C_GUEST_OPS"]):
+        cmd = [os.environ["APIR_VM_TEST_BACKEND_OPS"], "test", "-b", "[virtgpu] CPU", "-o", op, "-p", params]
+        t = time.monotonic()
+        try:
+            # capset 10 (APIR); without this variable the C guest asks for Venus's (4)
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                               env=dict(os.environ, GGML_REMOTING_USE_APIR_CAPSET="1"))
+            runs.append({"op": op, "params": params, "rc": p.returncode, "stdout": p.stdout,
+                         "stderr": p.stderr[-2000:], "seconds": round(time.monotonic() - t, 1)})
+        except subprocess.TimeoutExpired as exc:
+            runs.append({"op": op, "params": params, "rc": None, "stdout": (exc.stdout or b"").decode(errors="replace"),
+                         "stderr": "timeout", "seconds": round(time.monotonic() - t, 1)})
+    return runs
+
+
+def wait_for(path, limit_s=300):
     t = time.monotonic()
     while not os.path.exists(path):
         if time.monotonic() - t > limit_s:
@@ -322,16 +351,24 @@ def paired():
     mine = 1000.0 if role == "a" else 2000.0
     theirs = 3000.0 - mine
     out = {"role": role}
-    c = connect(forward_timeout_s=120)
+    c = connect(forward_timeout_s=120, handshake_timeout_s=60)  # the first contact with a fresh host
     buft = c.device_get_buffer_type()
     # b holds more buffers, so a's probes of handles it was not given hit numbers b owns
     bufs = [c.buffer_type_alloc_buffer(buft, 1 << 20) for _ in range(1 if role == "a" else 6)]
-    pattern = rpc(g, 9, bufs[0], n, 16 * n)
     for buf in bufs:
-        c.buffer_set_tensor(buf, pattern, 0, np.full(n, mine, np.float32))
+        c.buffer_set_tensor(buf, rpc(g, 9, buf, n, 16 * n), 0, np.full(n, mine, np.float32))
     open("compute.start", "w").close()
-    out["exact_rounds"] = sum(add_round(c, g, bufs[0], n, 0, mine + i) for i in range(rounds))
+    # compute until the host saw both VMs start (it writes both.started), then `rounds` more
+    exact = total = 0
+    t = time.monotonic()
+    while not os.path.exists("both.started") and time.monotonic() - t < 300:
+        exact += add_round(c, g, bufs[0], n, 0, mine + total)
+        total += 1
+    for i in range(rounds):
+        exact += add_round(c, g, bufs[0], n, 0, mine + i)
+        total += 1
     open("compute.end", "w").close()
+    out["rounds"], out["exact_rounds"] = total, exact
     own_res = sorted({c.remote.data.res_id, c.remote.reply.res_id})
     with open("handles.json", "w") as f:
         json.dump({"buffers": bufs, "buffer_type": buft, "res_ids": own_res}, f)
@@ -341,9 +378,8 @@ def paired():
     out["peer"] = peer
     refused = accepted = peer_data = 0
     got = np.empty(n, np.float32)
-    for h in sorted(set(range(1, 65)) | set(peer["buffers"])):
-        if h in bufs or h == buft:
-            continue
+    probed = [h for h in sorted(set(range(1, 65)) | set(peer["buffers"])) if h not in bufs and h != buft]
+    for h in probed:
         for call in ("base", "get"):
             try:
                 if call == "base":
@@ -354,13 +390,13 @@ def paired():
                 accepted += 1
             except ApirError:
                 refused += 1
-    out["buffer_probes"] = {"refused": refused, "accepted": accepted, "peer_data_seen": peer_data}
+    out["buffer_probes"] = {"handles": len(probed), "refused": refused, "accepted": accepted,
+                            "peer_data_seen": peer_data}
     # a blob res id this VM's kernel never gave it: the graph's bytes would be read from it
     graph = struct.pack("<IQI", 0, 0, 0)
     res_refused = res_accepted = 0
-    for res_id in sorted(set(range(1, 65)) | set(peer["res_ids"])):
-        if res_id in own_res:
-            continue
+    res_probed = [r for r in sorted(set(range(1, 65)) | set(peer["res_ids"])) if r not in own_res]
+    for res_id in res_probed:
         fake = Blob(res_id, 0, c.remote.data.size, c.remote.data.memory)
         try:
             status = c._graph_compute(fake, memoryview(graph))
@@ -368,7 +404,7 @@ def paired():
             out.setdefault("res_accepted_status", []).append([res_id, status])
         except ApirError:
             res_refused += 1
-    out["res_probes"] = {"refused": res_refused, "accepted": res_accepted}
+    out["res_probes"] = {"res_ids": len(res_probed), "refused": res_refused, "accepted": res_accepted}
     # the client still works after the refusals
     out["after_probes_exact"] = add_round(c, g, bufs[0], n, 0, mine)
     c.buffer_get_tensor(bufs[-1], rpc(g, 9, bufs[-1], n, 16 * n), 0, got)

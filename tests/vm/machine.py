@@ -45,9 +45,11 @@ while read m opts; do
   insmod /mods/$m $opts 2>/dev/null || echo "minivm: insmod $m failed"
 done < /modules.order
 mkdir -p /newroot
-mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose hostroot /newroot || echo "minivm: 9p root failed"
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose hostroot /newroot ||
+  echo "minivm: 9p root failed"
 mkdir -p /ovl && mount -t tmpfs ovl /ovl && mkdir -p /ovl/up /ovl/wk
-mount -t overlay overlay -o lowerdir=/newroot/tmp,upperdir=/ovl/up,workdir=/ovl/wk /newroot/tmp || echo "minivm: /tmp overlay failed"
+mount -t overlay overlay -o lowerdir=/newroot/tmp,upperdir=/ovl/up,workdir=/ovl/wk /newroot/tmp ||
+  echo "minivm: /tmp overlay failed"
 WORK=$(cat /work.path)
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 work /newroot$WORK || echo "minivm: 9p work failed"
 mount --bind /proc /newroot/proc; mount --bind /sys /newroot/sys; mount --bind /dev /newroot/dev
