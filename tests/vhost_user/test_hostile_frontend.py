@@ -121,3 +121,18 @@ def test_attach_detach_loops_against_a_busy_context_are_bounded(slow, monkeypatc
     assert resp_type(fe.command(res_cmd(T.CMD_RESOURCE_UNREF, 5))) == OK
     wait_for(lambda: srv.counts().blobs == 0, what="blob freed")
     assert 5 not in contexts[1].resources and 5 not in contexts[2].resources
+
+
+def test_a_backend_req_fd_that_is_not_a_socket_is_refused_and_closed(fe, server):
+    # Each refused descriptor left open would let a front-end run the host (every VM it
+    # serves) out of descriptors.
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        r, w = os.pipe()
+        try:
+            assert fe.ack(vu.Request.SET_BACKEND_REQ_FD, b"", fds=[r]) != 0
+        finally:
+            os.close(r)
+            os.close(w)
+    assert len(os.listdir("/proc/self/fd")) == before
+    _still_serving(fe)

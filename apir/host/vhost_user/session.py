@@ -372,8 +372,13 @@ class FrontendSession:
         fd = msg.take_fd()
         if fd is None:
             raise _Refused("SET_BACKEND_REQ_FD without a descriptor")
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # not a socket: refused, and closed (else each one leaks a descriptor)
+            close_quietly(fd)
+            raise
         old = self.device.backend
-        self.device.backend = BackendChannel(socket.socket(fileno=fd), self.backend_timeout_s)
+        self.device.backend = BackendChannel(sock, self.backend_timeout_s)
         if old is not None:
             old.close()
 
