@@ -1,11 +1,14 @@
-"""The host's per-graph work for one all-MiniLM-L6-v2 batch: parse_graph, build_graph and
-check_work_size (ggml_graph_plan's work-size bound).
+"""The host's per-graph work for one all-MiniLM-L6-v2 batch: parse_graph, prepare_graph (checks
+and build, or the graph cache's re-check) and check_work_size (ggml_graph_plan's bound).
 
 Theory of operation: runs batches through APIR over the embedded host (as bench_minilm.py)
-with `apir.host.dispatch_backend`'s parse_graph and build_graph wrapped in timers, and prints
-the median wall and thread-CPU time of each per batch (the first batch left out). Thread CPU
-time is the steadier number on a loaded machine: it leaves out time the host thread waited
-for a core. Compare two trees by running this with each on PYTHONPATH, alternately.
+with `apir.host.dispatch_backend`'s parse_graph, prepare_graph and check_work_size wrapped in
+timers, twice: with the context's graph cache off (every batch checked and built in full: the
+"first build") and on (the same graph again: a "rebuild" from the cache, apir.host.graph_cache),
+and prints the median wall and thread-CPU time of each per batch (the first batch left out),
+then rebuild / first build of parse + prepare (target <= 0.2). Thread CPU time is the steadier
+number on a loaded machine: it leaves out time the host thread waited for a core. Compare two
+trees by running this with each on PYTHONPATH, alternately.
 
 Run: PYTHONPATH=. python benchmarks/bench_host_graph.py [--batches N] [--json]
 """
@@ -33,10 +36,40 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    times = {"parse_graph": ([], []), "build_graph": ([], []), "check_work_size": ([], [])}
+    assets = load_assets()
+    batch = assets.tokenizer.encode(make_sentences(args.batch_size, 40))
+    res = {}
+    for mode in ("first build", "rebuild"):
+        times = _run(assets, batch, args.batches, cache=mode == "rebuild")
+        if times is None:
+            return 1
+        res[mode] = {name: {"wall_ms": statistics.median(w[1:]) * 1e3,
+                            "thread_cpu_ms": statistics.median(c[1:]) * 1e3}
+                     for name, (w, c) in times.items()}
+    both = {m: r["parse_graph"]["thread_cpu_ms"] + r["prepare_graph"]["thread_cpu_ms"] for m, r in res.items()}
+    res["rebuild_over_first_build"] = both["rebuild"] / both["first build"]
+    if args.json:
+        json.dump(res, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"host per-graph work, MiniLM batch of {args.batch_size}, median of {args.batches}:")
+    for mode in ("first build", "rebuild"):
+        print(f" {mode} (graph cache {'on' if mode == 'rebuild' else 'off'}):")
+        for name, r in res[mode].items():
+            print(f"  {name:15} wall {r['wall_ms']:7.2f} ms   thread CPU {r['thread_cpu_ms']:7.2f} ms")
+    print(f" rebuild / first build (parse + prepare, thread CPU) {res['rebuild_over_first_build']:6.3f}x"
+          f"   (target <= 0.2x)")
+    return 0
+
+
+def _run(assets, batch, batches: int, cache: bool):
+    """{name: (wall s list, thread CPU s list)} over `batches` + 1 batches, or None."""
+    times: dict = {"parse_graph": ([], []), "prepare_graph": ([], []), "check_work_size": ([], [])}
 
     def timed(name, fn):
         def wrapper(*a, **k):
+            if name == "prepare_graph" and not cache:
+                a = a[:2] + (None,)  # no cache: every graph checked and built in full
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*a, **k)
@@ -45,31 +78,23 @@ def main(argv=None) -> int:
                 times[name][1].append(time.thread_time() - c0)
         return wrapper
 
+    saved = {name: getattr(dispatch_backend, name) for name in times}
     for name in times:
-        setattr(dispatch_backend, name, timed(name, getattr(dispatch_backend, name)))
-    assets = load_assets()
-    batch = assets.tokenizer.encode(make_sentences(args.batch_size, 40))
+        setattr(dispatch_backend, name, timed(name, saved[name]))
     ob = open_backend(n_threads=2)
     try:
         if not ob.through_apir or ob.fallback:
             print(f"not through APIR: {ob.description}", file=sys.stderr)
-            return 1
+            return None
         model = MiniLM(ob.backend, ob.buft, assets=assets)
-        for _ in range(args.batches + 1):
+        for _ in range(batches + 1):
             model.embed_tokens(batch)
         model.close()
     finally:
         ob.close()
-    res = {name: {"wall_ms": statistics.median(w[1:]) * 1e3, "thread_cpu_ms": statistics.median(c[1:]) * 1e3}
-           for name, (w, c) in times.items()}
-    if args.json:
-        json.dump(res, sys.stdout, indent=1)
-        print()
-        return 0
-    print(f"host per-graph work, MiniLM batch of {args.batch_size}, median of {args.batches}:")
-    for name, r in res.items():
-        print(f"  {name:15} wall {r['wall_ms']:7.2f} ms   thread CPU {r['thread_cpu_ms']:7.2f} ms")
-    return 0
+        for name, fn in saved.items():
+            setattr(dispatch_backend, name, fn)
+    return times
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload, register_jitable
 
+from apir import numba_cache
+
 __all__ = [
     "jit",
     "load_u8",
@@ -60,8 +62,12 @@ __all__ = [
 ]
 
 
+numba_cache.install()
+
+
 def jit(fn):
-    """The one JIT helper: nopython, cached on disk, GIL released while it runs."""
+    """The one JIT helper: nopython, cached on disk (one cache per machine,
+    apir.numba_cache), GIL released while it runs."""
     return numba.njit(cache=True, nogil=True)(fn)
 
 
@@ -332,7 +338,11 @@ def _serialize_tensor(t, dst, tl, rl, lim, buf_ptrs, buf_handles, buf_bases, inf
         store_u32(dst + rl[R_NE] + 4 * d, ne)
         store_u32(dst + rl[R_NB] + 4 * d, nb)
     store_u32(dst + rl[R_OP], load_u32(t + tl[T_OP]))
-    for p in range(lim[L_N_OP_PARAMS]):
+    n_params = lim[L_N_OP_PARAMS]
+    for p in range(0, n_params - 1, 2):  # two int32 params per 64-bit copy
+        store_i64(dst + rl[R_OP_PARAMS] + 4 * p, load_i64(t + tl[T_OP_PARAMS] + 4 * p))
+    if n_params % 2:
+        p = n_params - 1
         store_u32(dst + rl[R_OP_PARAMS] + 4 * p, load_u32(t + tl[T_OP_PARAMS] + 4 * p))
     store_u32(dst + rl[R_FLAGS], load_u32(t + tl[T_FLAGS]))
     for s in range(lim[L_MAX_SRC]):
@@ -347,13 +357,34 @@ def _serialize_tensor(t, dst, tl, rl, lim, buf_ptrs, buf_handles, buf_bases, inf
             return SER_DATA_NO_BUFFER
         data -= base
     store_i64(dst + rl[R_DATA], data)
-    # snprintf(name, GGML_MAX_NAME, "%s"): at most max_name - 1 bytes, then NUL (already 0).
-    for c in range(lim[L_MAX_NAME] - 1):
-        ch = load_u8(t + tl[T_NAME] + c)
+    _copy_name(t + tl[T_NAME], dst + rl[R_NAME], lim[L_MAX_NAME])
+    return 0
+
+
+_ONES = 0x0101010101010101
+_HIGHS = -0x7F7F7F7F7F7F7F80  # 0x8080808080808080 as int64
+
+
+@helper
+def _copy_name(src, dst, max_name):
+    """snprintf(dst, max_name, "%s", src) into zeroed `dst`: at most max_name - 1 bytes, then
+    NUL (already 0). Whole 8-byte words while a word has no NUL (`(v - 0x01..) & ~v & 0x80..`
+    is non-zero exactly when one of v's bytes is 0), then byte by byte for the word with the
+    NUL and for the last word (whose last byte is the terminator)."""
+    c = 0
+    if max_name % 8 == 0:
+        while c + 8 < max_name:
+            v = load_i64(src + c)
+            if ((v - _ONES) & ~v & _HIGHS) != 0:
+                break
+            store_i64(dst + c, v)
+            c += 8
+    while c < max_name - 1:
+        ch = load_u8(src + c)
         if ch == 0:
             break
-        store_u8(dst + rl[R_NAME] + c, ch)
-    return 0
+        store_u8(dst + c, ch)
+        c += 1
 
 
 @jit
@@ -393,6 +424,8 @@ def serialize_graph_kernel(
         return SER_OUT_FULL
     cap_tensors = (out_size - 8 - 8 * n_nodes) // rec
     max_fill = set_keys.shape[0] // 2
+    src_at = tl[T_SRC]
+    view_src_at = tl[T_VIEW_SRC]
     n_seen = 0
     n_tensors = 0
     store_u32(out_addr, n_nodes)
@@ -410,16 +443,22 @@ def serialize_graph_kernel(
         while sp >= 0:
             t = stack_t[sp]
             k = stack_k[sp]
-            if k <= max_src:
-                stack_k[sp] = k + 1
-                child = load_i64(t + tl[T_SRC] + 8 * k) if k < max_src else load_i64(t + tl[T_VIEW_SRC])
-                if child != 0 and _set_insert(set_keys, child) == 1:
-                    n_seen += 1
-                    if n_seen > max_fill:
-                        return SER_SET_FULL
-                    sp += 1
-                    stack_t[sp] = child
-                    stack_k[sp] = 0
+            # the next unvisited child (src[k..], then view_src) in one scan: most slots are 0
+            child = 0
+            while k <= max_src:
+                c = load_i64(t + src_at + 8 * k) if k < max_src else load_i64(t + view_src_at)
+                k += 1
+                if c != 0 and _set_insert(set_keys, c) == 1:
+                    child = c
+                    break
+            if child != 0:
+                n_seen += 1
+                if n_seen > max_fill:
+                    return SER_SET_FULL
+                stack_k[sp] = k
+                sp += 1
+                stack_t[sp] = child
+                stack_k[sp] = 0
                 continue
             if n_tensors == cap_tensors:
                 return SER_OUT_FULL

@@ -49,6 +49,8 @@ from numba import carray, cfunc, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from apir import numba_cache
+
 __all__ = [
     "load_acquire_u32",
     "store_release_u32",
@@ -66,6 +68,8 @@ _U32 = struct.Struct("=I")
 
 # Intrinsics and the functions using them live in one file: Numba's on-disk cache of a
 # function is invalidated only by changes to its own file (docs/numba-notes.md).
+# (in the machine-wide cache folder of apir.numba_cache)
+numba_cache.install()
 _jit = njit(cache=True, nogil=True)
 
 

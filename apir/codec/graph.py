@@ -164,7 +164,7 @@ def serialize_graph(g, cgraph_addr: int, buffers: BufferTable, *, _kernel=None) 
     ptrs, handles, bases = buffers.arrays()
     info = np.zeros(4, dtype=np.int64)
     guess = 2 * n_nodes + 16  # tensors per graph: nodes plus their leafs and views
-    set_cap = _pow2_at_least(2 * guess)
+    set_cap = _pow2_at_least(guess)
     out_size = 8 + 8 * n_nodes + rpc.itemsize * guess
     while True:
         out = np.empty(out_size, dtype=np.uint8)

@@ -46,6 +46,7 @@ from apir.host import dispatcher
 from apir.host.budget import BufferBudget, BufferLimits, buffer_charge
 from apir.host.compute_abort import ComputeAbort
 from apir.host.errors import Refused, log
+from apir.host.graph_cache import GraphCache
 from apir.host.handles import HostBuffer, HostBufferType, VirtualAddressSpace, new_tables
 from apir.host.library import LibraryHost
 from apir.host.limits import DEFAULT_GRAPH_TIME_LIMIT_S, parse_limit
@@ -108,6 +109,8 @@ class PythonBackendLibrary:
         # threads the backend computes with (0: never set, ggml's default); the work-size
         # bound plans with the same count (apir.host.work_plan)
         self.n_threads = 0
+        # checked, built graphs reused when the same graph structure comes again
+        self.graph_cache = GraphCache()
         # enum ggml_backend_dev_type value device_get_type reports instead of the device's own
         # (config apir.host.device_type), or None
         self.device_type: Optional[int] = None
@@ -339,6 +342,7 @@ class PythonBackendLibrary:
     def deinit(self) -> None:
         """`apir_backend_deinit`, for this context only: frees its buffers and its backend."""
         self.cancel_compute("the context is destroyed")
+        self.graph_cache.clear()
         for handle, _ in self.buffers.items():
             self.free_buffer(handle)
         if self._ids_buffer is not None and self._g is not None:
@@ -433,6 +437,7 @@ class PythonBackendLibrary:
     def free_buffer(self, handle: int) -> None:
         buf = self.buffers.pop(handle)
         if buf is not None:
+            self.graph_cache.drop_buffer(buf)
             self.g.ggml_backend_buffer_free(buf.ptr)
             self.budget.give(buf.charge)
 

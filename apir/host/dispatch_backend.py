@@ -6,9 +6,11 @@ checked against the resource's real size (the C has a placeholder there), the gr
 parsed and checked (`parse_graph`, `apir.host.graph`), ggml's planned work buffer is bounded
 by the context's work budget (`apir.host.work_plan`), and only a graph that passes is
 computed (on a backend without a profile, apir.host.profiles, none is); one that does not
-is refused (BACKEND_RC_ERROR, no status). The compute runs under the context's abort flag:
-past `apir.host.graph_time_limit_s`, or once the context is being destroyed, it stops and
-the status is GGML_STATUS_ABORTED.
+is refused (BACKEND_RC_ERROR, no status). On the CPU profile a graph whose structure the
+context computed before reuses that built graph after the re-checks `apir.host.graph_cache`
+describes (`prepare_graph`). The compute runs under the context's abort flag: past
+`apir.host.graph_time_limit_s`, or once the context is being destroyed, it stops and the
+status is GGML_STATUS_ABORTED.
 
 Nodes without GGML_TENSOR_FLAG_COMPUTE are skipped by ggml (ggml_build_forward_select leaves
 the branches it does not select without it), so such a graph is computed as ggml computes it;
@@ -18,12 +20,13 @@ that is logged as a warning, since it is almost always a guest that forgot the f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
-from apir.codec.graph import GraphError, parse_graph
+from apir.codec.graph import GraphError, ParsedGraph, parse_graph
 from apir.codec.wire import Decoder, Encoder
 from apir.host.errors import BACKEND_RC_OK, Refused, log
-from apir.host.graph import build_graph, lib_op_enums
+from apir.host.graph import BuiltGraph, build_graph_parts, lib_op_enums
+from apir.host.graph_cache import GraphCache, GraphCacheEntry, graph_key
 from apir.host.profiles import CPU
 from apir.host.tensors import Scratch
 from apir.host.work_plan import check_work_size
@@ -31,7 +34,7 @@ from apir.host.work_plan import check_work_size
 if TYPE_CHECKING:  # annotations only: backend_library imports the dispatcher, which imports this module
     from apir.host.backend_library import PythonBackendLibrary
 
-__all__ = ["graph_compute"]
+__all__ = ["graph_compute", "prepare_graph"]
 
 
 def graph_compute(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
@@ -52,15 +55,58 @@ def graph_compute(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     except GraphError as exc:
         raise Refused(f"backend_graph_compute: {exc}") from None
     _warn_if_nothing_to_compute(g, parsed)
-    enums = lib_op_enums(lib)
-    with Scratch(g, len(parsed.tensors), max(len(parsed.node_index), 1)) as scratch:
-        graph = build_graph(lib, parsed, scratch, enums)
-        check_work_size(lib, graph)  # before the CPU backend allocates its work buffer
+    # only on the CPU profile: what another backend's compute does to a graph's tensors (and
+    # where its row-id copies live) has not been audited for reuse
+    cache = getattr(lib, "graph_cache", None) if getattr(lib, "profile", CPU) is CPU else None
+    entry = prepare_graph(lib, parsed, cache)
+    try:
+        check_work_size(lib, entry.graph)  # before the CPU backend allocates its work buffer
         # under the context's time limit and cancellation (apir.host.compute_abort)
-        status = lib.abort.run(g.ggml_backend_graph_compute, lib.backend, graph)
+        status = lib.abort.run(g.ggml_backend_graph_compute, lib.backend, entry.graph)
         g.ggml_backend_synchronize(lib.backend)
+    except BaseException:
+        entry.close()
+        raise
+    if cache is not None:
+        cache.put(entry)
+    else:
+        entry.close()
     enc.i32(status)
     return BACKEND_RC_OK
+
+
+def prepare_graph(lib: PythonBackendLibrary, parsed: ParsedGraph, cache: Optional[GraphCache]) -> GraphCacheEntry:
+    """The checked, built host graph of `parsed`: from `cache` (an `apir.host.graph_cache`
+    GraphCache, or None) when it holds the same structure and the re-check passes, else
+    checked and built in full. Raises Refused; the caller owns the entry (put it back or
+    close it)."""
+    enums = lib_op_enums(lib)
+    key = graph_key(parsed) if cache is not None else b""
+    entry = cache.take(key, lib) if cache is not None else None
+    if entry is not None:
+        try:
+            fresh = entry.recheck(lib, enums)
+        except BaseException:
+            entry.close()
+            raise
+        if fresh:
+            return entry
+        entry.close()
+    scratch = Scratch(lib.g, len(parsed.tensors), max(len(parsed.node_index), 1))
+    try:
+        built = build_graph_parts(lib, parsed, scratch, enums)
+    except BaseException:
+        scratch.close()
+        raise
+    return _entry(key, scratch, built, parsed)
+
+
+def _entry(key: bytes, scratch: Scratch, built: BuiltGraph, parsed: ParsedGraph) -> GraphCacheEntry:
+    """The cache entry of a graph just built (its scratch context now owned by the entry)."""
+    handles = parsed.tensors["buffer"].tolist()
+    buffers = {h: b for h, b in zip(handles, built.bufs)}
+    readers = sorted({j for info in built.infos if info.snapshot is not None for j in info.read_by or ()})
+    return GraphCacheEntry(key, scratch, built.graph, built.host, buffers, built.infos, built.src_rows, readers)
 
 
 def _warn_if_nothing_to_compute(g, parsed) -> None:

@@ -48,7 +48,7 @@ from apir.host.tensors import Scratch
 if TYPE_CHECKING:  # annotations only: the dispatcher it leads to imports this module
     from apir.host.backend_library import PythonBackendLibrary
 
-__all__ = ["build_graph", "tensor_info", "lib_op_enums"]
+__all__ = ["build_graph", "build_graph_parts", "BuiltGraph", "tensor_info", "lib_op_enums"]
 
 # Bound on every intermediate of the vectorized extent arithmetic: below it int64 is exact.
 _FAST_LIMIT = float(1 << 60)
@@ -368,8 +368,23 @@ def _create_tensors(lib: PythonBackendLibrary, parsed, scratch: Scratch, recs: _
     return host
 
 
+class BuiltGraph(NamedTuple):
+    """A built host graph and what its checks saw (for `apir.host.graph_cache`)."""
+
+    graph: int  # the ggml_cgraph, in the scratch context
+    host: List[int]  # host tensor address by tensor index
+    infos: List[TensorInfo]  # as the rules saw them (snapshots and readers of row ids included)
+    src_rows: List[List[int]]  # src indices per tensor (-1: none)
+    bufs: list  # HostBuffer per tensor
+
+
 def build_graph(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums: OpEnums) -> int:
     """A host cgraph (in `scratch`) for `parsed`; raises Refused."""
+    return build_graph_parts(lib, parsed, scratch, enums).graph
+
+
+def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums: OpEnums) -> BuiltGraph:
+    """`build_graph`, returning the graph with what its checks saw; raises Refused."""
     g = lib.g
     n = len(parsed.tensors)
     if len(np.unique(parsed.node_index)) != len(parsed.node_index):
@@ -412,7 +427,7 @@ def build_graph(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums: OpEn
     add = g.ggml_graph_add_node
     for j in parsed.node_index.tolist():
         add(graph, host[j])
-    return graph
+    return BuiltGraph(graph, host, infos, src_rows, bufs)
 
 
 def _check_device_supports(lib, parsed, infos, host) -> None:

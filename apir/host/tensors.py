@@ -48,6 +48,7 @@ class Scratch:
         size = g.ggml_tensor_overhead() * (n_tensors + 1) + 1024
         if graph_size:
             size += g.ggml_graph_overhead_custom(graph_size, False)
+        self.size = size  # bytes of the context's memory pool
         self.ctx = g.ggml_init(InitParams(size, None, True))
         if not self.ctx:
             raise MemoryError(f"ggml_init of a {size}-byte context failed")

@@ -19,7 +19,9 @@ for a waited-for execbuffer, a "done" word, in the same call without the GIL tha
 doorbell, so a guest woken by either finds the GIL free. A waited-for execbuffer rings and
 spins on the done word in one such call (then blocks on the job's lock after `host_spin_s`);
 one that returns at once rings 2, and the host thread waits `_SETTLE_S` more before taking the
-GIL, while the guest gets to its own spin on the reply word.
+GIL, while the guest gets to its own spin on the reply word. Neither side spins while the
+machine has more runnable threads than cores (`apir.local.spin_policy`): spinners then only
+slow each other down, and blocking waits answer sooner.
 
 Blobs need no fd: the guest's `Blob.memory` is the host's own mapping of the blob's range.
 This is the default device, spec ``embedded`` (apir.devices.open_device).
@@ -44,6 +46,7 @@ from apir.codec.virtgpu import (
 )
 from apir.guest.device import Blob
 from apir.guest.errors import DeviceError, IoctlError
+from apir.local.spin_policy import spinning_pays
 from apir.host.local_kernel import (
     ContextFactory,
     DeferredNotification,
@@ -157,7 +160,8 @@ class EmbeddedDevice:
     def _spin_for_bell(self, pending: list) -> int:
         """Makes the `pending` stores (clearing the list), then spins up to `host_spin_s` on
         the doorbell without the GIL, all in one call; the ring seen (then reset), or 0."""
-        bell, spins = self._bell, self._host_spins
+        bell = self._bell
+        spins = self._host_spins if spinning_pays() else 0  # block at once on a busy machine
         if not pending:
             rung = bell.spin_until_nonzero(spins) if spins else 0
             if rung:
@@ -191,7 +195,7 @@ class EmbeddedDevice:
         if not self._thread.is_alive():
             raise DeviceError("embedded: the host thread is gone")
         job = _Job(fn, args, wait)
-        spin = spin and wait and self._host_spins > 0
+        spin = spin and wait and self._host_spins > 0 and spinning_pays()
         if spin:
             self._done.store_release(0)
         self._jobs.put(job)

@@ -1,5 +1,6 @@
 """Builds and loads tests/codec/c/codec_ref.cpp: ggml-virtgpu's C codec (apir_cs.h helpers,
-apir_serialize_graph) behind a few extern "C" functions, for the tests and the benchmark.
+apir_serialize_graph, and the C host's apir_deserialize_graph) behind a few extern "C"
+functions, for the tests and the benchmark.
 
 The shared library is compiled against the C reference's headers (the `cref_020` paths)
 together with the C guest's apir_cs_ggml-rpc-front.cpp, and linked against nothing: its
@@ -26,6 +27,9 @@ _FUNCS = {
     "ref_encode_all": (_Z, [_P, _Z]),
     "ref_decode_all": (_I, [_P, _Z, _P]),
     "ref_layout": (_I, [_P]),
+    "ref_track_buffer": (None, [_P]),
+    "ref_untrack_buffer": (None, [_P]),
+    "ref_time_deserialize_graph": (ctypes.c_double, [_P, _Z, _I]),
 }
 
 
@@ -35,14 +39,20 @@ def build(paths: dict, outdir: Path) -> Path:
     src = Path(paths["GGML_SRC"])
     virtgpu = src / "src" / "ggml-virtgpu"
     out = Path(outdir) / "codec_ref.so"
-    cmd = ["g++", "-std=c++17", "-O2", "-DNDEBUG", "-fPIC", "-shared", "-w",
-           "-I", paths["GGML_INCLUDE"], "-I", str(src / "src"), "-I", str(virtgpu),
-           "-I", str(virtgpu / "include"), "-I", "/usr/include/libdrm",
-           "-I", paths["VIRTGPU_DRM_INCLUDE"],
-           str(SOURCE), str(virtgpu / "apir_cs_ggml-rpc-front.cpp"), "-o", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"building {out.name} failed:\n{done.stderr[-4000:]}")
+    flags = ["-std=c++17", "-O2", "-DNDEBUG", "-fPIC", "-w",
+             "-I", paths["GGML_INCLUDE"], "-I", str(src / "src"), "-I", str(virtgpu),
+             "-I", str(virtgpu / "include"), "-I", "/usr/include/libdrm",
+             "-I", paths["VIRTGPU_DRM_INCLUDE"]]
+    # the C host's deserializer, its ggml_init renamed so the harness sees (and frees) the context
+    back = Path(outdir) / "apir_cs_ggml-rpc-back.o"
+    steps = [["g++", *flags, "-Dggml_init=ref_tracked_ggml_init", "-c",
+              str(virtgpu / "backend" / "apir_cs_ggml-rpc-back.cpp"), "-o", str(back)],
+             ["g++", *flags, "-shared", str(SOURCE), str(virtgpu / "apir_cs_ggml-rpc-front.cpp"), str(back),
+              "-o", str(out)]]
+    for cmd in steps:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"building {out.name} failed:\n{done.stderr[-4000:]}")
     return out
 
 

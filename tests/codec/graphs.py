@@ -25,6 +25,7 @@ class BuiltGraph:
     cgraph: int
     buffers: BufferTable
     tensors: list = field(default_factory=list)  # every tensor address of the context
+    buffers_used: list = field(default_factory=list)  # (pointer, base, bytes placed) per fake buffer
 
     def free(self, g):
         g.ggml_free(self.ctx)
@@ -40,11 +41,13 @@ def _tensors(g, ctx):
 
 
 def build_graph(g, n_layers: int, make_buffer=None, n_buffers: int = 3, graph_size: int = 2048,
-                only_last_node: bool = False) -> BuiltGraph:
+                only_last_node: bool = False, all_allocated: bool = False) -> BuiltGraph:
     """A graph of 20 nodes per layer (plus one). `make_buffer(handle, base) -> pointer` gives
     each fake remote buffer its ggml_backend_buffer pointer (default: made-up pointers, for
     serializers that never dereference them). With `only_last_node` the cgraph holds only
-    the final tensor as its node (so the tensors far outnumber the nodes)."""
+    the final tensor as its node (so the tensors far outnumber the nodes). With `all_allocated`
+    every tensor gets data (a host checks that every graph tensor has); `buffers_used` says how
+    many bytes of each buffer the tensors take."""
     ctx = g.ggml_init(InitParams(g.ggml_tensor_overhead() * (32 * n_layers + 64)
                                  + g.ggml_graph_overhead_custom(graph_size, False), None, True))
     f32, f16, i32 = g.types["F32"], g.types["F16"], g.types["I32"]
@@ -55,7 +58,9 @@ def build_graph(g, n_layers: int, make_buffer=None, n_buffers: int = 3, graph_si
     g.ggml_set_name(ids, b"inp_tokens")
     x = g.ggml_get_rows(ctx, emb, ids)
     for layer in range(n_layers):
-        w = g.ggml_new_tensor_2d(ctx, f16, d, d)
+        # (F32 when every tensor is allocated: the graph then goes to a host's checks, and ggml
+        # CPU's MUL_MAT(x, w) takes no F16 src1 next to an F32 src0)
+        w = g.ggml_new_tensor_2d(ctx, f32 if all_allocated else f16, d, d)
         g.ggml_set_name(w, LONG_NAME % layer)  # ggml keeps its first 63 bytes
         b = g.ggml_new_tensor_1d(ctx, f32, d)
         h = g.ggml_add(ctx, g.ggml_mul_mat(ctx, w, x), b)
@@ -90,9 +95,10 @@ def build_graph(g, n_layers: int, make_buffer=None, n_buffers: int = 3, graph_si
             src = tensor_record(int(rec["view_src"]), dtype)
             rec["buffer"] = src["buffer"]
             rec["data"] = src["data"] + rec["view_offs"] if src["data"] else 0
-        elif i % 7 != 3:  # every 7th tensor stays unallocated
+        elif all_allocated or i % 7 != 3:  # else every 7th tensor stays unallocated
             k = i % n_buffers
             rec["buffer"] = ptrs[k][0]
             rec["data"] = ptrs[k][1] + offsets[k]
             offsets[k] += (g.ggml_nbytes(t) + 31) & ~31
-    return BuiltGraph(ctx, cgraph, table, tensors)
+    used = [(ptr, base, offsets[k]) for k, (ptr, base) in enumerate(ptrs)]
+    return BuiltGraph(ctx, cgraph, table, tensors, used)

@@ -53,6 +53,29 @@ def test_serialize_tensor_kernel_vs_python(ggml, small):
         assert a.tobytes() == b.tobytes()
 
 
+@pytest.mark.parametrize("kernel", ["jit", "py"])
+def test_name_copy_every_length(ggml, small, kernel):
+    """The record's name is snprintf's: the bytes up to the first NUL, at most max_name - 1,
+    zeros after; whatever follows the NUL in ggml's field (here 0xAA garbage) is not copied.
+    Word-wise copying must agree for every length, words with and without the NUL."""
+    from apir.codec.graph import rpc_tensor_from_ggml
+
+    fn = K.serialize_tensor_kernel if kernel == "jit" else K.serialize_tensor_kernel.py_func
+    t = small.tensors[0]
+    max_name = ggml.limits.max_name
+    field = (ctypes.c_char * max_name).from_address(t + ggml.tensor_dtype.fields["name"][1])
+    saved = field.raw
+    try:
+        for n in range(max_name + 1):
+            raw = bytes(0x41 + (i % 26) for i in range(n)) + b"\0" + b"\xaa" * max_name
+            ctypes.memmove(field, raw, max_name)
+            rec = rpc_tensor_from_ggml(ggml, t, small.buffers, _kernel=fn)
+            want = raw[: min(n, max_name - 1)]
+            assert rec["name"].tobytes() == want + b"\0" * (max_name - len(want)), n
+    finally:
+        ctypes.memmove(field, saved, max_name)
+
+
 def test_serialize_graph_kernel_reports_small_work_arrays(ggml, small):
     tl, rl, lim, rpc = _layout(ggml.tensor_dtype, ggml.limits)
     n = ggml.ggml_graph_n_nodes(small.cgraph)

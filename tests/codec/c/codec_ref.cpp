@@ -61,6 +61,56 @@ double ref_time_serialize_graph(const ggml_cgraph * cgraph, int reps) {
     return std::chrono::duration<double, std::nano>(t1 - t0).count() / reps;
 }
 
+// --- the C host's graph decode (backend-dispatched-backend.cpp's graph_compute, front half) ----
+// apir_deserialize_graph (backend/apir_cs_ggml-rpc-back.cpp) is compiled alongside with its
+// ggml_init renamed to ref_tracked_ggml_init (cbuild.py), so that the harness can free the
+// context it makes (the C host never does).
+static ggml_context * ref_last_ctx = nullptr;
+
+ggml_context * ref_tracked_ggml_init(ggml_init_params params) {
+    ref_last_ctx = ggml_init(params);
+    return ref_last_ctx;
+}
+
+// apir_track_backend_buffer: the C host only accepts tensors of buffers it allocated.
+void ref_track_buffer(void * buffer) {
+    apir_track_backend_buffer((ggml_backend_buffer_t) buffer);
+}
+
+void ref_untrack_buffer(void * buffer) {
+    apir_untrack_backend_buffer((ggml_backend_buffer_t) buffer);
+}
+
+// Best nanoseconds over reps of what the C host does with a serialized graph before compute:
+// apir_decode_ggml_cgraph over the bytes (counts, then apir_deserialize_graph: a ggml_context,
+// every tensor and the graph built, nothing validated beyond ggml_nbytes inside its buffer),
+// the context freed outside the timing. Returns -1 when the decode fails or n_nodes differs.
+double ref_time_deserialize_graph(const uint8_t * data, size_t size, int reps) {
+    double best = -1.0;
+    for (int i = 0; i < reps; i++) {
+        apir_decoder dec = apir_new_decoder((const char *) data, size);
+        auto t0 = std::chrono::steady_clock::now();
+        ggml_cgraph * graph = apir_decode_ggml_cgraph(&dec, size);
+        auto t1 = std::chrono::steady_clock::now();
+        bool ok = graph && !apir_decoder_get_fatal(&dec);
+        uint32_t n_nodes;
+        memcpy(&n_nodes, data, 4);
+        ok = ok && graph->n_nodes == (int) n_nodes;
+        if (ref_last_ctx) {
+            ggml_free(ref_last_ctx);
+            ref_last_ctx = nullptr;
+        }
+        if (!ok) {
+            return -1.0;
+        }
+        double ns = std::chrono::duration<double, std::nano>(t1 - t0).count();
+        if (best < 0 || ns < best) {
+            best = ns;
+        }
+    }
+    return best;
+}
+
 size_t ref_serialize_tensor(const ggml_tensor * tensor, uint8_t * out) {
     apir_rpc_tensor rec = apir_serialize_tensor(tensor);
     memcpy(out, &rec, sizeof(rec));

@@ -1,0 +1,50 @@
+"""Whether a thread waiting for another should spin now, or block.
+
+Theory of operation: spinning on a word (apir.codec.atomics) answers in about a microsecond
+when the thread it waits for has a core of its own; blocking costs a wake-up, which on an idle
+virtual machine is tens of microseconds (the vCPU halted and must be woken: a bare socket
+ping-pong took 37-44 us there, against 10 us on the same machine while busy). But when the
+machine has more runnable threads than cores, a spinner burns the core the other thread needs
+and is itself preempted, and round trips grew from 15-21 us to 250-430 us (p50, 2 cores, load
+15), while the same embedded host without spinning answered in 22 us: the scheduler runs a
+thread woken from a block soon, and one that spun its slice late.
+
+`spinning_pays()` tells them apart from the kernel's count of runnable threads
+(/proc/loadavg's fourth field, an instantaneous count, ours included), sampled at most every
+`SAMPLE_S`: spin while it is at most the cores this process may run on. Where the count is
+not available it answers True (the spinners' own bounds still hold).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+__all__ = ["spinning_pays", "SAMPLE_S"]
+
+SAMPLE_S = 0.05
+_LOADAVG = "/proc/loadavg"
+
+_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+_checked_at = -1.0
+_pays = True
+
+
+def runnable_threads() -> int:
+    """The machine's runnable threads now (/proc/loadavg), or -1 where not readable."""
+    try:
+        with open(_LOADAVG, "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def spinning_pays() -> bool:
+    """True while runnable threads <= this process's cores (sampled every SAMPLE_S)."""
+    global _checked_at, _pays
+    now = time.monotonic()
+    if now - _checked_at >= SAMPLE_S:
+        _checked_at = now
+        running = runnable_threads()
+        _pays = running < 0 or running <= _cores
+    return _pays

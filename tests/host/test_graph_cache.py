@@ -1,0 +1,327 @@
+"""apir.host.graph_cache: a repeated graph reuses its built host graph, and nothing that
+differs is ever served from the cache (the graph's bytes, its buffers, the row ids its rules
+read)."""
+
+
+import numpy as np
+import pytest
+
+from apir.codec.constants import ApirBackendCommandType as Cmd
+from apir.codec.graph import GraphError, parse_graph
+from apir.codec.records import rpc_tensor_dtype
+from apir.host.graph_cache import GraphCache, GraphCacheEntry, graph_key
+from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph, cpu_compute
+
+N_ROWS = 10  # rows of the GET_ROWS table
+
+
+def _graph(g, ctx):
+    """mul_mat + add + get_rows + soft_max + a view: links, views and row ids."""
+    f32 = g.types["F32"]
+    w = g.ggml_new_tensor_2d(ctx, f32, 16, 12)
+    x = g.ggml_new_tensor_2d(ctx, f32, 16, 3)
+    emb = g.ggml_new_tensor_2d(ctx, f32, 12, N_ROWS)
+    rows = g.ggml_new_tensor_1d(ctx, g.types["I32"], 3)
+    inputs = [w, x, emb, rows]
+    for i, t in enumerate(inputs):
+        g.ggml_set_name(t, f"in{i}".encode())
+        g.ggml_set_input(t)
+    y = g.ggml_add(ctx, g.ggml_mul_mat(ctx, w, x), g.ggml_get_rows(ctx, emb, rows))
+    y = g.ggml_soft_max_ext(ctx, y, None, 0.5, 0.0)
+    y = g.ggml_cont(ctx, g.ggml_view_2d(ctx, y, 6, 3, g.ggml_row_size(f32, 12), 0))
+    g.ggml_set_output(y)
+    graph = g.ggml_new_graph(ctx)
+    g.ggml_build_forward_expand(graph, y)
+    return graph, inputs, y
+
+
+def _data(g, seed, rows=(1, 7, 3)):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(16 * 12).astype(np.float32).tobytes(),
+            rng.standard_normal(16 * 3).astype(np.float32).tobytes(),
+            rng.standard_normal(12 * N_ROWS).astype(np.float32).tobytes(),
+            np.array(rows, np.int32).tobytes()]
+
+
+def _direct(g, data):
+    s = GgmlScratch(g)
+    graph, inputs, y = _graph(g, s.ctx)
+    out = cpu_compute(g, s.ctx, graph, zip(inputs, data), y)
+    s.close()
+    return out
+
+
+class _Session:
+    """One guest graph on a host context: set inputs, send (possibly altered) wire bytes."""
+
+    def __init__(self, guest, g):
+        self.guest, self.g = guest, g
+        self.s = GgmlScratch(g)
+        graph, self.inputs, self.y = _graph(g, self.s.ctx)
+        self.remote = RemoteGraph(guest, g, self.s.ctx, graph)
+        self.wire = self.remote.wire
+
+    @property
+    def cache(self) -> GraphCache:
+        return self.guest.ctx._library.graph_cache
+
+    def set_inputs(self, data):
+        for t, d in zip(self.inputs, data):
+            assert self.guest.set_tensor(self.remote.handle, self.remote.rpc(t), d) == 0
+
+    def compute(self, wire=None):
+        """(rc, status or None)."""
+        wire = self.wire if wire is None else wire
+        self.guest.data[: len(wire)] = wire
+        rc, dec = self.guest.forward(Cmd.BACKEND_GRAPH_COMPUTE, lambda e: (e.u32(DATA_RES), e.size_t(len(wire))))
+        return rc, (dec.i32() if rc == 0 else None)
+
+    def output(self):
+        rc, out = self.guest.get_tensor(self.remote.handle, self.remote.rpc(self.y), self.g.ggml_nbytes(self.y))
+        assert rc == 0
+        return out
+
+    def records(self):
+        n_nodes = int.from_bytes(self.wire[:4], "little")
+        return n_nodes, np.frombuffer(self.wire, rpc_tensor_dtype(self.g.limits), offset=8 + 8 * n_nodes).copy()
+
+    def wire_with(self, records):
+        n_nodes = int.from_bytes(self.wire[:4], "little")
+        return self.wire[: 8 + 8 * n_nodes] + records.tobytes()
+
+    def close(self):
+        self.remote.close()
+        self.s.close()
+
+
+@pytest.fixture
+def session(guest, ggml):
+    s = _Session(guest, ggml)
+    yield s
+    s.close()
+
+
+def test_repeated_graph_is_served_from_the_cache_with_new_inputs(session, ggml):
+    session.set_inputs(_data(ggml, 1))
+    assert session.compute() == (0, 0)
+    assert (session.cache.hits, len(session.cache)) == (0, 1)
+    for seed, rows in ((2, (0, 9, 9)), (3, (5, 4, 2))):
+        data = _data(ggml, seed, rows)
+        session.set_inputs(data)
+        assert session.compute() == (0, 0)
+        assert session.output() == _direct(ggml, data)
+    assert (session.cache.hits, session.cache.misses, len(session.cache)) == (2, 1, 1)
+
+
+def test_other_guest_ids_same_structure_is_a_hit(session, ggml):
+    """Tensor ids only name tensors: the same graph with every id renamed is the same graph."""
+    session.set_inputs(_data(ggml, 1))
+    assert session.compute() == (0, 0)
+    n_nodes, recs = session.records()
+    shift = np.uint64(1 << 40)
+    nodes = np.frombuffer(session.wire, np.uint64, count=n_nodes, offset=4) + shift
+    for f in ("id", "src", "view_src"):
+        recs[f] = np.where(recs[f] != 0, recs[f] + shift, 0)
+    wire = session.wire[:4] + nodes.tobytes() + session.wire[4 + 8 * n_nodes: 8 + 8 * n_nodes] + recs.tobytes()
+    assert wire != session.wire
+    data = _data(ggml, 4)
+    session.set_inputs(data)
+    assert session.compute(wire) == (0, 0)
+    assert session.cache.hits == 1
+    assert session.output() == _direct(ggml, data)
+
+
+def _unread_bytes(g, wire):
+    """Byte offsets in `wire` that no host check reads: each record's `padding` and the holes
+    between its fields (the C guest leaves both uninitialized)."""
+    n_nodes = int.from_bytes(wire[:4], "little")
+    rpc = rpc_tensor_dtype(g.limits)
+    read = set()
+    for name in rpc.names:
+        if name != "padding":
+            ftype, off = rpc.fields[name][:2]
+            read |= set(range(off, off + ftype.itemsize))
+    unread = [b for b in range(rpc.itemsize) if b not in read]
+    at = 8 + 8 * n_nodes
+    return {at + rpc.itemsize * i + b for i in range((len(wire) - at) // rpc.itemsize) for b in unread}
+
+
+def test_every_byte_of_the_graph_is_in_the_key_or_refused(session, ggml):
+    """Flipping any single byte the host reads (counts, node ids, every field of every record,
+    ids and links included) either makes the graph invalid or changes its key: every tensor
+    here is linked from a node, so a flipped id leaves a link unresolved."""
+    kw = dict(limits=ggml.limits, op_count=ggml.op_count, type_valid=ggml.valid_types)
+    key = graph_key(parse_graph(session.wire, **kw))
+    unread = _unread_bytes(ggml, session.wire)
+    assert 0 < len(unread) < len(session.wire) // 10
+    same = []
+    for p in range(len(session.wire)):
+        for flip in (0x01, 0x80):
+            wire = bytearray(session.wire)
+            wire[p] ^= flip
+            try:
+                parsed = parse_graph(bytes(wire), **kw)
+            except GraphError:
+                continue
+            if graph_key(parsed) == key:
+                same.append(p)
+    assert sorted(set(same)) == sorted(unread)
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["op_params", "buffer", "data", "ne", "nb", "src", "view_src", "view_offs", "flags", "name", "type", "op",
+     "node"],
+)
+def test_changed_field_is_never_served_from_the_cache(session, ggml, field):
+    """One field of one tensor changed: the graph is checked and built in full (refused or
+    computed as ggml would), never taken from the cache."""
+    session.set_inputs(_data(ggml, 1))
+    assert session.compute() == (0, 0)
+    n_nodes, recs = session.records()
+    get_rows = int(np.flatnonzero(recs["op"] == ggml.ops["GET_ROWS"])[0])
+    soft_max = int(np.flatnonzero(recs["op"] == ggml.ops["SOFT_MAX"])[0])
+    view = int(np.flatnonzero(recs["view_src"] != 0)[0])
+    wire = None
+    if field == "op_params":
+        recs["op_params"][soft_max, 0] = np.float32(0.25).view(np.uint32)  # another scale
+    elif field == "buffer":
+        recs["buffer"][0] = session.guest.alloc(1 << 16)  # a live buffer, but not the one checked
+    elif field == "data":
+        recs["data"][get_rows] += 4
+    elif field == "ne":
+        recs["ne"][view, 0] -= 1
+    elif field == "nb":
+        recs["nb"][view, 1] -= 4
+    elif field == "src":
+        recs["src"][get_rows, 1] = recs["id"][get_rows - 1] if recs["src"][get_rows, 1] != recs["id"][get_rows - 1] \
+            else recs["id"][0]
+    elif field == "view_src":
+        recs["view_src"][view] = recs["id"][0]
+    elif field == "view_offs":
+        recs["view_offs"][view] += 4
+    elif field == "flags":
+        recs["flags"][soft_max] ^= ggml.tensor_flags["OUTPUT"]
+    elif field == "name":
+        recs["name"][0] = b"renamed"
+    elif field == "type":
+        recs["type"][view] = ggml.types["F16"]
+    elif field == "op":
+        recs["op"][soft_max] = ggml.ops["SCALE"]
+    elif field == "node":
+        nodes = np.frombuffer(session.wire, np.uint64, count=n_nodes, offset=4).copy()
+        nodes[-1] = nodes[0]  # a node listed twice: refused
+        wire = session.wire[:4] + nodes.tobytes() + session.wire[4 + 8 * n_nodes:]
+    if wire is None:
+        wire = session.wire_with(recs)
+    assert wire != session.wire
+    hits = session.cache.hits
+    session.compute(wire)
+    assert session.cache.hits == hits
+    # and the original graph is still served, with the right result
+    data = _data(ggml, 5)
+    session.set_inputs(data)
+    assert session.compute() == (0, 0)
+    assert session.output() == _direct(ggml, data)
+
+
+def test_row_ids_are_checked_again_on_every_hit(session, ggml):
+    """GET_ROWS reads its row ids before compute: a cached graph re-reads and re-checks them,
+    so ids made out of range after the first compute are refused, not served."""
+    session.set_inputs(_data(ggml, 1))
+    assert session.compute() == (0, 0)
+    session.set_inputs(_data(ggml, 1, rows=(0, N_ROWS, 1)))
+    rc, _ = session.compute()
+    assert rc != 0
+    assert session.cache.hits == 1  # found, re-checked, refused
+    assert len(session.cache) == 0  # and dropped
+    data = _data(ggml, 2, rows=(N_ROWS - 1, 0, 2))
+    session.set_inputs(data)
+    assert session.compute() == (0, 0)
+    assert session.output() == _direct(ggml, data)
+
+
+def test_row_ids_the_kernel_reads_are_the_new_copy(session, ggml):
+    """After a hit the kernel reads the ids copied (and checked) for this compute."""
+    for seed, rows in ((1, (1, 2, 3)), (2, (9, 8, 7)), (3, (0, 0, 0))):
+        data = _data(ggml, seed, rows)
+        session.set_inputs(data)
+        assert session.compute() == (0, 0)
+        assert session.output() == _direct(ggml, data)
+    assert session.cache.hits == 2
+
+
+def test_freed_buffer_drops_its_graphs(session, ggml):
+    session.set_inputs(_data(ggml, 1))
+    assert session.compute() == (0, 0)
+    assert len(session.cache) == 1
+    assert session.guest.forward(Cmd.BUFFER_FREE_BUFFER, lambda e: e.handle(session.remote.handle))[0] == 0
+    assert len(session.cache) == 0
+    rc, _ = session.compute()
+    assert rc != 0  # the graph's buffer is gone
+
+
+def test_cache_is_per_context(ggml):
+    a, b = Guest(), Guest()
+    try:
+        sa, sb = _Session(a, ggml), _Session(b, ggml)
+        for s in (sa, sb):
+            s.set_inputs(_data(ggml, 1))
+            assert s.compute() == (0, 0)
+            assert (s.cache.hits, s.cache.misses) == (0, 1)
+        assert sa.cache is not sb.cache
+        sa.close()
+        sb.close()
+    finally:
+        a.close()
+        b.close()
+
+
+class _Buffers(dict):
+    pass
+
+
+class _Lib:
+    def __init__(self, buffers):
+        self.buffers = buffers
+
+
+class _Scratch:
+    def __init__(self, size=100):
+        self.size, self.closed, self.pinned = size, False, []
+
+    def close(self):
+        self.closed = True
+
+
+def _entry(key, buffers, size=100):
+    return GraphCacheEntry(key, _Scratch(size), 0, [], buffers, [], [], [])
+
+
+def test_take_needs_equal_key_and_the_same_buffer_objects():
+    buf = object()
+    cache = GraphCache()
+    cache.put(_entry(b"k" * 10, {5: buf}))
+    assert cache.take(b"k" * 9 + b"j", _Lib({5: buf})) is None
+    assert cache.take(b"k" * 10, _Lib({5: object()})) is None  # same handle, another buffer
+    assert len(cache) == 0  # that entry was freed
+    e = _entry(b"k" * 10, {5: buf})
+    cache.put(e)
+    assert cache.take(b"k" * 10, _Lib({5: buf})) is e
+    assert len(cache) == 0  # taken out while in use
+
+
+def test_cache_is_bounded():
+    cache = GraphCache(max_entries=3, max_bytes=1000)
+    entries = [_entry(bytes([i]) * 10, {}) for i in range(5)]
+    for e in entries:
+        cache.put(e)
+    assert len(cache) == 3
+    assert [e.scratch.closed for e in entries] == [True, True, False, False, False]
+    big = _entry(b"x" * 10, {}, size=2000)
+    cache.put(big)
+    assert big.scratch.closed and len(cache) == 3
+    cache.put(_entry(b"y" * 10, {}, size=700))  # 700 + 2 * 110 + 110 > 1000: two evicted
+    assert cache.nbytes <= 1000
+    cache.clear()
+    assert len(cache) == 0 and all(e.scratch.closed for e in entries)
