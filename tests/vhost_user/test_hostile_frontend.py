@@ -5,6 +5,7 @@ gone (SIGBUS)."""
 
 import os
 import struct
+import threading
 import time
 
 import pytest
@@ -13,9 +14,8 @@ from apir.codec.virtgpu import VirtioGpuCtrlType as T
 from apir.host.vhost_user import protocol as vu
 
 from .conftest import wait_for
-from .frontend import GPA_BASE, MEM_SIZE, UVA_BASE, hdr, resp_type
+from .frontend import GPA_BASE, MEM_SIZE, UVA_BASE, FakeFrontend, hdr, resp_type
 from .gpu import create_blob, ctx_create, map_blob, res_cmd, submit
-from .test_workers import slow  # noqa: F401, F811 - the fixture
 
 OK = T.RESP_OK_NODATA
 
@@ -92,18 +92,59 @@ def test_a_kick_descriptor_numbered_past_fd_setsize_is_served(fe, server):
             os.close(fd)
 
 
-def test_attach_detach_loops_against_a_busy_context_are_bounded(slow, monkeypatch):  # noqa: F811
+class BusyContext:
+    """A HostContext stand-in whose SUBMIT_3D runs until `release` is set (or 30 s)."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.busy = threading.Event()
+        self.resources = {}
+
+    def add_resource(self, res_id, memory):
+        self.resources[res_id] = memory
+
+    def remove_resource(self, res_id):
+        self.resources.pop(res_id, None)
+
+    def submit(self, command):
+        self.busy.set()
+        self.release.wait(30)
+
+    def cancel_compute(self, reason):
+        self.release.set()
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def busy(make_server):
+    contexts = {}
+
+    def factory(ctx_id, capset_id, config):
+        contexts[ctx_id] = BusyContext()
+        return contexts[ctx_id]
+
+    srv = make_server(context_factory=factory)
+    fe = FakeFrontend.connect(srv.path)
+    yield srv, fe, contexts
+    for c in contexts.values():
+        c.release.set()
+    fe.close()
+
+
+def test_attach_detach_loops_against_a_busy_context_are_bounded(busy, monkeypatch):
     # Each ATTACH / DETACH posts a job on the context's worker; while it computes, a guest
     # looping the two must not grow the host's queue (and memory) without bound.
     from apir.host.vhost_user import gpu_device
 
     monkeypatch.setattr(gpu_device, "MAX_PENDING_JOBS", 8, raising=False)
-    srv, fe, log, contexts = slow
+    srv, fe, contexts = busy
     for ctx in (1, 2):
         assert resp_type(fe.command(ctx_create(ctx))) == OK
     assert resp_type(fe.command(create_blob(5, 4096, ctx_id=2))) == OK
     blocked = fe.post(submit(1, b"block"))
-    wait_for(lambda: (1, b"block") in log)
+    wait_for(contexts[1].busy.is_set, what="context 1 computing")
     worker = srv.session.device.contexts[1].worker
     answers = []
     for _ in range(20):
