@@ -287,6 +287,8 @@ def _run(args: argparse.Namespace, assets) -> int:
     cosine = emb @ emb.T if show_sim else None
     try:
         _write(args, fmt, sentences, emb, cosine, n_tokens, truncated, opened, assets, upload, (t1 - t0, t2 - t1))
+    except BrokenPipeError:
+        raise  # stdout's reader went away (`apir embed ... | head`): apir.cli.main ends quietly
     except OSError as exc:
         print(f"apir: error: {exc.filename or args.output}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -33,6 +33,20 @@ def test_json_has_everything(capsys, minilm):
     assert doc["upload_bytes"] == minilm.assets.n_weight_bytes
 
 
+def test_a_closed_stdout_is_left_to_main(capsys, minilm, monkeypatch):
+    """`apir embed ... | head`: the BrokenPipeError reaches apir.cli.main, which ends quietly
+    (exit 141), instead of an "apir: error: None: Broken pipe" line."""
+
+    class ClosedPipe(io.StringIO):
+        def write(self, s):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    with pytest.raises(BrokenPipeError):
+        cli_embed.run(_args("--format", "jsonl", "--local-cpu", *SENTENCES), assets=minilm.assets)
+    assert "error" not in capsys.readouterr().err
+
+
 def test_text_output(capsys, minilm):
     assert cli_embed.run(_args("--local-cpu", "--show", "3", *SENTENCES), assets=minilm.assets) == 0
     out = capsys.readouterr().out
