@@ -69,8 +69,11 @@ def test_minilm_through_apir_is_byte_identical_to_local_vulkan(vk, tmp_path):
 
 
 # A subset that keeps CI within a few minutes once lavapipe's shader cache is warm: an
-# elementwise op, a unary one and row gathers (GET_ROWS: the row-id copies on the device).
-TBO_OPS = "ADD,SCALE,GET_ROWS"
+# elementwise op and a unary one. Not GET_ROWS: its 4 cases lavapipe does not support abort the
+# C guest, and the runner then re-runs the rest one process per case (over 12 minutes on a
+# loaded 2-core machine). Row gathers on Vulkan (the row-id copies on the device) are in the
+# MiniLM test above: three GET_ROWS a batch, byte-identical to local ggml Vulkan.
+TBO_OPS = "ADD,SCALE"
 
 
 def test_backend_ops_through_apir_pass_where_vulkan_passes(vk, tmp_path):
