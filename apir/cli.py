@@ -223,6 +223,19 @@ def embedded_trace(args: argparse.Namespace, spec: Optional[str]):
     return trace, {"context_factory": traced_context_factory(default_context_factory, trace)}
 
 
+def stop_on_signals() -> threading.Event:
+    """An event that SIGTERM and SIGINT set: a host command serves until it is set."""
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        log.info("signal %d: stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stop
+
+
 # --- apir host serve -------------------------------------------------------------------------
 def run_host_serve(args: argparse.Namespace) -> int:
     from apir.host.local_kernel import default_context_factory
@@ -247,14 +260,7 @@ def run_host_serve(args: argparse.Namespace) -> int:
         if trace:
             trace.close()
         raise
-    stop = threading.Event()
-
-    def on_signal(signum, frame):
-        log.info("signal %d: stopping", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = stop_on_signals()
     server.start()
     traced = f", tracing commands to {args.trace}" if trace else ""
     print(f"apir: serving on {server.path}{traced}", file=sys.stderr, flush=True)
@@ -335,14 +341,7 @@ def run_host_vhost_user(args: argparse.Namespace) -> int:
         if trace:
             trace.close()
         raise
-    stop = threading.Event()
-
-    def on_signal(signum, frame):
-        log.info("signal %d: stopping", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = stop_on_signals()
     for server in servers:
         server.start()
     traced = f", tracing commands to {args.trace}" if trace else ""
