@@ -145,6 +145,33 @@ def host_config_from_args(args: argparse.Namespace) -> Optional[dict]:
     return config or None
 
 
+def check_host_backend(config: Optional[dict]) -> None:
+    """Refuse, before a host starts serving, a --backend / --ggml-library it could not serve:
+    a library path that is no file, a spec ggml's registry of the loaded build does not have, a
+    ggml-rpc server that does not answer. Otherwise the first guest would see the failure, as a
+    LoadLibrary error code. Raises UsageError naming the value."""
+    if not config:
+        return
+    path = config.get(CONFIG_KEY_GGML_LIBRARY_PATH)
+    if path and not os.path.isfile(path):
+        raise UsageError(f"ggml backend library {path!r}: no such file")
+    spec = config.get(CONFIG_KEY_BACKEND)
+    if not spec:
+        return
+    from apir.ggml import backend_spec, load
+
+    try:
+        parsed = backend_spec.parse_spec(spec)
+        if parsed.kind == "rpc":
+            # only probe: resolving would add the servers to this process's registry
+            for endpoint in parsed.endpoints:
+                backend_spec.check_reachable(endpoint)
+        else:
+            backend_spec.resolve(load(), spec)
+    except backend_spec.BackendSpecError as exc:
+        raise UsageError(f"--backend {spec}: {exc}") from exc
+
+
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     """--socket / --drm (neither: an embedded host) plus the embedded host's configuration."""
     where = parser.add_mutually_exclusive_group()
@@ -196,6 +223,19 @@ def embedded_trace(args: argparse.Namespace, spec: Optional[str]):
     return trace, {"context_factory": traced_context_factory(default_context_factory, trace)}
 
 
+def stop_on_signals() -> threading.Event:
+    """An event that SIGTERM and SIGINT set: a host command serves until it is set."""
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        log.info("signal %d: stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stop
+
+
 # --- apir host serve -------------------------------------------------------------------------
 def run_host_serve(args: argparse.Namespace) -> int:
     from apir.host.local_kernel import default_context_factory
@@ -204,6 +244,7 @@ def run_host_serve(args: argparse.Namespace) -> int:
 
     check_listen(args.socket)
     config = host_config_from_args(args)
+    check_host_backend(config)
     trace = CommandTrace(args.trace) if args.trace else None
     factory = traced_context_factory(default_context_factory, trace) if trace else default_context_factory
     try:
@@ -219,14 +260,7 @@ def run_host_serve(args: argparse.Namespace) -> int:
         if trace:
             trace.close()
         raise
-    stop = threading.Event()
-
-    def on_signal(signum, frame):
-        log.info("signal %d: stopping", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = stop_on_signals()
     server.start()
     traced = f", tracing commands to {args.trace}" if trace else ""
     print(f"apir: serving on {server.path}{traced}", file=sys.stderr, flush=True)
@@ -284,6 +318,7 @@ def run_host_vhost_user(args: argparse.Namespace) -> int:
     if args.shm_size % os.sysconf("SC_PAGE_SIZE"):
         raise UsageError(f"--shm-size {args.shm_size} is not a multiple of the page size")
     config = host_config_from_args(args)
+    check_host_backend(config)
     capsets = (VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS) if args.venus else (VIRTGPU_DRM_CAPSET_APIR,)
     trace = CommandTrace(args.trace) if args.trace else None
     factory = traced_context_factory(default_context_factory, trace) if trace else default_context_factory
@@ -306,14 +341,7 @@ def run_host_vhost_user(args: argparse.Namespace) -> int:
         if trace:
             trace.close()
         raise
-    stop = threading.Event()
-
-    def on_signal(signum, frame):
-        log.info("signal %d: stopping", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = stop_on_signals()
     for server in servers:
         server.start()
     traced = f", tracing commands to {args.trace}" if trace else ""

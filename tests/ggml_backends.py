@@ -5,42 +5,27 @@ tests/cref.py (`user_cache_dir()`). A file lock keeps two test processes from bu
 
 System tests (markers `vulkan`, `rpc`) reach the build through `build_or_skip()`: it skips with
 the reason when a prerequisite is missing (glslc, spirv-headers, ... : .ci/run installs them) or
-the build fails, but when APIR_REQUIRE_SYSTEM_TESTS=1 (CI sets it) that is a failure instead.
+the build fails, but when APIR_REQUIRE_SYSTEM_TESTS=1 (CI sets it) that is a failure instead
+(tests/prereq.py's `missing`).
 """
 
 from __future__ import annotations
 
 import fcntl
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-
-from tests import cref
+from tests import cref, prereq
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = REPO / "scripts" / "build-ggml-backends.sh"
 SDIST_VERSION = "0.20.2.post1"  # libggml-python, the sdist tests/cref.py fetches for "0.20"
-ENV_REQUIRE = "APIR_REQUIRE_SYSTEM_TESTS"
 _TOOLS = ("cmake", "ninja", "gcc", "g++", "glslc", "apt-get", "dpkg-deb")
 
 
 class BuildFailed(RuntimeError):
     """scripts/build-ggml-backends.sh failed; the message ends with its log's last lines."""
-
-
-def required() -> bool:
-    """Whether a missing prerequisite of a system test fails it ($APIR_REQUIRE_SYSTEM_TESTS=1)."""
-    return os.environ.get(ENV_REQUIRE, "") not in ("", "0")
-
-
-def skip_or_fail(reason: str) -> None:
-    """pytest.skip(reason), or pytest.fail when system tests are required."""
-    if required():
-        pytest.fail(f"{reason} ({ENV_REQUIRE}=1)")
-    pytest.skip(reason)
 
 
 def cache_dir() -> Path:
@@ -85,15 +70,15 @@ def build() -> dict:
 
 
 def build_or_skip() -> dict:
-    """`build()`, skipping (or failing, `required()`) when a prerequisite is missing or the
-    build fails."""
+    """`build()`, skipping (or failing under APIR_REQUIRE_SYSTEM_TESTS=1: tests/prereq.py) when
+    a prerequisite is missing or the build fails."""
     missing = missing_prerequisites()
     if missing:
-        skip_or_fail(f"ggml Vulkan/RPC build needs {', '.join(missing)} (.ci/run installs them)")
+        prereq.missing(f"ggml Vulkan/RPC build needs {', '.join(missing)} (.ci/run installs them)")
     try:
         return build()
     except (BuildFailed, subprocess.CalledProcessError) as exc:
-        skip_or_fail(f"ggml Vulkan/RPC build failed: {exc}")
+        prereq.missing(f"ggml Vulkan/RPC build failed: {exc}")
         raise  # not reached
 
 

@@ -348,7 +348,7 @@ class GgmlFunctions:
     ggml_mul_inplace: Fn = sig("p:ppp")
     ggml_add_cast: Fn = sig("p:pppi")
     # host shape rules (apir/host/shapes/): which types the CPU can quantize into (from_float)
-    # host shape rules of what ggml 0.25 added (tests/host/test_shapes_ggml025.py)
+    # host shape rules of what ggml 0.25 added (tests/host/shapes, cases needing a Feature of 0.25)
     ggml_swiglu_clamp: Fn = sig("p:pppf")
     ggml_rope_set_offset: Fn = sig("p:pi")
     ggml_dsv4_hc_pre_gated: Fn = sig("p:pppf")

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests import ggml_backends
+from tests import prereq
 from tests.backends.conftest import REPO, base_env, host_serve, minilm
 
 pytestmark = pytest.mark.vulkan
@@ -25,7 +25,7 @@ def vk(backends_build):
          "d = s.resolve(g, 'vulkan:0').devices[0]; print(g.ggml_backend_dev_description(d).decode())"],
         env=base_env(backends_build, True), cwd=REPO, capture_output=True, text=True, timeout=300)
     if probe.returncode != 0 or "ggml_vulkan: 0 = " not in probe.stderr + probe.stdout:
-        ggml_backends.skip_or_fail(f"no ggml Vulkan device on lavapipe: {(probe.stderr + probe.stdout)[-1500:]}")
+        prereq.missing(f"no ggml Vulkan device on lavapipe: {(probe.stderr + probe.stdout)[-1500:]}")
     assert "llvmpipe" in probe.stdout, probe.stdout
     return backends_build
 
@@ -69,8 +69,11 @@ def test_minilm_through_apir_is_byte_identical_to_local_vulkan(vk, tmp_path):
 
 
 # A subset that keeps CI within a few minutes once lavapipe's shader cache is warm: an
-# elementwise op, a unary one and row gathers (GET_ROWS: the row-id copies on the device).
-TBO_OPS = "ADD,SCALE,GET_ROWS"
+# elementwise op and a unary one. Not GET_ROWS: its 4 cases lavapipe does not support abort the
+# C guest, and the runner then re-runs the rest one process per case (over 12 minutes on a
+# loaded 2-core machine). Row gathers on Vulkan (the row-id copies on the device) are in the
+# MiniLM test above: three GET_ROWS a batch, byte-identical to local ggml Vulkan.
+TBO_OPS = "ADD,SCALE"
 
 
 def test_backend_ops_through_apir_pass_where_vulkan_passes(vk, tmp_path):

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
+from apir.ggml.features import Feature
 from apir.host.errors import Refused
 from apir.host.shapes import CHECKED_OPS
 from apir.host.shapes.base import rule_name
@@ -39,13 +40,15 @@ ERROR = 1  # BACKEND_RC_ERROR
 class Case:
     """`build(g, ctx) -> (out, inputs)`; `lie` = (input index or -1 for the node, dim,
     delta) applied to ne (None: no lie); `data` fills input i (else standard normal of its
-    type); `name` says what the case is (its test id is `OP-name`)."""
+    type); `name` says what the case is (its test id is `OP-name`); `feature`: the
+    apir.ggml.features.Feature the case needs (its tests are skipped on a ggml without it)."""
 
     op: str
     build: Callable
     lie: Optional[Tuple[int, int, int]] = (-1, 0, -1)
     data: Optional[Dict[int, Callable]] = None
     name: str = ""
+    feature: Optional[Feature] = None
 
     @property
     def id(self) -> str:
@@ -55,6 +58,12 @@ class Case:
 def case_id(case) -> str:
     """pytest id of a parametrized `Case` (`OP-name`); other values get pytest's own."""
     return case.id if isinstance(case, Case) else None  # type: ignore[return-value]
+
+
+def needs(g, feature: Optional[Feature]) -> None:
+    """Skips the test where the loaded ggml lacks `feature` (None: needs nothing)."""
+    if feature is not None and feature not in g.features:
+        pytest.skip(f"ggml {g.version} lacks {feature.name}: {feature.value}")
 
 
 def _in(g, ctx, type_name, *ne):
@@ -106,6 +115,7 @@ def _graph(g, ctx, case):
 
 
 def _direct(g, case):
+    needs(g, case.feature)
     s = GgmlScratch(g)
     graph, out, inputs = _graph(g, s.ctx, case)
     data = _data(g, case, inputs)
@@ -118,6 +128,7 @@ class Remote:
     """The case's graph laid out in a host buffer, its inputs written there."""
 
     def __init__(self, guest, g, case):
+        needs(g, case.feature)
         self.s = GgmlScratch(g)
         graph, self.out, inputs = _graph(g, self.s.ctx, case)
         self.remote = RemoteGraph(guest, g, self.s.ctx, graph)
@@ -317,3 +328,29 @@ def infos_check(g, node, srcs) -> Optional[Refused]:
     except Refused as exc:
         return exc
     return None
+
+
+def edited_refusal(guest, g, case, reason, edit=None, then=None) -> Refused:
+    """`case` (its records edited by `edit(remote, recs)`, if given) refused by its op's own
+    rule for its node, the reason containing `reason`; the host then computes the next graph:
+    the unedited one, or case `then` (for a `case` ggml's constructor builds as it is refused)."""
+    r = Remote(guest, g, case)
+    try:
+        recs = r.recs.copy()
+        if edit is not None:
+            edit(r, recs)
+        got = refusal(r, recs, serves_next=then is None)
+        assert_refused_by_rule(got, case.op, r.index(r.out))
+        assert reason in got.reason, got.reason
+    finally:
+        r.close()
+    if then is not None:
+        assert_computes_like_cpu(guest, g, then)
+    return got
+
+
+def op_param_edit(i, value, t=None):
+    """An `edit` for `edited_refusal`: op_params word `i` of `t` (default the result) := `value`."""
+    def edit(r, recs):
+        recs["op_params"][r.index(r.out if t is None else t)][i] = value
+    return edit

@@ -96,6 +96,21 @@ def test_exit_codes_usage_2_runtime_1():
     assert _error(run_cli("info", "--ggml-library", "/nonexistent/libggml-x.so"), 1).startswith("apir: error: ")
 
 
+def test_a_host_refuses_a_backend_it_cannot_serve_before_serving(tmp_path):
+    # Each used to start and say "serving"; the first guest then got a LoadLibrary error code.
+    sock = str(tmp_path / "apir.sock")
+    for argv, why in (
+        (["--backend", "nosuch"], "--backend nosuch: 'nosuch': this ggml has no backend 'nosuch' (it has "),
+        (["--backend", "cpu:x"], "--backend cpu:x: 'cpu:x': expected NAME[:DEVICE_INDEX]"),
+        (["--backend", "rpc:127.0.0.1:1"], "--backend rpc:127.0.0.1:1: ggml-rpc server 127.0.0.1:1 not reachable"),
+        (["--backend", "/nonexistent/libggml-x.so"], "ggml backend library '/nonexistent/libggml-x.so': no such file"),
+    ):
+        for command in (["host", "serve", "--socket", sock], ["host", "vhost-user", "--socket", sock]):
+            line = _error(run_cli(*command, *argv), 2)
+            assert line.startswith(f"apir: error: {why}"), (command, argv, line)
+            assert not os.path.exists(sock)
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--version"])

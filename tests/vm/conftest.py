@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.prereq import missing
 from tests.vm import machine
 from tests.vm.session import C_GUEST_OPS, GUEST_PROGRAM, GuestSession, guest_env, run_guest
 
@@ -30,13 +31,6 @@ def pytest_generate_tests(metafunc):
     if "kernel_suite" in metafunc.fixturenames:
         suites = [s for s in os.environ.get("APIR_VM_KERNELS", "bookworm").split(",") if s]
         metafunc.parametrize("kernel_suite", suites, scope="session")
-
-
-def missing(reason: str):
-    """Skip with `reason`, or fail where APIR_REQUIRE_SYSTEM_TESTS=1 demands the system tests."""
-    if os.environ.get("APIR_REQUIRE_SYSTEM_TESTS") == "1":
-        pytest.fail(f"APIR_REQUIRE_SYSTEM_TESTS=1 and {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")

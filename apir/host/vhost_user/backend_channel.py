@@ -66,7 +66,9 @@ class BackendChannel:
                 raise BackendError("the back-end channel failed earlier")
             try:
                 send_message(self.sock, request, FLAG_NEED_REPLY, payload, () if fd is None else (fd,))
-                ready, _, _ = select.select([self.sock], [], [], self.timeout_s)
+                poller = select.poll()  # not select: the socket may be numbered past FD_SETSIZE
+                poller.register(self.sock, select.POLLIN)
+                ready = poller.poll(self.timeout_s * 1000)
                 if not ready:
                     # A late ack would be taken for the next request's: the channel is done.
                     self._broken = True

@@ -8,7 +8,7 @@ context_worker): SUBMIT_3D, and registering or dropping a blob with that HostCon
 there in order, so a long graph compute stalls neither the queue nor another context.
 Fenced responses leave in fence order (apir.host.vhost_user.completion).
 
-Blobs: a HOST3D blob is a memfd of its own (page-rounded), mapped here and registered with
+Blobs: a HOST3D blob is a memfd of its own (page-rounded, sealed against resizing), mapped here and registered with
 the HostContext of the context that created it and of every context it is attached to;
 RESOURCE_MAP_BLOB maps the memfd into the host-visible shared memory region at the offset the
 guest kernel chose (SHMEM_MAP on the back-end channel). A GUEST blob is guest pages, checked
@@ -26,6 +26,7 @@ What one VM may hold is bounded (apir.host.limits: apir.vhost.*).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -92,6 +93,10 @@ log = logging.getLogger(__name__)
 CAPSET_MAX_VERSION = 0  # the only capset version (the C guest and apir ask for 0)
 MAX_GUEST_ENTRIES = 1 << 16  # page entries of one GUEST blob (256 MiB of 4 KiB pages)
 MAX_PENDING_SUBMITS = 256  # SUBMIT_3D waiting on one context's worker
+# Any job waiting on one context's worker, past which ATTACH / DETACH are refused: a guest
+# looping them while the context computes would otherwise grow the queue without bound
+# (CREATE_BLOB / UNREF are bounded by the resource limit, SUBMIT_3D by MAX_PENDING_SUBMITS).
+MAX_PENDING_JOBS = 4096
 DISPLAY_SIZE = (1024, 768)  # scanout 0's mode (a headless device still reports one)
 _BLOB_FLAGS = (
     VIRTGPU_BLOB_FLAG_USE_MAPPABLE | VIRTIO_GPU_BLOB_FLAG_USE_SHAREABLE | VIRTIO_GPU_BLOB_FLAG_USE_CROSS_DEVICE
@@ -414,8 +419,11 @@ class GpuDevice:
             )
         fd = -1
         try:
-            fd = os.memfd_create(f"apir-vgpu-blob-{res_id}", os.MFD_CLOEXEC)
+            fd = os.memfd_create(f"apir-vgpu-blob-{res_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(fd, rounded)
+            # SHMEM_MAP gives this file to the front-end: sealed, it cannot truncate it under
+            # the HostContext (a host access past the end would be SIGBUS, the host process gone).
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             mm = mmap.mmap(fd, rounded)
         except (OSError, OverflowError, ValueError) as exc:
             if fd >= 0:
@@ -450,6 +458,7 @@ class GpuDevice:
             ctx = self._context(hdr.ctx_id)
             blob = self._blob(res_id)
             if ctx.ctx_id not in blob.attached:
+                _check_backlog(ctx)
                 if blob.mm is not None:
                     self._register(ctx, blob)
                 else:
@@ -462,6 +471,7 @@ class GpuDevice:
             ctx = self._context(hdr.ctx_id)
             blob = self._blob(res_id, live=False)
             if ctx.ctx_id in blob.attached:
+                _check_backlog(ctx)
                 self._unregister(ctx, blob)
         return response(hdr, T.RESP_OK_NODATA)
 
@@ -610,6 +620,11 @@ class GpuDevice:
         for worker in workers:
             if not worker.join(timeout_s):
                 log.error("%s still running after %s s: its memory stays until it ends", worker.name, timeout_s)
+
+
+def _check_backlog(ctx: _Context) -> None:
+    if ctx.worker.pending >= MAX_PENDING_JOBS:
+        raise GpuError(T.RESP_ERR_OUT_OF_MEMORY, f"context {ctx.ctx_id} has {MAX_PENDING_JOBS} jobs queued")
 
 
 def _page_round(n: int) -> int:

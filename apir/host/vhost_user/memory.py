@@ -64,12 +64,16 @@ class GuestMemory:
     @staticmethod
     def map_region(fd: int, gpa: int, size: int, uva: int, mmap_offset: int) -> Region:
         """Maps `size` bytes at `mmap_offset` of `fd` (the caller closes fd). Raises
-        GuestMemoryError for an empty or wrapping region, OSError when mmap fails."""
+        GuestMemoryError for an empty or wrapping region or one mmap cannot express, OSError
+        or ValueError (past the file's end) when mmap fails."""
         if size <= 0 or gpa + size > _ADDR_LIMIT or uva + size > _ADDR_LIMIT or mmap_offset + size > _ADDR_LIMIT:
             raise GuestMemoryError(f"bad memory region gpa={gpa:#x} size={size:#x} offset={mmap_offset:#x}")
         start = mmap_offset - mmap_offset % _PAGE
         delta = mmap_offset - start
-        mm = mmap.mmap(fd, size + delta, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        try:
+            mm = mmap.mmap(fd, size + delta, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        except OverflowError:  # a length over ssize_t or an offset over off_t: refused, not a crash
+            raise GuestMemoryError(f"memory region size={size:#x} offset={mmap_offset:#x} cannot be mapped") from None
         return Region(gpa, size, uva, mm, delta)
 
     def set_table(self, regions: List[Region]) -> None:

@@ -372,8 +372,13 @@ class FrontendSession:
         fd = msg.take_fd()
         if fd is None:
             raise _Refused("SET_BACKEND_REQ_FD without a descriptor")
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # not a socket: refused, and closed (else each one leaks a descriptor)
+            close_quietly(fd)
+            raise
         old = self.device.backend
-        self.device.backend = BackendChannel(socket.socket(fileno=fd), self.backend_timeout_s)
+        self.device.backend = BackendChannel(sock, self.backend_timeout_s)
         if old is not None:
             old.close()
 
@@ -413,7 +418,12 @@ class FrontendSession:
                     with vq.lock:
                         if vq.kick_fd is not None:
                             kicks.append((vq.kick_fd, vq))
-                ready, _, _ = select.select([self._wake_r] + [fd for fd, _ in kicks], [], [])
+                # poll, not select: a descriptor numbered past FD_SETSIZE (1024; a guest's blobs
+                # hold two each) is refused by select, and the queues would stop for good.
+                poller = select.poll()
+                for fd in [self._wake_r] + [fd for fd, _ in kicks]:
+                    poller.register(fd, select.POLLIN)
+                ready = {fd for fd, _ in poller.poll()}
                 if self._wake_r in ready:
                     try:
                         os.read(self._wake_r, 4096)

@@ -12,7 +12,11 @@ import pytest
 
 from apir.host.shapes import base, op_enums
 from tests.host.childkit import refusal_in_child
+from apir.ggml.features import Feature
 from tests.host.shapekit import (
+    edited_refusal,
+    assert_computes_like_cpu,
+    op_param_edit,
     Case,
     Remote,
     _direct,
@@ -415,3 +419,43 @@ def test_ssm_scan_state_past_int_index_is_refused(ggml):
     got = infos_check(ggml, node, [s, x, dt, a, b, c, ids])
     assert_refused_by_rule(got, "SSM_SCAN", 7, "tensor 7", rule=base.int_counted)
     assert "int counts" in got.reason, got.reason
+
+
+# ggml >= 0.25 (llama.cpp's build; tests/llama/test_host_ggml025.py runs this folder on it):
+# DSV4_HC_PRE's gate and DSV4_HC_POST without comb (Feature.HC_GATED).
+def _hc_pre_gated(g, ctx):
+    x, gate = _in(g, ctx, "F32", 8, 4, 3), _in(g, ctx, "F32", 8, 4, 3)
+    return ctor(g, "ggml_dsv4_hc_pre_gated")(ctx, x, gate, 0.5), [x, gate]
+
+
+def _hc_post_no_comb(g, ctx):
+    x, res, post = _in(g, ctx, "F32", 8, 3), _in(g, ctx, "F32", 8, 4, 3), _in(g, ctx, "F32", 4, 3)
+    return ctor(g, "ggml_dsv4_hc_post")(ctx, x, res, post, None), [x, res, post]
+
+
+CASES_025 = [
+    Case("DSV4_HC_PRE", _hc_pre_gated, lie=(1, 0, -1), name="gated", feature=Feature.HC_GATED),
+    Case("DSV4_HC_POST", _hc_post_no_comb, lie=(1, 1, -1), name="no-comb", feature=Feature.HC_GATED),
+]
+
+
+@pytest.mark.parametrize("case", CASES_025, ids=case_id)
+def test_op_matches_ggml_cpu_025(guest, ggml, case):
+    assert_matches_ggml_cpu(guest, ggml, case)
+
+
+@pytest.mark.parametrize("case", CASES_025, ids=case_id)
+def test_lying_shape_is_refused_025(guest, ggml, case):
+    lie_refusal(guest, ggml, case)
+
+
+def test_hc_pre_gate_of_the_weights_shape_is_refused(guest, ggml):
+    """Gated (op_params[1] = 1), the second source is read as [n_embd, hc, n_tokens]: a gate of
+    the ungated weights' shape [hc, n_tokens] is refused."""
+    def build(g, ctx):
+        x, w = _in(g, ctx, "F32", 8, 4, 3), _in(g, ctx, "F32", 4, 3)
+        return ctor(g, "ggml_dsv4_hc_pre")(ctx, x, w), [x, w]
+
+    case = Case("DSV4_HC_PRE", build, name="ungated", feature=Feature.HC_GATED)
+    assert_computes_like_cpu(guest, ggml, case)
+    edited_refusal(guest, ggml, case, "x [8, 4, 3, 1] and gate [4, 3, 1, 1] do not fit", op_param_edit(1, 1))

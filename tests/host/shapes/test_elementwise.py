@@ -13,7 +13,9 @@ import pytest
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.host.shapes import base, op_enums
 from tests.host.childkit import refusal_in_child
+from apir.ggml.features import Feature
 from tests.host.shapekit import (
+    edited_refusal,
     Case,
     Remote,
     _in,
@@ -312,7 +314,10 @@ def test_xielu_with_gaps_between_planes_is_refused(guest, ggml):
 
 @pytest.mark.parametrize("name", ["GELU", "GELU_ERF", "GELU_QUICK", "SILU"], ids=lambda n: f"UNARY-{n.lower()}-bf16")
 def test_bf16_gelu_is_refused(guest, ggml, name):
-    """ggml_unary builds any type, but GELU & co. have F32 and F16 kernels only (BF16 aborts)."""
+    """ggml_unary builds any type, but GELU & co. have F32 and F16 kernels only (BF16 aborts)
+    before ggml 0.25 (Feature.BF16_KERNELS; CASES_025 computes them there)."""
+    if Feature.BF16_KERNELS in ggml.features:
+        pytest.skip(f"ggml {ggml.version} has BF16 kernels of {name}")
     _refused_as_built(guest, ggml, Case("UNARY", _unary_op(name, "BF16"), data={0: _bf16}), "of BF16")
 
 
@@ -348,3 +353,70 @@ def test_rows_past_int_are_refused(ggml):
     a = info(0, "F32", [1, 2**30, 1, 1])
     node = info(1, "F32", [1, 2**30, 1, 1], op="SQR")
     assert infos_check(ggml, node, [a]) is None
+
+
+# ggml >= 0.25 (llama.cpp's build; tests/llama/test_host_ggml025.py runs this folder on it):
+# SWIGLU_CLAMP, and the BF16 kernels of UNARY / GLU / SCALE (Feature.BF16_KERNELS).
+def _glu_025(name, type_name, limit=None):
+    def build(g, ctx):
+        a, b = _in(g, ctx, type_name, 16, 3, 2), _in(g, ctx, type_name, 16, 3, 2)
+        if limit is not None:
+            return ctor(g, "ggml_swiglu_clamp")(ctx, a, b, limit), [a, b]
+        return g.ggml_glu_split(ctx, a, b, op_enums(g).glu[name]), [a, b]
+    return build
+
+
+def _of_10x3x2(fn, type_name, *args):
+    def build(g, ctx):
+        a = _in(g, ctx, type_name, 10, 3, 2)
+        return getattr(g, fn)(ctx, a, *args), [a]
+    return build
+
+
+_BF16_2 = {0: _bf16, 1: _bf16}
+SWIGLU_CLAMP = Case("GLU", _glu_025("SWIGLU_CLAMP", "F32", limit=0.7), lie=(1, 0, -1), name="swiglu-clamp-f32")
+SCALE_BF16 = Case("SCALE", _of_10x3x2("ggml_scale", "BF16", 0.5), data={0: _bf16}, name="bf16",
+                  feature=Feature.BF16_KERNELS)
+CASES_025 = [
+    SWIGLU_CLAMP,
+    Case("GLU", _glu_025("SWIGLU_CLAMP", "F16", limit=0.7), lie=(0, 1, -1), name="swiglu-clamp-f16"),
+    Case("GLU", _glu_025("SWIGLU", "BF16"), lie=(1, 1, -1), data=_BF16_2, name="swiglu-bf16",
+         feature=Feature.BF16_KERNELS),
+    Case("GLU", _glu_025("GEGLU_QUICK", "BF16"), data=_BF16_2, name="geglu-quick-bf16", feature=Feature.BF16_KERNELS),
+    Case("UNARY", _of_10x3x2("ggml_gelu", "BF16"), data={0: _bf16}, name="gelu-bf16", feature=Feature.BF16_KERNELS),
+    Case("UNARY", _of_10x3x2("ggml_silu", "BF16"), lie=(-1, 2, -1), data={0: _bf16}, name="silu-bf16",
+         feature=Feature.BF16_KERNELS),
+    SCALE_BF16,
+]
+
+
+@pytest.mark.parametrize("case", CASES_025, ids=case_id)
+def test_op_matches_ggml_cpu_025(guest, ggml, case):
+    assert_matches_ggml_cpu(guest, ggml, case)
+
+
+@pytest.mark.parametrize("case", CASES_025, ids=case_id)
+def test_lying_shape_is_refused_025(guest, ggml, case):
+    lie_refusal(guest, ggml, case)
+
+
+def _as_type(ggml, type_name, which, halve_nb=False):
+    """An `edited_refusal` edit: the records of `which(r)` (tensors) made `type_name`."""
+    def edit(r, recs):
+        for t in which(r):
+            k = r.index(t)
+            recs["type"][k] = ggml.types[type_name]
+            if halve_nb:
+                recs["nb"][k] = [n // 2 for n in recs["nb"][k]]
+    return edit
+
+
+def test_swiglu_clamp_bf16_is_refused(guest, ggml):
+    """SWIGLU_CLAMP's kernels are F32 and F16 (BF16 GGML_ABORTs)."""
+    edit = _as_type(ggml, "BF16", lambda r: (r.out, *r.inputs), halve_nb=True)
+    edited_refusal(guest, ggml, SWIGLU_CLAMP, "types BF16 -> BF16", edit)
+
+
+def test_scale_f16_is_refused(guest, ggml):
+    """SCALE computes F32 and (ggml 0.25) BF16; F16 GGML_ABORTs."""
+    edited_refusal(guest, ggml, SCALE_BF16, "types F16 -> F16", _as_type(ggml, "F16", lambda r: (r.out, r.inputs[0])))

@@ -13,7 +13,9 @@ import pytest
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.host.shapes import base, op_enums
 from tests.host.childkit import refusal_in_child
+from apir.ggml.features import Feature
 from tests.host.shapekit import (
+    edited_refusal,
     Case,
     Remote,
     _direct,
@@ -331,3 +333,39 @@ def test_cpy_from_quantized_past_uint32_index_is_refused(ggml):
     got = infos_check(ggml, node, [q, dst])
     assert_refused_by_rule(got, "CPY", 2)
     assert "32-bit element index" in got.reason, got.reason
+
+
+# ggml >= 0.25 (llama.cpp's build; tests/llama/test_host_ggml025.py runs this folder on it):
+# CONCAT of a type without its own kernel copies whole rows (Feature.CONCAT_ROWS).
+def _i64(n, rng):
+    return rng.integers(-(2**40), 2**40, n).astype(np.int64)
+
+
+def _concat_i64(permute_a=False):
+    def build(g, ctx):
+        if permute_a:
+            a = _in(g, ctx, "I64", 4, 3, 2)
+            ap = g.ggml_permute(ctx, a, 1, 0, 2, 3)  # [3, 4, 2], nb[0] 32
+        else:
+            a = ap = _in(g, ctx, "I64", 3, 4, 2)
+        b = _in(g, ctx, "I64", 3, 4, 1)
+        return g.ggml_concat(ctx, ap, b, 2), [a, b]
+    return build
+
+
+CONCAT_I64 = Case("CONCAT", _concat_i64(), data={0: _i64, 1: _i64}, name="i64-rows", feature=Feature.CONCAT_ROWS)
+
+
+def test_concat_rows_matches_ggml_cpu(guest, ggml):
+    assert_matches_ggml_cpu(guest, ggml, CONCAT_I64)
+
+
+def test_concat_rows_lying_shape_is_refused(guest, ggml):
+    lie_refusal(guest, ggml, CONCAT_I64)
+
+
+def test_concat_of_rows_that_are_not_contiguous_is_refused(guest, ggml):
+    """ggml 0.25's concat_any (I64 here) GGML_ASSERTs both sources' rows contiguous (0.20's
+    walked elements): a permuted src0 would abort the host."""
+    case = Case("CONCAT", _concat_i64(permute_a=True), data={0: _i64, 1: _i64}, feature=Feature.CONCAT_ROWS)
+    edited_refusal(guest, ggml, case, "sources' rows are not contiguous", then=CONCAT_I64)

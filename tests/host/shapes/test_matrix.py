@@ -27,7 +27,9 @@ from tests.host.kernelkit import (
     violation_refusal,
     violations,
 )
+from apir.ggml.features import Feature
 from tests.host.shapekit import (
+    edited_refusal,
     Case,
     Remote,
     _in,
@@ -523,3 +525,57 @@ def test_violating_graph_is_refused_by_the_rule(guest, ggml, op, text, cover):
     if cover.case >= len(cases) or _too_old(ggml, cases[cover.case]):
         pytest.skip("this ggml has no such case")
     violation_refusal(guest, ggml, cases[cover.case], op, text, cover)
+
+
+# ggml >= 0.25 (llama.cpp's build; tests/llama/test_host_ggml025.py runs this folder on it):
+# MUL_MAT's widened F16 / BF16 src1 and F16 Hadamard rows (Feature.MUL_MAT_WIDEN), the tiled
+# matmul's packed Q8_K rows (Feature.TILED_MATMUL).
+def _hadamard_f16(g, ctx):
+    out, ins = _mul_mat("F32", "F16", ne_a=(64, 64, 1, 1), ne_b=(64, 3, 2, 1))(g, ctx)
+    g.ggml_mul_mat_set_hint(out, 1)
+    return out, ins
+
+
+MUL_MAT_F16_SRC1 = Case("MUL_MAT", _mul_mat("F32", "F16"), lie=(1, 0, -1), name="f32-f16-widened",
+                        feature=Feature.MUL_MAT_WIDEN)
+CASES_025 = [
+    MUL_MAT_F16_SRC1,
+    Case("MUL_MAT", _mul_mat("F32", "BF16", ne_a=(64, 5, 1, 1), ne_b=(64, 3, 2, 2)), data={1: _bf16},
+         name="f32-bf16-widened", feature=Feature.MUL_MAT_WIDEN),
+    Case("MUL_MAT", _hadamard_f16, name="hadamard-f16", feature=Feature.MUL_MAT_WIDEN),
+]
+
+
+@pytest.mark.parametrize("case", CASES_025, ids=case_id)
+def test_op_matches_ggml_cpu_025(guest, ggml, case):
+    assert_matches_ggml_cpu(guest, ggml, case)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES_025 if c.lie is not None], ids=case_id)
+def test_lying_shape_is_refused_025(guest, ggml, case):
+    lie_refusal(guest, ggml, case)
+
+
+def test_mul_mat_widening_needs_an_f32_dot_type(guest, ggml):
+    """The widening of F16 / BF16 src1 is for src0 whose vec_dot_type is F32 (GGML_ASSERTed):
+    BF16 src1 with Q4_0 src0 (dot type Q8_0) is refused."""
+    def edit(r, recs):
+        i = r.index(r.inputs[1])
+        recs["type"][i] = ggml.types["BF16"]
+        recs["nb"][i] = [n // 2 for n in recs["nb"][i]]
+
+    case = Case("MUL_MAT", _mul_mat("Q4_0", "F32"), data={0: Q4_0}, feature=Feature.MUL_MAT_WIDEN)
+    edited_refusal(guest, ggml, case, "src1 BF16 is neither F32 nor Q8_0", edit)
+
+
+def test_mul_mat_q8_k_rows_not_packed_are_refused(guest, ggml):
+    """The tiled matmul reads Q8_K src1 rows as r * nb[1] over all rows: a permuted Q8_K src1
+    (batches not at ne[1] * nb[1]) would be read past its extent."""
+    def build(g, ctx):
+        a = _in(g, ctx, "Q4_K", 256, 4, 2)
+        b = _in(g, ctx, "Q8_K", 256, 2, 8)
+        return g.ggml_mul_mat(ctx, a, g.ggml_permute(ctx, b, 0, 2, 1, 3)), [a, b]
+
+    zeros = {0: lambda n, rng: np.zeros(n // 256 * 144, np.uint8), 1: lambda n, rng: np.zeros(n // 256 * 292, np.uint8)}
+    case = Case("MUL_MAT", build, data=zeros, feature=Feature.TILED_MATMUL)
+    edited_refusal(guest, ggml, case, "src1 Q8_K rows are not packed", then=MUL_MAT_F16_SRC1)

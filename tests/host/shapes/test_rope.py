@@ -11,7 +11,12 @@ import pytest
 
 from apir.ggml.layout import tensor_record
 from apir.host.shapes import base, op_enums
+from apir.ggml.features import Feature
 from tests.host.shapekit import (
+    edited_refusal,
+    ctor,
+    op_param_edit,
+    assert_computes_like_cpu,
     Case,
     Remote,
     _in,
@@ -161,3 +166,64 @@ def test_empty_frequency_factors_are_refused(guest, ggml):
     assert_refused_by_rule(refusal(r, recs), "ROPE", r.index(r.out), "src2 [8, 0, 1, 1] has no elements",
                            rule=base.check_empty_sources)
     r.close()
+
+
+# ggml >= 0.25 (llama.cpp's build; tests/llama/test_host_ggml025.py runs this folder on it):
+# ROPE rotates n_dims channels from n_offs (op_params[15]; Feature.ROPE_OFFSET).
+def _rope_offset(n_dims, n_offs, mode=2, ne0=16):
+    """rope_ext (NEOX by default) of [ne0, 3 heads, 4 tokens] with n_dims rotated from n_offs."""
+    def build(g, ctx):
+        a, pos = _in(g, ctx, "F32", ne0, 3, 4), _in(g, ctx, "I32", 4)
+        out = g.ggml_rope_ext(ctx, a, pos, None, n_dims, mode, 0, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0)
+        return ctor(g, "ggml_rope_set_offset")(out, n_offs), [a, pos]
+    return build
+
+
+CASES_025 = [
+    Case("ROPE", _rope_offset(8, 2), name="neox-offset-2", feature=Feature.ROPE_OFFSET),
+    Case("ROPE", _rope_offset(4, 12, mode=0), lie=(-1, 1, -1), name="normal-offset-12", feature=Feature.ROPE_OFFSET),
+]
+
+
+@pytest.mark.parametrize("case", CASES_025, ids=case_id)
+def test_op_matches_ggml_cpu_025(guest, ggml, case):
+    assert_matches_ggml_cpu(guest, ggml, case)
+
+
+@pytest.mark.parametrize("case", CASES_025, ids=case_id)
+def test_lying_shape_is_refused_025(guest, ggml, case):
+    lie_refusal(guest, ggml, case)
+
+
+@pytest.mark.parametrize(
+    "n_dims, n_offs, mode, reason",
+    [
+        (8, 3, 2, "n_offs 3 with n_dims 8 does not fit"),  # odd: GGML_ASSERTed
+        (8, 10, 2, "n_offs 10 with n_dims 8 does not fit"),  # past ne[0] 16: GGML_ASSERTed
+        (8, -2, 0, "n_offs -2 with n_dims 8 does not fit"),
+        (0, 4, 2, "n_dims 0 at n_offs 4"),  # the copy loop would step back forever
+        (0, 0, 0, "n_dims 0 at n_offs 0"),
+    ],
+)
+def test_rope_offset_out_of_the_row_is_refused(guest, ggml, n_dims, n_offs, mode, reason):
+    """rope_flt GGML_ASSERTs 0 <= n_offs, n_offs even and n_offs + n_dims <= ne[0]; its copy of
+    the unrotated channels never ends with n_dims 0 at an offset inside the row."""
+    def edit(r, recs):
+        op_param_edit(1, n_dims)(r, recs)
+        op_param_edit(15, n_offs)(r, recs)
+
+    case = Case("ROPE", _rope_offset(8, 2, mode=mode), feature=Feature.ROPE_OFFSET)
+    edited_refusal(guest, ggml, case, reason, edit)
+
+
+def test_rope_vision_with_an_offset_is_refused(guest, ggml):
+    """The vision mode (24) GGML_ASSERTs n_offs == 0 (and ggml_rope_set_offset refuses it)."""
+    def build(g, ctx):
+        a, pos = _in(g, ctx, "F32", 16, 3, 4), _in(g, ctx, "I32", 16)
+        sections = (ctypes.c_int * 4)(2, 2, 2, 2)
+        out = g.ggml_rope_multi(ctx, a, pos, None, 8, sections, 24, 0, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0)
+        return out, [a, pos]
+
+    case = Case("ROPE", build, data={1: _ints(100)}, name="vision", feature=Feature.ROPE_OFFSET)
+    assert_computes_like_cpu(guest, ggml, case)
+    edited_refusal(guest, ggml, case, "n_offs 2 with the vision mode", op_param_edit(15, 2))
