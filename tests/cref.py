@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Dict, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = REPO / "scripts" / "build-c-reference.sh"
@@ -27,7 +28,7 @@ SDISTS = {
 
 
 class BuildFailed(RuntimeError):
-    """scripts/build-c-reference.sh failed; the message ends with its log's last lines."""
+    """A build script (scripts/build-*.sh) failed; the message ends with its log's last lines."""
 
 
 def user_cache_dir() -> Path:
@@ -67,15 +68,23 @@ def build(version: str) -> dict:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (env_file.exists() and (out / ".complete").exists()):
             sdist = _sdist(version)
-            log = out / "build.log"
-            with open(log, "w") as fh:
-                done = subprocess.run(["bash", str(BUILD_SCRIPT), str(sdist), str(out)],
-                                      stdout=fh, stderr=subprocess.STDOUT)
-            if done.returncode != 0:
-                tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-                raise BuildFailed(f"{BUILD_SCRIPT.name} {version} failed (exit {done.returncode}); "
-                                  f"log: {log}; its end:\n{tail}")
+            run_build_script(BUILD_SCRIPT, [sdist, out], out / "build.log", f"{BUILD_SCRIPT.name} {version}")
             (out / ".complete").touch()
+    return read_paths_env(env_file)
+
+
+def run_build_script(script: Path, args: list, log: Path, what: str, env: Optional[dict] = None) -> None:
+    """`bash script *args`, its output into `log`. Raises BuildFailed naming `what`, the exit
+    status, the log and its last 20 lines."""
+    with open(log, "w") as fh:
+        done = subprocess.run(["bash", str(script), *map(str, args)], stdout=fh, stderr=subprocess.STDOUT, env=env)
+    if done.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        raise BuildFailed(f"{what} failed (exit {done.returncode}); log: {log}; its end:\n{tail}")
+
+
+def read_paths_env(env_file: Path) -> Dict[str, str]:
+    """A build script's paths.env (KEY=VALUE lines) as a dict."""
     paths = {}
     for line in env_file.read_text().splitlines():
         key, _, value = line.partition("=")

@@ -17,15 +17,12 @@ import subprocess
 from pathlib import Path
 
 from tests import cref, prereq
+from tests.cref import BuildFailed, read_paths_env, run_build_script
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = REPO / "scripts" / "build-ggml-backends.sh"
 SDIST_VERSION = "0.20.2.post1"  # libggml-python, the sdist tests/cref.py fetches for "0.20"
 _TOOLS = ("cmake", "ninja", "gcc", "g++", "glslc", "apt-get", "dpkg-deb")
-
-
-class BuildFailed(RuntimeError):
-    """scripts/build-ggml-backends.sh failed; the message ends with its log's last lines."""
 
 
 def cache_dir() -> Path:
@@ -51,22 +48,9 @@ def build() -> dict:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (env_file.exists() and (out / ".complete").exists()):
             sdist = cref._sdist("0.20")
-            log = out / "build.log"
-            with open(log, "w") as fh:
-                done = subprocess.run(
-                    ["bash", str(BUILD_SCRIPT), str(sdist), str(out)], stdout=fh, stderr=subprocess.STDOUT
-                )
-            if done.returncode != 0:
-                tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-                raise BuildFailed(
-                    f"{BUILD_SCRIPT.name} failed (exit {done.returncode}); log: {log}; its end:\n{tail}"
-                )
+            run_build_script(BUILD_SCRIPT, [sdist, out], out / "build.log", BUILD_SCRIPT.name)
             (out / ".complete").touch()
-    paths = {}
-    for line in env_file.read_text().splitlines():
-        key, _, value = line.partition("=")
-        paths[key] = value
-    return paths
+    return read_paths_env(env_file)
 
 
 def build_or_skip() -> dict:

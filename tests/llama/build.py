@@ -20,7 +20,7 @@ import zipfile
 from pathlib import Path
 from typing import Dict
 
-from tests.cref import REPO, BuildFailed, user_cache_dir
+from tests.cref import REPO, read_paths_env, run_build_script, user_cache_dir
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 LLAMA_SDIST = "llama_cpp_python-0.3.36.tar.gz"
@@ -51,14 +51,6 @@ def is_built() -> bool:
     return (build_dir() / ".complete").exists() and (build_dir() / "build" / "paths.env").exists()
 
 
-def read_paths(env_file: Path) -> Dict[str, str]:
-    paths = {}
-    for line in env_file.read_text().splitlines():
-        key, _, value = line.partition("=")
-        paths[key] = value
-    return paths
-
-
 def build() -> Dict[str, str]:
     """paths.env of the llama.cpp build as a dict (LIBGGML_BASE, GGML_INCLUDE, LIBLLAMA,
     LLAMA_SIMPLE, LLAMA_BENCH, TEST_BACKEND_OPS, ...); builds it on first use (log:
@@ -69,18 +61,12 @@ def build() -> Dict[str, str]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not is_built():
             sdist = _download(LLAMA_CPP_PYTHON, LLAMA_SDIST, source=True)
-            log = out / "build.log"
             # the script's `python3` (pip download of a header wheel) is this interpreter, which
             # has pip (Debian's system python3 may not)
             env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
-            with open(log, "w") as fh:
-                done = subprocess.run(["bash", str(BUILD_SCRIPT), str(sdist), str(out)], stdout=fh,
-                                      stderr=subprocess.STDOUT, env=env)
-            if done.returncode != 0:
-                tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-                raise BuildFailed(f"{BUILD_SCRIPT.name} failed (exit {done.returncode}); log: {log}; its end:\n{tail}")
+            run_build_script(BUILD_SCRIPT, [sdist, out], out / "build.log", BUILD_SCRIPT.name, env=env)
             (out / ".complete").touch()
-    return read_paths(out / "build" / "paths.env")
+    return read_paths_env(out / "build" / "paths.env")
 
 
 def model() -> Path:
