@@ -36,7 +36,7 @@ Add a backend: a profile here (and its tests); nothing else in the host changes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Optional
 
 from apir.host.shapes import CHECKED_OPS
@@ -96,15 +96,8 @@ VULKAN = BackendProfile(
     host_addressable=False,
     device_checks_nodes=True,
 )
-RPC = BackendProfile(
-    "RPC",
-    CHECKED_OPS,
-    op_enums,
-    one_task_ops=ONE_TASK_OPS_CPU,
-    plans_work_buffer=False,
-    host_addressable=False,
-    device_checks_nodes=True,
-)
+# ggml-rpc's memory is another process's, like a GPU's: the same facts as Vulkan.
+RPC = replace(VULKAN, name="RPC")
 PROFILES = {p.name.lower(): p for p in (CPU, VULKAN, RPC)}
 
 
