@@ -6,7 +6,7 @@ than computing a small one. After a graph passed every check and was built (`api
 its `GraphCacheEntry` keeps the host `ggml_context` it lives in, keyed by the graph's
 structure (`graph_key`): every byte of the validated private copy that the host reads, except
 the guest's tensor ids, which only link tensors and are replaced by the links they make (node,
-src and view_src indices). A later graph is served from the cache only when
+src and view_src indices). A name is read up to its first NUL only. A later graph is served from the cache only when
 
 - its key is byte-for-byte equal to the entry's (the whole key is compared, no hash decides),
 - every buffer handle it names still maps to the very `HostBuffer` object the checks saw
@@ -63,11 +63,17 @@ def _key_mask(rpc: np.dtype) -> np.ndarray:
 
 def graph_key(parsed) -> bytes:
     """The structure of a parsed graph as bytes: its records' bytes with `id`, `src`,
-    `view_src`, `padding` and the holes between fields zeroed (`_key_mask`), then its node, src and
+    `view_src`, `padding`, the holes between fields (`_key_mask`) and each name's bytes after
+    its first NUL zeroed, then its node, src and
     view_src index arrays (which say what those ids linked). Two graphs with equal keys differ
     at most in the guest's names for their tensors and in bytes the host never reads."""
     t = parsed.tensors
     rows = np.ascontiguousarray(t).view(np.uint8).reshape(len(t), t.dtype.itemsize) * _key_mask(t.dtype)
+    # a name is read up to its first NUL (build_graph copies it as ggml_set_name would); the C
+    # guest sends the bytes after it uninitialized, different for every token of a decode
+    at = t.dtype.fields["name"][1]
+    names = rows[:, at : at + t.dtype.fields["name"][0].itemsize]
+    names[np.cumsum(names == 0, axis=1) > 0] = 0
     return b"".join(
         (
             np.int64(len(t)).tobytes(),

@@ -131,9 +131,30 @@ def test_other_guest_ids_same_structure_is_a_hit(session, ggml):
     assert session.output() == _direct(ggml, data)
 
 
+def test_bytes_after_a_names_nul_are_not_structure(session, ggml):
+    """The C guest sends each name's bytes after its NUL uninitialized (llama.cpp's decode
+    graphs differ there token after token): such a graph is the same graph, a hit."""
+    session.set_inputs(_data(ggml, 1))
+    assert session.compute() == (0, 0)
+    _, recs = session.records()
+    names = recs["name"].view(np.uint8).reshape(len(recs), -1)
+    end = np.argmax(names == 0, axis=1)
+    garbage = np.random.default_rng(0).integers(1, 256, names.shape, dtype=np.uint8)
+    after = np.arange(names.shape[1]) > end[:, None]
+    names[after] = garbage[after]
+    wire = session.wire_with(recs)
+    assert wire != session.wire
+    data = _data(ggml, 6)
+    session.set_inputs(data)
+    assert session.compute(wire) == (0, 0)
+    assert session.cache.hits == 1
+    assert session.output() == _direct(ggml, data)
+
+
 def _unread_bytes(g, wire):
-    """Byte offsets in `wire` that no host check reads: each record's `padding` and the holes
-    between its fields (the C guest leaves both uninitialized)."""
+    """Byte offsets in `wire` that no host check reads: each record's `padding`, the holes
+    between its fields and its name's bytes after the first NUL (the C guest leaves all three
+    uninitialized)."""
     n_nodes = int.from_bytes(wire[:4], "little")
     rpc = rpc_tensor_dtype(g.limits)
     read = set()
@@ -143,7 +164,14 @@ def _unread_bytes(g, wire):
             read |= set(range(off, off + ftype.itemsize))
     unread = [b for b in range(rpc.itemsize) if b not in read]
     at = 8 + 8 * n_nodes
-    return {at + rpc.itemsize * i + b for i in range((len(wire) - at) // rpc.itemsize) for b in unread}
+    name_at, name_size = rpc.fields["name"][1], rpc.fields["name"][0].itemsize
+    out = set()
+    for i in range((len(wire) - at) // rpc.itemsize):
+        rec = at + rpc.itemsize * i
+        out |= {rec + b for b in unread}
+        name = wire[rec + name_at : rec + name_at + name_size]
+        out |= {rec + name_at + b for b in range(name.index(0) + 1, name_size)}  # after the NUL
+    return out
 
 
 def test_every_byte_of_the_graph_is_in_the_key_or_refused(session, ggml):
@@ -153,7 +181,7 @@ def test_every_byte_of_the_graph_is_in_the_key_or_refused(session, ggml):
     kw = dict(limits=ggml.limits, op_count=ggml.op_count, type_valid=ggml.valid_types)
     key = graph_key(parse_graph(session.wire, **kw))
     unread = _unread_bytes(ggml, session.wire)
-    assert 0 < len(unread) < len(session.wire) // 10
+    assert 0 < len(unread) < len(session.wire) // 3
     same = []
     for p in range(len(session.wire)):
         for flip in (0x01, 0x80):
