@@ -12,7 +12,9 @@ Prints p50 / p99 in microseconds for:
     buffer or tensor in it, a few bytes each way (4 B request, 16 B answer, 9 + 8 B of headers),
     that the client really sends every time (ggml-rpc answers get_type, name, alignment and
     max_size from its own cache, and get_alloc_size too for all but a few tensors). A buffer on
-    the server is held meanwhile, so the connection stays open as in real use.
+    the server is held meanwhile, so the connection stays open as in real use. With the peer,
+    apir's device_get_memory (the same question, ggml_backend_dev_memory on the host's device)
+    is measured too, like for like.
 All are measured in the same run, so the ratios hold on this machine at this moment. Each p50 is
 printed with its ratio to the ping-pong (targets of issue 15: socket host <= 2, embedded <= 1.2)
 and, when the peer runs, to ggml-rpc's (target <= 1: apir no slower than ggml-rpc). With the peer
@@ -110,22 +112,24 @@ def bench_ping_pong(tmp: str, calls: int, warmup: int) -> tuple[float, float]:
         proc.wait()
 
 
-def bench_socket(tmp: str, calls: int, warmup: int) -> tuple[float, float]:
+def bench_socket(tmp: str, calls: int, warmup: int, names=("device_get_type",)) -> list:
+    """[(p50, p99) us] of each ApirClient call in `names`, in turn, over one `apir host serve`."""
     path = os.path.join(tmp, "apir.sock")
     proc = subprocess.Popen([sys.executable, "-m", "apir.cli", "host", "serve", "--socket", path],
                             stderr=subprocess.DEVNULL)
     try:
         _wait_for_socket(path, proc)
         with ApirClient.connect(LocalDevice(path)) as client:
-            return time_calls(client.device_get_type, calls, warmup)
+            return [time_calls(getattr(client, name), calls, warmup) for name in names]
     finally:
         proc.terminate()
         proc.wait(10)
 
 
-def bench_embedded(calls: int, warmup: int, exec_wait_s: float) -> tuple[float, float]:
+def bench_embedded(calls: int, warmup: int, exec_wait_s: float, names=("device_get_type",)) -> list:
+    """[(p50, p99) us] of each ApirClient call in `names`, in turn, over one embedded host."""
     with ApirClient.connect(EmbeddedDevice(exec_wait_s=exec_wait_s)) as client:
-        return time_calls(client.device_get_type, calls, warmup)
+        return [time_calls(getattr(client, name), calls, warmup) for name in names]
 
 
 def bench_ggml_rpc(paths: dict, calls: int, warmup: int) -> tuple[float, float]:
@@ -166,15 +170,19 @@ def main(argv=None) -> int:
             paths = None
     from apir.ggml import load
 
+    # With the peer, device_get_memory too: the very call ggml-rpc's row makes (like for like).
+    names = ("device_get_type", "device_get_memory") if paths is not None else ("device_get_type",)
+    n, w = args.calls, args.warmup
     with tempfile.TemporaryDirectory(prefix="apir-bench-") as tmp:
-        rows = [
-            ("bare socket ping-pong (16 B)", None, bench_ping_pong(tmp, args.calls, args.warmup)),
-            ("device_get_type, socket host", "socket", bench_socket(tmp, args.calls, args.warmup)),
-            ("device_get_type, embedded (spin)", "embedded", bench_embedded(args.calls, args.warmup, 0.0)),
-            ("device_get_type, embedded (wait)", "embedded", bench_embedded(args.calls, args.warmup, 1.0)),
-        ]
+        rows = [("bare socket ping-pong (16 B)", None, bench_ping_pong(tmp, n, w))]
+        for mode, label, results in (
+            ("socket", "socket host", bench_socket(tmp, n, w, names)),
+            ("embedded", "embedded (spin)", bench_embedded(n, w, 0.0, names)),
+            ("embedded", "embedded (wait)", bench_embedded(n, w, 1.0, names)),
+        ):
+            rows += [(f"{name}, {label}", mode, result) for name, result in zip(names, results)]
         if paths is not None:
-            rows.append(("ggml-rpc get_device_memory, TCP", None, bench_ggml_rpc(paths, args.calls, args.warmup)))
+            rows.append(("ggml-rpc get_device_memory, TCP", None, bench_ggml_rpc(paths, n, w)))
     base = rows[0][2][0]
     rpc = rows[-1][2][0] if paths is not None else None
     res = {"ggml_lib_dir": str(load().lib_dir), "calls": args.calls, "rpc_peer_skipped": skipped or None, "rows": []}
