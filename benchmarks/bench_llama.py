@@ -10,6 +10,12 @@ both alike):
          "[virtgpu] CPU" device) against `apir host serve` (apir's Python dispatcher on the
          same build's ggml CPU, apir.host.n_threads THREADS, device type gpu, --trace).
 
+Both runs pass llama-bench `--poll 0` (`--poll N` to change it): ggml's default, 50, keeps the
+guest's idle CPU workers spinning for their next graph, and on a machine where the guest and
+the host share cores they take the cores the host computes on (the guest computes almost
+nothing: every layer is offloaded). Locally the flag made no difference (151 vs 141 t/s tg32,
+2 threads), so both runs use it and the comparison stays same-flags.
+
 llama-bench runs pp (prompt processing, default 64 tokens) and tg (generation, 32 tokens) with
 -r REPS and reports the mean tokens/s of each; the ratios are local t/s / apir t/s, i.e. apir's
 time over local time (targets: pp <= 1.05, tg <= 1.15). The host's trace gives graph computes
@@ -42,10 +48,10 @@ from tests.interop.harness import build_shim, guest_env  # noqa: E402
 from tests.llama.build import build, is_built, model  # noqa: E402
 
 
-def llama_bench(paths: dict, gguf: Path, env: dict, threads: int, pp: int, tg: int, reps: int) -> dict:
+def llama_bench(paths: dict, gguf: Path, env: dict, threads: int, pp: int, tg: int, reps: int, poll: int) -> dict:
     """One llama-bench run: {"pp": t/s, "tg": t/s} (means over `reps`)."""
     cmd = [paths["LLAMA_BENCH"], "-m", str(gguf), "-p", str(pp), "-n", str(tg), "-ngl", "99", "-t", str(threads),
-           "-r", str(reps), "-o", "json"]
+           "-r", str(reps), "--poll", str(poll), "-o", "json"]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if run.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({run.returncode}): {run.stderr[-3000:]}")
@@ -113,6 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="alternating local / apir llama-bench runs")
     ap.add_argument("--pp", type=int, default=64)
     ap.add_argument("--tg", type=int, default=32)
+    ap.add_argument("--poll", type=int, default=0, help="llama-bench --poll, both runs (see the module docstring)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not is_built():
@@ -128,8 +135,10 @@ def main(argv=None) -> int:
             apir_env = guest_env(paths, build_shim(paths), str(host.socket))
             apir_env["LD_LIBRARY_PATH"] = paths["GGML_LIB_DIR"]
             for _ in range(args.rounds):
-                results["local"].append(llama_bench(paths, gguf, local_env, args.threads, args.pp, args.tg, args.reps))
-                results["apir"].append(llama_bench(paths, gguf, apir_env, args.threads, args.pp, args.tg, args.reps))
+                results["local"].append(
+                    llama_bench(paths, gguf, local_env, args.threads, args.pp, args.tg, args.reps, args.poll))
+                results["apir"].append(
+                    llama_bench(paths, gguf, apir_env, args.threads, args.pp, args.tg, args.reps, args.poll))
         finally:
             host.stop()
         # llama-bench runs one warm-up of each test, then -r repetitions, per round
@@ -142,12 +151,13 @@ def main(argv=None) -> int:
         local = statistics.mean(r[key] for r in results["local"])
         remote = statistics.mean(r[key] for r in results["apir"])
         summary[key] = {"local_tps": local, "apir_tps": remote, "ratio": local / remote}
-    report = {"threads": args.threads, "reps": args.reps, "rounds": args.rounds, "pp": args.pp, "tg": args.tg,
-              "summary": summary, "host": stats, "runs": results}
+    report = {"threads": args.threads, "poll": args.poll, "reps": args.reps, "rounds": args.rounds, "pp": args.pp,
+              "tg": args.tg, "summary": summary, "host": stats, "runs": results}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"llama-bench SmolLM2-135M Q4_1, {args.threads} threads, {args.rounds} rounds x -r {args.reps}")
+    print(f"llama-bench SmolLM2-135M Q4_1, {args.threads} threads, --poll {args.poll}, "
+          f"{args.rounds} rounds x -r {args.reps}")
     print(f"{'test':<8}{'local t/s':>12}{'apir t/s':>12}{'time ratio':>12}{'target':>8}")
     for key, target in (("pp", 1.05), ("tg", 1.15)):
         s = summary[key]
