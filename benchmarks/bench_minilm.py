@@ -200,6 +200,7 @@ def main(argv=None) -> int:
           f"median of {args.repeats}")
     print(f"target: {res['target']}")
     print(f"local:  {res['local']}")
+    print(f"ggml:   {res['ggml_lib_dir']}")
     if not target_ob.through_apir:
         print("NOTE: the target is local ggml CPU, not APIR: this run compares local with local, "
               "so the ratios show only measurement noise.")
@@ -216,8 +217,7 @@ def main(argv=None) -> int:
     if peer is None:
         print(peer_skipped)
         return 0
-    print(f"\nthe peer: ggml-rpc, rpc-server on loopback (ggml CPU, {args.threads} threads), same batch, "
-          f"ggml {res['ggml_lib_dir']}")
+    print(f"\nthe peer: ggml-rpc, rpc-server on loopback (ggml CPU, {args.threads} threads), same batch")
     print(f"{'':28}{'batch ms':>10}{'/ ggml-rpc':>12}{'target':>9}{'upload MB/s':>13}  same output")
     for row in peer["rows"]:
         print(f"{row['name']:28}{row['batch_s'] * 1e3:10.1f}{row['ratio']:12.3f}{'<= 1.0':>9}"
