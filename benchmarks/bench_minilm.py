@@ -142,6 +142,8 @@ def main(argv=None) -> int:
     config = dict(item.split("=", 1) for item in args.host_config)
     if args.backend:
         config["apir.host.backend"] = args.backend
+    # the embedded host computes with --threads threads, as the baseline and the peers do
+    config.setdefault("apir.host.n_threads", str(args.threads))
     with contextlib.ExitStack() as stack:
         target_ob = stack.enter_context(
             open_backend(device_spec(args.socket, args.drm), n_threads=args.threads, config=config or None))
