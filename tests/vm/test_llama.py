@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.vm, pytest.mark.llama]
 # tests/llama/test_generate.py's CI prompt
 PROMPT = "The capital of France is"
 # Greedy tokens compared: 64, as tests/llama/test_generate.py does through the shim. Affordable:
-# the boot, the model's upload and 64 tokens take 15-25 s of VM time under TCG on the loaded 2-core
+# the boot, the model's upload and 64 tokens take 15-60 s of VM time under TCG on the loaded 2-core
 # machine (the guest builds and encodes each token's graph, the host computes it; docs/llama.md).
 N_PREDICT = 64
 # apir host vhost-user on the guest's ggml: --venus, since ggml-virtgpu asks for the Venus capset
