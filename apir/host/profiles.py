@@ -26,6 +26,9 @@ Profiles (by ggml registration name):
             the graph, and the node's source points there (the guest may change the original,
             e.g. in a buffer of its own memory, between the check and the kernel).
             No work-buffer bound: ggml-vulkan sizes its scratch from the graph itself.
+            An empty source the CPU's rules let through for a ggml-cpu kernel read not to
+            touch it (`shapes.base.cpu_empty_sources_ok`: CONV_3D's empty kernel) is refused
+            (`shapes.base.without_cpu_exemptions`): the GPU kernel was not read for it.
     RPC     ggml-rpc (servers added by `rpc:HOST:PORT`): the same as Vulkan. The rpc-server's
             device runs the kernels (a CPU or a GPU of the server's), the server checks each
             tensor against its buffer itself (ggml-rpc.cpp deserialize_tensor); remote memory
@@ -40,7 +43,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Optional
 
 from apir.host.shapes import CHECKED_OPS
-from apir.host.shapes.base import op_enums
+from apir.host.shapes.base import op_enums, without_cpu_exemptions
 
 __all__ = ["BackendProfile", "CPU", "VULKAN", "RPC", "PROFILES", "profile_for", "ONE_TASK_OPS_CPU"]
 
@@ -87,9 +90,11 @@ CPU = BackendProfile(
 )
 # The one-thread rule is a CPU fact; kept for Vulkan and RPC (see the module docstring: the
 # CPU's rules only narrow).
+# Empty-source exemptions read in ggml-cpu's kernels only (`base.cpu_empty_sources_ok`) are
+# dropped: a GPU kernel was not read for them.
 VULKAN = BackendProfile(
     "Vulkan",
-    CHECKED_OPS,
+    without_cpu_exemptions(CHECKED_OPS),
     op_enums,
     one_task_ops=ONE_TASK_OPS_CPU,
     plans_work_buffer=False,
