@@ -8,11 +8,19 @@ both alike):
          ggml CPU in-process (-t THREADS);
   apir   llama-bench with tests/interop's C shim preloaded (-ngl 99, every layer on the
          "[virtgpu] CPU" device) against `apir host serve` (apir's Python dispatcher on the
-         same build's ggml CPU, apir.host.n_threads THREADS, device type gpu, --trace).
+         same build's ggml CPU, apir.host.n_threads THREADS, device type gpu).
+
+Both runs pass llama-bench `--poll 0` (`--poll N` to change it): ggml's default, 50, keeps the
+guest's idle CPU workers spinning for their next graph, and on a machine where the guest and
+the host share cores they take the cores the host computes on (the guest computes almost
+nothing: every layer is offloaded). Locally the flag made no difference (151 vs 141 t/s tg32,
+2 threads), so both runs use it and the comparison stays same-flags.
 
 llama-bench runs pp (prompt processing, default 64 tokens) and tg (generation, 32 tokens) with
 -r REPS and reports the mean tokens/s of each; the ratios are local t/s / apir t/s, i.e. apir's
-time over local time (targets: pp <= 1.05, tg <= 1.15). The host's trace gives graph computes
+time over local time (targets: pp <= 1.05, tg <= 1.15). The timed host runs untraced (a trace
+parses every graph a second time); after the timed rounds, one more apir llama-bench (-r 1)
+against a host with --trace gives graph computes
 per token (backend_graph_compute commands over the tokens llama-bench processed through apir,
 warm-up runs included) and the host's time per compute (mean host_us), next to the other
 commands per token (set / get tensor round trips).
@@ -33,6 +41,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -42,10 +51,10 @@ from tests.interop.harness import build_shim, guest_env  # noqa: E402
 from tests.llama.build import build, is_built, model  # noqa: E402
 
 
-def llama_bench(paths: dict, gguf: Path, env: dict, threads: int, pp: int, tg: int, reps: int) -> dict:
+def llama_bench(paths: dict, gguf: Path, env: dict, threads: int, pp: int, tg: int, reps: int, poll: int) -> dict:
     """One llama-bench run: {"pp": t/s, "tg": t/s} (means over `reps`)."""
     cmd = [paths["LLAMA_BENCH"], "-m", str(gguf), "-p", str(pp), "-n", str(tg), "-ngl", "99", "-t", str(threads),
-           "-r", str(reps), "-o", "json"]
+           "-r", str(reps), "--poll", str(poll), "-o", "json"]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if run.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({run.returncode}): {run.stderr[-3000:]}")
@@ -58,14 +67,14 @@ def llama_bench(paths: dict, gguf: Path, env: dict, threads: int, pp: int, tg: i
 
 
 class Host:
-    """`apir host serve` on the build's ggml, traced."""
+    """`apir host serve` on the build's ggml, traced into `trace` when given."""
 
-    def __init__(self, paths: dict, workdir: Path, threads: int):
+    def __init__(self, paths: dict, workdir: Path, threads: int, trace: Optional[Path] = None):
         self.socket = workdir / "apir.sock"
-        self.trace = workdir / "trace.jsonl"
         env = dict(os.environ, APIR_GGML_LIB_DIR=paths["GGML_LIB_DIR"], APIR_GGML_INCLUDE_DIR=paths["GGML_INCLUDE"],
                    PYTHONPATH=str(REPO))
-        cmd = [sys.executable, "-m", "apir", "host", "serve", "--socket", str(self.socket), "--trace", str(self.trace),
+        cmd = [sys.executable, "-m", "apir", "host", "serve", "--socket", str(self.socket),
+               *(["--trace", str(trace)] if trace else []),
                "--config", f"apir.host.n_threads={threads}", "--config", "apir.host.device_type=gpu",
                "--config", "apir.local.max_blobs=16384"]
         self.log = open(workdir / "host.log", "w")
@@ -113,6 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="alternating local / apir llama-bench runs")
     ap.add_argument("--pp", type=int, default=64)
     ap.add_argument("--tg", type=int, default=32)
+    ap.add_argument("--poll", type=int, default=0, help="llama-bench --poll, both runs (see the module docstring)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not is_built():
@@ -123,37 +133,47 @@ def main(argv=None) -> int:
     local_env.pop("LD_PRELOAD", None)
     results = {"local": [], "apir": []}
     with tempfile.TemporaryDirectory(prefix="bench-llama-") as tmp:
-        host = Host(paths, Path(tmp), args.threads)
+        timed, traced = Path(tmp) / "timed", Path(tmp) / "traced"
+        timed.mkdir()
+        traced.mkdir()
+        shim = build_shim(paths)
+        host = Host(paths, timed, args.threads)
         try:
-            apir_env = guest_env(paths, build_shim(paths), str(host.socket))
-            apir_env["LD_LIBRARY_PATH"] = paths["GGML_LIB_DIR"]
+            apir_env = dict(guest_env(paths, shim, str(host.socket)), LD_LIBRARY_PATH=paths["GGML_LIB_DIR"])
             for _ in range(args.rounds):
-                results["local"].append(llama_bench(paths, gguf, local_env, args.threads, args.pp, args.tg, args.reps))
-                results["apir"].append(llama_bench(paths, gguf, apir_env, args.threads, args.pp, args.tg, args.reps))
+                results["local"].append(
+                    llama_bench(paths, gguf, local_env, args.threads, args.pp, args.tg, args.reps, args.poll))
+                results["apir"].append(
+                    llama_bench(paths, gguf, apir_env, args.threads, args.pp, args.tg, args.reps, args.poll))
         finally:
             host.stop()
-        # llama-bench runs one warm-up of each test, then -r repetitions, per round
-        tokens = args.rounds * (args.reps + 1) * (args.pp + args.tg)
-        stats = trace_stats(Path(tmp) / "trace.jsonl", tokens)
-        # computes per token of each test alone, from its own counts (pp: one compute per
-        # prompt; tg: one per generated token)
+        host = Host(paths, traced, args.threads, trace=traced / "trace.jsonl")
+        try:
+            traced_env = dict(guest_env(paths, shim, str(host.socket)), LD_LIBRARY_PATH=paths["GGML_LIB_DIR"])
+            llama_bench(paths, gguf, traced_env, args.threads, args.pp, args.tg, 1, args.poll)
+        finally:
+            host.stop()
+        # llama-bench runs one warm-up of each test, then -r repetitions
+        stats = trace_stats(traced / "trace.jsonl", 2 * (args.pp + args.tg))
     summary = {}
     for key in ("pp", "tg"):
         local = statistics.mean(r[key] for r in results["local"])
         remote = statistics.mean(r[key] for r in results["apir"])
         summary[key] = {"local_tps": local, "apir_tps": remote, "ratio": local / remote}
-    report = {"threads": args.threads, "reps": args.reps, "rounds": args.rounds, "pp": args.pp, "tg": args.tg,
-              "summary": summary, "host": stats, "runs": results}
+    report = {"threads": args.threads, "poll": args.poll, "reps": args.reps, "rounds": args.rounds, "pp": args.pp,
+              "tg": args.tg, "summary": summary, "host": stats, "runs": results}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"llama-bench SmolLM2-135M Q4_1, {args.threads} threads, {args.rounds} rounds x -r {args.reps}")
+    print(f"llama-bench SmolLM2-135M Q4_1, {args.threads} threads, --poll {args.poll}, "
+          f"{args.rounds} rounds x -r {args.reps}")
     print(f"{'test':<8}{'local t/s':>12}{'apir t/s':>12}{'time ratio':>12}{'target':>8}")
     for key, target in (("pp", 1.05), ("tg", 1.15)):
         s = summary[key]
         n = args.pp if key == "pp" else args.tg
         print(f"{key}{n:<6}{s['local_tps']:>12.1f}{s['apir_tps']:>12.1f}{s['ratio']:>12.3f}{target:>8.2f}")
-    print(f"host: {stats['graph_computes']} graph computes, {stats['computes_per_token']:.3f} per token, "
+    print(f"host (one more run, traced, -r 1): {stats['graph_computes']} graph computes, "
+          f"{stats['computes_per_token']:.3f} per token, "
           f"{stats['host_ms_per_compute']:.2f} ms host time per compute (median "
           f"{stats['host_ms_per_compute_median']:.2f}), {stats['forwards_per_token']:.2f} commands per token, "
           f"{stats['errors']} errors")

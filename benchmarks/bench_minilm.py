@@ -15,15 +15,32 @@ Target and baseline runs alternate so drift on a shared machine hits both alike.
 guest backend exists, the target is local ggml CPU too (flagged FALLBACK) and the ratios only
 show the measurement's noise. Also reports whether both outputs are byte-identical.
 
-Run: PYTHONPATH=. python benchmarks/bench_minilm.py [--socket PATH | --drm NODE] [--json]
+The peer, ggml-rpc (issue 15 item 7): on ggml CPU (no --backend, or cpu), the same run also
+starts an rpc-server on loopback (--threads threads, benchmarks/rpc_peer.py) and computes the
+same batch with the same model code (apir.models.minilm) in this process on ggml-rpc's backend
+from ggml's registry (`open_local_device("rpc:127.0.0.1:PORT")`), next to apir's embedded host
+and an `apir host serve` it starts (whichever of the two is not the target already), all in the
+same alternation. Each batch time is printed with its ratio to ggml-rpc's (target <= 1.0: apir
+no slower than ggml-rpc). Only batch times compare: ggml-rpc's graph_compute returns before the
+server computes (RPC_CMD_GRAPH_COMPUTE has no answer), so its compute time is the send alone
+and its wait falls in the output's read. The whole run then loads the ggml build that has
+ggml-rpc's client (apir's hosts, the baseline and rpc-server all on the same ggml CPU kernels);
+without that build the peer is skipped with a note on how to build it (--no-rpc-peer: leave it
+out).
+
+Run: PYTHONPATH=. python benchmarks/bench_minilm.py [--socket PATH | --drm NODE] [--no-rpc-peer] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -31,7 +48,13 @@ import numpy as np
 from apir.models.assets import load_assets
 from apir.devices import device_spec
 from apir.models.backends import open_backend, open_local_cpu, open_local_device
+from apir.ggml import load as load_ggml
 from apir.models.minilm import MiniLM
+
+import rpc_peer
+from bench_roundtrip import _wait_for_socket
+
+RPC_TARGET = 1.0  # batch time of each apir mode over ggml-rpc's, issue 15 item 7
 
 _TEXT = ("the quick brown fox jumps over the lazy dog while a committee of engineers argues about "
          "where the new bridge should stand and how much the river will rise in spring").split()
@@ -53,6 +76,38 @@ def _time_batch(model: MiniLM, batch):
     return time.perf_counter() - t0, model.last_timing["compute"], out
 
 
+@contextlib.contextmanager
+def socket_host(threads: int):
+    """An `apir host serve` (ggml CPU, `threads` threads) on a socket in a temporary folder,
+    listening; yields its apir.devices spec (``unix:PATH``)."""
+    with tempfile.TemporaryDirectory(prefix="apir-bench-") as tmp:
+        path = os.path.join(tmp, "apir.sock")
+        proc = subprocess.Popen([sys.executable, "-m", "apir.cli", "host", "serve", "--socket", path,
+                                 "--config", f"apir.host.n_threads={threads}"], stderr=subprocess.DEVNULL)
+        try:
+            _wait_for_socket(path, proc)
+            yield f"unix:{path}"
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+def open_peers(stack: contextlib.ExitStack, paths: dict, target_transport: str, threads: int) -> dict:
+    """name -> OpenedBackend of the peer run: apir's embedded host and an `apir host serve` (the
+    one of them that is not the target) and ggml-rpc's backend on an rpc-server, each closed with
+    `stack`."""
+    peers = {}
+    config = {"apir.host.n_threads": str(threads)}
+    if target_transport != "embedded":
+        peers["apir embedded"] = stack.enter_context(open_backend(None, allow_fallback=False, config=config))
+    if target_transport != "socket":
+        spec = stack.enter_context(socket_host(threads))
+        peers["apir socket host"] = stack.enter_context(open_backend(spec))
+    server = stack.enter_context(rpc_peer.RpcServer(paths, threads))
+    peers["ggml-rpc"] = stack.enter_context(open_local_device(server.spec, threads))
+    return peers
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     where = p.add_mutually_exclusive_group()
@@ -63,45 +118,67 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=2, help="threads of the local CPU backend(s)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--no-rpc-peer", action="store_true",
+                   help="leave the ggml-rpc peer out (and the ggml build it needs)")
     p.add_argument("--backend", metavar="SPEC", default=None,
                    help="ggml backend (apir.ggml.backend_spec: cpu, vulkan:0, rpc:HOST:PORT) of the embedded "
                         "host and of the local baseline (default: ggml CPU)")
     p.add_argument("--host-config", metavar="KEY=VALUE", action="append", default=[],
                    help="configuration of the embedded host (repeatable), e.g. apir.host.import_host_memory=1")
     args = p.parse_args(argv)
+    if args.no_rpc_peer:
+        paths, peer_skipped = None, "ggml-rpc peer left out (--no-rpc-peer)"
+    elif args.backend not in (None, "cpu"):
+        paths, peer_skipped = None, f"ggml-rpc peer skipped: its rpc-server runs ggml CPU, not {args.backend}"
+    else:
+        paths, peer_skipped = rpc_peer.find_build()
+        if paths is not None:
+            peer_skipped = rpc_peer.use_build(paths) or ""
+            if peer_skipped:
+                paths = None
 
     assets = load_assets()
     sentences = make_sentences(args.batch_size, args.max_words)
     config = dict(item.split("=", 1) for item in args.host_config)
     if args.backend:
         config["apir.host.backend"] = args.backend
-    target_ob = open_backend(device_spec(args.socket, args.drm), n_threads=args.threads, config=config or None)
-    local_ob = open_local_device(args.backend, args.threads) if args.backend else open_local_cpu(args.threads)
-    try:
-        target = MiniLM(target_ob.backend, target_ob.buft, assets=assets)
-        local = MiniLM(local_ob.backend, local_ob.buft, assets=assets)
+    with contextlib.ExitStack() as stack:
+        target_ob = stack.enter_context(
+            open_backend(device_spec(args.socket, args.drm), n_threads=args.threads, config=config or None))
+        local_ob = stack.enter_context(
+            open_local_device(args.backend, args.threads) if args.backend else open_local_cpu(args.threads))
+        obs = {"target": target_ob, "local": local_ob}
+        if paths is not None:
+            obs.update(open_peers(stack, paths, target_ob.transport, args.threads))
+        models = {name: stack.enter_context(MiniLM(ob.backend, ob.buft, assets=assets)) for name, ob in obs.items()}
         batch = assets.tokenizer.encode(sentences)
         # Warm-up: first allocation of each compute buffer, thread pools, caches.
-        _, _, out_t = _time_batch(target, batch)
-        _, _, out_l = _time_batch(local, batch)
-        times = {"target": ([], []), "local": ([], [])}
+        outs = {name: _time_batch(model, batch)[2] for name, model in models.items()}
+        times = {name: ([], []) for name in models}
         for _ in range(args.repeats):
-            for name, model in (("target", target), ("local", local)):
-                total, compute, out = _time_batch(model, batch)
+            for name, model in models.items():
+                total, compute, outs[name] = _time_batch(model, batch)
                 times[name][0].append(total)
                 times[name][1].append(compute)
-                if name == "target":
-                    out_t = out
-                else:
-                    out_l = out
-        upload = {name: m.upload_bytes / m.upload_seconds / 1e6 for name, m in (("target", target), ("local", local))}
-        target.close()
-        local.close()
-    finally:
-        target_ob.close()
-        local_ob.close()
+        upload_all = {name: m.upload_bytes / m.upload_seconds / 1e6 for name, m in models.items()}
+    out_t, out_l = outs["target"], outs["local"]
+    upload = {k: upload_all[k] for k in ("target", "local")}
 
     med = {name: (statistics.median(t[0]), statistics.median(t[1])) for name, t in times.items()}
+    peer = None
+    if paths is not None:
+        rpc_s = med["ggml-rpc"][0]
+        peer = {"rpc_server_threads": args.threads, "ggml_rpc_batch_s": rpc_s, "target": RPC_TARGET, "rows": []}
+        for name in models:
+            if name == "local" or name == "ggml-rpc":
+                continue
+            label = f"apir {target_ob.transport} (target)" if name == "target" else name
+            peer["rows"].append({
+                "name": label, "batch_s": med[name][0], "ratio": med[name][0] / rpc_s,
+                "upload_MBps": upload_all[name],
+                "byte_identical": bool(np.array_equal(outs[name].view(np.uint32), outs["ggml-rpc"].view(np.uint32))),
+            })
+        peer["ggml_rpc_upload_MBps"] = upload_all["ggml-rpc"]
     res = {
         "target": target_ob.description, "local": local_ob.description,
         "target_through_apir": target_ob.through_apir, "target_is_fallback": target_ob.fallback,
@@ -112,6 +189,8 @@ def main(argv=None) -> int:
         "sentences_per_s": {k: args.batch_size / v[0] for k, v in med.items()},
         "byte_identical": bool(np.array_equal(out_t.view(np.uint32), out_l.view(np.uint32))),
         "max_abs_diff": float(np.abs(out_t - out_l).max()),
+        "ggml_lib_dir": str(load_ggml().lib_dir),
+        "ggml_rpc_peer": peer, "ggml_rpc_peer_skipped": peer_skipped or None,
     }
     if args.json:
         json.dump(res, sys.stdout, indent=1)
@@ -121,6 +200,7 @@ def main(argv=None) -> int:
           f"median of {args.repeats}")
     print(f"target: {res['target']}")
     print(f"local:  {res['local']}")
+    print(f"ggml:   {res['ggml_lib_dir']}")
     if not target_ob.through_apir:
         print("NOTE: the target is local ggml CPU, not APIR: this run compares local with local, "
               "so the ratios show only measurement noise.")
@@ -134,6 +214,15 @@ def main(argv=None) -> int:
     print(f"{'sentences/s':22}{sps['target']:10.1f}{sps['local']:10.1f}{sps['target'] / sps['local']:8.2f}")
     print(f"outputs byte-identical: {'yes' if res['byte_identical'] else 'NO'} "
           f"(max abs diff {res['max_abs_diff']:.3g})")
+    if peer is None:
+        print(peer_skipped)
+        return 0
+    print(f"\nthe peer: ggml-rpc, rpc-server on loopback (ggml CPU, {args.threads} threads), same batch")
+    print(f"{'':28}{'batch ms':>10}{'/ ggml-rpc':>12}{'target':>9}{'upload MB/s':>13}  same output")
+    for row in peer["rows"]:
+        print(f"{row['name']:28}{row['batch_s'] * 1e3:10.1f}{row['ratio']:12.3f}{'<= 1.0':>9}"
+              f"{row['upload_MBps']:13.0f}  {'yes' if row['byte_identical'] else 'NO'}")
+    print(f"{'ggml-rpc':28}{peer['ggml_rpc_batch_s'] * 1e3:10.1f}{1.0:12.3f}{'':9}{peer['ggml_rpc_upload_MBps']:13.0f}")
     return 0
 
 

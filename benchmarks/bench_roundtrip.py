@@ -6,14 +6,29 @@ Prints p50 / p99 in microseconds for:
   - device_get_type over the socket transport (a separate `apir host serve` process),
   - device_get_type over the embedded host (a thread of this process), with execbuffer
     returning at once (the guest spins on the notification word) and waiting for completion.
-All are measured in the same run, so the ratios hold on this machine at this moment.
+  - the peer, ggml-rpc: ggml_backend_dev_memory of an RPC device, one RPC_CMD_GET_DEVICE_MEMORY
+    round trip over loopback TCP to an rpc-server this benchmark starts (benchmarks/rpc_peer.py).
+    Of ggml-rpc's commands it is the closest to device_get_type: a query of the device, with no
+    buffer or tensor in it, a few bytes each way (4 B request, 16 B answer, 9 + 8 B of headers),
+    that the client really sends every time (ggml-rpc answers get_type, name, alignment and
+    max_size from its own cache, and get_alloc_size too for all but a few tensors). A buffer on
+    the server is held meanwhile, so the connection stays open as in real use. With the peer,
+    apir's device_get_memory (the same question, ggml_backend_dev_memory on the host's device)
+    is measured too, like for like.
+All are measured in the same run, so the ratios hold on this machine at this moment. Each p50 is
+printed with its ratio to the ping-pong (targets of issue 15: socket host <= 2, embedded <= 1.2)
+and, when the peer runs, to ggml-rpc's (target <= 1: apir no slower than ggml-rpc). With the peer
+the whole run loads the ggml build that has ggml-rpc's client (benchmarks/rpc_peer.py); without
+that build the peer is skipped with a note on how to build it.
 
-    python benchmarks/bench_roundtrip.py [--calls N] [--warmup N]
+    python benchmarks/bench_roundtrip.py [--calls N] [--warmup N] [--no-rpc-peer] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import json
 import os
 import socket
 import subprocess
@@ -24,6 +39,12 @@ import time
 from apir.guest.client import ApirClient
 from apir.local.embedded import EmbeddedDevice
 from apir.guest.local import LocalDevice
+
+import rpc_peer
+
+# Targets of issue 15: p50 over the bare socket ping-pong, and over ggml-rpc's small call.
+PING_PONG_TARGET = {"socket": 2.0, "embedded": 1.2}
+RPC_TARGET = 1.0
 
 _ECHO = r"""
 import socket, sys
@@ -91,40 +112,104 @@ def bench_ping_pong(tmp: str, calls: int, warmup: int) -> tuple[float, float]:
         proc.wait()
 
 
-def bench_socket(tmp: str, calls: int, warmup: int) -> tuple[float, float]:
+def bench_socket(tmp: str, calls: int, warmup: int, names=("device_get_type",)) -> list:
+    """[(p50, p99) us] of each ApirClient call in `names`, in turn, over one `apir host serve`."""
     path = os.path.join(tmp, "apir.sock")
     proc = subprocess.Popen([sys.executable, "-m", "apir.cli", "host", "serve", "--socket", path],
                             stderr=subprocess.DEVNULL)
     try:
         _wait_for_socket(path, proc)
         with ApirClient.connect(LocalDevice(path)) as client:
-            return time_calls(client.device_get_type, calls, warmup)
+            return [time_calls(getattr(client, name), calls, warmup) for name in names]
     finally:
         proc.terminate()
         proc.wait(10)
 
 
-def bench_embedded(calls: int, warmup: int, exec_wait_s: float) -> tuple[float, float]:
+def bench_embedded(calls: int, warmup: int, exec_wait_s: float, names=("device_get_type",)) -> list:
+    """[(p50, p99) us] of each ApirClient call in `names`, in turn, over one embedded host."""
     with ApirClient.connect(EmbeddedDevice(exec_wait_s=exec_wait_s)) as client:
-        return time_calls(client.device_get_type, calls, warmup)
+        return [time_calls(getattr(client, name), calls, warmup) for name in names]
+
+
+def bench_ggml_rpc(paths: dict, calls: int, warmup: int) -> tuple[float, float]:
+    """p50 / p99 us of ggml_backend_dev_memory on ggml-rpc's device of an rpc-server on
+    loopback (RPC_CMD_GET_DEVICE_MEMORY), with a 4 KiB buffer held on the server so the client's
+    connection stays open (ggml-rpc reconnects when no buffer holds it)."""
+    from apir.ggml import load
+    from apir.ggml.backend_spec import resolve
+
+    g = load()
+    with rpc_peer.RpcServer(paths, threads=1) as server:
+        dev = resolve(g, server.spec).devices[0]
+        buf = g.ggml_backend_buft_alloc_buffer(g.ggml_backend_dev_buffer_type(dev), 4096)
+        if not buf:
+            raise RuntimeError("ggml-rpc: ggml_backend_buft_alloc_buffer failed")
+        try:
+            free, total = ctypes.c_size_t(), ctypes.c_size_t()
+            p_free, p_total = ctypes.byref(free), ctypes.byref(total)
+            result = time_calls(lambda: g.ggml_backend_dev_memory(dev, p_free, p_total), calls, warmup)
+            if total.value == 0:
+                raise RuntimeError("ggml-rpc: the server reported no memory (no answer?)")
+            return result
+        finally:
+            g.ggml_backend_buffer_free(buf)  # before the server stops: ggml-rpc aborts on a dead server
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=5000)
     parser.add_argument("--warmup", type=int, default=500)
+    parser.add_argument("--no-rpc-peer", action="store_true", help="leave ggml-rpc out (and the ggml build it needs)")
+    parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    paths, skipped = (None, "ggml-rpc peer left out (--no-rpc-peer)") if args.no_rpc_peer else rpc_peer.find_build()
+    if paths is not None:
+        skipped = rpc_peer.use_build(paths) or ""
+        if skipped:
+            paths = None
+    from apir.ggml import load
+
+    # With the peer, device_get_memory too: the very call ggml-rpc's row makes (like for like).
+    names = ("device_get_type", "device_get_memory") if paths is not None else ("device_get_type",)
+    n, w = args.calls, args.warmup
     with tempfile.TemporaryDirectory(prefix="apir-bench-") as tmp:
-        rows = [
-            ("bare socket ping-pong (16 B)", bench_ping_pong(tmp, args.calls, args.warmup)),
-            ("device_get_type, socket host", bench_socket(tmp, args.calls, args.warmup)),
-            ("device_get_type, embedded (spin)", bench_embedded(args.calls, args.warmup, 0.0)),
-            ("device_get_type, embedded (wait)", bench_embedded(args.calls, args.warmup, 1.0)),
-        ]
-    base = rows[0][1][0]
-    print(f"{'round trip':36} {'p50 us':>9} {'p99 us':>9} {'p50 / ping-pong':>16}")
-    for name, (p50, p99) in rows:
-        print(f"{name:36} {p50:9.1f} {p99:9.1f} {p50 / base:16.2f}")
+        rows = [("bare socket ping-pong (16 B)", None, bench_ping_pong(tmp, n, w))]
+        for mode, label, results in (
+            ("socket", "socket host", bench_socket(tmp, n, w, names)),
+            ("embedded", "embedded (spin)", bench_embedded(n, w, 0.0, names)),
+            ("embedded", "embedded (wait)", bench_embedded(n, w, 1.0, names)),
+        ):
+            rows += [(f"{name}, {label}", mode, result) for name, result in zip(names, results)]
+        if paths is not None:
+            rows.append(("ggml-rpc get_device_memory, TCP", None, bench_ggml_rpc(paths, n, w)))
+    base = rows[0][2][0]
+    rpc = rows[-1][2][0] if paths is not None else None
+    res = {"ggml_lib_dir": str(load().lib_dir), "calls": args.calls, "rpc_peer_skipped": skipped or None, "rows": []}
+    for name, mode, (p50, p99) in rows:
+        row = {"name": name, "p50_us": p50, "p99_us": p99, "p50_over_ping_pong": p50 / base}
+        if mode:
+            row["ping_pong_target"] = PING_PONG_TARGET[mode]
+            if rpc is not None:
+                row["p50_over_ggml_rpc"] = p50 / rpc
+                row["ggml_rpc_target"] = RPC_TARGET
+        res["rows"].append(row)
+    if args.json:
+        json.dump(res, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"ggml: {res['ggml_lib_dir']}; {args.calls} calls after {args.warmup} warm-up")
+    print(f"{'round trip':36} {'p50 us':>9} {'p99 us':>9} {'/ ping-pong':>12} {'target':>7} "
+          f"{'/ ggml-rpc':>11} {'target':>7}")
+    for row in res["rows"]:
+        line = f"{row['name']:36} {row['p50_us']:9.1f} {row['p99_us']:9.1f} {row['p50_over_ping_pong']:12.2f}"
+        if "ping_pong_target" in row:
+            line += f" {'<= ' + str(row['ping_pong_target']):>7}"
+        if "p50_over_ggml_rpc" in row:
+            line += f" {row['p50_over_ggml_rpc']:11.2f} {'<= 1.0':>7}"
+        print(line)
+    if skipped:
+        print(skipped)
     return 0
 
 

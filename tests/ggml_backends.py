@@ -37,6 +37,16 @@ def missing_prerequisites() -> list:
     return missing
 
 
+def is_built() -> bool:
+    """Whether the build finished (without building): what a benchmark checks before using it."""
+    return (cache_dir() / ".complete").exists() and (cache_dir() / "paths.env").exists()
+
+
+def read_build() -> dict:
+    """paths.env of a finished build (see `build`), without building or locking."""
+    return read_paths_env(cache_dir() / "paths.env")
+
+
 def build() -> dict:
     """paths.env of the build as a dict (GGML_LIB_DIR, GGML_INCLUDE, TEST_BACKEND_OPS,
     RPC_SERVER, LVP_ICD, MESA_SHADER_CACHE_DIR); builds on first use (about 6 minutes on 2

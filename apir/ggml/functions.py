@@ -98,6 +98,7 @@ class GgmlFunctions:
     ggml_version: Fn = sig("s:")
     ggml_commit: Fn = sig("s:")
     ggml_init: Fn = sig("p:P")
+    ggml_threadpool_params_init: Fn = sig("v:pi")
     ggml_free: Fn = sig("v:p")
     ggml_tensor_overhead: Fn = sig("z:")
     ggml_graph_overhead: Fn = sig("z:")

@@ -83,6 +83,7 @@ class HeaderFacts:
     op_hints: Dict[str, int]  # enum ggml_op_hint: "NONE" 0, "SRC0_IS_HADAMARD" 1; {} where none
     dev_types: Dict[str, int]  # enum ggml_backend_dev_type (ggml-backend.h): "CPU", "GPU", ...
     dev_caps: Tuple[str, ...]  # struct ggml_backend_dev_caps' bool fields (ggml-backend.h)
+    max_n_threads: int = 0  # GGML_MAX_N_THREADS (struct ggml_threadpool_params' cpumask); 0: none
 
 
 def _read(path: Path) -> str:
@@ -132,4 +133,5 @@ def read_headers(include_dir: Path) -> HeaderFacts:
         op_hints=op_hints,
         dev_types=dev_types,
         dev_caps=dev_caps,
+        max_n_threads=max_.get("N_THREADS", 0),
     )

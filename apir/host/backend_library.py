@@ -45,6 +45,7 @@ from apir.ggml.lib import Ggml
 from apir.host import dispatcher
 from apir.host.budget import BufferBudget, BufferLimits, buffer_charge
 from apir.host.compute_abort import ComputeAbort
+from apir.host.cpu_threadpool import DEFAULT_POLL, CpuThreadpool
 from apir.host.errors import Refused, log
 from apir.host.graph_cache import GraphCache
 from apir.host.handles import HostBuffer, HostBufferType, VirtualAddressSpace, new_tables
@@ -61,6 +62,7 @@ __all__ = [
     "PythonBackendLibrary",
     "CONFIG_KEY_BUFFER_BUDGET",
     "CONFIG_KEY_N_THREADS",
+    "CONFIG_KEY_POLL",
     "CONFIG_KEY_DEVICE_TYPE",
     "device_types",
 ]
@@ -69,6 +71,9 @@ __all__ = [
 # machine's cores. ggml's own default (GGML_DEFAULT_N_THREADS = 4) oversubscribes small
 # hosts, and its spinning worker threads then slow a graph down several times.
 CONFIG_KEY_N_THREADS = "apir.host.n_threads"
+# ggml's polling level (0-100) of the context's threadpool, where the backend has one
+# (apir.host.cpu_threadpool): how long idle worker threads spin for the next graph; default 0.
+CONFIG_KEY_POLL = "apir.host.poll"
 # The device type device_get_type reports (cpu, gpu, igpu, accel: `enum ggml_backend_dev_type`
 # of the loaded build's ggml-backend.h); default: the served device's own. A guest takes a
 # remote device of type CPU for its own CPU: llama.cpp then runs everything on it as "the CPU
@@ -109,6 +114,7 @@ class PythonBackendLibrary:
         # threads the backend computes with (0: never set, ggml's default); the work-size
         # bound plans with the same count (apir.host.work_plan)
         self.n_threads = 0
+        self._threadpool: Optional[CpuThreadpool] = None  # attached to the backend, freed after it
         # checked, built graphs reused when the same graph structure comes again
         self.graph_cache = GraphCache()
         # enum ggml_backend_dev_type value device_get_type reports instead of the device's own
@@ -302,7 +308,9 @@ class PythonBackendLibrary:
 
     def _set_n_threads(self, host: LibraryHost) -> None:
         """`ggml_backend_set_n_threads` through the registry (ggml's way to find it for any
-        backend that has threads), with config `apir.host.n_threads` or the core count."""
+        backend that has threads), with config `apir.host.n_threads` or the core count; and a
+        threadpool of that many threads where the registry offers one (apir.host.cpu_threadpool,
+        config `apir.host.poll`)."""
         fn_ptr = self.g.ggml_backend_reg_get_proc_address(self.reg, b"ggml_backend_set_n_threads")
         if not fn_ptr:
             return
@@ -315,6 +323,15 @@ class PythonBackendLibrary:
         set_n_threads = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int)(fn_ptr)
         self.n_threads = max(1, n_threads)
         set_n_threads(self.backend, self.n_threads)
+        value = host.get_config(CONFIG_KEY_POLL)
+        try:
+            poll = int(value) if value else DEFAULT_POLL
+        except ValueError:
+            log.error("ctx %d: %s=%r is not a number", host.ctx_id, CONFIG_KEY_POLL, value)
+            poll = DEFAULT_POLL
+        reg = self.reg
+        assert reg is not None  # set by initialize before this
+        self._threadpool = CpuThreadpool.attach(self.g, reg, self.backend, self.n_threads, min(max(poll, 0), 100))
 
     def _set_device_type(self, host: LibraryHost) -> Optional[int]:
         """Config `apir.host.device_type`: the type device_get_type reports. An unknown name fails
@@ -350,6 +367,9 @@ class PythonBackendLibrary:
             self._ids_buffer = None
         if self._backend and self._g is not None:
             self._g.ggml_backend_free(self._backend)
+        if self._threadpool is not None:  # after the backend, which points at it
+            self._threadpool.close()
+            self._threadpool = None
         self._backend = self._dev = self.reg = None
 
     def forget_resource(self, res_id: int) -> None:

@@ -70,10 +70,15 @@ def graph_key(parsed) -> bytes:
     t = parsed.tensors
     rows = np.ascontiguousarray(t).view(np.uint8).reshape(len(t), t.dtype.itemsize) * _key_mask(t.dtype)
     # a name is read up to its first NUL (build_graph copies it as ggml_set_name would); the C
-    # guest sends the bytes after it uninitialized, different for every token of a decode
+    # guest sends the bytes after it uninitialized, different for every token of a decode. A
+    # name without a NUL (refused by the checks) is kept whole.
     at = t.dtype.fields["name"][1]
     names = rows[:, at : at + t.dtype.fields["name"][0].itemsize]
-    names[np.cumsum(names == 0, axis=1) > 0] = 0
+    nul = names == 0
+    first = nul.argmax(axis=1)
+    after = np.arange(names.shape[1]) > first[:, None]
+    after &= nul[np.arange(len(names)), first][:, None]
+    names[after] = 0
     return b"".join(
         (
             np.int64(len(t)).tobytes(),
@@ -84,6 +89,16 @@ def graph_key(parsed) -> bytes:
             np.ascontiguousarray(parsed.view_src_index, np.int32).tobytes(),
         )
     )
+
+
+def _unread_copy(info: TensorInfo) -> TensorInfo:
+    """`info` as before any rule read its data (no snapshot, no readers, not one-thread-only).
+    A shallow copy of its fields, as dataclasses.replace makes, without re-running __init__
+    (4x the time, for every tensor a re-check touches on every hit)."""
+    new = object.__new__(TensorInfo)
+    new.__dict__.update(info.__dict__)
+    new.snapshot, new.read_by, new.one_thread = None, None, False
+    return new
 
 
 @dataclasses.dataclass
@@ -121,7 +136,7 @@ class GraphCacheEntry:
 
         def info(i: int) -> TensorInfo:
             if i not in fresh:
-                fresh[i] = dataclasses.replace(self.infos[i], snapshot=None, read_by=None, one_thread=False)
+                fresh[i] = _unread_copy(self.infos[i])
             return fresh[i]
 
         for j in self.readers:

@@ -1,0 +1,70 @@
+"""Each context on ggml CPU computes with a persistent threadpool of its thread count
+(apir.host.cpu_threadpool), freed with the context."""
+
+import dataclasses
+import os
+import types
+
+from apir.host import HostContext
+from apir.host.backend_library import CONFIG_KEY_N_THREADS, CONFIG_KEY_POLL
+from apir.host.cpu_threadpool import _params
+from tests.host.hostkit import Guest
+
+
+def _context(**config) -> Guest:
+    ctx = HostContext(7)
+    for key, value in config.items():
+        ctx.set_config(key, value)
+    return Guest(ctx)
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_context_computes_with_a_threadpool_of_its_threads(ggml):
+    """The pool's workers are OS threads of the host (the calling thread is its worker 0, and
+    ggml 0.20 exports no getter): a context of 3 threads starts 2 more than one of 1 thread,
+    and its pool is freed with it."""
+    _context().close()  # threads the process starts once, with its first context
+    started = {}
+    for n in (1, 3):
+        before = _os_threads()
+        guest = _context(**{CONFIG_KEY_N_THREADS: str(n)})
+        lib = guest.ctx._library
+        pool = lib._threadpool
+        try:
+            assert lib.n_threads == n
+            assert pool is not None and pool.pool
+            started[n] = _os_threads() - before
+        finally:
+            guest.close()
+        assert pool.pool == 0  # freed with the context
+    assert started[3] - started[1] == 2
+
+
+def test_poll_is_a_config_key_and_a_bad_value_falls_back(ggml):
+    for value, poll in (("30", 30), ("1000", 100), ("-5", 0), ("often", 0)):
+        params = _params(ggml, 2, min(max(int(value), 0), 100) if value.lstrip("-").isdigit() else 0)
+        assert params is not None and (params.n_threads, params.poll) == (2, poll)
+        guest = _context(**{CONFIG_KEY_POLL: value})
+        try:
+            assert guest.ctx._library._threadpool is not None  # a bad value is logged, not fatal
+        finally:
+            guest.close()
+
+
+def test_params_follow_the_headers_max_n_threads(ggml):
+    """ggml_threadpool_params_init fills the struct as ggml.h lays it out; a header whose
+    GGML_MAX_N_THREADS the library does not share gives no params (and no threadpool), and
+    the library's writes stay inside the room allocated for them."""
+    params = _params(ggml, 5, 0)
+    assert params is not None and params.n_threads == 5 and not any(params.cpumask)
+    other = types.SimpleNamespace(
+        header=dataclasses.replace(ggml.header, max_n_threads=ggml.header.max_n_threads // 2),
+        has=ggml.has,
+        ggml_threadpool_params_init=ggml.ggml_threadpool_params_init,
+    )
+    assert _params(other, 5, 0) is None
+    none = types.SimpleNamespace(header=dataclasses.replace(ggml.header, max_n_threads=0), has=ggml.has)
+    assert _params(none, 5, 0) is None
