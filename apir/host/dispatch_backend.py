@@ -6,11 +6,11 @@ checked against the resource's real size (the C has a placeholder there), the gr
 parsed and checked (`parse_graph`, `apir.host.graph`), ggml's planned work buffer is bounded
 by the context's work budget (`apir.host.work_plan`), and only a graph that passes is
 computed (on a backend without a profile, apir.host.profiles, none is); one that does not
-is refused (BACKEND_RC_ERROR, no status). On the CPU profile a graph whose structure the
-context computed before reuses that built graph after the re-checks `apir.host.graph_cache`
-describes (`prepare_graph`). The compute runs under the context's abort flag: past
-`apir.host.graph_time_limit_s`, or once the context is being destroyed, it stops and the
-status is GGML_STATUS_ABORTED.
+is refused (BACKEND_RC_ERROR, no status). On a profile with `caches_graphs` (CPU, Vulkan,
+RPC) a graph whose structure the context computed before reuses that built graph after the
+re-checks `apir.host.graph_cache` describes (`prepare_graph`). The compute runs under the
+context's abort flag: past `apir.host.graph_time_limit_s`, or once the context is being
+destroyed, it stops and the status is GGML_STATUS_ABORTED.
 
 Nodes without GGML_TENSOR_FLAG_COMPUTE are skipped by ggml (ggml_build_forward_select leaves
 the branches it does not select without it), so such a graph is computed as ggml computes it;
@@ -55,9 +55,8 @@ def graph_compute(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     except GraphError as exc:
         raise Refused(f"backend_graph_compute: {exc}") from None
     _warn_if_nothing_to_compute(g, parsed)
-    # only on the CPU profile: what another backend's compute does to a graph's tensors (and
-    # where its row-id copies live) has not been audited for reuse
-    cache = getattr(lib, "graph_cache", None) if getattr(lib, "profile", CPU) is CPU else None
+    # only where the backend's compute leaves the built graph as it was (the profile says so)
+    cache = getattr(lib, "graph_cache", None) if getattr(lib, "profile", CPU).caches_graphs else None
     entry = prepare_graph(lib, parsed, cache)
     try:
         check_work_size(lib, entry.graph)  # before the CPU backend allocates its work buffer

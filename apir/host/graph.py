@@ -48,7 +48,7 @@ from apir.host.tensors import Scratch
 if TYPE_CHECKING:  # annotations only: the dispatcher it leads to imports this module
     from apir.host.backend_library import PythonBackendLibrary
 
-__all__ = ["build_graph", "build_graph_parts", "BuiltGraph", "tensor_info", "lib_op_enums"]
+__all__ = ["build_graph", "build_graph_parts", "BuiltGraph", "tensor_info", "lib_op_enums", "point_at_device_copies"]
 
 # Bound on every intermediate of the vectorized extent arithmetic: below it int64 is exact.
 _FAST_LIMIT = float(1 << 60)
@@ -420,7 +420,7 @@ def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums
                 tensor_record(addr, lib.checker.tensor_dtype)["data"] = ctypes.addressof(info.snapshot)
                 scratch.pinned.append(info.snapshot)
     else:
-        _point_at_device_copies(lib, scratch, [(info, addr) for info, addr in zip(infos, host) if info.snapshot])
+        point_at_device_copies(lib, scratch, [(info, addr) for info, addr in zip(infos, host) if info.snapshot])
     if profile.device_checks_nodes:
         _check_device_supports(lib, parsed, infos, host)
     graph = g.ggml_new_graph_custom(scratch.ctx, max(len(parsed.node_index), 1), False)
@@ -463,7 +463,7 @@ def _fetcher(lib, buf, offset: int):
     return fetch
 
 
-def _point_at_device_copies(lib, scratch: Scratch, snaps) -> None:
+def point_at_device_copies(lib, scratch: Scratch, snaps) -> None:
     """Where kernels read device memory: the checked row ids (`snaps`: (TensorInfo with a
     snapshot, host tensor)) copied, in one transfer, into a buffer of the device's own type
     (the context's `ids_buffer`, kept between graphs; else one made for this graph and freed

@@ -14,7 +14,9 @@ src and view_src indices). A name is read up to its first NUL only. A later grap
   identity cannot be reused), and
 - the rules that read guest memory before compute (row ids, `shapes.base.row_ids`: the only
   way a rule reads tensor data) pass again on fresh copies of that memory; the host tensors are
-  pointed at the new copies.
+  pointed at the new copies (where kernels read device memory: the new copies are uploaded
+  into the context's device buffer for row ids again, as the build does, since any later
+  graph overwrites or replaces that buffer).
 
 Everything else the checks used is a function of those bytes and those buffers, or is checked
 again on every compute anyway (the work-size bound, which depends on the thread count). A key
@@ -38,6 +40,8 @@ from typing import Dict, List, Mapping, Optional
 import numpy as np
 
 from apir.ggml.layout import tensor_record
+from apir.host.graph import point_at_device_copies
+from apir.host.profiles import CPU
 from apir.host.shapes import OpEnums, TensorInfo, check_node
 from apir.host.tensors import Scratch
 
@@ -149,9 +153,10 @@ class GraphCacheEntry:
         before = sorted(i for i, f in enumerate(self.infos) if f.snapshot is not None)
         if copied != before or any(fresh[i].read_by != self.infos[i].read_by for i in copied):
             return False
+        if not (getattr(lib, "profile", None) or CPU).host_addressable:
+            return self._refill_device_copies(lib, fresh, copied)
         dtype = lib.checker.tensor_dtype
-        # the host tensors must read the copies themselves (as build_graph points them): a
-        # build that placed the ids elsewhere (e.g. a device copy) is not re-pointed, rebuilt
+        # the host tensors must read the copies themselves (as build_graph points them)
         for i in copied:
             old = self.infos[i].snapshot
             if old is None or int(tensor_record(self.host[i], dtype)["data"]) != ctypes.addressof(old):
@@ -164,6 +169,20 @@ class GraphCacheEntry:
             self.infos[i].snapshot = snap
             pinned.append(snap)
         self.scratch.pinned = pinned
+        return True
+
+    def _refill_device_copies(self, lib, fresh: Dict[int, TensorInfo], copied: List[int]) -> bool:
+        """Where kernels read device memory (a profile without `host_addressable`): the
+        re-checked ids copied into the context's device buffer again and the host tensors
+        pointed there, as the build did (`apir.host.graph.point_at_device_copies`). The
+        build's copies cannot be reused: every later graph writes its own ids into that same
+        buffer, and one that needs more frees it for a larger one. False (the caller
+        rebuilds) on a library without such a kept buffer."""
+        if getattr(lib, "ids_buffer", None) is None:
+            return False
+        point_at_device_copies(lib, self.scratch, [(fresh[i], self.host[i]) for i in copied])
+        for i in copied:
+            self.infos[i].snapshot = fresh[i].snapshot
         return True
 
     def close(self) -> None:

@@ -26,10 +26,17 @@ Profiles (by ggml registration name):
             the graph, and the node's source points there (the guest may change the original,
             e.g. in a buffer of its own memory, between the check and the kernel).
             No work-buffer bound: ggml-vulkan sizes its scratch from the graph itself.
+            Repeated graphs reuse their built host graph (apir.host.graph_cache): ggml-vulkan's
+            graph_compute writes nothing into the host's ggml_cgraph or tensors (its per-graph
+            state lives in its backend context and is reset at every compute; the node
+            reordering of its graph_optimize runs only under ggml_backend_sched), so a hit
+            only re-uploads the re-checked row ids into the device copy.
     RPC     ggml-rpc (servers added by `rpc:HOST:PORT`): the same as Vulkan. The rpc-server's
             device runs the kernels (a CPU or a GPU of the server's), the server checks each
             tensor against its buffer itself (ggml-rpc.cpp deserialize_tensor); remote memory
-            is not host-addressable.
+            is not host-addressable. ggml-rpc serializes the whole graph at every compute
+            (it resends only a graph with a nonzero `uid`, which the host's ggml_new_graph_custom
+            leaves 0), so a reused host graph reaches the server as a fresh build would.
 
 Add a backend: a profile here (and its tests); nothing else in the host changes.
 """
@@ -65,7 +72,10 @@ class BackendProfile:
     read through `ggml_backend_tensor_get` and the kernel is pointed at a device copy of the
     snapshot (apir.host.graph).
     `device_checks_nodes`: every node must also pass the device's own `supports_op` at
-    graph_compute (the backend aborts on a node it has no kernel for)."""
+    graph_compute (the backend aborts on a node it has no kernel for).
+    `caches_graphs`: the backend's graph_compute leaves the host's ggml_cgraph and tensors as
+    built (audited per backend, see the module docstring), so a graph of a structure the
+    context computed before reuses its built host graph (apir.host.graph_cache)."""
 
     name: str
     rules: Mapping[str, Callable]
@@ -74,6 +84,7 @@ class BackendProfile:
     plans_work_buffer: bool
     host_addressable: bool
     device_checks_nodes: bool
+    caches_graphs: bool
 
 
 CPU = BackendProfile(
@@ -84,6 +95,7 @@ CPU = BackendProfile(
     plans_work_buffer=True,
     host_addressable=True,
     device_checks_nodes=False,
+    caches_graphs=True,
 )
 # The one-thread rule is a CPU fact; kept for Vulkan and RPC (see the module docstring: the
 # CPU's rules only narrow).
@@ -95,6 +107,7 @@ VULKAN = BackendProfile(
     plans_work_buffer=False,
     host_addressable=False,
     device_checks_nodes=True,
+    caches_graphs=True,
 )
 # ggml-rpc's memory is another process's, like a GPU's: the same facts as Vulkan.
 RPC = replace(VULKAN, name="RPC")

@@ -110,3 +110,29 @@ def minilm(paths: dict, backend: str, out: Path, vulkan: bool, device: Optional[
            *(["--device", device] if device else ["--local"]), str(out)]
     return subprocess.run(cmd, env=base_env(paths, vulkan), cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def graph_cache_run(paths: dict, backend: str, out: Path, vulkan: bool) -> dict:
+    """tests/backends/graph_cache_run.py on `backend`: its report (asserts the process succeeded)."""
+    import json
+
+    cmd = [sys.executable, "-m", "tests.backends.graph_cache_run", "--backend", backend, str(out)]
+    done = subprocess.run(cmd, env=base_env(paths, vulkan), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def check_graph_cache_report(report: dict) -> None:
+    """A repeated graph was served from the cache with each step's row ids (not stale ones left
+    in the device copy by the graphs in between): byte-identical to a fresh build and to ggml
+    on the device directly, different ids giving different results; ids out of range refused
+    on a hit, and the next graph served."""
+    steps = report["steps"]
+    for row in steps:
+        assert row["cached"] == [0, 0, row["direct"]], row
+        assert row["fresh"] == [0, 0, row["direct"]], row
+    assert len({row["direct"] for row in steps}) == len(steps)  # each step's ids show
+    # graph A came 3 times (hit twice), the 7-id graph twice (hit once), the 20000-id one once
+    assert (report["hits"], report["misses"]) == (3, 3), report
+    assert report["refused_rc"] != 0
+    assert report["after_refusal"] == [0, 0, True]

@@ -10,7 +10,16 @@ import time
 import numpy as np
 import pytest
 
-from tests.backends.conftest import REPO, base_env, free_port, host_serve, minilm, rpc_server
+from tests.backends.conftest import (
+    REPO,
+    base_env,
+    check_graph_cache_report,
+    free_port,
+    graph_cache_run,
+    host_serve,
+    minilm,
+    rpc_server,
+)
 
 pytestmark = pytest.mark.rpc
 
@@ -85,3 +94,16 @@ def test_rpc_server_killed_mid_compute_gives_the_guest_an_error(backends_build, 
             guest.wait()
         host.close()
         server.close()
+
+
+def test_repeated_graph_hits_the_cache_with_the_rechecked_row_ids(backends_build, tmp_path):
+    """apir.host.graph_cache on ggml-rpc (one loopback rpc-server): a hit uploads its re-checked
+    row ids into the device copy, on the server (tests/backends/graph_cache_run.py)."""
+    port = free_port()
+    server = rpc_server(backends_build, port, tmp_path / "rpc.log")
+    try:
+        report = graph_cache_run(backends_build, f"rpc:127.0.0.1:{port}", tmp_path / "report.json", False)
+    finally:
+        server.close()
+    assert report["backend"].startswith("RPC")
+    check_graph_cache_report(report)

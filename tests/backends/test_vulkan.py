@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests import prereq
-from tests.backends.conftest import REPO, base_env, host_serve, minilm
+from tests.backends.conftest import REPO, base_env, check_graph_cache_report, graph_cache_run, host_serve, minilm
 
 pytestmark = pytest.mark.vulkan
 
@@ -90,3 +90,11 @@ def test_backend_ops_through_apir_pass_where_vulkan_passes(vk, tmp_path):
     assert summary["regressions"] == [], summary["regressions"][:20]
     assert apir["ok"] >= direct["ok"]
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_repeated_graph_hits_the_cache_with_the_rechecked_row_ids(vk, tmp_path):
+    """apir.host.graph_cache on Vulkan: a hit uploads its re-checked row ids into the device
+    copy (tests/backends/graph_cache_run.py)."""
+    report = graph_cache_run(vk, "vulkan:0", tmp_path / "report.json", True)
+    assert report["backend"] == "Vulkan0"
+    check_graph_cache_report(report)
