@@ -25,6 +25,14 @@
 # Idempotent: a re-run reuses the extracted tree and the ninja build dir.
 # Knobs: APIR_LLAMA_JOBS=N (default 2), APIR_LLAMA_TARGETS="t1 t2" (default: all below),
 #        APIR_CREF_VIRTGPU_DRM_INCLUDE=/dir, APIR_CREF_ZIGLANG_VERSION (as build-c-reference.sh).
+#
+# Vulkan variant (issue 14 item 5 on a GPU): APIR_LLAMA_VULKAN_INCLUDE=DIR (a folder holding
+# vulkan/vulkan.h, 1.3.290 or newer: build-ggml-backends.sh's <cache>/vulkan-headers/usr/include)
+# builds the same tree a second time into OUTDIR/build-vulkan with GGML_VULKAN=ON as well
+# (needs glslc and spirv-headers, as build-ggml-backends.sh): libggml-vulkan.so for the host's
+# ggml 0.25, and tools that run on llama.cpp's own Vulkan device locally (-dev Vulkan0) or on
+# the virtgpu device through apir (-dev Virtgpu... or GGML_VK_VISIBLE_DEVICES=""). Its
+# paths.env adds LIBGGML_VULKAN. tests/llama/build.py build_vulkan() drives it.
 set -euo pipefail
 
 if [ $# -ne 2 ]; then
@@ -36,8 +44,19 @@ mkdir -p "$2"
 OUT=$(realpath "$2")
 JOBS=${APIR_LLAMA_JOBS:-2}
 BUILD="$OUT/build"
+VULKAN_INCLUDE=${APIR_LLAMA_VULKAN_INCLUDE:-}
+if [ -n "$VULKAN_INCLUDE" ]; then
+    VULKAN_INCLUDE=$(realpath "$VULKAN_INCLUDE")
+    [ -f "$VULKAN_INCLUDE/vulkan/vulkan.h" ] || { echo "no vulkan/vulkan.h in $VULKAN_INCLUDE" >&2; exit 1; }
+    command -v glslc >/dev/null 2>&1 || { echo "missing tool: glslc (apt-get install glslc)" >&2; exit 1; }
+    BUILD="$OUT/build-vulkan"
+fi
 # host libraries first, so the host side can be used while the tools still compile
 TARGETS=${APIR_LLAMA_TARGETS:-"ggml-base ggml-cpu ggml ggml-virtgpu ggml-virtgpu-backend llama llama-simple llama-common test-backend-ops llama-bench llama-completion"}
+# the Vulkan variant: the host's ggml (with ggml-vulkan) and the tools a GPU benchmark runs
+if [ -n "$VULKAN_INCLUDE" ]; then
+    TARGETS=${APIR_LLAMA_TARGETS:-"ggml-base ggml-cpu ggml-vulkan ggml ggml-virtgpu llama llama-simple llama-common llama-bench"}
+fi
 
 # shellcheck source=scripts/lib/llama-cpp-offline.sh
 . "$(dirname "$(realpath "$0")")/lib/llama-cpp-offline.sh"
@@ -50,7 +69,7 @@ pkg-config --exists libdrm || { echo "libdrm (pkg-config libdrm) not found: apt-
 SRC="$OUT/src"
 SUM=$(sha256sum "$SDIST" | cut -c1-16)
 if [ ! -f "$SRC/.extracted-$SUM" ]; then
-    rm -rf "$SRC" "$BUILD"
+    rm -rf "$SRC" "$OUT/build" "$OUT/build-vulkan"
     mkdir -p "$SRC"
     tar -xzf "$SDIST" -C "$SRC" --strip-components=1
     touch "$SRC/.extracted-$SUM"
@@ -66,6 +85,10 @@ COMPAT=$(llama_virtgpu_drm_compat "$OUT")
 # --- 4. configure ---------------------------------------------------------------------
 CXXFLAGS_EXTRA=""
 [ -n "$COMPAT" ] && CXXFLAGS_EXTRA="-isystem $COMPAT"
+VULKAN_ARGS=(-DGGML_VULKAN=OFF)
+if [ -n "$VULKAN_INCLUDE" ]; then
+    VULKAN_ARGS=(-DGGML_VULKAN=ON -DVulkan_INCLUDE_DIR="$VULKAN_INCLUDE")
+fi
 mkdir -p "$BUILD"
 if [ ! -f "$BUILD/build.ninja" ]; then
     cmake -S "$LLAMA" -B "$BUILD" -G Ninja \
@@ -77,6 +100,7 @@ if [ ! -f "$BUILD/build.ninja" ]; then
         -DGGML_CCACHE=OFF \
         -DGGML_VIRTGPU=ON \
         -DGGML_VIRTGPU_BACKEND=ON \
+        "${VULKAN_ARGS[@]}" \
         -DLLAMA_BUILD_TESTS=ON \
         -DLLAMA_BUILD_TOOLS=ON \
         -DLLAMA_BUILD_EXAMPLES=ON \
@@ -106,13 +130,14 @@ done
     echo "GGML_INCLUDE=$GGML/include"
     echo "LLAMA_INCLUDE=$LLAMA/include"
     echo "VIRTGPU_DRM_INCLUDE=$COMPAT"
-    for lib in ggml-base ggml-cpu ggml ggml-virtgpu ggml-virtgpu-backend llama; do
+    # only what this build made (the Vulkan variant skips some tools)
+    for lib in ggml-base ggml-cpu ggml ggml-vulkan ggml-virtgpu ggml-virtgpu-backend llama; do
         var=LIB$(echo "$lib" | tr 'a-z-' 'A-Z_')
-        echo "$var=$BUILD/bin/lib$lib.so"
+        if [ -e "$BUILD/bin/lib$lib.so" ]; then echo "$var=$BUILD/bin/lib$lib.so"; fi
     done
     for tool in llama-simple llama-completion llama-bench test-backend-ops; do
         var=$(echo "$tool" | tr 'a-z-' 'A-Z_')
-        echo "$var=$BUILD/bin/$tool"
+        if [ -e "$BUILD/bin/$tool" ]; then echo "$var=$BUILD/bin/$tool"; fi
     done
 } > "$BUILD/paths.env"
 echo "== outputs ($BUILD/paths.env) =="
