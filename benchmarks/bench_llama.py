@@ -1,4 +1,4 @@
-"""llama.cpp's llama-bench through apir's host next to local ggml CPU, same build, same run.
+"""llama.cpp's llama-bench through apir's host next to local ggml, same build, same device.
 
 Theory of operation: the llama.cpp build of scripts/build-llama-cpp.sh (tests/llama/build.py)
 and SmolLM2-135M-Instruct Q4_1. For each repeat, in alternation (drift on a shared machine hits
@@ -9,6 +9,21 @@ both alike):
   apir   llama-bench with tests/interop's C shim preloaded (-ngl 99, every layer on the
          "[virtgpu] CPU" device) against `apir host serve` (apir's Python dispatcher on the
          same build's ggml CPU, apir.host.n_threads THREADS, device type gpu).
+
+On Vulkan (`--backend vulkan[:N]`; the build of tests/llama/build.py's build_vulkan(), the same
+tree with GGML_VULKAN=ON as well, so the guest's and the host's libggml both hold ggml-vulkan):
+
+  local  llama-bench -dev VulkanN -ngl 99: llama.cpp's own Vulkan device N, in-process;
+  apir   the host serves `--backend vulkan:N` (apir's dispatcher on that build's ggml-vulkan);
+         llama-bench -dev "[virtgpu] ..." (the device name `llama-bench --list-devices` prints
+         through the shim) with GGML_VK_VISIBLE_DEVICES="" (ggml-vulkan then opens no device
+         in the guest), so every layer runs on the host's Vulkan device and none on a local one.
+Vulkan's driver comes from the environment (VK_DRIVER_FILES, ...; on an NVIDIA machine its
+ICD); `--lavapipe` takes Mesa's lavapipe from tests/ggml_backends.py's build instead (and makes
+that CPU-type device visible: GGML_VK_VISIBLE_DEVICES=0 for the host and the local run).
+The report gives each side's llama-bench `backends` (registrations), `gpu_info` (GPU devices
+the process saw) and `devices` (the -dev it ran on). `--tokens N` adds a check that greedy
+generation (tests/llama/llama_tokens.cpp, N tokens) gives the same tokens on both sides.
 
 Both runs pass llama-bench `--poll 0` (`--poll N` to change it): ggml's default, 50, keeps the
 guest's idle CPU workers spinning for their next graph, and on a machine where the guest and
@@ -26,6 +41,7 @@ warm-up runs included) and the host's time per compute (mean host_us), next to t
 commands per token (set / get tensor round trips).
 
 Run: PYTHONPATH=. python benchmarks/bench_llama.py [--threads 2] [--reps 3] [--pp 64] [--tg 32] [--json]
+         [--backend cpu|vulkan[:N]] [--lavapipe] [--tokens N]
 """
 
 from __future__ import annotations
@@ -41,20 +57,25 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from apir.host.trace import read_trace  # noqa: E402
 from tests.interop.harness import build_shim, guest_env  # noqa: E402
-from tests.llama.build import build, is_built, model  # noqa: E402
+from tests.llama.build import build, build_vulkan, is_built, is_built_vulkan, model  # noqa: E402
+from tests.llama.runner import generate  # noqa: E402
+
+PROMPT = "The capital of France is"
 
 
-def llama_bench(paths: dict, gguf: Path, env: dict, threads: int, pp: int, tg: int, reps: int, poll: int) -> dict:
-    """One llama-bench run: {"pp": t/s, "tg": t/s} (means over `reps`)."""
+def llama_bench(paths: dict, gguf: Path, env: dict, threads: int, pp: int, tg: int, reps: int, poll: int,
+                device: Optional[str] = None) -> dict:
+    """One llama-bench run: {"pp": t/s, "tg": t/s} (means over `reps`), and each test's
+    `backends`, `gpu_info` and `devices` fields. `device`: llama-bench -dev (default: auto)."""
     cmd = [paths["LLAMA_BENCH"], "-m", str(gguf), "-p", str(pp), "-n", str(tg), "-ngl", "99", "-t", str(threads),
-           "-r", str(reps), "--poll", str(poll), "-o", "json"]
+           "-r", str(reps), "--poll", str(poll), "-o", "json", *(["-dev", device] if device else [])]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if run.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({run.returncode}): {run.stderr[-3000:]}")
@@ -63,17 +84,42 @@ def llama_bench(paths: dict, gguf: Path, env: dict, threads: int, pp: int, tg: i
         key = "pp" if test["n_prompt"] and not test["n_gen"] else "tg"
         out[key] = float(test["avg_ts"])
         out[key + "_backend"] = test.get("backends", "")
+        out[key + "_gpu_info"] = test.get("gpu_info", "")
+        out[key + "_devices"] = test.get("devices", "")
     return out
 
 
-class Host:
-    """`apir host serve` on the build's ggml, traced into `trace` when given."""
+def list_devices(paths: dict, env: dict) -> List[str]:
+    """The non-CPU device names llama.cpp sees in `env` (`llama-bench --list-devices`, common/arg.cpp
+    common_print_available_devices: "  NAME: DESCRIPTION (... MiB, ... MiB free)")."""
+    run = subprocess.run([paths["LLAMA_BENCH"], "--list-devices"], env=env, capture_output=True, text=True, timeout=300)
+    if run.returncode != 0:
+        raise RuntimeError(f"llama-bench --list-devices failed ({run.returncode}): {run.stderr[-3000:]}")
+    return [line.strip().split(": ", 1)[0] for line in run.stdout.splitlines()
+            if line.startswith("  ") and ": " in line]
 
-    def __init__(self, paths: dict, workdir: Path, threads: int, trace: Optional[Path] = None):
+
+def vulkan_index(backend: str) -> Optional[int]:
+    """N of `vulkan[:N]`, None for `cpu`; ValueError for any other spec (no other backend is built
+    into the llama.cpp tree)."""
+    head, sep, rest = backend.strip().lower().partition(":")
+    if head == "cpu" and not sep:
+        return None
+    if head == "vulkan" and (not sep or rest.isdigit()):
+        return int(rest) if sep else 0
+    raise ValueError(f"--backend {backend!r}: expected cpu or vulkan[:N]")
+
+
+class Host:
+    """`apir host serve --backend BACKEND` on the build's ggml, traced into `trace` when given;
+    `env`: variables over os.environ (the Vulkan driver's)."""
+
+    def __init__(self, paths: dict, workdir: Path, threads: int, trace: Optional[Path] = None,
+                 backend: str = "cpu", env: Optional[dict] = None):
         self.socket = workdir / "apir.sock"
-        env = dict(os.environ, APIR_GGML_LIB_DIR=paths["GGML_LIB_DIR"], APIR_GGML_INCLUDE_DIR=paths["GGML_INCLUDE"],
-                   PYTHONPATH=str(REPO))
-        cmd = [sys.executable, "-m", "apir", "host", "serve", "--socket", str(self.socket),
+        env = dict(os.environ, **(env or {}), APIR_GGML_LIB_DIR=paths["GGML_LIB_DIR"],
+                   APIR_GGML_INCLUDE_DIR=paths["GGML_INCLUDE"], PYTHONPATH=str(REPO))
+        cmd = [sys.executable, "-m", "apir", "host", "serve", "--socket", str(self.socket), "--backend", backend,
                *(["--trace", str(trace)] if trace else []),
                "--config", f"apir.host.n_threads={threads}", "--config", "apir.host.device_type=gpu",
                "--config", "apir.local.max_blobs=16384"]
@@ -124,33 +170,70 @@ def main(argv=None) -> int:
     ap.add_argument("--tg", type=int, default=32)
     ap.add_argument("--poll", type=int, default=0, help="llama-bench --poll, both runs (see the module docstring)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--backend", default="cpu",
+                    help="cpu (default) or vulkan[:N]: the host's --backend and the local run's device")
+    ap.add_argument("--lavapipe", action="store_true",
+                    help="Vulkan on Mesa's lavapipe (tests/ggml_backends.py's build), not the environment's driver")
+    ap.add_argument("--tokens", type=int, default=0,
+                    help="also generate N tokens greedily on both sides and compare them (0: no check)")
     args = ap.parse_args(argv)
-    if not is_built():
-        print("llama.cpp is not built: python -m tests.llama.build", file=sys.stderr)
+    try:
+        vk_index = vulkan_index(args.backend)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
         return 2
-    paths, gguf = build(), model()
-    local_env = dict(os.environ, LD_LIBRARY_PATH=paths["GGML_LIB_DIR"])
+    if not (is_built() if vk_index is None else is_built_vulkan()):
+        print("llama.cpp is not built: python -m tests.llama.build" + (" vulkan" if vk_index is not None else ""),
+              file=sys.stderr)
+        return 2
+    paths, gguf = (build() if vk_index is None else build_vulkan()), model()
+    vk_env: dict = {}
+    if args.lavapipe:
+        from tests import ggml_backends
+
+        vk_env = ggml_backends.lavapipe_env(ggml_backends.build())
+    local_env = dict(os.environ, **vk_env, LD_LIBRARY_PATH=paths["GGML_LIB_DIR"])
     local_env.pop("LD_PRELOAD", None)
+    local_device = None if vk_index is None else f"Vulkan{vk_index}"
+    backend = "cpu" if vk_index is None else f"vulkan:{vk_index}"
+
+    def guest(shim: Path, host: Host) -> dict:
+        env = dict(guest_env(paths, shim, str(host.socket)), **vk_env, LD_LIBRARY_PATH=paths["GGML_LIB_DIR"])
+        if vk_index is not None:
+            env["GGML_VK_VISIBLE_DEVICES"] = ""  # ggml-vulkan opens no device in the guest
+        return env
+
     results = {"local": [], "apir": []}
+    tokens = None
     with tempfile.TemporaryDirectory(prefix="bench-llama-") as tmp:
         timed, traced = Path(tmp) / "timed", Path(tmp) / "traced"
         timed.mkdir()
         traced.mkdir()
         shim = build_shim(paths)
-        host = Host(paths, timed, args.threads)
+        host = Host(paths, timed, args.threads, backend=backend, env=vk_env)
         try:
-            apir_env = dict(guest_env(paths, shim, str(host.socket)), LD_LIBRARY_PATH=paths["GGML_LIB_DIR"])
+            apir_env = guest(shim, host)
+            apir_device = None
+            if vk_index is not None:
+                names = [n for n in list_devices(paths, apir_env) if n.startswith("[virtgpu]")]
+                if len(names) != 1:
+                    raise RuntimeError(f"expected one [virtgpu] device through the shim, llama.cpp sees {names}")
+                apir_device = names[0]
             for _ in range(args.rounds):
-                results["local"].append(
-                    llama_bench(paths, gguf, local_env, args.threads, args.pp, args.tg, args.reps, args.poll))
-                results["apir"].append(
-                    llama_bench(paths, gguf, apir_env, args.threads, args.pp, args.tg, args.reps, args.poll))
+                results["local"].append(llama_bench(paths, gguf, local_env, args.threads, args.pp, args.tg, args.reps,
+                                                    args.poll, local_device))
+                results["apir"].append(llama_bench(paths, gguf, apir_env, args.threads, args.pp, args.tg, args.reps,
+                                                   args.poll, apir_device))
+            if args.tokens:
+                gens = [generate(paths, gguf, PROMPT, env, n_predict=args.tokens, threads=args.threads)
+                        for env in (local_env, apir_env)]
+                tokens = {"prompt": PROMPT, "n": args.tokens, "identical": gens[0].generated == gens[1].generated,
+                          "local": gens[0].generated, "apir": gens[1].generated, "local_text": gens[0].text}
         finally:
             host.stop()
-        host = Host(paths, traced, args.threads, trace=traced / "trace.jsonl")
+        host = Host(paths, traced, args.threads, trace=traced / "trace.jsonl", backend=backend, env=vk_env)
         try:
-            traced_env = dict(guest_env(paths, shim, str(host.socket)), LD_LIBRARY_PATH=paths["GGML_LIB_DIR"])
-            llama_bench(paths, gguf, traced_env, args.threads, args.pp, args.tg, 1, args.poll)
+            llama_bench(paths, gguf, guest(shim, host), args.threads, args.pp, args.tg, 1, args.poll, apir_device)
         finally:
             host.stop()
         # llama-bench runs one warm-up of each test, then -r repetitions
@@ -160,13 +243,18 @@ def main(argv=None) -> int:
         local = statistics.mean(r[key] for r in results["local"])
         remote = statistics.mean(r[key] for r in results["apir"])
         summary[key] = {"local_tps": local, "apir_tps": remote, "ratio": local / remote}
-    report = {"threads": args.threads, "poll": args.poll, "reps": args.reps, "rounds": args.rounds, "pp": args.pp,
-              "tg": args.tg, "summary": summary, "host": stats, "runs": results}
+    sides = {side: {f: results[side][0].get("tg_" + f, "") for f in ("backend", "gpu_info", "devices")}
+             for side in ("local", "apir")}
+    report = {"backend": backend, "lavapipe": args.lavapipe, "threads": args.threads, "poll": args.poll,
+              "reps": args.reps, "rounds": args.rounds, "pp": args.pp, "tg": args.tg, "summary": summary,
+              "devices": sides, "tokens": tokens, "host": stats, "runs": results}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"llama-bench SmolLM2-135M Q4_1, {args.threads} threads, --poll {args.poll}, "
-          f"{args.rounds} rounds x -r {args.reps}")
+    print(f"llama-bench SmolLM2-135M Q4_1, host --backend {backend}{' (lavapipe)' if args.lavapipe else ''}, "
+          f"{args.threads} threads, --poll {args.poll}, {args.rounds} rounds x -r {args.reps}")
+    for side, f in sides.items():
+        print(f"  {side}: backends {f['backend']!r}, gpu_info {f['gpu_info']!r}, devices {f['devices']!r}")
     print(f"{'test':<8}{'local t/s':>12}{'apir t/s':>12}{'time ratio':>12}{'target':>8}")
     for key, target in (("pp", 1.05), ("tg", 1.15)):
         s = summary[key]
@@ -179,6 +267,9 @@ def main(argv=None) -> int:
           f"{stats['errors']} errors")
     print("commands:", ", ".join(f"{k} {v}" for k, v in stats["by_function"].items()))
     print("graph nodes by op:", ", ".join(f"{k} {v}" for k, v in stats["graph_nodes_by_op"].items()))
+    if tokens is not None:
+        print(f"greedy tokens ({tokens['n']}, {PROMPT!r}): {'identical' if tokens['identical'] else 'DIFFERENT'}"
+              f" (local {tokens['local']}, apir {tokens['apir']})")
     return 0
 
 

@@ -14,16 +14,25 @@
 # (pip download --no-binary :all:, PyPI only) and calls this with OUTDIR =
 # <cache>/llama-cpp/0.3.36 under a file lock.
 #
-# Offline like scripts/build-c-reference.sh (same two work-arounds, see there): the
-# venus_hw.h ExternalProject is replaced with a stub through -DCMAKE_PROJECT_INCLUDE, and when
-# the system's drm/virtgpu_drm.h is too old, the one from build-c-reference.sh's compat folder
-# (or ziglang's wheel) is used with -isystem.
+# Offline like scripts/build-c-reference.sh (same two work-arounds, in scripts/lib/
+# llama-cpp-offline.sh, shared with build-llama-cpp-python.sh): the venus_hw.h ExternalProject
+# is replaced with a stub through -DCMAKE_PROJECT_INCLUDE, and when the system's
+# drm/virtgpu_drm.h is too old, the one from build-c-reference.sh's compat folder (or
+# ziglang's wheel) is used with -isystem.
 # Release, GGML_NATIVE=OFF (the CPU variant a host and a guest of one machine share),
 # GGML_OPENMP=OFF, shared libs, no curl/openssl, no server.
 # About 25 minutes at -j2 on a loaded 2-core machine (llama-common is the bulk).
 # Idempotent: a re-run reuses the extracted tree and the ninja build dir.
 # Knobs: APIR_LLAMA_JOBS=N (default 2), APIR_LLAMA_TARGETS="t1 t2" (default: all below),
 #        APIR_CREF_VIRTGPU_DRM_INCLUDE=/dir, APIR_CREF_ZIGLANG_VERSION (as build-c-reference.sh).
+#
+# Vulkan variant (issue 14 item 5 on a GPU): APIR_LLAMA_VULKAN_INCLUDE=DIR (a folder holding
+# vulkan/vulkan.h, 1.3.290 or newer: build-ggml-backends.sh's <cache>/vulkan-headers/usr/include)
+# builds the same tree a second time into OUTDIR/build-vulkan with GGML_VULKAN=ON as well
+# (needs glslc and spirv-headers, as build-ggml-backends.sh): libggml-vulkan.so for the host's
+# ggml 0.25, and tools that run on llama.cpp's own Vulkan device locally (-dev Vulkan0) or on
+# the virtgpu device through apir (-dev Virtgpu... or GGML_VK_VISIBLE_DEVICES=""). Its
+# paths.env adds LIBGGML_VULKAN. tests/llama/build.py build_vulkan() drives it.
 set -euo pipefail
 
 if [ $# -ne 2 ]; then
@@ -34,10 +43,23 @@ SDIST=$(realpath "$1")
 mkdir -p "$2"
 OUT=$(realpath "$2")
 JOBS=${APIR_LLAMA_JOBS:-2}
-ZIGLANG_VERSION=${APIR_CREF_ZIGLANG_VERSION:-0.16.0}
 BUILD="$OUT/build"
+VULKAN_INCLUDE=${APIR_LLAMA_VULKAN_INCLUDE:-}
+if [ -n "$VULKAN_INCLUDE" ]; then
+    VULKAN_INCLUDE=$(realpath "$VULKAN_INCLUDE")
+    [ -f "$VULKAN_INCLUDE/vulkan/vulkan.h" ] || { echo "no vulkan/vulkan.h in $VULKAN_INCLUDE" >&2; exit 1; }
+    command -v glslc >/dev/null 2>&1 || { echo "missing tool: glslc (apt-get install glslc)" >&2; exit 1; }
+    BUILD="$OUT/build-vulkan"
+fi
 # host libraries first, so the host side can be used while the tools still compile
 TARGETS=${APIR_LLAMA_TARGETS:-"ggml-base ggml-cpu ggml ggml-virtgpu ggml-virtgpu-backend llama llama-simple llama-common test-backend-ops llama-bench llama-completion"}
+# the Vulkan variant: the host's ggml (with ggml-vulkan) and the tools a GPU benchmark runs
+if [ -n "$VULKAN_INCLUDE" ]; then
+    TARGETS=${APIR_LLAMA_TARGETS:-"ggml-base ggml-cpu ggml-vulkan ggml ggml-virtgpu llama llama-simple llama-common llama-bench"}
+fi
+
+# shellcheck source=scripts/lib/llama-cpp-offline.sh
+. "$(dirname "$(realpath "$0")")/lib/llama-cpp-offline.sh"
 
 need() { command -v "$1" >/dev/null 2>&1 || { echo "missing tool: $1" >&2; exit 1; }; }
 for t in tar cmake ninja gcc g++ python3 pkg-config; do need "$t"; done
@@ -47,7 +69,7 @@ pkg-config --exists libdrm || { echo "libdrm (pkg-config libdrm) not found: apt-
 SRC="$OUT/src"
 SUM=$(sha256sum "$SDIST" | cut -c1-16)
 if [ ! -f "$SRC/.extracted-$SUM" ]; then
-    rm -rf "$SRC" "$BUILD"
+    rm -rf "$SRC" "$OUT/build" "$OUT/build-vulkan"
     mkdir -p "$SRC"
     tar -xzf "$SDIST" -C "$SRC" --strip-components=1
     touch "$SRC/.extracted-$SUM"
@@ -56,65 +78,17 @@ LLAMA="$SRC/vendor/llama.cpp"
 GGML="$LLAMA/ggml"
 [ -f "$GGML/src/ggml-virtgpu/CMakeLists.txt" ] || { echo "no vendor/llama.cpp/ggml/src/ggml-virtgpu in $SDIST" >&2; exit 1; }
 
-# --- 2. venus_hw.h download -> stub (see build-c-reference.sh) --------------------
-mkdir -p "$OUT/cmake"
-OFFLINE_CMAKE="$OUT/cmake/offline-venus-hw.cmake"
-cat > "$OFFLINE_CMAKE" <<'EOF'
-# Injected with -DCMAKE_PROJECT_INCLUDE; ExternalProject has include_guard(GLOBAL), so the
-# include(ExternalProject) in ggml-virtgpu/CMakeLists.txt does not undo this override.
-include_guard(GLOBAL)
-include(ExternalProject)
-function(ExternalProject_Add name)
-    if(name STREQUAL "venus_hw_header")
-        cmake_parse_arguments(EP "" "DOWNLOAD_DIR;DOWNLOAD_NAME" "" ${ARGN})
-        set(hdr "${EP_DOWNLOAD_DIR}/${EP_DOWNLOAD_NAME}")
-        if(NOT EXISTS "${hdr}")
-            file(WRITE "${hdr}" "/* offline stub (build-llama-cpp.sh): ggml-virtgpu uses nothing from venus_hw.h */\n#pragma once\n#include <stdint.h>\n")
-        endif()
-        add_custom_target(venus_hw_header)
-    else()
-        _ExternalProject_Add(${name} ${ARGN})
-    endif()
-endfunction()
-EOF
-
-# --- 3. a kernel UAPI virtgpu_drm.h new enough for the frontend --------------------
-drm_header_ok() {
-    local probe="$OUT/cmake/virtgpu_drm_probe.cpp"
-    cat > "$probe" <<'EOF'
-#include <xf86drm.h>
-#include <drm/virtgpu_drm.h>
-int main() {
-    drm_virtgpu_execbuffer e = {}; e.ring_idx = 0; e.syncobj_stride = 0;
-    drm_virtgpu_resource_create_blob b = {}; b.blob_id = VIRTGPU_BLOB_MEM_HOST3D;
-    drm_virtgpu_context_init c = {}; c.num_params = VIRTGPU_CONTEXT_PARAM_POLL_RINGS_MASK;
-    return (int)(DRM_IOCTL_VIRTGPU_CONTEXT_INIT + e.flags + b.size + c.pad);
-}
-EOF
-    # shellcheck disable=SC2046
-    g++ -std=c++20 -fsyntax-only "$@" $(pkg-config --cflags libdrm) "$probe" 2>/dev/null
-}
-COMPAT=""
-if [ -n "${APIR_CREF_VIRTGPU_DRM_INCLUDE:-}" ]; then
-    COMPAT=$(realpath "$APIR_CREF_VIRTGPU_DRM_INCLUDE")
-elif ! drm_header_ok; then
-    COMPAT="$OUT/compat-include"
-    if ! { [ -f "$COMPAT/drm/virtgpu_drm.h" ] && drm_header_ok -isystem "$COMPAT"; }; then
-        mkdir -p "$OUT/downloads" "$COMPAT/drm"
-        whl=$(ls "$OUT/downloads"/ziglang-"$ZIGLANG_VERSION"-*.whl 2>/dev/null | head -1 || true)
-        if [ -z "$whl" ]; then
-            python3 -m pip download --quiet --no-deps --only-binary=:all: "ziglang==$ZIGLANG_VERSION" -d "$OUT/downloads"
-            whl=$(ls "$OUT/downloads"/ziglang-"$ZIGLANG_VERSION"-*.whl | head -1)
-        fi
-        python3 -c 'import sys, zipfile; open(sys.argv[2], "wb").write(zipfile.ZipFile(sys.argv[1]).read(
-            "ziglang/lib/libc/include/any-linux-any/drm/virtgpu_drm.h"))' "$whl" "$COMPAT/drm/virtgpu_drm.h"
-    fi
-fi
-[ -z "$COMPAT" ] || drm_header_ok -isystem "$COMPAT" || { echo "$COMPAT/drm/virtgpu_drm.h does not compile" >&2; exit 1; }
+# --- 2./3. the venus_hw.h download -> stub, and a virtgpu_drm.h new enough (scripts/lib) ----
+OFFLINE_CMAKE=$(llama_offline_venus_cmake "$OUT/cmake")
+COMPAT=$(llama_virtgpu_drm_compat "$OUT")
 
 # --- 4. configure ---------------------------------------------------------------------
 CXXFLAGS_EXTRA=""
 [ -n "$COMPAT" ] && CXXFLAGS_EXTRA="-isystem $COMPAT"
+VULKAN_ARGS=(-DGGML_VULKAN=OFF)
+if [ -n "$VULKAN_INCLUDE" ]; then
+    VULKAN_ARGS=(-DGGML_VULKAN=ON -DVulkan_INCLUDE_DIR="$VULKAN_INCLUDE")
+fi
 mkdir -p "$BUILD"
 if [ ! -f "$BUILD/build.ninja" ]; then
     cmake -S "$LLAMA" -B "$BUILD" -G Ninja \
@@ -126,6 +100,7 @@ if [ ! -f "$BUILD/build.ninja" ]; then
         -DGGML_CCACHE=OFF \
         -DGGML_VIRTGPU=ON \
         -DGGML_VIRTGPU_BACKEND=ON \
+        "${VULKAN_ARGS[@]}" \
         -DLLAMA_BUILD_TESTS=ON \
         -DLLAMA_BUILD_TOOLS=ON \
         -DLLAMA_BUILD_EXAMPLES=ON \
@@ -155,13 +130,14 @@ done
     echo "GGML_INCLUDE=$GGML/include"
     echo "LLAMA_INCLUDE=$LLAMA/include"
     echo "VIRTGPU_DRM_INCLUDE=$COMPAT"
-    for lib in ggml-base ggml-cpu ggml ggml-virtgpu ggml-virtgpu-backend llama; do
+    # only what this build made (the Vulkan variant skips some tools)
+    for lib in ggml-base ggml-cpu ggml ggml-vulkan ggml-virtgpu ggml-virtgpu-backend llama; do
         var=LIB$(echo "$lib" | tr 'a-z-' 'A-Z_')
-        echo "$var=$BUILD/bin/lib$lib.so"
+        if [ -e "$BUILD/bin/lib$lib.so" ]; then echo "$var=$BUILD/bin/lib$lib.so"; fi
     done
     for tool in llama-simple llama-completion llama-bench test-backend-ops; do
         var=$(echo "$tool" | tr 'a-z-' 'A-Z_')
-        echo "$var=$BUILD/bin/$tool"
+        if [ -e "$BUILD/bin/$tool" ]; then echo "$var=$BUILD/bin/$tool"; fi
     done
 } > "$BUILD/paths.env"
 echo "== outputs ($BUILD/paths.env) =="
