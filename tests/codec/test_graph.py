@@ -226,6 +226,22 @@ def test_serialize_error_in_a_late_tensor(ggml, graphs):
         rec["buffer"], rec["data"] = saved
 
 
+def test_serialize_into_out(ggml, graphs):
+    """`out` is written when large enough (stale bytes of a larger graph in it do not leak into
+    the result), a fresh array otherwise; `result.base` is the array written either way."""
+    big, small = graphs["layers15"], graphs["layers1"]
+    want_big = serialize_graph(ggml, big.cgraph, big.buffers).tobytes()
+    want_small = serialize_graph(ggml, small.cgraph, small.buffers).tobytes()
+    first = serialize_graph(ggml, big.cgraph, big.buffers, out=np.full(16, 0xAA, np.uint8))
+    assert first.tobytes() == want_big and first.base is not None and len(first.base) >= len(want_big)
+    scratch = first.base
+    for cg, buffers, want in [(small.cgraph, small.buffers, want_small), (big.cgraph, big.buffers, want_big)]:
+        got = serialize_graph(ggml, cg, buffers, out=scratch)
+        assert got.base is scratch and got.tobytes() == want
+    with pytest.raises(ValueError, match="out must be"):
+        serialize_graph(ggml, small.cgraph, small.buffers, out=np.zeros(len(scratch) // 4, np.int32))
+
+
 def test_buffer_table():
     table = BufferTable()
     for ptr in (0x30, 0x10, 0x20):
