@@ -10,6 +10,9 @@ embedded host by default, `--socket` / `--drm` for the others) and a baseline wi
   compute time         ggml_backend_graph_compute alone (median)
   ratio                target / local for each; the APIR target is <= 1.05 for batch time
   sentences/s          batch size / median batch time
+  host graph cache     hits and misses of the embedded target host's graph cache
+                       (apir.host.graph_cache) over the whole run: a repeated batch's graph
+                       hits after the first
 
 Target and baseline runs alternate so drift on a shared machine hits both alike. Until the APIR
 guest backend exists, the target is local ggml CPU too (flagged FALLBACK) and the ratios only
@@ -68,6 +71,26 @@ def make_sentences(n: int, max_words: int) -> list:
         k = 3 + (i * 7919) % max(1, max_words - 2)
         out.append(" ".join(_TEXT[j % len(_TEXT)] for j in rng.integers(0, len(_TEXT), k)) + ".")
     return out
+
+
+def _recording_factory(contexts: list):
+    """An embedded host's context factory that also keeps each context in `contexts`."""
+    from apir.host.local_kernel import default_context_factory
+
+    def factory(ctx_id, capset_id, config):
+        ctx = default_context_factory(ctx_id, capset_id, config)
+        contexts.append(ctx)
+        return ctx
+
+    return factory
+
+
+def _cache_counts(contexts: list):
+    """{"hits", "misses"} of the graph caches of `contexts` (None: no embedded host's)."""
+    caches = [c._library.graph_cache for c in contexts if hasattr(getattr(c, "_library", None), "graph_cache")]
+    if not caches:
+        return None
+    return {"hits": sum(c.hits for c in caches), "misses": sum(c.misses for c in caches)}
 
 
 def _time_batch(model: MiniLM, batch):
@@ -142,9 +165,14 @@ def main(argv=None) -> int:
     config = dict(item.split("=", 1) for item in args.host_config)
     if args.backend:
         config["apir.host.backend"] = args.backend
+    # the embedded host computes with --threads threads, as the baseline and the peers do
+    config.setdefault("apir.host.n_threads", str(args.threads))
     with contextlib.ExitStack() as stack:
+        spec = device_spec(args.socket, args.drm)
+        contexts: list = []  # the embedded target host's contexts, for their graph cache counts
+        options = None if spec is not None else {"context_factory": _recording_factory(contexts)}
         target_ob = stack.enter_context(
-            open_backend(device_spec(args.socket, args.drm), n_threads=args.threads, config=config or None))
+            open_backend(spec, n_threads=args.threads, config=config or None, device_options=options))
         local_ob = stack.enter_context(
             open_local_device(args.backend, args.threads) if args.backend else open_local_cpu(args.threads))
         obs = {"target": target_ob, "local": local_ob}
@@ -161,6 +189,7 @@ def main(argv=None) -> int:
                 times[name][0].append(total)
                 times[name][1].append(compute)
         upload_all = {name: m.upload_bytes / m.upload_seconds / 1e6 for name, m in models.items()}
+        graph_cache = _cache_counts(contexts)
     out_t, out_l = outs["target"], outs["local"]
     upload = {k: upload_all[k] for k in ("target", "local")}
 
@@ -191,6 +220,7 @@ def main(argv=None) -> int:
         "max_abs_diff": float(np.abs(out_t - out_l).max()),
         "ggml_lib_dir": str(load_ggml().lib_dir),
         "ggml_rpc_peer": peer, "ggml_rpc_peer_skipped": peer_skipped or None,
+        "graph_cache": graph_cache,
     }
     if args.json:
         json.dump(res, sys.stdout, indent=1)
@@ -214,6 +244,8 @@ def main(argv=None) -> int:
     print(f"{'sentences/s':22}{sps['target']:10.1f}{sps['local']:10.1f}{sps['target'] / sps['local']:8.2f}")
     print(f"outputs byte-identical: {'yes' if res['byte_identical'] else 'NO'} "
           f"(max abs diff {res['max_abs_diff']:.3g})")
+    if graph_cache is not None:
+        print(f"host graph cache: {graph_cache['hits']} hits, {graph_cache['misses']} misses")
     if peer is None:
         print(peer_skipped)
         return 0

@@ -3,8 +3,9 @@
 Theory of operation: the hot paths (serializing a ggml_cgraph straight out of ggml's structs,
 validating a graph the guest sent, bulk copies) work on raw memory. Four tiny typed loads and
 three stores (`load_u8/u32/i32/i64`, `store_u8/u32/i64`, all alignment 1, addresses as int64)
-are plain Python functions over ctypes; inside jitted code a `numba.extending.overload` swaps
-each for an `intrinsic` that emits an LLVM `inttoptr` + load/store. So every kernel here is
+and three block operations (`memmove`, `memcopy`, `memzero`) are plain Python functions over
+ctypes; inside jitted code a `numba.extending.overload` swaps each for an `intrinsic` that
+emits an LLVM `inttoptr` + load/store (or llvm.memmove/memcpy/memset). So every kernel here is
 also a working plain-Python function: `kernel.py_func` is its twin, and tests compare the two.
 
 Rules kept throughout (docs/numba-notes.md says why):
@@ -22,6 +23,7 @@ from __future__ import annotations
 import ctypes
 
 import numba
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload, register_jitable
@@ -38,6 +40,8 @@ __all__ = [
     "store_u32",
     "store_i64",
     "memmove",
+    "memcopy",
+    "memzero",
     "memmove_kernel",
     "serialize_graph_kernel",
     "serialize_tensor_kernel",
@@ -112,6 +116,16 @@ def memmove(dst, src, size):
     ctypes.memmove(int(dst), int(src), int(size))
 
 
+def memcopy(dst, src, size):
+    """Copies `size` bytes from address `src` to address `dst` (regions must not overlap)."""
+    ctypes.memmove(int(dst), int(src), int(size))
+
+
+def memzero(dst, size):
+    """Zeroes `size` bytes at address `dst`."""
+    ctypes.memset(int(dst), 0, int(size))
+
+
 def _ptr(builder, addr, bits):
     return builder.inttoptr(addr, ir.IntType(bits).as_pointer())
 
@@ -184,6 +198,42 @@ def _i_memmove(typingctx, dst, src, size):
     return types.void(dst, src, size), codegen
 
 
+@intrinsic
+def _i_memcopy(typingctx, dst, src, size):
+    # llvm.memcpy, not a loop of 8-byte stores: LLVM turns such a loop over computed
+    # addresses into AVX-512 scatters, which cost more than the copy (4x the kernel's time).
+    if not all(isinstance(t, types.Integer) for t in (dst, src, size)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        d = context.cast(builder, args[0], sig.args[0], types.int64)
+        s = context.cast(builder, args[1], sig.args[1], types.int64)
+        n = context.cast(builder, args[2], sig.args[2], types.int64)
+        i8p = ir.IntType(8).as_pointer()
+        fn = builder.module.declare_intrinsic("llvm.memcpy", [i8p, i8p, ir.IntType(64)])
+        builder.call(fn, [builder.inttoptr(d, i8p), builder.inttoptr(s, i8p), n, ir.Constant(ir.IntType(1), 0)])
+        return context.get_dummy_value()
+
+    return types.void(dst, src, size), codegen
+
+
+@intrinsic
+def _i_memzero(typingctx, dst, size):
+    # llvm.memset, for the same reason as _i_memcopy
+    if not all(isinstance(t, types.Integer) for t in (dst, size)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        d = context.cast(builder, args[0], sig.args[0], types.int64)
+        n = context.cast(builder, args[1], sig.args[1], types.int64)
+        i8p = ir.IntType(8).as_pointer()
+        fn = builder.module.declare_intrinsic("llvm.memset", [i8p, ir.IntType(64)])
+        builder.call(fn, [builder.inttoptr(d, i8p), ir.Constant(ir.IntType(8), 0), n, ir.Constant(ir.IntType(1), 0)])
+        return context.get_dummy_value()
+
+    return types.void(dst, size), codegen
+
+
 @overload(load_u8)
 def _ol_load_u8(addr):
     return lambda addr: _i_load_u8(addr)
@@ -222,6 +272,16 @@ def _ol_store_i64(addr, value):
 @overload(memmove)
 def _ol_memmove(dst, src, size):
     return lambda dst, src, size: _i_memmove(dst, src, size)  # type: ignore[call-arg]  # typingctx: numba passes it
+
+
+@overload(memcopy)
+def _ol_memcopy(dst, src, size):
+    return lambda dst, src, size: _i_memcopy(dst, src, size)  # type: ignore[call-arg]  # typingctx: numba passes it
+
+
+@overload(memzero)
+def _ol_memzero(dst, size):
+    return lambda dst, size: _i_memzero(dst, size)  # type: ignore[call-arg]  # typingctx: numba passes it
 
 
 @jit
@@ -264,6 +324,7 @@ SER_UNKNOWN_BUFFER = -4  # info = (tensor address, buffer pointer)
 SER_DATA_NO_BUFFER = -5  # info = (tensor address, data pointer)
 
 _U32_MAX = 0xFFFFFFFF
+_SER_BATCH = 64  # tensors whose records serialize_graph_kernel writes in one call
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: Fibonacci hashing
 
 
@@ -291,94 +352,120 @@ def _set_insert(keys, key):
 
 
 @helper
-def _buffer_lookup(ptrs, buf_ptr):
-    """Index of `buf_ptr` in the sorted int64 array `ptrs`, or -1."""
-    lo = 0
-    hi = ptrs.shape[0]
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if ptrs[mid] < buf_ptr:
-            lo = mid + 1
-        else:
-            hi = mid
-    if lo < ptrs.shape[0] and ptrs[lo] == buf_ptr:
-        return lo
-    return -1
+def _layout_values(tl, rl, lim):
+    """The layout arrays as tuples (12, 15 and 4 entries: TL_FIELDS, RL_FIELDS + size, LIM_FIELDS).
+    A kernel reads its offsets from these: tuple entries are values the compiler keeps in
+    registers, where array entries would be reloaded after every raw store (which might alias)."""
+    t_off = (tl[0], tl[1], tl[2], tl[3], tl[4], tl[5], tl[6], tl[7], tl[8], tl[9], tl[10], tl[11])
+    r_head = (rl[0], rl[1], rl[2], rl[3], rl[4], rl[5], rl[6], rl[7])
+    r_off = r_head + (rl[8], rl[9], rl[10], rl[11], rl[12], rl[13], rl[14])
+    sizes = (lim[0], lim[1], lim[2], lim[3])
+    return t_off, r_off, sizes
 
 
 @helper
-def _serialize_tensor(t, dst, tl, rl, lim, buf_ptrs, buf_handles, buf_bases, info):
-    """Writes the apir_rpc_tensor of the ggml_tensor at address `t` to address `dst`
-    (the C `apir_serialize_tensor`), every byte defined: holes and name tail zeroed.
-    Returns 0 or a SER_* error with details in `info`."""
-    size = rl[R_SIZE]
-    for off in range(0, size, 8):
-        store_i64(dst + off, 0)
-    store_i64(dst + rl[R_ID], t)
-    store_u32(dst + rl[R_TYPE], load_u32(t + tl[T_TYPE]))
-    buf = load_i64(t + tl[T_BUFFER])
-    base = 0
-    if buf != 0:
-        b = _buffer_lookup(buf_ptrs, buf)
-        if b < 0:
-            info[0] = t
-            info[1] = buf
-            return SER_UNKNOWN_BUFFER
-        store_i64(dst + rl[R_BUFFER], buf_handles[b])
-        base = buf_bases[b]
-    for d in range(lim[L_MAX_DIMS]):
-        ne = load_i64(t + tl[T_NE] + 8 * d)
-        nb = load_i64(t + tl[T_NB] + 8 * d)  # size_t: >= 2**63 reads negative
+def _write_records(tensors, n, dst, tl, rl, lim, buf_ptrs, buf_handles, buf_bases, info):
+    """Writes the apir_rpc_tensor of each ggml_tensor at address tensors[0..n) to consecutive
+    records from address `dst` (the C `apir_serialize_tensor`), every byte defined: holes and
+    name tails zeroed. Returns 0 or a SER_* error with details in `info`.
+
+    One loop over all tensors, calling no helper that takes an array: per tensor, a call (or
+    even an inlined one) passing arrays reference-counts them, which cost more than the record."""
+    t_off, r_off, sizes = _layout_values(tl, rl, lim)
+    rec = r_off[R_SIZE]
+    for i in range(n):
+        t = tensors[i]
+        r = dst + rec * i
+        memzero(r, rec)
+        store_i64(r + r_off[R_ID], t)
+        store_u32(r + r_off[R_TYPE], load_u32(t + t_off[T_TYPE]))
+        buf = load_i64(t + t_off[T_BUFFER])
+        base = 0
+        if buf != 0:
+            # binary search of the sorted buffer pointers
+            lo = 0
+            hi = buf_ptrs.shape[0]
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if buf_ptrs[mid] < buf:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            b = lo if lo < buf_ptrs.shape[0] and buf_ptrs[lo] == buf else -1
+            if b < 0:
+                info[0] = t
+                info[1] = buf
+                return SER_UNKNOWN_BUFFER
+            store_i64(r + r_off[R_BUFFER], buf_handles[b])
+            base = buf_bases[b]
+        for d in range(sizes[L_MAX_DIMS]):
+            ne = load_i64(t + t_off[T_NE] + 8 * d)
+            nb = load_i64(t + t_off[T_NB] + 8 * d)  # size_t: >= 2**63 reads negative
+            if ((ne | nb) >> 32) != 0:  # either is negative or above u32
+                _narrow_info(t, t_off, sizes, info)
+                return SER_NARROW
+            store_u32(r + r_off[R_NE] + 4 * d, ne)
+            store_u32(r + r_off[R_NB] + 4 * d, nb)
+        store_u32(r + r_off[R_OP], load_u32(t + t_off[T_OP]))
+        memcopy(r + r_off[R_OP_PARAMS], t + t_off[T_OP_PARAMS], 4 * sizes[L_N_OP_PARAMS])
+        store_u32(r + r_off[R_FLAGS], load_u32(t + t_off[T_FLAGS]))
+        memcopy(r + r_off[R_SRC], t + t_off[T_SRC], 8 * sizes[L_MAX_SRC])
+        store_i64(r + r_off[R_VIEW_SRC], load_i64(t + t_off[T_VIEW_SRC]))
+        store_i64(r + r_off[R_VIEW_OFFS], load_i64(t + t_off[T_VIEW_OFFS]))
+        data = load_i64(t + t_off[T_DATA])
+        if data != 0:
+            if buf == 0:
+                info[0] = t
+                info[1] = data
+                return SER_DATA_NO_BUFFER
+            data -= base
+        store_i64(r + r_off[R_DATA], data)
+        _copy_name(t + t_off[T_NAME], r + r_off[R_NAME], sizes[L_MAX_NAME])
+    return 0
+
+
+@helper
+def _narrow_info(t, t_off, sizes, info):
+    """Fills `info` for SER_NARROW: (tensor, 0 for ne / 1 for nb, dim, value)."""
+    for d in range(sizes[L_MAX_DIMS]):
+        ne = load_i64(t + t_off[T_NE] + 8 * d)
+        nb = load_i64(t + t_off[T_NB] + 8 * d)
         if ne < 0 or ne > _U32_MAX or nb < 0 or nb > _U32_MAX:
             info[0] = t
             info[1] = 0 if (ne < 0 or ne > _U32_MAX) else 1
             info[2] = d
             info[3] = ne if info[1] == 0 else nb
-            return SER_NARROW
-        store_u32(dst + rl[R_NE] + 4 * d, ne)
-        store_u32(dst + rl[R_NB] + 4 * d, nb)
-    store_u32(dst + rl[R_OP], load_u32(t + tl[T_OP]))
-    n_params = lim[L_N_OP_PARAMS]
-    for p in range(0, n_params - 1, 2):  # two int32 params per 64-bit copy
-        store_i64(dst + rl[R_OP_PARAMS] + 4 * p, load_i64(t + tl[T_OP_PARAMS] + 4 * p))
-    if n_params % 2:
-        p = n_params - 1
-        store_u32(dst + rl[R_OP_PARAMS] + 4 * p, load_u32(t + tl[T_OP_PARAMS] + 4 * p))
-    store_u32(dst + rl[R_FLAGS], load_u32(t + tl[T_FLAGS]))
-    for s in range(lim[L_MAX_SRC]):
-        store_i64(dst + rl[R_SRC] + 8 * s, load_i64(t + tl[T_SRC] + 8 * s))
-    store_i64(dst + rl[R_VIEW_SRC], load_i64(t + tl[T_VIEW_SRC]))
-    store_i64(dst + rl[R_VIEW_OFFS], load_i64(t + tl[T_VIEW_OFFS]))
-    data = load_i64(t + tl[T_DATA])
-    if data != 0:
-        if buf == 0:
-            info[0] = t
-            info[1] = data
-            return SER_DATA_NO_BUFFER
-        data -= base
-    store_i64(dst + rl[R_DATA], data)
-    _copy_name(t + tl[T_NAME], dst + rl[R_NAME], lim[L_MAX_NAME])
-    return 0
+            return
 
 
 _ONES = 0x0101010101010101
 _HIGHS = -0x7F7F7F7F7F7F7F80  # 0x8080808080808080 as int64
+_LOW7 = 0x00FFFFFFFFFFFFFF  # the low 7 bytes of a word
 
 
 @helper
 def _copy_name(src, dst, max_name):
     """snprintf(dst, max_name, "%s", src) into zeroed `dst`: at most max_name - 1 bytes, then
-    NUL (already 0). Whole 8-byte words while a word has no NUL (`(v - 0x01..) & ~v & 0x80..`
-    is non-zero exactly when one of v's bytes is 0), then byte by byte for the word with the
-    NUL and for the last word (whose last byte is the terminator)."""
-    c = 0
+    NUL (already 0). Whole 8-byte words: `m = (v - 0x01..) & ~v & 0x80..` is non-zero exactly
+    when one of v's bytes is 0, and its lowest set bit is the first NUL's 0x80, so
+    `(lowest >> 7) - 1` keeps the bytes before it; the last word's last byte is the
+    terminator. Byte by byte when max_name is not a multiple of 8."""
     if max_name % 8 == 0:
-        while c + 8 < max_name:
-            v = load_i64(src + c)
-            if ((v - _ONES) & ~v & _HIGHS) != 0:
-                break
-            store_i64(dst + c, v)
-            c += 8
+        n_words = max_name >> 3
+        for w in range(n_words):
+            v = load_i64(src + 8 * w)
+            if w == n_words - 1:
+                v &= _LOW7
+            m = (v - _ONES) & ~v & _HIGHS
+            if m == 0:
+                store_i64(dst + 8 * w, v)
+                continue
+            lowest = m & -m
+            keep = _LOW7 if lowest < 0 else (lowest >> 7) - 1  # < 0: the NUL is byte 7 (bit 63)
+            store_i64(dst + 8 * w, v & keep)
+            return
+        return
+    c = 0
     while c < max_name - 1:
         ch = load_u8(src + c)
         if ch == 0:
@@ -389,8 +476,11 @@ def _copy_name(src, dst, max_name):
 
 @jit
 def serialize_tensor_kernel(t, dst, tl, rl, lim, buf_ptrs, buf_handles, buf_bases, info):
-    """One tensor: see `_serialize_tensor` (used by guest set/get_tensor)."""
-    return _serialize_tensor(t, dst, tl, rl, lim, buf_ptrs, buf_handles, buf_bases, info)
+    """One tensor's apir_rpc_tensor at `dst` (used by guest set/get_tensor): see
+    `_write_records`. Returns 0 or a SER_* error with details in `info`."""
+    one = np.empty(1, dtype=np.int64)
+    one[0] = t
+    return _write_records(one, 1, dst, tl, rl, lim, buf_ptrs, buf_handles, buf_bases, info)
 
 
 @jit
@@ -415,17 +505,21 @@ def serialize_graph_kernel(
 
     Tensors are visited as the C `apir_add_tensor` does: src[0..max_src), then view_src,
     then the tensor itself, each once. `set_keys` (zeroed, size a power of two) is the
-    visited set; `stack_t`/`stack_k` (same size) the explicit DFS stack. Returns the number
-    of bytes written, or a SER_* error (SER_OUT_FULL / SER_SET_FULL: retry with double)."""
+    visited set; `stack_t`/`stack_k` (same size) the explicit DFS stack. The visited tensors'
+    records are written by `_write_records`, _SER_BATCH tensors per call, while their structs
+    are still in cache (a call per tensor took 2x the whole kernel). Returns the number of
+    bytes written, or a SER_* error (SER_OUT_FULL / SER_SET_FULL: retry with double)."""
     rec = rl[R_SIZE]
     max_src = lim[L_MAX_SRC]
-    tensors_at = out_addr + 8 + 8 * n_nodes
+    src_at = tl[T_SRC]
+    view_src_at = tl[T_VIEW_SRC]
     if 8 + 8 * n_nodes > out_size:
         return SER_OUT_FULL
     cap_tensors = (out_size - 8 - 8 * n_nodes) // rec
+    tensors_at = out_addr + 8 + 8 * n_nodes
+    batch = np.empty(_SER_BATCH, dtype=np.int64)
+    n_batch = 0
     max_fill = set_keys.shape[0] // 2
-    src_at = tl[T_SRC]
-    view_src_at = tl[T_VIEW_SRC]
     n_seen = 0
     n_tensors = 0
     store_u32(out_addr, n_nodes)
@@ -460,16 +554,24 @@ def serialize_graph_kernel(
                 stack_t[sp] = child
                 stack_k[sp] = 0
                 continue
-            if n_tensors == cap_tensors:
+            if n_tensors + n_batch == cap_tensors:
                 return SER_OUT_FULL
-            err = _serialize_tensor(
-                t, tensors_at + rec * n_tensors, tl, rl, lim, buf_ptrs, buf_handles, buf_bases, info
-            )
-            if err != 0:
-                return err
-            n_tensors += 1
+            batch[n_batch] = t
+            n_batch += 1
             sp -= 1
-    store_u32(out_addr + 4 + 8 * n_nodes, n_tensors)
+            if n_batch == _SER_BATCH:
+                dst = tensors_at + rec * n_tensors
+                err = _write_records(batch, n_batch, dst, tl, rl, lim, buf_ptrs, buf_handles, buf_bases, info)
+                if err != 0:
+                    return err
+                n_tensors += n_batch
+                n_batch = 0
+    dst = tensors_at + rec * n_tensors
+    err = _write_records(batch, n_batch, dst, tl, rl, lim, buf_ptrs, buf_handles, buf_bases, info)
+    if err != 0:
+        return err
+    n_tensors += n_batch
+    store_u32(tensors_at - 4, n_tensors)
     return 8 + 8 * n_nodes + rec * n_tensors
 
 

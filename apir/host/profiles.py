@@ -26,6 +26,9 @@ Profiles (by ggml registration name):
             the graph, and the node's source points there (the guest may change the original,
             e.g. in a buffer of its own memory, between the check and the kernel).
             No work-buffer bound: ggml-vulkan sizes its scratch from the graph itself.
+            An empty source the CPU's rules let through for a ggml-cpu kernel read not to
+            touch it (`shapes.base.cpu_empty_sources_ok`: CONV_3D's empty kernel) is refused
+            (`shapes.base.without_cpu_exemptions`): the GPU kernel was not read for it.
             Repeated graphs reuse their built host graph (apir.host.graph_cache): ggml-vulkan's
             graph_compute writes nothing into the host's ggml_cgraph or tensors (its per-graph
             state lives in its backend context and is reset at every compute; the node
@@ -47,7 +50,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Optional
 
 from apir.host.shapes import CHECKED_OPS
-from apir.host.shapes.base import op_enums
+from apir.host.shapes.base import op_enums, without_cpu_exemptions
 
 __all__ = ["BackendProfile", "CPU", "VULKAN", "RPC", "PROFILES", "profile_for", "ONE_TASK_OPS_CPU"]
 
@@ -99,9 +102,11 @@ CPU = BackendProfile(
 )
 # The one-thread rule is a CPU fact; kept for Vulkan and RPC (see the module docstring: the
 # CPU's rules only narrow).
+# Empty-source exemptions read in ggml-cpu's kernels only (`base.cpu_empty_sources_ok`) are
+# dropped: a GPU kernel was not read for them.
 VULKAN = BackendProfile(
     "Vulkan",
-    CHECKED_OPS,
+    without_cpu_exemptions(CHECKED_OPS),
     op_enums,
     one_task_ops=ONE_TASK_OPS_CPU,
     plans_work_buffer=False,

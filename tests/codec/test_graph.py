@@ -144,6 +144,104 @@ def test_serialize_rejects_unregistered_buffer(ggml, small_ctx):
     assert table.unregister(0xBEEF0) and not table.unregister(0xBEEF0)
 
 
+def assert_defined_and_same_as_c(ours: np.ndarray, theirs: bytes, dtype):
+    """The C's defined bytes, and zeros wherever the C leaves garbage (holes, padding, the
+    name after its NUL): ours is then fully determined."""
+    assert_same_as_c(ours, theirs, dtype)
+    assert not ours[graph_garbage(theirs, dtype)].any()
+
+
+@pytest.fixture
+def edge_ctx(ggml):
+    ctx = ggml.ggml_init(InitParams(512 * ggml.ggml_tensor_overhead() + 4 * ggml.ggml_graph_overhead(), None, True))
+    yield ctx
+    ggml.ggml_free(ctx)
+
+
+def test_serialize_empty_graph(ggml, codec_ref, edge_ctx, rpc):
+    cgraph = ggml.ggml_new_graph(edge_ctx)
+    assert ggml.ggml_graph_n_nodes(cgraph) == 0
+    ours = serialize_graph(ggml, cgraph, BufferTable())
+    assert ours.tobytes() == b"\0" * 8 == c_serialize(codec_ref, cgraph)
+
+
+@pytest.mark.parametrize("n_tensors", [1, 63, 64, 65, 128, 200])
+def test_serialize_chain_matches_c(ggml, codec_ref, edge_ctx, rpc, n_tensors):
+    """A chain of n tensors, one node: record counts around the kernel's batch of 64."""
+    t = ggml.ggml_new_tensor_1d(edge_ctx, ggml.types["F32"], 4)
+    for i in range(n_tensors - 1):
+        t = ggml.ggml_scale(edge_ctx, t, 0.5 + i)
+        ggml.ggml_set_name(t, b"chain.%d" % i)
+    cgraph = ggml.ggml_new_graph_custom(edge_ctx, 256, False)
+    ggml.ggml_graph_add_node(cgraph, t)
+    ours = serialize_graph(ggml, cgraph, BufferTable())
+    assert len(ours) == 8 + 8 + rpc.itemsize * n_tensors
+    assert_defined_and_same_as_c(ours, c_serialize(codec_ref, cgraph), rpc)
+
+
+def test_serialize_max_srcs_and_views_match_c(ggml, codec_ref, edge_ctx, rpc):
+    """A node using every src slot (one repeated), a view reached only through view_src (its
+    src[0] cleared), and a view of a view (view_src is the root, src[0] the first view)."""
+    f32 = ggml.types["F32"]
+    max_src = ggml.limits.max_src
+    leafs = [ggml.ggml_new_tensor_1d(edge_ctx, f32, 16) for _ in range(max_src + 1)]
+    for i, leaf in enumerate(leafs):
+        ggml.ggml_set_name(leaf, b"leaf.%d" % i)
+    hidden = ggml.ggml_view_1d(edge_ctx, leafs[-1], 8, 16)  # view_src = src[0] = the last leaf
+    tensor_record(hidden, ggml.tensor_dtype)["src"][0] = 0
+    view_of_view = ggml.ggml_view_1d(edge_ctx, hidden, 4, 8)
+    rec = tensor_record(view_of_view, ggml.tensor_dtype)
+    assert rec["view_src"] == leafs[-1] and rec["src"][0] == hidden and rec["view_offs"] == 24
+    node = ggml.ggml_scale(edge_ctx, leafs[0], 2.0)
+    srcs = leafs[: max_src - 2] + [leafs[1], hidden]  # every slot filled, src[max_src - 2] repeats
+    tensor_record(node, ggml.tensor_dtype)["src"] = srcs
+    cgraph = ggml.ggml_new_graph(edge_ctx)
+    ggml.ggml_graph_add_node(cgraph, node)
+    ggml.ggml_graph_add_node(cgraph, view_of_view)
+    ours = serialize_graph(ggml, cgraph, BufferTable())
+    assert_defined_and_same_as_c(ours, c_serialize(codec_ref, cgraph), rpc)
+    recs = np.frombuffer(ours, rpc, offset=8 + 16)
+    ids = [int(i) for i in recs["id"]]
+    # post-order: the srcs in slot order, the hidden view after its view_src, then the node
+    want = leafs[: max_src - 2] + [leafs[-1], hidden, node, view_of_view]
+    assert ids == want
+    assert list(recs[ids.index(node)]["src"]) == srcs
+
+
+def test_serialize_error_in_a_late_tensor(ggml, graphs):
+    """An unregistered buffer on a tensor far into the walk (past several batches of records)
+    is reported for that tensor."""
+    bg = graphs["layers15"]
+    out = serialize_graph(ggml, bg.cgraph, bg.buffers)
+    n_nodes = ggml.ggml_graph_n_nodes(bg.cgraph)
+    recs = np.frombuffer(out, rpc_tensor_dtype(ggml.limits), offset=8 + 8 * n_nodes)
+    late = int(recs["id"][len(recs) - 5])
+    rec = tensor_record(late, ggml.tensor_dtype)
+    saved = int(rec["buffer"]), int(rec["data"])
+    rec["buffer"], rec["data"] = 0xBAD0, 0x10
+    try:
+        with pytest.raises(ValueError, match=f"tensor {late:#x}.*buffer 0xbad0 is not a registered"):
+            serialize_graph(ggml, bg.cgraph, bg.buffers)
+    finally:
+        rec["buffer"], rec["data"] = saved
+
+
+def test_serialize_into_out(ggml, graphs):
+    """`out` is written when large enough (stale bytes of a larger graph in it do not leak into
+    the result), a fresh array otherwise; `result.base` is the array written either way."""
+    big, small = graphs["layers15"], graphs["layers1"]
+    want_big = serialize_graph(ggml, big.cgraph, big.buffers).tobytes()
+    want_small = serialize_graph(ggml, small.cgraph, small.buffers).tobytes()
+    first = serialize_graph(ggml, big.cgraph, big.buffers, out=np.full(16, 0xAA, np.uint8))
+    assert first.tobytes() == want_big and first.base is not None and len(first.base) >= len(want_big)
+    scratch = first.base
+    for cg, buffers, want in [(small.cgraph, small.buffers, want_small), (big.cgraph, big.buffers, want_big)]:
+        got = serialize_graph(ggml, cg, buffers, out=scratch)
+        assert got.base is scratch and got.tobytes() == want
+    with pytest.raises(ValueError, match="out must be"):
+        serialize_graph(ggml, small.cgraph, small.buffers, out=np.zeros(len(scratch) // 4, np.int32))
+
+
 def test_buffer_table():
     table = BufferTable()
     for ptr in (0x30, 0x10, 0x20):

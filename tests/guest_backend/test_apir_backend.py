@@ -204,6 +204,35 @@ def test_gallocr_allocates_on_remote_buffers_and_graph_reaches_host(ggml, ctx):
     be.close()
 
 
+def test_graph_compute_sends_each_graph_exactly(ggml):
+    """graph_compute serializes into the array of its last graph: a smaller graph after a
+    larger one still sends exactly its own bytes (the count the host gets is its size)."""
+    from apir.codec.graph import graph_size
+
+    g = ggml
+    client, be = make(g)
+    ctx = g.ggml_init(InitParams(16 * g.ggml_tensor_overhead() + 3 * g.ggml_graph_overhead(), None, True))
+    x = g.ggml_new_tensor_1d(ctx, g.types["F32"], 4)
+    chain = [x]
+    for _ in range(12):
+        chain.append(g.ggml_scale(ctx, chain[-1], 2.0))
+    graphs = []
+    for end in (chain[12], chain[1], chain[12]):  # large, small, large
+        gf = g.ggml_new_graph(ctx)
+        g.ggml_build_forward_expand(gf, end)
+        graphs.append(gf)
+    buf = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, be.buffer_type)
+    for gf in graphs:
+        be.graph_compute(gf)
+    sent = [c[1] for c in client.calls if c[0] == "backend_graph_compute"]
+    assert sent == [graph_size(12, 13, g.limits), graph_size(1, 2, g.limits), graph_size(12, 13, g.limits)]
+    for pg, gf in zip(client.graphs, graphs):
+        assert pg.node_ids.tolist() == [g.ggml_graph_node(gf, i) for i in range(g.ggml_graph_n_nodes(gf))]
+    g.ggml_backend_buffer_free(buf)
+    g.ggml_free(ctx)
+    be.close()
+
+
 def test_callback_failures_surface_as_exceptions(ggml, ctx):
     g = ggml
     client, be = make(g)

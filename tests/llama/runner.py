@@ -72,22 +72,34 @@ class Generation:
     stderr: str
 
 
-def generate(paths: Dict[str, str], model: Path, prompt: str, env: dict, n_predict: int = 64,
-             logits_file: Optional[Path] = None, threads: int = 1, timeout: float = 600) -> Generation:
-    """Greedy generation of `n_predict` tokens with llama_tokens; raises CalledProcessError
-    (stderr in its message) when it fails."""
-    prog = build_tokens_program(paths)
-    cmd = [str(prog), "-m", str(model), "-ngl", "99", "-n", str(n_predict), "-t", str(threads)]
+def tokens_command(paths: Dict[str, str], model: Path, prompt: str, n_predict: int = 64,
+                   logits_file: Optional[Path] = None, threads: int = 1) -> List[str]:
+    """The llama_tokens command line (argv) of a greedy generation of `n_predict` tokens, all
+    layers offloaded (-ngl 99: to the virtgpu device when there is one, else local ggml CPU)."""
+    cmd = [str(build_tokens_program(paths)), "-m", str(model), "-ngl", "99", "-n", str(n_predict), "-t", str(threads)]
     if logits_file is not None:
         cmd += ["--logits", str(logits_file)]
-    run = subprocess.run([*cmd, prompt], env=env, capture_output=True, text=True, timeout=timeout)
-    if run.returncode != 0:
-        raise subprocess.CalledProcessError(run.returncode, cmd, run.stdout, run.stderr[-4000:])
-    fields = dict(line.split(":", 1) for line in run.stdout.splitlines() if ":" in line)
+    return [*cmd, prompt]
+
+
+def parse_tokens(stdout: str, stderr: str = "", logits_file: Optional[Path] = None) -> Generation:
+    """A Generation from llama_tokens' stdout (and its --logits file, if one was asked for)."""
+    fields = dict(line.split(":", 1) for line in stdout.splitlines() if ":" in line)
     n_vocab = int(fields["vocab"])
     prompt_ids = [int(x) for x in fields["prompt"].split()]
     logits = None
     if logits_file is not None:
         logits = np.fromfile(logits_file, dtype=np.float32).reshape(len(prompt_ids), n_vocab)
     return Generation(prompt_ids, [int(x) for x in fields["generated"].split()], fields["text"].strip(), n_vocab,
-                      logits, run.stderr)
+                      logits, stderr)
+
+
+def generate(paths: Dict[str, str], model: Path, prompt: str, env: dict, n_predict: int = 64,
+             logits_file: Optional[Path] = None, threads: int = 1, timeout: float = 600) -> Generation:
+    """Greedy generation of `n_predict` tokens with llama_tokens; raises CalledProcessError
+    (stderr in its message) when it fails."""
+    cmd = tokens_command(paths, model, prompt, n_predict, logits_file, threads)
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if run.returncode != 0:
+        raise subprocess.CalledProcessError(run.returncode, cmd, run.stdout, run.stderr[-4000:])
+    return parse_tokens(run.stdout, run.stderr, logits_file)

@@ -55,10 +55,15 @@ def llamapy_paths():
     return {**paths, "GGML_BUILD": str(build_python.build_dir() / "build")}
 
 
-def _generate(paths, model, env, tmp_path, name):
+def _run(paths, model, env, tmp_path, name):
+    """The program's process (not checked yet) and where it writes the prompt's logits."""
     logits = tmp_path / f"{name}.npy"
     run = subprocess.run([paths["PYTHON"], str(PROGRAM), str(model), str(N_PREDICT), PROMPT, str(logits)],
                          env=env, capture_output=True, text=True, timeout=900)
+    return run, logits
+
+
+def _result(run, logits):
     assert run.returncode == 0, run.stderr[-4000:]
     out = json.loads(run.stdout)
     out["logits"] = np.load(logits)
@@ -67,18 +72,21 @@ def _generate(paths, model, env, tmp_path, name):
 
 
 def test_llama_cpp_python_same_tokens_as_local_cpu(llamapy_paths, smollm2, tmp_path):
-    local = _generate(llamapy_paths, smollm2, local_env(llamapy_paths), tmp_path, "local")
+    local = _result(*_run(llamapy_paths, smollm2, local_env(llamapy_paths), tmp_path, "local"))
     sock = tmp_path / "apir.sock"
     # presented as a GPU: a remote device of type CPU is taken by llama.cpp for its own CPU
     # (docs/llama.md)
     with HostProcess(llamapy_paths, sock, n_threads=1, device_type="gpu") as host:
         env = {**local_env(llamapy_paths), "LD_PRELOAD": str(build_shim(llamapy_paths)), "APIR_SHIM_SOCKET": str(sock)}
         try:
-            remote = _generate(llamapy_paths, smollm2, env, tmp_path, "apir")
+            run = _run(llamapy_paths, smollm2, env, tmp_path, "apir")
         finally:
             host.stop()
         errors = [line for line in host.log.splitlines() if HOST_ERROR.search(line)]
+    # first: a refusal also ends the guest (ggml-virtgpu aborts on a failed command), and the
+    # host's line names the cause
     assert errors == [], "the host refused or failed commands"
+    remote = _result(*run)
     # the guest really used the host: llama.cpp names the device it offloaded the layers to
     assert "[virtgpu] CPU" in remote["stderr"]
     assert "[virtgpu]" not in local["stderr"]

@@ -30,9 +30,10 @@ C_GUEST_OPS = [
 ]
 
 
-def device_command(socket: Path) -> list:
-    """apir's virtio-gpu device over vhost-user on `socket` (apir/host/vhost_user)."""
-    return [sys.executable, "-m", "apir", "host", "vhost-user", "--socket", str(socket)]
+def device_command(socket: Path, args=()) -> list:
+    """apir's virtio-gpu device over vhost-user on `socket` (apir/host/vhost_user), with the
+    further `apir host vhost-user` options `args` (--config KEY=VALUE, ...)."""
+    return [sys.executable, "-m", "apir", "host", "vhost-user", "--socket", str(socket), *args]
 
 
 def guest_env(work: Path) -> Dict[str, str]:
@@ -44,16 +45,17 @@ def guest_env(work: Path) -> Dict[str, str]:
 
 @dataclass
 class Device:
-    """One device process serving `socket`; its output goes to `log`."""
+    """One device process serving `socket` (with the options `args`); its output goes to `log`."""
 
     socket: Path
     log: Path
+    args: tuple = ()
     proc: Optional[subprocess.Popen] = field(default=None, repr=False)
 
     def start(self, env=None) -> "Device":
         self.socket.unlink(missing_ok=True)
         with open(self.log, "wb") as fh:
-            self.proc = subprocess.Popen(device_command(self.socket), stdout=fh, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(device_command(self.socket, self.args), stdout=fh, stderr=subprocess.STDOUT,
                                          env=dict(os.environ, PYTHONPATH=str(machine.REPO), **(env or {})),
                                          start_new_session=True, cwd=machine.REPO)
         deadline = time.monotonic() + 60

@@ -12,6 +12,7 @@ it (ggml does not touch it after the call).
 from __future__ import annotations
 
 import ctypes
+import threading
 
 __all__ = ["build_backend_iface", "new_backend", "BACKEND_NAME", "GUID"]
 
@@ -27,9 +28,13 @@ def build_backend_iface(owner):
 
     g, abi, cb = owner.g, owner.abi, owner.callbacks
     name = cb.cstring(BACKEND_NAME)
+    # Each thread serializes into the array its last graph used (so it keeps the largest one):
+    # a fresh array per graph may fault its pages in again each time (serialize_graph's `out`).
+    scratch = threading.local()
 
     def graph_compute(backend, cgraph):
-        graph = serialize_graph(g, cgraph, owner.buffer_table)
+        graph = serialize_graph(g, cgraph, owner.buffer_table, out=getattr(scratch, "out", None))
+        scratch.out = graph.base
         return int(owner.client.backend_graph_compute(graph))
 
     return cb.iface(

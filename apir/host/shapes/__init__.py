@@ -25,7 +25,8 @@ their values cannot be known before compute, and no kernel is safe on every valu
 Empty tensors (issue 13, class 1): an empty tensor's extent is 0, so the bounds checks
 place it anywhere; before any rule, `check_node` refuses a node with elements one of whose
 sources (optional ones included) has none (`base.check_empty_sources`), unless the op's rule
-is marked `base.empty_sources_ok` (no rule is today). A node without elements is not
+is marked `base.empty_sources_ok` (SET_ROWS), or `base.cpu_empty_sources_ok` on the CPU only
+(CONV_3D's kernel of a zero dimension). A node without elements is not
 computed, but ggml still plans its work buffer from its sources' other dimensions: graph.py
 refuses any tensor whose span (`base.span_nbytes`: its elements' bytes with each 0 taken as
 1) exceeds its buffer, and apir.host.work_plan bounds the planned work buffer itself.

@@ -302,8 +302,37 @@ def empty_sources_ok(rule: Rule) -> Rule:
     return rule
 
 
+def cpu_empty_sources_ok(rule: Rule) -> Rule:
+    """`empty_sources_ok` for a rule whose exemption is a fact of ggml-cpu's kernel only (read
+    there, not in other backends' kernels): the CPU profile's table keeps it, the tables of
+    other backends (`without_cpu_exemptions`, apir.host.profiles) drop it. The rule itself
+    then refuses every empty source but the one the kernel is known not to read."""
+    setattr(rule, _EMPTY_SOURCES_OK, _CPU)
+    return rule
+
+
+_CPU = "cpu"  # the value `cpu_empty_sources_ok` marks a rule with
+
+
 def allows_empty_sources(rule: Rule) -> bool:
     return bool(getattr(rule, _EMPTY_SOURCES_OK, False))
+
+
+def without_cpu_exemptions(rules: Dict[str, Rule]) -> Dict[str, Rule]:
+    """`rules` with each rule marked `cpu_empty_sources_ok` replaced by a wrapper without the
+    mark (same name and docstring): for a backend whose kernels are not ggml-cpu's, such a
+    node's empty source is refused by `check_empty_sources` again."""
+    import functools
+
+    def strict(rule: Rule) -> Rule:
+        @functools.wraps(rule)
+        def checked(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]], enums: OpEnums) -> None:
+            return rule(node, srcs, enums)
+
+        setattr(checked, _EMPTY_SOURCES_OK, False)  # functools.wraps copied the mark
+        return checked
+
+    return {op: strict(r) if getattr(r, _EMPTY_SOURCES_OK, False) == _CPU else r for op, r in rules.items()}
 
 
 def check_empty_sources(node: TensorInfo, srcs: Sequence[TensorInfo | None], allowed: bool = False) -> None:

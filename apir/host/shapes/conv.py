@@ -18,6 +18,8 @@ from apir.ggml.features import Feature
 from apir.host.shapes.base import (
     Rule,
     TensorInfo,
+    check_empty_sources,
+    cpu_empty_sources_ok,
     dst_contiguous,
     extent,
     fail,
@@ -238,11 +240,22 @@ def _conv_2d(node, srcs, _enums=None):
     _conv_work(node, a, a.ne[0] * a.ne[1] * a.ne[2], a.ne[3])
 
 
+@cpu_empty_sources_ok
 def _conv_3d(node, srcs, _enums=None):
     """CONV_3D: ggml_conv_3d_direct and ggml_compute_forward_conv_3d_impl: the kernel
     [KW, KH, KD, IC*OC] contiguous F32/F16, the input [W, H, D, IC*N] read as F32 through
-    its nb, the F32 result [OW, OH, OD, OC*N] written through its nb."""
+    its nb, the F32 result [OW, OH, OD, OC*N] written through its nb.
+
+    A kernel with KW, KH or KD 0 (test-backend-ops of ggml 0.25) is computed on the CPU
+    (`base.cpu_empty_sources_ok`): ggml-cpu's kernel (the same in ggml 0.10, 0.20 and 0.25)
+    then reads nothing of it nor of the input (the gather loops over kx < KW, ky < KH, kz < KD
+    run no iteration), its GEMM (ggml_call_mul_mat) has k = KW*KH*KD*IC = 0 and writes each
+    of its OC outputs per patch as an empty sum, 0, into the work buffer (a patch needs OC*4
+    bytes there: > 0, `_conv_work`), and every result element is written from there. Any
+    other empty source (the input; the kernel's IC*OC, refused by the shape) is refused as by
+    `base.check_empty_sources`."""
     a, b = need(node, srcs, 2)
+    check_empty_sources(node, [None, *srcs[1:]])  # the kernel may be empty, nothing else
     s0, s1, s2, p0, p1, p2, d0, d1, d2, c, n, oc = _p(node, *range(12))
     _positive(node, s0=s0, s1=s1, s2=s2, c=c, n=n, oc=oc)
     if a.ne[3] != c * oc or b.ne[3] != c * n:

@@ -16,6 +16,8 @@ import pytest
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.codec.records import rpc_tensor_dtype
+from apir.host.errors import Refused
+from apir.host.shapes import base
 from apir.host.shapes import conv as rules
 from apir.host.shapes import op_enums
 from tests.host.hostkit import DATA_RES, GgmlScratch, RemoteGraph
@@ -42,6 +44,7 @@ from tests.host.shapekit import (
     assert_refused_by_rule,
     case_id,
     ctor,
+    info,
     lie_refusal,
     refusal,
 )
@@ -479,3 +482,123 @@ def test_violating_graph_is_refused_by_the_rule(guest, ggml, op, text, cover):
     if cover.case >= len(cases):
         pytest.skip("this ggml has no such case")
     violation_refusal(guest, ggml, cases[cover.case], op, text, cover)
+
+
+# --- CONV_3D with a kernel dimension of 0 (test-backend-ops of ggml 0.25 has three per type) -----
+def _conv_3d_zero_kernel(dim, kt, ne_x=(2, 2, 2, 1), c=1, n=1, oc=1, p=0, kernel_ne=None):
+    """ggml_conv_3d_direct of a [KW, KH, KD, c*oc] kernel with ne[`dim`] 0 (the others 1, or
+    `kernel_ne`) over an F32 input `ne_x` ([W, H, D, c*n]), stride 1, padding `p`, dilation 1:
+    with no kernel taps every output is an empty sum. The first shape is test-backend-ops'
+    (`test_conv_3d(1, 1, 2, 2, 2, 1, ...)`)."""
+    def build(g, ctx):
+        ne_k = list(kernel_ne or (1, 1, 1, c * oc))
+        ne_k[dim] = 0
+        k, x = _in(g, ctx, kt, *ne_k), _in(g, ctx, "F32", *ne_x)
+        return ctor(g, "ggml_conv_3d_direct")(ctx, k, x, 1, 1, 1, p, p, p, 1, 1, 1, c, n, oc), [k, x]
+    return build
+
+
+_ZERO_KERNEL = [
+    pytest.param(Case("CONV_3D", _conv_3d_zero_kernel(dim, kt)), id=f"k{dim}-0-{kt}")
+    for dim in range(3) for kt in ("F32", "F16")
+] + [
+    # c 2, oc 3, n 2 with padding 1: 2 x 3 output channels of 7 x 6 x 5 empty sums
+    pytest.param(Case("CONV_3D", _conv_3d_zero_kernel(1, "F32", (5, 4, 3, 4), 2, 2, 3, 1, (2, 2, 2, 6))),
+                 id="k1-0-c2-oc3-n2-p1"),
+]
+
+
+@pytest.mark.parametrize("case", _ZERO_KERNEL)
+def test_conv_3d_zero_kernel_dim_computes_like_ggml_cpu(guest, ggml, case):
+    """A kernel dimension of 0 (an empty src0 under a non-empty result) is computed, to ggml
+    CPU's bytes: all zeros. Memory-safe in ggml-cpu's kernel (ops.cpp
+    ggml_compute_forward_conv_3d_impl, the same in ggml 0.10, 0.20 and 0.25): the gather loops
+    over kx < KW (ky < KH, kz < KD) run no iteration, so neither the input nor the work buffer
+    is touched; the GEMM (ggml_call_mul_mat) has k = KW*KH*KD*IC = 0, so no kernel element is
+    read and each of its OC x patches outputs is written 0 (vec_dot / tinyBLAS with k 0) into the
+    work buffer (space_per_patch = OC*4 > 0: no division by 0); then every result element is
+    written from there. The result buffer is filled with 0x7f first: the zeros are written."""
+    _skip_missing(ggml, case)
+    r = Remote(guest, ggml, case)
+    try:
+        nbytes = ggml.ggml_nbytes(r.out)
+        assert guest.set_tensor(r.remote.handle, r.remote.rpc(r.out), b"\x7f" * nbytes) == 0
+        rc, dec = r.compute()
+        assert rc == 0 and dec.i32() == 0
+        got = r.result()
+    finally:
+        r.close()
+    assert got == _direct(ggml, case)
+    assert len(got) == nbytes > 0 and not np.frombuffer(got, np.float32).any()
+
+
+def test_conv_3d_zero_kernel_not_contiguous_is_refused(guest, ggml):
+    """The same kernel claiming nb[0] 8: ggml_is_contiguous(kernel) is false for an ne[0] of 0
+    with nb[0] not the element size, and the kernel GGML_ASSERTs it (an abort of the host):
+    refused by CONV_3D's rule, not let through with the empty kernel."""
+    case = Case("CONV_3D", _conv_3d_zero_kernel(0, "F32"))
+    _skip_missing(ggml, case)
+    r = Remote(guest, ggml, case)
+    try:
+        recs = r.recs.copy()
+        recs["nb"][r.index(r.inputs[0])][0] = 8
+        got = refusal(r, recs)
+        assert_refused_by_rule(got, "CONV_3D", r.index(r.out), "src0 is not contiguous")
+    finally:
+        r.close()
+
+
+def test_conv_3d_empty_input_is_still_refused(guest, ggml):
+    """Only the kernel may be empty: an input [0, 2, 2, 1] under a result of elements (padding
+    1 gives OW 2) is refused by the generic empty-source check (`base.check_empty_sources`)."""
+    def build(g, ctx):
+        k, x = _in(g, ctx, "F32", 1, 1, 1, 1), _in(g, ctx, "F32", 0, 2, 2, 1)
+        return ctor(g, "ggml_conv_3d_direct")(ctx, k, x, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1), [k, x]
+
+    case = Case("CONV_3D", build)
+    _skip_missing(ggml, case)
+    r = Remote(guest, ggml, case)
+    try:
+        got = refusal(r, serves_next=False)
+        assert_refused_by_rule(got, "CONV_3D", r.index(r.out), "src1 [0, 2, 2, 1] has no elements",
+                               rule=base.check_empty_sources)
+    finally:
+        r.close()
+
+
+def test_conv_2d_zero_kernel_dim_is_still_refused(guest, ggml):
+    """The exemption is CONV_3D's alone: CONV_2D with a [0, 1, 1, 1] kernel stays refused by
+    the generic empty-source check."""
+    def build(g, ctx):
+        k, x = _in(g, ctx, "F32", 0, 1, 1, 1), _in(g, ctx, "F32", 2, 2, 1, 1)
+        return ctor(g, "ggml_conv_2d_direct")(ctx, k, x, 1, 1, 0, 0, 1, 1), [k, x]
+
+    case = Case("CONV_2D", build)
+    _skip_missing(ggml, case)
+    r = Remote(guest, ggml, case)
+    try:
+        got = refusal(r, serves_next=False)
+        assert_refused_by_rule(got, "CONV_2D", r.index(r.out), "src0 [0, 1, 1, 1] has no elements",
+                               rule=base.check_empty_sources)
+    finally:
+        r.close()
+
+
+def test_conv_3d_zero_kernel_is_refused_off_the_cpu(ggml):
+    """The exemption is a fact of ggml-cpu's kernel: the Vulkan and RPC profiles (whose kernels
+    were not read for it) keep the generic refusal; the CPU's rules accept it."""
+    from apir.host import profiles
+    from apir.host.shapes import check_node
+
+    k = info(0, "F32", [0, 1, 1, 1])
+    x = info(1, "F32", [2, 2, 2, 1])
+    node = info(2, "F32", [3, 2, 2, 1], op="CONV_3D", op_params=[1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1, 1])
+    check_node(node, [k, x], op_enums(ggml), profiles.CPU.rules)  # accepted
+    # CONV_3D is the only rule the other profiles replace (SET_ROWS' exemption is kept)
+    changed = {op for op, rule in profiles.CPU.rules.items() if profiles.VULKAN.rules[op] is not rule}
+    assert changed == {"CONV_3D"} and profiles.RPC.rules is profiles.VULKAN.rules
+    for profile in (profiles.VULKAN, profiles.RPC):
+        with pytest.raises(Refused) as exc:
+            check_node(node, [k, x], op_enums(ggml), profile.rules)
+        assert_refused_by_rule(exc.value, "CONV_3D", 2, "src0 [0, 1, 1, 1] has no elements",
+                               rule=base.check_empty_sources)
