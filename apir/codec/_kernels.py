@@ -181,45 +181,38 @@ _i_store_u32 = _make_store(32)
 _i_store_i64 = _make_store(64)
 
 
-@intrinsic
-def _i_memmove(typingctx, dst, src, size):
-    if not all(isinstance(t, types.Integer) for t in (dst, src, size)):
-        return None
+def _make_block_copy(llvm_name):
+    """An intrinsic copying `size` bytes from address `src` to address `dst` with LLVM's
+    `llvm_name` ("llvm.memmove": the ranges may overlap; "llvm.memcpy": they may not). A
+    block copy, not a loop of 8-byte stores: LLVM turns such a loop over computed addresses
+    into AVX-512 scatters, which cost more than the copy (4x the serializer's time)."""
 
-    def codegen(context, builder, sig, args):
-        d = context.cast(builder, args[0], sig.args[0], types.int64)
-        s = context.cast(builder, args[1], sig.args[1], types.int64)
-        n = context.cast(builder, args[2], sig.args[2], types.int64)
-        i8p = ir.IntType(8).as_pointer()
-        fn = builder.module.declare_intrinsic("llvm.memmove", [i8p, i8p, ir.IntType(64)])
-        builder.call(fn, [builder.inttoptr(d, i8p), builder.inttoptr(s, i8p), n, ir.Constant(ir.IntType(1), 0)])
-        return context.get_dummy_value()
+    @intrinsic
+    def _copy(typingctx, dst, src, size):
+        if not all(isinstance(t, types.Integer) for t in (dst, src, size)):
+            return None
 
-    return types.void(dst, src, size), codegen
+        def codegen(context, builder, sig, args):
+            d = context.cast(builder, args[0], sig.args[0], types.int64)
+            s = context.cast(builder, args[1], sig.args[1], types.int64)
+            n = context.cast(builder, args[2], sig.args[2], types.int64)
+            i8p = ir.IntType(8).as_pointer()
+            fn = builder.module.declare_intrinsic(llvm_name, [i8p, i8p, ir.IntType(64)])
+            builder.call(fn, [builder.inttoptr(d, i8p), builder.inttoptr(s, i8p), n, ir.Constant(ir.IntType(1), 0)])
+            return context.get_dummy_value()
+
+        return types.void(dst, src, size), codegen
+
+    return _copy
 
 
-@intrinsic
-def _i_memcopy(typingctx, dst, src, size):
-    # llvm.memcpy, not a loop of 8-byte stores: LLVM turns such a loop over computed
-    # addresses into AVX-512 scatters, which cost more than the copy (4x the kernel's time).
-    if not all(isinstance(t, types.Integer) for t in (dst, src, size)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        d = context.cast(builder, args[0], sig.args[0], types.int64)
-        s = context.cast(builder, args[1], sig.args[1], types.int64)
-        n = context.cast(builder, args[2], sig.args[2], types.int64)
-        i8p = ir.IntType(8).as_pointer()
-        fn = builder.module.declare_intrinsic("llvm.memcpy", [i8p, i8p, ir.IntType(64)])
-        builder.call(fn, [builder.inttoptr(d, i8p), builder.inttoptr(s, i8p), n, ir.Constant(ir.IntType(1), 0)])
-        return context.get_dummy_value()
-
-    return types.void(dst, src, size), codegen
+_i_memmove = _make_block_copy("llvm.memmove")
+_i_memcopy = _make_block_copy("llvm.memcpy")
 
 
 @intrinsic
 def _i_memzero(typingctx, dst, size):
-    # llvm.memset, for the same reason as _i_memcopy
+    # llvm.memset, for the same reason as _make_block_copy
     if not all(isinstance(t, types.Integer) for t in (dst, size)):
         return None
 
@@ -271,12 +264,12 @@ def _ol_store_i64(addr, value):
 
 @overload(memmove)
 def _ol_memmove(dst, src, size):
-    return lambda dst, src, size: _i_memmove(dst, src, size)  # type: ignore[call-arg]  # typingctx: numba passes it
+    return lambda dst, src, size: _i_memmove(dst, src, size)
 
 
 @overload(memcopy)
 def _ol_memcopy(dst, src, size):
-    return lambda dst, src, size: _i_memcopy(dst, src, size)  # type: ignore[call-arg]  # typingctx: numba passes it
+    return lambda dst, src, size: _i_memcopy(dst, src, size)
 
 
 @overload(memzero)

@@ -65,34 +65,11 @@ def direct(g, dev, n_ids, data) -> bytes:
         s.close()
 
 
-class Repeated:
-    """One guest graph sent again and again on `guest` (the same buffers: the same structure)."""
+def Repeated(guest, g, n_ids=5):
+    """Graph A (or another GET_ROWS graph of `n_ids` ids) sent again and again on `guest`."""
+    from tests.host.hostkit import RepeatedGraph  # after main() chose the ggml build
 
-    def __init__(self, guest, g, n_ids=5):
-        from tests.host.hostkit import GgmlScratch, RemoteGraph
-
-        self.guest, self.g = guest, g
-        self.s = GgmlScratch(g)
-        graph, self.inputs, self.y = get_rows_graph(g, self.s.ctx, n_ids)
-        self.remote = RemoteGraph(guest, g, self.s.ctx, graph)
-
-    def compute(self, data):
-        """(rc, status, output bytes)."""
-        from apir.codec.constants import ApirBackendCommandType as Cmd
-        from tests.host.hostkit import DATA_RES
-
-        for t, d in zip(self.inputs, data):
-            assert self.guest.set_tensor(self.remote.handle, self.remote.rpc(t), d) == 0
-        wire = self.remote.wire
-        self.guest.data[: len(wire)] = wire
-        rc, dec = self.guest.forward(Cmd.BACKEND_GRAPH_COMPUTE, lambda e: (e.u32(DATA_RES), e.size_t(len(wire))))
-        status = dec.i32() if rc == 0 else None
-        out = self.guest.get_tensor(self.remote.handle, self.remote.rpc(self.y), self.g.ggml_nbytes(self.y))[1]
-        return rc, status, out
-
-    def close(self):
-        self.remote.close()
-        self.s.close()
+    return RepeatedGraph(guest, g, lambda g, ctx: get_rows_graph(g, ctx, n_ids))
 
 
 def sha(b: bytes) -> str:

@@ -197,3 +197,30 @@ class RemoteGraph:
 
     def close(self) -> None:
         self.g.ggml_backend_buffer_free(self.local)
+
+
+class RepeatedGraph:
+    """One guest graph sent again and again on `guest` (the same buffers, so the same graph
+    structure: apir.host.graph_cache), with its inputs set anew before each compute.
+    `build(g, ctx)` gives (graph, input tensors, result tensor)."""
+
+    def __init__(self, guest: Guest, g, build):
+        self.guest, self.g = guest, g
+        self.s = GgmlScratch(g)
+        graph, self.inputs, self.y = build(g, self.s.ctx)
+        self.remote = RemoteGraph(guest, g, self.s.ctx, graph)
+
+    def compute(self, data):
+        """(rc, status, output bytes)."""
+        for t, d in zip(self.inputs, data):
+            assert self.guest.set_tensor(self.remote.handle, self.remote.rpc(t), d) == 0
+        wire = self.remote.wire
+        self.guest.data[: len(wire)] = wire
+        rc, dec = self.guest.forward(Cmd.BACKEND_GRAPH_COMPUTE, lambda e: (e.u32(DATA_RES), e.size_t(len(wire))))
+        status = dec.i32() if rc == 0 else None
+        out = self.guest.get_tensor(self.remote.handle, self.remote.rpc(self.y), self.g.ggml_nbytes(self.y))[1]
+        return rc, status, out
+
+    def close(self):
+        self.remote.close()
+        self.s.close()

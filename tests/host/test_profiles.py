@@ -16,7 +16,7 @@ from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.codec.graph import BufferTable, serialize_graph
 from apir.ggml.layout import tensor_record
 from apir.host import HostContext, profiles
-from tests.host.hostkit import DATA_RES, Guest, GgmlScratch, RemoteGraph, cpu_compute, inline_tensor
+from tests.host.hostkit import DATA_RES, Guest, GgmlScratch, RemoteGraph, RepeatedGraph, cpu_compute, inline_tensor
 
 BLOB_RES = 3
 
@@ -222,32 +222,6 @@ def test_row_ids_in_guest_memory_are_read_from_the_checked_copy(monkeypatch, ggm
             guest.close()
 
 
-class _Repeated:
-    """One guest graph sent again and again on `guest` (the same buffers, so the same graph
-    structure: apir.host.graph_cache), with its inputs set anew before each compute."""
-
-    def __init__(self, guest, g, build):
-        self.guest, self.g, self.build = guest, g, build
-        self.s = GgmlScratch(g)
-        graph, self.inputs, self.y = build(g, self.s.ctx)
-        self.remote = RemoteGraph(guest, g, self.s.ctx, graph)
-
-    def compute(self, data):
-        """(rc, status, output bytes)."""
-        for t, d in zip(self.inputs, data):
-            assert self.guest.set_tensor(self.remote.handle, self.remote.rpc(t), d) == 0
-        wire = self.remote.wire
-        self.guest.data[: len(wire)] = wire
-        rc, dec = self.guest.forward(Cmd.BACKEND_GRAPH_COMPUTE, lambda e: (e.u32(DATA_RES), e.size_t(len(wire))))
-        status = dec.i32() if rc == 0 else None
-        out = self.guest.get_tensor(self.remote.handle, self.remote.rpc(self.y), self.g.ggml_nbytes(self.y))[1]
-        return rc, status, out
-
-    def close(self):
-        self.remote.close()
-        self.s.close()
-
-
 def test_device_memory_profile_hit_uploads_the_rechecked_row_ids(monkeypatch, ggml):
     """A repeated graph on a profile whose kernels read a device copy of the row ids is served
     from the graph cache, and each hit computes the ids checked for it: the device copy is
@@ -257,10 +231,10 @@ def test_device_memory_profile_hit_uploads_the_rechecked_row_ids(monkeypatch, gg
     guest = Guest(HostContext(7), data_size=2 << 20)  # the 20000-row result is 1.25 MiB
     cache = guest.ctx._library.graph_cache
     rng = np.random.default_rng(5)
-    a = _Repeated(guest, ggml, _get_rows_graph)
+    a = RepeatedGraph(guest, ggml, _get_rows_graph)
     # other structures with row ids: 7 ids (written over a's copy), and enough ids that the
     # ids buffer (64 KiB at first) is freed and allocated larger
-    others = [(_Repeated(guest, ggml, lambda g, ctx, n=n: _get_rows_graph(g, ctx, n)), n) for n in (7, 20000)]
+    others = [(RepeatedGraph(guest, ggml, lambda g, ctx, n=n: _get_rows_graph(g, ctx, n)), n) for n in (7, 20000)]
     try:
         for step, ids in enumerate(([3, 0, 9, 9, 1], [8, 8, 2, 5, 0], [1, 4, 6, 7, 2])):
             data = _rows_data(ids)
