@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import resource
+import threading
 from typing import Optional, Type
 
 __all__ = ["CpuThreadpool", "DEFAULT_POLL"]
@@ -38,6 +41,34 @@ _SET = b"ggml_backend_cpu_set_threadpool"
 # bytes past the struct that ggml_threadpool_params_init must leave alone: room for a library
 # whose GGML_MAX_N_THREADS is larger than its header's (the function writes its own struct)
 _GUARD = 1 << 16
+
+# Worker threads all pools of this process hold together. An idle context keeps its pool's
+# threads, and ggml_threadpool_new GGML_ASSERTs (aborts the host) when the OS refuses one
+# (RLIMIT_NPROC, a cgroup's pids.max): without a bound, a guest opening contexts makes the host
+# abort. Past the bound a context gets no pool (ggml's disposable one per graph, as before).
+# Default: 16 threads per core, and at most half of RLIMIT_NPROC where that is finite;
+# environment APIR_HOST_MAX_POOL_THREADS overrides.
+ENV_MAX_POOL_THREADS = "APIR_HOST_MAX_POOL_THREADS"
+_pooled_lock = threading.Lock()
+_pooled = 0  # worker threads (n_threads - 1 per pool) of the pools now alive
+
+
+def max_pool_threads() -> int:
+    value = os.environ.get(ENV_MAX_POOL_THREADS)
+    if value is not None:
+        try:
+            return max(0, int(value))
+        except ValueError:
+            log.error("%s=%r is not a number", ENV_MAX_POOL_THREADS, value)
+    limit = 16 * (os.cpu_count() or 1)
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft != resource.RLIM_INFINITY:
+        limit = min(limit, soft // 2)
+    return limit
+
+
+def pooled_threads() -> int:
+    return _pooled
 
 
 def _params_type(max_n_threads: int) -> Type[ctypes.Structure]:
@@ -79,9 +110,10 @@ class CpuThreadpool:
     (`attach` returns None) where the registry does not offer threadpools. `close()` frees it;
     call it after ggml_backend_free(backend), which does not."""
 
-    def __init__(self, free, pool: int) -> None:
+    def __init__(self, free, pool: int, workers: int = 0) -> None:
         self._free = free
         self.pool = pool
+        self._workers = workers  # counted in _pooled until close
 
     @classmethod
     def attach(cls, g, reg: int, backend: int, n_threads: int, poll: int = DEFAULT_POLL) -> Optional["CpuThreadpool"]:
@@ -94,14 +126,27 @@ class CpuThreadpool:
         new = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(addr[_NEW])
         free = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(addr[_FREE])
         set_pool = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(addr[_SET])
+        global _pooled
+        workers = max(0, n_threads - 1)  # the calling thread is worker 0
+        with _pooled_lock:
+            if _pooled + workers > max_pool_threads():
+                log.warning("threadpool of %d threads past the host's pooled-thread bound: none", n_threads)
+                return None
+            _pooled += workers
         pool = new(ctypes.byref(params))
         if not pool:
+            with _pooled_lock:
+                _pooled -= workers
             log.warning("ggml_threadpool_new(%d threads) failed: no threadpool", n_threads)
             return None
         set_pool(backend, pool)
-        return cls(free, pool)
+        return cls(free, pool, workers)
 
     def close(self) -> None:
+        global _pooled
         if self.pool:
             self._free(self.pool)
             self.pool = 0
+            with _pooled_lock:
+                _pooled -= self._workers
+            self._workers = 0

@@ -68,3 +68,58 @@ def test_params_follow_the_headers_max_n_threads(ggml):
     assert _params(other, 5, 0) is None
     none = types.SimpleNamespace(header=dataclasses.replace(ggml.header, max_n_threads=0), has=ggml.has)
     assert _params(none, 5, 0) is None
+
+
+def test_idle_contexts_hold_no_more_pooled_threads_than_the_bound(ggml, monkeypatch):
+    """Each idle context keeps its pool's threads, and ggml_threadpool_new GGML_ASSERTs (the
+    host aborts) when the OS refuses a thread: past the host's bound a context gets no pool."""
+    from apir.host import cpu_threadpool
+
+    monkeypatch.setenv(cpu_threadpool.ENV_MAX_POOL_THREADS, str(cpu_threadpool.pooled_threads() + 6))
+    before = _os_threads()
+    guests = [_context(**{CONFIG_KEY_N_THREADS: "4"}) for _ in range(5)]
+    try:
+        pools = [g.ctx._library._threadpool for g in guests]
+        assert [p is not None for p in pools] == [True, True, False, False, False]
+        assert _os_threads() - before <= 6
+    finally:
+        for g in guests:
+            g.close()
+    assert _os_threads() == before
+
+
+_CHILD = r"""
+from apir.host import HostContext
+from apir.host.backend_library import CONFIG_KEY_N_THREADS
+from tests.host.hostkit import Guest
+gs = []
+for i in range(40):
+    h = HostContext(7 + i)
+    h.set_config(CONFIG_KEY_N_THREADS, "4")
+    gs.append(Guest(h))
+print("held")
+"""
+
+
+def test_contexts_under_a_thread_limit_do_not_abort_the_host(ggml):
+    """40 idle contexts of 4 threads under RLIMIT_NPROC 60 (uid nobody: root ignores it):
+    before the bound, ggml_threadpool_new's GGML_ASSERT(rc == 0) aborted the host."""
+    import pytest
+    import resource
+    import subprocess
+    import sys
+
+    if os.getuid() != 0:
+        pytest.skip("needs root to run the child as nobody under RLIMIT_NPROC")
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_NPROC, (60, 60))
+        os.setgid(65534)
+        os.setuid(65534)
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "APIR_HOST_MAX_POOL_THREADS"}
+    env.update(PYTHONPATH=root, HOME="/tmp")
+    p = subprocess.run([sys.executable, "-c", _CHILD], preexec_fn=limit, capture_output=True, text=True,
+                       env=env, cwd="/tmp", timeout=120)
+    assert p.returncode == 0 and "held" in p.stdout, p.stderr[-2000:]
