@@ -18,6 +18,11 @@ cores it needs (poll 50, ggml's default, made the cache hit 40% slower on 2 core
 comes from the build's header (`HeaderFacts.max_n_threads`) and is checked once against
 `ggml_threadpool_params_init`: n_threads lands where expected and nothing is written past the
 struct. A build where any of it is missing gets no pool (the disposable one, as before).
+
+An idle context keeps its pool's threads, and ggml_threadpool_new aborts the process
+(GGML_ASSERT) when the OS refuses a thread: so the pools of one process hold at most
+`max_pool_threads()` worker threads together, and a context past that bound computes with the
+disposable pool, as before.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ _pooled = 0  # worker threads (n_threads - 1 per pool) of the pools now alive
 
 
 def max_pool_threads() -> int:
+    """The bound on worker threads all pools of this process hold together (see above)."""
     value = os.environ.get(ENV_MAX_POOL_THREADS)
     if value is not None:
         try:
@@ -68,6 +74,7 @@ def max_pool_threads() -> int:
 
 
 def pooled_threads() -> int:
+    """Worker threads the pools of this process hold now."""
     return _pooled
 
 
