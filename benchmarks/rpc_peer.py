@@ -56,12 +56,6 @@ def use_build(paths: dict) -> Optional[str]:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RpcServer:
     """The build's rpc-server on 127.0.0.1 (a free port), ggml's CPU device with `threads` threads,
     accepting when constructed; `endpoint` is "127.0.0.1:PORT", `spec` the apir.ggml.backend_spec
@@ -69,7 +63,7 @@ class RpcServer:
     up within `timeout_s`."""
 
     def __init__(self, paths: dict, threads: int, timeout_s: float = 30.0):
-        self.port = free_port()
+        self.port = ggml_backends.free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.spec = f"rpc:{self.endpoint}"
         self.proc = subprocess.Popen([paths["RPC_SERVER"], "-H", "127.0.0.1", "-p", str(self.port), "-d", "CPU",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -94,3 +95,10 @@ def lavapipe_env(paths: dict) -> dict:
         "MESA_SHADER_CACHE_DIR": str(cache),
         "MESA_SHADER_CACHE_MAX_SIZE": "4G",
     }
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for an rpc-server (which takes no port 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

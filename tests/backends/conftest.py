@@ -33,12 +33,6 @@ def base_env(paths: dict, vulkan: bool) -> dict:
     return env
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Proc:
     """A child process with its output in a file; stopped (SIGTERM, then SIGKILL) on close."""
 

@@ -14,12 +14,12 @@ from tests.backends.conftest import (
     REPO,
     base_env,
     check_graph_cache_report,
-    free_port,
     graph_cache_run,
     host_serve,
     minilm,
     rpc_server,
 )
+from tests.ggml_backends import free_port
 
 pytestmark = pytest.mark.rpc
 
