@@ -34,11 +34,12 @@ nothing: every layer is offloaded). Locally the flag made no difference (151 vs 
 llama-bench runs pp (prompt processing, default 64 tokens) and tg (generation, 32 tokens) with
 -r REPS and reports the mean tokens/s of each; the ratios are local t/s / apir t/s, i.e. apir's
 time over local time (targets: pp <= 1.05, tg <= 1.15). The timed host runs untraced (a trace
-parses every graph a second time); after the timed rounds, one more apir llama-bench (-r 1)
-against a host with --trace gives graph computes
-per token (backend_graph_compute commands over the tokens llama-bench processed through apir,
-warm-up runs included) and the host's time per compute (mean host_us), next to the other
-commands per token (set / get tensor round trips).
+parses every graph a second time); after the timed rounds, one more apir llama-bench of tg
+alone (-p 0 -r 1) against a host with --trace gives graph computes per generated token
+(backend_graph_compute commands over the TG + 1 tokens it decodes: its warm-up decodes one)
+and the host's time per decode compute (mean and median host_us, tracing included), next to
+the other commands per token (set / get tensor round trips). A test given 0 tokens (--pp 0
+or --tg 0) is not run.
 
 Run: PYTHONPATH=. python benchmarks/bench_llama.py [--threads 2] [--reps 3] [--pp 64] [--tg 32] [--json]
          [--backend cpu|vulkan[:N]] [--lavapipe] [--tokens N]
@@ -231,19 +232,22 @@ def main(argv=None) -> int:
                           "local": gens[0].generated, "apir": gens[1].generated, "local_text": gens[0].text}
         finally:
             host.stop()
-        host = Host(paths, traced, args.threads, trace=traced / "trace.jsonl", backend=backend, env=vk_env)
-        try:
-            llama_bench(paths, gguf, guest(shim, host), args.threads, args.pp, args.tg, 1, args.poll, apir_device)
-        finally:
-            host.stop()
-        # llama-bench runs one warm-up of each test, then -r repetitions
-        stats = trace_stats(traced / "trace.jsonl", 2 * (args.pp + args.tg))
+        stats = None
+        if args.tg:
+            host = Host(paths, traced, args.threads, trace=traced / "trace.jsonl", backend=backend, env=vk_env)
+            try:
+                llama_bench(paths, gguf, guest(shim, host), args.threads, 0, args.tg, 1, args.poll, apir_device)
+            finally:
+                host.stop()
+            # llama-bench's warm-up of a tg test decodes one token, then -r 1 decodes TG
+            stats = trace_stats(traced / "trace.jsonl", args.tg + 1)
     summary = {}
-    for key in ("pp", "tg"):
+    for key in [k for k in ("pp", "tg") if k in results["local"][0]]:
         local = statistics.mean(r[key] for r in results["local"])
         remote = statistics.mean(r[key] for r in results["apir"])
         summary[key] = {"local_tps": local, "apir_tps": remote, "ratio": local / remote}
-    sides = {side: {f: results[side][0].get("tg_" + f, "") for f in ("backend", "gpu_info", "devices")}
+    test = "tg" if args.tg else "pp"
+    sides = {side: {f: results[side][0].get(f"{test}_{f}", "") for f in ("backend", "gpu_info", "devices")}
              for side in ("local", "apir")}
     report = {"backend": backend, "lavapipe": args.lavapipe, "threads": args.threads, "poll": args.poll,
               "reps": args.reps, "rounds": args.rounds, "pp": args.pp, "tg": args.tg, "summary": summary,
@@ -257,16 +261,19 @@ def main(argv=None) -> int:
         print(f"  {side}: backends {f['backend']!r}, gpu_info {f['gpu_info']!r}, devices {f['devices']!r}")
     print(f"{'test':<8}{'local t/s':>12}{'apir t/s':>12}{'time ratio':>12}{'target':>8}")
     for key, target in (("pp", 1.05), ("tg", 1.15)):
+        if key not in summary:
+            continue
         s = summary[key]
         n = args.pp if key == "pp" else args.tg
         print(f"{key}{n:<6}{s['local_tps']:>12.1f}{s['apir_tps']:>12.1f}{s['ratio']:>12.3f}{target:>8.2f}")
-    print(f"host (one more run, traced, -r 1): {stats['graph_computes']} graph computes, "
-          f"{stats['computes_per_token']:.3f} per token, "
-          f"{stats['host_ms_per_compute']:.2f} ms host time per compute (median "
-          f"{stats['host_ms_per_compute_median']:.2f}), {stats['forwards_per_token']:.2f} commands per token, "
-          f"{stats['errors']} errors")
-    print("commands:", ", ".join(f"{k} {v}" for k, v in stats["by_function"].items()))
-    print("graph nodes by op:", ", ".join(f"{k} {v}" for k, v in stats["graph_nodes_by_op"].items()))
+    if stats is not None:
+        print(f"host (one more tg run, traced, -r 1): {stats['graph_computes']} graph computes, "
+              f"{stats['computes_per_token']:.3f} per generated token, "
+              f"{stats['host_ms_per_compute']:.2f} ms host time per compute (median "
+              f"{stats['host_ms_per_compute_median']:.2f}), {stats['forwards_per_token']:.2f} commands per token, "
+              f"{stats['errors']} errors")
+        print("commands:", ", ".join(f"{k} {v}" for k, v in stats["by_function"].items()))
+        print("graph nodes by op:", ", ".join(f"{k} {v}" for k, v in stats["graph_nodes_by_op"].items()))
     if tokens is not None:
         print(f"greedy tokens ({tokens['n']}, {PROMPT!r}): {'identical' if tokens['identical'] else 'DIFFERENT'}"
               f" (local {tokens['local']}, apir {tokens['apir']})")
