@@ -8,14 +8,17 @@ by the context's work budget (`apir.host.work_plan`), and only a graph that pass
 computed (on a backend without a profile, apir.host.profiles, none is); one that does not
 is refused (BACKEND_RC_ERROR, no status). On a profile with `caches_graphs` (CPU, Vulkan,
 RPC) a graph whose structure the context computed before reuses that built graph after the
-re-checks `apir.host.graph_cache` describes (`prepare_graph`). The compute runs under the
+re-checks `apir.host.graph_cache` describes: the same bytes as a graph served before are
+matched where they lie, before any parse (`GraphCache.take_same`), else the parsed graph's
+key is looked up (`prepare_graph`). The compute runs under the
 context's abort flag: past `apir.host.graph_time_limit_s`, or once the context is being
 destroyed, it stops and the status is GGML_STATUS_ABORTED.
 
 Nodes without GGML_TENSOR_FLAG_COMPUTE are skipped by ggml (ggml_build_forward_select leaves
 the branches it does not select without it), so such a graph is computed as ggml computes it;
 a graph in which no node has the flag computes nothing and reports SUCCESS, as on the C host:
-that is logged as a warning, since it is almost always a guest that forgot the flag.
+that is logged as a warning (once per built graph), since it is almost always a guest that
+forgot the flag.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from apir.codec.graph import GraphError, ParsedGraph, parse_graph
 from apir.codec.wire import Decoder, Encoder
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.graph import BuiltGraph, build_graph_parts, lib_op_enums
-from apir.host.graph_cache import GraphCache, GraphCacheEntry, graph_key
+from apir.host.graph_cache import GraphCache, GraphCacheEntry, graph_key, graph_wire
 from apir.host.profiles import CPU
 from apir.host.tensors import Scratch
 from apir.host.work_plan import check_work_size
@@ -50,16 +53,19 @@ def graph_compute(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     res = lib.shmem(res_id, "backend_graph_compute")
     if size == 0 or size > res.size:
         raise Refused(f"backend_graph_compute: graph of {size} bytes in resource {res_id} ({res.size} bytes)")
-    try:
-        parsed = parse_graph(res.memory, 0, size, limits=g.limits, op_count=g.op_count, type_valid=chk.valid_types)
-    except GraphError as exc:
-        raise Refused(f"backend_graph_compute: {exc}") from None
-    _warn_if_nothing_to_compute(g, parsed)
     # only where the backend's compute leaves the built graph as it was (the profile says so)
     cache = getattr(lib, "graph_cache", None) if getattr(lib, "profile", CPU).caches_graphs else None
-    entry = prepare_graph(lib, parsed, cache)
+    entry = _same_graph_again(lib, cache, res.memory, size)
+    if entry is None:
+        try:
+            parsed = parse_graph(res.memory, 0, size, limits=g.limits, op_count=g.op_count, type_valid=chk.valid_types)
+        except GraphError as exc:
+            raise Refused(f"backend_graph_compute: {exc}") from None
+        entry = prepare_graph(lib, parsed, cache)
+        if cache is not None:
+            entry.remember_wire(graph_wire(parsed))
     try:
-        check_work_size(lib, entry.graph)  # before the CPU backend allocates its work buffer
+        check_work_size(lib, entry.graph, entry.planned)  # before the CPU backend allocates its work buffer
         # under the context's time limit and cancellation (apir.host.compute_abort)
         status = lib.abort.run(g.ggml_backend_graph_compute, lib.backend, entry.graph)
         g.ggml_backend_synchronize(lib.backend)
@@ -91,6 +97,7 @@ def prepare_graph(lib: PythonBackendLibrary, parsed: ParsedGraph, cache: Optiona
         if fresh:
             return entry
         entry.close()
+    _warn_if_nothing_to_compute(lib.g, parsed)  # (a hit has the same flags: warned once)
     scratch = Scratch(lib.g, len(parsed.tensors), max(len(parsed.node_index), 1))
     try:
         built = build_graph_parts(lib, parsed, scratch, enums)
@@ -98,6 +105,26 @@ def prepare_graph(lib: PythonBackendLibrary, parsed: ParsedGraph, cache: Optiona
         scratch.close()
         raise
     return _entry(key, scratch, built, parsed)
+
+
+def _same_graph_again(
+    lib: PythonBackendLibrary, cache: Optional[GraphCache], memory, size: int
+) -> Optional[GraphCacheEntry]:
+    """The cache entry whose last graph the guest sent again, byte for byte where the host
+    reads (`GraphCache.take_same`: no parse, no key), after its row ids' re-check; None when
+    there is none (or the re-check asks for a rebuild). Raises Refused as the re-check does."""
+    entry = cache.take_same(memory, size, lib) if cache is not None else None
+    if entry is None:
+        return None
+    try:
+        fresh = entry.recheck(lib, lib_op_enums(lib))
+    except BaseException:
+        entry.close()
+        raise
+    if fresh:
+        return entry
+    entry.close()
+    return None
 
 
 def _entry(key: bytes, scratch: Scratch, built: BuiltGraph, parsed: ParsedGraph) -> GraphCacheEntry:

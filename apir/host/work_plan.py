@@ -29,7 +29,7 @@ Errors: `Refused` when the plan exceeds the budget.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Dict, Optional
 
 from apir.host.errors import Refused, log
 
@@ -68,15 +68,22 @@ def work_budget(lib: PythonBackendLibrary) -> int:
         return 0
 
 
-def check_work_size(lib: PythonBackendLibrary, graph: int) -> int | None:
+def check_work_size(lib: PythonBackendLibrary, graph: int, planned: Optional[Dict[int, int]] = None) -> int | None:
     """Refuses `graph` when the CPU backend of dispatcher `lib` would plan more work buffer
     for it than `work_budget(lib)` (issue 13, class 2); returns the planned size (None for a
-    backend that is not the CPU's). Raises Refused."""
+    backend that is not the CPU's). `planned`: the sizes planned for this very host graph
+    before, by thread count (a cached graph's; filled here), since the plan depends on
+    nothing else. Raises Refused."""
     g = lib.g
     profile = getattr(lib, "profile", None)
     if (profile is not None and not profile.plans_work_buffer) or not g.ggml_backend_is_cpu(lib.backend):
         return None
-    size = planned_work_size(g, graph, lib.n_threads)
+    n_threads = lib.n_threads
+    size = planned.get(n_threads) if planned is not None else None
+    if size is None:
+        size = planned_work_size(g, graph, n_threads)
+        if planned is not None:
+            planned[n_threads] = size
     budget = work_budget(lib)
     if size > budget:
         why = (

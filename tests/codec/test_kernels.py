@@ -123,3 +123,45 @@ def test_parse_graph_kernel_vs_python(ggml, small):
     assert all(a == b for a, b in results)
     assert isinstance(results[0][0], tuple)  # the unmutated graph parses
     assert any(isinstance(r[0], str) for r in results)  # and some mutations are caught
+
+
+def test_record_key_kernel_vs_python():
+    """Masked bytes kept, the rest zero; each name cut after its first NUL, a name without
+    one kept whole; the same from the jitted kernel and its twin."""
+    rng = np.random.default_rng(7)
+    rows = rng.integers(1, 256, (4, 12), dtype=np.uint8)  # names at [4, 10): no NUL yet
+    rows[0, 6] = 0  # name "xy\0..." : bytes 7..9 cut
+    rows[1, 4] = 0  # empty name: 5..9 cut
+    rows[2, 9] = 0  # NUL in the last byte: nothing after it
+    mask = np.array([0xFF, 0, 0xFF, 0xFF] + [0xFF] * 6 + [0, 0xFF], np.uint8)
+    want = rows & mask
+    want[0, 7:10] = 0
+    want[1, 5:10] = 0
+    for fn in (K.record_key_kernel, K.record_key_kernel.py_func):
+        out = np.full(rows.size, 0xEE, np.uint8)
+        assert fn(rows, mask, 4, 6, out) == 0
+        assert out.tobytes() == want.tobytes()
+
+
+def test_record_match_kernel_vs_python():
+    """A header, then records compared under the mask and each name up to its NUL; the
+    first difference that counts is a mismatch, in the jitted kernel and its twin."""
+    rng = np.random.default_rng(8)
+    rows = rng.integers(1, 256, (3, 12), dtype=np.uint8)
+    rows[0, 6] = 0  # name at [4, 10) ends at byte 6
+    mask = np.array([0xFF, 0, 0xFF, 0xFF] + [0xFF] * 6 + [0, 0xFF], np.uint8)
+    head = np.array([7, 8, 9, 10], np.uint8)
+    old = np.empty(4 + rows.size, np.uint8)
+    old[:4] = head
+    K.record_key_kernel(rows, mask, 4, 6, old[4:])
+    new = np.concatenate([head, rows.reshape(-1), np.array([1, 2], np.uint8)])  # trailing bytes
+    for fn in (K.record_match_kernel, K.record_match_kernel.py_func):
+        assert fn(new, old, 4, 12, mask, 4, 6)
+        # (offset, compared): a header byte; record 0's masked-out bytes 1 and 10; record 1's
+        # byte 0; record 0's name: its NUL (byte 6) compared, the bytes after it (7..9) not
+        for at, counts in ((0, True), (4 + 1, False), (4 + 10, False), (4 + 12, True), (4 + 6, True),
+                           (4 + 7, False), (4 + 9, False)):
+            changed = new.copy()
+            changed[at] ^= 0x40
+            assert fn(changed, old, 4, 12, mask, 4, 6) is (not counts), at
+        assert not fn(new[: old.size - 1], old, 4, 12, mask, 4, 6)

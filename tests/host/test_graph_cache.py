@@ -9,7 +9,7 @@ import pytest
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
-from apir.host.graph_cache import GraphCache, GraphCacheEntry, graph_key
+from apir.host.graph_cache import GraphCache, GraphCacheEntry, graph_key, graph_wire
 from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph, cpu_compute
 
 N_ROWS = 10  # rows of the GET_ROWS table
@@ -113,6 +113,34 @@ def test_repeated_graph_is_served_from_the_cache_with_new_inputs(session, ggml):
     assert (session.cache.hits, session.cache.misses, len(session.cache)) == (2, 1, 1)
 
 
+def test_a_hit_checks_fresh_ids_without_running_the_rules(session, ggml, monkeypatch):
+    """On a hit only the row ids are new: they are copied and checked against the bounds the
+    rules recorded (`shapes.base.check_row_ids`), and no rule runs again. Where a read has no
+    recorded bound, the readers' rules run (and refuse as they do)."""
+    import apir.host.graph_cache as gc
+
+    calls = []
+    real = gc.check_node
+    monkeypatch.setattr(gc, "check_node", lambda *a: calls.append(a) or real(*a))
+    session.set_inputs(_data(ggml, 1))
+    assert session.compute() == (0, 0)
+    data = _data(ggml, 2, rows=(N_ROWS - 1, 0, 4))
+    session.set_inputs(data)
+    assert session.compute() == (0, 0)
+    assert (session.cache.hits, calls) == (1, [])
+    assert session.output() == _direct(ggml, data)
+    (entry,) = session.cache._entries.values()
+    for i in entry.id_holders:
+        entry.infos[i].id_bounds = None  # as if a rule read ids some other way
+    entry.__post_init__()  # (what the entry derives from its infos, derived again)
+    assert entry.id_bounds is None
+    data = _data(ggml, 3, rows=(2, 2, 8))
+    session.set_inputs(data)
+    assert session.compute() == (0, 0)
+    assert session.cache.hits == 2 and len(calls) == 1  # the one GET_ROWS reader's rule
+    assert session.output() == _direct(ggml, data)
+
+
 def test_other_guest_ids_same_structure_is_a_hit(session, ggml):
     """Tensor ids only name tensors: the same graph with every id renamed is the same graph."""
     session.set_inputs(_data(ggml, 1))
@@ -194,6 +222,42 @@ def test_every_byte_of_the_graph_is_in_the_key_or_refused(session, ggml):
             if graph_key(parsed) == key:
                 same.append(p)
     assert sorted(set(same)) == sorted(unread)
+
+
+def test_every_byte_the_host_reads_is_in_the_wire_match(session, ggml):
+    """`GraphWire.matches` (the same graph sent again, compared without parsing): flipping
+    any byte the host reads, ids included, is a mismatch; flipping an unread byte is not."""
+    kw = dict(limits=ggml.limits, op_count=ggml.op_count, type_valid=ggml.valid_types)
+    wire = graph_wire(parse_graph(session.wire, **kw))
+    assert wire.matches(session.wire, len(session.wire))
+    assert wire.matches(session.wire + b"\xff" * 8, len(session.wire) + 8)  # trailing bytes: ignored, as parse does
+    assert not wire.matches(session.wire, len(session.wire) - 1)
+    unread = _unread_bytes(ggml, session.wire)
+    same = []
+    for p in range(len(session.wire)):
+        for flip in (0x01, 0x80):
+            flipped = bytearray(session.wire)
+            flipped[p] ^= flip
+            if wire.matches(flipped, len(flipped)):
+                same.append(p)
+    assert sorted(set(same)) == sorted(unread)
+
+
+def test_the_same_graph_again_is_served_without_parsing(session, ggml, monkeypatch):
+    """A graph sent again byte for byte (a decode step's) is matched where it lies and
+    served from the cache without a parse; ids renamed, it is parsed and found by its key."""
+    import apir.host.dispatch_backend as db
+
+    session.set_inputs(_data(ggml, 1))
+    assert session.compute() == (0, 0)
+    parses = []
+    real = db.parse_graph
+    monkeypatch.setattr(db, "parse_graph", lambda *a, **k: parses.append(1) or real(*a, **k))
+    data = _data(ggml, 2, rows=(3, 3, 0))
+    session.set_inputs(data)
+    assert session.compute() == (0, 0)
+    assert (session.cache.hits, parses) == (1, [])
+    assert session.output() == _direct(ggml, data)
 
 
 @pytest.mark.parametrize(

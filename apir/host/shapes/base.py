@@ -146,6 +146,9 @@ class TensorInfo:
     # dereferenced): a copy through the backend (ggml_backend_tensor_get); None: read `address`
     fetch: Optional[Callable[[int], ctypes.Array]] = None
     read_by: Optional[List[int]] = None  # graph indices of the nodes whose rules read the snapshot
+    # what those reads checked, one (flat, n_rows) per read (`check_row_ids`): every id in
+    # [0, n_rows); lets a cached graph re-check fresh ids without its rules (apir.host.graph_cache)
+    id_bounds: Optional[List[tuple]] = None
     # set by a rule whose kernel is only safe when the whole graph runs on one thread
     one_thread: bool = False
 
@@ -383,21 +386,36 @@ def row_ids(node: TensorInfo, ids: TensorInfo, types=("I32",), flat: bool = Fals
     if n == 0:
         return np.zeros(0, dtype)
     size = extent(ids)
-    if ids.snapshot is None and ids.fetch is not None:
-        ids.snapshot = ids.fetch(size)
-    elif ids.snapshot is None:
-        ids.snapshot = ctypes.create_string_buffer(size)
-        ctypes.memmove(ids.snapshot, ids.address, size)
+    if ids.snapshot is None:
+        ids.snapshot = copy_ids(ids)
     ids.read_by = (ids.read_by or []) + [node.index]
-    if flat:
-        if n * dtype.itemsize > size:
-            fail(node, f"{n} packed row ids reach past ids' extent (nb {ids.nb})")
-        return np.frombuffer(memoryview(ids.snapshot), dtype=dtype, count=n).copy()
-    if ids.nb[0] < dtype.itemsize and ids.ne[0] > 1:
+    if flat and n * dtype.itemsize > size:
+        fail(node, f"{n} packed row ids reach past ids' extent (nb {ids.nb})")
+    if not flat and ids.nb[0] < dtype.itemsize and ids.ne[0] > 1:
         fail(node, f"row ids overlap (nb {ids.nb})")
-    return np.ndarray(
-        shape=tuple(ids.ne[::-1]), dtype=dtype, buffer=memoryview(ids.snapshot), strides=tuple(ids.nb[::-1])
-    ).copy()
+    return id_values(ids, ids.snapshot, flat).copy()
+
+
+def copy_ids(ids: TensorInfo) -> ctypes.Array:
+    """A copy of the bytes of ids' extent: read at `address`, or through `fetch` where
+    kernels do not read host memory. Only for ids with data (`row_ids` checks that)."""
+    size = extent(ids)
+    if ids.fetch is not None:
+        return ids.fetch(size)
+    assert ids.address, "row ids without data"
+    out = ctypes.create_string_buffer(size)
+    ctypes.memmove(out, ids.address, size)
+    return out
+
+
+def id_values(ids: TensorInfo, snapshot: ctypes.Array, flat: bool) -> np.ndarray:
+    """The ids in `snapshot` (a copy of ids' extent) as `row_ids` reads them, a view of it:
+    [ne3, ne2, ne1, ne0] at ids' nb, or (`flat`) the first nelements packed. Sizes as
+    `row_ids` checked them."""
+    dtype = np.dtype(_ID_DTYPES[ids.type_name])
+    if flat:
+        return np.frombuffer(memoryview(snapshot), dtype=dtype, count=ids.nelements())
+    return np.ndarray(shape=tuple(ids.ne[::-1]), dtype=dtype, buffer=memoryview(snapshot), strides=tuple(ids.nb[::-1]))
 
 
 def ids_in_range(node: TensorInfo, values: Optional[np.ndarray], n_rows: int, what: str = "row id") -> None:
@@ -405,10 +423,16 @@ def ids_in_range(node: TensorInfo, values: Optional[np.ndarray], n_rows: int, wh
         fail(node, f"{what} out of [0, {n_rows})")
 
 
-def check_row_ids(node: TensorInfo, ids: TensorInfo, n_rows: int, types=("I32", "I64")) -> None:
+def check_row_ids(
+    node: TensorInfo, ids: TensorInfo, n_rows: int, types=("I32", "I64"), what: str = "row id", flat: bool = False
+) -> None:
     """Every row id of ids in [0, n_rows): the CPU kernels GGML_ASSERT it (an id out of range
-    would abort the host); see `row_ids`."""
-    ids_in_range(node, row_ids(node, ids, types), n_rows)
+    would abort the host); see `row_ids`. The only way rules read ids: each read is recorded
+    in `ids.id_bounds`, so a cached graph can re-check fresh ids against the same bounds."""
+    reads = len(ids.read_by or ())
+    ids_in_range(node, row_ids(node, ids, types, flat), n_rows, what)
+    if len(ids.read_by or ()) > reads:
+        ids.id_bounds = (ids.id_bounds or []) + [(flat, n_rows)]
 
 
 def int_counted(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]]) -> None:

@@ -26,11 +26,9 @@ from apir.host.shapes.base import (
     empty_sources_ok,
     extent,
     fail,
-    ids_in_range,
     int_rows,
     need,
     param_i32,
-    row_ids,
 )
 
 _INT_MAX = INT_MAX  # kernels that count rows in an `int`
@@ -171,7 +169,7 @@ def _mul_mat_id(node, srcs, enums):
         fail(node, f"{a.ne[2]} experts and {ids.nelements()} ids need more than {_MMID_WORK_MAX} bytes of work buffer")
     _vec_dot(node, a, b, enums)
     _dst_ordered(node)
-    ids_in_range(node, row_ids(node, ids), a.ne[2], "expert id")
+    check_row_ids(node, ids, a.ne[2], ("I32",), "expert id")
 
 
 def _out_prod(node, srcs, enums):
@@ -243,7 +241,7 @@ def _get_rows_back(node, srcs, _enums=None):
     if b.ne[0] > a.ne[1] or b.ne[0] > _INT_MAX or a.ne[0] > _INT_MAX:
         fail(node, f"{b.ne[0]} ids for {a.ne[1]} rows of src0")
     dst_contiguous(node)
-    ids_in_range(node, row_ids(node, b, flat=True), node.ne[1])
+    check_row_ids(node, b, node.ne[1], ("I32",), flat=True)
 
 
 @empty_sources_ok

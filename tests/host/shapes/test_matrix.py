@@ -9,6 +9,8 @@ rule refuses or the reason none reaches it (tests/host/kernelkit.py)."""
 
 import ctypes
 
+import re
+
 import numpy as np
 import pytest
 
@@ -32,6 +34,8 @@ from tests.host.shapekit import (
     edited_refusal,
     Case,
     Remote,
+    _data,
+    _direct,
     _in,
     _ints,
     assert_computes_like_cpu,
@@ -231,7 +235,7 @@ def _bad(values, dtype=np.int32):
     return lambda n, rng: np.resize(np.array(values, dtype), n)
 
 
-@pytest.mark.parametrize("op,build,ids_at,bad,text", [
+_OUT_OF_RANGE = [
     pytest.param("GET_ROWS", _get_rows("F32", view=True), 1, [0, 6], "row id out of [0, 6)", id="GET_ROWS-id-past-view"),
     pytest.param("GET_ROWS", _get_rows("F32"), 1, [-1, 0], "row id out of [0, 6)", id="GET_ROWS-id-negative"),
     pytest.param("MUL_MAT_ID", _mul_mat_id("F32"), 1, [0, 4], "expert id out of [0, 4)", id="MUL_MAT_ID-id-past"),
@@ -244,12 +248,50 @@ def _bad(values, dtype=np.int32):
                  id="SET_ROWS-i64-id-past"),
     pytest.param("SET_ROWS", _set_rows_f32_to_f16, 2, [0, -1, 1, 2, 3, 4], "row id out of [0, 10)",
                  id="SET_ROWS-i64-id-negative"),
-])
+]
+
+
+@pytest.mark.parametrize("op,build,ids_at,bad,text", _OUT_OF_RANGE)
 def test_row_ids_out_of_range(guest, ggml, op, build, ids_at, bad, text):
     """An id out of range: GGML_ASSERT (abort) in get_rows / set_rows / add_id, a write past
     the work buffer in mul_mat_id (only `assert`ed), past the result in get_rows_back."""
     dtype = np.int64 if build is _set_rows_f32_to_f16 else np.int32  # (its ids are I64)
     _refused(guest, ggml, Case(op, build, data={ids_at: _bad(bad, dtype)}), text)
+
+
+@pytest.mark.parametrize("op,build,ids_at,bad,text", _OUT_OF_RANGE)
+def test_row_ids_out_of_range_on_a_cache_hit(guest, ggml, op, build, ids_at, bad, text):
+    """The same graph again (served from the graph cache, which re-checks fresh ids against
+    the bounds the rule recorded): ids out of range are refused by the op's rule with the
+    same reason, and the largest id in range is computed to ggml CPU's bytes."""
+    dtype = np.int64 if build is _set_rows_f32_to_f16 else np.int32
+    n_rows = int(re.search(r"\[0, (\d+)\)", text).group(1))
+    first, last = Case(op, build, data={ids_at: _bad([0], dtype)}), Case(op, build, data={ids_at: _bad([n_rows - 1], dtype)})
+    r = Remote(guest, ggml, first)
+    try:
+        cache = guest.ctx._library.graph_cache
+        ids = r.inputs[ids_at]
+        n = ggml.ggml_nelements(ids)
+
+        def write(values):
+            assert guest.set_tensor(r.remote.handle, r.remote.rpc(ids), np.resize(np.array(values, dtype), n).tobytes()) == 0
+
+        rc, dec = r.compute()
+        assert rc == 0 and dec.i32() == 0
+        write(bad)
+        got = refusal(r, serves_next=False)
+        assert cache.hits == 1  # found, re-checked, refused
+        assert_refused_by_rule(got, op, r.index(r.out))
+        assert text in got.reason, got.reason
+        for _ in range(2):  # rebuilt (the refused entry was dropped), then a hit
+            for t, d in zip(r.inputs, _data(ggml, last, r.inputs)):  # SET_ROWS wrote into dst
+                assert guest.set_tensor(r.remote.handle, r.remote.rpc(t), d) == 0
+            rc, dec = r.compute()
+            assert rc == 0 and dec.i32() == 0
+        assert cache.hits == 2
+        assert r.result() == _direct(ggml, last)
+    finally:
+        r.close()
 
 
 def test_row_ids_computed_by_the_graph_are_refused(guest, ggml):
