@@ -48,6 +48,8 @@ __all__ = [
     "ENV_MAX_CONNECTIONS",
     "CONFIG_KEY_HELLO_TIMEOUT",
     "ENV_HELLO_TIMEOUT",
+    "CONFIG_KEY_LOCAL_SPIN",
+    "ENV_LOCAL_SPIN",
     "CONFIG_KEY_MAX_BLOBS",
     "ENV_MAX_BLOBS",
     "CONFIG_KEY_VHOST_MAX_CONTEXTS",
@@ -140,6 +142,8 @@ CONFIG_KEY_HELLO_TIMEOUT = "apir.local.hello_timeout_s"  # seconds a new connect
 ENV_HELLO_TIMEOUT = "APIR_LOCAL_HELLO_TIMEOUT_S"
 CONFIG_KEY_MAX_BLOBS = "apir.local.max_blobs"  # blobs one context may hold at once
 ENV_MAX_BLOBS = "APIR_LOCAL_MAX_BLOBS"
+CONFIG_KEY_LOCAL_SPIN = "apir.local.spin_s"  # seconds a connection thread polls for the next request
+ENV_LOCAL_SPIN = "APIR_LOCAL_SPIN_S"
 # The vhost-user virtio-gpu device (apir.host.vhost_user): what one VM can make it hold.
 CONFIG_KEY_VHOST_MAX_CONTEXTS = "apir.vhost.max_contexts"  # virtio-gpu contexts of one VM
 ENV_VHOST_MAX_CONTEXTS = "APIR_VHOST_MAX_CONTEXTS"

@@ -15,6 +15,10 @@ variable as fallback, like the C's keys (apir.host.component.CONFIG_ENV_FALLBACK
         Connections one socket host serves at once (HELLO or not); more are closed at once.
     apir.local.hello_timeout_s    (APIR_LOCAL_HELLO_TIMEOUT_S)    default 10 s
         How long a new connection may take to send its HELLO before the host hangs up.
+    apir.local.spin_s             (APIR_LOCAL_SPIN_S)             default 200 us
+        How long a connection thread polls its socket for the guest's next request after a
+        reply, before it blocks (apir.host.local_server); only while spinning pays
+        (apir.local.spin_policy). 0: block at once. A bound on spinning, not on the guest.
     apir.local.max_blobs          (APIR_LOCAL_MAX_BLOBS)          default 1024
         Blobs one context may hold at once (CREATE_BLOB past it: ENOSPC). With the default
         connection limit, at most 32,768 blob mappings: half of Linux's default
@@ -41,6 +45,7 @@ from typing import Mapping, Optional, Union
 from apir.codec.constants import (
     CONFIG_KEY_GRAPH_TIME_LIMIT,
     CONFIG_KEY_HELLO_TIMEOUT,
+    CONFIG_KEY_LOCAL_SPIN,
     CONFIG_KEY_MAX_BLOBS,
     CONFIG_KEY_MAX_CONNECTIONS,
     CONFIG_KEY_VHOST_BACKEND_TIMEOUT,
@@ -49,6 +54,7 @@ from apir.codec.constants import (
     CONFIG_KEY_VHOST_MAX_RESOURCES,
     ENV_GRAPH_TIME_LIMIT,
     ENV_HELLO_TIMEOUT,
+    ENV_LOCAL_SPIN,
     ENV_MAX_BLOBS,
     ENV_MAX_CONNECTIONS,
     ENV_VHOST_BACKEND_TIMEOUT,
@@ -62,6 +68,7 @@ __all__ = [
     "DEFAULT_GRAPH_TIME_LIMIT_S",
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_HELLO_TIMEOUT_S",
+    "DEFAULT_LOCAL_SPIN_S",
     "DEFAULT_MAX_BLOBS",
     "DEFAULT_VHOST_MAX_CONTEXTS",
     "DEFAULT_VHOST_MAX_RESOURCES",
@@ -77,6 +84,7 @@ DEFAULT_GRAPH_TIME_LIMIT_S = 300.0
 DEFAULT_MAX_CONNECTIONS = 32
 DEFAULT_HELLO_TIMEOUT_S = 10.0
 DEFAULT_MAX_BLOBS = 1024
+DEFAULT_LOCAL_SPIN_S = 200e-6
 DEFAULT_VHOST_MAX_CONTEXTS = 64
 DEFAULT_VHOST_MAX_RESOURCES = 4096
 DEFAULT_VHOST_MAX_BLOB_BYTES = 16 << 30
@@ -87,6 +95,7 @@ LIMIT_ENV_FALLBACKS = {
     CONFIG_KEY_MAX_CONNECTIONS: ENV_MAX_CONNECTIONS,
     CONFIG_KEY_HELLO_TIMEOUT: ENV_HELLO_TIMEOUT,
     CONFIG_KEY_MAX_BLOBS: ENV_MAX_BLOBS,
+    CONFIG_KEY_LOCAL_SPIN: ENV_LOCAL_SPIN,
     CONFIG_KEY_VHOST_MAX_CONTEXTS: ENV_VHOST_MAX_CONTEXTS,
     CONFIG_KEY_VHOST_MAX_RESOURCES: ENV_VHOST_MAX_RESOURCES,
     CONFIG_KEY_VHOST_MAX_BLOB_BYTES: ENV_VHOST_MAX_BLOB_BYTES,

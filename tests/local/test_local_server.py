@@ -292,3 +292,50 @@ def test_a_new_guest_cannot_read_a_departed_guests_buffer(tmp_path):
                 assert out == bytes(size)
         finally:
             b.close()
+
+
+def test_spin_after_a_reply_is_configured_and_bounded(tmp_path):
+    """`apir.local.spin_s`: the default, a value, and a value past MAX_LOCAL_SPIN_S (capped)."""
+    from apir.host import local_server as ls
+    from apir.host.limits import DEFAULT_LOCAL_SPIN_S
+
+    for config, want in ((None, DEFAULT_LOCAL_SPIN_S), ({"apir.local.spin_s": "0"}, 0.0),
+                         ({"apir.local.spin_s": "0.002"}, 0.002), ({"apir.local.spin_s": "5"}, ls.MAX_LOCAL_SPIN_S)):
+        srv = LocalServer(str(tmp_path / "spin.sock"), config=config, context_factory=EchoContext)
+        try:
+            assert srv.spin_s == want, config
+        finally:
+            srv.close()
+
+
+def test_poll_for_request_returns_on_data_at_its_deadline_or_when_spinning_does_not_pay(monkeypatch):
+    """A connection thread polls for the next request only while spinning pays, and for no
+    longer than spin_s; a request (or EOF) waiting ends the poll at once."""
+    import select
+    import socket
+    import types
+
+    from apir.host import local_server as ls
+
+    a, b = socket.socketpair()
+    poller = select.poll()
+    poller.register(a, select.POLLIN)
+    conn = types.SimpleNamespace(server=types.SimpleNamespace(spin_s=0.05))
+    try:
+        monkeypatch.setattr(ls, "spinning_pays", lambda: True)
+        t = time.perf_counter()
+        ls._Connection._poll_for_request(conn, poller)  # nothing comes: polls to the deadline
+        assert time.perf_counter() - t >= 0.05
+        conn.server.spin_s = 5.0  # (past the cap only here, to show what ends the poll)
+        b.send(b"x")
+        t = time.perf_counter()
+        ls._Connection._poll_for_request(conn, poller)
+        assert time.perf_counter() - t < 4.0  # the byte waiting ended it
+        assert a.recv(1) == b"x"
+        monkeypatch.setattr(ls, "spinning_pays", lambda: False)
+        t = time.perf_counter()
+        ls._Connection._poll_for_request(conn, poller)  # the machine is busy: no poll
+        assert time.perf_counter() - t < 4.0
+    finally:
+        a.close()
+        b.close()
