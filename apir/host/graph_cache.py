@@ -55,10 +55,10 @@ from typing import Dict, List, Mapping, Optional
 import numpy as np
 
 from apir.codec._kernels import record_key_kernel, record_match_kernel
-from apir.host.graph import point_at_device_copies
+from apir.host.graph import fetch_row_ids, point_at_device_copies
 from apir.host.profiles import CPU
 from apir.host.shapes import OpEnums, TensorInfo, check_node
-from apir.host.shapes.base import copy_ids, id_values
+from apir.host.shapes.base import id_values
 from apir.host.tensors import Scratch
 
 __all__ = [
@@ -228,7 +228,7 @@ class GraphCacheEntry:
         which the same structure never gives."""
         if not self.readers:
             return True
-        snaps = self._fresh_snapshots()
+        snaps = self._fresh_snapshots(lib)
         if snaps is None:
             fresh = self._rerun_rules(enums)
             copied = sorted(i for i, f in fresh.items() if f.snapshot is not None)
@@ -249,19 +249,20 @@ class GraphCacheEntry:
         self.scratch.pinned = list(snaps.values())
         return True
 
-    def _fresh_snapshots(self) -> Optional[Dict[int, ctypes.Array]]:
+    def _fresh_snapshots(self, lib) -> Optional[Dict[int, ctypes.Array]]:
         """Fresh copies of the ids the readers' rules read (tensor index -> copy), each
         checked against the bounds those reads recorded (`shapes.base.check_row_ids`: every
         id in [0, n_rows)), without running the rules: everything else they checked is a
         function of the key and the buffers, which are the entry's. None where this does not
         settle it (an id out of range: the rules then say which; or a read without a
-        recorded bound)."""
+        recorded bound). Reads through the backend are batched (`apir.host.graph.fetch_row_ids`:
+        one synchronize where the backend has async copies)."""
         if self.id_bounds is None:
             return None
         snaps: Dict[int, ctypes.Array] = {}
-        for i, least in self.id_bounds:
+        copies = fetch_row_ids(lib, [self.infos[i] for i, _ in self.id_bounds])
+        for (i, least), snap in zip(self.id_bounds, copies):
             info = self.infos[i]
-            snap = copy_ids(info)
             for flat, n_rows in least:
                 values = id_values(info, snap, flat)
                 if values.size and (values.min() < 0 or values.max() >= n_rows):
