@@ -475,7 +475,6 @@ class _Fetcher:
         return out
 
 
-
 def fetch_row_ids(lib, infos: List[TensorInfo]) -> List[ctypes.Array]:
     """`shapes.base.copy_ids` of each of `infos` (the copies, in order), with the reads through
     the backend of tensors in buffers that allow it (apir.host.transfers: a device buffer of
@@ -491,7 +490,7 @@ def fetch_row_ids(lib, infos: List[TensorInfo]) -> List[ctypes.Array]:
             out.append(ctypes.create_string_buffer(1))  # replaced below
         else:
             out.append(copy_ids(info))
-    if batch:
+    if transfers is not None and batch:
         with Scratch(lib.g, len(batch)) as s:
             reads = []
             for k in batch:
