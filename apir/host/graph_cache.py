@@ -209,6 +209,9 @@ class GraphCacheEntry:
             self.id_bounds.append((i, sorted(least.items())))
         # the work size ggml plans for this graph, by thread count (apir.host.work_plan)
         self.planned: Dict[int, int] = {}
+        # (tensor index, flat) -> (snapshot, its ids as read): a snapshot refilled in place is
+        # read through the same view on every hit (`_fresh_snapshots`)
+        self._id_views: Dict[tuple, tuple] = {}
 
     def remember_wire(self, wire: GraphWire) -> None:
         """Keeps `wire` (`graph_wire` of the graph being served) for `GraphCache.take_same`."""
@@ -261,9 +264,20 @@ class GraphCacheEntry:
         snaps: Dict[int, ctypes.Array] = {}
         for i, least in self.id_bounds:
             info = self.infos[i]
-            snap = copy_ids(info)
+            snap = info.snapshot
+            if info.fetch is None and snap is not None:
+                # the copy the host tensor reads, refilled in place: the entry is this thread's
+                # alone until `put`, and the graph that read it last has finished
+                ctypes.memmove(snap, info.address, len(snap))
+            else:
+                snap = copy_ids(info)
             for flat, n_rows in least:
-                values = id_values(info, snap, flat)
+                seen = self._id_views.get((i, flat))
+                if seen is not None and seen[0] is snap:
+                    values = seen[1]
+                else:
+                    values = id_values(info, snap, flat)
+                    self._id_views[(i, flat)] = (snap, values)
                 if values.size and (values.min() < 0 or values.max() >= n_rows):
                     return None
             snaps[i] = snap
