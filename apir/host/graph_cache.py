@@ -12,9 +12,9 @@ in one of two ways:
 - `take_same`, before any parse: the guest's bytes, where they lie in its shared memory, match
   the bytes the host read of the last graph that entry served (`graph_wire`: ids included,
   the unread bytes not compared). A decode step sends exactly the graph of the step before,
-  so this serves it without a parse or a key. Each byte is read once and nothing read is used
-  afterwards: what runs is the entry's graph, checked when built, whatever the guest writes
-  meanwhile;
+  so this serves it without a parse or a key. Nothing read there is used afterwards: what
+  runs is the entry's graph, checked when built, whatever the guest writes meanwhile (a guest
+  racing its own bytes only changes which of its checked graphs runs);
 - `take`, after the parse: its key is byte-for-byte equal to the entry's (the whole key is
   compared, no hash decides).
 
@@ -132,8 +132,8 @@ class GraphWire:
     name_len: int
 
     def matches(self, memory, size: int) -> bool:
-        """Whether the first `size` bytes of `memory` hold this graph (each read once;
-        apir.codec._kernels.record_match_kernel)."""
+        """Whether the first `size` bytes of `memory` hold this graph
+        (apir.codec._kernels.record_match_kernel)."""
         if len(self.data) > size:
             return False
         view = np.frombuffer(memory, np.uint8, count=size)
@@ -196,17 +196,17 @@ class GraphCacheEntry:
         self.id_holders = [i for i, f in enumerate(self.infos) if f.snapshot is not None]
         # per such tensor, the bound its ids must stay under, per way of reading them (flat or
         # at ids' nb): the least n_rows its reads recorded; None where a read recorded none
-        self.id_bounds: Optional[List[tuple]] = []
+        self.id_checks: Optional[List[tuple]] = []
         for i in self.id_holders:
             info = self.infos[i]
             bounds = info.id_bounds or []
             if len(bounds) != len(info.read_by or ()):
-                self.id_bounds = None
+                self.id_checks = None
                 break
             least: Dict[bool, int] = {}
             for flat, n_rows in bounds:
                 least[flat] = min(n_rows, least.get(flat, n_rows))
-            self.id_bounds.append((i, sorted(least.items())))
+            self.id_checks.append((i, sorted(least.items())))
         # the work size ggml plans for this graph, by thread count (apir.host.work_plan)
         self.planned: Dict[int, int] = {}
         # (tensor index, flat) -> (snapshot, its ids as read): a snapshot refilled in place is
@@ -259,10 +259,10 @@ class GraphCacheEntry:
         function of the key and the buffers, which are the entry's. None where this does not
         settle it (an id out of range: the rules then say which; or a read without a
         recorded bound)."""
-        if self.id_bounds is None:
+        if self.id_checks is None:
             return None
         snaps: Dict[int, ctypes.Array] = {}
-        for i, least in self.id_bounds:
+        for i, least in self.id_checks:
             info = self.infos[i]
             snap = info.snapshot
             if info.fetch is None and snap is not None:
@@ -360,9 +360,9 @@ class GraphCache:
     def take_same(self, memory, size: int, lib) -> Optional[GraphCacheEntry]:
         """Removes and returns the entry whose last graph's bytes (`GraphCacheEntry.wire`)
         the `size` bytes of `memory` (the guest's shared memory) match, and whose buffers are
-        unchanged; or None. The bytes are compared where they lie, each read once, without
-        parsing them: what the host serves is the entry's graph, checked when it was built,
-        whatever the guest writes there meanwhile. A decode step sends the very graph of the
+        unchanged; or None. The bytes are compared where they lie, without parsing them: what
+        the host serves is the entry's graph, checked when it was built, whatever the guest
+        writes there meanwhile. A decode step sends the very graph of the
         step before (the same tensors, so the same ids), and this skips its parse and key."""
         for slot, entry in self._entries.items():
             if entry.wire is not None and entry.wire.matches(memory, size):
