@@ -12,9 +12,9 @@ in one of two ways:
 - `take_same`, before any parse: the guest's bytes, where they lie in its shared memory, match
   the bytes the host read of the last graph that entry served (`graph_wire`: ids included,
   the unread bytes not compared). A decode step sends exactly the graph of the step before,
-  so this serves it without a parse or a key. Each byte is read once and nothing read is used
-  afterwards: what runs is the entry's graph, checked when built, whatever the guest writes
-  meanwhile;
+  so this serves it without a parse or a key. Nothing read there is used afterwards: what
+  runs is the entry's graph, checked when built, whatever the guest writes meanwhile (a guest
+  racing its own bytes only changes which of its checked graphs runs);
 - `take`, after the parse: its key is byte-for-byte equal to the entry's (the whole key is
   compared, no hash decides).
 
@@ -132,8 +132,8 @@ class GraphWire:
     name_len: int
 
     def matches(self, memory, size: int) -> bool:
-        """Whether the first `size` bytes of `memory` hold this graph (each read once;
-        apir.codec._kernels.record_match_kernel)."""
+        """Whether the first `size` bytes of `memory` hold this graph
+        (apir.codec._kernels.record_match_kernel)."""
         if len(self.data) > size:
             return False
         view = np.frombuffer(memory, np.uint8, count=size)
@@ -196,19 +196,22 @@ class GraphCacheEntry:
         self.id_holders = [i for i, f in enumerate(self.infos) if f.snapshot is not None]
         # per such tensor, the bound its ids must stay under, per way of reading them (flat or
         # at ids' nb): the least n_rows its reads recorded; None where a read recorded none
-        self.id_bounds: Optional[List[tuple]] = []
+        self.id_checks: Optional[List[tuple]] = []
         for i in self.id_holders:
             info = self.infos[i]
             bounds = info.id_bounds or []
             if len(bounds) != len(info.read_by or ()):
-                self.id_bounds = None
+                self.id_checks = None
                 break
             least: Dict[bool, int] = {}
             for flat, n_rows in bounds:
                 least[flat] = min(n_rows, least.get(flat, n_rows))
-            self.id_bounds.append((i, sorted(least.items())))
+            self.id_checks.append((i, sorted(least.items())))
         # the work size ggml plans for this graph, by thread count (apir.host.work_plan)
         self.planned: Dict[int, int] = {}
+        # (tensor index, flat) -> (snapshot, its ids as read): a snapshot refilled in place is
+        # read through the same view on every hit (`_fresh_snapshots`)
+        self._id_views: Dict[tuple, tuple] = {}
 
     def remember_wire(self, wire: GraphWire) -> None:
         """Keeps `wire` (`graph_wire` of the graph being served) for `GraphCache.take_same`."""
@@ -257,14 +260,30 @@ class GraphCacheEntry:
         settle it (an id out of range: the rules then say which; or a read without a
         recorded bound). Reads through the backend are batched (`apir.host.graph.fetch_row_ids`:
         one synchronize where the backend has async copies)."""
-        if self.id_bounds is None:
+        if self.id_checks is None:
             return None
+        infos = self.infos
+        # the copies a host tensor reads in host memory are refilled in place (below); the
+        # rest are read anew, those through the backend all at once
+        fetched = [i for i, _ in self.id_checks if infos[i].fetch is not None or infos[i].snapshot is None]
+        copies = dict(zip(fetched, fetch_row_ids(lib, [infos[i] for i in fetched]))) if fetched else {}
         snaps: Dict[int, ctypes.Array] = {}
-        copies = fetch_row_ids(lib, [self.infos[i] for i, _ in self.id_bounds])
-        for (i, least), snap in zip(self.id_bounds, copies):
-            info = self.infos[i]
+        for i, least in self.id_checks:
+            info = infos[i]
+            snap = copies.get(i)
+            if snap is None:
+                snap = info.snapshot
+                assert snap is not None  # (not fetched: it has one)
+                # the copy the host tensor reads, refilled in place: the entry is this thread's
+                # alone until `put`, and the graph that read it last has finished
+                ctypes.memmove(snap, info.address, len(snap))
             for flat, n_rows in least:
-                values = id_values(info, snap, flat)
+                seen = self._id_views.get((i, flat))
+                if seen is not None and seen[0] is snap:
+                    values = seen[1]
+                else:
+                    values = id_values(info, snap, flat)
+                    self._id_views[(i, flat)] = (snap, values)
                 if values.size and (values.min() < 0 or values.max() >= n_rows):
                     return None
             snaps[i] = snap
@@ -347,9 +366,9 @@ class GraphCache:
     def take_same(self, memory, size: int, lib) -> Optional[GraphCacheEntry]:
         """Removes and returns the entry whose last graph's bytes (`GraphCacheEntry.wire`)
         the `size` bytes of `memory` (the guest's shared memory) match, and whose buffers are
-        unchanged; or None. The bytes are compared where they lie, each read once, without
-        parsing them: what the host serves is the entry's graph, checked when it was built,
-        whatever the guest writes there meanwhile. A decode step sends the very graph of the
+        unchanged; or None. The bytes are compared where they lie, without parsing them: what
+        the host serves is the entry's graph, checked when it was built, whatever the guest
+        writes there meanwhile. A decode step sends the very graph of the
         step before (the same tensors, so the same ids), and this skips its parse and key."""
         for slot, entry in self._entries.items():
             if entry.wire is not None and entry.wire.matches(memory, size):
