@@ -22,7 +22,8 @@ a `DeviceTransfers` per context turns them into one fence per batch:
 - **Bound**: the staging is `capacity` bytes (DEFAULT_STAGING_BYTES, made on first use and kept
   until `close`); an upload that does not fit behind the queued ones flushes first, and one
   larger than the whole staging goes the synchronous way. A guest cannot make the host hold
-  more.
+  more. (Not charged to the context's buffer budget: a fixed amount per context, like its
+  row-ids device buffer.)
 - **Batched reads** (`read`): the row ids a cached graph re-checks (apir.host.graph_cache) are
   read with `ggml_backend_tensor_get_async` into the staging and one synchronize per
   staging-full, then copied out.
