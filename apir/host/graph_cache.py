@@ -12,9 +12,9 @@ in one of two ways:
 - `take_same`, before any parse: the guest's bytes, where they lie in its shared memory, match
   the bytes the host read of the last graph that entry served (`graph_wire`: ids included,
   the unread bytes not compared). A decode step sends exactly the graph of the step before,
-  so this serves it without a parse or a key. Each byte is read once and nothing read is used
-  afterwards: what runs is the entry's graph, checked when built, whatever the guest writes
-  meanwhile;
+  so this serves it without a parse or a key. Nothing read there is used afterwards: what
+  runs is the entry's graph, checked when built, whatever the guest writes meanwhile (a guest
+  racing its own bytes only changes which of its checked graphs runs);
 - `take`, after the parse: its key is byte-for-byte equal to the entry's (the whole key is
   compared, no hash decides).
 
@@ -55,10 +55,10 @@ from typing import Dict, List, Mapping, Optional
 import numpy as np
 
 from apir.codec._kernels import record_key_kernel, record_match_kernel
-from apir.host.graph import point_at_device_copies
+from apir.host.graph import fetch_row_ids, point_at_device_copies
 from apir.host.profiles import CPU
 from apir.host.shapes import OpEnums, TensorInfo, check_node
-from apir.host.shapes.base import copy_ids, id_values
+from apir.host.shapes.base import id_values
 from apir.host.tensors import Scratch
 
 __all__ = [
@@ -132,8 +132,8 @@ class GraphWire:
     name_len: int
 
     def matches(self, memory, size: int) -> bool:
-        """Whether the first `size` bytes of `memory` hold this graph (each read once;
-        apir.codec._kernels.record_match_kernel)."""
+        """Whether the first `size` bytes of `memory` hold this graph
+        (apir.codec._kernels.record_match_kernel)."""
         if len(self.data) > size:
             return False
         view = np.frombuffer(memory, np.uint8, count=size)
@@ -196,19 +196,22 @@ class GraphCacheEntry:
         self.id_holders = [i for i, f in enumerate(self.infos) if f.snapshot is not None]
         # per such tensor, the bound its ids must stay under, per way of reading them (flat or
         # at ids' nb): the least n_rows its reads recorded; None where a read recorded none
-        self.id_bounds: Optional[List[tuple]] = []
+        self.id_checks: Optional[List[tuple]] = []
         for i in self.id_holders:
             info = self.infos[i]
             bounds = info.id_bounds or []
             if len(bounds) != len(info.read_by or ()):
-                self.id_bounds = None
+                self.id_checks = None
                 break
             least: Dict[bool, int] = {}
             for flat, n_rows in bounds:
                 least[flat] = min(n_rows, least.get(flat, n_rows))
-            self.id_bounds.append((i, sorted(least.items())))
+            self.id_checks.append((i, sorted(least.items())))
         # the work size ggml plans for this graph, by thread count (apir.host.work_plan)
         self.planned: Dict[int, int] = {}
+        # (tensor index, flat) -> (snapshot, its ids as read): a snapshot refilled in place is
+        # read through the same view on every hit (`_fresh_snapshots`)
+        self._id_views: Dict[tuple, tuple] = {}
 
     def remember_wire(self, wire: GraphWire) -> None:
         """Keeps `wire` (`graph_wire` of the graph being served) for `GraphCache.take_same`."""
@@ -228,7 +231,7 @@ class GraphCacheEntry:
         which the same structure never gives."""
         if not self.readers:
             return True
-        snaps = self._fresh_snapshots()
+        snaps = self._fresh_snapshots(lib)
         if snaps is None:
             fresh = self._rerun_rules(enums)
             copied = sorted(i for i, f in fresh.items() if f.snapshot is not None)
@@ -249,21 +252,38 @@ class GraphCacheEntry:
         self.scratch.pinned = list(snaps.values())
         return True
 
-    def _fresh_snapshots(self) -> Optional[Dict[int, ctypes.Array]]:
+    def _fresh_snapshots(self, lib) -> Optional[Dict[int, ctypes.Array]]:
         """Fresh copies of the ids the readers' rules read (tensor index -> copy), each
         checked against the bounds those reads recorded (`shapes.base.check_row_ids`: every
         id in [0, n_rows)), without running the rules: everything else they checked is a
         function of the key and the buffers, which are the entry's. None where this does not
         settle it (an id out of range: the rules then say which; or a read without a
-        recorded bound)."""
-        if self.id_bounds is None:
+        recorded bound). Reads through the backend are batched (`apir.host.graph.fetch_row_ids`:
+        one synchronize where the backend has async copies)."""
+        if self.id_checks is None:
             return None
+        infos = self.infos
+        # the copies a host tensor reads in host memory are refilled in place (below); the
+        # rest are read anew, those through the backend all at once
+        fetched = [i for i, _ in self.id_checks if infos[i].fetch is not None or infos[i].snapshot is None]
+        copies = dict(zip(fetched, fetch_row_ids(lib, [infos[i] for i in fetched]))) if fetched else {}
         snaps: Dict[int, ctypes.Array] = {}
-        for i, least in self.id_bounds:
-            info = self.infos[i]
-            snap = copy_ids(info)
+        for i, least in self.id_checks:
+            info = infos[i]
+            snap = copies.get(i)
+            if snap is None:
+                snap = info.snapshot
+                assert snap is not None  # (not fetched: it has one)
+                # the copy the host tensor reads, refilled in place: the entry is this thread's
+                # alone until `put`, and the graph that read it last has finished
+                ctypes.memmove(snap, info.address, len(snap))
             for flat, n_rows in least:
-                values = id_values(info, snap, flat)
+                seen = self._id_views.get((i, flat))
+                if seen is not None and seen[0] is snap:
+                    values = seen[1]
+                else:
+                    values = id_values(info, snap, flat)
+                    self._id_views[(i, flat)] = (snap, values)
                 if values.size and (values.min() < 0 or values.max() >= n_rows):
                     return None
             snaps[i] = snap
@@ -346,9 +366,9 @@ class GraphCache:
     def take_same(self, memory, size: int, lib) -> Optional[GraphCacheEntry]:
         """Removes and returns the entry whose last graph's bytes (`GraphCacheEntry.wire`)
         the `size` bytes of `memory` (the guest's shared memory) match, and whose buffers are
-        unchanged; or None. The bytes are compared where they lie, each read once, without
-        parsing them: what the host serves is the entry's graph, checked when it was built,
-        whatever the guest writes there meanwhile. A decode step sends the very graph of the
+        unchanged; or None. The bytes are compared where they lie, without parsing them: what
+        the host serves is the entry's graph, checked when it was built, whatever the guest
+        writes there meanwhile. A decode step sends the very graph of the
         step before (the same tensors, so the same ids), and this skips its parse and key."""
         for slot, entry in self._entries.items():
             if entry.wire is not None and entry.wire.matches(memory, size):
