@@ -16,6 +16,9 @@ Rules kept throughout (docs/numba-notes.md says why):
 
 Nothing here checks addresses: the callers pass only memory they own (the guest its own ggml
 context; the host a private copy of the guest's bytes). A bad address crashes the process.
+One exception, with arrays rather than addresses: `record_match_kernel` compares a graph where
+it lies in the guest's shared memory (apir.host.graph_cache.GraphCache.take_same), reading no
+byte past the cached graph's size, and its answer is all that is used.
 """
 
 from __future__ import annotations
@@ -751,10 +754,11 @@ def record_key_kernel(rows, mask, name_at, name_len, out):
 
 @jit
 def record_match_kernel(new, old, head, rec_size, mask, name_at, name_len):
-    """Whether graph bytes `new` (uint8, read once each; may be longer) hold what `old`
-    (uint8: `head` header bytes, then records of `rec_size` bytes as `record_key_kernel`
-    writes them) holds: the header equal, and in each record every byte under `mask` equal,
-    its name equal up to and including its first NUL (the rest not compared)."""
+    """Whether graph bytes `new` (uint8; may be longer, the bytes past `old.size` not read)
+    hold what `old` (uint8: `head` header bytes, then records of `rec_size` bytes as
+    `record_key_kernel` writes them) holds: the header equal, and in each record every byte
+    under `mask` equal, its name equal up to and including its first NUL (the rest not
+    compared)."""
     if new.size < old.size:
         return False
     diff = 0

@@ -12,9 +12,9 @@ in one of two ways:
 - `take_same`, before any parse: the guest's bytes, where they lie in its shared memory, match
   the bytes the host read of the last graph that entry served (`graph_wire`: ids included,
   the unread bytes not compared). A decode step sends exactly the graph of the step before,
-  so this serves it without a parse or a key. Each byte is read once and nothing read is used
-  afterwards: what runs is the entry's graph, checked when built, whatever the guest writes
-  meanwhile;
+  so this serves it without a parse or a key. The match only picks an entry: nothing read
+  there is used afterwards, so a guest writing the bytes meanwhile (the match may then see a
+  mix of two graphs) only changes which checked graph runs, or makes it a miss;
 - `take`, after the parse: its key is byte-for-byte equal to the entry's (the whole key is
   compared, no hash decides).
 
@@ -132,8 +132,9 @@ class GraphWire:
     name_len: int
 
     def matches(self, memory, size: int) -> bool:
-        """Whether the first `size` bytes of `memory` hold this graph (each read once;
-        apir.codec._kernels.record_match_kernel)."""
+        """Whether the first `size` bytes of `memory` hold this graph
+        (apir.codec._kernels.record_match_kernel; `memory` may change meanwhile: the answer
+        then only picks an entry, see `GraphCache.take_same`)."""
         if len(self.data) > size:
             return False
         view = np.frombuffer(memory, np.uint8, count=size)
@@ -346,8 +347,9 @@ class GraphCache:
     def take_same(self, memory, size: int, lib) -> Optional[GraphCacheEntry]:
         """Removes and returns the entry whose last graph's bytes (`GraphCacheEntry.wire`)
         the `size` bytes of `memory` (the guest's shared memory) match, and whose buffers are
-        unchanged; or None. The bytes are compared where they lie, each read once, without
-        parsing them: what the host serves is the entry's graph, checked when it was built,
+        unchanged; or None. The bytes are compared where they lie, without parsing them, and
+        nothing read there is used afterwards: what the host serves is the entry's graph,
+        checked when it was built (its row ids then re-checked, `GraphCacheEntry.recheck`),
         whatever the guest writes there meanwhile. A decode step sends the very graph of the
         step before (the same tensors, so the same ids), and this skips its parse and key."""
         for slot, entry in self._entries.items():
