@@ -8,7 +8,8 @@ embedded host by default, `--socket` / `--drm` for the others) and a baseline wi
   batch time           one `MiniLM.embed_tokens` of a fixed padded batch: build the graph,
                        allocate, set inputs, compute, read the output (median of --repeats)
   compute time         ggml_backend_graph_compute alone (median)
-  ratio                target / local for each; the APIR target is <= 1.05 for batch time
+  ratio                target / local for each; the APIR target for batch time is <= 1.05 on
+                       ggml CPU, <= 1.10 on a GPU backend (--backend vulkan:N)
   sentences/s          batch size / median batch time
   host graph cache     hits and misses of the embedded target host's graph cache
                        (apir.host.graph_cache) over the whole run: a repeated batch's graph
@@ -58,6 +59,9 @@ import rpc_peer
 from bench_roundtrip import _wait_for_socket
 
 RPC_TARGET = 1.0  # batch time of each apir mode over ggml-rpc's, issue 15 item 7
+# batch time through apir over local: on ggml CPU 1.05; on a GPU backend 1.10 (issue 12, for a
+# batch large enough that the GPU, not the call overhead, dominates)
+BATCH_TARGET = {"cpu": 1.05, "gpu": 1.10}
 
 _TEXT = ("the quick brown fox jumps over the lazy dog while a committee of engineers argues about "
          "where the new bridge should stand and how much the river will rise in spring").split()
@@ -214,7 +218,9 @@ def main(argv=None) -> int:
         "batch_size": args.batch_size, "padded_tokens": int(batch.ids.shape[1]), "repeats": args.repeats,
         "upload_MBps": upload, "upload_ratio": upload["target"] / upload["local"],
         "batch_s": {k: v[0] for k, v in med.items()}, "compute_s": {k: v[1] for k, v in med.items()},
-        "batch_ratio": med["target"][0] / med["local"][0], "compute_ratio": med["target"][1] / med["local"][1],
+        "batch_ratio": med["target"][0] / med["local"][0],
+        "batch_target": BATCH_TARGET["cpu" if args.backend in (None, "cpu") else "gpu"],
+        "compute_ratio": med["target"][1] / med["local"][1],
         "sentences_per_s": {k: args.batch_size / v[0] for k, v in med.items()},
         "byte_identical": bool(np.array_equal(out_t.view(np.uint32), out_l.view(np.uint32))),
         "max_abs_diff": float(np.abs(out_t - out_l).max()),
@@ -237,7 +243,7 @@ def main(argv=None) -> int:
     print(f"{'':22}{'target':>10}{'local':>10}{'ratio':>8}")
     print(f"{'weight upload MB/s':22}{upload['target']:10.0f}{upload['local']:10.0f}{res['upload_ratio']:8.2f}")
     print(f"{'batch time ms':22}{med['target'][0] * 1e3:10.1f}{med['local'][0] * 1e3:10.1f}"
-          f"{res['batch_ratio']:8.3f}   (target <= 1.05)")
+          f"{res['batch_ratio']:8.3f}   (target <= {res['batch_target']:.2f})")
     print(f"{'  of which compute ms':22}{med['target'][1] * 1e3:10.1f}{med['local'][1] * 1e3:10.1f}"
           f"{res['compute_ratio']:8.3f}")
     sps = res["sentences_per_s"]

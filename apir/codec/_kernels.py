@@ -754,11 +754,10 @@ def record_key_kernel(rows, mask, name_at, name_len, out):
 
 @jit
 def record_match_kernel(new, old, head, rec_size, mask, name_at, name_len):
-    """Whether graph bytes `new` (uint8; may be longer, the bytes past `old.size` not read)
-    hold what `old` (uint8: `head` header bytes, then records of `rec_size` bytes as
-    `record_key_kernel` writes them) holds: the header equal, and in each record every byte
-    under `mask` equal, its name equal up to and including its first NUL (the rest not
-    compared)."""
+    """Whether graph bytes `new` (uint8; may be longer, the rest not read) hold what `old`
+    (uint8: `head` header bytes, then records of `rec_size` bytes as `record_key_kernel`
+    writes them) holds: the header equal, and in each record every byte under `mask` equal,
+    its name equal up to and including its first NUL (the rest not compared)."""
     if new.size < old.size:
         return False
     diff = 0

@@ -488,7 +488,8 @@ def point_at_device_copies(lib, scratch: Scratch, snaps) -> None:
     base = g.ggml_backend_buffer_get_base(buf)
     staging = (ctypes.c_char * total)()
     for (info, _), off in zip(snaps, offsets):
-        staging[off : off + len(info.snapshot)] = info.snapshot.raw
+        # (ctypes' slice assignment sets byte by byte: 7 ms for 352 KiB of ids, a memmove 0.1 ms)
+        ctypes.memmove(ctypes.addressof(staging) + off, info.snapshot, len(info.snapshot))
     with Scratch(g, 1) as copies:
         g.ggml_backend_tensor_set(_bytes_tensor(lib, copies, buf, base, total), ctypes.addressof(staging), 0, total)
     dtype = lib.checker.tensor_dtype

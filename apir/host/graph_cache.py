@@ -12,9 +12,9 @@ in one of two ways:
 - `take_same`, before any parse: the guest's bytes, where they lie in its shared memory, match
   the bytes the host read of the last graph that entry served (`graph_wire`: ids included,
   the unread bytes not compared). A decode step sends exactly the graph of the step before,
-  so this serves it without a parse or a key. The match only picks an entry: nothing read
-  there is used afterwards, so a guest writing the bytes meanwhile (the match may then see a
-  mix of two graphs) only changes which checked graph runs, or makes it a miss;
+  so this serves it without a parse or a key. Nothing read there is used afterwards: what
+  runs is the entry's graph, checked when built, whatever the guest writes meanwhile (a guest
+  racing its own bytes only changes which of its checked graphs runs);
 - `take`, after the parse: its key is byte-for-byte equal to the entry's (the whole key is
   compared, no hash decides).
 
@@ -133,8 +133,7 @@ class GraphWire:
 
     def matches(self, memory, size: int) -> bool:
         """Whether the first `size` bytes of `memory` hold this graph
-        (apir.codec._kernels.record_match_kernel; `memory` may change meanwhile: the answer
-        then only picks an entry, see `GraphCache.take_same`)."""
+        (apir.codec._kernels.record_match_kernel)."""
         if len(self.data) > size:
             return False
         view = np.frombuffer(memory, np.uint8, count=size)
@@ -197,19 +196,22 @@ class GraphCacheEntry:
         self.id_holders = [i for i, f in enumerate(self.infos) if f.snapshot is not None]
         # per such tensor, the bound its ids must stay under, per way of reading them (flat or
         # at ids' nb): the least n_rows its reads recorded; None where a read recorded none
-        self.id_bounds: Optional[List[tuple]] = []
+        self.id_checks: Optional[List[tuple]] = []
         for i in self.id_holders:
             info = self.infos[i]
             bounds = info.id_bounds or []
             if len(bounds) != len(info.read_by or ()):
-                self.id_bounds = None
+                self.id_checks = None
                 break
             least: Dict[bool, int] = {}
             for flat, n_rows in bounds:
                 least[flat] = min(n_rows, least.get(flat, n_rows))
-            self.id_bounds.append((i, sorted(least.items())))
+            self.id_checks.append((i, sorted(least.items())))
         # the work size ggml plans for this graph, by thread count (apir.host.work_plan)
         self.planned: Dict[int, int] = {}
+        # (tensor index, flat) -> (snapshot, its ids as read): a snapshot refilled in place is
+        # read through the same view on every hit (`_fresh_snapshots`)
+        self._id_views: Dict[tuple, tuple] = {}
 
     def remember_wire(self, wire: GraphWire) -> None:
         """Keeps `wire` (`graph_wire` of the graph being served) for `GraphCache.take_same`."""
@@ -257,14 +259,25 @@ class GraphCacheEntry:
         function of the key and the buffers, which are the entry's. None where this does not
         settle it (an id out of range: the rules then say which; or a read without a
         recorded bound)."""
-        if self.id_bounds is None:
+        if self.id_checks is None:
             return None
         snaps: Dict[int, ctypes.Array] = {}
-        for i, least in self.id_bounds:
+        for i, least in self.id_checks:
             info = self.infos[i]
-            snap = copy_ids(info)
+            snap = info.snapshot
+            if info.fetch is None and snap is not None:
+                # the copy the host tensor reads, refilled in place: the entry is this thread's
+                # alone until `put`, and the graph that read it last has finished
+                ctypes.memmove(snap, info.address, len(snap))
+            else:
+                snap = copy_ids(info)
             for flat, n_rows in least:
-                values = id_values(info, snap, flat)
+                seen = self._id_views.get((i, flat))
+                if seen is not None and seen[0] is snap:
+                    values = seen[1]
+                else:
+                    values = id_values(info, snap, flat)
+                    self._id_views[(i, flat)] = (snap, values)
                 if values.size and (values.min() < 0 or values.max() >= n_rows):
                     return None
             snaps[i] = snap
@@ -347,10 +360,9 @@ class GraphCache:
     def take_same(self, memory, size: int, lib) -> Optional[GraphCacheEntry]:
         """Removes and returns the entry whose last graph's bytes (`GraphCacheEntry.wire`)
         the `size` bytes of `memory` (the guest's shared memory) match, and whose buffers are
-        unchanged; or None. The bytes are compared where they lie, without parsing them, and
-        nothing read there is used afterwards: what the host serves is the entry's graph,
-        checked when it was built (its row ids then re-checked, `GraphCacheEntry.recheck`),
-        whatever the guest writes there meanwhile. A decode step sends the very graph of the
+        unchanged; or None. The bytes are compared where they lie, without parsing them: what
+        the host serves is the entry's graph, checked when it was built, whatever the guest
+        writes there meanwhile. A decode step sends the very graph of the
         step before (the same tensors, so the same ids), and this skips its parse and key."""
         for slot, entry in self._entries.items():
             if entry.wire is not None and entry.wire.matches(memory, size):

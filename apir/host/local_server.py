@@ -35,10 +35,10 @@ connection spins once, then sleeps.
 from __future__ import annotations
 
 import errno
-import select
 import itertools
 import logging
 import os
+import select
 import socket
 import stat
 import threading

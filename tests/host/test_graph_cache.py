@@ -133,7 +133,7 @@ def test_a_hit_checks_fresh_ids_without_running_the_rules(session, ggml, monkeyp
     for i in entry.id_holders:
         entry.infos[i].id_bounds = None  # as if a rule read ids some other way
     entry.__post_init__()  # (what the entry derives from its infos, derived again)
-    assert entry.id_bounds is None
+    assert entry.id_checks is None
     data = _data(ggml, 3, rows=(2, 2, 8))
     session.set_inputs(data)
     assert session.compute() == (0, 0)

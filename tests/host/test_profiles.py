@@ -155,9 +155,14 @@ def test_device_memory_profile_reads_no_host_address(monkeypatch, ggml):
     """The snapshot comes from TensorInfo.fetch, never from the buffer's address."""
     from apir.host.shapes import base
 
+    import ctypes
+    import types
+
     calls = []
-    real_memmove = base.ctypes.memmove
-    monkeypatch.setattr(base.ctypes, "memmove", lambda *a: calls.append(a) or real_memmove(*a))
+    # the rules' own ctypes (base.copy_ids' memmove from an address), not the process's
+    spy = types.SimpleNamespace(**vars(ctypes))
+    spy.memmove = lambda *a: calls.append(a) or ctypes.memmove(*a)
+    monkeypatch.setattr(base, "ctypes", spy)
     guest = _guest_with_profile(monkeypatch, _DEVICE_MEMORY)
     try:
         rc, status, _ = _compute(guest, ggml, _get_rows_graph, _rows_data([1, 2, 3, 4, 5]))
