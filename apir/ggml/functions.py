@@ -188,6 +188,8 @@ class GgmlFunctions:
     ggml_backend_tensor_copy: Fn = sig("v:pp")
     ggml_backend_tensor_set: Fn = sig("v:ppzz")
     ggml_backend_tensor_get: Fn = sig("v:ppzz")
+    ggml_backend_tensor_set_async: Fn = sig("v:pppzz")
+    ggml_backend_tensor_get_async: Fn = sig("v:pppzz")
     ggml_backend_tensor_memset: Fn = sig("v:pBzz")
     ggml_backend_tensor_alloc: Fn = sig("i:ppp")
     ggml_backend_view_init: Fn = sig("i:p")

@@ -17,7 +17,9 @@ buffer with its virtual base. `deinit` frees exactly these buffers. Every buffer
 the context's budget and the process's memory limit (apir.host.budget), and a buffer ggml
 allocates is cleared to zeros before the guest can read it. Graphs run under the context's
 abort flag (apir.host.compute_abort): a time limit per graph, and `cancel_compute` when the
-context is being destroyed or its guest left.
+context is being destroyed or its guest left. On a profile with `async_transfers` the context's
+uploads into device buffers are deferred and flushed before any other command
+(apir.host.transfers, `transfers`); its buffers are freed only after a flush.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from apir.ggml.backend_spec import BackendSpecError, resolve as resolve_backend
 from apir.host.profiles import BackendProfile, profile_for
 from apir.host.shapes.base import OpEnums
 from apir.host.tensors import TensorChecker
+from apir.host.transfers import DeviceTransfers
 
 __all__ = [
     "PythonBackendLibrary",
@@ -108,6 +111,9 @@ class PythonBackendLibrary:
         # (ggml_backend_buffer_t, size) of the device buffer the checked row ids are copied into
         # on a backend whose kernels read device memory (apir.host.graph); kept between graphs
         self._ids_buffer: Optional[Tuple[int, int]] = None
+        # deferred uploads and batched reads of device memory (apir.host.transfers), on a
+        # profile with async_transfers; None: every copy synchronous
+        self.transfers: Optional[DeviceTransfers] = None
         self.bufts, self.buffers = new_tables()
         self.vspace = VirtualAddressSpace()
         self._abort: Optional[ComputeAbort] = None  # graph time limit and cancellation
@@ -263,6 +269,8 @@ class PythonBackendLibrary:
         )
         self._abort = ComputeAbort(g, reg, backend, time_limit_s, name=f"ctx {host.ctx_id}")
         self._checker = TensorChecker(g)
+        if self.profile is not None and self.profile.async_transfers:
+            self.transfers = DeviceTransfers(g, backend, dev)
         return LoadRc.INIT_BASE_INDEX + InitRc.SUCCESS
 
     def _host_ptr_buffers(self, host: LibraryHost) -> bool:
@@ -346,6 +354,11 @@ class PythonBackendLibrary:
         self.device_type = types[value.upper()]
         return None
 
+    def flush_transfers(self) -> None:
+        """Every deferred upload in device memory (apir.host.transfers); nothing without."""
+        if self.transfers is not None:
+            self.transfers.flush()
+
     def dispatch(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
         return dispatcher.dispatch(self, function_id, dec, enc)
 
@@ -359,6 +372,9 @@ class PythonBackendLibrary:
     def deinit(self) -> None:
         """`apir_backend_deinit`, for this context only: frees its buffers and its backend."""
         self.cancel_compute("the context is destroyed")
+        if self.transfers is not None:  # queued copies land before their buffers are freed
+            self.transfers.close()
+            self.transfers = None
         self.graph_cache.clear()
         for handle, _ in self.buffers.items():
             self.free_buffer(handle)
@@ -455,6 +471,7 @@ class PythonBackendLibrary:
         )
 
     def free_buffer(self, handle: int) -> None:
+        self.flush_transfers()  # no queued copy into a freed buffer
         buf = self.buffers.pop(handle)
         if buf is not None:
             self.graph_cache.drop_buffer(buf)

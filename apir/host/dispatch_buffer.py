@@ -11,6 +11,9 @@ Every handler takes a u64 buffer handle first, checked against this context's ta
 Checks beyond the C: the tensor lies in its buffer and that buffer is the one named;
 `offset + size` lies in the tensor (what ggml_backend_tensor_set/get assert) and `size` in
 the resource; cpy_tensor's destination has room for the source's bytes.
+On a backend with `async_transfers`, a set_tensor that passed these checks into a device
+buffer is deferred: its bytes are copied out of the resource before the reply, the device
+copy is queued (apir.host.transfers) and lands before the context's next other command.
 """
 
 from __future__ import annotations
@@ -62,7 +65,9 @@ def _transfer(lib: PythonBackendLibrary, dec: Decoder, what: str, to_tensor: boo
         if offset + size > nbytes:
             raise Refused(f"{what}: [{offset}, {offset + size}) outside the tensor's {nbytes} bytes")
         if to_tensor:
-            g.ggml_backend_tensor_set(t, res.address, offset, size)
+            transfers = lib.transfers
+            if transfers is None or not transfers.upload(tbuf, t, res.address, offset, size):
+                g.ggml_backend_tensor_set(t, res.address, offset, size)
         else:
             g.ggml_backend_tensor_get(t, res.address, offset, size)
 

@@ -8,6 +8,9 @@ guest input is turned into codes: a `Refused` (or any bug) inside a handler beco
 BACKEND_RC_ERROR and one log line, never an exception.
 
 Each handler is `handler(lib, dec, enc) -> int`, in the module named after its C group.
+
+Before every function other than buffer_set_tensor, the context's deferred uploads are
+flushed (apir.host.transfers): any command may read, free or depend on device memory.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ __all__ = ["dispatch", "DISPATCH_TABLE", "Handler"]
 # the latter). One per function id, in dispatch_device / _buffer_type / _buffer / _backend.
 Handler = Callable[["PythonBackendLibrary", Decoder, Encoder], int]
 
+_SET_TENSOR = int(Cmd.BUFFER_SET_TENSOR)  # the one function whose uploads may stay queued
 _BY_ID: Dict[Cmd, Handler] = {
     Cmd.DEVICE_GET_DEVICE_COUNT: dispatch_device.get_device_count,
     Cmd.DEVICE_GET_COUNT: dispatch_device.get_count,
@@ -64,6 +68,8 @@ def dispatch(lib: PythonBackendLibrary, function_id: int, dec: Decoder, enc: Enc
         log.error("ctx %d: invalid backend function id %d (>= %d)", lib.ctx_id, function_id, len(DISPATCH_TABLE))
         return APIR_BACKEND_FORWARD_INDEX_INVALID
     try:
+        if function_id != _SET_TENSOR:
+            lib.flush_transfers()
         return DISPATCH_TABLE[function_id](lib, dec, enc)
     except Refused as exc:
         # (the Refused rides on the record too: its fields for whoever watches the log)

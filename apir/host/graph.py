@@ -40,7 +40,7 @@ from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
 from apir.host.shapes import OpEnums, TensorInfo, check_node, op_enums
-from apir.host.shapes.base import check_span
+from apir.host.shapes.base import check_span, copy_ids, extent
 from apir.host.profiles import CPU, EMPTY_OPS, BackendProfile
 from apir.host.work_plan import work_budget
 from apir.host.tensors import Scratch
@@ -48,7 +48,15 @@ from apir.host.tensors import Scratch
 if TYPE_CHECKING:  # annotations only: the dispatcher it leads to imports this module
     from apir.host.backend_library import PythonBackendLibrary
 
-__all__ = ["build_graph", "build_graph_parts", "BuiltGraph", "tensor_info", "lib_op_enums", "point_at_device_copies"]
+__all__ = [
+    "build_graph",
+    "build_graph_parts",
+    "BuiltGraph",
+    "tensor_info",
+    "lib_op_enums",
+    "point_at_device_copies",
+    "fetch_row_ids",
+]
 
 # Bound on every intermediate of the vectorized extent arithmetic: below it int64 is exact.
 _FAST_LIMIT = float(1 << 60)
@@ -400,7 +408,7 @@ def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums
         info.room = b.size - o  # bytes to the end of its buffer (TensorInfo.room)
     if not profile.host_addressable:
         for info, b, o in zip(infos, bufs, offsets):
-            info.fetch = _fetcher(lib, b, o)
+            info.fetch = _Fetcher(lib, b, o)
     _check_spans(lib, parsed, infos, recs)
     src_rows = parsed.src_index.tolist()
     for i in range(n):
@@ -448,19 +456,50 @@ def _bytes_tensor(lib, scratch: Scratch, buffer: int, data: int, n: int) -> int:
     )
 
 
-def _fetcher(lib, buf, offset: int):
-    """`TensorInfo.fetch` of a tensor at `offset` in `buf`: its first `n` bytes copied out
-    through the backend (`ggml_backend_tensor_get` on a byte tensor over them)."""
+class _Fetcher:
+    """`TensorInfo.fetch` of a tensor at `offset` in HostBuffer `buf`: `fetch(n)`, its first
+    `n` bytes copied out through the backend (`ggml_backend_tensor_get` on a byte tensor over
+    them). `fetch_row_ids` batches several."""
 
-    def fetch(n: int) -> ctypes.Array:
+    __slots__ = ("lib", "buf", "offset")
+
+    def __init__(self, lib, buf: HostBuffer, offset: int):
+        self.lib, self.buf, self.offset = lib, buf, offset
+
+    def __call__(self, n: int) -> ctypes.Array:
         out = ctypes.create_string_buffer(max(n, 1))
         if n:
-            with Scratch(lib.g, 1) as s:
-                t = _bytes_tensor(lib, s, buf.ptr, buf.base + offset, n)
-                lib.g.ggml_backend_tensor_get(t, ctypes.addressof(out), 0, n)
+            with Scratch(self.lib.g, 1) as s:
+                t = _bytes_tensor(self.lib, s, self.buf.ptr, self.buf.base + self.offset, n)
+                self.lib.g.ggml_backend_tensor_get(t, ctypes.addressof(out), 0, n)
         return out
 
-    return fetch
+
+def fetch_row_ids(lib, infos: List[TensorInfo]) -> List[ctypes.Array]:
+    """`shapes.base.copy_ids` of each of `infos` (the copies, in order), with the reads through
+    the backend of tensors in buffers that allow it (apir.host.transfers: a device buffer of
+    the backend's default type) made asynchronously, one synchronize for all; every other
+    tensor read as copy_ids reads it (synchronously)."""
+    transfers = getattr(lib, "transfers", None)
+    out: List[ctypes.Array] = []
+    batch = []
+    for k, info in enumerate(infos):
+        f = info.fetch
+        if transfers is not None and isinstance(f, _Fetcher) and transfers.eligible(f.buf):
+            batch.append(k)
+            out.append(ctypes.create_string_buffer(1))  # replaced below
+        else:
+            out.append(copy_ids(info))
+    if transfers is not None and batch:
+        with Scratch(lib.g, len(batch)) as s:
+            reads = []
+            for k in batch:
+                f, n = infos[k].fetch, extent(infos[k])
+                assert isinstance(f, _Fetcher)
+                reads.append((_bytes_tensor(lib, s, f.buf.ptr, f.buf.base + f.offset, n), n))
+            for k, copy in zip(batch, transfers.read(reads)):
+                out[k] = copy
+    return out
 
 
 def point_at_device_copies(lib, scratch: Scratch, snaps) -> None:

@@ -55,10 +55,10 @@ from typing import Dict, List, Mapping, Optional
 import numpy as np
 
 from apir.codec._kernels import record_key_kernel, record_match_kernel
-from apir.host.graph import point_at_device_copies
+from apir.host.graph import fetch_row_ids, point_at_device_copies
 from apir.host.profiles import CPU
 from apir.host.shapes import OpEnums, TensorInfo, check_node
-from apir.host.shapes.base import copy_ids, id_values
+from apir.host.shapes.base import id_values
 from apir.host.tensors import Scratch
 
 __all__ = [
@@ -231,7 +231,7 @@ class GraphCacheEntry:
         which the same structure never gives."""
         if not self.readers:
             return True
-        snaps = self._fresh_snapshots()
+        snaps = self._fresh_snapshots(lib)
         if snaps is None:
             fresh = self._rerun_rules(enums)
             copied = sorted(i for i, f in fresh.items() if f.snapshot is not None)
@@ -252,25 +252,31 @@ class GraphCacheEntry:
         self.scratch.pinned = list(snaps.values())
         return True
 
-    def _fresh_snapshots(self) -> Optional[Dict[int, ctypes.Array]]:
+    def _fresh_snapshots(self, lib) -> Optional[Dict[int, ctypes.Array]]:
         """Fresh copies of the ids the readers' rules read (tensor index -> copy), each
         checked against the bounds those reads recorded (`shapes.base.check_row_ids`: every
         id in [0, n_rows)), without running the rules: everything else they checked is a
         function of the key and the buffers, which are the entry's. None where this does not
         settle it (an id out of range: the rules then say which; or a read without a
-        recorded bound)."""
+        recorded bound). Reads through the backend are batched (`apir.host.graph.fetch_row_ids`:
+        one synchronize where the backend has async copies)."""
         if self.id_checks is None:
             return None
+        infos = self.infos
+        # the copies a host tensor reads in host memory are refilled in place (below); the
+        # rest are read anew, those through the backend all at once
+        fetched = [i for i, _ in self.id_checks if infos[i].fetch is not None or infos[i].snapshot is None]
+        copies = dict(zip(fetched, fetch_row_ids(lib, [infos[i] for i in fetched]))) if fetched else {}
         snaps: Dict[int, ctypes.Array] = {}
         for i, least in self.id_checks:
-            info = self.infos[i]
-            snap = info.snapshot
-            if info.fetch is None and snap is not None:
+            info = infos[i]
+            snap = copies.get(i)
+            if snap is None:
+                snap = info.snapshot
+                assert snap is not None  # (not fetched: it has one)
                 # the copy the host tensor reads, refilled in place: the entry is this thread's
                 # alone until `put`, and the graph that read it last has finished
                 ctypes.memmove(snap, info.address, len(snap))
-            else:
-                snap = copy_ids(info)
             for flat, n_rows in least:
                 seen = self._id_views.get((i, flat))
                 if seen is not None and seen[0] is snap:

@@ -34,12 +34,18 @@ Profiles (by ggml registration name):
             state lives in its backend context and is reset at every compute; the node
             reordering of its graph_optimize runs only under ggml_backend_sched), so a hit
             only re-uploads the re-checked row ids into the device copy.
+            Copies to and from its device buffers are asynchronous (`async_transfers`,
+            apir.host.transfers): ggml-vulkan's set/get_tensor_async, read for what they
+            assert and when they read the host memory, run from pinned staging and one
+            synchronize per batch.
     RPC     ggml-rpc (servers added by `rpc:HOST:PORT`): the same as Vulkan. The rpc-server's
             device runs the kernels (a CPU or a GPU of the server's), the server checks each
             tensor against its buffer itself (ggml-rpc.cpp deserialize_tensor); remote memory
             is not host-addressable. ggml-rpc serializes the whole graph at every compute
             (it resends only a graph with a nonzero `uid`, which the host's ggml_new_graph_custom
             leaves 0), so a reused host graph reaches the server as a fresh build would.
+            Synchronous copies (no `async_transfers`): ggml 0.20's ggml-rpc has no async
+            copies, and 0.25's were not audited for the host.
 
 Add a backend: a profile here (and its tests); nothing else in the host changes.
 """
@@ -78,7 +84,10 @@ class BackendProfile:
     graph_compute (the backend aborts on a node it has no kernel for).
     `caches_graphs`: the backend's graph_compute leaves the host's ggml_cgraph and tensors as
     built (audited per backend, see the module docstring), so a graph of a structure the
-    context computed before reuses its built host graph (apir.host.graph_cache)."""
+    context computed before reuses its built host graph (apir.host.graph_cache).
+    `async_transfers`: uploads into the backend's default-type buffers are deferred and
+    row-id reads batched with its set/get_tensor_async (apir.host.transfers; audited per
+    backend: ggml-vulkan aborts on any other buffer type)."""
 
     name: str
     rules: Mapping[str, Callable]
@@ -88,6 +97,7 @@ class BackendProfile:
     host_addressable: bool
     device_checks_nodes: bool
     caches_graphs: bool
+    async_transfers: bool = False
 
 
 CPU = BackendProfile(
@@ -113,9 +123,10 @@ VULKAN = BackendProfile(
     host_addressable=False,
     device_checks_nodes=True,
     caches_graphs=True,
+    async_transfers=True,
 )
 # ggml-rpc's memory is another process's, like a GPU's: the same facts as Vulkan.
-RPC = replace(VULKAN, name="RPC")
+RPC = replace(VULKAN, name="RPC", async_transfers=False)
 PROFILES = {p.name.lower(): p for p in (CPU, VULKAN, RPC)}
 
 

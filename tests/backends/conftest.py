@@ -106,11 +106,12 @@ def minilm(paths: dict, backend: str, out: Path, vulkan: bool, device: Optional[
                           timeout=timeout)
 
 
-def graph_cache_run(paths: dict, backend: str, out: Path, vulkan: bool) -> dict:
-    """tests/backends/graph_cache_run.py on `backend`: its report (asserts the process succeeded)."""
+def graph_cache_run(paths: dict, backend: str, out: Path, vulkan: bool, script: str = "graph_cache_run") -> dict:
+    """tests/backends/<script>.py (graph_cache_run, transfers_run) on `backend`: its report
+    (asserts the process succeeded)."""
     import json
 
-    cmd = [sys.executable, "-m", "tests.backends.graph_cache_run", "--backend", backend, str(out)]
+    cmd = [sys.executable, "-m", f"tests.backends.{script}", "--backend", backend, str(out)]
     done = subprocess.run(cmd, env=base_env(paths, vulkan), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())

@@ -98,3 +98,28 @@ def test_repeated_graph_hits_the_cache_with_the_rechecked_row_ids(vk, tmp_path):
     report = graph_cache_run(vk, "vulkan:0", tmp_path / "report.json", True)
     assert report["backend"] == "Vulkan0"
     check_graph_cache_report(report)
+
+
+def test_deferred_uploads_land_before_every_command_that_sees_them(vk, tmp_path):
+    """apir.host.transfers on Vulkan: a set_tensor into a device buffer is queued (ggml-vulkan's
+    set_tensor_async from pinned staging), and the guest gets exactly the bytes it set from
+    each command after it: compute, get, cpy_tensor, clear, free (a new buffer reads zeros);
+    sets past a small staging keep it within its bound; a cached graph's hits read their two
+    row-id tensors in one batch, and an id out of range is refused on a hit
+    (tests/backends/transfers_run.py). Without the flush before other commands, the get after
+    a set reads the old bytes on lavapipe."""
+    report = graph_cache_run(vk, "vulkan:0", tmp_path / "report.json", True, script="transfers_run")
+    print(json.dumps(report["step_counts"]))
+    assert report["backend"] == "Vulkan" and report["deferred"] is True
+    for scenario in ("set_set_compute_get", "set_then_get", "set_then_cpy_tensor", "set_then_clear",
+                     "set_then_free", "bounded_sets", "row_ids_on_hits", "row_id_out_of_range_refused_on_hit",
+                     "after_refusal"):
+        assert report[scenario] is True, (scenario, report)
+    assert 0 < report["staging_most"] <= report["staging_capacity"]
+    deferred, synchronous = report["step_counts"]["deferred"], report["step_counts"]["synchronous"]
+    assert deferred["ok"] and synchronous["ok"]
+    # a step of 4 sets, a hit reading 2 row-id tensors, a get: the sets and the reads are queued
+    assert (deferred["tensor_set_async"], deferred["tensor_get_async"]) == (4, 2)
+    assert (synchronous["tensor_set_async"], synchronous["tensor_get_async"]) == (0, 0)
+    fences = {k: c["synchronize"] + c["tensor_set"] + c["tensor_get"] for k, c in report["step_counts"].items()}
+    assert fences["deferred"] < fences["synchronous"], fences
