@@ -6,9 +6,12 @@ backend (apir.guest.backend) and one tensor filling it is written with ggml_back
 and read back with ggml_backend_tensor_get, end to end (ggml's calls, the guest backend's
 callbacks, the transport, the host's copies):
 
-  copying    buffer_type_alloc_buffer: bytes travel through the client's data window
-             (24 MiB + 192 KiB), in chunks, one buffer_set_tensor / get_tensor each, and the
-             host copies them between the window and its buffer: two copies per byte.
+  copying    buffer_type_alloc_buffer: bytes travel through the client's windows in
+             4 MiB chunks (Remote.transfer_chunk), one buffer_set_tensor / get_tensor each,
+             and the host copies them between the window and its buffer: two copies per
+             byte, overlapped (the guest copies chunk k+1 into the other window while the
+             host takes chunk k; downloads the mirror image), so on two free cores the
+             figure is bounded by two concurrent memcpys, not by two in a row (50%).
              Target: >= 45% of memcpy's throughput.
   zero-copy  device_buffer_from_ptr: the buffer is a shared blob mapped in the guest too;
              ggml's call is one memmove into the mapping. Target: >= 90% of memcpy.
