@@ -417,3 +417,121 @@ def test_cache_is_bounded():
     assert cache.nbytes <= 1000
     cache.clear()
     assert len(cache) == 0 and all(e.scratch.closed for e in entries)
+
+
+def _ids_read_three_ways(g, ctx):
+    """One I32 ids vector of 6, its view v of 3 (made strided, nb[0] = 8, by the test) read at
+    its nb by GET_ROWS of a 10-row and of a 4-row table, and packed (its first 3 elements) by
+    GET_ROWS_BACK into 5 rows: bound 4 at nb, bound 5 packed."""
+    f32 = g.types["F32"]
+    big, small = g.ggml_new_tensor_2d(ctx, f32, 4, 10), g.ggml_new_tensor_2d(ctx, f32, 4, 4)
+    grad, shape = g.ggml_new_tensor_2d(ctx, f32, 4, 3), g.ggml_new_tensor_2d(ctx, f32, 4, 5)
+    ids = g.ggml_new_tensor_1d(ctx, g.types["I32"], 6)
+    v = g.ggml_view_1d(ctx, ids, 3, 0)
+    rows = g.ggml_add(ctx, g.ggml_get_rows(ctx, big, v), g.ggml_get_rows(ctx, small, v))
+    out = g.ggml_concat(ctx, rows, g.ggml_get_rows_back(ctx, grad, v, shape), 1)
+    return out, [big, small, grad, shape, ids]
+
+
+def test_a_hit_checks_each_way_ids_are_read_against_its_least_bound(guest, ggml):
+    """An ids view read by three rules, two ways: on each hit the fresh ids are checked at the
+    view's nb against the least bound read that way (4, not 10) and packed against the packed
+    read's (5); ids neither way reads may be anything. Out of range either way: refused (the
+    kernels would GGML_ASSERT, or write past the result), and the next good ids computed."""
+    from tests.host.shapekit import Case, Remote
+
+    first = {4: lambda n, rng: np.arange(n, dtype=np.int32) % 3}
+    r = Remote(guest, ggml, Case("GET_ROWS", _ids_read_three_ways, data=first))
+    cache = guest.ctx._library.graph_cache
+    try:
+        recs = r.recs.copy()
+        recs["nb"][int(np.nonzero(recs["view_src"] == r.inputs[4])[0][0])][0] = 8  # v: ids 0, 2, 4
+        assert r.compute(recs)[0] == 0
+        big, small = (
+            np.frombuffer(guest.get_tensor(r.remote.handle, r.remote.rpc(t), 4 * 4 * n)[1], np.float32).reshape(n, 4)
+            for t, n in ((r.inputs[0], 10), (r.inputs[1], 4))
+        )
+        hits, misses, served = cache.hits, cache.misses, True
+        # (ids, computed): at nb elements 0, 2, 4 (< 4), packed 0, 1, 2 (< 5); 3 and 5 unread
+        good = ([0, 4, 2, 99, 3, -1], True), ([3, 4, 0, 2**31 - 1, 1, -2**31], True)
+        bad = ([0, 5, 2, 3, 3, 0], False), ([0, 1, 2, 3, 4, 0], False), ([-1, 1, 2, 3, 3, 0], False)
+        for ids, ok in (good[0], *[step for b in bad for step in (b, good[1])]):  # each bad one a hit
+            assert guest.set_tensor(r.remote.handle, r.remote.rpc(r.inputs[4]), np.array(ids, np.int32).tobytes()) == 0
+            rc, dec = r.compute(recs)
+            assert (rc == 0) is ok, ids
+            # a hit (the last graph's bytes again), or a miss after a refusal dropped the entry
+            hits, misses = (hits + 1, misses) if served else (hits, misses + 1)
+            assert (cache.hits, cache.misses) == (hits, misses), ids
+            served = ok
+            if ok:
+                assert dec.i32() == 0
+                got = np.frombuffer(r.result(), np.float32).reshape(8, 4)
+                assert (got[:3] == big[ids[0:6:2]] + small[ids[0:6:2]]).all(), ids
+    finally:
+        r.close()
+
+
+def _get_rows_at(offset):
+    """GET_ROWS of a 4-row table at 3 of 6 I32 ids, from element `offset`."""
+
+    def build(g, ctx):
+        table, ids = g.ggml_new_tensor_2d(ctx, g.types["F32"], 4, 4), g.ggml_new_tensor_1d(ctx, g.types["I32"], 6)
+        y = g.ggml_get_rows(ctx, table, g.ggml_view_1d(ctx, ids, 3, 4 * offset))
+        g.ggml_set_output(y)
+        graph = g.ggml_new_graph(ctx)
+        g.ggml_build_forward_expand(graph, y)
+        return graph, [table, ids], y
+
+    return build
+
+
+def test_graph_bytes_rewritten_during_the_match_serve_only_checked_graphs(guest, ggml):
+    """Two cached graphs, A (ids 0..2 of its buffer) and B (ids 3..5 of its own), and a second
+    thread rewriting the graph bytes from one to the other, in two parts at a random cut (the
+    bytes are a mix of both meanwhile), while they are matched where they lie (the match runs
+    without the GIL): whatever the host reads, it serves a checked graph or refuses. B's ids
+    are made out of range after it was cached, so B never computes (its result keeps its
+    sentinel), and A then computes to ggml CPU's bytes."""
+    import threading
+
+    from tests.host.hostkit import RepeatedGraph
+
+    a, b = RepeatedGraph(guest, ggml, _get_rows_at(0)), RepeatedGraph(guest, ggml, _get_rows_at(3))
+    cache = guest.ctx._library.graph_cache
+    table = np.arange(16, dtype=np.float32).tobytes()
+    try:
+        assert a.compute([table, np.array([1, 2, 3, 9, 9, 9], np.int32).tobytes()])[:2] == (0, 0)
+        assert b.compute([table, np.array([9, 9, 9, 3, 2, 1], np.int32).tobytes()])[:2] == (0, 0)
+        assert guest.set_tensor(b.remote.handle, b.remote.rpc(b.inputs[1]), np.full(6, 4, np.int32).tobytes()) == 0
+        sentinel = np.full(12, -7, np.float32).tobytes()
+        assert guest.set_tensor(b.remote.handle, b.remote.rpc(b.y), sentinel) == 0
+        wires = [np.frombuffer(w, np.uint8) for w in (a.remote.wire, b.remote.wire)]
+        assert len(wires[0]) == len(wires[1])
+        n = len(wires[0])
+        memory = np.frombuffer(guest.data, np.uint8, count=n)
+        stop = threading.Event()
+
+        def rewrite():
+            rng = np.random.default_rng(5)
+            while not stop.is_set():
+                wire, cut = wires[rng.integers(0, 2)], int(rng.integers(0, n))
+                memory[cut:] = wire[cut:]  # (the other graph's bytes before `cut` for a while)
+                memory[:cut] = wire[:cut]
+
+        writer = threading.Thread(target=rewrite)
+        writer.start()
+        try:
+            send = (Cmd.BACKEND_GRAPH_COMPUTE, lambda e: (e.u32(DATA_RES), e.size_t(n)))
+            rcs = [guest.forward(*send)[0] for _ in range(300)]
+        finally:
+            stop.set()
+            writer.join()
+        assert set(rcs) <= {0, 1} and cache.hits > 2, (set(rcs), cache.hits)
+        assert guest.get_tensor(b.remote.handle, b.remote.rpc(b.y), len(sentinel))[1] == sentinel
+        ids = np.array([3, 0, 1, 9, 9, 9], np.int32)
+        rc, status, out = a.compute([table, ids.tobytes()])
+        assert (rc, status) == (0, 0)
+        assert out == np.arange(16, dtype=np.float32).reshape(4, 4)[ids[:3]].tobytes()
+    finally:
+        a.close()
+        b.close()

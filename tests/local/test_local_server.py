@@ -339,3 +339,40 @@ def test_poll_for_request_returns_on_data_at_its_deadline_or_when_spinning_does_
     finally:
         a.close()
         b.close()
+
+
+def _cpu_ticks(thread) -> int:
+    """utime + stime of `thread` (clock ticks, /proc/self/task/<tid>/stat)."""
+    with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # (stat fields 14, 15; fields[0] is field 3)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="per-thread CPU times from /proc")
+def test_idle_connections_stop_spinning(tmp_path, monkeypatch):
+    """After a reply each connection thread polls for the next request for at most spin_s, then
+    blocks in recv: with eight guests connected and idle (spin_s at its cap, spinning made to
+    pay), their threads use no CPU. Spinning past the deadline would use a core among them."""
+    from apir.codec.virtgpu import VirtgpuParam
+    from apir.host import local_server as ls
+
+    monkeypatch.setattr(ls, "spinning_pays", lambda: True)
+    srv = LocalServer(str(tmp_path / "spin.sock"), config={"apir.local.spin_s": "1"}, context_factory=EchoContext)
+    srv.start()
+    socks = []
+    try:
+        assert srv.spin_s == ls.MAX_LOCAL_SPIN_S
+        for _ in range(8):
+            socks.append(raw(srv))
+            os.close(hello(socks[-1]))
+            assert request(socks[-1], Op.GETPARAM, struct.pack("<Q", VirtgpuParam.SUPPORTED_CAPSET_IDS))[0] == 0
+        threads = [t for t in threading.enumerate() if t.name.startswith("apir-local-")]
+        assert len(threads) >= 8
+        time.sleep(20 * ls.MAX_LOCAL_SPIN_S)  # every spin over
+        before = sum(_cpu_ticks(t) for t in threads)
+        time.sleep(0.5)
+        assert sum(_cpu_ticks(t) for t in threads) - before <= 1  # (a tick: 10 ms at most)
+    finally:
+        for s in socks:
+            s.close()
+        srv.close()

@@ -428,7 +428,10 @@ def check_row_ids(
 ) -> None:
     """Every row id of ids in [0, n_rows): the CPU kernels GGML_ASSERT it (an id out of range
     would abort the host); see `row_ids`. The only way rules read ids: each read is recorded
-    in `ids.id_bounds`, so a cached graph can re-check fresh ids against the same bounds."""
+    in `ids.id_bounds`, so a cached graph can re-check fresh ids against the same bounds
+    (apir.host.graph_cache) without the rules. A rule that checks ids some other way must read
+    them through `row_ids` (a read without a bound makes a cached graph run its rules again),
+    never from `ids.snapshot` itself: a check there would be skipped on every cache hit."""
     reads = len(ids.read_by or ())
     ids_in_range(node, row_ids(node, ids, types, flat), n_rows, what)
     if len(ids.read_by or ()) > reads:

@@ -259,6 +259,39 @@ def test_ssm_scan_state_ids_out_of_range(guest, ggml, bad):
     r.close()
 
 
+@pytest.mark.parametrize("bad", [pytest.param([0, 3], id="SSM_SCAN-id-past-states"),
+                                 pytest.param([-1, 1], id="SSM_SCAN-id-negative"),
+                                 pytest.param([INT32_MAX, 0], id="SSM_SCAN-id-max")])
+def test_ssm_scan_state_ids_out_of_range_on_a_cache_hit(guest, ggml, bad):
+    """The same graph again (a graph cache hit: fresh ids checked against the bound the rule
+    recorded, apir.host.graph_cache): ids out of range are refused with the rule's reason (the
+    kernel would read states from s + ids[i] * nb[3], unchecked), and good ids then computed to
+    ggml CPU's bytes."""
+    case = Case("SSM_SCAN", _ssm_scan(), data={6: lambda n, r: np.array([2, 0], np.int32)})
+    r = Remote(guest, ggml, case)
+    try:
+        cache = guest.ctx._library.graph_cache
+
+        def write(values):
+            ids = np.array(values, np.int32).tobytes()
+            assert guest.set_tensor(r.remote.handle, r.remote.rpc(r.inputs[6]), ids) == 0
+
+        rc, dec = r.compute()
+        assert rc == 0 and dec.i32() == 0
+        write(bad)
+        got = refusal(r, serves_next=False)
+        assert cache.hits == 1  # found, re-checked, refused
+        assert_refused_by_rule(got, "SSM_SCAN", r.index(r.out), "row id out of [0, 3)")
+        write([2, 0])
+        for _ in range(2):  # rebuilt (the refused entry was dropped), then a hit
+            rc, dec = r.compute()
+            assert rc == 0 and dec.i32() == 0
+        assert cache.hits == 2
+        assert r.result() == _direct(ggml, case)
+    finally:
+        r.close()
+
+
 @pytest.mark.parametrize("op,build,which", [
     pytest.param("FLASH_ATTN_EXT", _fa(heads=1, kv_heads=1), -1,
                  id="FLASH_ATTN_EXT-result-nb1"),  # the result's rows step by nb[1]

@@ -248,6 +248,14 @@ _OUT_OF_RANGE = [
                  id="SET_ROWS-i64-id-past"),
     pytest.param("SET_ROWS", _set_rows_f32_to_f16, 2, [0, -1, 1, 2, 3, 4], "row id out of [0, 10)",
                  id="SET_ROWS-i64-id-negative"),
+    # ids whose low 32 bits are in range (2**40: 0; -2**63: 0): read as I64, not I32
+    pytest.param("SET_ROWS", _set_rows_f32_to_f16, 2, [0, 1, 2, 3, 4, 2**40], "row id out of [0, 10)",
+                 id="SET_ROWS-i64-id-huge"),
+    pytest.param("SET_ROWS", _set_rows_f32_to_f16, 2, [-2**63, 1, 2, 3, 4, 5], "row id out of [0, 10)",
+                 id="SET_ROWS-i64-id-min"),
+    pytest.param("MUL_MAT_ID", _mul_mat_id("F32"), 1, [0, 2**31 - 1], "expert id out of [0, 4)",
+                 id="MUL_MAT_ID-id-max"),
+    pytest.param("GET_ROWS", _get_rows("F32"), 1, [0, -2**31], "row id out of [0, 6)", id="GET_ROWS-id-min"),
 ]
 
 
