@@ -19,6 +19,10 @@ a `DeviceTransfers` per context turns them into one fence per batch:
   read or free device memory, or depends on it, sees the uploads in the order the guest sent
   them. The context's buffers are freed (free_buffer, a removed resource, deinit) only after a
   flush.
+  The flush is needed even where ggml-vulkan orders its own work: its graph_compute
+  GGML_ASSERTs that no copy is pending in its compute context when GGML_VK_PERF_LOGGER is set,
+  and with a dedicated transfer queue (AMD dGPUs) an async get is not ordered after an async
+  set queued before it (the get's submission waits only on transfers submitted already).
 - **Bound**: the staging is `capacity` bytes (DEFAULT_STAGING_BYTES, made on first use and kept
   until `close`); an upload that does not fit behind the queued ones flushes first, and one
   larger than the whole staging goes the synchronous way. A guest cannot make the host hold
