@@ -146,9 +146,11 @@ class ApirClient(DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
         encode_fn: Optional[Callable[[Encoder], None]],
         decode_fn: Optional[Callable[[Decoder], object]],
         timeout_s: Optional[float] = None,
+        meanwhile: Optional[Callable[[], None]] = None,
     ):
         """One backend function call; returns decode_fn's result (None without one).
-        Raises ForwardError subclasses, ReplyError, ApirTimeout."""
+        `meanwhile`: work done while the host runs the call (Remote.call's). Raises
+        ForwardError subclasses, ReplyError, ApirTimeout."""
 
         def decode(ret: int, dec: Decoder):
             error = forward_error(ret, function)
@@ -161,5 +163,5 @@ class ApirClient(DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
                 raise ReplyError(f"{ApirBackendCommandType(function).c_name}: reply too short or malformed")
             return value
 
-        _, value = self.remote.call(ApirCommandType.FORWARD, function, encode_fn, timeout_s, decode)
+        _, value = self.remote.call(ApirCommandType.FORWARD, function, encode_fn, timeout_s, decode, meanwhile)
         return value

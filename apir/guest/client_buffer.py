@@ -2,13 +2,21 @@
 
 Tensor bytes travel through the data window: `buffer_set_tensor` copies a chunk in, then
 sends (buffer, rpc tensor, window res_id, offset, size); `buffer_get_tensor` sends the same
-and copies the chunk out once the host replied. Transfers larger than the window are cut
-into window-sized chunks at increasing offsets (the C makes a temporary blob instead); each
-chunk is one call under the remote's lock, so chunks of different callers may interleave
-but never share the window.
+and copies the chunk out once the host replied. A transfer of one chunk
+(`Remote.transfer_chunk`, 4 MiB) or less is one such call. A larger one is cut into chunks at
+increasing offsets (the C makes a temporary blob instead) that alternate between two windows
+(`Remote.transfer_windows`), so that the guest's copy of one chunk overlaps the host's copy of
+the previous one (two copies per byte, one after the other, would cap the transfer at half a
+memcpy's speed): an upload copies chunk k+1 into the other window while the host takes chunk
+k, a download copies chunk k-1 out while the host fills chunk k (Remote.call's `meanwhile`).
+Each chunk is still one call whose reply is checked before the next is sent: a refused chunk
+raises, and no later chunk reaches the host (upload) or the caller's buffer (download). The
+remote's lock is held for the whole transfer: other callers wait, never share a window.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 
@@ -34,44 +42,72 @@ class BufferCalls(ClientState):
         to turn tensor addresses into offsets)."""
         return self._forward(F.BUFFER_GET_BASE, lambda enc: enc.handle(buffer), lambda dec: dec.uintptr())
 
-    def _transfer(self, function, buffer: int, rpc: bytes, offset: int, chunk: np.ndarray, copy_in: bool):
-        remote = self.remote
-        n = chunk.size
+    def _chunk(self, function, buffer: int, rpc: bytes, offset: int, res_id: int, size: int, meanwhile=None) -> None:
+        """One set/get_tensor call for `size` bytes at tensor byte `offset`, through window
+        `res_id`; `meanwhile` runs while the host serves it."""
 
         def encode(enc):
-            if copy_in:
-                remote.data_view[:n] = chunk
             enc.handle(buffer)
             enc.blob(rpc)
-            enc.u32(remote.data.res_id)
+            enc.u32(res_id)
             enc.size_t(offset)
-            enc.size_t(n)
+            enc.size_t(size)
 
-        def decode(dec):
-            if not copy_in:
-                chunk[:] = remote.data_view[:n]
-
-        self._forward(function, encode, decode)
+        self._forward(function, encode, None, meanwhile=meanwhile)
 
     def buffer_set_tensor(self, buffer: int, rpc_tensor, offset: int, data) -> None:
         """`apir_buffer_set_tensor`: writes the bytes of `data` (any bytes-like or numpy
-        array, C order) at byte `offset` of the tensor `rpc_tensor` (see client_tensor)."""
+        array, C order) at byte `offset` of the tensor `rpc_tensor` (see client_tensor).
+        Raises the first refused chunk's ForwardError (later chunks are not sent)."""
         rpc = rpc_tensor_bytes(rpc_tensor, self.rpc_dtype)
         src = _bytes_view(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data, False)
-        step = self.remote.data_size
-        for start in range(0, src.size, step):
-            self._transfer(F.BUFFER_SET_TENSOR, buffer, rpc, offset + start, src[start : start + step], True)
+        remote = self.remote
+        with remote.lock:
+            windows = remote.transfer_windows(src.size)
+            step = windows[0][1].size
+            n = -(-src.size // step)
+            overlap = len(windows) > 1
+
+            def fill(k: int) -> None:  # chunk k into its window
+                part = src[k * step : (k + 1) * step]
+                windows[k % len(windows)][1][: part.size] = part
+
+            for k in range(n):
+                if k == 0 or not overlap:
+                    fill(k)
+                then = partial(fill, k + 1) if overlap and k + 1 < n else None
+                size = min(step, src.size - k * step)
+                res_id = windows[k % len(windows)][0]
+                self._chunk(F.BUFFER_SET_TENSOR, buffer, rpc, offset + k * step, res_id, size, then)
 
     def buffer_get_tensor(self, buffer: int, rpc_tensor, offset: int, out) -> None:
         """`apir_buffer_get_tensor`: fills the writable buffer `out` (bytearray, contiguous
-        numpy array, ...) with len(out) bytes from byte `offset` of the tensor."""
+        numpy array, ...) with len(out) bytes from byte `offset` of the tensor. Raises the
+        first refused chunk's ForwardError (`out` then holds the chunks before it, no more)."""
         rpc = rpc_tensor_bytes(rpc_tensor, self.rpc_dtype)
         if isinstance(out, np.ndarray) and not out.flags.c_contiguous:
             raise ValueError("buffer_get_tensor needs a contiguous destination")
         dst = _bytes_view(out, True)
-        step = self.remote.data_size
-        for start in range(0, dst.size, step):
-            self._transfer(F.BUFFER_GET_TENSOR, buffer, rpc, offset + start, dst[start : start + step], False)
+        remote = self.remote
+        with remote.lock:
+            windows = remote.transfer_windows(dst.size)
+            step = windows[0][1].size
+            n = -(-dst.size // step)
+            overlap = len(windows) > 1
+
+            def drain(k: int) -> None:  # chunk k out of its window, once its reply was checked
+                part = dst[k * step : (k + 1) * step]
+                part[:] = windows[k % len(windows)][1][: part.size]
+
+            for k in range(n):
+                then = partial(drain, k - 1) if overlap and k > 0 else None
+                size = min(step, dst.size - k * step)
+                res_id = windows[k % len(windows)][0]
+                self._chunk(F.BUFFER_GET_TENSOR, buffer, rpc, offset + k * step, res_id, size, then)
+                if not overlap:
+                    drain(k)
+            if overlap and n:
+                drain(n - 1)
 
     def buffer_cpy_tensor(self, buffer: int, src_rpc, dst_rpc) -> bool:
         """`apir_buffer_cpy_tensor`: copies tensor `src_rpc` into `dst_rpc` on the host;

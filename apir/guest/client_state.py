@@ -38,6 +38,7 @@ class ClientState:
             encode_fn: Optional[Callable[[Encoder], None]],
             decode_fn: Callable[[Decoder], T],
             timeout_s: Optional[float] = None,
+            meanwhile: Optional[Callable[[], None]] = None,
         ) -> T: ...
 
         @overload
@@ -47,6 +48,7 @@ class ClientState:
             encode_fn: Optional[Callable[[Encoder], None]],
             decode_fn: None,
             timeout_s: Optional[float] = None,
+            meanwhile: Optional[Callable[[], None]] = None,
         ) -> None: ...
 
         def _forward(
@@ -55,4 +57,5 @@ class ClientState:
             encode_fn: Optional[Callable[[Encoder], None]],
             decode_fn: Optional[Callable[[Decoder], T]],
             timeout_s: Optional[float] = None,
+            meanwhile: Optional[Callable[[], None]] = None,
         ) -> Optional[T]: ...

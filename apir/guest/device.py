@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import mmap
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Blob", "VirtgpuDevice", "WatchedDevice"]
+__all__ = ["Blob", "VirtgpuDevice", "WatchedDevice", "NoWaitDevice"]
 
 
 @dataclass
@@ -85,4 +85,16 @@ class WatchedDevice(Protocol):
     def watch(self, timeout_s: float) -> None:
         """Waits up to `timeout_s` seconds (less when something arrives); raises DeviceError
         at once when the host is gone (socket EOF, dead host thread)."""
+        ...
+
+
+@runtime_checkable
+class NoWaitDevice(Protocol):
+    """A device whose `execbuffer` waits a while for the command to run (saving a caller that
+    only waits a sleep on the reply word), and that can also submit without waiting, for a
+    caller with work of its own to do first (apir.guest.remote, `call(meanwhile=...)`)."""
+
+    def execbuffer_nowait(self, payload, ring_idx: int = 0) -> None:
+        """EXECBUFFER that returns once the command is submitted, as the ioctl does; the
+        reply comes through the reply notification word. Errors as `execbuffer`'s."""
         ...

@@ -253,6 +253,16 @@ class LocalDevice:
             else:
                 self._exec_seqs.append(seq)
 
+    def execbuffer_nowait(self, payload, ring_idx: int = 0) -> None:
+        """DRM_IOCTL_VIRTGPU_EXECBUFFER that returns once the command is sent, for a caller
+        with work of its own before it waits on the reply word (apir.guest.remote's
+        `meanwhile`); the host's EXECBUFFER reply is read by the next request or `watch`."""
+        command = bytes(payload)
+        header = REQUEST[Op.EXECBUFFER].pack(VIRTGPU_EXECBUF_RING_IDX, len(command), ring_idx, 0)
+        with self._lock:
+            self._drain_pending()
+            self._exec_seqs.append(self._send(Op.EXECBUFFER, header + command))
+
     def _readable(self, timeout_s: float) -> bool:
         """Whether the socket has data or a hang-up within `timeout_s` (poll: no FD_SETSIZE
         limit, unlike select, in a process with many descriptors)."""

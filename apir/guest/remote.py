@@ -23,6 +23,13 @@ Theory of operation (the C `create_virtgpu` + `remote_call*`, virtgpu.cpp):
    gone, so a dead host is an error within milliseconds, not at the call's limit.
 4. One lock (re-entrant) covers header, data window, submission, wait and the decoding of
    the reply, so concurrent callers never interleave on the shared blobs.
+5. Overlap (tensor transfers): `call(..., meanwhile=fn)` submits without waiting for the
+   command to run (a device's `execbuffer_nowait`, where its execbuffer would wait), runs
+   `fn` (the guest's copy of the next chunk), then waits on the notification word as usual:
+   still one command in flight and one reply per command, checked before the next is sent.
+   For the next chunk to have somewhere to go, `transfer_windows` adds a second window of
+   `transfer_chunk` bytes (a blob made on first use and kept; the host reads and writes a
+   transfer at the start of the blob it names, so the data window cannot be split in two).
 
 A late reply after a timeout can still land in the reply blob; the next call zeroes the
 word first, but a reply arriving during that next call would be taken for its own. A host
@@ -54,15 +61,19 @@ from apir.codec.constants import (
 )
 from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS, VirtgpuParam, blob_size
 from apir.codec.wire import Decoder, Encoder
-from apir.guest.device import Blob, VirtgpuDevice, WatchedDevice
+from apir.guest.device import Blob, NoWaitDevice, VirtgpuDevice, WatchedDevice
 from apir.guest.errors import ApirTimeout, DeviceError, MissingCapability
 
-__all__ = ["Remote", "select_capset", "DEFAULT_FORWARD_TIMEOUT_S", "COMMAND_BUFFER_SIZE"]
+__all__ = ["Remote", "select_capset", "DEFAULT_FORWARD_TIMEOUT_S", "COMMAND_BUFFER_SIZE", "TRANSFER_CHUNK"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_FORWARD_TIMEOUT_S = 300.0  # a graph may run long; the C has no limit at all
 COMMAND_BUFFER_SIZE = 64 * 1024  # the command itself; bulk bytes go through the data window
+# A pipelined transfer's chunk: small enough that filling and draining the pipeline (one chunk
+# copied alone at each end) is cheap and the two windows stay in the last-level cache, large
+# enough that a call's round trip is small next to its copy.
+TRANSFER_CHUNK = 4 << 20
 
 # Wait tuning: spin at least _SPIN_MIN_S, at most _SPIN_MAX_S (twice the recent reply
 # latency when that fits), in one call (then chunks of _SPIN_CHUNK acquire loads should the
@@ -99,7 +110,9 @@ class Remote:
     """One APIR context: capset, context, reply blob, data window, and `call`.
 
     `device`: a VirtgpuDevice, owned from now on (closed by `close`, or when this
-    constructor fails). Raises MissingCapability (capset), DeviceError (context, blobs)."""
+    constructor fails). `transfer_chunk`: the bytes per call of a transfer that overlaps its
+    copies (`transfer_windows`; at most the data window). Raises MissingCapability (capset),
+    DeviceError (context, blobs)."""
 
     def __init__(
         self,
@@ -108,7 +121,10 @@ class Remote:
         data_size: int = SHMEM_DATA_SIZE,
         use_apir_capset: Optional[bool] = None,
         forward_timeout_s: float = DEFAULT_FORWARD_TIMEOUT_S,
+        transfer_chunk: int = TRANSFER_CHUNK,
     ):
+        if transfer_chunk <= 0:
+            raise ValueError(f"transfer_chunk must be positive, got {transfer_chunk}")
         self.device = device
         self.name = getattr(device, "name", type(device).__name__)
         self.forward_timeout_s = forward_timeout_s
@@ -118,6 +134,11 @@ class Remote:
         self._latency_s = _SPIN_MIN_S
         # the wait's sleep
         self._pause: Callable[[float], None] = device.watch if isinstance(device, WatchedDevice) else time.sleep
+        # submission for a call with work of its own to do before it waits (`meanwhile`)
+        self._execbuffer_nowait = device.execbuffer_nowait if isinstance(device, NoWaitDevice) else device.execbuffer
+        self._spare: Optional[Blob] = None  # the second transfer window, once made
+        self._spare_view = _NO_DATA
+        self._spare_refused = False  # the device refused it once: transfers go one chunk at a time
         self._reply: Optional[Blob] = None  # None until made, and once closed
         self._data: Optional[Blob] = None
         self.closed = False
@@ -137,6 +158,7 @@ class Remote:
             raise
         self._reply_word: Optional[Word] = Word(reply.memory, 0)  # the reply notification word
         self.data_view = np.frombuffer(data.memory, dtype=np.uint8)  # the data window, as bytes
+        self.transfer_chunk = min(transfer_chunk, data.size)
 
     @property
     def reply(self) -> Blob:
@@ -170,14 +192,19 @@ class Remote:
         encode_fn: Optional[Callable[[Encoder], None]] = None,
         timeout_s: Optional[float] = None,
         decode_fn: Optional[Callable[[int, Decoder], object]] = None,
+        meanwhile: Optional[Callable[[], None]] = None,
     ) -> Tuple[int, object]:
         """One remote call (`remote_call_prepare` + `remote_call`).
 
         `cmd_type`: ApirCommandType; `flags`: the backend function id for Forward;
         `encode_fn(enc)` appends the arguments (it may also fill the data window);
         `timeout_s`: the wait limit (default by command type); `decode_fn(ret, dec)` reads
-        the reply. Returns (return code, decode_fn's result, or the Decoder itself when no
-        decode_fn is given, valid only while the caller holds `lock`).
+        the reply. `meanwhile()`, when given, runs after the command is submitted and before
+        the wait (without waiting for the command to run where the device can: see the
+        module's 5.); it must not touch the blobs the command uses, and the wait happens even
+        when it raises (its error is then the call's). Returns (return code, decode_fn's
+        result, or the Decoder itself when no decode_fn is given, valid only while the caller
+        holds `lock`).
 
         Raises ApirTimeout, EncoderOverflow, DeviceError (also while waiting, when the
         device's `watch` finds the host gone)."""
@@ -196,8 +223,16 @@ class Remote:
                 encode_fn(enc)
             enc.check()
             self._reply_word.store_release(0)
-            self.device.execbuffer(memoryview(self._command)[: enc.written])
-            word = self._wait(self._reply_word, timeout_s, cmd_type, flags)
+            command = memoryview(self._command)[: enc.written]
+            if meanwhile is None:
+                self.device.execbuffer(command)
+                word = self._wait(self._reply_word, timeout_s, cmd_type, flags)
+            else:
+                self._execbuffer_nowait(command)
+                try:
+                    meanwhile()
+                finally:  # the command is in flight: its reply is waited for in any case
+                    word = self._wait(self._reply_word, timeout_s, cmd_type, flags)
             dec = Decoder(reply.memory, 4, reply.size)
             ret = word - 1
             if decode_fn is None:
@@ -242,6 +277,28 @@ class Remote:
         self._latency_s = 0.75 * self._latency_s + 0.25 * min(elapsed, 4 * _SPIN_MAX_S)
         return word
 
+    def transfer_windows(self, size: int) -> list[Tuple[int, np.ndarray]]:
+        """The windows, as (res_id, byte view), a transfer of `size` bytes goes through, chunk
+        k in window k % len: one (the whole data window) when `size` fits in one
+        `transfer_chunk` or the device refused a second window; else two of `transfer_chunk`
+        bytes, the head of the data window and a second blob, made on first use and kept
+        until `close` (a refusal is logged once, and the transfer then goes one window at a
+        time, as before). The caller holds `lock` for the whole transfer."""
+        with self.lock:
+            whole = [(self.data.res_id, self.data_view)]
+            if size <= self.transfer_chunk or self._spare_refused:
+                return whole
+            if self._spare is None:
+                try:
+                    self._spare = self.device.create_blob(blob_size(self.transfer_chunk))
+                except DeviceError as exc:
+                    log.info("%s: no second transfer window (%s): transfers go one window at a time", self.name, exc)
+                    self._spare_refused = True
+                    return whole
+                self._spare_view = np.frombuffer(self._spare.memory, dtype=np.uint8)
+            chunk = self.transfer_chunk
+            return [(self.data.res_id, self.data_view[:chunk]), (self._spare.res_id, self._spare_view[:chunk])]
+
     @contextlib.contextmanager
     def temporary_blob(self, size: int) -> Iterator[Blob]:
         """A blob of at least `size` bytes for one transfer larger than the data window
@@ -260,8 +317,8 @@ class Remote:
                 return
             self.closed = True
             self._reply_word = None
-            self.data_view = _NO_DATA  # drops the view of the mapping
-            for blob in (self._reply, self._data):
+            self.data_view = self._spare_view = _NO_DATA  # drops the views of the mappings
+            for blob in (self._reply, self._data, self._spare):
                 if blob is not None:
                     try:
                         self.device.destroy_blob(blob)
@@ -269,7 +326,7 @@ class Remote:
                         log.warning("%s: blob %d is still in use; left mapped", self.name, blob.res_id)
                     except DeviceError as exc:  # the host is gone, and the blob with it
                         log.info("%s: blob %d not destroyed: %s", self.name, blob.res_id, exc)
-            self._reply = self._data = None
+            self._reply = self._data = self._spare = None
             self.device.close()
 
     def __enter__(self) -> "Remote":

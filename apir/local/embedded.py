@@ -290,12 +290,20 @@ class EmbeddedDevice:
         sleep on the reply word for short commands; a long graph compute simply goes on, and
         the caller waits on the reply notification with its own timeout, as over a kernel).
         Flag and ring checks happen here, as in the ioctl: IoctlError(EINVAL)."""
+        self._submit(payload, ring_idx, self.exec_wait_s > 0)
+
+    def execbuffer_nowait(self, payload, ring_idx: int = 0) -> None:
+        """DRM_IOCTL_VIRTGPU_EXECBUFFER that returns once the command is queued (as with
+        `exec_wait_s` 0), for a caller with work of its own before it waits on the reply
+        word (apir.guest.remote's `meanwhile`); checks and errors as `execbuffer`'s."""
+        self._submit(payload, ring_idx, False)
+
+    def _submit(self, payload, ring_idx: int, wait: bool) -> None:
         command = bytes(payload)  # the ioctl copies: the caller may reuse its buffer at once
         try:
             self.kernel.check_execbuffer(VIRTGPU_EXECBUF_RING_IDX, ring_idx, len(command))
         except KernelError as exc:
             raise IoctlError(self.node, IoctlName.EXECBUFFER, exc.err, str(exc)) from None
-        wait = self.exec_wait_s > 0
         self._run(
             IoctlName.EXECBUFFER,
             self.kernel.submit,

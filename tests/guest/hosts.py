@@ -98,9 +98,42 @@ class _Callbacks(ctypes.Structure):
                 ("get_shmem_ptr", ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32))]
 
 
+_C_HOST = []  # the C backend initializes once per process: one C host for the session
+
+
+def connect(device, **remote_options):
+    """`ApirClient.connect(device, **remote_options)`, save that the shared C host
+    (`shared_c_host`) gets no second LoadLibrary once a client loaded its backend library (it
+    refuses one: one backend per process), whichever test file connected first."""
+    from apir.guest.client import ApirClient
+    from apir.guest.remote import Remote
+
+    client = ApirClient(Remote(device, **remote_options))
+    try:
+        client.handshake()
+        ctx = getattr(device, "ctx", None)
+        if not (isinstance(ctx, CHostContext) and ctx.loaded):
+            client.load_library()
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def shared_c_host(cref_020):
+    """The session's one CHostContext over the C reference (`cref_020`: its paths.env),
+    made on first use: the C backend initializes once per process, so every test file that
+    talks to the C host shares it (its backend library stays loaded across clients)."""
+    if not _C_HOST:
+        config = {"ggml.library.path": cref_020["LIBGGML_CPU"], "ggml.library.reg": "ggml_backend_cpu_reg"}
+        _C_HOST.append(CHostContext(cref_020["LIBGGML_VIRTGPU_BACKEND"], config))
+    return _C_HOST[0]
+
+
 class CHostContext:
     """The C reference host for one context. The C backend keeps process-wide state (one
-    backend per process, never re-initialized), so make one per test session."""
+    backend per process, never re-initialized), so make one per test session
+    (`shared_c_host`)."""
 
     capset_id = VIRTGPU_DRM_CAPSET_APIR
     version = (0, 2)

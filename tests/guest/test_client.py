@@ -15,12 +15,9 @@ from apir.codec.records import RPC_TENSOR_DTYPE
 from apir.guest.client import ApirClient, DeviceProps
 from apir.guest.errors import BackendFunctionError, LibraryAlreadyLoaded, ReplyError
 from apir.guest.remote import Remote
-from tests.guest.hosts import CHostContext, SilentHost, SyncDevice
+from tests.guest.hosts import CHostContext, SilentHost, SyncDevice, connect, shared_c_host
 
 WINDOW = 64 * 1024  # a small data window, so transfers get chunked
-
-
-_C_HOST = []  # the C backend initializes once per process: one C host for the session
 
 
 @pytest.fixture(scope="module", params=["c-host", "apir-host"])
@@ -29,10 +26,7 @@ def host(request, cref_020):
         from apir.host.component import HostContext
 
         return HostContext(7)
-    if not _C_HOST:
-        config = {"ggml.library.path": cref_020["LIBGGML_CPU"], "ggml.library.reg": "ggml_backend_cpu_reg"}
-        _C_HOST.append(CHostContext(cref_020["LIBGGML_VIRTGPU_BACKEND"], config))
-    return _C_HOST[0]
+    return shared_c_host(cref_020)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +37,7 @@ def is_c_host(host):
 
 @pytest.fixture(scope="module")
 def client(host):
-    c = ApirClient.connect(SyncDevice(host, owns_host=False), data_size=WINDOW, forward_timeout_s=30)
+    c = connect(SyncDevice(host, owns_host=False), data_size=WINDOW, forward_timeout_s=30)
     yield c
     c.close()
 
