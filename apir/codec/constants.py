@@ -162,6 +162,10 @@ ENV_MEMORY_LIMIT = "APIR_HOST_MEMORY_LIMIT"
 CONFIG_KEY_MAX_BUFFERS = "apir.host.max_buffers"  # ggml buffers (handles) per context
 ENV_MAX_BUFFERS = "APIR_HOST_MAX_BUFFERS"
 
+# deferred uploads / batched reads on device memory (apir.host.transfers): on unless off/0
+CONFIG_KEY_ASYNC_TRANSFERS = "apir.host.async_transfers"
+ENV_ASYNC_TRANSFERS = "APIR_HOST_ASYNC_TRANSFERS"
+
 
 class ApirCommandType(enum.IntEnum):
     """The first u32 of every command (api_remoting.h `ApirCommandType`)."""

@@ -31,6 +31,7 @@ import os
 from typing import Callable, Dict, Optional, Tuple
 
 from apir.codec.constants import (
+    CONFIG_KEY_ASYNC_TRANSFERS,
     CONFIG_KEY_BACKEND,
     CONFIG_KEY_IMPORT_HOST_MEMORY,
     CONFIG_KEY_BUFFER_BUDGET,
@@ -67,6 +68,7 @@ __all__ = [
     "CONFIG_KEY_N_THREADS",
     "CONFIG_KEY_POLL",
     "CONFIG_KEY_DEVICE_TYPE",
+    "CONFIG_KEY_ASYNC_TRANSFERS",
     "device_types",
 ]
 
@@ -269,7 +271,12 @@ class PythonBackendLibrary:
         )
         self._abort = ComputeAbort(g, reg, backend, time_limit_s, name=f"ctx {host.ctx_id}")
         self._checker = TensorChecker(g)
-        if self.profile is not None and self.profile.async_transfers:
+        # config apir.host.async_transfers (env APIR_HOST_ASYNC_TRANSFERS) = 0 / off: every
+        # copy synchronous. Where the device's buffers are host-visible (ggml-vulkan maps them
+        # where it can: lavapipe, resizable BAR) a synchronous set is a plain memcpy and the
+        # deferral costs a copy more (apir.host.transfers): measure both on a given GPU.
+        off = (host.get_config(CONFIG_KEY_ASYNC_TRANSFERS) or "").lower() in ("0", "off", "false", "no")
+        if self.profile is not None and self.profile.async_transfers and not off:
             self.transfers = DeviceTransfers(g, backend, dev)
         return LoadRc.INIT_BASE_INDEX + InitRc.SUCCESS
 

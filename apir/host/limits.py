@@ -18,7 +18,8 @@ variable as fallback, like the C's keys (apir.host.component.CONFIG_ENV_FALLBACK
     apir.local.spin_s             (APIR_LOCAL_SPIN_S)             default 200 us
         How long a connection thread polls its socket for the guest's next request after a
         reply, before it blocks (apir.host.local_server); only while spinning pays
-        (apir.local.spin_policy). 0: block at once. A bound on spinning, not on the guest.
+        (apir.local.spin_policy) and no other guest is connected. 0: block at once. A bound
+        on spinning, not on the guest.
     apir.local.max_blobs          (APIR_LOCAL_MAX_BLOBS)          default 1024
         Blobs one context may hold at once (CREATE_BLOB past it: ENOSPC). With the default
         connection limit, at most 32,768 blob mappings: half of Linux's default

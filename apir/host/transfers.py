@@ -19,6 +19,10 @@ a `DeviceTransfers` per context turns them into one fence per batch:
   read or free device memory, or depends on it, sees the uploads in the order the guest sent
   them. The context's buffers are freed (free_buffer, a removed resource, deinit) only after a
   flush.
+  The flush is needed even where ggml-vulkan orders its own work: its graph_compute
+  GGML_ASSERTs that no copy is pending in its compute context when GGML_VK_PERF_LOGGER is set,
+  and with a dedicated transfer queue (AMD dGPUs) an async get is not ordered after an async
+  set queued before it (the get's submission waits only on transfers submitted already).
 - **Bound**: the staging is `capacity` bytes (DEFAULT_STAGING_BYTES, made on first use and kept
   until `close`); an upload that does not fit behind the queued ones flushes first, and one
   larger than the whole staging goes the synchronous way. A guest cannot make the host hold
@@ -45,6 +49,14 @@ no faster). The staging is `ggml_backend_dev_host_buffer_type(dev)`'s (ggml-vulk
 registered on Vulkan device 0), else plain host memory (ggml CPU has no host buffer type; its
 backend has no async copies: ggml_backend_tensor_set_async then synchronizes and copies at
 once, ggml-backend.cpp).
+
+When it pays: where a device buffer is not host-visible, every synchronous set or get waits for
+a fence, and batching them saves all but one. Where ggml-vulkan could map the buffer
+(host-visible device memory: lavapipe, a GPU with resizable BAR), its synchronous set is a
+plain memcpy with no fence, and deferring costs one copy more and a fence per batch (MiniLM's
+weight upload on lavapipe: 1.0-1.5 GB/s deferred, 1.4-2.4 synchronous). ggml does not say
+which memory a buffer got, so config `apir.host.async_transfers=off` turns the deferral off
+per host (apir.host.backend_library).
 """
 
 from __future__ import annotations

@@ -82,6 +82,25 @@ def test_without_async_transfers_every_set_is_synchronous(monkeypatch, ggml, cal
         guest.close()
 
 
+@pytest.mark.parametrize("how", ["config", "env"])
+def test_config_turns_the_deferral_off(monkeypatch, ggml, calls, how):
+    monkeypatch.setattr(backend_library, "profile_for", lambda name: ASYNC)
+    if how == "env":
+        monkeypatch.setenv("APIR_HOST_ASYNC_TRANSFERS", "0")
+    guest = Guest(HostContext(7, {"apir.host.async_transfers": "off"} if how == "config" else {}))
+    s = GgmlScratch(ggml)
+    try:
+        graph, (a, _), _ = _add(ggml, s.ctx)
+        r = RemoteGraph(guest, ggml, s.ctx, graph)
+        assert guest.ctx._library.transfers is None
+        assert guest.set_tensor(r.handle, r.rpc(a), _data(64, 1)) == 0
+        assert calls == [("tensor_set", 256)]
+        r.close()
+    finally:
+        s.close()
+        guest.close()
+
+
 def test_sets_are_queued_and_flushed_before_any_other_command(monkeypatch, ggml, calls):
     """Every backend function but set_tensor first makes the queued uploads land; the results
     are the bytes set (set/set/compute/get, set then get, set then cpy, set then clear)."""
