@@ -87,16 +87,9 @@ def prepare_graph(lib: PythonBackendLibrary, parsed: ParsedGraph, cache: Optiona
     close it)."""
     enums = lib_op_enums(lib)
     key = graph_key(parsed) if cache is not None else b""
-    entry = cache.take(key, lib) if cache is not None else None
+    entry = _rechecked(lib, cache.take(key, lib) if cache is not None else None, enums)
     if entry is not None:
-        try:
-            fresh = entry.recheck(lib, enums)
-        except BaseException:
-            entry.close()
-            raise
-        if fresh:
-            return entry
-        entry.close()
+        return entry
     _warn_if_nothing_to_compute(lib.g, parsed)  # (a hit has the same flags: warned once)
     scratch = Scratch(lib.g, len(parsed.tensors), max(len(parsed.node_index), 1))
     try:
@@ -114,10 +107,16 @@ def _same_graph_again(
     reads (`GraphCache.take_same`: no parse, no key), after its row ids' re-check; None when
     there is none (or the re-check asks for a rebuild). Raises Refused as the re-check does."""
     entry = cache.take_same(memory, size, lib) if cache is not None else None
+    return _rechecked(lib, entry, lib_op_enums(lib)) if entry is not None else None
+
+
+def _rechecked(lib: PythonBackendLibrary, entry: Optional[GraphCacheEntry], enums) -> Optional[GraphCacheEntry]:
+    """`entry` (taken from the cache) after its re-check (`GraphCacheEntry.recheck`), or None
+    (closed) when the re-check asks for a rebuild; closed and re-raised when it refuses."""
     if entry is None:
         return None
     try:
-        fresh = entry.recheck(lib, lib_op_enums(lib))
+        fresh = entry.recheck(lib, enums)
     except BaseException:
         entry.close()
         raise
