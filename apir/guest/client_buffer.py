@@ -34,6 +34,14 @@ def _bytes_view(buf, writable: bool) -> np.ndarray:
     return arr
 
 
+def _chunks(remote, size: int):
+    """(windows, chunk size, number of chunks) of a transfer of `size` bytes: chunk k goes
+    through window k % len(windows) (`Remote.transfer_windows`)."""
+    windows = remote.transfer_windows(size)
+    step = windows[0][1].size
+    return windows, step, -(-size // step)
+
+
 class BufferCalls(ClientState):
     """Mixed into ApirClient."""
 
@@ -63,9 +71,7 @@ class BufferCalls(ClientState):
         src = _bytes_view(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data, False)
         remote = self.remote
         with remote.lock:
-            windows = remote.transfer_windows(src.size)
-            step = windows[0][1].size
-            n = -(-src.size // step)
+            windows, step, n = _chunks(remote, src.size)
             overlap = len(windows) > 1
 
             def fill(k: int) -> None:  # chunk k into its window
@@ -90,9 +96,7 @@ class BufferCalls(ClientState):
         dst = _bytes_view(out, True)
         remote = self.remote
         with remote.lock:
-            windows = remote.transfer_windows(dst.size)
-            step = windows[0][1].size
-            n = -(-dst.size // step)
+            windows, step, n = _chunks(remote, dst.size)
             overlap = len(windows) > 1
 
             def drain(k: int) -> None:  # chunk k out of its window, once its reply was checked
