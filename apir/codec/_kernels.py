@@ -51,6 +51,7 @@ __all__ = [
     "parse_graph_kernel",
     "record_key_kernel",
     "record_match_kernel",
+    "rule_group_kernel",
     "TL_FIELDS",
     "RL_FIELDS",
     "LIM_FIELDS",
@@ -780,3 +781,105 @@ def record_match_kernel(new, old, head, rec_size, mask, name_at, name_len):
         if diff:
             return False
     return True
+
+
+# --- tensors whose shape rules see the same inputs ---------------------------------------------
+
+_LOW62 = (1 << 62) - 1
+
+
+@helper
+def _row_hash(words, mask, r):
+    h = 0
+    for k in range(words.shape[1]):
+        # (int(): in the Python twin, numpy scalars would overflow)
+        h = ((h ^ (int(words[r, k]) & int(mask[k]))) * _GOLDEN) & _LOW62
+    return h
+
+
+@helper
+def _same_row(words, mask, a, b):
+    for k in range(words.shape[1]):
+        if (words[a, k] ^ words[b, k]) & mask[k]:
+            return False
+    return True
+
+
+@helper
+def _src_code(src_index, i, k):
+    """What src slot k of tensor i is, apart from the source's record: -1 none, -2 the
+    tensor itself, else the first slot of i's row holding the same tensor."""
+    s = src_index[i, k]
+    if s < 0:
+        return -1
+    if s == i:
+        return -2
+    for q in range(k):
+        if src_index[i, q] == s:
+            return q
+    return k
+
+
+@helper
+def _same_inputs(tclass, src_index, a, b):
+    if tclass[a] != tclass[b]:
+        return False
+    for k in range(src_index.shape[1]):
+        ca = _src_code(src_index, a, k)
+        if ca != _src_code(src_index, b, k):
+            return False
+        if ca >= 0 and tclass[src_index[a, k]] != tclass[src_index[b, k]]:
+            return False
+    return True
+
+
+@jit
+def rule_group_kernel(words, mask, src_index, out_rep):
+    """`out_rep[i]` (int32[n]) = the first tensor whose shape rule sees what tensor i's sees:
+    the same bytes under `mask` (int64[w]: the fields rules read) in its record `words[i]`
+    (int64[n, w]: the records, 8 bytes a word) and in the record of each source, and the same
+    source slots holding none, itself, or one tensor twice (`src_index`, int32[n, max_src]).
+    Exact comparisons decide; hashes only find candidates. Returns the number of groups."""
+    n = words.shape[0]
+    cap = 16
+    while cap < 2 * n:
+        cap *= 2
+    slot_mask = cap - 1
+    tclass = np.empty(n, np.int32)
+    table = np.full(cap, -1, np.int32)
+    # 1. tensors with the same masked record share a class: the first of them
+    for i in range(n):
+        s = _row_hash(words, mask, i) & slot_mask
+        while True:
+            r = table[s]
+            if r < 0:
+                table[s] = i
+                tclass[i] = i
+                break
+            if _same_row(words, mask, r, i):
+                tclass[i] = r
+                break
+            s = (s + 1) & slot_mask
+    # 2. tensors with the same class, source slots and source classes share a group
+    table[:] = -1
+    groups = 0
+    for i in range(n):
+        h = int(tclass[i])
+        for k in range(src_index.shape[1]):
+            c = _src_code(src_index, i, k)
+            h = ((h ^ c) * _GOLDEN) & _LOW62
+            if c >= 0:
+                h = ((h ^ int(tclass[src_index[i, k]])) * _GOLDEN) & _LOW62
+        s = h & slot_mask
+        while True:
+            r = table[s]
+            if r < 0:
+                table[s] = i
+                out_rep[i] = i
+                groups += 1
+                break
+            if _same_inputs(tclass, src_index, r, i):
+                out_rep[i] = r
+                break
+            s = (s + 1) & slot_mask
+    return groups

@@ -8,7 +8,8 @@ its extent inside the source's), every tensor of the graph must have data (a ker
 through it), its span (its elements' bytes with each dimension of 0 taken as 1,
 `base.check_span`) must fit its buffer (an empty tensor's other dimensions, or elements aliased
 through strides of 0, would otherwise size ggml's work buffer and kernel loops far beyond any
-memory), and each node's shape goes through `apir.host.shapes.check_node`, then what rules ask
+memory), and each node's shape goes through `apir.host.shapes.check_node` (once per group of
+tensors whose rules see equal inputs, apir.host.rule_memo: a model's layers repeat), then what rules ask
 of the whole graph (`_check_graph_needs`: row ids read before compute are written by no node
 before they are read; kernels safe only on one thread are in a one-thread graph). Only then are
 tensors created in a host `ggml_context` (no data allocated: `data` points into the checked
@@ -39,7 +40,8 @@ import numpy as np
 from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
-from apir.host.shapes import OpEnums, TensorInfo, check_node, op_enums
+from apir.host.rule_memo import check_nodes, rule_groups
+from apir.host.shapes import OpEnums, TensorInfo, op_enums
 from apir.host.shapes.base import check_span, copy_ids, extent
 from apir.host.profiles import CPU, EMPTY_OPS, BackendProfile
 from apir.host.work_plan import work_budget
@@ -394,7 +396,6 @@ def build_graph(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums: OpEn
 def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums: OpEnums) -> BuiltGraph:
     """`build_graph`, returning the graph with what its checks saw; raises Refused."""
     g = lib.g
-    n = len(parsed.tensors)
     if len(np.unique(parsed.node_index)) != len(parsed.node_index):
         raise Refused("graph: a node is listed twice")
     recs = _check_records(lib, parsed)
@@ -411,12 +412,7 @@ def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums
             info.fetch = _Fetcher(lib, b, o)
     _check_spans(lib, parsed, infos, recs)
     src_rows = parsed.src_index.tolist()
-    for i in range(n):
-        row = src_rows[i]
-        k = len(row)
-        while k and row[k - 1] < 0:
-            k -= 1
-        check_node(infos[i], [infos[j] if j >= 0 else None for j in row[:k]], enums, profile.rules)
+    check_nodes(infos, src_rows, enums, profile.rules, rule_groups(parsed))
     _check_graph_needs(parsed, infos, bufs, offsets, recs.extents.tolist(), profile)
 
     host = _create_tensors(lib, parsed, scratch, recs).tolist()
