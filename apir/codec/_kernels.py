@@ -52,6 +52,13 @@ __all__ = [
     "record_key_kernel",
     "record_match_kernel",
     "rule_group_kernel",
+    "call_ptr_ptr_i32_i64",
+    "call_void_ptr_ptr",
+    "new_tensors_kernel",
+    "add_nodes_kernel",
+    "write_tensors_kernel",
+    "record_fields_kernel",
+    "record_bounds_kernel",
     "TL_FIELDS",
     "RL_FIELDS",
     "LIM_FIELDS",
@@ -231,6 +238,62 @@ def _i_memzero(typingctx, dst, size):
         return context.get_dummy_value()
 
     return types.void(dst, size), codegen
+
+
+# --- calls of C functions by address ------------------------------------------------------------
+# (the address is an argument, never a constant of the compiled code, so the on-disk cache
+# stays valid in every process; the C signatures are the ggml functions the host calls in bulk)
+
+
+def call_ptr_ptr_i32_i64(fn, a, b, c):
+    """`void *fn(void *a, int32_t b, int64_t c)` (ggml_new_tensor_1d), its result as an int."""
+    f = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64)(int(fn))
+    return f(int(a), int(b), int(c)) or 0
+
+
+def call_void_ptr_ptr(fn, a, b):
+    """`void fn(void *a, void *b)` (ggml_graph_add_node)."""
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(int(fn))(int(a), int(b))
+
+
+@intrinsic
+def _i_call_ptr_ptr_i32_i64(typingctx, fn, a, b, c):
+    if not all(isinstance(t, types.Integer) for t in (fn, a, b, c)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i64, i32, i8p = ir.IntType(64), ir.IntType(32), ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(i8p, [i8p, i32, i64])
+        f, x, y, z = (context.cast(builder, v, t, types.int64) for v, t in zip(args, sig.args))
+        ret = builder.call(builder.inttoptr(f, fnty.as_pointer()), [builder.inttoptr(x, i8p), builder.trunc(y, i32), z])
+        return builder.ptrtoint(ret, i64)
+
+    return types.int64(fn, a, b, c), codegen
+
+
+@intrinsic
+def _i_call_void_ptr_ptr(typingctx, fn, a, b):
+    if not all(isinstance(t, types.Integer) for t in (fn, a, b)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i8p])
+        f, x, y = (context.cast(builder, v, t, types.int64) for v, t in zip(args, sig.args))
+        builder.call(builder.inttoptr(f, fnty.as_pointer()), [builder.inttoptr(x, i8p), builder.inttoptr(y, i8p)])
+        return context.get_dummy_value()
+
+    return types.void(fn, a, b), codegen
+
+
+@overload(call_ptr_ptr_i32_i64)
+def _ol_call_ptr_ptr_i32_i64(fn, a, b, c):
+    return lambda fn, a, b, c: _i_call_ptr_ptr_i32_i64(fn, a, b, c)  # type: ignore[call-arg]  # typingctx
+
+
+@overload(call_void_ptr_ptr)
+def _ol_call_void_ptr_ptr(fn, a, b):
+    return lambda fn, a, b: _i_call_void_ptr_ptr(fn, a, b)  # type: ignore[call-arg]  # typingctx
 
 
 @overload(load_u8)
@@ -883,3 +946,193 @@ def rule_group_kernel(words, mask, src_index, out_rep):
                 break
             s = (s + 1) & slot_mask
     return groups
+
+
+# --- host tensors and graph nodes, created in bulk ---------------------------------------------
+
+
+@jit
+def new_tensors_kernel(new_tensor_1d, ctx, order, type_, ne0, out):
+    """For each tensor i of `order` (int64), in that order: `out[i]` = ggml_new_tensor_1d(ctx,
+    type_[i], ne0[i]) (its address; `new_tensor_1d` the function's). Returns 0, or -1 - i
+    where ggml returned NULL (the context is full)."""
+    for k in range(order.size):
+        i = order[k]
+        t = call_ptr_ptr_i32_i64(new_tensor_1d, ctx, type_[i], ne0[i])
+        if t == 0:
+            return -1 - i
+        out[i] = t
+    return 0
+
+
+@jit
+def add_nodes_kernel(add_node, graph, nodes, host):
+    """ggml_graph_add_node(graph, host[j]) for each j of `nodes` (int64), in order
+    (`add_node` the function's address). Returns 0."""
+    for k in range(nodes.size):
+        call_void_ptr_ptr(add_node, graph, host[nodes[k]])
+    return 0
+
+
+@jit
+def write_tensors_kernel(
+    off, created, order, host, ne, nb, op, op_params, flags, names, buffer, data, src, view_src, view_offs
+):
+    """The fields of fresh ggml tensors (`created[k]`, the k-th tensor of `order`, from
+    ggml_new_tensor_1d: zeroed but for type and its own fields) written as the host twin of
+    record `order[k]`. `off` (int64[11]): the offsets in struct ggml_tensor of ne, nb, op,
+    op_params, flags, name, buffer, data, src, view_src and view_offs (8-byte ne, nb and
+    pointers; 4-byte op, flags and op_params entries; one byte a name entry). Per record:
+    ne, nb (int64[n, 4]); op, flags (int64[n]); op_params (int32[n, P]); names (uint8[n, L]:
+    copied up to and including the first NUL; the rest stays zero); buffer, data (int64[n]:
+    the values to store); src (int32[n, S]) and view_src (int32[n]), tensor indices or -1,
+    stored as the twins' addresses (`host`, int64[n]) or NULL; view_offs (int64[n]), stored
+    for views only. Returns 0."""
+    for k in range(order.size):
+        i = order[k]
+        a = created[k]
+        for d in range(4):
+            store_i64(a + off[0] + 8 * d, ne[i, d])
+            store_i64(a + off[1] + 8 * d, nb[i, d])
+        store_u32(a + off[2], op[i])
+        for q in range(op_params.shape[1]):
+            store_u32(a + off[3] + 4 * q, op_params[i, q])
+        store_u32(a + off[4], flags[i])
+        for b in range(names.shape[1]):
+            c = names[i, b]
+            if c == 0:
+                break
+            store_u8(a + off[5] + b, c)
+        store_i64(a + off[6], buffer[i])
+        store_i64(a + off[7], data[i])
+        for s in range(src.shape[1]):
+            j = src[i, s]
+            store_i64(a + off[8] + 8 * s, host[j] if j >= 0 else 0)
+        v = view_src[i]
+        store_i64(a + off[9], host[v] if v >= 0 else 0)
+        store_i64(a + off[10], view_offs[i] if v >= 0 else 0)
+    return 0
+
+
+# --- the host's checks of a parsed graph's records, on whole arrays ----------------------------
+
+_FAST_LIMIT = float(1 << 60)  # bound on every intermediate of the extent arithmetic: int64 exact
+_VALUE_MAX = 1 << 62  # a wire value the host takes as it is (as apir.host.tensors' _NE_MAX)
+
+
+@helper
+def _load_wide(addr, width):
+    # an unsigned wire field of `width` bytes (4 or 8); one of 8 at or past 2**63 reads < 0
+    return load_u32(addr) if width == 4 else load_i64(addr)
+
+
+@jit
+def record_fields_kernel(
+    rows,
+    n,
+    size,
+    off,
+    width,
+    name_len,
+    valid,
+    custom,
+    type_size,
+    blck_size,
+    extents,
+    offsets,
+    voffs,
+    handle_of,
+    handles,
+):
+    """The per-record checks of apir.host.graph._check_records on the n apir_rpc_tensor
+    records at address `rows` (`size` bytes each; a copy the host owns): a valid type
+    (`valid`, uint8 per type), an op below len(`custom`) that is not custom (`custom`, uint8
+    per op), ne and nb below 2**62 with ne[0] a multiple of the type's block, a NUL in the
+    name, every extent intermediate below 2**60 (float bound, then exact), data and view_offs
+    below 2**62. `off` (int64[8]): the records' offsets of type, op, ne, nb, name, data,
+    view_offs and buffer; `width`: the bytes of one ne / nb entry (4 or 8). Fills per record
+    its extent (TensorChecker.extent), data offset, view_offs and the index of its buffer
+    handle in `handles` (each handle once, in order of first use, as int64 bit patterns).
+    Returns the number of handles, or -1 when any record fails a check or leaves the range
+    (the caller then checks record by record)."""
+    cap = 16
+    while cap < 2 * n:
+        cap *= 2
+    table = np.full(cap, -1, np.int64)
+    n_handles = 0
+    for i in range(n):
+        r = rows + i * size
+        ty = load_u32(r + off[0])
+        op = load_u32(r + off[1])
+        if ty >= valid.size or valid[ty] == 0 or op >= custom.size or custom[op] != 0:
+            return -1
+        ts = type_size[ty]
+        blck = blck_size[ty]
+        ne0 = _load_wide(r + off[2], width)
+        nb0 = _load_wide(r + off[3], width)
+        if ne0 < 0 or nb0 < 0 or ne0 >= _VALUE_MAX or nb0 >= _VALUE_MAX or ne0 % blck != 0:
+            return -1
+        bound = float(ne0) * (float(nb0) + float(ts)) + float(nb0)
+        empty = ne0 == 0
+        rest = 0
+        for d in range(1, 4):
+            ne = _load_wide(r + off[2] + d * width, width)
+            nb = _load_wide(r + off[3] + d * width, width)
+            if ne < 0 or nb < 0 or ne >= _VALUE_MAX or nb >= _VALUE_MAX:
+                return -1
+            bound += float(ne) * float(nb) + float(nb)
+            empty = empty or ne == 0
+            rest += (ne - 1) * nb
+        if bound >= _FAST_LIMIT:
+            return -1
+        has_nul = False
+        for b in range(name_len):
+            if load_u8(r + off[4] + b) == 0:
+                has_nul = True
+                break
+        if not has_nul:
+            return -1
+        blocks0 = ne0 // blck
+        row = max(blocks0 * ts, (blocks0 - 1) * nb0 + ts)
+        if blck > 1:
+            row = max(row, blocks0 * nb0)
+        extents[i] = 0 if empty else row + rest
+        data = load_i64(r + off[5])
+        vo = load_i64(r + off[6])
+        if data < 0 or vo < 0 or data >= _VALUE_MAX or vo >= _VALUE_MAX:
+            return -1
+        offsets[i] = data
+        voffs[i] = vo
+        h = load_i64(r + off[7])
+        s = ((h * _GOLDEN) >> 32) & (cap - 1)
+        while True:
+            k = table[s]
+            if k < 0:
+                table[s] = n_handles
+                handles[n_handles] = h
+                handle_of[i] = n_handles
+                n_handles += 1
+                break
+            if handles[k] == h:
+                handle_of[i] = k
+                break
+            s = (s + 1) & (cap - 1)
+    return n_handles
+
+
+@jit
+def record_bounds_kernel(extents, offsets, voffs, handle_of, sizes, ident, view_src):
+    """The rest of _check_records: each record's data + extent within its buffer's size
+    (`sizes`, per handle) and each view (`view_src` >= 0) in the same buffer as its source
+    (`ident`, per handle: the same number for handles of one buffer), at the source's data +
+    view_offs, its extent inside the source's. Returns 0, or -1 when any fails."""
+    for i in range(extents.size):
+        if offsets[i] + extents[i] > sizes[handle_of[i]]:
+            return -1
+        v = view_src[i]
+        if v >= 0:
+            if ident[handle_of[i]] != ident[handle_of[v]] or offsets[i] != offsets[v] + voffs[i]:
+                return -1
+            if voffs[i] + extents[i] > extents[v]:
+                return -1
+    return 0

@@ -128,10 +128,8 @@ def _rechecked(lib: PythonBackendLibrary, entry: Optional[GraphCacheEntry], enum
 
 def _entry(key: bytes, scratch: Scratch, built: BuiltGraph, parsed: ParsedGraph) -> GraphCacheEntry:
     """The cache entry of a graph just built (its scratch context now owned by the entry)."""
-    handles = parsed.tensors["buffer"].tolist()
-    buffers = {h: b for h, b in zip(handles, built.bufs)}
-    readers = sorted({j for info in built.infos if info.snapshot is not None for j in info.read_by or ()})
-    return GraphCacheEntry(key, scratch, built.graph, built.host, buffers, built.infos, built.src_rows, readers)
+    readers = sorted({j for info in built.infos.made() if info.snapshot is not None for j in info.read_by or ()})
+    return GraphCacheEntry(key, scratch, built.graph, built.host, built.buffers, built.infos, built.src_rows, readers)
 
 
 def _warn_if_nothing_to_compute(g, parsed) -> None:

@@ -16,15 +16,18 @@ tensors created in a host `ggml_context` (no data allocated: `data` points into 
 buffers), in sources-first order (row ids pointed at the copy their rule checked), and the nodes
 added to a graph in the guest's node order.
 
-Speed: a MiniLM batch has ~330 tensors, so per-tensor Python work shows in every compute.
-The record checks therefore run on the parsed graph's arrays at once (`_check_records`);
-when that finds any problem, or values too large for its int64 arithmetic, the per-tensor
-checks (`_check_records_one_by_one`, `TensorChecker.check_rpc`: exact Python integers) run
-instead and raise the same `Refused` as always, so the vectorized path never decides a
-refusal, only an acceptance the per-tensor path would make too. The host tensors' fields
-are written in bulk through one numpy view of the context's tensors when ggml placed them
-at one fixed stride of at least sizeof(struct ggml_tensor) (whose layout
-`apir.ggml.layout.check_layout` checked at load), else tensor by tensor.
+Speed: a MiniLM batch has ~330 tensors and a large LLM graph over 10,000, so nothing here
+runs Python per tensor. The record checks run on the parsed graph's arrays at once
+(`_check_records`); when that finds any problem, or values too large for its int64
+arithmetic, the per-tensor checks (`_check_records_one_by_one`, `TensorChecker.check_rpc`:
+exact Python integers) run instead and raise the same `Refused` as always, so the vectorized
+path never decides a refusal, only an acceptance the per-tensor path would make too. A
+tensor's `TensorInfo` is made only when a rule or check asks for it (`TensorInfos`), and a
+rule runs once per group of equal inputs (apir.host.rule_memo). The host tensors are
+created and their fields written by Numba kernels that call ggml through its function
+addresses and write at the offsets of the layout `apir.ggml.layout.check_layout` checked at
+load (`_create_tensors`; field by field through numpy if that layout is not the one the
+kernel writes).
 
 Errors: `Refused` (with the tensor or node index) for anything the checks reject.
 """
@@ -32,11 +35,17 @@ Errors: `Refused` (with the tensor or node index) for anything the checks reject
 from __future__ import annotations
 
 import ctypes
-import dataclasses
-from typing import TYPE_CHECKING, List, NamedTuple, Optional
+from typing import TYPE_CHECKING, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from apir.codec._kernels import (
+    add_nodes_kernel,
+    new_tensors_kernel,
+    record_bounds_kernel,
+    record_fields_kernel,
+    write_tensors_kernel,
+)
 from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
@@ -60,8 +69,6 @@ __all__ = [
     "fetch_row_ids",
 ]
 
-# Bound on every intermediate of the vectorized extent arithmetic: below it int64 is exact.
-_FAST_LIMIT = float(1 << 60)
 _NE_MAX = 1 << 62  # as apir.host.tensors
 
 
@@ -94,7 +101,7 @@ def lib_op_enums(lib: PythonBackendLibrary) -> OpEnums:
 _EMPTY_OPS = EMPTY_OPS  # ops whose nodes write nothing (ggml_op_is_empty)
 
 
-def _check_graph_needs(parsed, infos, bufs, offsets, extents, profile: BackendProfile = CPU) -> None:
+def _check_graph_needs(lib, parsed, made: List[TensorInfo], recs: _Records, profile: BackendProfile = CPU) -> None:
     """What rules asked of the whole graph: row ids they read before compute are not written
     by a node that runs before (or is) their last reader (a node's own result, or the sources
     an OPT_STEP_* updates in place): ggml CPU would then read other ids than those checked.
@@ -102,39 +109,52 @@ def _check_graph_needs(parsed, infos, bufs, offsets, extents, profile: BackendPr
     and the kernels read the checked copy anyway (TensorInfo.snapshot). And a kernel that is
     only safe on one thread is in a graph that the CPU runs on one thread (the profile's
     `one_task_ops`)."""
-    nodes = [int(j) for j in parsed.node_index]
-    if any(info.one_thread for info in infos):
-        many = [j for j in nodes if infos[j].op_name not in profile.one_task_ops]
+    op_names, ops = lib.g.op_names, parsed.tensors["op"]
+    nodes = parsed.node_index.astype(np.int64)
+    one_thread = [info for info in made if info.one_thread]
+    if one_thread:
+        many = [j for j in nodes.tolist() if op_names[int(ops[j])] not in profile.one_task_ops]
         if many:
-            who = next(info for info in infos if info.one_thread)
+            who = one_thread[0]
             why = (
-                f"only safe on one thread, and node {many[0]} ({infos[many[0]].op_name}) "
+                f"only safe on one thread, and node {many[0]} ({op_names[int(ops[many[0]])]}) "
                 f"makes the CPU run this graph on several"
             )
             raise Refused(f"node {who.index}: {why}", node=who.index, op=who.op_name, reason=why, rule=_GRAPH_NEEDS)
-    read = [i for i, info in enumerate(infos) if info.snapshot is not None]
+    read = [info for info in made if info.snapshot is not None]
     if not read:
         return
-    position = {j: pos for pos, j in enumerate(nodes)}
-    src_rows = parsed.src_index.tolist()
-    writes = []  # (position, node, tensor it writes)
-    for pos, j in enumerate(nodes):
-        if infos[j].op_name in _EMPTY_OPS:
-            continue
-        writes.append((pos, j, j))
-        if infos[j].op_name.startswith("OPT_STEP"):
-            writes += [(pos, j, k) for k in src_rows[j] if k >= 0]
-    for i in read:
-        # (a reader that is not a node, e.g. a leaf, reads nothing at compute)
-        until = max((position.get(j, -1) for j in infos[i].read_by or ()), default=-1)
-        lo, hi = offsets[i], offsets[i] + extents[i]
-        for pos, j, k in writes:
-            if pos <= until and bufs[k] is bufs[i] and offsets[k] < hi and lo < offsets[k] + extents[k]:
-                why = (
-                    f"row ids read before compute, but node {j} ({infos[j].op_name}) "
-                    f"writes over them before they are read"
-                )
-                raise Refused(f"graph tensor {i}: {why}", node=j, op=infos[j].op_name, reason=why, rule=_GRAPH_NEEDS)
+    # per node in graph order: whether it writes (ggml_op_is_empty), its buffer's identity, bytes
+    names = [op_names.get(o, "") for o in range(lib.g.op_count)]
+    empty = np.array([name in _EMPTY_OPS for name in names], np.bool_)
+    opt_step = np.array([name.startswith("OPT_STEP") for name in names], np.bool_)
+    ident: Dict[int, int] = {}  # id(HostBuffer) -> index of its first handle (two may name one buffer)
+    same = recs.per_tensor([ident.setdefault(id(b), k) for k, b in enumerate(recs.found)])
+    offsets, extents = recs.offsets, recs.extents
+    writes = ~empty[ops[nodes]]
+    opt_steps = [(pos, int(nodes[pos])) for pos in np.flatnonzero(writes & opt_step[ops[nodes]]).tolist()]
+    for info in read:
+        i = info.index
+        # the position of its last reader (-1 for none: a reader that is not a node, e.g. a
+        # leaf, reads nothing at compute)
+        readers = np.flatnonzero(np.isin(nodes, info.read_by or ()))
+        until = int(readers[-1]) if len(readers) else -1
+        hit = writes[: until + 1] & _overlap(nodes[: until + 1], i, same, offsets, extents)
+        for pos, j in opt_steps:  # an OPT_STEP_* updates its sources in place too
+            if pos <= until and not hit[pos]:
+                srcs = parsed.src_index[j]
+                hit[pos] = bool(_overlap(srcs[srcs >= 0].astype(np.int64), i, same, offsets, extents).any())
+        if hit.any():
+            j = int(nodes[int(np.argmax(hit))])
+            op = op_names[int(ops[j])]
+            why = f"row ids read before compute, but node {j} ({op}) writes over them before they are read"
+            raise Refused(f"graph tensor {i}: {why}", node=j, op=op, reason=why, rule=_GRAPH_NEEDS)
+
+
+def _overlap(k: np.ndarray, i: int, same: np.ndarray, offsets: np.ndarray, extents: np.ndarray) -> np.ndarray:
+    """Whether each of tensors `k` lies over tensor i's bytes (the same buffer, `same`)."""
+    lo, hi = offsets[i], offsets[i] + extents[i]
+    return (same[k] == same[i]) & (offsets[k] < hi) & (lo < offsets[k] + extents[k])
 
 
 # (the `rule` of _check_graph_needs' refusals: apir.host.errors.Refused)
@@ -142,14 +162,26 @@ _GRAPH_NEEDS = f"{__name__}._check_graph_needs"
 
 
 class _Records(NamedTuple):
-    """What the record checks found: per tensor its buffer, data offset and extent."""
+    """What the record checks found: per tensor its buffer (`found[inverse[i]]`), data offset
+    and extent."""
 
-    bufs: list  # HostBuffer per tensor
+    handles: List[int]  # the graph's buffer handles, each once
+    found: List[HostBuffer]  # the HostBuffer of each of `handles`
+    inverse: np.ndarray  # int64 per tensor: its handle's index in `handles`
     offsets: np.ndarray  # int64
     extents: np.ndarray  # int64
 
+    @property
+    def bufs(self) -> List[HostBuffer]:
+        """The HostBuffer of every tensor."""
+        return [self.found[k] for k in self.inverse.tolist()]
 
-def _check_spans(lib: PythonBackendLibrary, parsed, infos: list[TensorInfo], recs: _Records) -> None:
+    def per_tensor(self, values: list) -> np.ndarray:
+        """`values` (one per handle) as an array with one per tensor."""
+        return np.asarray(values)[self.inverse]
+
+
+def _check_spans(lib: PythonBackendLibrary, parsed, infos: TensorInfos, recs: _Records) -> None:
     """Every tensor's span (`base.span_nbytes`: its elements' bytes with each 0 dimension
     taken as 1) within its buffer's size, an empty tensor's within the larger of that and the
     context's work budget (`base.check_span`, issue 13 classes 1 and 2: an empty tensor is
@@ -162,11 +194,11 @@ def _check_spans(lib: PythonBackendLibrary, parsed, infos: list[TensorInfo], rec
     type_ = t["type"].astype(np.int64)
     ne = np.maximum(t["ne"].astype(np.float64), 1.0)
     span = np.ceil(ne[:, 0] / chk.blck_size_arr[type_]) * ne[:, 1:].prod(axis=1) * chk.type_size_arr[type_]
-    sizes = np.array([b.size for b in recs.bufs], dtype=np.float64)
+    sizes = recs.per_tensor([float(b.size) for b in recs.found])
     suspects = np.flatnonzero(span > sizes * (1 - 1e-9)).tolist()
     budget = work_budget(lib) if suspects else 0
     for i in suspects:
-        size = recs.bufs[i].size
+        size = recs.found[recs.inverse[i]].size
         check_span(infos[i], size if 0 not in infos[i].ne else max(size, budget), f"graph tensor {i}")
 
 
@@ -194,187 +226,198 @@ def _check_records_one_by_one(lib: PythonBackendLibrary, parsed) -> _Records:
             raise Refused(
                 f"graph tensor {i}: view [{offs}, {offs + extents[i]}) outside its source's {extents[v]} bytes"
             )
-    return _Records(bufs, np.array(offsets, dtype=np.int64), np.array(extents, dtype=np.int64))
+    handles: Dict[int, int] = {}  # handle -> its index
+    found: List[HostBuffer] = []
+    for rec, b in zip(recs["buffer"].tolist(), bufs):
+        if rec not in handles:
+            handles[rec] = len(found)
+            found.append(b)
+    inverse = np.array([handles[h] for h in recs["buffer"].tolist()], dtype=np.int64)
+    return _Records(list(handles), found, inverse, np.array(offsets, dtype=np.int64), np.array(extents, dtype=np.int64))
 
 
 def _check_records(lib: PythonBackendLibrary, parsed) -> Optional[_Records]:
     """`_check_records_one_by_one` on whole arrays: the same checks (check_common, extent,
     check_rpc, a buffer with data, views inside their source), or None when any fails or a
     value leaves the range where int64 arithmetic is exact (the caller then runs the
-    per-tensor checks, which refuse or accept exactly)."""
+    per-tensor checks, which refuse or accept exactly). Two Numba passes
+    (`apir.codec._kernels.record_fields_kernel`, `record_bounds_kernel`) around the look-up
+    of each buffer handle."""
     chk, t = lib.checker, parsed.tensors
     n = len(t)
     if n == 0:
-        return _Records([], np.zeros(0, np.int64), np.zeros(0, np.int64))
-    type_ = t["type"].astype(np.int64)
-    op = t["op"].astype(np.int64)
-    # check_common: a valid type, an op below GGML_OP_COUNT and not custom
-    if type_.min() < 0 or type_.max() >= len(chk.valid_types) or not chk.valid_types[type_].all():
+        return _Records([], [], np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    fields: Mapping[str, tuple] = t.dtype.fields or {}
+    ne_dt, nb_dt = fields["ne"][0], fields["nb"][0]
+    width = ne_dt.base.itemsize
+    if width not in (4, 8) or nb_dt.base.itemsize != width or ne_dt.shape != (4,) or nb_dt.shape != (4,):
+        return None  # (the kernel reads GGML_MAX_DIMS = 4 entries of 4 or 8 bytes)
+    rows = np.ascontiguousarray(t)
+    off = np.array([fields[f][1] for f in ("type", "op", "ne", "nb", "name", "data", "view_offs", "buffer")], np.int64)
+    extents, offsets, voffs, handle_of, handles = (np.empty(n, np.int64) for _ in range(5))
+    n_handles = record_fields_kernel(
+        rows.ctypes.data,
+        n,
+        t.dtype.itemsize,
+        off,
+        width,
+        fields["name"][0].itemsize,
+        chk.valid_types.astype(np.uint8),
+        chk.custom_op_mask[: chk.g.op_count].astype(np.uint8),
+        chk.type_size_arr,
+        chk.blck_size_arr,
+        extents,
+        offsets,
+        voffs,
+        handle_of,
+        handles,
+    )
+    if n_handles < 0:
         return None
-    if op.min() < 0 or op.max() >= chk.g.op_count or chk.custom_op_mask[op].any():
-        return None
-    ne_w, nb_w = t["ne"], t["nb"]
-    if ne_w.max() >= _NE_MAX or nb_w.max() >= _NE_MAX:  # not reachable with u32 fields
-        return None
-    ne = ne_w.astype(np.int64)
-    nb = nb_w.astype(np.int64)
-    if ne.min() < 0 or nb.min() < 0:
-        return None
-    ts = chk.type_size_arr[type_]
-    blck = chk.blck_size_arr[type_]
-    if (ne[:, 0] % blck).any():
-        return None
-    # name NUL-terminated
-    if not (t["name"].view(np.uint8) == 0).any(axis=1).all():
-        return None
-    # extent (TensorChecker.extent): first bound every intermediate in float, then exact int64
-    nef, nbf = ne.astype(np.float64), nb.astype(np.float64)
-    bound = nef[:, 0] * (nbf[:, 0] + ts) + (nef[:, 1:] * nbf[:, 1:]).sum(axis=1) + nbf.sum(axis=1)
-    if bound.max() >= _FAST_LIMIT:
-        return None
-    blocks0 = ne[:, 0] // blck
-    row = np.maximum(blocks0 * ts, (blocks0 - 1) * nb[:, 0] + ts)
-    row = np.where(blck > 1, np.maximum(row, blocks0 * nb[:, 0]), row)
-    extents = row + ((ne[:, 1:] - 1) * nb[:, 1:]).sum(axis=1)
-    extents = np.where((ne > 0).all(axis=1), extents, 0)
     # check_rpc: a known buffer (never handle 0 here: every graph tensor needs data) with a
     # base, data + extent inside it
-    data_w, offs_w = t["data"], t["view_offs"]
-    if data_w.max() >= _NE_MAX or offs_w.max() >= _NE_MAX:
-        return None
-    offsets = data_w.astype(np.int64)
-    handles, inverse = np.unique(t["buffer"], return_inverse=True)
-    inverse = inverse.reshape(-1)
     found: List[HostBuffer] = []
-    for h in handles.tolist():
-        b = lib.buffers.get(int(h))
+    keys = [h % (1 << 64) for h in handles[:n_handles].tolist()]  # (the u64 handles)
+    for h in keys:
+        b = lib.buffers.get(h)
         if b is None or not b.base or not 0 <= b.size < _NE_MAX:
             return None
         found.append(b)
+    ident: Dict[int, int] = {}  # id(buffer) -> index of its first handle (two may name one buffer)
+    same = np.array([ident.setdefault(id(b), k) for k, b in enumerate(found)], dtype=np.int64)
     sizes = np.array([b.size for b in found], dtype=np.int64)
-    if (offsets + extents > sizes[inverse]).any():
+    view_src = np.ascontiguousarray(parsed.view_src_index, np.int32)
+    if record_bounds_kernel(extents, offsets, voffs, handle_of, sizes, same, view_src) < 0:
         return None
-    # views: the same buffer object as the source, data == source data + view_offs, extent inside
-    v = parsed.view_src_index
-    is_view = v >= 0
-    if is_view.any():
-        ident: dict[int, int] = {}  # id(buffer) -> index of its first handle
-        same = np.array([ident.setdefault(id(b), k) for k, b in enumerate(found)], dtype=np.int64)[inverse]
-        vi = v[is_view]
-        view_offs = offs_w[is_view].astype(np.int64)
-        if (
-            (same[is_view] != same[vi]).any()
-            or (offsets[is_view] != offsets[vi] + view_offs).any()
-            or (view_offs + extents[is_view] > extents[vi]).any()
-        ):
-            return None
-    return _Records([found[k] for k in inverse.tolist()], offsets, extents)
+    return _Records(keys, found, handle_of, offsets, extents)
 
 
-# TensorInfo's leading fields in order: then `_infos` passes them by position (a keyword call
-# costs twice as much), else by keyword.
-_INFO_FIELDS = ("index", "type_name", "ne", "nb", "op_name", "op_params", "type_size", "blck_size", "address")
-_INFO_POSITIONAL = tuple(f.name for f in dataclasses.fields(TensorInfo))[: len(_INFO_FIELDS)] == _INFO_FIELDS
+class TensorInfos(Sequence[TensorInfo]):
+    """The `tensor_info` of each tensor of a parsed graph (with `address`, `room` and, where
+    kernels do not read host memory, `fetch`), each made when first asked for: in a graph of
+    repeated layers the rules run on few of the tensors (apir.host.rule_memo). Only an info
+    that was made can hold what a rule left on it (`snapshot`, `read_by`, `id_bounds`,
+    `one_thread`): `made()` lists those."""
+
+    def __init__(self, lib: PythonBackendLibrary, parsed, recs: _Records, fetch: bool):
+        self._lib, self._t, self._recs, self._fetch = lib, parsed.tensors, recs, fetch
+        self._made: Dict[int, TensorInfo] = {}
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+    def __getitem__(self, i):  # an int index only
+        info = self._made.get(i)
+        if info is None:
+            if not 0 <= i < len(self._t):
+                raise IndexError(i)
+            recs = self._recs
+            buf, offset = recs.found[recs.inverse[i]], int(recs.offsets[i])
+            info = tensor_info(self._lib, i, self._t[i], buf.base + offset)
+            info.room = buf.size - offset  # bytes to the end of its buffer (TensorInfo.room)
+            if self._fetch:
+                info.fetch = _Fetcher(self._lib, buf, offset)
+            self._made[i] = info
+        return info
+
+    def made(self) -> List[TensorInfo]:
+        """The infos made so far, in tensor order."""
+        return [self._made[i] for i in sorted(self._made)]
 
 
-def _infos(lib: PythonBackendLibrary, parsed, addresses: List[int]) -> List[TensorInfo]:
-    """`tensor_info` of every record (ne, nb, op_params read in bulk; op_params one host copy)."""
-    g, chk, t = lib.g, lib.checker, parsed.tensors
-    type_names, op_names, type_size, blck_size = g.type_names, g.op_names, chk.type_size, chk.blck_size
-    rows = zip(
-        range(len(t)),
-        t["type"].tolist(),
-        t["op"].tolist(),
-        t["ne"].tolist(),
-        t["nb"].tolist(),
-        list(t["op_params"].copy()),
-        addresses,
-    )
-    if _INFO_POSITIONAL:
-        return [
-            TensorInfo(i, type_names[ty], ne, nb, op_names[op], params, type_size[ty], blck_size[ty], addr)
-            for i, ty, op, ne, nb, params, addr in rows
-        ]
-    return [
-        TensorInfo(
-            index=i,
-            type_name=type_names[ty],
-            ne=ne,
-            nb=nb,
-            op_name=op_names[op],
-            op_params=params,
-            type_size=type_size[ty],
-            blck_size=blck_size[ty],
-            address=addr,
-        )
-        for i, ty, op, ne, nb, params, addr in rows
-    ]
+# struct ggml_tensor's fields write_tensors_kernel writes, in the order of its `off`
+_WRITTEN = ("ne", "nb", "op", "op_params", "flags", "name", "buffer", "data", "src", "view_src", "view_offs")
 
 
-def _tensor_view(addrs: List[int], dtype: np.dtype) -> Optional[np.ndarray]:
-    """One numpy view of the tensors at `addrs` when they lie at one stride >= the struct's
-    size (ggml places each tensor after its object header, one after another), else None."""
-    n = len(addrs)
-    if n == 0:
+def _kernel_offsets(tensor: np.dtype, rpc: np.dtype, max_src: int) -> Optional[np.ndarray]:
+    """write_tensors_kernel's `off` for ggml's tensor layout `tensor`, or None when a field is
+    not of the width the kernel writes (or holds fewer entries than the records carry)."""
+    f: Mapping[str, tuple] = tensor.fields or {}
+    r: Mapping[str, tuple] = rpc.fields or {}
+
+    def entries(dt: np.dtype) -> tuple:  # (entry size, count)
+        return (dt.subdtype[0].itemsize, dt.subdtype[1][0]) if dt.subdtype else (dt.itemsize, 1)
+
+    want = {
+        "ne": (8, 4),
+        "nb": (8, 4),
+        "op": (4, 1),
+        "op_params": (4, entries(r["op_params"][0])[1]),
+        "flags": (4, 1),
+        "name": (1, entries(r["name"][0])[1]),
+        "buffer": (8, 1),
+        "data": (8, 1),
+        "src": (8, max_src),
+        "view_src": (8, 1),
+        "view_offs": (8, 1),
+    }
+    if any(name not in f or entries(f[name][0]) != want[name] for name in _WRITTEN):
         return None
-    stride = addrs[1] - addrs[0] if n > 1 else dtype.itemsize
-    if stride < dtype.itemsize or any(addrs[k + 1] - addrs[k] != stride for k in range(n - 1)):
-        return None
-    raw = (ctypes.c_char * (stride * (n - 1) + dtype.itemsize)).from_address(addrs[0])
-    return np.ndarray((n,), dtype=dtype, buffer=memoryview(raw), strides=(stride,))
+    return np.array([f[name][1] for name in _WRITTEN], dtype=np.int64)
 
 
 def _create_tensors(lib: PythonBackendLibrary, parsed, scratch: Scratch, recs: _Records) -> np.ndarray:
     """The host twins of the checked records (as `TensorChecker.host_from_rpc`, with src and
-    view_src pointing at the twins), created in sources-first order; their addresses by
-    tensor index."""
+    view_src pointing at the twins), created in sources-first order (`new_tensors_kernel`)
+    and their fields written in one pass (`write_tensors_kernel`, at the offsets of the
+    layout `apir.ggml.layout.check_layout` checked at load; field by field through numpy
+    where that layout is not the one the kernel writes); their addresses (int64) by tensor
+    index."""
     g, chk, t = lib.g, lib.checker, parsed.tensors
     n = len(t)
     order = parsed.order.astype(np.int64)
-    types = t["type"].tolist()
-    blck = chk.blck_size
-    new, ctx = g.ggml_new_tensor_1d, scratch.ctx
-    created = []
-    for i in order.tolist():
-        addr = new(ctx, types[i], blck[types[i]])
-        if not addr:
-            raise MemoryError("scratch ggml_context full")
-        created.append(addr)
-    host = np.zeros(n, dtype=np.uint64)
-    host[order] = np.array(created, dtype=np.uint64)
-
-    # Every field as host_from_rpc writes it, rows in creation order.
-    src_index = parsed.src_index.astype(np.int64)
-    v = parsed.view_src_index.astype(np.int64)
+    type_ = t["type"].astype(np.int64)
+    host = np.zeros(n, dtype=np.int64)
+    blocks = np.asarray(chk.blck_size_arr, np.int64)[type_]
+    if new_tensors_kernel(c_address(g.ggml_new_tensor_1d), scratch.ctx, order, type_, blocks, host) < 0:
+        raise MemoryError("scratch ggml_context full")
+    created = host[order]
+    src = np.ascontiguousarray(parsed.src_index, np.int32)
+    v = np.ascontiguousarray(parsed.view_src_index, np.int32)
+    buffer = recs.per_tensor([b.ptr for b in recs.found]).astype(np.int64)
+    data = recs.per_tensor([b.base for b in recs.found]).astype(np.int64) + recs.offsets
+    off = _kernel_offsets(chk.tensor_dtype, t.dtype, src.shape[1])
+    if off is not None:
+        write_tensors_kernel(
+            off,
+            created,
+            order,
+            host,
+            t["ne"].astype(np.int64),
+            t["nb"].astype(np.int64),
+            t["op"].astype(np.int64),
+            np.ascontiguousarray(t["op_params"], np.int32),
+            t["flags"].astype(np.int64),
+            np.ascontiguousarray(t["name"].view(np.uint8)),
+            buffer,
+            data,
+            src,
+            v,
+            t["view_offs"].astype(np.int64),
+        )
+        return host
+    # Every field as host_from_rpc writes it, tensor by tensor in creation order.
     names = t["name"].view(np.uint8)[order]
     # ggml_set_name on a fresh (zeroed) name: the bytes up to the first NUL, zeros after (the
     # checks found a NUL in every name, so the result's last byte is one too)
     names[np.cumsum(names == 0, axis=1) > 0] = 0
-    ptrs = np.array([b.ptr for b in recs.bufs], dtype=np.uint64)
-    bases = np.array([b.base for b in recs.bufs], dtype=np.uint64)
     fields = {
         "ne": t["ne"][order].astype(np.int64),
         "nb": t["nb"][order].astype(np.uint64),
         "op": t["op"][order],
         "op_params": t["op_params"][order],
         "flags": t["flags"][order],
-        "buffer": ptrs[order],
-        "data": (bases + recs.offsets.astype(np.uint64))[order],
-        "src": np.where(src_index >= 0, host[src_index], 0).astype(np.uint64)[order],
-        "view_src": np.where(v >= 0, host[v], 0).astype(np.uint64)[order],
+        "buffer": buffer[order],
+        "data": data[order],
+        "src": np.where(src >= 0, host[src], 0)[order],
+        "view_src": np.where(v >= 0, host[v], 0)[order],
         "view_offs": np.where(v >= 0, t["view_offs"], 0).astype(np.uint64)[order],
     }
-    view = _tensor_view(created, chk.tensor_dtype)
-    if view is not None:
+    for k, addr in enumerate(created.tolist()):
+        rec = tensor_record(addr, chk.tensor_dtype)
         for name, values in fields.items():
-            view[name] = values
-        view["name"].view(np.uint8)[...] = names
-    else:
-        for k, addr in enumerate(created):
-            rec = tensor_record(addr, chk.tensor_dtype)
-            for name, values in fields.items():
-                rec[name] = values[k]
-            rec["name"].view(np.uint8)[...] = names[k]
+            rec[name] = values[k]
+        rec["name"].view(np.uint8)[...] = names[k]
     return host
 
 
@@ -383,9 +426,9 @@ class BuiltGraph(NamedTuple):
 
     graph: int  # the ggml_cgraph, in the scratch context
     host: List[int]  # host tensor address by tensor index
-    infos: List[TensorInfo]  # as the rules saw them (snapshots and readers of row ids included)
-    src_rows: List[List[int]]  # src indices per tensor (-1: none)
-    bufs: list  # HostBuffer per tensor
+    infos: TensorInfos  # as the rules saw them (snapshots and readers of row ids included)
+    src_rows: np.ndarray  # int32[n_tensors, max_src]: src indices per tensor (-1: none)
+    buffers: Dict[int, HostBuffer]  # handle -> the HostBuffer the checks saw
 
 
 def build_graph(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums: OpEnums) -> int:
@@ -401,46 +444,46 @@ def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums
     recs = _check_records(lib, parsed)
     if recs is None:
         recs = _check_records_one_by_one(lib, parsed)
-    # per tensor: its HostBuffer and data offset (Python ints); recs.extents: its extent
-    bufs, offsets = recs.bufs, recs.offsets.tolist()
-    infos = _infos(lib, parsed, [b.base + o for b, o in zip(bufs, offsets)])
     profile = getattr(lib, "profile", None) or CPU
-    for info, b, o in zip(infos, bufs, offsets):
-        info.room = b.size - o  # bytes to the end of its buffer (TensorInfo.room)
-    if not profile.host_addressable:
-        for info, b, o in zip(infos, bufs, offsets):
-            info.fetch = _Fetcher(lib, b, o)
+    infos = TensorInfos(lib, parsed, recs, fetch=not profile.host_addressable)
     _check_spans(lib, parsed, infos, recs)
-    src_rows = parsed.src_index.tolist()
-    check_nodes(infos, src_rows, enums, profile.rules, rule_groups(parsed))
-    _check_graph_needs(parsed, infos, bufs, offsets, recs.extents.tolist(), profile)
+    check_nodes(infos, parsed.src_index, enums, profile.rules, rule_groups(parsed))
+    made = infos.made()
+    _check_graph_needs(lib, parsed, made, recs, profile)
 
-    host = _create_tensors(lib, parsed, scratch, recs).tolist()
+    host_at = _create_tensors(lib, parsed, scratch, recs)  # int64 per tensor
+    host = host_at.tolist()
     # row ids: the kernel reads the copy the rule checked (the guest may write the original,
     # e.g. in a buffer of its memory, between the check and the kernel)
+    readers = [info for info in made if info.snapshot is not None]
     if profile.host_addressable:
-        for info, addr in zip(infos, host):
-            if info.snapshot is not None:
-                tensor_record(addr, lib.checker.tensor_dtype)["data"] = ctypes.addressof(info.snapshot)
-                scratch.pinned.append(info.snapshot)
+        for info in readers:
+            snapshot = info.snapshot
+            assert snapshot is not None
+            tensor_record(host[info.index], lib.checker.tensor_dtype)["data"] = ctypes.addressof(snapshot)
+            scratch.pinned.append(snapshot)
     else:
-        point_at_device_copies(lib, scratch, [(info, addr) for info, addr in zip(infos, host) if info.snapshot])
+        point_at_device_copies(lib, scratch, [(info, host[info.index]) for info in readers])
     if profile.device_checks_nodes:
-        _check_device_supports(lib, parsed, infos, host)
+        _check_device_supports(lib, parsed, host)
     graph = g.ggml_new_graph_custom(scratch.ctx, max(len(parsed.node_index), 1), False)
-    add = g.ggml_graph_add_node
-    for j in parsed.node_index.tolist():
-        add(graph, host[j])
-    return BuiltGraph(graph, host, infos, src_rows, bufs)
+    add_nodes_kernel(c_address(g.ggml_graph_add_node), graph, parsed.node_index.astype(np.int64), host_at)
+    return BuiltGraph(graph, host, infos, parsed.src_index, dict(zip(recs.handles, recs.found)))
 
 
-def _check_device_supports(lib, parsed, infos, host) -> None:
+def c_address(fn) -> int:
+    """The address of ctypes function `fn` (for the kernels that call it in bulk)."""
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
+def _check_device_supports(lib, parsed, host) -> None:
     """Every node that computes something passes the device's own `supports_op` (a GPU
     backend aborts on a node it has no kernel for; apir.host.profiles)."""
-    supports = lib.g.ggml_backend_dev_supports_op
+    supports, op_names, ops = lib.g.ggml_backend_dev_supports_op, lib.g.op_names, parsed.tensors["op"]
     for j in parsed.node_index.tolist():
-        if infos[j].op_name not in _EMPTY_OPS and not supports(lib.dev, host[j]):
-            raise Refused(f"node {j}: the device does not support {infos[j].op_name} of this shape and types")
+        op = op_names[int(ops[j])]
+        if op not in _EMPTY_OPS and not supports(lib.dev, host[j]):
+            raise Refused(f"node {j}: the device does not support {op} of this shape and types")
 
 
 def _bytes_tensor(lib, scratch: Scratch, buffer: int, data: int, n: int) -> int:

@@ -55,7 +55,7 @@ from typing import Dict, List, Mapping, Optional
 import numpy as np
 
 from apir.codec._kernels import record_key_kernel, record_match_kernel
-from apir.host.graph import fetch_row_ids, point_at_device_copies
+from apir.host.graph import TensorInfos, fetch_row_ids, point_at_device_copies
 from apir.host.profiles import CPU
 from apir.host.shapes import OpEnums, TensorInfo, check_node
 from apir.host.shapes.base import id_values
@@ -175,16 +175,17 @@ def _unread_copy(info: TensorInfo) -> TensorInfo:
 @dataclasses.dataclass
 class GraphCacheEntry:
     """One built graph. `buffers`: handle -> the HostBuffer the checks saw; `infos`: the
-    TensorInfo of every tensor as checked; `src_rows`: src indices per tensor; `host`: host
+    TensorInfo of every tensor as checked (apir.host.graph.TensorInfos: those a rule ran on
+    are `infos.made()`); `src_rows`: src indices per tensor (int32[n, max_src]); `host`: host
     tensor addresses by index; `readers`: nodes whose rules read guest memory."""
 
     key: bytes
     scratch: Scratch
     graph: int
     host: List[int]
-    buffers: Dict[int, object]
-    infos: List[TensorInfo]
-    src_rows: List[List[int]]
+    buffers: Mapping[int, object]
+    infos: TensorInfos
+    src_rows: np.ndarray
     readers: List[int]
     nbytes: int = 0
     # `graph_wire` of the graph it last served (None: not known), for `GraphCache.take_same`
@@ -193,7 +194,7 @@ class GraphCacheEntry:
     def __post_init__(self) -> None:
         self.nbytes = len(self.key) + int(getattr(self.scratch, "size", 0))
         # the tensors whose ids rules read (and copied): the same for every hit
-        self.id_holders = [i for i, f in enumerate(self.infos) if f.snapshot is not None]
+        self.id_holders = [f.index for f in self.infos.made() if f.snapshot is not None]
         # per such tensor, the bound its ids must stay under, per way of reading them (flat or
         # at ids' nb): the least n_rows its reads recorded; None where a read recorded none
         self.id_checks: Optional[List[tuple]] = []
@@ -300,7 +301,7 @@ class GraphCacheEntry:
             return fresh[i]
 
         for j in self.readers:
-            row = self.src_rows[j]
+            row = self.src_rows[j].tolist()
             k = len(row)
             while k and row[k - 1] < 0:
                 k -= 1

@@ -108,32 +108,36 @@ def _check_sealed(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]], enums:
 
 
 def check_nodes(
-    infos: List[TensorInfo],
-    src_rows: List[List[int]],
+    infos: Sequence[TensorInfo],
+    src_index: np.ndarray,
     enums: OpEnums,
     rules: Optional[Mapping] = None,
     groups: Optional[np.ndarray] = None,
 ) -> int:
-    """`check_node` of every tensor in index order (its sources from `src_rows`, trailing
-    absent ones left out), a group's members skipped when their representative passed
-    sealed (`groups`: rule_groups' answer; None checks every tensor). Returns how many
-    rules ran; raises Refused."""
-    pure = np.zeros(len(infos), np.bool_)
-    ran = 0
+    """`check_node` of every tensor (its sources from `src_index`, int32[n, max_src], -1
+    none; trailing absent ones left out), but a group's members are skipped when their
+    representative passed sealed (`groups`: rule_groups' answer; None checks every tensor).
+    First every representative of a group of more than one runs sealed (no side effects),
+    then every other tensor that needs its own check runs unsealed, in index order: the first
+    refusal is that of the lowest refused index, as checking one by one would raise. Returns
+    how many rules ran; raises Refused."""
+    n = len(infos)
     if groups is None:
-        groups = np.arange(len(infos), dtype=np.int32)
-    shared = (np.bincount(groups, minlength=len(infos)) > 1).tolist()  # a group of more than one
-    for i, r in enumerate(groups.tolist()):
-        if r != i and pure[r]:
-            continue
-        row = src_rows[i]
-        k = len(row)
-        while k and row[k - 1] < 0:
-            k -= 1
-        srcs = [infos[j] if j >= 0 else None for j in row[:k]]
-        ran += 1
-        if r == i and shared[i] and _check_sealed(infos[i], srcs, enums, rules):
-            pure[i] = True
-            continue
-        check_node(infos[i], srcs, enums, rules)
-    return ran
+        groups = np.arange(n, dtype=np.int32)
+    reps = np.flatnonzero(groups == np.arange(n))
+    shared = reps[np.bincount(groups, minlength=n)[reps] > 1]
+    pure = np.zeros(n, np.bool_)
+    for i in shared.tolist():
+        pure[i] = _check_sealed(infos[i], _sources(infos, src_index, i), enums, rules)
+    alone = np.flatnonzero(~pure[groups]).tolist()
+    for i in alone:
+        check_node(infos[i], _sources(infos, src_index, i), enums, rules)
+    return len(shared) + len(alone)
+
+
+def _sources(infos: Sequence[TensorInfo], src_index: np.ndarray, i: int) -> List[Optional[TensorInfo]]:
+    row = src_index[i].tolist()
+    k = len(row)
+    while k and row[k - 1] < 0:
+        k -= 1
+    return [infos[j] if j >= 0 else None for j in row[:k]]

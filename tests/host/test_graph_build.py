@@ -192,8 +192,8 @@ def _as_indices(lib, addrs, data_map=None):
 @pytest.mark.parametrize("bulk", [True, False])
 def test_host_tensors_equal_the_one_by_one_twins(setup, monkeypatch, bulk):
     lib, wire, _ = setup
-    if not bulk:  # the tensor-by-tensor writes taken when ggml's tensors are not at one stride
-        monkeypatch.setattr(hg, "_tensor_view", lambda addrs, dtype: None)
+    if not bulk:  # the tensor-by-tensor writes taken when ggml's layout is not the kernel's
+        monkeypatch.setattr(hg, "_kernel_offsets", lambda tensor, rpc, max_src: None)
     parsed = _parse(lib, wire)
     n = len(parsed.tensors)
     # what a twin must not take over: view_offs of a tensor that is no view, bytes after a
@@ -235,22 +235,62 @@ def test_host_tensors_equal_the_one_by_one_twins(setup, monkeypatch, bulk):
     assert b"a name of exactly sixty-three characters, to test the last byte" in b"".join(expect)
 
 
-@pytest.mark.parametrize("positional", [True, False])
-def test_infos_equal_tensor_info(setup, monkeypatch, positional):
-    """The bulk-built TensorInfos are `tensor_info`'s, field by field (both ways of calling
-    TensorInfo: by position while its fields keep their order, else by keyword)."""
+def test_infos_equal_tensor_info(setup):
+    """TensorInfos' items are `tensor_info`'s, field by field, with `room` its bytes to the
+    end of its buffer; made once, on first use, and listed by made()."""
     lib, wire, _ = setup
-    monkeypatch.setattr(hg, "_INFO_POSITIONAL", positional)
     parsed = _parse(lib, wire)
     recs = hg._check_records_one_by_one(lib, parsed)
-    addresses = [b.base + int(o) for b, o in zip(recs.bufs, recs.offsets)]
-    got = hg._infos(lib, parsed, addresses)
-    assert len(got) == len(parsed.tensors)
-    for i, info in enumerate(got):
-        want = hg.tensor_info(lib, i, parsed.tensors[i], addresses[i])
+    got = hg.TensorInfos(lib, parsed, recs, fetch=False)
+    assert len(got) == len(parsed.tensors) and got.made() == []
+    for i in reversed(range(len(got))):
+        b, o = recs.bufs[i], int(recs.offsets[i])
+        want = hg.tensor_info(lib, i, parsed.tensors[i], b.base + o)
+        want.room = b.size - o
+        info = got[i]
+        assert got[i] is info
         for f in dataclasses.fields(want):
-            a, b = getattr(info, f.name), getattr(want, f.name)
-            if isinstance(b, np.ndarray):
-                assert a.dtype == b.dtype and np.array_equal(a, b), (i, f.name)
+            a, w = getattr(info, f.name), getattr(want, f.name)
+            if isinstance(w, np.ndarray):
+                assert a.dtype == w.dtype and np.array_equal(a, w), (i, f.name)
             else:
-                assert a == b and type(a) is type(b), (i, f.name, a, b)
+                assert a == w and type(a) is type(w), (i, f.name, a, w)
+    assert [info.index for info in got.made()] == list(range(len(got)))
+    with pytest.raises(IndexError):
+        got[len(got)]
+
+
+def test_record_kernels_twins_agree(setup, monkeypatch):
+    """The jitted record checks and their plain-Python twins (`.py_func`) decide alike and
+    fill the same arrays, on the real graph and on lying variants of it."""
+    from apir.codec import _kernels as K
+
+    lib, wire, other = setup
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        parsed = _parse(lib, wire)
+        if trial:
+            _lie(rng, lib, parsed.tensors, other)
+        results = []
+        for twin in (False, True):
+            calls = []
+            for name in ("record_fields_kernel", "record_bounds_kernel"):
+                kernel = getattr(K, name)
+
+                def run(*args, _kernel=kernel, _name=name):
+                    ret = (_kernel.py_func if twin else _kernel)(*args)
+                    arrays = [a.copy() for a in args if isinstance(a, np.ndarray)]
+                    if _name == "record_fields_kernel" and ret >= 0:
+                        arrays[-1] = arrays[-1][:ret]  # the handles found (the rest: unwritten)
+                    calls.append((ret, arrays))
+                    return ret
+
+                monkeypatch.setattr(hg, name, run)
+            got = hg._check_records(lib, parsed)
+            results.append((got is None, calls))
+        (none_a, calls_a), (none_b, calls_b) = results
+        assert none_a == none_b and len(calls_a) == len(calls_b)
+        for (ret_a, arrays_a), (ret_b, arrays_b) in zip(calls_a, calls_b):
+            assert ret_a == ret_b
+            if ret_a >= 0:
+                assert all(np.array_equal(x, y) for x, y in zip(arrays_a, arrays_b))

@@ -386,8 +386,15 @@ class _Scratch:
         self.closed = True
 
 
+class _NoInfos(list):
+    """An entry's infos when no rule ran (apir.host.graph.TensorInfos)."""
+
+    def made(self):
+        return []
+
+
 def _entry(key, buffers, size=100):
-    return GraphCacheEntry(key, _Scratch(size), 0, [], buffers, [], [], [])
+    return GraphCacheEntry(key, _Scratch(size), 0, [], buffers, _NoInfos(), np.zeros((0, 1), np.int32), [])
 
 
 def test_take_needs_equal_key_and_the_same_buffer_objects():

@@ -198,7 +198,7 @@ def test_a_rule_that_reads_hidden_fields_is_run_on_every_member(monkeypatch):
     infos = [_info(index=i, room=16 if i < 2 else 4) for i in range(3)]
     groups = np.zeros(3, np.int32)
     with pytest.raises(Refused, match="node 2"):
-        rule_memo.check_nodes(infos, [[-1]] * 3, None, None, groups)
+        rule_memo.check_nodes(infos, np.full((3, 1), -1, np.int32), None, None, groups)
     assert seen == [0, 1, 2]
 
 
@@ -210,5 +210,5 @@ def test_a_pure_rule_runs_once_per_group(monkeypatch):
 
     monkeypatch.setitem(rule_memo.__dict__, "check_node", lambda n, s, e, r: rule(n, s, e))
     infos = [_info(index=i) for i in range(5)]
-    assert rule_memo.check_nodes(infos, [[-1]] * 5, None, None, np.array([0, 0, 2, 0, 2], np.int32)) == 2
+    assert rule_memo.check_nodes(infos, np.full((5, 1), -1, np.int32), None, None, np.array([0, 0, 2, 0, 2], np.int32)) == 2
     assert seen == [4, 4]

@@ -418,9 +418,9 @@ def test_kernel_reads_the_ids_that_were_checked(guest, ggml, monkeypatch):
 
     real = host_graph._check_graph_needs
 
-    def racing(parsed, infos, *rest):
-        real(parsed, infos, *rest)
-        for info in infos:
+    def racing(lib, parsed, made, *rest):
+        real(lib, parsed, made, *rest)
+        for info in made:
             if info.snapshot is not None:
                 ctypes.memset(info.address, 0, extent(info))
 
