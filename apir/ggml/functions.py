@@ -100,6 +100,8 @@ class GgmlFunctions:
     ggml_init: Fn = sig("p:P")
     ggml_threadpool_params_init: Fn = sig("v:pi")
     ggml_free: Fn = sig("v:p")
+    ggml_get_mem_size: Fn = sig("z:p")
+    ggml_used_mem: Fn = sig("z:p")
     ggml_tensor_overhead: Fn = sig("z:")
     ggml_graph_overhead: Fn = sig("z:")
     ggml_graph_overhead_custom: Fn = sig("z:zb")

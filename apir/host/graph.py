@@ -369,6 +369,7 @@ def _create_tensors(lib: PythonBackendLibrary, parsed, scratch: Scratch, recs: _
     type_ = t["type"].astype(np.int64)
     host = np.zeros(n, dtype=np.int64)
     blocks = np.asarray(chk.blck_size_arr, np.int64)[type_]
+    scratch.check_room(n)  # (ggml aborts on a full context: its NULL below is never seen)
     if new_tensors_kernel(c_address(g.ggml_new_tensor_1d), scratch.ctx, order, type_, blocks, host) < 0:
         raise MemoryError("scratch ggml_context full")
     created = host[order]
@@ -466,6 +467,7 @@ def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums
         point_at_device_copies(lib, scratch, [(info, host[info.index]) for info in readers])
     if profile.device_checks_nodes:
         _check_device_supports(lib, parsed, host)
+    scratch.check_room(0, max(len(parsed.node_index), 1))
     graph = g.ggml_new_graph_custom(scratch.ctx, max(len(parsed.node_index), 1), False)
     add_nodes_kernel(c_address(g.ggml_graph_add_node), graph, parsed.node_index.astype(np.int64), host_at)
     return BuiltGraph(graph, host, infos, parsed.src_index, dict(zip(recs.handles, recs.found)))

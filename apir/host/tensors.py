@@ -53,6 +53,19 @@ class Scratch:
         if not self.ctx:
             raise MemoryError(f"ggml_init of a {size}-byte context failed")
 
+    def check_room(self, n_tensors: int, graph_size: int = 0) -> None:
+        """Raises MemoryError unless the context's pool has room for `n_tensors` more tensor
+        headers and, if `graph_size`, a graph of that many nodes: ggml_new_object's own test,
+        made before ggml is called, since ggml GGML_ASSERTs a full context in ggml_new_tensor
+        (an abort of the host) and dereferences the NULL of ggml_new_graph_custom."""
+        g = self.g
+        need = n_tensors * g.ggml_tensor_overhead()
+        if graph_size:
+            need += g.ggml_graph_overhead_custom(graph_size, False)
+        room = g.ggml_get_mem_size(self.ctx) - g.ggml_used_mem(self.ctx) if self.ctx else 0
+        if need > room:
+            raise MemoryError(f"scratch ggml_context full: {need} bytes needed, {room} free")
+
     def close(self) -> None:
         for buf in self.buffers:
             self.g.ggml_backend_buffer_free(buf)
@@ -175,9 +188,8 @@ class TensorChecker:
     ) -> int:
         """A tensor header in `scratch` with these (already checked) fields; no src."""
         g = self.g
+        scratch.check_room(1)
         t = g.ggml_new_tensor_1d(scratch.ctx, type_, self.blck_size[type_])
-        if not t:
-            raise MemoryError("scratch ggml_context full")
         rec = tensor_record(t, self.tensor_dtype)
         rec["ne"][:] = ne
         rec["nb"][:] = nb

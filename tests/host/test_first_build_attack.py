@@ -1,0 +1,339 @@
+"""apir.host.graph's first build under attack: what the per-group rules, the lazily made
+infos and the bulk ggml calls must keep.
+
+- A scratch `ggml_context` without room for the graph's tensors or its cgraph is a
+  MemoryError (the dispatcher's error reply), never ggml's abort: ggml_new_tensor_1d
+  GGML_ASSERTs a full context and ggml_new_graph_custom dereferences its NULL object, so
+  the room is checked before ggml is called (in a child process: the old way killed it).
+- Grouped rules (apir.host.rule_memo) decide as checking every tensor on its own, on a graph
+  whose rules read what `Sealed` hides: ROPE's frequency factors (`room`), OPT_STEP's
+  in-place result (`address`), SET_ROWS of F16 into F32 (sets `one_thread`), GET_ROWS (row
+  ids), under lies in every field a guest writes, sources and views rewired, nodes swapped,
+  and a second handle of the same buffer: the same refusal (message, node, rule), the same
+  row-id state on every info, the same cache entry (readers, id holders, id checks).
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from apir.codec.graph import parse_graph
+from apir.host import graph as hg
+from apir.host.errors import Refused
+from apir.host.graph_cache import GraphCacheEntry
+from apir.host.tensors import Scratch
+from tests.host.hostkit import GgmlScratch, RemoteGraph
+
+_ROOT = Path(__file__).resolve().parents[2]
+
+# A child: builds a small graph in scratch contexts without room for its tensors, then for
+# its cgraph; prints what each raised.
+_CHILD = r"""
+import numpy as np
+from apir.codec.graph import parse_graph
+from apir.host import graph as hg
+from apir.host.tensors import Scratch
+from tests.host.hostkit import Guest, GgmlScratch, RemoteGraph
+
+guest = Guest()
+lib = guest.ctx._library
+g = lib.g
+s = GgmlScratch(g)
+x = g.ggml_new_tensor_2d(s.ctx, g.types["F32"], 8, 4)
+y = x
+for _ in range(12):
+    y = g.ggml_add(s.ctx, y, x)
+graph = g.ggml_new_graph(s.ctx)
+g.ggml_build_forward_expand(graph, y)
+remote = RemoteGraph(guest, g, s.ctx, graph)
+
+
+def parsed():
+    return parse_graph(remote.wire, limits=g.limits, op_count=g.op_count, type_valid=lib.checker.valid_types)
+
+
+def build(scratch, p):
+    try:
+        hg.build_graph_parts(lib, p, scratch, hg.lib_op_enums(lib))
+        print("built", flush=True)
+    except MemoryError as exc:
+        print("MemoryError", exc, flush=True)
+
+
+p = parsed()
+n, nodes = len(p.tensors), len(p.node_index)
+with Scratch(g, 2, 1) as scratch:  # room for 3 tensors of 13
+    build(scratch, p)
+with Scratch(g, n, 0) as scratch:  # room for the tensors, its slack eaten, none for the cgraph
+    each = g.ggml_tensor_overhead()
+    while g.ggml_get_mem_size(scratch.ctx) - g.ggml_used_mem(scratch.ctx) >= (n + 1) * each:
+        g.ggml_new_tensor_1d(scratch.ctx, g.types["F32"], 1)
+    build(scratch, parsed())
+with Scratch(g, n, nodes) as scratch:  # as graph_compute sizes it
+    build(scratch, parsed())
+remote.close()
+s.close()
+guest.close()
+"""
+
+
+def test_a_scratch_context_without_room_is_a_memory_error_not_an_abort():
+    p = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, cwd=_ROOT, timeout=300)
+    lines = [line for line in p.stdout.splitlines() if line.startswith(("built", "MemoryError"))]
+    assert p.returncode == 0, (p.returncode, p.stdout[-1000:], p.stderr[-3000:])
+    assert [line.split()[0] for line in lines] == ["MemoryError", "MemoryError", "built"], lines
+
+
+# --- grouped rules against every tensor checked on its own ------------------------------------
+
+
+def _layers_a(g, ctx):
+    """MUL_MAT, ROPE with frequency factors, GET_ROWS, ADD and OPT_STEP_ADAMW, three layers."""
+    f32, i32 = g.types["F32"], g.types["I32"]
+    x = g.ggml_new_tensor_2d(ctx, f32, 16, 3)
+    emb = g.ggml_new_tensor_2d(ctx, f32, 12, 10)
+    out, ids = [], []
+    for layer in range(3):
+        w = g.ggml_new_tensor_2d(ctx, f32, 16, 12)
+        pos = g.ggml_new_tensor_1d(ctx, i32, 3)
+        ff = g.ggml_new_tensor_1d(ctx, f32, 2)
+        rows = g.ggml_new_tensor_1d(ctx, i32, 3)
+        ids += [(pos, np.array([0, 1, 2], np.int32)), (rows, np.array([layer, 9, 0], np.int32))]
+        # ne[0] 6, n_dims 4: the kernel reads 3 factors of the 2 (ROPE's rule reads `room`)
+        h = g.ggml_reshape_3d(ctx, g.ggml_mul_mat(ctx, w, x), 6, 2, 3)
+        r = g.ggml_rope_ext(ctx, h, pos, ff, 4, 0, 0, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0)
+        out.append(g.ggml_add(ctx, g.ggml_reshape_2d(ctx, r, 12, 3), g.ggml_get_rows(ctx, emb, rows)))
+        w2 = g.ggml_new_tensor_2d(ctx, f32, 8, 2)
+        g.ggml_set_param(w2)
+        grad, m, v = (g.ggml_new_tensor_2d(ctx, f32, 8, 2) for _ in range(3))
+        out.append(g.ggml_opt_step_adamw(ctx, w2, grad, m, v, g.ggml_new_tensor_1d(ctx, f32, 7)))
+    return out, ids
+
+
+def _layers_b(g, ctx):
+    """SET_ROWS of F16 rows into F32 (one thread only) and GET_ROWS, three layers."""
+    f32, f16, i32, i64 = g.types["F32"], g.types["F16"], g.types["I32"], g.types["I64"]
+    dst = g.ggml_new_tensor_2d(ctx, f32, 12, 10)
+    emb = g.ggml_new_tensor_2d(ctx, f32, 12, 10)
+    out, ids = [], []
+    for layer in range(3):
+        src = g.ggml_new_tensor_2d(ctx, f16, 12, 2)
+        at = g.ggml_new_tensor_1d(ctx, i64, 2)
+        rows = g.ggml_new_tensor_1d(ctx, i32, 3)
+        ids += [(at, np.array([layer, 9], np.int64)), (rows, np.array([layer, 0, 9], np.int32))]
+        out += [g.ggml_set_rows(ctx, dst, src, at), g.ggml_get_rows(ctx, emb, rows)]
+    return out, ids
+
+
+@pytest.fixture(params=["a", "b"])
+def layers(request, guest, ggml):
+    """(lib, wire, buffer handle, a second handle of the same HostBuffer, graph name)."""
+    from apir.ggml.features import Feature
+
+    if request.param == "b" and Feature.SET_ROWS_F16 not in ggml.features:
+        pytest.skip("SET_ROWS of F16 rows is new in ggml 0.20")
+    s = GgmlScratch(ggml, 512)
+    out, ids = (_layers_a if request.param == "a" else _layers_b)(ggml, s.ctx)
+    graph = ggml.ggml_new_graph(s.ctx)
+    for t in out:
+        ggml.ggml_build_forward_expand(graph, t)
+    remote = RemoteGraph(guest, ggml, s.ctx, graph)
+    for t, values in ids:
+        assert guest.set_tensor(remote.handle, remote.rpc(t), values.tobytes()) == 0
+    lib = guest.ctx._library
+    alias = lib.buffers.add(lib.buffers.get(remote.handle))
+    yield lib, remote.wire, remote.handle, alias, request.param
+    lib.buffers.pop(alias)
+    remote.close()
+    s.close()
+
+
+def _parse(lib, wire):
+    g = lib.g
+    return parse_graph(wire, limits=g.limits, op_count=g.op_count, type_valid=lib.checker.valid_types)
+
+
+def _build(lib, parsed, grouped, monkeypatch):
+    """What build_graph_parts decided and left: the refusal (message, node, rule) or None,
+    each info's row-id state (None: untouched) and the cache entry's facts."""
+    if grouped:
+        monkeypatch.undo()
+    else:
+        monkeypatch.setattr(hg, "rule_groups", lambda p: np.arange(len(p.tensors), dtype=np.int32))
+    n = len(parsed.tensors)
+    with Scratch(lib.g, n, max(len(parsed.node_index), 1)) as scratch:
+        try:
+            built = hg.build_graph_parts(lib, parsed, scratch, hg.lib_op_enums(lib))
+        except Refused as exc:
+            return (str(exc), exc.node, exc.rule), None, None
+        made = {info.index: info for info in built.infos.made()}
+        state = []
+        for i in range(n):
+            f = made.get(i)
+            touched = f is not None and (f.snapshot is not None or f.read_by or f.id_bounds or f.one_thread)
+            state.append((bytes(f.snapshot or b""), f.read_by, f.id_bounds, f.one_thread) if touched else None)
+        readers = sorted({j for f in made.values() if f.snapshot is not None for j in f.read_by or ()})
+        entry = GraphCacheEntry(
+            b"", scratch, built.graph, built.host, built.buffers, built.infos, built.src_rows, readers
+        )
+        return None, state, (readers, entry.id_holders, entry.id_checks)
+
+
+def _lie(rng, parsed, handles):
+    """One lie a guest can tell, in place; its description."""
+
+    def pick(values):
+        return values[int(rng.integers(len(values)))]
+
+    t = parsed.tensors
+    i = int(rng.integers(len(t)))
+    field = pick(["ne", "nb", "op_params", "type", "op", "data", "buffer", "view_offs", "src", "view_src", "node"])
+    if field in ("ne", "nb"):
+        k = int(rng.integers(4))
+        old = int(t[field][i, k])
+        t[field][i, k] = pick([old + 1, max(old - 1, 0), old * 2, 0, 1, 2, 4, 12, 48, 1 << 31, (1 << 32) - 1])
+    elif field == "op_params":
+        t["op_params"][i, int(rng.integers(8))] = pick([0, 1, 2, 3, 4, 8, -1, 0x3F000000, 0x7F800000])
+    elif field == "type":
+        t["type"][i] = pick([int(t["type"][int(rng.integers(len(t)))]), 0, 1])
+    elif field == "op":
+        t["op"][i] = int(t["op"][int(rng.integers(len(t)))])
+    elif field == "data":
+        old = int(t["data"][i])
+        t["data"][i] = pick([old + 4, max(old - 4, 0), old + 64, int(t["data"][int(rng.integers(len(t)))])])
+    elif field == "buffer":
+        t["buffer"][i] = pick(handles)
+    elif field == "view_offs":
+        old = int(t["view_offs"][i])
+        t["view_offs"][i] = pick([old + 4, max(old - 4, 0), 0])
+    else:  # rewired: a tensor earlier in the build order (the parse's order stays valid)
+        order = parsed.order.tolist()
+        earlier = order[: order.index(i)] + [-1]
+        if field == "src":
+            parsed.src_index[i, int(rng.integers(parsed.src_index.shape[1]))] = pick(earlier)
+        elif field == "view_src":
+            parsed.view_src_index[i] = pick(earlier)
+        else:
+            others = sorted(set(range(len(t))) - set(parsed.node_index.tolist()))
+            parsed.node_index[int(rng.integers(len(parsed.node_index)))] = pick(others)
+    return f"tensor {i} {field}"
+
+
+def _copy(parsed, wire, lib):
+    twin = _parse(lib, wire)
+    twin.tensors[:] = parsed.tensors
+    twin.src_index[:] = parsed.src_index
+    twin.view_src_index[:] = parsed.view_src_index
+    twin.node_index[:] = parsed.node_index
+    return twin
+
+
+def test_grouped_rules_decide_as_every_tensor_alone_under_lies(layers, monkeypatch):
+    lib, wire, handle, alias, name = layers
+    base = _parse(lib, wire)
+    assert len(np.unique(hg.rule_groups(base))) < len(base.tensors) // 2  # the layers share groups
+    first, state, entry = _build(lib, _parse(lib, wire), True, monkeypatch)
+    assert first is None and entry[0] and entry[2]  # row ids read, with bounds to re-check on hits
+    assert any(s is not None and s[3] for s in state) == (name == "b")  # SET_ROWS F16 -> F32: one thread
+    rng = np.random.default_rng(41 if name == "a" else 43)
+    seen = {"accepted": 0, "refused": 0}
+    for _ in range(400):
+        parsed = _parse(lib, wire)
+        what = [_lie(rng, parsed, [handle, alias]) for _ in range(int(rng.integers(1, 3)))]
+        alone = _build(lib, _copy(parsed, wire, lib), False, monkeypatch)
+        grouped = _build(lib, parsed, True, monkeypatch)
+        assert grouped == alone, what
+        seen["refused" if grouped[0] else "accepted"] += 1
+    assert seen["accepted"] > 60 and seen["refused"] > 100, seen
+
+
+@pytest.mark.parametrize("layers", ["a"], indirect=True)
+@pytest.mark.parametrize("lie", ["opt_step", "rope"])
+def test_a_later_layer_whose_data_lies_elsewhere_is_refused(layers, lie, monkeypatch):
+    """Rules that read where data lies, in the last layer only (its records compare equal to
+    the first layer's, so it shares their group): OPT_STEP's result no view of its
+    parameter (`address`), ROPE's frequency factors moved to the last bytes of the buffer,
+    where the kernel's read of 3 factors leaves it (`room`)."""
+    lib, wire, handle, _, _ = layers
+    parsed = _parse(lib, wire)
+    t, ops = parsed.tensors, lib.g.ops
+    node = int(np.flatnonzero(t["op"] == ops["OPT_STEP_ADAMW" if lie == "opt_step" else "ROPE"])[-1])
+    if lie == "opt_step":  # its data at its gradient's (the same shape), no longer a view
+        parsed.view_src_index[node] = -1
+        t["view_offs"][node] = 0
+        t["data"][node] = t["data"][parsed.src_index[node, 1]]
+        why = "result is not a view of src0"
+    else:
+        t["data"][parsed.src_index[node, 2]] = lib.buffers.get(handle).size - 8
+        why = "frequency factors: 12 bytes read past the end of their buffer"
+    groups = hg.rule_groups(parsed)
+    assert groups[node] != node  # a member, checked on its own only because its rule reads more
+    alone = _build(lib, _copy(parsed, wire, lib), False, monkeypatch)
+    grouped = _build(lib, parsed, True, monkeypatch)
+    assert grouped == alone
+    assert grouped[0] is not None and grouped[0][1] == node and why in grouped[0][0], grouped[0]
+
+
+# --- the grouping kernel against its definition -----------------------------------------------
+
+
+def _groups_by_definition(words, mask, src):
+    """rule_group_kernel's answer from its definition, by brute force: each tensor's first
+    tensor with the same masked record, the same source slots (none, itself, a slot's tensor
+    again) and sources of the same masked records."""
+    n, slots = src.shape
+
+    def record(i):
+        return tuple((words[i] & mask).tolist())
+
+    def inputs(i):
+        row = src[i].tolist()
+        out = [record(i)]
+        for k, s in enumerate(row):
+            if s < 0:
+                out.append(("none",))
+            elif s == i:
+                out.append(("self",))
+            elif row.index(s) < k:
+                out.append(("again", row.index(s)))
+            else:
+                out.append(("src", record(s)))
+        return tuple(out)
+
+    seen = {}
+    return np.array([seen.setdefault(inputs(i), i) for i in range(n)], np.int32)
+
+
+@pytest.mark.parametrize("twin", [False, True])
+def test_group_kernel_matches_its_definition(twin):
+    """Few distinct records and sources, so that many tensors share a probe chain in the
+    kernel's table and only its exact comparisons tell groups apart (the hash never decides)."""
+    from apir.codec._kernels import rule_group_kernel
+
+    kernel = rule_group_kernel.py_func if twin else rule_group_kernel
+    rng = np.random.default_rng(7)
+    mask = np.array([-1, 0, 0x0000FFFF00000000, -1], np.int64)
+    for trial in range(300 if twin else 3000):
+        n = int(rng.integers(1, 40))
+        variants = rng.integers(-3, 3, size=(int(rng.integers(1, 4)), 4))
+        words = variants[rng.integers(len(variants), size=n)].astype(np.int64)
+        words[:, 1] = rng.integers(1 << 62, size=n)  # unmasked: where data lies, ids...
+        words[:, 2] ^= rng.integers(1 << 31, size=n) & 0x7FFF  # unmasked low bits of a masked word
+        src = np.full((n, 3), -1, np.int32)
+        for i in range(n):
+            for k in range(3):
+                r = rng.random()
+                if r < 0.25:
+                    src[i, k] = i  # (a graph the parse refuses; the kernel must still be exact)
+                elif r < 0.75 and i:
+                    src[i, k] = int(rng.integers(i))
+                elif r < 0.85 and k:
+                    src[i, k] = src[i, int(rng.integers(k))]
+        got = np.full(n, -7, np.int32)
+        groups = kernel(words, mask, src, got)
+        want = _groups_by_definition(words, mask, src)
+        assert np.array_equal(got, want), (trial, got, want)
+        assert groups == len(np.unique(want))
