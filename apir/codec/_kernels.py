@@ -24,6 +24,7 @@ byte past the cached graph's size, and its answer is all that is used.
 from __future__ import annotations
 
 import ctypes
+import secrets
 
 import numba
 import numpy as np
@@ -52,6 +53,7 @@ __all__ = [
     "record_key_kernel",
     "record_match_kernel",
     "rule_group_kernel",
+    "TABLE_KEY",
     "call_ptr_ptr_i32_i64",
     "call_void_ptr_ptr",
     "new_tensors_kernel",
@@ -850,13 +852,33 @@ def record_match_kernel(new, old, head, rec_size, mask, name_at, name_len):
 
 _LOW62 = (1 << 62) - 1
 
+# The multiplier of the hash tables whose keys the guest writes (record fields, rule groups):
+# odd, below 2**62, drawn per process and passed to the kernels (a global would be compiled
+# into the on-disk cache), so a guest cannot aim its records at one probe chain (each insert
+# would then compare against all before it: quadratic).
+TABLE_KEY = secrets.randbits(61) << 1 | 1
+
 
 @helper
-def _row_hash(words, mask, r):
+def _mix(h, x, key):
+    # h (in [0, 2**62)) with the int64 word x folded in. A slot is a hash's low bits, and the
+    # low bits of a product never see the bits above them: without the folds (high bits
+    # xored down, before and after each multiply by `key`), records differing only in a
+    # word's high half (ne[1], nb[1], op_params[0]) or handles differing only in high bits
+    # would all land in one slot. (Arithmetic shifts in both twins: Python's >> floors too.)
+    v = h ^ x
+    v = ((v ^ (v >> 32)) * key) & _LOW62
+    v = ((v ^ (v >> 29)) * key) & _LOW62
+    return v ^ (v >> 32)
+
+
+@helper
+def _row_hash(words, mask, r, key):
     h = 0
     for k in range(words.shape[1]):
-        # (int(): in the Python twin, numpy scalars would overflow)
-        h = ((h ^ (int(words[r, k]) & int(mask[k]))) * _GOLDEN) & _LOW62
+        if mask[k] != 0:  # (the other words are never compared)
+            # (int(): in the Python twin, numpy scalars would overflow)
+            h = _mix(h, int(words[r, k]) & int(mask[k]), key)
     return h
 
 
@@ -897,12 +919,13 @@ def _same_inputs(tclass, src_index, a, b):
 
 
 @jit
-def rule_group_kernel(words, mask, src_index, out_rep):
+def rule_group_kernel(words, mask, src_index, out_rep, key):
     """`out_rep[i]` (int32[n]) = the first tensor whose shape rule sees what tensor i's sees:
     the same bytes under `mask` (int64[w]: the fields rules read) in its record `words[i]`
     (int64[n, w]: the records, 8 bytes a word) and in the record of each source, and the same
     source slots holding none, itself, or one tensor twice (`src_index`, int32[n, max_src]).
-    Exact comparisons decide; hashes only find candidates. Returns the number of groups."""
+    Exact comparisons decide; hashes (multiplier `key`: TABLE_KEY) only find candidates.
+    Returns the number of groups."""
     n = words.shape[0]
     cap = 16
     while cap < 2 * n:
@@ -912,7 +935,7 @@ def rule_group_kernel(words, mask, src_index, out_rep):
     table = np.full(cap, -1, np.int32)
     # 1. tensors with the same masked record share a class: the first of them
     for i in range(n):
-        s = _row_hash(words, mask, i) & slot_mask
+        s = _row_hash(words, mask, i, key) & slot_mask
         while True:
             r = table[s]
             if r < 0:
@@ -927,12 +950,12 @@ def rule_group_kernel(words, mask, src_index, out_rep):
     table[:] = -1
     groups = 0
     for i in range(n):
-        h = int(tclass[i])
+        h = _mix(0, int(tclass[i]), key)
         for k in range(src_index.shape[1]):
             c = _src_code(src_index, i, k)
-            h = ((h ^ c) * _GOLDEN) & _LOW62
+            h = _mix(h, c, key)
             if c >= 0:
-                h = ((h ^ int(tclass[src_index[i, k]])) * _GOLDEN) & _LOW62
+                h = _mix(h, int(tclass[src_index[i, k]]), key)
         s = h & slot_mask
         while True:
             r = table[s]
@@ -1043,6 +1066,7 @@ def record_fields_kernel(
     voffs,
     handle_of,
     handles,
+    key,
 ):
     """The per-record checks of apir.host.graph._check_records on the n apir_rpc_tensor
     records at address `rows` (`size` bytes each; a copy the host owns): a valid type
@@ -1053,8 +1077,9 @@ def record_fields_kernel(
     view_offs and buffer; `width`: the bytes of one ne / nb entry (4 or 8). Fills per record
     its extent (TensorChecker.extent), data offset, view_offs and the index of its buffer
     handle in `handles` (each handle once, in order of first use, as int64 bit patterns).
-    Returns the number of handles, or -1 when any record fails a check or leaves the range
-    (the caller then checks record by record)."""
+    `key`: the multiplier of the handles' hash table (TABLE_KEY). Returns the number of
+    handles, or -1 when any record fails a check or leaves the range (the caller then checks
+    record by record)."""
     cap = 16
     while cap < 2 * n:
         cap *= 2
@@ -1104,7 +1129,7 @@ def record_fields_kernel(
         offsets[i] = data
         voffs[i] = vo
         h = load_i64(r + off[7])
-        s = ((h * _GOLDEN) >> 32) & (cap - 1)
+        s = _mix(0, h, key) & (cap - 1)
         while True:
             k = table[s]
             if k < 0:

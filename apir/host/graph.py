@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Dict, List, Mapping, NamedTuple, Optional, Seq
 import numpy as np
 
 from apir.codec._kernels import (
+    TABLE_KEY,
     add_nodes_kernel,
     new_tensors_kernel,
     record_bounds_kernel,
@@ -271,6 +272,7 @@ def _check_records(lib: PythonBackendLibrary, parsed) -> Optional[_Records]:
         voffs,
         handle_of,
         handles,
+        TABLE_KEY,
     )
     if n_handles < 0:
         return None

@@ -30,7 +30,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from apir.codec._kernels import rule_group_kernel
+from apir.codec._kernels import TABLE_KEY, rule_group_kernel
 from apir.host.shapes import OpEnums, TensorInfo, check_node
 
 __all__ = ["rule_groups", "check_nodes", "Sealed", "Impure"]
@@ -91,7 +91,7 @@ def rule_groups(parsed) -> np.ndarray:
         return rep
     words = np.ascontiguousarray(t).view(np.int64).reshape(n, -1)
     src = np.ascontiguousarray(parsed.src_index, np.int32)
-    rule_group_kernel(words, mask, src, rep)
+    rule_group_kernel(words, mask, src, rep, TABLE_KEY)
     return rep
 
 

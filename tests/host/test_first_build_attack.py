@@ -311,7 +311,7 @@ def _groups_by_definition(words, mask, src):
 def test_group_kernel_matches_its_definition(twin):
     """Few distinct records and sources, so that many tensors share a probe chain in the
     kernel's table and only its exact comparisons tell groups apart (the hash never decides)."""
-    from apir.codec._kernels import rule_group_kernel
+    from apir.codec._kernels import TABLE_KEY, rule_group_kernel
 
     kernel = rule_group_kernel.py_func if twin else rule_group_kernel
     rng = np.random.default_rng(7)
@@ -333,7 +333,41 @@ def test_group_kernel_matches_its_definition(twin):
                 elif r < 0.85 and k:
                     src[i, k] = src[i, int(rng.integers(k))]
         got = np.full(n, -7, np.int32)
-        groups = kernel(words, mask, src, got)
+        groups = kernel(words, mask, src, got, TABLE_KEY if trial % 2 else 1)  # (1: the worst multiplier)
         want = _groups_by_definition(words, mask, src)
         assert np.array_equal(got, want), (trial, got, want)
         assert groups == len(np.unique(want))
+
+
+def _slots(hashes, cap):
+    return len(set(int(h) & (cap - 1) for h in hashes))
+
+
+def test_hash_tables_spread_keys_that_differ_only_in_high_bits():
+    """The tables of guest-written keys (rule groups: masked records; record fields: buffer
+    handles) take a slot from the low bits of their hash: those must depend on every bit of
+    the key, or records differing only in a word's high half (ne[1], nb[1], op_params[0]: any
+    graph of such tensors, no crafting needed) share one probe chain and each insert
+    compares against all before it (20,000 such tensors: 1.6 s, quadratic). Multiplier is
+    drawn per process (`TABLE_KEY`), so a guest cannot aim keys at one chain either."""
+    from apir.codec import _kernels as K
+    from apir.codec.records import rpc_tensor_dtype
+    from apir.host import rule_memo
+
+    assert K.TABLE_KEY % 2 == 1 and 0 < K.TABLE_KEY < 1 << 62
+    n, cap = 4096, 8192
+    dt = rpc_tensor_dtype()
+    t = np.zeros(n, dt)
+    t["ne"], t["nb"] = [1, 1, 1, 1], [4, 4, 4, 4]
+    fields = {"op_params": (t["op_params"], 0), "ne": (t["ne"], 1), "nb": (t["nb"], 3)}
+    mask = rule_memo._mask(dt)
+    for name, (values, k) in fields.items():
+        base = values[:, k].copy()
+        values[:, k] = np.arange(n)
+        assert dt.fields[name][1] % 8 == 4 or k % 2 == 1  # (in the high half of a word)
+        words = np.ascontiguousarray(t).view(np.int64).reshape(n, -1)
+        hashes = [K._row_hash(words, mask, r, K.TABLE_KEY) for r in range(n)]
+        assert _slots(hashes, cap) > n // 2, name  # a random hash: ~3,200
+        values[:, k] = base
+    handles = [(j + 1) << 40 for j in range(n)]
+    assert _slots([K._mix(0, h - (1 << 64) if h >= 1 << 63 else h, K.TABLE_KEY) for h in handles], cap) > n // 2

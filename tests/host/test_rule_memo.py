@@ -10,7 +10,7 @@ same message, and leave the same row-id state on the infos.
 import numpy as np
 import pytest
 
-from apir.codec._kernels import rule_group_kernel
+from apir.codec._kernels import TABLE_KEY, rule_group_kernel
 from apir.codec.graph import parse_graph
 from apir.host import graph as hg
 from apir.host import rule_memo
@@ -110,7 +110,8 @@ def test_group_kernel_twins_agree(setup):
             src[rng.integers(len(t)), 0] = rng.integers(len(t))  # (a graph the parse would refuse)
         a = np.empty(len(t), np.int32)
         b = np.empty(len(t), np.int32)
-        assert rule_group_kernel(words, mask, src, a) == rule_group_kernel.py_func(words, mask, src, b)
+        key = TABLE_KEY
+        assert rule_group_kernel(words, mask, src, a, key) == rule_group_kernel.py_func(words, mask, src, b, key)
         assert np.array_equal(a, b)
 
 
@@ -210,5 +211,6 @@ def test_a_pure_rule_runs_once_per_group(monkeypatch):
 
     monkeypatch.setitem(rule_memo.__dict__, "check_node", lambda n, s, e, r: rule(n, s, e))
     infos = [_info(index=i) for i in range(5)]
-    assert rule_memo.check_nodes(infos, np.full((5, 1), -1, np.int32), None, None, np.array([0, 0, 2, 0, 2], np.int32)) == 2
+    groups = np.array([0, 0, 2, 0, 2], np.int32)
+    assert rule_memo.check_nodes(infos, np.full((5, 1), -1, np.int32), None, None, groups) == 2
     assert seen == [4, 4]
