@@ -134,8 +134,9 @@ class GraphWire:
     def matches(self, memory, size: int) -> bool:
         """Whether the first `size` bytes of `memory` hold this graph
         (apir.codec._kernels.record_match_kernel)."""
-        if len(self.data) > size or bytes(memory[:16]) != self.data[:16]:
-            return False  # (the node count and first node id: most misses, without the kernel)
+        first = min(16, len(self.data))  # the node count and first node id: most misses, no kernel call
+        if len(self.data) > size or bytes(memory[:first]) != self.data[:first]:
+            return False
         view = np.frombuffer(memory, np.uint8, count=size)
         old = np.frombuffer(self.data, np.uint8)
         return bool(record_match_kernel(view, old, self.head, self.record_size, self.mask, self.name_at, self.name_len))
