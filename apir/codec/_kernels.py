@@ -906,12 +906,12 @@ def _src_code(src_index, i, k):
 
 
 @helper
-def _same_inputs(tclass, src_index, a, b):
+def _same_inputs(tclass, src_index, codes, a, b):
     if tclass[a] != tclass[b]:
         return False
     for k in range(src_index.shape[1]):
-        ca = _src_code(src_index, a, k)
-        if ca != _src_code(src_index, b, k):
+        ca = codes[a, k]
+        if ca != codes[b, k]:
             return False
         if ca >= 0 and tclass[src_index[a, k]] != tclass[src_index[b, k]]:
             return False
@@ -947,12 +947,16 @@ def rule_group_kernel(words, mask, src_index, out_rep, key):
                 break
             s = (s + 1) & slot_mask
     # 2. tensors with the same class, source slots and source classes share a group
+    codes = np.empty(src_index.shape, np.int32)
+    for i in range(n):
+        for k in range(src_index.shape[1]):
+            codes[i, k] = _src_code(src_index, i, k)
     table[:] = -1
     groups = 0
     for i in range(n):
         h = _mix(0, int(tclass[i]), key)
         for k in range(src_index.shape[1]):
-            c = _src_code(src_index, i, k)
+            c = int(codes[i, k])
             h = _mix(h, c, key)
             if c >= 0:
                 h = _mix(h, int(tclass[src_index[i, k]]), key)
@@ -964,11 +968,17 @@ def rule_group_kernel(words, mask, src_index, out_rep, key):
                 out_rep[i] = i
                 groups += 1
                 break
-            if _same_inputs(tclass, src_index, r, i):
+            if _same_inputs(tclass, src_index, codes, r, i):
                 out_rep[i] = r
                 break
             s = (s + 1) & slot_mask
     return groups
+
+
+@helper
+def _load_wide(addr, width):
+    # an unsigned wire field of `width` bytes (4 or 8); one of 8 at or past 2**63 reads < 0
+    return load_u32(addr) if width == 4 else load_i64(addr)
 
 
 # --- host tensors and graph nodes, created in bulk ---------------------------------------------
@@ -998,31 +1008,31 @@ def add_nodes_kernel(add_node, graph, nodes, host):
 
 
 @jit
-def write_tensors_kernel(
-    off, created, order, host, ne, nb, op, op_params, flags, names, buffer, data, src, view_src, view_offs
-):
+def write_tensors_kernel(off, rows, size, roff, width, created, order, host, buffer, data, src, view_src):
     """The fields of fresh ggml tensors (`created[k]`, the k-th tensor of `order`, from
     ggml_new_tensor_1d: zeroed but for type and its own fields) written as the host twin of
-    record `order[k]`. `off` (int64[11]): the offsets in struct ggml_tensor of ne, nb, op,
-    op_params, flags, name, buffer, data, src, view_src and view_offs (8-byte ne, nb and
-    pointers; 4-byte op, flags and op_params entries; one byte a name entry). Per record:
-    ne, nb (int64[n, 4]); op, flags (int64[n]); op_params (int32[n, P]); names (uint8[n, L]:
-    copied up to and including the first NUL; the rest stays zero); buffer, data (int64[n]:
-    the values to store); src (int32[n, S]) and view_src (int32[n]), tensor indices or -1,
-    stored as the twins' addresses (`host`, int64[n]) or NULL; view_offs (int64[n]), stored
-    for views only. Returns 0."""
+    apir_rpc_tensor record `order[k]` (records at address `rows`, `size` bytes each, a copy the
+    host owns). `off` (int64[11]): the offsets in struct ggml_tensor of ne, nb, op, op_params,
+    flags, name, buffer, data, src, view_src and view_offs (8-byte ne, nb and pointers); `roff`
+    (int64[9]): the records' offsets of ne, nb, op, op_params, flags, name, view_offs and the
+    counts of op_params entries and name bytes; `width`: the bytes of a record's ne / nb entry
+    (4 or 8). Copied: ne, nb (widened), op, op_params, flags (4 bytes each), the name up to
+    its first NUL (the rest stays zero, as ggml_set_name leaves it). Stored: `buffer` and
+    `data` (int64[n]); src (int32[n, S]) and view_src (int32[n]) tensor indices or -1, as
+    the twins' addresses (`host`, int64[n]) or NULL; view_offs for views only. Returns 0."""
     for k in range(order.size):
         i = order[k]
         a = created[k]
+        r = rows + i * size
         for d in range(4):
-            store_i64(a + off[0] + 8 * d, ne[i, d])
-            store_i64(a + off[1] + 8 * d, nb[i, d])
-        store_u32(a + off[2], op[i])
-        for q in range(op_params.shape[1]):
-            store_u32(a + off[3] + 4 * q, op_params[i, q])
-        store_u32(a + off[4], flags[i])
-        for b in range(names.shape[1]):
-            c = names[i, b]
+            store_i64(a + off[0] + 8 * d, _load_wide(r + roff[0] + d * width, width))
+            store_i64(a + off[1] + 8 * d, _load_wide(r + roff[1] + d * width, width))
+        store_u32(a + off[2], load_u32(r + roff[2]))
+        for q in range(roff[7]):
+            store_u32(a + off[3] + 4 * q, load_u32(r + roff[3] + 4 * q))
+        store_u32(a + off[4], load_u32(r + roff[4]))
+        for b in range(roff[8]):
+            c = load_u8(r + roff[5] + b)
             if c == 0:
                 break
             store_u8(a + off[5] + b, c)
@@ -1033,7 +1043,7 @@ def write_tensors_kernel(
             store_i64(a + off[8] + 8 * s, host[j] if j >= 0 else 0)
         v = view_src[i]
         store_i64(a + off[9], host[v] if v >= 0 else 0)
-        store_i64(a + off[10], view_offs[i] if v >= 0 else 0)
+        store_i64(a + off[10], load_i64(r + roff[6]) if v >= 0 else 0)
     return 0
 
 
@@ -1041,12 +1051,6 @@ def write_tensors_kernel(
 
 _FAST_LIMIT = float(1 << 60)  # bound on every intermediate of the extent arithmetic: int64 exact
 _VALUE_MAX = 1 << 62  # a wire value the host takes as it is (as apir.host.tensors' _NE_MAX)
-
-
-@helper
-def _load_wide(addr, width):
-    # an unsigned wire field of `width` bytes (4 or 8); one of 8 at or past 2**63 reads < 0
-    return load_u32(addr) if width == 4 else load_i64(addr)
 
 
 @jit

@@ -327,35 +327,35 @@ class TensorInfos(Sequence[TensorInfo]):
         return [self._made[i] for i in sorted(self._made)]
 
 
-# struct ggml_tensor's fields write_tensors_kernel writes, in the order of its `off`
+# struct ggml_tensor's fields write_tensors_kernel writes (its `off`), and the record's it reads
 _WRITTEN = ("ne", "nb", "op", "op_params", "flags", "name", "buffer", "data", "src", "view_src", "view_offs")
+_READ = ("ne", "nb", "op", "op_params", "flags", "name", "view_offs")
 
 
-def _kernel_offsets(tensor: np.dtype, rpc: np.dtype, max_src: int) -> Optional[np.ndarray]:
-    """write_tensors_kernel's `off` for ggml's tensor layout `tensor`, or None when a field is
-    not of the width the kernel writes (or holds fewer entries than the records carry)."""
+def _entries(dt: np.dtype) -> tuple:
+    """(bytes of one entry, number of entries) of a field's dtype."""
+    return (dt.base.itemsize, dt.shape[0]) if dt.shape else (dt.itemsize, 1)
+
+
+def _kernel_layout(tensor: np.dtype, rpc: np.dtype, max_src: int) -> Optional[tuple]:
+    """write_tensors_kernel's (`off`, `roff`, `width`) for ggml's tensor layout `tensor` and
+    the records' `rpc`, or None when a field is not of the width the kernel reads or writes
+    (the caller then writes field by field)."""
     f: Mapping[str, tuple] = tensor.fields or {}
     r: Mapping[str, tuple] = rpc.fields or {}
-
-    def entries(dt: np.dtype) -> tuple:  # (entry size, count)
-        return (dt.subdtype[0].itemsize, dt.subdtype[1][0]) if dt.subdtype else (dt.itemsize, 1)
-
-    want = {
-        "ne": (8, 4),
-        "nb": (8, 4),
-        "op": (4, 1),
-        "op_params": (4, entries(r["op_params"][0])[1]),
-        "flags": (4, 1),
-        "name": (1, entries(r["name"][0])[1]),
-        "buffer": (8, 1),
-        "data": (8, 1),
-        "src": (8, max_src),
-        "view_src": (8, 1),
-        "view_offs": (8, 1),
-    }
-    if any(name not in f or entries(f[name][0]) != want[name] for name in _WRITTEN):
+    if any(name not in r for name in _READ) or any(name not in f for name in _WRITTEN):
         return None
-    return np.array([f[name][1] for name in _WRITTEN], dtype=np.int64)
+    width, params, name_len = _entries(r["ne"][0])[0], _entries(r["op_params"][0])[1], _entries(r["name"][0])[1]
+    read = {"ne": (width, 4), "nb": (width, 4), "op": (4, 1), "op_params": (4, params), "flags": (4, 1)}
+    read.update(name=(1, name_len), view_offs=(8, 1))
+    written = dict(read, ne=(8, 4), nb=(8, 4), buffer=(8, 1), data=(8, 1), src=(8, max_src), view_src=(8, 1))
+    if width not in (4, 8) or any(_entries(r[k][0]) != v for k, v in read.items()):
+        return None
+    if any(_entries(f[k][0]) != v for k, v in written.items()):
+        return None
+    off = np.array([f[k][1] for k in _WRITTEN], np.int64)
+    roff = np.array([r[k][1] for k in _READ] + [params, name_len], np.int64)
+    return off, roff, width
 
 
 def _create_tensors(lib: PythonBackendLibrary, parsed, scratch: Scratch, recs: _Records) -> np.ndarray:
@@ -379,25 +379,12 @@ def _create_tensors(lib: PythonBackendLibrary, parsed, scratch: Scratch, recs: _
     v = np.ascontiguousarray(parsed.view_src_index, np.int32)
     buffer = recs.per_tensor([b.ptr for b in recs.found]).astype(np.int64)
     data = recs.per_tensor([b.base for b in recs.found]).astype(np.int64) + recs.offsets
-    off = _kernel_offsets(chk.tensor_dtype, t.dtype, src.shape[1])
-    if off is not None:
-        write_tensors_kernel(
-            off,
-            created,
-            order,
-            host,
-            t["ne"].astype(np.int64),
-            t["nb"].astype(np.int64),
-            t["op"].astype(np.int64),
-            np.ascontiguousarray(t["op_params"], np.int32),
-            t["flags"].astype(np.int64),
-            np.ascontiguousarray(t["name"].view(np.uint8)),
-            buffer,
-            data,
-            src,
-            v,
-            t["view_offs"].astype(np.int64),
-        )
+    layout = _kernel_layout(chk.tensor_dtype, t.dtype, src.shape[1])
+    if layout is not None:
+        off, roff, width = layout
+        rows = np.ascontiguousarray(t)
+        size = t.dtype.itemsize
+        write_tensors_kernel(off, rows.ctypes.data, size, roff, width, created, order, host, buffer, data, src, v)
         return host
     # Every field as host_from_rpc writes it, tensor by tensor in creation order.
     names = t["name"].view(np.uint8)[order]
@@ -442,7 +429,7 @@ def build_graph(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums: OpEn
 def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums: OpEnums) -> BuiltGraph:
     """`build_graph`, returning the graph with what its checks saw; raises Refused."""
     g = lib.g
-    if len(np.unique(parsed.node_index)) != len(parsed.node_index):
+    if len(parsed.node_index) and np.bincount(parsed.node_index).max() > 1:
         raise Refused("graph: a node is listed twice")
     recs = _check_records(lib, parsed)
     if recs is None:

@@ -134,7 +134,8 @@ class GraphWire:
     def matches(self, memory, size: int) -> bool:
         """Whether the first `size` bytes of `memory` hold this graph
         (apir.codec._kernels.record_match_kernel)."""
-        if len(self.data) > size:
+        first = min(16, len(self.data))  # the node count and first node id: most misses, no kernel call
+        if len(self.data) > size or bytes(memory[:first]) != self.data[:first]:
             return False
         view = np.frombuffer(memory, np.uint8, count=size)
         old = np.frombuffer(self.data, np.uint8)

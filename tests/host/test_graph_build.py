@@ -193,7 +193,7 @@ def _as_indices(lib, addrs, data_map=None):
 def test_host_tensors_equal_the_one_by_one_twins(setup, monkeypatch, bulk):
     lib, wire, _ = setup
     if not bulk:  # the tensor-by-tensor writes taken when ggml's layout is not the kernel's
-        monkeypatch.setattr(hg, "_kernel_offsets", lambda tensor, rpc, max_src: None)
+        monkeypatch.setattr(hg, "_kernel_layout", lambda tensor, rpc, max_src: None)
     parsed = _parse(lib, wire)
     n = len(parsed.tensors)
     # what a twin must not take over: view_offs of a tensor that is no view, bytes after a
