@@ -31,6 +31,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 import numpy as np
 
 from apir.codec._kernels import TABLE_KEY, rule_group_kernel
+from apir.errors import ApirError
 from apir.host.shapes import OpEnums, TensorInfo, check_node
 
 __all__ = ["rule_groups", "check_nodes", "Sealed", "Impure"]
@@ -45,7 +46,7 @@ _OPEN = frozenset(
 _COMPARED_FIELDS = ("type", "op", "ne", "nb", "op_params")
 
 
-class Impure(Exception):
+class Impure(ApirError):
     """A rule touched what `Sealed` hides (the attribute's name)."""
 
 
