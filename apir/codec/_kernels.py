@@ -399,6 +399,29 @@ def _slot(key, mask):
     return ((key * _GOLDEN) >> 32) & mask
 
 
+_LOW62 = (1 << 62) - 1
+
+# The multiplier of the hash tables whose keys the guest writes (tensor ids, record fields,
+# rule groups): odd, below 2**62, drawn per process and passed to the kernels (a global would
+# be compiled into the on-disk cache), so a guest cannot aim its keys at one probe chain (each
+# insert would then compare against all before it: quadratic). `_slot` stays for the guest's
+# own table of its tensor addresses (serialize_graph_kernel).
+TABLE_KEY = secrets.randbits(61) << 1 | 1
+
+
+@helper
+def _mix(h, x, key):
+    # h (in [0, 2**62)) with the int64 word x folded in. A slot is a hash's low bits, and the
+    # low bits of a product never see the bits above them: without the folds (high bits
+    # xored down, before and after each multiply by `key`), records differing only in a
+    # word's high half (ne[1], nb[1], op_params[0]) or handles differing only in high bits
+    # would all land in one slot. (Arithmetic shifts in both twins: Python's >> floors too.)
+    v = h ^ x
+    v = ((v ^ (v >> 32)) * key) & _LOW62
+    v = ((v ^ (v >> 29)) * key) & _LOW62
+    return v ^ (v >> 32)
+
+
 @helper
 def _set_insert(keys, key):
     """Inserts non-zero `key` into the open-addressing set `keys` (0 = empty, size a power
@@ -652,9 +675,9 @@ PARSE_CYCLE = -9  # info = (tensor index,)
 
 
 @helper
-def _map_find(keys, vals, key):
+def _map_find(keys, vals, key, hkey):
     mask = keys.shape[0] - 1
-    i = _slot(key, mask)
+    i = _mix(0, key, hkey) & mask
     while True:
         k = keys[i]
         if k == key:
@@ -683,12 +706,14 @@ def parse_graph_kernel(
     stack_t,
     stack_k,
     info,
+    hkey,
 ):
     """Validates a graph at `addr` (a private copy: ids at addr + 4, records at
     addr + 8 + 8 * n_nodes, counts already checked against the size) and fills the index
     arrays. `map_keys` (zeroed, a power of two >= 2 * n_tensors) / `map_vals` map ids to
-    tensor indices; `state` (zeroed int8), `stack_t` / `stack_k` (int32, n_tensors) are the
-    cycle check's DFS. Returns 0 or a PARSE_* error with details in `info`."""
+    tensor indices, slots hashed with multiplier `hkey` (TABLE_KEY: the ids are the guest's);
+    `state` (zeroed int8), `stack_t` / `stack_k` (int32, n_tensors) are the cycle check's
+    DFS. Returns 0 or a PARSE_* error with details in `info`."""
     rec = rl[R_SIZE]
     max_src = lim[L_MAX_SRC]
     max_name = lim[L_MAX_NAME]
@@ -701,7 +726,7 @@ def parse_graph_kernel(
         if tid == 0:
             info[0] = i
             return PARSE_ZERO_ID
-        j = _slot(tid, mask)
+        j = _mix(0, tid, hkey) & mask
         while True:
             k = map_keys[j]
             if k == tid:
@@ -737,7 +762,7 @@ def parse_graph_kernel(
             sid = load_i64(r + rl[R_SRC] + 8 * s)
             idx = -1
             if sid != 0:
-                idx = _map_find(map_keys, map_vals, sid)
+                idx = _map_find(map_keys, map_vals, sid, hkey)
                 if idx < 0:
                     info[0] = i
                     info[1] = s
@@ -747,7 +772,7 @@ def parse_graph_kernel(
         vid = load_i64(r + rl[R_VIEW_SRC])
         idx = -1
         if vid != 0:
-            idx = _map_find(map_keys, map_vals, vid)
+            idx = _map_find(map_keys, map_vals, vid, hkey)
             if idx < 0:
                 info[0] = i
                 info[1] = vid
@@ -757,7 +782,7 @@ def parse_graph_kernel(
         nid = load_i64(addr + 4 + 8 * i)
         idx = -1
         if nid != 0:
-            idx = _map_find(map_keys, map_vals, nid)
+            idx = _map_find(map_keys, map_vals, nid, hkey)
         if idx < 0:
             info[0] = i
             info[1] = nid
@@ -849,27 +874,6 @@ def record_match_kernel(new, old, head, rec_size, mask, name_at, name_len):
 
 
 # --- tensors whose shape rules see the same inputs ---------------------------------------------
-
-_LOW62 = (1 << 62) - 1
-
-# The multiplier of the hash tables whose keys the guest writes (record fields, rule groups):
-# odd, below 2**62, drawn per process and passed to the kernels (a global would be compiled
-# into the on-disk cache), so a guest cannot aim its records at one probe chain (each insert
-# would then compare against all before it: quadratic).
-TABLE_KEY = secrets.randbits(61) << 1 | 1
-
-
-@helper
-def _mix(h, x, key):
-    # h (in [0, 2**62)) with the int64 word x folded in. A slot is a hash's low bits, and the
-    # low bits of a product never see the bits above them: without the folds (high bits
-    # xored down, before and after each multiply by `key`), records differing only in a
-    # word's high half (ne[1], nb[1], op_params[0]) or handles differing only in high bits
-    # would all land in one slot. (Arithmetic shifts in both twins: Python's >> floors too.)
-    v = h ^ x
-    v = ((v ^ (v >> 32)) * key) & _LOW62
-    v = ((v ^ (v >> 29)) * key) & _LOW62
-    return v ^ (v >> 32)
 
 
 @helper

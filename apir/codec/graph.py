@@ -360,6 +360,7 @@ def parse_graph(
         stack_t,
         stack_k,
         info,
+        K.TABLE_KEY,
     )
     if err != 0:
         raise _parse_error(err, info, tensors)
