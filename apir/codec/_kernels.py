@@ -61,6 +61,7 @@ __all__ = [
     "write_tensors_kernel",
     "record_fields_kernel",
     "record_bounds_kernel",
+    "first_overlap_kernel",
     "TL_FIELDS",
     "RL_FIELDS",
     "LIM_FIELDS",
@@ -1168,4 +1169,74 @@ def record_bounds_kernel(extents, offsets, voffs, handle_of, sizes, ident, view_
                 return -1
             if voffs[i] + extents[i] > extents[v]:
                 return -1
+    return 0
+
+
+# --- the first write over each range of bytes ---------------------------------------------------
+
+
+@jit
+def first_overlap_kernel(w_buf, w_lo, w_hi, w_pos, q_buf, q_lo, q_hi, out):
+    """`out[q]` = the least `w_pos[w]` over the writes w whose bytes [w_lo, w_hi) overlap
+    query q's [q_lo, q_hi) in the same buffer (`w_buf[w] == q_buf[q]`, `w_lo < q_hi` and
+    `q_lo < w_hi`: an empty range overlaps one that strictly contains its offset), or -1 where
+    none does. All int64, positions >= 0. A sweep: the writes in (buffer, lo) order enter a
+    segment tree of least positions over their (buffer, hi) order while their lo is below the
+    query's hi (queries in (buffer, hi) order); a query takes the least over its buffer's
+    writes whose hi is above its lo. O((W + Q) log W), where comparing every pair is
+    quadratic in a graph of many row-id readers. Returns 0."""
+    nw = w_lo.size
+    nq = q_lo.size
+    big = np.int64(1) << 62
+    # writes by (buffer, hi): each one's rank, and the sorted buffers and his for the searches
+    by_hi = np.argsort(w_hi, kind="mergesort")
+    by_hi = by_hi[np.argsort(w_buf[by_hi], kind="mergesort")]
+    rank = np.empty(nw, np.int64)
+    sb = np.empty(nw, np.int64)
+    sh = np.empty(nw, np.int64)
+    for r in range(nw):
+        w = by_hi[r]
+        rank[w] = r
+        sb[r] = w_buf[w]
+        sh[r] = w_hi[w]
+    # writes by (buffer, lo): the order they enter in; queries by (buffer, hi)
+    by_lo = np.argsort(w_lo, kind="mergesort")
+    by_lo = by_lo[np.argsort(w_buf[by_lo], kind="mergesort")]
+    qs = np.argsort(q_hi, kind="mergesort")
+    qs = qs[np.argsort(q_buf[qs], kind="mergesort")]
+    size = 1
+    while size < max(nw, 1):
+        size *= 2
+    tree = np.full(2 * size, big, np.int64)
+    e = 0
+    for t in range(nq):
+        q = qs[t]
+        b, hi = q_buf[q], q_hi[q]
+        while e < nw:
+            w = by_lo[e]
+            if w_buf[w] > b or (w_buf[w] == b and w_lo[w] >= hi):
+                break
+            p = rank[w] + size
+            tree[p] = min(tree[p], w_pos[w])
+            p //= 2
+            while p >= 1:
+                tree[p] = min(tree[2 * p], tree[2 * p + 1])
+                p //= 2
+            e += 1
+        # this buffer's writes with hi > the query's lo: ranks [start, stop)
+        start = np.searchsorted(sb, b, side="left")
+        stop = np.searchsorted(sb, b, side="right")
+        start += np.searchsorted(sh[start:stop], q_lo[q], side="right")
+        least = big
+        lo_, hi_ = start + size, stop + size
+        while lo_ < hi_:
+            if lo_ & 1:
+                least = min(least, tree[lo_])
+                lo_ += 1
+            if hi_ & 1:
+                hi_ -= 1
+                least = min(least, tree[hi_])
+            lo_ //= 2
+            hi_ //= 2
+        out[q] = least if least < big else -1
     return 0

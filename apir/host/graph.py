@@ -42,6 +42,7 @@ import numpy as np
 from apir.codec._kernels import (
     TABLE_KEY,
     add_nodes_kernel,
+    first_overlap_kernel,
     new_tensors_kernel,
     record_bounds_kernel,
     record_fields_kernel,
@@ -107,9 +108,11 @@ def _check_graph_needs(lib, parsed, made: List[TensorInfo], recs: _Records, prof
     by a node that runs before (or is) their last reader (a node's own result, or the sources
     an OPT_STEP_* updates in place): ggml CPU would then read other ids than those checked.
     A write after the last reader is fine (ggml's allocator reuses a consumed input's memory),
-    and the kernels read the checked copy anyway (TensorInfo.snapshot). And a kernel that is
-    only safe on one thread is in a graph that the CPU runs on one thread (the profile's
-    `one_task_ops`)."""
+    and the kernels read the checked copy anyway (TensorInfo.snapshot). The first write over
+    each ids tensor's bytes comes from one sweep over all of them (`first_overlap_kernel`:
+    comparing each ids tensor with each write is quadratic in a graph of many readers). And a
+    kernel that is only safe on one thread is in a graph that the CPU runs on one thread (the
+    profile's `one_task_ops`)."""
     op_names, ops = lib.g.op_names, parsed.tensors["op"]
     nodes = parsed.node_index.astype(np.int64)
     one_thread = [info for info in made if info.one_thread]
@@ -125,37 +128,35 @@ def _check_graph_needs(lib, parsed, made: List[TensorInfo], recs: _Records, prof
     read = [info for info in made if info.snapshot is not None]
     if not read:
         return
-    # per node in graph order: whether it writes (ggml_op_is_empty), its buffer's identity, bytes
+    # the writes in graph order (position, tensor written): each node that writes
+    # (ggml_op_is_empty), and the sources an OPT_STEP_* updates in place
     names = [op_names.get(o, "") for o in range(lib.g.op_count)]
     empty = np.array([name in _EMPTY_OPS for name in names], np.bool_)
     opt_step = np.array([name.startswith("OPT_STEP") for name in names], np.bool_)
+    pos = np.flatnonzero(~empty[ops[nodes]])
+    steps = pos[opt_step[ops[nodes[pos]]]]
+    srcs = parsed.src_index[nodes[steps]].astype(np.int64)
+    step_pos = np.broadcast_to(steps[:, None], srcs.shape)[srcs >= 0]
+    w_pos = np.concatenate([pos, step_pos]).astype(np.int64)
+    w_t = np.concatenate([nodes[pos], srcs[srcs >= 0]])
+    # each reader's position (-1: a reader that is not a node, e.g. a leaf, reads nothing at
+    # compute), the last per ids tensor
+    at = np.full(len(parsed.tensors), -1, np.int64)
+    at[nodes] = np.arange(len(nodes))
+    until = np.array([max((int(at[j]) for j in info.read_by or ()), default=-1) for info in read], np.int64)
+    q_t = np.array([info.index for info in read], np.int64)
     ident: Dict[int, int] = {}  # id(HostBuffer) -> index of its first handle (two may name one buffer)
-    same = recs.per_tensor([ident.setdefault(id(b), k) for k, b in enumerate(recs.found)])
-    offsets, extents = recs.offsets, recs.extents
-    writes = ~empty[ops[nodes]]
-    opt_steps = [(pos, int(nodes[pos])) for pos in np.flatnonzero(writes & opt_step[ops[nodes]]).tolist()]
-    for info in read:
-        i = info.index
-        # the position of its last reader (-1 for none: a reader that is not a node, e.g. a
-        # leaf, reads nothing at compute)
-        readers = np.flatnonzero(np.isin(nodes, info.read_by or ()))
-        until = int(readers[-1]) if len(readers) else -1
-        hit = writes[: until + 1] & _overlap(nodes[: until + 1], i, same, offsets, extents)
-        for pos, j in opt_steps:  # an OPT_STEP_* updates its sources in place too
-            if pos <= until and not hit[pos]:
-                srcs = parsed.src_index[j]
-                hit[pos] = bool(_overlap(srcs[srcs >= 0].astype(np.int64), i, same, offsets, extents).any())
-        if hit.any():
-            j = int(nodes[int(np.argmax(hit))])
-            op = op_names[int(ops[j])]
-            why = f"row ids read before compute, but node {j} ({op}) writes over them before they are read"
-            raise Refused(f"graph tensor {i}: {why}", node=j, op=op, reason=why, rule=_GRAPH_NEEDS)
-
-
-def _overlap(k: np.ndarray, i: int, same: np.ndarray, offsets: np.ndarray, extents: np.ndarray) -> np.ndarray:
-    """Whether each of tensors `k` lies over tensor i's bytes (the same buffer, `same`)."""
-    lo, hi = offsets[i], offsets[i] + extents[i]
-    return (same[k] == same[i]) & (offsets[k] < hi) & (lo < offsets[k] + extents[k])
+    same = recs.per_tensor([ident.setdefault(id(b), k) for k, b in enumerate(recs.found)]).astype(np.int64)
+    lo, hi = recs.offsets, recs.offsets + recs.extents
+    first = np.empty(len(read), np.int64)  # per ids tensor: the first write over its bytes
+    first_overlap_kernel(same[w_t], lo[w_t], hi[w_t], w_pos, same[q_t], lo[q_t], hi[q_t], first)
+    hit = np.flatnonzero((first >= 0) & (first <= until))
+    if len(hit):
+        k = int(hit[0])  # (`read` is in tensor order: the first ids tensor so overwritten)
+        i, j = read[k].index, int(nodes[first[k]])
+        op = op_names[int(ops[j])]
+        why = f"row ids read before compute, but node {j} ({op}) writes over them before they are read"
+        raise Refused(f"graph tensor {i}: {why}", node=j, op=op, reason=why, rule=_GRAPH_NEEDS)
 
 
 # (the `rule` of _check_graph_needs' refusals: apir.host.errors.Refused)

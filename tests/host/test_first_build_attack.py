@@ -380,3 +380,111 @@ def test_hash_tables_spread_keys_that_differ_only_in_high_bits():
     ids = [as_i64((j + 1) * inverse % (1 << 64)) for j in range(n)]
     assert _slots([K._slot(i, cap - 1) for i in ids], cap) == 1  # (what parse hashed before)
     assert _slots([K._mix(0, i, K.TABLE_KEY) for i in ids], cap) > n // 2
+
+
+# --- the first write over each range of row ids -----------------------------------------------
+
+
+@pytest.mark.parametrize("twin", [False, True])
+def test_first_overlap_kernel_matches_its_definition(twin):
+    """_check_graph_needs' sweep (`first_overlap_kernel`) against every pair compared: the
+    least position of a write whose bytes overlap each query's in the same buffer, empty
+    ranges included (one overlaps a range that strictly contains its offset)."""
+    from apir.codec._kernels import first_overlap_kernel
+
+    kernel = first_overlap_kernel.py_func if twin else first_overlap_kernel
+    rng = np.random.default_rng(13)
+    for trial in range(200 if twin else 2000):
+        nw, nq = int(rng.integers(0, 30)), int(rng.integers(1, 12))
+        span = int(rng.choice([4, 16, 64]))
+        w_buf, q_buf = rng.integers(0, 3, nw), rng.integers(0, 3, nq)
+        w_lo, q_lo = rng.integers(0, span, nw), rng.integers(0, span, nq)
+        w_hi = w_lo + rng.integers(0, 8, nw) * (rng.random(nw) < 0.85)  # some empty
+        q_hi = q_lo + rng.integers(0, 8, nq) * (rng.random(nq) < 0.85)
+        w_pos = rng.integers(0, 20, nw)  # (several writes at one position: an OPT_STEP's)
+        got = np.full(nq, -7, np.int64)
+        arrays = [a.astype(np.int64) for a in (w_buf, w_lo, w_hi, w_pos, q_buf, q_lo, q_hi)]
+        assert kernel(*arrays, got) == 0
+        over = (w_buf[None, :] == q_buf[:, None]) & (w_lo[None, :] < q_hi[:, None]) & (q_lo[:, None] < w_hi[None, :])
+        least = np.where(over, w_pos[None, :], 1 << 40).min(axis=1, initial=1 << 40)
+        want = np.where(over.any(axis=1), least, -1)
+        assert np.array_equal(got, want), (trial, got, want)
+
+
+def _needs_by_pairs(lib, parsed, made, recs):
+    """_check_graph_needs' refusal of overwritten row ids (its message, or None) by its
+    definition: every ids tensor, in tensor order, against every write (a node that is not
+    empty, and an OPT_STEP's sources) up to its last reader, in graph order."""
+    from apir.host.profiles import EMPTY_OPS
+
+    op_names, ops = lib.g.op_names, parsed.tensors["op"]
+    nodes = parsed.node_index.tolist()
+    position = {j: p for p, j in enumerate(nodes)}
+    bufs, offsets, extents = recs.bufs, recs.offsets.tolist(), recs.extents.tolist()
+    writes = []
+    for p, j in enumerate(nodes):
+        name = op_names[int(ops[j])]
+        if name not in EMPTY_OPS:
+            writes += [(p, j, j)] + [(p, j, k) for k in parsed.src_index[j].tolist() if k >= 0 and "OPT_STEP" in name]
+    for info in made:
+        if info.snapshot is None:
+            continue
+        i = info.index
+        until = max((position.get(j, -1) for j in info.read_by or ()), default=-1)
+        lo, hi = offsets[i], offsets[i] + extents[i]
+        for p, j, k in writes:
+            if p <= until and bufs[k] is bufs[i] and offsets[k] < hi and lo < offsets[k] + extents[k]:
+                op = op_names[int(ops[j])]
+                why = f"row ids read before compute, but node {j} ({op}) writes over them before they are read"
+                return f"graph tensor {i}: {why}"
+    return None
+
+
+@pytest.mark.parametrize("layers", ["a"], indirect=True)
+def test_graph_needs_decide_as_comparing_every_pair(layers):
+    """The sweep of _check_graph_needs (no longer every ids tensor against every write: 40,000
+    GET_ROWS nodes with their own ids took 6.5 s there, quadratic) against its definition,
+    on graphs whose ids, results and OPT_STEP parameters are moved over each other, whose
+    nodes are reordered, and whose tensors name the buffer by a second handle."""
+    from apir.host.rule_memo import check_nodes
+
+    lib, wire, handle, alias, _ = layers
+    rng = np.random.default_rng(17)
+    seen = {"refused": 0, "passed": 0}
+    for _ in range(600):
+        parsed = _parse(lib, wire)
+        t = parsed.tensors
+        readers = np.isin(t["op"], [lib.g.ops["GET_ROWS"], lib.g.ops["ROPE"]])
+        ids = parsed.src_index[readers, 1].tolist()
+        steps = parsed.src_index[t["op"] == lib.g.ops["OPT_STEP_ADAMW"]]
+        nodes = parsed.node_index.tolist() + steps[steps >= 0].tolist()  # (what OPT_STEP updates)
+        for _ in range(int(rng.integers(1, 4))):
+            i, k = (int(x) for x in rng.integers(len(t), size=2))
+            what = int(rng.integers(5))
+            if what < 2:  # row ids at what a node writes, or that at row ids
+                a, b = int(rng.choice(ids)), int(rng.choice(nodes))
+                a, b = (a, b) if what == 0 else (b, a)
+                t["data"][a] = max(int(t["data"][b]) + int(rng.choice([0, 0, 4, -4])), 0)
+            elif what == 2:  # two nodes swap places in the graph
+                a, b = rng.integers(len(parsed.node_index), size=2)
+                parsed.node_index[[a, b]] = parsed.node_index[[b, a]]
+            elif what == 3:
+                t["buffer"][i] = alias
+            else:
+                parsed.view_src_index[i] = -1
+        try:
+            recs = hg._check_records(lib, parsed) or hg._check_records_one_by_one(lib, parsed)
+            infos = hg.TensorInfos(lib, parsed, recs, fetch=False)
+            hg._check_spans(lib, parsed, infos, recs)
+            check_nodes(infos, parsed.src_index, hg.lib_op_enums(lib), None, hg.rule_groups(parsed))
+        except Refused:
+            continue
+        made = infos.made()
+        try:
+            hg._check_graph_needs(lib, parsed, made, recs)
+            got = None
+        except Refused as exc:
+            got = str(exc)
+        assert got == _needs_by_pairs(lib, parsed, made, recs)
+        seen["passed" if got is None else "refused"] += 1
+    assert seen["refused"] > 40 and seen["passed"] > 200, seen
