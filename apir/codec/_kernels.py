@@ -959,8 +959,13 @@ def rule_group_kernel(words, mask, src_index, out_rep, key):
     table[:] = -1
     groups = 0
     for i in range(n):
-        h = _mix(0, int(tclass[i]), key)
-        for k in range(src_index.shape[1]):
+        # (slots after the last source hold none: the count of slots before it says so, and
+        # leaves them out of the hash; _same_inputs compares every slot)
+        last = src_index.shape[1]
+        while last > 0 and codes[i, last - 1] == -1:
+            last -= 1
+        h = _mix(int(tclass[i]), last, key)
+        for k in range(last):
             c = int(codes[i, k])
             h = _mix(h, c, key)
             if c >= 0:
@@ -1176,7 +1181,7 @@ def record_bounds_kernel(extents, offsets, voffs, handle_of, sizes, ident, view_
 
 
 @jit
-def first_overlap_kernel(w_buf, w_lo, w_hi, w_pos, q_buf, q_lo, q_hi, out):
+def first_overlap_kernel(w_buf, w_lo, w_hi, w_pos, q_buf, q_lo, q_hi, out, direct_max):
     """`out[q]` = the least `w_pos[w]` over the writes w whose bytes [w_lo, w_hi) overlap
     query q's [q_lo, q_hi) in the same buffer (`w_buf[w] == q_buf[q]`, `w_lo < q_hi` and
     `q_lo < w_hi`: an empty range overlaps one that strictly contains its offset), or -1 where
@@ -1184,10 +1189,19 @@ def first_overlap_kernel(w_buf, w_lo, w_hi, w_pos, q_buf, q_lo, q_hi, out):
     segment tree of least positions over their (buffer, hi) order while their lo is below the
     query's hi (queries in (buffer, hi) order); a query takes the least over its buffer's
     writes whose hi is above its lo. O((W + Q) log W), where comparing every pair is
-    quadratic in a graph of many row-id readers. Returns 0."""
+    quadratic in a graph of many row-id readers; at most `direct_max` pairs (a graph's few
+    readers: the sweep's sorts would cost more) are compared one by one. Returns 0."""
     nw = w_lo.size
     nq = q_lo.size
     big = np.int64(1) << 62
+    if nw * nq <= direct_max:
+        for q in range(nq):
+            least = big
+            for w in range(nw):
+                if w_buf[w] == q_buf[q] and w_lo[w] < q_hi[q] and q_lo[q] < w_hi[w]:
+                    least = min(least, w_pos[w])
+            out[q] = least if least < big else -1
+        return 0
     # writes by (buffer, hi): each one's rank, and the sorted buffers and his for the searches
     by_hi = np.argsort(w_hi, kind="mergesort")
     by_hi = by_hi[np.argsort(w_buf[by_hi], kind="mergesort")]

@@ -149,7 +149,7 @@ def _check_graph_needs(lib, parsed, made: List[TensorInfo], recs: _Records, prof
     same = recs.per_tensor([ident.setdefault(id(b), k) for k, b in enumerate(recs.found)]).astype(np.int64)
     lo, hi = recs.offsets, recs.offsets + recs.extents
     first = np.empty(len(read), np.int64)  # per ids tensor: the first write over its bytes
-    first_overlap_kernel(same[w_t], lo[w_t], hi[w_t], w_pos, same[q_t], lo[q_t], hi[q_t], first)
+    first_overlap_kernel(same[w_t], lo[w_t], hi[w_t], w_pos, same[q_t], lo[q_t], hi[q_t], first, _DIRECT_PAIRS)
     hit = np.flatnonzero((first >= 0) & (first <= until))
     if len(hit):
         k = int(hit[0])  # (`read` is in tensor order: the first ids tensor so overwritten)
@@ -157,6 +157,10 @@ def _check_graph_needs(lib, parsed, made: List[TensorInfo], recs: _Records, prof
         op = op_names[int(ops[j])]
         why = f"row ids read before compute, but node {j} ({op}) writes over them before they are read"
         raise Refused(f"graph tensor {i}: {why}", node=j, op=op, reason=why, rule=_GRAPH_NEEDS)
+
+
+# Up to this many (write, ids tensor) pairs first_overlap_kernel compares one by one (~60 us)
+_DIRECT_PAIRS = 1 << 16
 
 
 # (the `rule` of _check_graph_needs' refusals: apir.host.errors.Refused)

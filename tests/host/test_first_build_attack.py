@@ -385,8 +385,9 @@ def test_hash_tables_spread_keys_that_differ_only_in_high_bits():
 # --- the first write over each range of row ids -----------------------------------------------
 
 
+@pytest.mark.parametrize("direct_max", [0, 1 << 30], ids=["sweep", "pairs"])
 @pytest.mark.parametrize("twin", [False, True])
-def test_first_overlap_kernel_matches_its_definition(twin):
+def test_first_overlap_kernel_matches_its_definition(twin, direct_max):
     """_check_graph_needs' sweep (`first_overlap_kernel`) against every pair compared: the
     least position of a write whose bytes overlap each query's in the same buffer, empty
     ranges included (one overlaps a range that strictly contains its offset)."""
@@ -404,7 +405,7 @@ def test_first_overlap_kernel_matches_its_definition(twin):
         w_pos = rng.integers(0, 20, nw)  # (several writes at one position: an OPT_STEP's)
         got = np.full(nq, -7, np.int64)
         arrays = [a.astype(np.int64) for a in (w_buf, w_lo, w_hi, w_pos, q_buf, q_lo, q_hi)]
-        assert kernel(*arrays, got) == 0
+        assert kernel(*arrays, got, direct_max) == 0
         over = (w_buf[None, :] == q_buf[:, None]) & (w_lo[None, :] < q_hi[:, None]) & (q_lo[:, None] < w_hi[None, :])
         least = np.where(over, w_pos[None, :], 1 << 40).min(axis=1, initial=1 << 40)
         want = np.where(over.any(axis=1), least, -1)
@@ -440,8 +441,9 @@ def _needs_by_pairs(lib, parsed, made, recs):
     return None
 
 
+@pytest.mark.parametrize("direct_pairs", [0, 1 << 30], ids=["sweep", "pairs"])
 @pytest.mark.parametrize("layers", ["a"], indirect=True)
-def test_graph_needs_decide_as_comparing_every_pair(layers):
+def test_graph_needs_decide_as_comparing_every_pair(layers, direct_pairs, monkeypatch):
     """The sweep of _check_graph_needs (no longer every ids tensor against every write: 40,000
     GET_ROWS nodes with their own ids took 6.5 s there, quadratic) against its definition,
     on graphs whose ids, results and OPT_STEP parameters are moved over each other, whose
@@ -449,6 +451,7 @@ def test_graph_needs_decide_as_comparing_every_pair(layers):
     from apir.host.rule_memo import check_nodes
 
     lib, wire, handle, alias, _ = layers
+    monkeypatch.setattr(hg, "_DIRECT_PAIRS", direct_pairs)
     rng = np.random.default_rng(17)
     seen = {"refused": 0, "passed": 0}
     for _ in range(600):
