@@ -10,9 +10,11 @@ src and view_src indices). A name is read up to its first NUL only. A graph find
 in one of two ways:
 
 - `take_same`, before any parse: the guest's bytes, where they lie in its shared memory, match
-  the bytes the host read of the last graph that entry served (`graph_wire`: ids included,
-  the unread bytes not compared). A decode step sends exactly the graph of the step before,
-  so this serves it without a parse or a key. Nothing read there is used afterwards: what
+  the bytes the host read of one of the last two graphs that entry served (`graph_wire`: ids
+  included, the unread bytes not compared). A decode step sends exactly the graph of the step
+  before, and a guest that builds its graphs in two contexts in turn (apir's own guest
+  backend for MiniLM) one of the two before, so this serves them without a parse or a key.
+  Nothing read there is used afterwards: what
   runs is the entry's graph, checked when built, whatever the guest writes meanwhile (a guest
   racing its own bytes only changes which of its checked graphs runs);
 - `take`, after the parse: its key is byte-for-byte equal to the entry's (the whole key is
@@ -50,7 +52,7 @@ import ctypes
 import dataclasses
 import functools
 from collections import OrderedDict
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -72,6 +74,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_ENTRIES = 8
+WIRES_KEPT = 2  # graph_wires an entry keeps for take_same (a guest alternating two contexts)
 DEFAULT_MAX_BYTES = 64 << 20
 
 
@@ -189,8 +192,9 @@ class GraphCacheEntry:
     src_rows: np.ndarray
     readers: List[int]
     nbytes: int = 0
-    # `graph_wire` of the graph it last served (None: not known), for `GraphCache.take_same`
-    wire: Optional[GraphWire] = None
+    # `graph_wire` of the last graphs it served (most recent first, at most WIRES_KEPT
+    # different ones), for `GraphCache.take_same`
+    wires: Tuple[GraphWire, ...] = ()
 
     def __post_init__(self) -> None:
         self.nbytes = len(self.key) + int(getattr(self.scratch, "size", 0))
@@ -216,9 +220,11 @@ class GraphCacheEntry:
         self._id_views: Dict[tuple, tuple] = {}
 
     def remember_wire(self, wire: GraphWire) -> None:
-        """Keeps `wire` (`graph_wire` of the graph being served) for `GraphCache.take_same`."""
-        self.nbytes += len(wire.data) - (len(self.wire.data) if self.wire is not None else 0)
-        self.wire = wire
+        """Keeps `wire` (`graph_wire` of the graph being served) for `GraphCache.take_same`,
+        first, with the one before it that differs (bytes counted in `nbytes`)."""
+        kept = (wire,) + tuple(w for w in self.wires if w.data != wire.data)[: WIRES_KEPT - 1]
+        self.nbytes += sum(len(w.data) for w in kept) - sum(len(w.data) for w in self.wires)
+        self.wires = kept
 
     def buffers_unchanged(self, lib) -> bool:
         """Whether every handle still names the same HostBuffer object."""
@@ -366,17 +372,19 @@ class GraphCache:
         return None
 
     def take_same(self, memory, size: int, lib) -> Optional[GraphCacheEntry]:
-        """Removes and returns the entry whose last graph's bytes (`GraphCacheEntry.wire`)
+        """Removes and returns the entry one of whose last graphs' bytes (`GraphCacheEntry.wires`)
         the `size` bytes of `memory` (the guest's shared memory) match, and whose buffers are
         unchanged; or None. The bytes are compared where they lie, without parsing them: what
         the host serves is the entry's graph, checked when it was built, whatever the guest
         writes there meanwhile. A decode step sends the very graph of the
         step before (the same tensors, so the same ids), and this skips its parse and key."""
         for slot, entry in self._entries.items():
-            if entry.wire is not None and entry.wire.matches(memory, size):
+            wire = next((w for w in entry.wires if w.matches(memory, size)), None)
+            if wire is not None:
                 del self._entries[slot]
                 if entry.buffers_unchanged(lib):
                     self.hits += 1
+                    entry.remember_wire(wire)  # (now the last served)
                     return entry
                 entry.close()
                 return None

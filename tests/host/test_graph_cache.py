@@ -159,6 +159,34 @@ def test_other_guest_ids_same_structure_is_a_hit(session, ggml):
     assert session.output() == _direct(ggml, data)
 
 
+def _renamed(session, shift: int) -> bytes:
+    """The session's graph with every tensor id moved by `shift`: the same structure."""
+    n_nodes, recs = session.records()
+    nodes = np.frombuffer(session.wire, np.uint64, count=n_nodes, offset=4) + np.uint64(shift)
+    for f in ("id", "src", "view_src"):
+        recs[f] = np.where(recs[f] != 0, recs[f] + np.uint64(shift), 0)
+    return session.wire[:4] + nodes.tobytes() + session.wire[4 + 8 * n_nodes : 8 + 8 * n_nodes] + recs.tobytes()
+
+
+def test_two_graphs_sent_in_turn_are_served_without_parsing(session, ggml, monkeypatch):
+    """A guest that builds its graphs in two contexts in turn sends the same structure under
+    two sets of ids: once each was parsed, both are matched in place (the entry keeps the
+    last two graphs' bytes), and a third set is parsed again."""
+    import apir.host.dispatch_backend as db
+
+    a, b, c = session.wire, _renamed(session, 1 << 40), _renamed(session, 1 << 41)
+    parses = []
+    real = db.parse_graph
+    monkeypatch.setattr(db, "parse_graph", lambda *a, **k: parses.append(1) or real(*a, **k))
+    for k, wire in enumerate([a, b, a, b, a, c, a, b]):
+        data = _data(ggml, 10 + k)
+        session.set_inputs(data)
+        assert session.compute(wire) == (0, 0)
+        assert session.output() == _direct(ggml, data)
+    # parsed: a, b (first seen), c (new), then b (c and a were the last two)
+    assert len(parses) == 4 and session.cache.hits == 7
+
+
 def test_bytes_after_a_names_nul_are_not_structure(session, ggml):
     """The C guest sends each name's bytes after its NUL uninitialized (llama.cpp's decode
     graphs differ there token after token): such a graph is the same graph, a hit."""
