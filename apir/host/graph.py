@@ -327,6 +327,11 @@ class TensorInfos(Sequence[TensorInfo]):
             self._made[i] = info
         return info
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the records the infos are made from (kept alive with them)."""
+        return int(self._t.nbytes)
+
     def made(self) -> List[TensorInfo]:
         """The infos made so far, in tensor order."""
         return [self._made[i] for i in sorted(self._made)]

@@ -197,7 +197,8 @@ class GraphCacheEntry:
     wires: Tuple[GraphWire, ...] = ()
 
     def __post_init__(self) -> None:
-        self.nbytes = len(self.key) + int(getattr(self.scratch, "size", 0))
+        # (the records its infos are made from stay alive with it: TensorInfos.nbytes)
+        self.nbytes = len(self.key) + int(getattr(self.scratch, "size", 0)) + self.infos.nbytes
         # the tensors whose ids rules read (and copied): the same for every hit
         self.id_holders = [f.index for f in self.infos.made() if f.snapshot is not None]
         # per such tensor, the bound its ids must stay under, per way of reading them (flat or

@@ -187,6 +187,18 @@ def test_two_graphs_sent_in_turn_are_served_without_parsing(session, ggml, monke
     assert len(parses) == 4 and session.cache.hits == 7
 
 
+def test_an_entry_counts_what_it_keeps(session, ggml):
+    """An entry's bytes (bounded by the cache's max_bytes): its key, scratch context, the
+    records its infos are made from and the wires it keeps for the in-place match."""
+    session.set_inputs(_data(ggml, 1))
+    assert session.compute() == (0, 0)
+    (entry,) = session.cache._entries.values()
+    n_nodes, recs = session.records()
+    assert entry.infos.nbytes == recs.nbytes > 0
+    wires = sum(len(w.data) for w in entry.wires)
+    assert wires > 0 and entry.nbytes == len(entry.key) + entry.scratch.size + recs.nbytes + wires
+
+
 def test_bytes_after_a_names_nul_are_not_structure(session, ggml):
     """The C guest sends each name's bytes after its NUL uninitialized (llama.cpp's decode
     graphs differ there token after token): such a graph is the same graph, a hit."""
@@ -416,6 +428,8 @@ class _Scratch:
 
 class _NoInfos(list):
     """An entry's infos when no rule ran (apir.host.graph.TensorInfos)."""
+
+    nbytes = 0
 
     def made(self):
         return []
