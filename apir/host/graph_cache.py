@@ -242,7 +242,7 @@ class GraphCacheEntry:
             return True
         snaps = self._fresh_snapshots(lib)
         if snaps is None:
-            fresh = self._rerun_rules(enums)
+            fresh = self._rerun_rules(enums, getattr(lib, "profile", None) or CPU)
             copied = sorted(i for i, f in fresh.items() if f.snapshot is not None)
             if copied != self.id_holders or any(fresh[i].read_by != self.infos[i].read_by for i in copied):
                 return False
@@ -298,9 +298,10 @@ class GraphCacheEntry:
             snaps[i] = snap
         return snaps
 
-    def _rerun_rules(self, enums: OpEnums) -> Dict[int, TensorInfo]:
-        """The readers' rules run again on fresh TensorInfo copies (so row ids are copied and
-        checked anew); raises Refused as they do."""
+    def _rerun_rules(self, enums: OpEnums, profile) -> Dict[int, TensorInfo]:
+        """The readers' rules (those of the backend `profile`, as the build ran them) run
+        again on fresh TensorInfo copies (so row ids are copied and checked anew); raises
+        Refused as they do."""
         fresh: Dict[int, TensorInfo] = {}
 
         def info(i: int) -> TensorInfo:
@@ -313,7 +314,7 @@ class GraphCacheEntry:
             k = len(row)
             while k and row[k - 1] < 0:
                 k -= 1
-            check_node(info(j), [info(s) if s >= 0 else None for s in row[:k]], enums)
+            check_node(info(j), [info(s) if s >= 0 else None for s in row[:k]], enums, profile.rules)
         return fresh
 
     def _refill_device_copies(self, lib, snaps: Dict[int, ctypes.Array]) -> bool:
