@@ -40,10 +40,10 @@ key that differs anywhere, a buffer that changed, or a refusal in the re-check d
 entry; the graph then goes through the full checks as if never seen.
 
 Bounds: per context (`PythonBackendLibrary.graph_cache`), at most `max_entries` entries and
-`max_bytes` bytes of keys, wires plus host contexts, least recently used evicted first. An
-entry in use is taken out of the cache (`take`, `take_same`) and put back after the compute
-(`put`), so two threads never share one. `drop_buffer` frees the entries naming a buffer being
-freed; `clear` all.
+`max_bytes` bytes of keys, wires, host contexts, parsed records and row-id copies, least
+recently used evicted first. An entry in use is taken out of the cache (`take`, `take_same`)
+and put back after the compute (`put`), so two threads never share one. `drop_buffer` frees
+the entries naming a buffer being freed; `clear` all.
 """
 
 from __future__ import annotations
@@ -197,10 +197,13 @@ class GraphCacheEntry:
     wires: Tuple[GraphWire, ...] = ()
 
     def __post_init__(self) -> None:
-        # (the records its infos are made from stay alive with it: TensorInfos.nbytes)
-        self.nbytes = len(self.key) + int(getattr(self.scratch, "size", 0)) + self.infos.nbytes
         # the tensors whose ids rules read (and copied): the same for every hit
         self.id_holders = [f.index for f in self.infos.made() if f.snapshot is not None]
+        # (the records its infos are made from stay alive with it: TensorInfos.nbytes; so do
+        # the copies of those ids, as large as the guest's ids tensors, refilled or replaced
+        # by copies of the same size on every hit)
+        pinned = sum(ctypes.sizeof(self.infos[i].snapshot) for i in self.id_holders)
+        self.nbytes = len(self.key) + int(getattr(self.scratch, "size", 0)) + self.infos.nbytes + pinned
         # per such tensor, the bound its ids must stay under, per way of reading them (flat or
         # at ids' nb): the least n_rows its reads recorded; None where a read recorded none
         self.id_checks: Optional[List[tuple]] = []

@@ -189,14 +189,17 @@ def test_two_graphs_sent_in_turn_are_served_without_parsing(session, ggml, monke
 
 def test_an_entry_counts_what_it_keeps(session, ggml):
     """An entry's bytes (bounded by the cache's max_bytes): its key, scratch context, the
-    records its infos are made from and the wires it keeps for the in-place match."""
+    records its infos are made from, the copies of the row ids its rules read and the wires
+    it keeps for the in-place match."""
     session.set_inputs(_data(ggml, 1))
     assert session.compute() == (0, 0)
     (entry,) = session.cache._entries.values()
     n_nodes, recs = session.records()
     assert entry.infos.nbytes == recs.nbytes > 0
     wires = sum(len(w.data) for w in entry.wires)
-    assert wires > 0 and entry.nbytes == len(entry.key) + entry.scratch.size + recs.nbytes + wires
+    ids = sum(len(entry.infos[i].snapshot) for i in entry.id_holders)
+    assert ids == 3 * 4  # (the GET_ROWS ids: 3 I32)
+    assert wires > 0 and entry.nbytes == len(entry.key) + entry.scratch.size + recs.nbytes + ids + wires
 
 
 def test_bytes_after_a_names_nul_are_not_structure(session, ggml):
@@ -584,3 +587,43 @@ def test_graph_bytes_rewritten_during_the_match_serve_only_checked_graphs(guest,
     finally:
         a.close()
         b.close()
+
+
+def _get_rows_of_many_ids(n_ids):
+    """GET_ROWS of a one-row table at `n_ids` I32 ids (all 0): an entry pins a copy of them."""
+
+    def build(g, ctx):
+        table, ids = g.ggml_new_tensor_2d(ctx, g.types["F32"], 1, 1), g.ggml_new_tensor_1d(ctx, g.types["I32"], n_ids)
+        y = g.ggml_get_rows(ctx, table, ids)
+        g.ggml_set_output(y)
+        graph = g.ggml_new_graph(ctx)
+        g.ggml_build_forward_expand(graph, y)
+        return graph, [table, ids], y
+
+    return build
+
+
+def test_the_row_id_copies_an_entry_pins_count_against_max_bytes(guest, ggml):
+    """The checked copies of the row ids (TensorInfo.snapshot: as large as the guest's ids
+    tensor) live as long as the entry: its bytes count them, so a cache whose max_bytes
+    they exceed does not keep the graph (8 such entries would otherwise pin 8 ids tensors'
+    worth of host memory past the bound)."""
+    from tests.host.hostkit import RepeatedGraph
+
+    n_ids = 1 << 18  # 1 MiB of ids
+    rg = RepeatedGraph(guest, ggml, _get_rows_of_many_ids(n_ids))
+    cache = guest.ctx._library.graph_cache
+    try:
+        ids = np.zeros(n_ids, np.int32).tobytes()
+        assert rg.compute([np.float32(2.5).tobytes(), ids])[:2] == (0, 0)
+        (entry,) = cache._entries.values()
+        pinned = sum(len(entry.infos[i].snapshot) for i in entry.id_holders)
+        assert pinned == 4 * n_ids
+        assert entry.nbytes >= pinned + len(entry.key)
+        cache.clear()
+        cache.max_bytes = 4 * n_ids  # room for everything but the ids' copy
+        rc, status, out = rg.compute([np.float32(1.5).tobytes(), ids])
+        assert (rc, status, out) == (0, 0, np.full(n_ids, 1.5, np.float32).tobytes())
+        assert len(cache) == 0 and cache.nbytes == 0
+    finally:
+        rg.close()
