@@ -491,3 +491,51 @@ def test_graph_needs_decide_as_comparing_every_pair(layers, direct_pairs, monkey
         assert got == _needs_by_pairs(lib, parsed, made, recs)
         seen["passed" if got is None else "refused"] += 1
     assert seen["refused"] > 40 and seen["passed"] > 200, seen
+
+
+# --- the row ids the rules copy ------------------------------------------------------------------
+
+
+def _set_rows_over_one_ids(g, ctx, n, readers):
+    """`readers` SET_ROWS into one 2-row tensor, each at its own view of the same `n` I64 ids
+    (and the same `n` source rows): a few MiB of buffers, a graph of 2 records a reader."""
+    a = g.ggml_new_tensor_2d(ctx, g.types["F32"], 1, 2)
+    b = g.ggml_new_tensor_2d(ctx, g.types["F32"], 1, n)
+    ids = g.ggml_new_tensor_1d(ctx, g.types["I64"], n)
+    graph = g.ggml_new_graph(ctx)
+    y = a
+    for _ in range(readers):
+        y = g.ggml_set_rows(ctx, y, b, g.ggml_view_1d(ctx, ids, n, 0))
+        g.ggml_build_forward_expand(graph, y)
+    return graph
+
+
+def test_row_id_copies_of_a_graph_stay_within_its_buffers(guest, ggml):
+    """Each tensor of row ids a rule reads is copied (TensorInfo.snapshot), and a guest may
+    view the same ids through as many tensors as its graph has room for: 32 readers of one
+    2 MiB ids tensor made the host copy 64 MiB from 3 MiB of buffers (a larger graph, many
+    GiB: the host's memory, not the guest's budget). The copies of one graph are bounded by
+    the bytes of the buffers it names (each once): past that it is refused, with the rule
+    that read the ids; the same graph with as many readers as fit is built."""
+    lib = guest.ctx._library
+    n = 1 << 18
+    for readers, refused in ((32, True), (1, False)):
+        s = GgmlScratch(ggml, 4 * readers + 8)
+        remote = RemoteGraph(guest, ggml, s.ctx, _set_rows_over_one_ids(ggml, s.ctx, n, readers))
+        try:
+            room = ggml.ggml_backend_buffer_get_size(remote.local)
+            assert (8 * n * readers > room) == refused
+            parsed = _parse(lib, remote.wire)
+            with Scratch(ggml, len(parsed.tensors), len(parsed.node_index)) as scratch:
+                try:
+                    built = hg.build_graph_parts(lib, parsed, scratch, hg.lib_op_enums(lib))
+                except Refused as exc:
+                    assert refused, exc
+                    assert "row ids" in str(exc) and exc.op == "SET_ROWS"
+                    continue
+                assert not refused
+                copies = [f.snapshot for f in built.infos.made() if f.snapshot is not None]
+                assert [len(c) for c in copies] == [8 * n]
+        finally:
+            remote.close()
+            s.close()

@@ -117,6 +117,22 @@ class _TypeTraits(ctypes.Structure):
 
 
 @dataclass
+class IdCopies:
+    """The bytes of row ids the rules of one graph may still copy (`TensorInfo.snapshot`):
+    one graph may view the same ids through as many tensors as it has records, and each is
+    copied, so without a bound a few MiB of guest buffers made the host copy GiB. The graph
+    build sets `room` to the bytes of the buffers the graph names (apir.host.graph)."""
+
+    room: int
+
+    def take(self, node: "TensorInfo", nbytes: int) -> None:
+        """Takes `nbytes` for a copy of row ids `node`'s rule reads; Refused past `room`."""
+        if nbytes > self.room:
+            fail(node, f"row ids of {nbytes} bytes: the graph's copies of row ids would exceed its buffers' bytes")
+        self.room -= nbytes
+
+
+@dataclass
 class TensorInfo:
     """What a rule needs of one tensor: its index in the graph, fields, and element sizes."""
 
@@ -151,6 +167,10 @@ class TensorInfo:
     id_bounds: Optional[List[tuple]] = None
     # set by a rule whose kernel is only safe when the whole graph runs on one thread
     one_thread: bool = False
+    # what its graph may still copy of row ids (`row_ids`: one IdCopies for the whole graph);
+    # None: not bounded here (device_supports_op; a cached graph re-checking the copies its
+    # build made)
+    id_copies: Optional[IdCopies] = None
 
     def nelements(self) -> int:
         return math.prod(map(int, self.ne))  # exact (Python ints); np.prod(dtype=object) is ~20x slower
@@ -387,6 +407,8 @@ def row_ids(node: TensorInfo, ids: TensorInfo, types=("I32",), flat: bool = Fals
         return np.zeros(0, dtype)
     size = extent(ids)
     if ids.snapshot is None:
+        if ids.id_copies is not None:
+            ids.id_copies.take(node, size)
         ids.snapshot = copy_ids(ids)
     ids.read_by = (ids.read_by or []) + [node.index]
     if flat and n * dtype.itemsize > size:
