@@ -550,8 +550,8 @@ def point_at_device_copies(lib, scratch: Scratch, snaps) -> None:
     snapshot, host tensor)) copied, in one transfer, into a buffer of the device's own type
     (the context's `ids_buffer`, kept between graphs; else one made for this graph and freed
     with `scratch`), and each host tensor pointed at its copy (its view_src cleared:
-    ggml-vulkan addresses a view through its source). The copies are at most the ids'
-    extents, already inside the context's charged buffers."""
+    ggml-vulkan addresses a view through its source). The copies are at most the bytes of
+    the graph's buffers, which the context's budget charged (IdCopies)."""
     if not snaps:
         return
     g = lib.g
