@@ -627,3 +627,34 @@ def test_the_row_id_copies_an_entry_pins_count_against_max_bytes(guest, ggml):
         assert len(cache) == 0 and cache.nbytes == 0
     finally:
         rg.close()
+
+
+def test_row_ids_are_checked_again_on_a_hit_through_either_wire(session, ggml, monkeypatch):
+    """An entry matched in place through the older of its two wires re-checks its row ids as
+    through the newer: an id out of range is refused without a parse, the entry is dropped,
+    and the other wire's graph is then parsed and refused in full; with ids in range again it
+    is built anew. An entry's bytes count both wires it keeps."""
+    import apir.host.dispatch_backend as db
+
+    a, b = session.wire, _renamed(session, 1 << 40)
+    parses = []
+    real = db.parse_graph
+    monkeypatch.setattr(db, "parse_graph", lambda *args, **k: parses.append(1) or real(*args, **k))
+    for wire in (a, b):
+        session.set_inputs(_data(ggml, 1))
+        assert session.compute(wire) == (0, 0)
+    (entry,) = session.cache._entries.values()
+    assert len(entry.wires) == 2 and entry.wires[1].matches(a, len(a)) and not entry.wires[0].matches(a, len(a))
+    n_nodes, recs = session.records()
+    base = len(entry.key) + entry.scratch.size + recs.nbytes + 3 * 4  # (3 I32 row ids)
+    assert entry.nbytes == base + len(entry.wires[0].data) + len(entry.wires[1].data)
+    session.set_inputs(_data(ggml, 2, rows=(0, N_ROWS, 1)))
+    assert session.compute(a)[0] != 0
+    assert (len(parses), len(session.cache)) == (2, 0)  # matched in place, refused, dropped
+    assert session.compute(b)[0] != 0
+    assert (len(parses), len(session.cache)) == (3, 0)
+    data = _data(ggml, 3, rows=(N_ROWS - 1, 0, 2))
+    session.set_inputs(data)
+    assert session.compute(b) == (0, 0)
+    assert session.output() == _direct(ggml, data)
+    assert len(parses) == 4 and len(session.cache) == 1
