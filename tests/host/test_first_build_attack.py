@@ -539,3 +539,52 @@ def test_row_id_copies_of_a_graph_stay_within_its_buffers(guest, ggml):
         finally:
             remote.close()
             s.close()
+
+
+def _set_rows_of_one_ids(g, ctx, rows):
+    """SET_ROWS of one tensor of 8 I64 row ids (and 8 source rows) into a tensor of `r` rows,
+    for each r of `rows` in turn."""
+    b = g.ggml_new_tensor_2d(ctx, g.types["F32"], 1, 8)
+    ids = g.ggml_new_tensor_1d(ctx, g.types["I64"], 8)
+    graph = g.ggml_new_graph(ctx)
+    for r in rows:
+        into = g.ggml_new_tensor_2d(ctx, g.types["F32"], 1, r)
+        g.ggml_build_forward_expand(graph, g.ggml_set_rows(ctx, into, b, ids))
+    return graph, ids
+
+
+def test_row_ids_many_nodes_read_are_checked_once_per_bound(guest, ggml, monkeypatch):
+    """One tensor of row ids read by many nodes (each its own SET_ROWS, so no rule group
+    shares the check) is copied once, and its values are checked once per bound that the
+    bounds already checked do not imply: a graph of N readers of n ids cost N * n before
+    compute (1,000 readers of 4M ids: 7 s of host CPU, outside the compute's time limit).
+    A reader with a lower bound is still checked, and refused where an id reaches it."""
+    from apir.host.shapes import base
+
+    lib = guest.ctx._library
+    s = GgmlScratch(ggml, 256)
+    graph, ids = _set_rows_of_one_ids(ggml, s.ctx, [4] * 40 + [2] + [4] * 5)
+    remote = RemoteGraph(guest, ggml, s.ctx, graph)
+    reads = []
+    real = base.id_values
+    monkeypatch.setattr(base, "id_values", lambda *a: reads.append(a[0].index) or real(*a))
+    try:
+        # (ids, the bounds of the readers that refuse them: None where all pass)
+        for values, refused_by in (([0, 1] * 4, None), ([0, 1, 3, 0, 1, 0, 1, 0], {2}), ([4] + [0] * 7, {2, 4})):
+            assert guest.set_tensor(remote.handle, remote.rpc(ids), np.array(values, np.int64).tobytes()) == 0
+            parsed = _parse(lib, remote.wire)
+            reads.clear()
+            with Scratch(ggml, len(parsed.tensors), len(parsed.node_index)) as scratch:
+                try:
+                    built = hg.build_graph_parts(lib, parsed, scratch, hg.lib_op_enums(lib))
+                except Refused as exc:
+                    assert refused_by is not None and exc.op == "SET_ROWS", exc
+                    assert int(parsed.tensors["ne"][exc.node][1]) in refused_by  # (a view of its rows)
+                    continue
+            assert refused_by is None
+            (holder,) = [f for f in built.infos.made() if f.snapshot is not None]
+            assert len(holder.read_by) == 46 and sorted(set(holder.id_bounds)) == [(False, 2), (False, 4)]
+            assert len(reads) == 2  # bound 4 (first reader), then 2 (not implied by 4)
+    finally:
+        remote.close()
+        s.close()
