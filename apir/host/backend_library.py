@@ -308,7 +308,7 @@ class PythonBackendLibrary:
         """A device buffer (the device's own type) of at least `size` bytes for the checked row
         ids of one graph (apir.host.graph), kept and grown between graphs: allocating device
         memory per graph costs more than the graph on a GPU. 0 when ggml cannot allocate.
-        Not charged to the budget: at most the bytes of the graph's buffers (IdCopies)."""
+        Not charged to the budget: at most the bytes of the graph's buffers (IdReads)."""
         g = self.g
         if self._ids_buffer is not None and self._ids_buffer[1] >= size:
             return self._ids_buffer[0]

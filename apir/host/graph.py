@@ -53,7 +53,7 @@ from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
 from apir.host.rule_memo import check_nodes, rule_groups
 from apir.host.shapes import OpEnums, TensorInfo, op_enums
-from apir.host.shapes.base import IdCopies, check_span, copy_ids, extent
+from apir.host.shapes.base import IdReads, check_span, copy_ids, extent
 from apir.host.profiles import CPU, EMPTY_OPS, BackendProfile
 from apir.host.work_plan import work_budget
 from apir.host.tensors import Scratch
@@ -310,7 +310,7 @@ class TensorInfos(Sequence[TensorInfo]):
         self._lib, self._t, self._recs, self._fetch = lib, parsed.tensors, recs, fetch
         self._made: Dict[int, TensorInfo] = {}
         # the row ids its rules copy: at most the bytes of its buffers (each once)
-        self._id_copies = IdCopies(sum({id(b): b.size for b in recs.found}.values()))
+        self._id_reads = IdReads(sum({id(b): b.size for b in recs.found}.values()))
 
     def __len__(self) -> int:
         return len(self._t)
@@ -324,7 +324,7 @@ class TensorInfos(Sequence[TensorInfo]):
             buf, offset = recs.found[recs.inverse[i]], int(recs.offsets[i])
             info = tensor_info(self._lib, i, self._t[i], buf.base + offset)
             info.room = buf.size - offset  # bytes to the end of its buffer (TensorInfo.room)
-            info.id_copies = self._id_copies
+            info.id_reads = self._id_reads
             if self._fetch:
                 info.fetch = _Fetcher(self._lib, buf, offset)
             self._made[i] = info
@@ -551,7 +551,7 @@ def point_at_device_copies(lib, scratch: Scratch, snaps) -> None:
     (the context's `ids_buffer`, kept between graphs; else one made for this graph and freed
     with `scratch`), and each host tensor pointed at its copy (its view_src cleared:
     ggml-vulkan addresses a view through its source). The copies are at most the bytes of
-    the graph's buffers, which the context's budget charged (IdCopies)."""
+    the graph's buffers, which the context's budget charged (IdReads)."""
     if not snaps:
         return
     g = lib.g

@@ -17,7 +17,7 @@ import pytest
 from apir.codec.graph import parse_graph
 from apir.host import graph as hg
 from apir.host.errors import Refused
-from apir.host.shapes.base import IdCopies
+from apir.host.shapes.base import IdReads
 from apir.host.tensors import Scratch
 from tests.host.hostkit import GgmlScratch, RemoteGraph
 
@@ -238,8 +238,8 @@ def test_host_tensors_equal_the_one_by_one_twins(setup, monkeypatch, bulk):
 
 def test_infos_equal_tensor_info(setup):
     """TensorInfos' items are `tensor_info`'s, field by field, with `room` its bytes to the
-    end of its buffer and `id_copies` one IdCopies for the whole graph, the bytes of its
-    buffers (each once); made once, on first use, and listed by made()."""
+    end of its buffer and `id_reads` one IdReads for the whole graph, its room the bytes
+    of its buffers (each once); made once, on first use, and listed by made()."""
     lib, wire, _ = setup
     parsed = _parse(lib, wire)
     recs = hg._check_records_one_by_one(lib, parsed)
@@ -249,9 +249,9 @@ def test_infos_equal_tensor_info(setup):
         b, o = recs.bufs[i], int(recs.offsets[i])
         want = hg.tensor_info(lib, i, parsed.tensors[i], b.base + o)
         want.room = b.size - o
-        want.id_copies = IdCopies(sum({id(buf): buf.size for buf in recs.bufs}.values()))
+        want.id_reads = IdReads(sum({id(buf): buf.size for buf in recs.bufs}.values()))
         info = got[i]
-        assert info.id_copies is got[0].id_copies
+        assert info.id_reads is got[0].id_reads
         assert got[i] is info
         for f in dataclasses.fields(want):
             a, w = getattr(info, f.name), getattr(want, f.name)

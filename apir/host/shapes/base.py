@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, List, NoReturn, Optional, Sequence
+from typing import Callable, Dict, FrozenSet, List, NoReturn, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -117,13 +117,17 @@ class _TypeTraits(ctypes.Structure):
 
 
 @dataclass
-class IdCopies:
-    """The bytes of row ids the rules of one graph may still copy (`TensorInfo.snapshot`):
-    one graph may view the same ids through as many tensors as it has records, and each is
-    copied, so without a bound a few MiB of guest buffers made the host copy GiB. The graph
-    build sets `room` to the bytes of the buffers the graph names (apir.host.graph)."""
+class IdReads:
+    """What the rules of one graph read of row ids. `room`: the bytes they may still copy
+    (`TensorInfo.snapshot`): one graph may view the same ids through as many tensors as it
+    has records, and each is copied, so without a bound a few MiB of guest buffers made the
+    host copy GiB; the graph build sets it to the bytes of the buffers the graph names
+    (apir.host.graph). `ranges`: (tensor index, flat) -> the least and greatest id of its
+    copy read that way (`check_row_ids`), so that ids many nodes read are read once (N
+    readers of n ids cost N * n before compute)."""
 
     room: int
+    ranges: Dict[tuple, Tuple[int, int]] = field(default_factory=dict)
 
     def take(self, node: "TensorInfo", nbytes: int) -> None:
         """Takes `nbytes` for a copy of row ids `node`'s rule reads; Refused past `room`."""
@@ -167,10 +171,10 @@ class TensorInfo:
     id_bounds: Optional[List[tuple]] = None
     # set by a rule whose kernel is only safe when the whole graph runs on one thread
     one_thread: bool = False
-    # what its graph may still copy of row ids (`row_ids`: one IdCopies for the whole graph);
-    # None: not bounded here (device_supports_op; a cached graph re-checking the copies its
+    # what its graph's rules read of row ids (one IdReads for the whole graph); None: not
+    # bounded nor remembered (device_supports_op; a cached graph re-checking the copies its
     # build made)
-    id_copies: Optional[IdCopies] = None
+    id_reads: Optional[IdReads] = None
 
     def nelements(self) -> int:
         return math.prod(map(int, self.ne))  # exact (Python ints); np.prod(dtype=object) is ~20x slower
@@ -410,8 +414,8 @@ def row_ids(
         return np.zeros(0, dtype)
     size = extent(ids)
     if ids.snapshot is None:
-        if ids.id_copies is not None:
-            ids.id_copies.take(node, size)
+        if ids.id_reads is not None:
+            ids.id_reads.take(node, size)
         ids.snapshot = copy_ids(ids)
     ids.read_by = (ids.read_by or []) + [node.index]
     if flat and n * dtype.itemsize > size:
@@ -443,11 +447,6 @@ def id_values(ids: TensorInfo, snapshot: ctypes.Array, flat: bool) -> np.ndarray
     return np.ndarray(shape=tuple(ids.ne[::-1]), dtype=dtype, buffer=memoryview(snapshot), strides=tuple(ids.nb[::-1]))
 
 
-def ids_in_range(node: TensorInfo, values: Optional[np.ndarray], n_rows: int, what: str = "row id") -> None:
-    if values is not None and values.size and (values.min() < 0 or values.max() >= n_rows):
-        fail(node, f"{what} out of [0, {n_rows})")
-
-
 def check_row_ids(
     node: TensorInfo, ids: TensorInfo, n_rows: int, types=("I32", "I64"), what: str = "row id", flat: bool = False
 ) -> None:
@@ -458,12 +457,19 @@ def check_row_ids(
     them through `row_ids` (a read without a bound makes a cached graph run its rules again),
     never from `ids.snapshot` itself: a check there would be skipped on every cache hit.
 
-    Where the ids' copy already passed a bound no greater than `n_rows`, read the same way
-    (flat or not), its values are not read again: one tensor of ids read by N nodes cost N
-    passes over them before compute (1,000 readers of 4M ids: 7 s)."""
+    The least and greatest id of a copy, read one way, are found once per graph
+    (`IdReads.ranges`): one tensor of ids read by N nodes cost N passes over them before
+    compute (1,000 readers of 4M ids: 7 s)."""
     reads = len(ids.read_by or ())
-    implied = ids.snapshot is not None and any(f == flat and b <= n_rows for f, b in ids.id_bounds or ())
-    ids_in_range(node, row_ids(node, ids, types, flat, read=not implied), n_rows, what)
+    ranges = ids.id_reads.ranges if ids.id_reads is not None else None
+    known = ranges.get((ids.index, flat)) if ranges is not None and ids.snapshot is not None else None
+    values = row_ids(node, ids, types, flat, read=known is None)
+    if values is not None and values.size:
+        known = (int(values.min()), int(values.max()))
+        if ranges is not None:
+            ranges[(ids.index, flat)] = known
+    if known is not None and (known[0] < 0 or known[1] >= n_rows):
+        fail(node, f"{what} out of [0, {n_rows})")
     if len(ids.read_by or ()) > reads:
         ids.id_bounds = (ids.id_bounds or []) + [(flat, n_rows)]
 
