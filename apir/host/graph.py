@@ -145,8 +145,7 @@ def _check_graph_needs(lib, parsed, made: List[TensorInfo], recs: _Records, prof
     at[nodes] = np.arange(len(nodes))
     until = np.array([max((int(at[j]) for j in info.read_by or ()), default=-1) for info in read], np.int64)
     q_t = np.array([info.index for info in read], np.int64)
-    ident: Dict[int, int] = {}  # id(HostBuffer) -> index of its first handle (two may name one buffer)
-    same = recs.per_tensor([ident.setdefault(id(b), k) for k, b in enumerate(recs.found)]).astype(np.int64)
+    same = _same_buffer(recs.found)[recs.inverse]
     lo, hi = recs.offsets, recs.offsets + recs.extents
     first = np.empty(len(read), np.int64)  # per ids tensor: the first write over its bytes
     first_overlap_kernel(same[w_t], lo[w_t], hi[w_t], w_pos, same[q_t], lo[q_t], hi[q_t], first, _DIRECT_PAIRS)
@@ -185,6 +184,13 @@ class _Records(NamedTuple):
     def per_tensor(self, values: list) -> np.ndarray:
         """`values` (one per handle) as an array with one per tensor."""
         return np.asarray(values)[self.inverse]
+
+
+def _same_buffer(found: List[HostBuffer]) -> np.ndarray:
+    """int64 per handle: the index of the first handle naming the same HostBuffer object (two
+    handles may name one buffer)."""
+    first: Dict[int, int] = {}
+    return np.array([first.setdefault(id(b), k) for k, b in enumerate(found)], dtype=np.int64)
 
 
 def _check_spans(lib: PythonBackendLibrary, parsed, infos: TensorInfos, recs: _Records) -> None:
@@ -254,9 +260,8 @@ def _check_records(lib: PythonBackendLibrary, parsed) -> Optional[_Records]:
     if n == 0:
         return _Records([], [], np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
     fields: Mapping[str, tuple] = t.dtype.fields or {}
-    ne_dt, nb_dt = fields["ne"][0], fields["nb"][0]
-    width = ne_dt.base.itemsize
-    if width not in (4, 8) or nb_dt.base.itemsize != width or ne_dt.shape != (4,) or nb_dt.shape != (4,):
+    width = _entries(fields["ne"][0])[0]
+    if width not in (4, 8) or {_entries(fields["ne"][0]), _entries(fields["nb"][0])} != {(width, 4)}:
         return None  # (the kernel reads GGML_MAX_DIMS = 4 entries of 4 or 8 bytes)
     rows = np.ascontiguousarray(t)
     off = np.array([fields[f][1] for f in ("type", "op", "ne", "nb", "name", "data", "view_offs", "buffer")], np.int64)
@@ -290,8 +295,7 @@ def _check_records(lib: PythonBackendLibrary, parsed) -> Optional[_Records]:
         if b is None or not b.base or not 0 <= b.size < _NE_MAX:
             return None
         found.append(b)
-    ident: Dict[int, int] = {}  # id(buffer) -> index of its first handle (two may name one buffer)
-    same = np.array([ident.setdefault(id(b), k) for k, b in enumerate(found)], dtype=np.int64)
+    same = _same_buffer(found)
     sizes = np.array([b.size for b in found], dtype=np.int64)
     view_src = np.ascontiguousarray(parsed.view_src_index, np.int32)
     if record_bounds_kernel(extents, offsets, voffs, handle_of, sizes, same, view_src) < 0:

@@ -59,7 +59,7 @@ import numpy as np
 from apir.codec._kernels import record_key_kernel, record_match_kernel
 from apir.host.graph import TensorInfos, fetch_row_ids, point_at_device_copies
 from apir.host.profiles import CPU
-from apir.host.shapes import OpEnums, TensorInfo, check_node
+from apir.host.shapes import OpEnums, TensorInfo, check_node, node_sources
 from apir.host.shapes.base import id_values
 from apir.host.tensors import Scratch
 
@@ -314,11 +314,7 @@ class GraphCacheEntry:
             return fresh[i]
 
         for j in self.readers:
-            row = self.src_rows[j].tolist()
-            k = len(row)
-            while k and row[k - 1] < 0:
-                k -= 1
-            check_node(info(j), [info(s) if s >= 0 else None for s in row[:k]], enums, profile.rules)
+            check_node(info(j), node_sources(self.src_rows[j].tolist(), info), enums, profile.rules)
         return fresh
 
     def _refill_device_copies(self, lib, snaps: Dict[int, ctypes.Array]) -> bool:

@@ -26,13 +26,13 @@ Errors: what `check_node` raises, for the first refused tensor in index order.
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, Mapping, Optional, Sequence
 
 import numpy as np
 
 from apir.codec._kernels import TABLE_KEY, rule_group_kernel
 from apir.errors import ApirError
-from apir.host.shapes import OpEnums, TensorInfo, check_node
+from apir.host.shapes import OpEnums, TensorInfo, check_node, node_sources
 
 __all__ = ["rule_groups", "check_nodes", "Sealed", "Impure"]
 
@@ -130,16 +130,8 @@ def check_nodes(
     shared = reps[np.bincount(groups, minlength=n)[reps] > 1]
     pure = np.zeros(n, np.bool_)
     for i in shared.tolist():
-        pure[i] = _check_sealed(infos[i], _sources(infos, src_index, i), enums, rules)
+        pure[i] = _check_sealed(infos[i], node_sources(src_index[i].tolist(), infos.__getitem__), enums, rules)
     alone = np.flatnonzero(~pure[groups]).tolist()
     for i in alone:
-        check_node(infos[i], _sources(infos, src_index, i), enums, rules)
+        check_node(infos[i], node_sources(src_index[i].tolist(), infos.__getitem__), enums, rules)
     return len(shared) + len(alone)
-
-
-def _sources(infos: Sequence[TensorInfo], src_index: np.ndarray, i: int) -> List[Optional[TensorInfo]]:
-    row = src_index[i].tolist()
-    k = len(row)
-    while k and row[k - 1] < 0:
-        k -= 1
-    return [infos[j] if j >= 0 else None for j in row[:k]]

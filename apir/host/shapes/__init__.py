@@ -37,7 +37,7 @@ them into `CHECKED_OPS`.
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from apir.host.errors import Refused
 from apir.host.shapes import attention, backward, conv, elementwise, layout, matrix, rope, tensor_ops
@@ -51,7 +51,7 @@ from apir.host.shapes.base import (
     rule_name,
 )
 
-__all__ = ["TensorInfo", "OpEnums", "Rule", "op_enums", "check_node", "node_refusal", "CHECKED_OPS"]
+__all__ = ["TensorInfo", "OpEnums", "Rule", "op_enums", "check_node", "node_sources", "node_refusal", "CHECKED_OPS"]
 
 CHECKED_OPS: Dict[str, Rule] = {}
 for _family in (elementwise, layout, matrix, rope, backward, tensor_ops, conv, attention):
@@ -86,6 +86,17 @@ def check_node(
         if exc.rule is None:  # raised by the op's own rule (or a helper it called)
             exc.rule = rule_name(rule)
         raise
+
+
+def node_sources(src_row: Sequence[int], info: Callable[[int], TensorInfo]) -> List[Optional[TensorInfo]]:
+    """The `srcs` check_node takes for a node whose sources are the tensor indices `src_row`
+    (-1: none; the trailing absent ones left out, as ggml's src array ends), each tensor's
+    info from `info(index)`."""
+    row = list(src_row)
+    k = len(row)
+    while k and row[k - 1] < 0:
+        k -= 1
+    return [info(j) if j >= 0 else None for j in row[:k]]
 
 
 def node_refusal(
