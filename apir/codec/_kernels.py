@@ -58,7 +58,7 @@ __all__ = [
     "call_void_ptr_ptr",
     "new_tensors_kernel",
     "add_nodes_kernel",
-    "write_tensors_kernel",
+    "make_tensors_kernel",
     "record_fields_kernel",
     "record_bounds_kernel",
     "first_overlap_kernel",
@@ -878,19 +878,32 @@ def record_match_kernel(new, old, head, rec_size, mask, name_at, name_len):
 
 
 @helper
-def _row_hash(words, mask, r, key):
-    h = 0
-    for k in range(words.shape[1]):
-        if mask[k] != 0:  # (the other words are never compared)
-            # (int(): in the Python twin, numpy scalars would overflow)
-            h = _mix(h, int(words[r, k]) & int(mask[k]), key)
-    return h
+def _lane_seeds(n, key):
+    """`n` secret per-position seeds for `_row_hash` (derived from the secret `key`)."""
+    seeds = np.empty(n, np.int64)
+    for k in range(n):
+        seeds[k] = _mix(k + 1, 0, key)
+    return seeds
 
 
 @helper
-def _same_row(words, mask, a, b):
-    for k in range(words.shape[1]):
-        if (words[a, k] ^ words[b, k]) & mask[k]:
+def _row_hash(words, keep, mask, seeds, r, key):
+    # Each compared word (`keep`: word indices; `mask`: their masks) hashed on its own, seeded
+    # by its position, and the hashes summed: independent multiplies overlap in the CPU, where
+    # one chain through every word waited on each multiply. The seeds are secret, so a guest
+    # can neither aim rows at one probe chain nor make two rows collide by swapping words.
+    h = 0
+    for k in range(keep.shape[0]):
+        # (int(): in the Python twin, numpy scalars would overflow)
+        h = (h + _mix(int(seeds[k]), int(words[r, keep[k]]) & int(mask[k]), key)) & _LOW62
+    return _mix(h, 0, key)
+
+
+@helper
+def _same_row(words, keep, mask, a, b):
+    for k in range(keep.shape[0]):
+        w = keep[k]
+        if (words[a, w] ^ words[b, w]) & mask[k]:
             return False
     return True
 
@@ -924,53 +937,57 @@ def _same_inputs(tclass, src_index, codes, a, b):
 
 
 @jit
-def rule_group_kernel(words, mask, src_index, out_rep, key):
+def rule_group_kernel(words, keep, mask, src_index, out_rep, key):
     """`out_rep[i]` (int32[n]) = the first tensor whose shape rule sees what tensor i's sees:
-    the same bytes under `mask` (int64[w]: the fields rules read) in its record `words[i]`
-    (int64[n, w]: the records, 8 bytes a word) and in the record of each source, and the same
-    source slots holding none, itself, or one tensor twice (`src_index`, int32[n, max_src]).
-    Exact comparisons decide; hashes (multiplier `key`: TABLE_KEY) only find candidates.
-    Returns the number of groups."""
+    the same bytes under `mask` (int64[k]: the fields rules read, in the words `keep`,
+    int64[k]) in its record `words[i]` (int64[n, w]: the records, 8 bytes a word, read in
+    place) and in the record of each
+    source, and the same source slots holding none, itself, or one tensor twice
+    (`src_index`, int32[n, max_src]). Exact comparisons decide; hashes (keyed by `key`:
+    TABLE_KEY) only find candidates. Returns the number of groups."""
     n = words.shape[0]
+    slots = src_index.shape[1]
     cap = 16
     while cap < 2 * n:
         cap *= 2
     slot_mask = cap - 1
+    seeds = _lane_seeds(keep.shape[0] + slots + 1, key)
     tclass = np.empty(n, np.int32)
     table = np.full(cap, -1, np.int32)
     # 1. tensors with the same masked record share a class: the first of them
     for i in range(n):
-        s = _row_hash(words, mask, i, key) & slot_mask
+        s = _row_hash(words, keep, mask, seeds, i, key) & slot_mask
         while True:
             r = table[s]
             if r < 0:
                 table[s] = i
                 tclass[i] = i
                 break
-            if _same_row(words, mask, r, i):
+            if _same_row(words, keep, mask, r, i):
                 tclass[i] = r
                 break
             s = (s + 1) & slot_mask
     # 2. tensors with the same class, source slots and source classes share a group
     codes = np.empty(src_index.shape, np.int32)
     for i in range(n):
-        for k in range(src_index.shape[1]):
+        for k in range(slots):
             codes[i, k] = _src_code(src_index, i, k)
     table[:] = -1
+    lanes = keep.shape[0]
     groups = 0
     for i in range(n):
         # (slots after the last source hold none: the count of slots before it says so, and
-        # leaves them out of the hash; _same_inputs compares every slot)
-        last = src_index.shape[1]
+        # leaves them out of the hash; _same_inputs compares every slot. One lane per slot,
+        # as _row_hash's; a lane's value packs the slot's code and its source's class.)
+        last = slots
         while last > 0 and codes[i, last - 1] == -1:
             last -= 1
-        h = _mix(int(tclass[i]), last, key)
+        h = _mix(int(seeds[lanes]), int(tclass[i]) * 65536 + last, key)
         for k in range(last):
             c = int(codes[i, k])
-            h = _mix(h, c, key)
-            if c >= 0:
-                h = _mix(h, int(tclass[src_index[i, k]]), key)
-        s = h & slot_mask
+            cls = int(tclass[src_index[i, k]]) if c >= 0 else -1
+            h = (h + _mix(int(seeds[lanes + 1 + k]), (cls + 1) * 65536 + c + 2, key)) & _LOW62
+        s = _mix(h, 0, key) & slot_mask
         while True:
             r = table[s]
             if r < 0:
@@ -1017,37 +1034,66 @@ def add_nodes_kernel(add_node, graph, nodes, host):
     return 0
 
 
+@helper
+def _write_tensor(a, r, off, roff, width):
+    # the fields of fresh tensor `a` copied from the record at `r` (make_tensors_kernel)
+    for d in range(4):
+        store_i64(a + off[0] + 8 * d, _load_wide(r + roff[0] + d * width, width))
+        store_i64(a + off[1] + 8 * d, _load_wide(r + roff[1] + d * width, width))
+    store_u32(a + off[2], load_u32(r + roff[2]))
+    memcopy(a + off[3], r + roff[3], 4 * roff[7])
+    store_u32(a + off[4], load_u32(r + roff[4]))
+    for b in range(roff[8]):
+        c = load_u8(r + roff[5] + b)
+        if c == 0:
+            break
+        store_u8(a + off[5] + b, c)
+
+
 @jit
-def write_tensors_kernel(off, rows, size, roff, width, created, order, host, buffer, data, src, view_src):
-    """The fields of fresh ggml tensors (`created[k]`, the k-th tensor of `order`, from
-    ggml_new_tensor_1d: zeroed but for type and its own fields) written as the host twin of
-    apir_rpc_tensor record `order[k]` (records at address `rows`, `size` bytes each, a copy the
-    host owns). `off` (int64[11]): the offsets in struct ggml_tensor of ne, nb, op, op_params,
+def make_tensors_kernel(
+    new_tensor_1d,
+    ctx,
+    order,
+    type_,
+    ne0,
+    off,
+    rows,
+    size,
+    roff,
+    width,
+    handle_of,
+    buffers,
+    bases,
+    offsets,
+    src,
+    view_src,
+    out,
+):
+    """new_tensors_kernel, each fresh tensor then written (while in cache) as the host twin of
+    apir_rpc_tensor record i (records at address `rows`, `size` bytes each, a copy the host
+    owns). `off` (int64[11]): the offsets in struct ggml_tensor of ne, nb, op, op_params,
     flags, name, buffer, data, src, view_src and view_offs (8-byte ne, nb and pointers); `roff`
     (int64[9]): the records' offsets of ne, nb, op, op_params, flags, name, view_offs and the
     counts of op_params entries and name bytes; `width`: the bytes of a record's ne / nb entry
     (4 or 8). Copied: ne, nb (widened), op, op_params, flags (4 bytes each), the name up to
-    its first NUL (the rest stays zero, as ggml_set_name leaves it). Stored: `buffer` and
-    `data` (int64[n]); src (int32[n, S]) and view_src (int32[n]) tensor indices or -1, as
-    the twins' addresses (`host`, int64[n]) or NULL; view_offs for views only. Returns 0."""
+    its first NUL (the rest stays zero, as ggml_set_name leaves it). Stored: buffer and data
+    (`buffers[h]`, `bases[h]` + `offsets[i]` for handle h = `handle_of[i]`); src (int32[n, S])
+    and view_src (int32[n]) tensor indices or -1, as the twins' addresses (`out`, int64[n],
+    filled in `order`: sources first) or NULL; view_offs for views only. Returns 0, or -1 - i
+    where ggml returned NULL (the context is full)."""
+    host = out
     for k in range(order.size):
         i = order[k]
-        a = created[k]
+        a = call_ptr_ptr_i32_i64(new_tensor_1d, ctx, type_[i], ne0[i])
+        if a == 0:
+            return -1 - i
+        host[i] = a
         r = rows + i * size
-        for d in range(4):
-            store_i64(a + off[0] + 8 * d, _load_wide(r + roff[0] + d * width, width))
-            store_i64(a + off[1] + 8 * d, _load_wide(r + roff[1] + d * width, width))
-        store_u32(a + off[2], load_u32(r + roff[2]))
-        for q in range(roff[7]):
-            store_u32(a + off[3] + 4 * q, load_u32(r + roff[3] + 4 * q))
-        store_u32(a + off[4], load_u32(r + roff[4]))
-        for b in range(roff[8]):
-            c = load_u8(r + roff[5] + b)
-            if c == 0:
-                break
-            store_u8(a + off[5] + b, c)
-        store_i64(a + off[6], buffer[i])
-        store_i64(a + off[7], data[i])
+        _write_tensor(a, r, off, roff, width)
+        h = handle_of[i]
+        store_i64(a + off[6], buffers[h])
+        store_i64(a + off[7], bases[h] + offsets[i])
         for s in range(src.shape[1]):
             j = src[i, s]
             store_i64(a + off[8] + 8 * s, host[j] if j >= 0 else 0)
@@ -1079,6 +1125,7 @@ def record_fields_kernel(
     offsets,
     voffs,
     handle_of,
+    spans,
     handles,
     key,
 ):
@@ -1089,8 +1136,9 @@ def record_fields_kernel(
     name, every extent intermediate below 2**60 (float bound, then exact), data and view_offs
     below 2**62. `off` (int64[8]): the records' offsets of type, op, ne, nb, name, data,
     view_offs and buffer; `width`: the bytes of one ne / nb entry (4 or 8). Fills per record
-    its extent (TensorChecker.extent), data offset, view_offs and the index of its buffer
-    handle in `handles` (each handle once, in order of first use, as int64 bit patterns).
+    its extent (TensorChecker.extent), data offset, view_offs, the index of its buffer
+    handle in `handles` (each handle once, in order of first use, as int64 bit patterns) and
+    its span in float (`spans`: apir.host.shapes.base.span_nbytes, a 0 dimension taken as 1).
     `key`: the multiplier of the handles' hash table (TABLE_KEY). Returns the number of
     handles, or -1 when any record fails a check or leaves the range (the caller then checks
     record by record)."""
@@ -1112,6 +1160,7 @@ def record_fields_kernel(
         if ne0 < 0 or nb0 < 0 or ne0 >= _VALUE_MAX or nb0 >= _VALUE_MAX or ne0 % blck != 0:
             return -1
         bound = float(ne0) * (float(nb0) + float(ts)) + float(nb0)
+        span = np.ceil(float(max(ne0, 1)) / float(blck)) * float(ts)
         empty = ne0 == 0
         rest = 0
         for d in range(1, 4):
@@ -1120,8 +1169,10 @@ def record_fields_kernel(
             if ne < 0 or nb < 0 or ne >= _VALUE_MAX or nb >= _VALUE_MAX:
                 return -1
             bound += float(ne) * float(nb) + float(nb)
+            span *= float(max(ne, 1))
             empty = empty or ne == 0
             rest += (ne - 1) * nb
+        spans[i] = span
         if bound >= _FAST_LIMIT:
             return -1
         has_nul = False
@@ -1160,21 +1211,29 @@ def record_fields_kernel(
 
 
 @jit
-def record_bounds_kernel(extents, offsets, voffs, handle_of, sizes, ident, view_src):
+def record_bounds_kernel(extents, offsets, voffs, handle_of, sizes, ident, view_src, spans, suspects):
     """The rest of _check_records: each record's data + extent within its buffer's size
     (`sizes`, per handle) and each view (`view_src` >= 0) in the same buffer as its source
     (`ident`, per handle: the same number for handles of one buffer), at the source's data +
-    view_offs, its extent inside the source's. Returns 0, or -1 when any fails."""
+    view_offs, its extent inside the source's. And the records whose span (`spans`, float)
+    is near or over their buffer's size, in `suspects` (int64[n], in index order), for
+    apir.host.graph._check_spans to check exactly. Returns how many suspects, or -1 when any
+    check fails."""
+    n_suspects = 0
     for i in range(extents.size):
-        if offsets[i] + extents[i] > sizes[handle_of[i]]:
+        size = sizes[handle_of[i]]
+        if offsets[i] + extents[i] > size:
             return -1
+        if spans[i] > float(size) * (1 - 1e-9):
+            suspects[n_suspects] = i
+            n_suspects += 1
         v = view_src[i]
         if v >= 0:
             if ident[handle_of[i]] != ident[handle_of[v]] or offsets[i] != offsets[v] + voffs[i]:
                 return -1
             if voffs[i] + extents[i] > extents[v]:
                 return -1
-    return 0
+    return n_suspects
 
 
 # --- the first write over each range of bytes ---------------------------------------------------

@@ -43,10 +43,10 @@ from apir.codec._kernels import (
     TABLE_KEY,
     add_nodes_kernel,
     first_overlap_kernel,
+    make_tensors_kernel,
     new_tensors_kernel,
     record_bounds_kernel,
     record_fields_kernel,
-    write_tensors_kernel,
 )
 from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
@@ -175,6 +175,8 @@ class _Records(NamedTuple):
     inverse: np.ndarray  # int64 per tensor: its handle's index in `handles`
     offsets: np.ndarray  # int64
     extents: np.ndarray  # int64
+    # the tensors whose span may not fit their buffer (_check_spans), None: not yet sought
+    suspects: Optional[List[int]] = None
 
     @property
     def bufs(self) -> List[HostBuffer]:
@@ -202,12 +204,14 @@ def _check_spans(lib: PythonBackendLibrary, parsed, infos: TensorInfos, recs: _R
     t = parsed.tensors
     if not len(t):
         return
-    chk = lib.checker
-    type_ = t["type"].astype(np.int64)
-    ne = np.maximum(t["ne"].astype(np.float64), 1.0)
-    span = np.ceil(ne[:, 0] / chk.blck_size_arr[type_]) * ne[:, 1:].prod(axis=1) * chk.type_size_arr[type_]
-    sizes = recs.per_tensor([float(b.size) for b in recs.found])
-    suspects = np.flatnonzero(span > sizes * (1 - 1e-9)).tolist()
+    suspects = recs.suspects
+    if suspects is None:  # (the record checks' kernel found them on its way)
+        chk = lib.checker
+        type_ = t["type"].astype(np.int64)
+        ne = np.maximum(t["ne"].astype(np.float64), 1.0)
+        span = np.ceil(ne[:, 0] / chk.blck_size_arr[type_]) * chk.type_size_arr[type_] * ne[:, 1:].prod(axis=1)
+        sizes = recs.per_tensor([float(b.size) for b in recs.found])
+        suspects = np.flatnonzero(span > sizes * (1 - 1e-9)).tolist()
     budget = work_budget(lib) if suspects else 0
     for i in suspects:
         size = recs.found[recs.inverse[i]].size
@@ -265,7 +269,8 @@ def _check_records(lib: PythonBackendLibrary, parsed) -> Optional[_Records]:
         return None  # (the kernel reads GGML_MAX_DIMS = 4 entries of 4 or 8 bytes)
     rows = np.ascontiguousarray(t)
     off = np.array([fields[f][1] for f in ("type", "op", "ne", "nb", "name", "data", "view_offs", "buffer")], np.int64)
-    extents, offsets, voffs, handle_of, handles = (np.empty(n, np.int64) for _ in range(5))
+    extents, offsets, voffs, handle_of, handles, suspects = (np.empty(n, np.int64) for _ in range(6))
+    spans = np.empty(n, np.float64)
     n_handles = record_fields_kernel(
         rows.ctypes.data,
         n,
@@ -281,6 +286,7 @@ def _check_records(lib: PythonBackendLibrary, parsed) -> Optional[_Records]:
         offsets,
         voffs,
         handle_of,
+        spans,
         handles,
         TABLE_KEY,
     )
@@ -298,9 +304,10 @@ def _check_records(lib: PythonBackendLibrary, parsed) -> Optional[_Records]:
     same = _same_buffer(found)
     sizes = np.array([b.size for b in found], dtype=np.int64)
     view_src = np.ascontiguousarray(parsed.view_src_index, np.int32)
-    if record_bounds_kernel(extents, offsets, voffs, handle_of, sizes, same, view_src) < 0:
+    n_suspects = record_bounds_kernel(extents, offsets, voffs, handle_of, sizes, same, view_src, spans, suspects)
+    if n_suspects < 0:
         return None
-    return _Records(keys, found, handle_of, offsets, extents)
+    return _Records(keys, found, handle_of, offsets, extents, suspects[:n_suspects].tolist())
 
 
 class TensorInfos(Sequence[TensorInfo]):
@@ -344,7 +351,7 @@ class TensorInfos(Sequence[TensorInfo]):
         return [self._made[i] for i in sorted(self._made)]
 
 
-# struct ggml_tensor's fields write_tensors_kernel writes (its `off`), and the record's it reads
+# struct ggml_tensor's fields make_tensors_kernel writes (its `off`), and the record's it reads
 _WRITTEN = ("ne", "nb", "op", "op_params", "flags", "name", "buffer", "data", "src", "view_src", "view_offs")
 _READ = ("ne", "nb", "op", "op_params", "flags", "name", "view_offs")
 
@@ -355,7 +362,7 @@ def _entries(dt: np.dtype) -> tuple:
 
 
 def _kernel_layout(tensor: np.dtype, rpc: np.dtype, max_src: int) -> Optional[tuple]:
-    """write_tensors_kernel's (`off`, `roff`, `width`) for ggml's tensor layout `tensor` and
+    """make_tensors_kernel's (`off`, `roff`, `width`) for ggml's tensor layout `tensor` and
     the records' `rpc`, or None when a field is not of the width the kernel reads or writes
     (the caller then writes field by field)."""
     f: Mapping[str, tuple] = tensor.fields or {}
@@ -377,32 +384,34 @@ def _kernel_layout(tensor: np.dtype, rpc: np.dtype, max_src: int) -> Optional[tu
 
 def _create_tensors(lib: PythonBackendLibrary, parsed, scratch: Scratch, recs: _Records) -> np.ndarray:
     """The host twins of the checked records (as `TensorChecker.host_from_rpc`, with src and
-    view_src pointing at the twins), created in sources-first order (`new_tensors_kernel`)
-    and their fields written in one pass (`write_tensors_kernel`, at the offsets of the
-    layout `apir.ggml.layout.check_layout` checked at load; field by field through numpy
-    where that layout is not the one the kernel writes); their addresses (int64) by tensor
-    index."""
+    view_src pointing at the twins), created in sources-first order and each written as it is
+    made (`make_tensors_kernel`, at the offsets of the layout `apir.ggml.layout.check_layout`
+    checked at load; where that layout is not the one the kernel writes, created by
+    `new_tensors_kernel` and written field by field through numpy); their addresses (int64)
+    by tensor index."""
     g, chk, t = lib.g, lib.checker, parsed.tensors
     n = len(t)
     order = parsed.order.astype(np.int64)
     type_ = t["type"].astype(np.int64)
     host = np.zeros(n, dtype=np.int64)
     blocks = np.asarray(chk.blck_size_arr, np.int64)[type_]
-    scratch.check_room(n)  # (ggml aborts on a full context: its NULL below is never seen)
-    if new_tensors_kernel(c_address(g.ggml_new_tensor_1d), scratch.ctx, order, type_, blocks, host) < 0:
-        raise MemoryError("scratch ggml_context full")
-    created = host[order]
     src = np.ascontiguousarray(parsed.src_index, np.int32)
     v = np.ascontiguousarray(parsed.view_src_index, np.int32)
-    buffer = recs.per_tensor([b.ptr for b in recs.found]).astype(np.int64)
-    data = recs.per_tensor([b.base for b in recs.found]).astype(np.int64) + recs.offsets
+    buffers = np.array([b.ptr for b in recs.found], np.int64)
+    bases = np.array([b.base for b in recs.found], np.int64)
+    scratch.check_room(n)  # (ggml aborts on a full context: its NULL below is never seen)
+    new_tensor = c_address(g.ggml_new_tensor_1d)
     layout = _kernel_layout(chk.tensor_dtype, t.dtype, src.shape[1])
     if layout is not None:
         off, roff, width = layout
-        rows = np.ascontiguousarray(t)
-        size = t.dtype.itemsize
-        write_tensors_kernel(off, rows.ctypes.data, size, roff, width, created, order, host, buffer, data, src, v)
+        rows = np.ascontiguousarray(t)  # (kept alive through the call: the kernel reads its address)
+        record = (off, rows.ctypes.data, t.dtype.itemsize, roff, width)
+        at = (recs.inverse, buffers, bases, recs.offsets, src, v)
+        if make_tensors_kernel(new_tensor, scratch.ctx, order, type_, blocks, *record, *at, host) < 0:
+            raise MemoryError("scratch ggml_context full")
         return host
+    if new_tensors_kernel(new_tensor, scratch.ctx, order, type_, blocks, host) < 0:
+        raise MemoryError("scratch ggml_context full")
     # Every field as host_from_rpc writes it, tensor by tensor in creation order.
     names = t["name"].view(np.uint8)[order]
     # ggml_set_name on a fresh (zeroed) name: the bytes up to the first NUL, zeros after (the
@@ -414,13 +423,13 @@ def _create_tensors(lib: PythonBackendLibrary, parsed, scratch: Scratch, recs: _
         "op": t["op"][order],
         "op_params": t["op_params"][order],
         "flags": t["flags"][order],
-        "buffer": buffer[order],
-        "data": data[order],
+        "buffer": buffers[recs.inverse][order],
+        "data": (bases[recs.inverse] + recs.offsets)[order],
         "src": np.where(src >= 0, host[src], 0)[order],
         "view_src": np.where(v >= 0, host[v], 0)[order],
         "view_offs": np.where(v >= 0, t["view_offs"], 0).astype(np.uint64)[order],
     }
-    for k, addr in enumerate(created.tolist()):
+    for k, addr in enumerate(host[order].tolist()):
         rec = tensor_record(addr, chk.tensor_dtype)
         for name, values in fields.items():
             rec[name] = values[k]

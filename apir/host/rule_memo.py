@@ -90,10 +90,10 @@ def rule_groups(parsed) -> np.ndarray:
     mask = _mask(t.dtype)
     if n == 0 or mask is None:
         return rep
-    keep = np.flatnonzero(mask)  # the words holding compared bytes (about 15 of 38)
-    words = np.ascontiguousarray(np.ascontiguousarray(t).view(np.int64).reshape(n, -1)[:, keep])
+    words = np.ascontiguousarray(t).view(np.int64).reshape(n, -1)  # (in place: no copy)
+    keep = np.flatnonzero(mask)  # the words holding compared bytes (14 of 38 in ggml 0.20)
     src = np.ascontiguousarray(parsed.src_index, np.int32)
-    rule_group_kernel(words, mask[keep], src, rep, TABLE_KEY)
+    rule_group_kernel(words, keep, mask[keep], src, rep, TABLE_KEY)
     return rep
 
 

@@ -333,7 +333,8 @@ def test_group_kernel_matches_its_definition(twin):
                 elif r < 0.85 and k:
                     src[i, k] = src[i, int(rng.integers(k))]
         got = np.full(n, -7, np.int32)
-        groups = kernel(words, mask, src, got, TABLE_KEY if trial % 2 else 1)  # (1: the worst multiplier)
+        keep = np.flatnonzero(mask)
+        groups = kernel(words, keep, mask[keep], src, got, TABLE_KEY if trial % 2 else 1)  # (1: the worst key)
         want = _groups_by_definition(words, mask, src)
         assert np.array_equal(got, want), (trial, got, want)
         assert groups == len(np.unique(want))
@@ -367,7 +368,9 @@ def test_hash_tables_spread_keys_that_differ_only_in_high_bits():
         values[:, k] = np.arange(n)
         assert dt.fields[name][1] % 8 == 4 or k % 2 == 1  # (in the high half of a word)
         words = np.ascontiguousarray(t).view(np.int64).reshape(n, -1)
-        hashes = [K._row_hash(words, mask, r, K.TABLE_KEY) for r in range(n)]
+        keep = np.flatnonzero(mask)
+        seeds = K._lane_seeds(len(keep), K.TABLE_KEY)
+        hashes = [K._row_hash(words, keep, mask[keep], seeds, r, K.TABLE_KEY) for r in range(n)]
         assert _slots(hashes, cap) > n // 2, name  # a random hash: ~3,200
         values[:, k] = base
     def as_i64(u):

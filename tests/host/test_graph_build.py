@@ -150,6 +150,38 @@ def test_empty_tensor_with_huge_strides_falls_back_and_is_accepted(setup):
     assert _one_by_one(lib, parsed).extents[leaf] == 0
 
 
+def test_span_suspects_hold_every_tensor_over_its_buffer(setup):
+    """The record kernel's span suspects (`_Records.suspects`, which _check_spans checks
+    exactly) include every tensor whose exact span (`base.span_nbytes`) exceeds its buffer,
+    with tensors of the real graph made empty (one dimension 0) and their other dimensions
+    grown to just below, at and just above their buffer."""
+    from apir.host.shapes.base import span_nbytes
+
+    lib, wire, _ = setup
+    rng = np.random.default_rng(11)
+    over = 0
+    for trial in range(60):
+        parsed = _parse(lib, wire)
+        t = parsed.tensors
+        recs = hg._check_records(lib, parsed)
+        infos = hg.TensorInfos(lib, parsed, recs, fetch=False)
+        i = int(rng.integers(len(t)))
+        size, row = recs.found[recs.inverse[i]].size, int(infos[i].type_size)
+        if int(infos[i].blck_size) != 1 or i in parsed.view_src_index:
+            continue  # (a view's source made empty would leave its views outside it)
+        k = int(rng.integers(1, 4))
+        t["ne"][i] = [size // row + int(rng.integers(-1, 2)), 1, 1, 1]
+        t["ne"][i, k] = 0  # empty: no extent, so the record checks pass whatever ne[0] is
+        t["nb"][i] = [row, row, row, row]
+        recs = hg._check_records(lib, parsed)
+        assert recs is not None and recs.suspects is not None
+        infos = hg.TensorInfos(lib, parsed, recs, fetch=False)
+        exact = [j for j in range(len(t)) if span_nbytes(infos[j]) > recs.found[recs.inverse[j]].size]
+        assert set(exact) <= set(recs.suspects), (trial, exact, recs.suspects)
+        over += i in exact
+    assert over >= 10  # (the just-above case came up)
+
+
 def _reference_twins(lib, parsed, scratch):
     """The host tensors as built before the bulk writes: host_from_rpc, then src/view_src."""
     chk, recs = lib.checker, parsed.tensors
@@ -284,8 +316,8 @@ def test_record_kernels_twins_agree(setup, monkeypatch):
                 def run(*args, _kernel=kernel, _name=name):
                     ret = (_kernel.py_func if twin else _kernel)(*args)
                     arrays = [a.copy() for a in args if isinstance(a, np.ndarray)]
-                    if _name == "record_fields_kernel" and ret >= 0:
-                        arrays[-1] = arrays[-1][:ret]  # the handles found (the rest: unwritten)
+                    if ret >= 0:  # the handles found / the suspects (the rest: unwritten)
+                        arrays[-1] = arrays[-1][:ret]
                     calls.append((ret, arrays))
                     return ret
 
