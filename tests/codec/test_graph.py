@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from apir.codec import _kernels as K
 from apir.codec.graph import BufferTable, GraphError, parse_graph, rpc_tensor_from_ggml, serialize_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.ggml import InitParams
@@ -298,6 +299,28 @@ def test_parse_serialized_graph(ggml, graphs, rpc, type_valid):
     assert list(p.order) == list(range(p.n_tensors))
     shared[16:] = b"\0" * (len(shared) - 16)  # the guest scribbles afterwards: our copy is unaffected
     check_parsed(p, raw, rpc)
+
+
+@pytest.mark.parametrize("twin", [False, True])
+def test_parse_orders_records_listed_after_their_users(ggml, graphs, rpc, type_valid, twin):
+    """Records in reverse (every source after its users: legal, though not the C's order) get a
+    sources-first `order` from the depth-first search, not the records' own order (which the
+    parse takes as it is only when every source comes first); a self-source is a cycle."""
+    bg = graphs["layers15"]
+    raw = serialize_graph(ggml, bg.cgraph, bg.buffers).tobytes()
+    n_nodes = int.from_bytes(raw[:4], "little")
+    head = 8 + 8 * n_nodes
+    recs = np.frombuffer(raw, rpc, offset=head)
+    reordered = raw[:head] + recs[::-1].tobytes()
+    kernel = K.parse_graph_kernel.py_func if twin else None
+    p = parse(reordered, ggml, type_valid, _kernel=kernel)
+    check_parsed(p, reordered, rpc)
+    assert list(p.order) != list(range(p.n_tensors))
+    node = np.frombuffer(bytearray(raw), rpc, offset=head).copy()
+    k = int(np.flatnonzero(node["src"][:, 0])[-1])
+    node["src"][k, 1] = node["id"][k]  # a tensor its own source
+    with pytest.raises(GraphError, match="cycle"):
+        parse(raw[:head] + node.tobytes(), ggml, type_valid, _kernel=kernel)
 
 
 def mutate(raw: bytes, rpc, n_nodes, k, field, value, index=None):
