@@ -35,6 +35,7 @@ Errors: `Refused` (with the tensor or node index) for anything the checks reject
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import TYPE_CHECKING, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -82,8 +83,8 @@ def tensor_info(lib: PythonBackendLibrary, index: int, rec, address: Optional[in
     return TensorInfo(
         index=index,
         type_name=g.type_names[type_],
-        ne=[int(x) for x in rec["ne"]],
-        nb=[int(x) for x in rec["nb"]],
+        ne=rec["ne"].tolist(),  # (Python ints)
+        nb=rec["nb"].tolist(),
         op_name=g.op_names[op],
         op_params=rec["op_params"].copy(),
         type_size=chk.type_size[type_],
@@ -130,11 +131,10 @@ def _check_graph_needs(lib, parsed, made: List[TensorInfo], recs: _Records, prof
         return
     # the writes in graph order (position, tensor written): each node that writes
     # (ggml_op_is_empty), and the sources an OPT_STEP_* updates in place
-    names = [op_names.get(o, "") for o in range(lib.g.op_count)]
-    empty = np.array([name in _EMPTY_OPS for name in names], np.bool_)
-    opt_step = np.array([name.startswith("OPT_STEP") for name in names], np.bool_)
-    pos = np.flatnonzero(~empty[ops[nodes]])
-    steps = pos[opt_step[ops[nodes[pos]]]]
+    empty, opt_step = _write_ops(lib.g)
+    node_ops = ops[nodes]
+    pos = np.flatnonzero(~empty[node_ops])
+    steps = pos[opt_step[node_ops[pos]]]
     srcs = parsed.src_index[nodes[steps]].astype(np.int64)
     step_pos = np.broadcast_to(steps[:, None], srcs.shape)[srcs >= 0]
     w_pos = np.concatenate([pos, step_pos]).astype(np.int64)
@@ -145,10 +145,11 @@ def _check_graph_needs(lib, parsed, made: List[TensorInfo], recs: _Records, prof
     at[nodes] = np.arange(len(nodes))
     until = np.array([max((int(at[j]) for j in info.read_by or ()), default=-1) for info in read], np.int64)
     q_t = np.array([info.index for info in read], np.int64)
-    same = _same_buffer(recs.found)[recs.inverse]
-    lo, hi = recs.offsets, recs.offsets + recs.extents
+    same = _same_buffer(recs.found)  # per handle
     first = np.empty(len(read), np.int64)  # per ids tensor: the first write over its bytes
-    first_overlap_kernel(same[w_t], lo[w_t], hi[w_t], w_pos, same[q_t], lo[q_t], hi[q_t], first, _DIRECT_PAIRS)
+    w = (same[recs.inverse[w_t]], recs.offsets[w_t], recs.offsets[w_t] + recs.extents[w_t], w_pos)
+    q = (same[recs.inverse[q_t]], recs.offsets[q_t], recs.offsets[q_t] + recs.extents[q_t])
+    first_overlap_kernel(*w, *q, first, _DIRECT_PAIRS)
     hit = np.flatnonzero((first >= 0) & (first <= until))
     if len(hit):
         k = int(hit[0])  # (`read` is in tensor order: the first ids tensor so overwritten)
@@ -156,6 +157,15 @@ def _check_graph_needs(lib, parsed, made: List[TensorInfo], recs: _Records, prof
         op = op_names[int(ops[j])]
         why = f"row ids read before compute, but node {j} ({op}) writes over them before they are read"
         raise Refused(f"graph tensor {i}: {why}", node=j, op=op, reason=why, rule=_GRAPH_NEEDS)
+
+
+@functools.lru_cache(maxsize=8)
+def _write_ops(g) -> tuple:
+    """(empty, opt_step): bool per op of build `g`, the ops whose nodes write nothing
+    (ggml_op_is_empty) and the OPT_STEP_* ops (which update sources in place)."""
+    names = [g.op_names.get(o, "") for o in range(g.op_count)]
+    empty = np.array([name in _EMPTY_OPS for name in names], np.bool_)
+    return empty, np.array([name.startswith("OPT_STEP") for name in names], np.bool_)
 
 
 # Up to this many (write, ids tensor) pairs first_overlap_kernel compares one by one (~60 us)
