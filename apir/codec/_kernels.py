@@ -950,10 +950,9 @@ def rule_group_kernel(words, keep, mask, src_index, out_rep, key):
     """`out_rep[i]` (int32[n]) = the first tensor whose shape rule sees what tensor i's sees:
     the same bytes under `mask` (int64[k]: the fields rules read, in the words `keep`,
     int64[k]) in its record `words[i]` (int64[n, w]: the records, 8 bytes a word, read in
-    place) and in the record of each
-    source, and the same source slots holding none, itself, or one tensor twice
-    (`src_index`, int32[n, max_src]). Exact comparisons decide; hashes (keyed by `key`:
-    TABLE_KEY) only find candidates. Returns the number of groups."""
+    place) and in the record of each source, and the same source slots holding none, itself,
+    or one tensor twice (`src_index`, int32[n, max_src]). Exact comparisons decide; hashes
+    (keyed by `key`: TABLE_KEY) only find candidates. Returns the number of groups."""
     n = words.shape[0]
     slots = src_index.shape[1]
     cap = 16
@@ -1077,7 +1076,7 @@ def make_tensors_kernel(
     offsets,
     src,
     view_src,
-    out,
+    host,
 ):
     """new_tensors_kernel, each fresh tensor then written (while in cache) as the host twin of
     apir_rpc_tensor record i (records at address `rows`, `size` bytes each, a copy the host
@@ -1088,10 +1087,9 @@ def make_tensors_kernel(
     (4 or 8). Copied: ne, nb (widened), op, op_params, flags (4 bytes each), the name up to
     its first NUL (the rest stays zero, as ggml_set_name leaves it). Stored: buffer and data
     (`buffers[h]`, `bases[h]` + `offsets[i]` for handle h = `handle_of[i]`); src (int32[n, S])
-    and view_src (int32[n]) tensor indices or -1, as the twins' addresses (`out`, int64[n],
+    and view_src (int32[n]) tensor indices or -1, as the twins' addresses (`host`, int64[n],
     filled in `order`: sources first) or NULL; view_offs for views only. Returns 0, or -1 - i
     where ggml returned NULL (the context is full)."""
-    host = out
     for k in range(order.size):
         i = order[k]
         a = call_ptr_ptr_i32_i64(new_tensor_1d, ctx, type_[i], ne0[i])
