@@ -417,9 +417,13 @@ def _mix(h, x, key):
     # xored down, before and after each multiply by `key`), records differing only in a
     # word's high half (ne[1], nb[1], op_params[0]) or handles differing only in high bits
     # would all land in one slot. (Arithmetic shifts in both twins: Python's >> floors too.)
-    v = h ^ x
+    # x's top two bits enter after the first multiply: cut with the product's (as they were
+    # when x was xored in whole), they made x, ~x and x ^ (2**62 | 2**30) hash alike under
+    # every key, and a guest flipping so each free word of its records (op_params) put 4**k
+    # records in one probe chain. Now only a key-dependent pair of words collides.
+    v = h ^ (x & _LOW62)
     v = ((v ^ (v >> 32)) * key) & _LOW62
-    v = ((v ^ (v >> 29)) * key) & _LOW62
+    v = ((v ^ (v >> 29) ^ ((x >> 62) & 3)) * key) & _LOW62
     return v ^ (v >> 32)
 
 

@@ -385,6 +385,42 @@ def test_hash_tables_spread_keys_that_differ_only_in_high_bits():
     assert _slots([K._mix(0, i, K.TABLE_KEY) for i in ids], cap) > n // 2
 
 
+def test_hash_tables_keep_guest_words_apart_whatever_the_key():
+    """`_mix` keeps 62 bits of state: a 64-bit word folded in as `(v ^ v >> 32) * key`, its top
+    two bits cut, made x, ~x, x ^ (2**62 | 2**30) and ~x ^ (2**62 | 2**30) hash alike under
+    every key and seed. A guest so varying the whole masked words of its records (op_params;
+    nb where ne is 1) put 4**k distinct records in one probe chain of rule_group_kernel: 16,384
+    leaf tensors took it 3.4 s, 65,536 about a minute (quadratic). Those words must not collide
+    unless the secret key makes them."""
+    import itertools
+
+    from apir.codec import _kernels as K
+    from apir.codec.records import rpc_tensor_dtype
+    from apir.host import rule_memo
+
+    flip = (1 << 62) | (1 << 30)
+    rng = np.random.default_rng(5)
+    for x in rng.integers(-(1 << 63), 1 << 63, size=50, dtype=np.int64).tolist():
+        h = int(rng.integers(1 << 62))
+        assert len({K._mix(h, y, K.TABLE_KEY) for y in (x, ~x, x ^ flip, ~x ^ flip)}) == 4
+    dt = rpc_tensor_dtype()
+    mask = rule_memo._mask(dt)
+    keep = np.flatnonzero(mask)
+    free = [w for w in keep.tolist() if mask[w] == -1 and 64 <= 8 * w < 120][:6]  # op_params only
+    assert len(free) == 6
+    n, cap = 4 ** len(free), 8192
+    t = np.zeros(n, dt)
+    t["ne"], t["nb"] = [1, 1, 1, 1], [4, 4, 4, 4]
+    words = np.ascontiguousarray(t).view(np.int64).reshape(n, -1)
+    for r, combo in enumerate(itertools.product(range(4), repeat=len(free))):
+        for w, c in zip(free, combo):
+            x = int(words[r, w])
+            words[r, w] = (~x if c & 1 else x) ^ (flip if c & 2 else 0)
+    seeds = K._lane_seeds(len(keep), K.TABLE_KEY)
+    hashes = [K._row_hash(words, keep, mask[keep], seeds, r, K.TABLE_KEY) for r in range(n)]
+    assert _slots(hashes, cap) > n // 2  # a random hash: ~3,200 (1 before)
+
+
 # --- the first write over each range of row ids -----------------------------------------------
 
 
