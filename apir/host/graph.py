@@ -451,7 +451,7 @@ class BuiltGraph(NamedTuple):
     """A built host graph and what its checks saw (for `apir.host.graph_cache`)."""
 
     graph: int  # the ggml_cgraph, in the scratch context
-    host: List[int]  # host tensor address by tensor index
+    host: np.ndarray  # int64: host tensor address by tensor index
     infos: TensorInfos  # as the rules saw them (snapshots and readers of row ids included)
     src_rows: np.ndarray  # int32[n_tensors, max_src]: src indices per tensor (-1: none)
     buffers: Dict[int, HostBuffer]  # handle -> the HostBuffer the checks saw
@@ -478,7 +478,6 @@ def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums
     _check_graph_needs(lib, parsed, made, recs, profile)
 
     host_at = _create_tensors(lib, parsed, scratch, recs)  # int64 per tensor
-    host = host_at.tolist()
     # row ids: the kernel reads the copy the rule checked (the guest may write the original,
     # e.g. in a buffer of its memory, between the check and the kernel)
     readers = [info for info in made if info.snapshot is not None]
@@ -486,16 +485,16 @@ def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums
         for info in readers:
             snapshot = info.snapshot
             assert snapshot is not None
-            tensor_record(host[info.index], lib.checker.tensor_dtype)["data"] = ctypes.addressof(snapshot)
+            tensor_record(int(host_at[info.index]), lib.checker.tensor_dtype)["data"] = ctypes.addressof(snapshot)
             scratch.pinned.append(snapshot)
     else:
-        point_at_device_copies(lib, scratch, [(info, host[info.index]) for info in readers])
+        point_at_device_copies(lib, scratch, [(info, int(host_at[info.index])) for info in readers])
     if profile.device_checks_nodes:
-        _check_device_supports(lib, parsed, host)
+        _check_device_supports(lib, parsed, host_at.tolist())
     scratch.check_room(0, max(len(parsed.node_index), 1))
     graph = g.ggml_new_graph_custom(scratch.ctx, max(len(parsed.node_index), 1), False)
     add_nodes_kernel(c_address(g.ggml_graph_add_node), graph, parsed.node_index.astype(np.int64), host_at)
-    return BuiltGraph(graph, host, infos, parsed.src_index, dict(zip(recs.handles, recs.found)))
+    return BuiltGraph(graph, host_at, infos, parsed.src_index, dict(zip(recs.handles, recs.found)))
 
 
 def c_address(fn) -> int:

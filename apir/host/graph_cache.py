@@ -182,12 +182,12 @@ class GraphCacheEntry:
     """One built graph. `buffers`: handle -> the HostBuffer the checks saw; `infos`: the
     TensorInfo of every tensor as checked (apir.host.graph.TensorInfos: those a rule ran on
     are `infos.made()`); `src_rows`: src indices per tensor (int32[n, max_src]); `host`: host
-    tensor addresses by index; `readers`: nodes whose rules read guest memory."""
+    tensor addresses by index (int64); `readers`: nodes whose rules read guest memory."""
 
     key: bytes
     scratch: Scratch
     graph: int
-    host: List[int]
+    host: np.ndarray
     buffers: Mapping[int, object]
     infos: TensorInfos
     src_rows: np.ndarray
@@ -254,7 +254,7 @@ class GraphCacheEntry:
         if not (getattr(lib, "profile", None) or CPU).host_addressable:
             return self._refill_device_copies(lib, snaps)
         data_at = lib.checker.tensor_dtype.fields["data"][1]
-        pointers = [ctypes.c_void_p.from_address(self.host[i] + data_at) for i in snaps]
+        pointers = [ctypes.c_void_p.from_address(int(self.host[i]) + data_at) for i in snaps]
         # the host tensors must read the copies themselves (as build_graph points them)
         olds = [self.infos[i].snapshot for i in snaps]
         if any(old is None or p.value != ctypes.addressof(old) for p, old in zip(pointers, olds)):
@@ -330,7 +330,7 @@ class GraphCacheEntry:
         for i, snap in snaps.items():
             info = _unread_copy(self.infos[i])
             info.snapshot = snap
-            fresh.append((info, self.host[i]))
+            fresh.append((info, int(self.host[i])))
         point_at_device_copies(lib, self.scratch, fresh)
         for i, snap in snaps.items():
             self.infos[i].snapshot = snap
