@@ -2,6 +2,6 @@
 
 import sys
 
-from apir.cli import main
+from apir.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

@@ -1,5 +1,6 @@
 """The `apir` command: info over embedded and socket, one-line errors, registration."""
 
+import gc
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import pytest
 
 import apir
 import apir.ggml
+import apir.cli
 from apir.cli import build_parser, human_size, main
 from tests.local.hostproc import HostProcess
 from tests.local.localkit import run_cli
@@ -109,6 +111,21 @@ def test_a_host_refuses_a_backend_it_cannot_serve_before_serving(tmp_path):
             line = _error(run_cli(*command, *argv), 2)
             assert line.startswith(f"apir: error: {why}"), (command, argv, line)
             assert not os.path.exists(sock)
+
+
+def test_entry_returns_mains_status_and_freezes_what_is_left(monkeypatch):
+    """The program's entry point: main's exit status, and the objects alive then frozen out of
+    the cyclic GC (the interpreter's teardown skips them)."""
+    monkeypatch.setattr(apir.cli, "main", lambda: 3)
+    gc.unfreeze()
+    probe = [object()]  # a list: tracked by the GC
+    assert any(o is probe for o in gc.get_objects())
+    try:
+        assert apir.cli.entry() == 3
+        assert gc.get_freeze_count() > 0
+        assert not any(o is probe for o in gc.get_objects())  # frozen objects are not listed
+    finally:
+        gc.unfreeze()
 
 
 def test_version(capsys):
