@@ -157,3 +157,26 @@ def test_progress_bar_draws_on_its_stream():
     bar(4, 4)
     assert stream.getvalue() == ("\rembed [" + "-" * 30 + "] 0/4 sentences"
                                  "\rembed [" + "#" * 30 + "] 4/4 sentences\n")
+
+
+@pytest.mark.parametrize("argv,free,threads", [((), 1, "1"), ((), 2, "2"), (("--threads", "3"), 1, "3")])
+def test_the_embedded_host_computes_on_the_free_cores_or_threads(capsys, minilm, monkeypatch, argv, free, threads):
+    """The embedded host gets apir.host.n_threads: --threads, else the cores other processes
+    leave free (apir.local.spin_policy.free_cores); the embeddings are the same bytes."""
+    from apir.local import spin_policy
+    from apir.models import backends
+
+    configs = []
+    real_open = backends.open_backend
+
+    def open_backend(spec, config=None, **kw):
+        configs.append(config)
+        return real_open(spec, config=config, **kw)
+
+    monkeypatch.setattr(spin_policy, "free_cores", lambda: free)
+    monkeypatch.setattr(backends, "open_backend", open_backend)
+    assert cli_embed.run(_args("--json", *argv, *SENTENCES), assets=minilm.assets) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert configs == [{"apir.host.n_threads": threads}]
+    assert doc["backend"]["transport"] == "embedded" and doc["backend"]["through_apir"] is True
+    assert np.array_equal(np.array(doc["embeddings"], np.float32), minilm.embed(SENTENCES))
