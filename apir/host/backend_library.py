@@ -61,11 +61,13 @@ from apir.host.profiles import BackendProfile, profile_for
 from apir.host.shapes.base import OpEnums
 from apir.host.tensors import TensorChecker
 from apir.host.transfers import DeviceTransfers
+from apir.local.spin_policy import free_cores
 
 __all__ = [
     "PythonBackendLibrary",
     "CONFIG_KEY_BUFFER_BUDGET",
     "CONFIG_KEY_N_THREADS",
+    "N_THREADS_FREE",
     "CONFIG_KEY_POLL",
     "CONFIG_KEY_DEVICE_TYPE",
     "CONFIG_KEY_ASYNC_TRANSFERS",
@@ -74,8 +76,11 @@ __all__ = [
 
 # Threads of a CPU-like backend (one that offers ggml_backend_set_n_threads); default: the
 # machine's cores. ggml's own default (GGML_DEFAULT_N_THREADS = 4) oversubscribes small
-# hosts, and its spinning worker threads then slow a graph down several times.
+# hosts, and its spinning worker threads then slow a graph down several times. The value
+# N_THREADS_FREE: each graph on the cores other processes leave free at its start
+# (PythonBackendLibrary.set_graph_threads).
 CONFIG_KEY_N_THREADS = "apir.host.n_threads"
+N_THREADS_FREE = "free"
 # ggml's polling level (0-100) of the context's threadpool, where the backend has one
 # (apir.host.cpu_threadpool): how long idle worker threads spin for the next graph; default 0.
 CONFIG_KEY_POLL = "apir.host.poll"
@@ -119,9 +124,13 @@ class PythonBackendLibrary:
         self.bufts, self.buffers = new_tables()
         self.vspace = VirtualAddressSpace()
         self._abort: Optional[ComputeAbort] = None  # graph time limit and cancellation
-        # threads the backend computes with (0: never set, ggml's default); the work-size
-        # bound plans with the same count (apir.host.work_plan)
+        # threads the backend computes with (0: never set, ggml's default), at most with
+        # N_THREADS_FREE; the work-size bound plans with this count (apir.host.work_plan),
+        # which bounds the plan of fewer
         self.n_threads = 0
+        # with N_THREADS_FREE: ggml_backend_set_n_threads and the count set now (else None)
+        self._free_threads: Optional[Callable[[int, int], None]] = None
+        self._threads_now = 0
         self._threadpool: Optional[CpuThreadpool] = None  # attached to the backend, freed after it
         # checked, built graphs reused when the same graph structure comes again
         self.graph_cache = GraphCache()
@@ -323,7 +332,8 @@ class PythonBackendLibrary:
 
     def _set_n_threads(self, host: LibraryHost) -> None:
         """`ggml_backend_set_n_threads` through the registry (ggml's way to find it for any
-        backend that has threads), with config `apir.host.n_threads` or the core count; and a
+        backend that has threads), with config `apir.host.n_threads` or the core count
+        (N_THREADS_FREE: the core count, lowered per graph by set_graph_threads); and a
         threadpool of that many threads where the registry offers one (apir.host.cpu_threadpool,
         config `apir.host.poll`)."""
         fn_ptr = self.g.ggml_backend_reg_get_proc_address(self.reg, b"ggml_backend_set_n_threads")
@@ -331,12 +341,14 @@ class PythonBackendLibrary:
             return
         value = host.get_config(CONFIG_KEY_N_THREADS)
         try:
-            n_threads = int(value) if value else (os.cpu_count() or 1)
+            n_threads = int(value) if value and value != N_THREADS_FREE else (os.cpu_count() or 1)
         except ValueError:
             log.error("ctx %d: %s=%r is not a number", host.ctx_id, CONFIG_KEY_N_THREADS, value)
             n_threads = os.cpu_count() or 1
         set_n_threads = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int)(fn_ptr)
-        self.n_threads = max(1, n_threads)
+        self.n_threads = self._threads_now = max(1, n_threads)
+        if value == N_THREADS_FREE:
+            self._free_threads = set_n_threads
         set_n_threads(self.backend, self.n_threads)
         value = host.get_config(CONFIG_KEY_POLL)
         try:
@@ -347,6 +359,21 @@ class PythonBackendLibrary:
         reg = self.reg
         assert reg is not None  # set by initialize before this
         self._threadpool = CpuThreadpool.attach(self.g, reg, self.backend, self.n_threads, min(max(poll, 0), 100))
+
+    def set_graph_threads(self) -> None:
+        """With `apir.host.n_threads` N_THREADS_FREE, sets the next graph's threads: no more
+        than the cores other processes' runnable threads leave free now
+        (apir.local.spin_policy.free_cores). ggml's workers meet at a spinning barrier after
+        every node, so one sharing its core holds up the rest until it runs again: on a busy
+        2-core machine all-MiniLM-L6-v2's graph of 3 sentences took 0.27 s (median) on 2
+        threads and 0.08 s on 1. Opt-in (`apir embed` asks for it): a few ops' bytes depend
+        on the count (CROSS_ENTROPY_LOSS sums per thread), MiniLM's do not."""
+        if self._free_threads is None or self.n_threads == 1:
+            return
+        n = min(self.n_threads, free_cores())
+        if n != self._threads_now:
+            self._free_threads(self.backend, n)
+            self._threads_now = n
 
     def _set_device_type(self, host: LibraryHost) -> Optional[int]:
         """Config `apir.host.device_type`: the type device_get_type reports. An unknown name fails

@@ -66,6 +66,7 @@ def graph_compute(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
             entry.remember_wire(graph_wire(parsed))
     try:
         check_work_size(lib, entry.graph, entry.planned)  # before the CPU backend allocates its work buffer
+        lib.set_graph_threads()  # no more than the work-size bound planned with
         # under the context's time limit and cancellation (apir.host.compute_abort)
         status = lib.abort.run(g.ggml_backend_graph_compute, lib.backend, entry.graph)
         g.ggml_backend_synchronize(lib.backend)

@@ -15,9 +15,9 @@ thread woken from a block soon, and one that spun its slice late.
 not available it answers True (the spinners' own bounds still hold).
 
 `free_cores()` is the same count for choosing how many threads may spin together (ggml's
-compute workers meet at a spinning barrier after every node; `apir embed` sizes its embedded
-host with it): the cores other processes' runnable threads leave, this process's own threads
-not counted.
+compute workers meet at a spinning barrier after every node; a host context configured with
+`apir.host.n_threads=free`, as `apir embed`'s is, sizes each graph with it): the cores other
+processes' runnable threads leave, this process's own threads not counted.
 """
 
 from __future__ import annotations
@@ -79,8 +79,7 @@ def own_runnable_threads() -> int:
 
 def free_cores() -> int:
     """This process's cores less the other processes' runnable threads now, at least 1; all
-    of them where the counts are not readable. (About 70 us: for a choice made once, not per
-    call.)"""
+    of them where the counts are not readable. (About 70 us a call.)"""
     running, own = runnable_threads(), own_runnable_threads()
     if running < 0 or own < 0:
         return _cores

@@ -109,7 +109,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="threads of a CPU backend in this process (the embedded host, --local-cpu); default: "
-        "the cores other processes leave free for the embedded host, min(4, cores) for --local-cpu",
+        "for the embedded host the cores other processes leave free as each graph starts, "
+        "min(4, cores) for --local-cpu",
     )
     p.add_argument(
         "--show",
@@ -183,24 +184,12 @@ class _ProgressBar:
 
 
 # --- run ---------------------------------------------------------------------------------------
-def _embedded_threads() -> int:
-    """Threads for the embedded host's graphs: the cores other processes' runnable threads
-    leave free now (apir.local.spin_policy.free_cores), not every core (the host's default).
-    ggml's workers meet at a spinning barrier after every node, so one that shares its core
-    holds up the rest: on this 2-core machine under CI load the 3-sentence graph took 0.27 s
-    (median) on 2 threads and 0.08 s on 1. The embeddings do not depend on the count (MiniLM's
-    ops split rows between threads, not sums: bit-identical on 1, 2 and 3 threads)."""
-    from apir.local.spin_policy import free_cores
-
-    return free_cores()
-
-
 def _open(args):
     """(OpenedBackend, the --trace CommandTrace or None). Raises UsageError (--trace without
     an embedded host), BackendUnavailable, ValueError."""
     from apir.cli import UsageError, device_from_args, embedded_trace
     from apir.devices import device_kind
-    from apir.host.backend_library import CONFIG_KEY_N_THREADS
+    from apir.host.backend_library import CONFIG_KEY_N_THREADS, N_THREADS_FREE
     from apir.models.backends import open_backend, open_local_cpu
 
     if args.local_cpu:
@@ -209,7 +198,9 @@ def _open(args):
         return open_local_cpu(args.threads), None
     spec, config = device_from_args(args)
     if device_kind(spec) == "embedded":
-        config = {**(config or {}), CONFIG_KEY_N_THREADS: str(args.threads or _embedded_threads())}
+        # without --threads, each graph on the cores other processes leave free at its start:
+        # MiniLM's embeddings do not depend on the count (bit-identical on 1, 2 and 3 threads)
+        config = {**(config or {}), CONFIG_KEY_N_THREADS: str(args.threads or N_THREADS_FREE)}
     trace, device_options = embedded_trace(args, spec)
     if args.socket:
         from apir.socket_path import check_connect

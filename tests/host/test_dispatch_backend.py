@@ -142,3 +142,38 @@ def test_graph_without_compute_flags_computes_nothing_and_warns(guest, ggml, cap
     assert not any("GGML_TENSOR_FLAG_COMPUTE" in r.getMessage() for r in caplog.records)
     remote.close()
     s.close()
+
+
+@pytest.mark.parametrize("configured", ["free", None, "3"])
+def test_n_threads_free_computes_each_graph_on_the_free_cores(ggml, monkeypatch, configured):
+    """apir.host.n_threads=free: a graph computes on no more threads than the cores (3 here)
+    other processes leave free as it starts (apir.local.spin_policy.free_cores), all of them
+    again once free; unset or a number, the count never changes. ggml CPU's bytes either way."""
+    from apir.host import HostContext, backend_library
+    from apir.host.backend_library import CONFIG_KEY_N_THREADS
+    from tests.host.hostkit import Guest
+
+    monkeypatch.setattr(backend_library.os, "cpu_count", lambda: 3)
+    ctx = HostContext(7)
+    if configured:
+        ctx.set_config(CONFIG_KEY_N_THREADS, configured)
+    guest = Guest(ctx)
+    try:
+        lib = guest.ctx._library
+        counts = []
+        if lib._free_threads is not None:
+            set_threads = lib._free_threads
+            lib._free_threads = lambda backend, n: (counts.append(n), set_threads(backend, n))
+        s = GgmlScratch(ggml)
+        _, inputs, _ = _attention_like(ggml, s.ctx)
+        data = _input_data(ggml, inputs)
+        s.close()
+        expect = _direct(ggml, data)
+        for free in (1, 1, 2, 3, 3):
+            monkeypatch.setattr(backend_library, "free_cores", lambda: free)
+            status, got, _ = _remote(guest, ggml, data)
+            assert (status, got) == (0, expect)
+        assert lib.n_threads == 3
+        assert counts == ([1, 2, 3] if configured == "free" else [])  # set when it changes only
+    finally:
+        guest.close()

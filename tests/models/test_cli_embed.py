@@ -159,11 +159,11 @@ def test_progress_bar_draws_on_its_stream():
                                  "\rembed [" + "#" * 30 + "] 4/4 sentences\n")
 
 
-@pytest.mark.parametrize("argv,free,threads", [((), 1, "1"), ((), 2, "2"), (("--threads", "3"), 1, "3")])
-def test_the_embedded_host_computes_on_the_free_cores_or_threads(capsys, minilm, monkeypatch, argv, free, threads):
-    """The embedded host gets apir.host.n_threads: --threads, else the cores other processes
-    leave free (apir.local.spin_policy.free_cores); the embeddings are the same bytes."""
-    from apir.local import spin_policy
+@pytest.mark.parametrize("argv,threads", [((), "free"), (("--threads", "3"), "3")])
+def test_the_embedded_host_computes_on_the_free_cores_or_threads(capsys, minilm, monkeypatch, argv, threads):
+    """The embedded host gets apir.host.n_threads: --threads, else "free" (each graph on the
+    cores other processes leave free, one here); the embeddings are the same bytes."""
+    from apir.host import backend_library
     from apir.models import backends
 
     configs = []
@@ -173,7 +173,7 @@ def test_the_embedded_host_computes_on_the_free_cores_or_threads(capsys, minilm,
         configs.append(config)
         return real_open(spec, config=config, **kw)
 
-    monkeypatch.setattr(spin_policy, "free_cores", lambda: free)
+    monkeypatch.setattr(backend_library, "free_cores", lambda: 1)
     monkeypatch.setattr(backends, "open_backend", open_backend)
     assert cli_embed.run(_args("--json", *argv, *SENTENCES), assets=minilm.assets) == 0
     doc = json.loads(capsys.readouterr().out)
