@@ -6,7 +6,10 @@ a size the machine cannot give throws `std::bad_alloc` through C, and the host p
 aborts (SIGABRT), taking every other guest with it. The plan is a pure function of the graph
 and the thread count, so `check_work_size` runs the same `ggml_graph_plan` on the checked
 host graph with the backend's thread count first and refuses the graph when the planned
-`work_size` exceeds the context's work budget. Only then is the graph computed.
+`work_size` exceeds the context's work budget. Only then is the graph computed. (A context
+with `apir.host.n_threads=free` may compute a graph on fewer threads than it plans with: a
+plan only grows with the count, so the bound holds, and whether a graph passes does not
+depend on the machine's load.)
 
 The rules (apir.host.shapes) and `base.check_span` already keep each tensor's dimensions
 within its buffer, so the plan's arithmetic cannot wrap; this bound covers what is left:
