@@ -25,6 +25,7 @@ runs it alone.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 import time
@@ -243,6 +244,10 @@ def _check_usage(args: argparse.Namespace, sentences: List[str]) -> str:
         raise _Usage("nothing to embed: give sentences as arguments, - for stdin, or -f FILE")
     if args.batch_size < 1:
         raise _Usage(f"--batch-size {args.batch_size}: must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        raise _Usage(f"--threads {args.threads}: must be at least 1")
+    if args.show < 0:
+        raise _Usage(f"--show {args.show}: must be at least 0")
     if fmt == "npy" and not args.output and sys.stdout.isatty():
         raise _Usage("--format npy writes binary: give -o FILE.npy or redirect stdout")
     return fmt
@@ -315,7 +320,14 @@ def _write(args, fmt, sentences, emb, cosine, n_tokens, truncated, opened, asset
             with open(args.output, "wb") as fh:  # the name as given (np.save(name) would add .npy)
                 np.save(fh, emb)
         else:
-            np.save(sys.stdout.buffer, emb)
+            # np.save straight to a pipe whose reader went away raises a bare OSError ("n
+            # requested and 0 written"), not BrokenPipeError; and a large write there may
+            # return short, with the error only on the next write: written until all is
+            buf = io.BytesIO()
+            np.save(buf, emb)
+            rest = buf.getbuffer()
+            while len(rest):
+                rest = rest[sys.stdout.buffer.write(rest) :]
             sys.stdout.buffer.flush()
         return
     out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout

@@ -47,6 +47,24 @@ def test_a_closed_stdout_is_left_to_main(capsys, minilm, monkeypatch):
     assert "error" not in capsys.readouterr().err
 
 
+def test_npy_into_a_closed_pipe_ends_quietly(minilm, tmp_path):
+    """`apir embed --format npy ... | head -c 20`: exit 141 and nothing on stderr, as for the
+    text formats (np.save into the pipe raised a bare OSError, "n requested and 0 written",
+    and a large write could return short with the error lost). 600 sentences: 900 KB, more
+    than a pipe holds."""
+    import subprocess
+    import sys
+
+    listing = tmp_path / "s.txt"
+    listing.write_text("".join(f"sentence {i}\n" for i in range(600)))
+    cmd = [sys.executable, "-m", "apir", "embed", "--local-cpu", "--no-progress", "--format", "npy", "-f", str(listing)]
+    run = subprocess.run(
+        f"{' '.join(cmd)} | head -c 20 >/dev/null; exit ${{PIPESTATUS[0]}}",
+        shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=300,
+    )
+    assert (run.returncode, run.stderr) == (141, ""), run.stderr
+
+
 def test_text_output(capsys, minilm):
     assert cli_embed.run(_args("--local-cpu", "--show", "3", *SENTENCES), assets=minilm.assets) == 0
     out = capsys.readouterr().out
@@ -137,6 +155,9 @@ def test_usage_errors_exit_2(capsys, minilm, monkeypatch):
     assert capsys.readouterr().err.startswith("apir: error: nothing to embed")
     assert cli_embed.run(_args("--local-cpu", "--batch-size", "0", "x"), assets=minilm.assets) == 2
     assert "--batch-size 0" in capsys.readouterr().err
+    for option, value in (("--threads", "-1"), ("--threads", "0"), ("--show", "-2")):
+        assert cli_embed.run(_args("--local-cpu", option, value, "x"), assets=minilm.assets) == 2
+        assert capsys.readouterr().err.startswith(f"apir: error: {option} {value}: must be at least")
     with pytest.raises(SystemExit) as exc:
         _args("--socket", "", "x")
     assert exc.value.code == 2
