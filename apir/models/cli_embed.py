@@ -385,17 +385,19 @@ def _print_table(out, args, opened, sentences, emb, cosine, n_tokens, upload, em
     )
     shown = max(0, min(args.show, emb.shape[1]))
     out.write(f"embeddings ({emb.shape[1]} values each, first {shown} shown):\n")
+    label = len(f"[{len(emb) - 1}]")  # (the widest index label: the columns stay aligned past [9])
     for i, (row, sentence) in enumerate(zip(emb, sentences)):
         values = " ".join(f"{v:+.4f}" for v in row[:shown])
         text = sentence if len(sentence) <= 50 else sentence[:47] + "..."
-        out.write(f"  [{i}] {values}  ({n_tokens[i]} tokens) {text!r}\n")
+        out.write(f"  {f'[{i}]':<{label}} {values}  ({n_tokens[i]} tokens) {text!r}\n")
     if cosine is None:
         out.write(f"\ncosine similarity: not shown for {len(emb)} sentences (--similarity shows it)\n")
         return
     out.write("\ncosine similarity:\n")
-    out.write("      " + "".join(f"{f'[{j}]':>7}" for j in range(len(emb))) + "\n")
+    label = max(label + 1, 4)
+    out.write("  " + " " * label + "".join(f"{f'[{j}]':>7}" for j in range(len(emb))) + "\n")
     for i, row in enumerate(cosine):
-        out.write(f"  {f'[{i}]':<4}" + "".join(f"{v:7.3f}" for v in row) + "\n")
+        out.write(f"  {f'[{i}]':<{label}}" + "".join(f"{v:7.3f}" for v in row) + "\n")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

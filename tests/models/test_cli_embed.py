@@ -77,6 +77,17 @@ def test_text_output(capsys, minilm):
     np.testing.assert_allclose([float(x) for x in row1.split()[1:]], cos[1], atol=6e-4)
 
 
+def test_text_columns_stay_aligned_past_ten_sentences(capsys, minilm):
+    sentences = [f"sentence {i}" for i in range(12)]
+    assert cli_embed.run(_args("--local-cpu", "--show", "2", "--similarity", *sentences), assets=minilm.assets) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if "tokens)" in line]
+    assert len(rows) == 12 and len({row.index(" (") for row in rows}) == 1  # values end in one column
+    header = next(i for i, line in enumerate(lines) if line.startswith("cosine similarity"))
+    table = lines[header + 1 : header + 14]
+    assert len({len(line) for line in table}) == 1  # the header and every row, [0] to [11]
+
+
 def test_explicit_socket_without_backend_is_an_error(capsys, minilm):
     # An explicit transport never falls back to local CPU: no host at that path -> a runtime
     # error (exit 1, apir.cli's convention), the path named.
