@@ -182,8 +182,9 @@ class Assets:
         return sum(w.nbytes for w in self.weights.values())
 
 
-# safetensors dtype names (its format's header) of the floating-point arrays numpy can hold
-_FLOAT_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
+# safetensors dtype names (its format's header) of the floating-point arrays numpy can hold,
+# as the format stores them: little-endian
+_FLOAT_DTYPES: Dict[str, np.dtype] = {"F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8")}
 
 
 def read_safetensors(path: Path) -> Dict[str, np.ndarray]:
