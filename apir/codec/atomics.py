@@ -119,6 +119,17 @@ _RELAX = {
 
 
 @intrinsic
+def _fence_seq_cst_intrinsic(typingctx):
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def _cpu_relax_intrinsic(typingctx):
     sig = types.void()
 
@@ -170,6 +181,30 @@ def _store_then_spin(arr, offset, value, arr2, offset2, value2, wait_arr, wait_o
         for _ in range(settle):
             _cpu_relax_intrinsic()
     return seen
+
+
+@_jit
+def _store_fence_load(arr, offset, value, load_arr, load_offset):
+    _store_release_intrinsic(arr, offset, np.uint32(value))  # type: ignore[call-arg]  # typingctx: numba passes it
+    _fence_seq_cst_intrinsic()
+    return _load_acquire_intrinsic(load_arr, load_offset)
+
+
+@_jit
+def _store_two(arr, offset, value, arr2, offset2, value2):
+    _store_release_intrinsic(arr, offset, np.uint32(value))  # type: ignore[call-arg]  # typingctx: numba passes it
+    _store_release_intrinsic(arr2, offset2, np.uint32(value2))
+
+
+@_jit
+def _spin_while_equal(arr, offset, old, spins):
+    value = np.uint32(old)
+    for _ in range(spins):
+        value = _load_acquire_intrinsic(arr, offset)  # type: ignore[call-arg]  # typingctx: numba passes it
+        if value != old:
+            break
+        _cpu_relax_intrinsic()
+    return value
 
 
 def as_word_array(buf) -> np.ndarray:
@@ -266,6 +301,31 @@ class Word:
     def spin_until_nonzero(self, spins: int) -> int:
         """As `spin_until_nonzero_u32` (no GIL held while spinning)."""
         return int(_spin_until_nonzero(self.array, self.offset, max(int(spins), 1)))
+
+    def spin_while_equal(self, old: int, spins: int) -> int:
+        """Up to `spins` acquire loads while the word holds `old`; the first other value, or
+        `old` when the spins ran out. No GIL held while spinning."""
+        return int(_spin_while_equal(self.array, self.offset, np.uint32(old), max(int(spins), 1)))
+
+    def store_release_both(self, value: int, then: "Word", then_value: int) -> None:
+        """Stores `value` here, then `then_value` in `then`, both release, in one call: a reader
+        that sees the second store (acquire) sees the first. ValueError when a value is not a
+        u32."""
+        for v in (value, then_value):
+            if not 0 <= v <= 0xFFFFFFFF:
+                raise ValueError(f"{v} does not fit in a u32")
+        _store_two(self.array, self.offset, value, then.array, then.offset, then_value)
+
+    def store_then_load(self, value: int, other: "Word") -> int:
+        """Stores `value` here (release), then a sequentially consistent fence, then an
+        acquire load of `other`, returned. The fence orders the store before the load, which
+        release and acquire alone do not (x86 lets a load pass an earlier store): when two
+        sides each store their word and then load the other's, at least one of them sees the
+        other's store (notification suppression, as virtio's VRING_USED_F_NO_NOTIFY with its
+        re-check). ValueError when `value` is not a u32."""
+        if not 0 <= value <= 0xFFFFFFFF:
+            raise ValueError(f"{value} does not fit in a u32")
+        return int(_store_fence_load(self.array, self.offset, value, other.array, other.offset))
 
     def store_release_then_spin(
         self,

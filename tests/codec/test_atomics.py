@@ -161,3 +161,42 @@ def test_nonzero_u32_callback_reads_the_word_like_its_twin():
         expected = atomics.load_acquire_u32_py(words.view(np.uint8), 4) != 0
         assert fn(base + 4) is expected
     assert atomics.nonzero_u32_callback() == atomics.nonzero_u32_callback()  # made once
+
+
+def test_spin_while_equal_returns_the_first_other_value():
+    word = atomics.Word(np.zeros(16, np.uint8), 4)
+    assert word.spin_while_equal(0, 50) == 0  # spins out: the old value
+    word.store_release(3)
+    assert word.spin_while_equal(0, 50) == 3
+    assert word.spin_while_equal(3, 50) == 3  # unchanged: spun out on 3
+
+
+def test_store_then_load_and_store_release_both():
+    arr = np.zeros(16, np.uint8)
+    a, b = atomics.Word(arr, 0), atomics.Word(arr, 8)
+    b.store_release(5)
+    assert a.store_then_load(9, b) == 5 and a.load_acquire() == 9
+    a.store_release_both(1, b, 2)
+    assert (a.load_acquire(), b.load_acquire()) == (1, 2)
+    for bad in (-1, 1 << 32):
+        with pytest.raises(ValueError):
+            a.store_then_load(bad, b)
+        with pytest.raises(ValueError):
+            a.store_release_both(1, b, bad)
+
+
+def test_store_then_load_has_a_full_fence_between():
+    """The exec ring's notification suppression rests on this: store (release), a seq_cst
+    fence (mfence on x86-64, dmb ish on ARM64), then the load (acquire); without the fence x86
+    may let the load pass the store."""
+    arr = np.zeros(16, np.uint8)
+    ir = [l.strip() for l in _ir(atomics._store_fence_load, arr, 0, 1, arr, 8).splitlines()]
+    ops = [l for l in ir if l.startswith(("store atomic", "fence ")) or "= load atomic" in l]
+    kinds = ["store" if "store atomic" in l else "fence" if l.startswith("fence") else "load" for l in ops]
+    # the function's own body comes first (later fences are the wrapper's reference counting)
+    assert kinds[:3] == ["store", "fence", "load"], ops
+    assert "release" in ops[0] and ops[1] == "fence seq_cst" and "acquire" in ops[2]
+    two = [l for l in _ir(atomics._store_two, arr, 0, 1, arr, 8, 2).splitlines() if "store atomic" in l]
+    assert len(two) == 2 and all("release, align 4" in l for l in two)
+    spin = [l for l in _ir(atomics._spin_while_equal, arr, 0, np.uint32(0), 1).splitlines() if "load atomic" in l]
+    assert spin and all("acquire" in l for l in spin)
