@@ -3,7 +3,9 @@
 Prints p50 / p99 in microseconds for:
   - bare socket ping-pong: 16-byte message and 16-byte answer between this process and a
     Python echo process over a Unix socket (the floor any socket transport pays),
-  - device_get_type over the socket transport (a separate `apir host serve` process),
+  - device_get_type over the socket transport (a separate `apir host serve` process), with its
+    exec ring (commands through shared memory, the default) and without (a socket message each
+    way: LocalDevice(exec_ring=False)),
   - device_get_type over the embedded host (a thread of this process), with execbuffer
     returning at once (the guest spins on the notification word) and waiting for completion.
   - the peer, ggml-rpc: ggml_backend_dev_memory of an RPC device, one RPC_CMD_GET_DEVICE_MEMORY
@@ -112,15 +114,19 @@ def bench_ping_pong(tmp: str, calls: int, warmup: int) -> tuple[float, float]:
         proc.wait()
 
 
-def bench_socket(tmp: str, calls: int, warmup: int, names=("device_get_type",)) -> list:
-    """[(p50, p99) us] of each ApirClient call in `names`, in turn, over one `apir host serve`."""
+def bench_socket(tmp: str, calls: int, warmup: int, names=("device_get_type",)) -> tuple[list, list]:
+    """[(p50, p99) us] of each ApirClient call in `names`, in turn, over one `apir host serve`:
+    with the exec ring (the default), then with every EXECBUFFER a socket message."""
     path = os.path.join(tmp, "apir.sock")
     proc = subprocess.Popen([sys.executable, "-m", "apir.cli", "host", "serve", "--socket", path],
                             stderr=subprocess.DEVNULL)
     try:
         _wait_for_socket(path, proc)
-        with ApirClient.connect(LocalDevice(path)) as client:
-            return [time_calls(getattr(client, name), calls, warmup) for name in names]
+        results = []
+        for exec_ring in (True, False):
+            with ApirClient.connect(LocalDevice(path, exec_ring=exec_ring)) as client:
+                results.append([time_calls(getattr(client, name), calls, warmup) for name in names])
+        return results[0], results[1]
     finally:
         proc.terminate()
         proc.wait(10)
@@ -175,8 +181,10 @@ def main(argv=None) -> int:
     n, w = args.calls, args.warmup
     with tempfile.TemporaryDirectory(prefix="apir-bench-") as tmp:
         rows = [("bare socket ping-pong (16 B)", None, bench_ping_pong(tmp, n, w))]
+        ring, messages = bench_socket(tmp, n, w, names)
         for mode, label, results in (
-            ("socket", "socket host", bench_socket(tmp, n, w, names)),
+            ("socket", "socket host", ring),
+            ("socket", "socket, no ring", messages),
             ("embedded", "embedded (spin)", bench_embedded(n, w, 0.0, names)),
             ("embedded", "embedded (wait)", bench_embedded(n, w, 1.0, names)),
         ):

@@ -30,6 +30,14 @@ __all__ = [
     "MAX_EXEC_COMMAND",
     "MAX_GET_CAPS",
     "MAX_PAYLOAD",
+    "MAX_RING_COMMAND",
+    "RING_POSTED",
+    "RING_DONE",
+    "RING_ERR",
+    "RING_POLLING",
+    "RING_HEADER",
+    "RING_COMMAND",
+    "RING_SIZE",
     "Op",
     "REQUEST",
     "REPLY",
@@ -63,6 +71,8 @@ class Op(enum.IntEnum):
     GEM_CLOSE = 7  # DRM_IOCTL_GEM_CLOSE
     EXECBUFFER = 8  # DRM_IOCTL_VIRTGPU_EXECBUFFER; replied once the command has run
     STAT = 9  # debug: counts of contexts, blobs and ggml buffers (the connection's own by default)
+    RING = 10  # sets up the connection's exec ring (below): EXECBUFFERs through shared memory
+    KICK = 11  # the host is not polling the exec ring: run what is posted there; replied once run
 
 
 # Fixed payload layouts (every request has one; EXECBUFFER's is followed by the command).
@@ -76,6 +86,8 @@ REQUEST: dict[Op, struct.Struct] = {
     Op.GEM_CLOSE: struct.Struct("<II"),  # bo_handle, pad
     Op.EXECBUFFER: struct.Struct("<IIII"),  # flags, size, ring_idx, pad; then `size` bytes
     Op.STAT: struct.Struct(""),
+    Op.RING: struct.Struct(""),
+    Op.KICK: struct.Struct(""),
 }
 # None = no fixed layout (see the op's notes in docs/local-transport.md).
 REPLY: dict[Op, Optional[struct.Struct]] = {
@@ -90,7 +102,22 @@ REPLY: dict[Op, Optional[struct.Struct]] = {
     Op.EXECBUFFER: struct.Struct(""),
     # contexts, blobs, blob_bytes, file_bytes, ggml_buffers (-1: the host cannot count them)
     Op.STAT: struct.Struct("<IIQQq"),
+    Op.RING: struct.Struct("<QII"),  # offset in the shared memory file, size, pad
+    Op.KICK: struct.Struct(""),
 }
+
+# The exec ring: one page of the shared memory file through which a guest posts its EXECBUFFERs
+# without a socket message, one command at a time, while the host polls it (docs/local-transport.md,
+# "The exec ring"; apir.local.exec_ring reads and writes it). Byte offsets of its u32 words, each
+# on a cache line of its own (written by one side each):
+RING_POSTED = 0  # guest: the sequence number of the newest command posted (0: none yet)
+RING_DONE = 64  # host: the sequence number of the newest command run (or refused)
+RING_ERR = 68  # host: 0, or the errno that refused command RING_DONE (stored before it)
+RING_POLLING = 128  # host: 1 while it polls RING_POSTED (the guest need not kick), else 0
+RING_HEADER = 192  # guest: the command's EXECBUFFER request payload (REQUEST[Op.EXECBUFFER])
+RING_COMMAND = 256  # guest: the command's bytes
+RING_SIZE = 16384  # one blob-aligned page of the shared memory file
+MAX_RING_COMMAND = RING_SIZE - RING_COMMAND  # a longer command goes as an EXECBUFFER message
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,19 @@ When the command runs longer, execbuffer returns and the caller's wait on the no
 the word, which polls the socket, so a host that dies later in the call is still seen at once
 (EOF or a hang-up), and a late reply is read as soon as it comes. Every other socket read is
 bounded by `io_timeout_s`, so the guest never hangs forever.
+
+At its first EXECBUFFER the device asks for the exec ring (Op.RING; apir.local.exec_ring): from
+then on a command that fits goes through that page of the shared file, with no message while
+the host polls it (a KICK when it does not), and execbuffer waits on the ring's `done` word, a
+spin and then sleeps that watch the socket as above. A host without the ring (ENOSYS), a
+command longer than the page, or `exec_ring=False` keeps the EXECBUFFER message.
 """
 
 from __future__ import annotations
 
 import errno as errno_mod
 import logging
+import mmap
 import os
 import select
 import socket
@@ -28,9 +35,12 @@ import threading
 import time
 from typing import Optional
 
+from apir.codec.atomics import spins_for
 from apir.codec.local_wire import (
     HELLO_MAGIC,
+    MAX_RING_COMMAND,
     REPLY,
+    RING_SIZE,
     REQUEST,
     WIRE_VERSION,
     ConnectionClosed,
@@ -46,6 +56,7 @@ from apir.codec.virtgpu import (
 )
 from apir.guest.device import Blob
 from apir.guest.errors import DeviceError, IoctlError
+from apir.local.exec_ring import ExecRing
 from apir.local.shm import map_shared
 from apir.local.socket_io import recv_message, send_message
 
@@ -64,7 +75,14 @@ _IOCTL_NAMES: dict[Op, str] = {
     Op.GEM_CLOSE: IoctlName.GEM_CLOSE,
     Op.EXECBUFFER: IoctlName.EXECBUFFER,
     Op.STAT: "STAT",
+    Op.RING: "RING",
+    Op.KICK: IoctlName.EXECBUFFER,
 }
+# An EXECBUFFER through the exec ring spins this long (at most) on its `done` word, then waits
+# on the socket in growing sleeps (a host that dies is seen there).
+_RING_SPIN_S = 500e-6
+_RING_SLEEP_MIN_S = 10e-6
+_RING_SLEEP_MAX_S = 1e-3
 
 
 class HostConnectionLost(DeviceError):
@@ -77,18 +95,32 @@ class LocalDevice:
 
     `connect_timeout_s` bounds the connection and HELLO; `io_timeout_s` every later read but
     EXECBUFFER's; `exec_wait_s` how long execbuffer waits for the command to complete before
-    leaving the wait to the caller. Raises `DeviceError` when nothing serves `path`,
+    leaving the wait to the caller; `exec_ring` whether commands go through the exec ring when
+    the host offers it. Raises `DeviceError` when nothing serves `path`,
     `HostConnectionLost` when the host goes away, `IoctlError` for a refused request.
     """
 
-    def __init__(self, path: str, connect_timeout_s: float = 5.0, io_timeout_s: float = 60.0, exec_wait_s: float = 2.0):
+    def __init__(
+        self,
+        path: str,
+        connect_timeout_s: float = 5.0,
+        io_timeout_s: float = 60.0,
+        exec_wait_s: float = 2.0,
+        exec_ring: bool = True,
+    ):
         self.path = os.fspath(path)
         self.node = self.name = f"local:{self.path}"
         self.io_timeout_s = io_timeout_s
         self.exec_wait_s = exec_wait_s
         self._lock = threading.Lock()
         self._seq = 0
-        self._exec_seqs: list[int] = []  # seqs of EXECBUFFER replies not read yet (still running)
+        # (op, seq) of the EXECBUFFER and KICK replies not read yet (their commands still running)
+        self._exec_seqs: list[tuple[Op, int]] = []
+        self._ring: Optional[ExecRing] = None  # the exec ring, when the host offers one
+        self._ring_memory: Optional[mmap.mmap] = None
+        self._ring_seq = 0  # the newest command posted in the ring
+        self._ring_reported = 0  # the newest ring command whose errno was looked at
+        self._ring_spins = 0
         self._blobs: dict[int, Blob] = {}
         self._broken: Optional[str] = None
         self.fd = -1
@@ -126,6 +158,36 @@ class LocalDevice:
         sock.settimeout(io_timeout_s)
         self._poller = select.poll()  # made once: execbuffer and watch poll on every call
         self._poller.register(sock, _POLL_EVENTS)
+        self._ring_wanted = exec_ring  # asked for at the first EXECBUFFER
+
+    def _open_ring(self) -> Optional[ExecRing]:
+        """RING, and the mapping of the page it names (apir.local.exec_ring), once: at the
+        first EXECBUFFER (a connection that runs no command, such as `host_stats`'s, costs the
+        host no page). A host that predates the exec ring answers ENOSYS (or one whose context
+        is at its memory limit ENOMEM), and EXECBUFFERs then go as messages."""
+        with self._lock:
+            if not self._ring_wanted:
+                return self._ring
+            self._ring_wanted = False
+            self._drain_pending()
+            try:
+                body, _ = self._read_reply(Op.RING, self._send(Op.RING, b""))
+            except IoctlError as exc:  # ENOSYS: a host from before the ring; ENOMEM: a full file
+                log.info("%s: no exec ring (%s); EXECBUFFERs go over the socket", self.node, exc)
+                return None
+            fmt = fixed_reply(Op.RING)
+            if len(body) != fmt.size:
+                raise self._fail(f"RING reply of {len(body)} bytes, expected {fmt.size}")
+            offset, size, _pad = fmt.unpack(body)
+            if size < RING_SIZE:
+                raise self._fail(f"an exec ring of {size} bytes, expected {RING_SIZE}")
+            try:
+                self._ring_memory = map_shared(self.fd, size, offset)
+            except (OSError, ValueError) as exc:
+                raise DeviceError(f"{self.node}: mapping the exec ring failed: {exc}") from None
+            self._ring = ExecRing(self._ring_memory)
+            self._ring_spins = spins_for(_RING_SPIN_S)
+            return self._ring
 
     # --- the exchange --------------------------------------------------------------------
     def _fail(self, why: str) -> HostConnectionLost:
@@ -158,7 +220,7 @@ class LocalDevice:
     def _drain_pending(self) -> None:
         """Read the EXECBUFFER replies of commands that outlived execbuffer's wait."""
         while self._exec_seqs:
-            self._read_reply(Op.EXECBUFFER, self._exec_seqs.pop(0))
+            self._read_reply(*self._exec_seqs.pop(0))
 
     def _send(self, op: Op, payload: bytes) -> int:
         if self._broken is not None:
@@ -242,7 +304,12 @@ class LocalDevice:
 
     def execbuffer(self, payload, ring_idx: int = 0) -> None:
         """DRM_IOCTL_VIRTGPU_EXECBUFFER; returns when the host has run the command or after
-        `exec_wait_s` (the reply notification word says which)."""
+        `exec_wait_s` (the reply notification word says which). Through the exec ring when
+        the host offers one, the command fits and the ring's previous command is done, else
+        as an EXECBUFFER message. IoctlError for a command the host refused."""
+        ring = self._ring if not self._ring_wanted else self._open_ring()
+        if ring is not None and len(payload) <= MAX_RING_COMMAND and self._ring_execbuffer(ring, payload, ring_idx):
+            return
         command = bytes(payload)
         header = REQUEST[Op.EXECBUFFER].pack(VIRTGPU_EXECBUF_RING_IDX, len(command), ring_idx, 0)
         with self._lock:
@@ -251,17 +318,72 @@ class LocalDevice:
             if self._readable(self.exec_wait_s):
                 self._read_reply(Op.EXECBUFFER, seq)
             else:
-                self._exec_seqs.append(seq)
+                self._exec_seqs.append((Op.EXECBUFFER, seq))
 
     def execbuffer_nowait(self, payload, ring_idx: int = 0) -> None:
-        """DRM_IOCTL_VIRTGPU_EXECBUFFER that returns once the command is sent, for a caller
-        with work of its own before it waits on the reply word (apir.guest.remote's
-        `meanwhile`); the host's EXECBUFFER reply is read by the next request or `watch`."""
+        """DRM_IOCTL_VIRTGPU_EXECBUFFER that returns once the command is posted or sent, for
+        a caller with work of its own before it waits on the reply word (apir.guest.remote's
+        `meanwhile`); the host's EXECBUFFER reply (or a refusal through the ring) is read by
+        the next request or `watch`."""
+        ring = self._ring if not self._ring_wanted else self._open_ring()
+        if ring is not None and len(payload) <= MAX_RING_COMMAND and self._ring_execbuffer(ring, payload, ring_idx, 0):
+            return
         command = bytes(payload)
         header = REQUEST[Op.EXECBUFFER].pack(VIRTGPU_EXECBUF_RING_IDX, len(command), ring_idx, 0)
         with self._lock:
             self._drain_pending()
-            self._exec_seqs.append(self._send(Op.EXECBUFFER, header + command))
+            self._exec_seqs.append((Op.EXECBUFFER, self._send(Op.EXECBUFFER, header + command)))
+
+    def _ring_execbuffer(self, ring: ExecRing, payload, ring_idx: int, wait_s: Optional[float] = None) -> bool:
+        """Posts the command in the exec ring (and KICKs a host that is not polling it), then
+        waits for it up to `wait_s` (default `exec_wait_s`): a spin on the ring's `done` word,
+        then `watch` in growing sleeps. False, with nothing sent, when the ring's previous
+        command is not done yet (the caller sends this one as a message: the host runs what
+        the ring holds before any request, so the order holds)."""
+        with self._lock:
+            if self._broken is not None:
+                raise HostConnectionLost(f"{self.node}: {self._broken}")
+            self._drain_pending()
+            previous = self._ring_seq
+            if previous != self._ring_reported and ring.done.load_acquire() != previous:
+                return False  # (a command waited for to the end needs no look)
+            seq = previous % 0xFFFFFFFF + 1  # 1 .. 2**32-1: 0 is "none yet"
+            polling = ring.post(VIRTGPU_EXECBUF_RING_IDX, ring_idx, payload, seq)
+            self._ring_seq = seq
+            if not polling:
+                self._exec_seqs.append((Op.KICK, self._send(Op.KICK, b"")))
+        wait_s = self.exec_wait_s if wait_s is None else wait_s
+        if wait_s <= 0:
+            return True
+        deadline = time.monotonic() + wait_s
+        spins = self._ring_spins if wait_s >= _RING_SPIN_S else spins_for(wait_s)
+        done = ring.done.spin_while_equal(previous, spins)
+        sleep_s = _RING_SLEEP_MIN_S
+        while done != seq:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return True  # still running: the caller's wait on the reply word goes on
+            self.watch(min(sleep_s, left))  # HostConnectionLost when the host is gone
+            sleep_s = min(sleep_s * 2, _RING_SLEEP_MAX_S)
+            done = ring.done.load_acquire()
+        self._ring_reported = seq
+        err = ring.err.load_acquire()  # stored before `done`
+        if err:
+            del ring  # a kept traceback must not pin the page's mapping
+            raise IoctlError(self.node, IoctlName.EXECBUFFER, err, os.strerror(err))
+        return True
+
+    def _raise_ring_error(self) -> None:
+        """IoctlError, once, when the newest ring command is done and the host refused it
+        (the host stores `err` before `done`)."""
+        ring, seq = self._ring, self._ring_seq
+        if ring is None or seq == self._ring_reported or ring.done.load_acquire() != seq:
+            return
+        self._ring_reported = seq
+        err = ring.err.load_acquire()
+        del ring  # a kept traceback must not pin the page's mapping
+        if err:
+            raise IoctlError(self.node, IoctlName.EXECBUFFER, err, os.strerror(err))
 
     def _readable(self, timeout_s: float) -> bool:
         """Whether the socket has data or a hang-up within `timeout_s` (poll: no FD_SETSIZE
@@ -282,6 +404,7 @@ class LocalDevice:
                 raise HostConnectionLost(f"{self.node}: {self._broken}")
             if self.sock is None:
                 raise DeviceError(f"{self.node}: device is closed")
+            self._raise_ring_error()
             if timeout_s < 1e-3:
                 time.sleep(max(0.0, timeout_s))
                 timeout_s = 0.0
@@ -316,6 +439,13 @@ class LocalDevice:
     def close(self) -> None:
         """Unmap every blob and disconnect; the host then closes the context and frees it all."""
         with self._lock:
+            self._ring = None  # its views of the page, before the page is unmapped
+            if self._ring_memory is not None:
+                try:
+                    self._ring_memory.close()
+                except BufferError:  # a view of the page is still alive (a kept traceback?)
+                    log.warning("%s: the exec ring is still referenced at close; unmapped later", self.node)
+                self._ring_memory = None
             for blob in list(self._blobs.values()):
                 try:
                     blob.memory.close()

@@ -32,6 +32,13 @@ pays (apir.local.spin_policy) and it is the server's only connection: a guest's 
 call then costs no wake-up. An idle connection spins once, then sleeps. (The poll loop holds
 the GIL between polls, so another guest's thread, woken by its request, would wait for the
 spin to end: a neighbour's spins slowed another guest's small calls 1.3-2x.)
+
+A guest that asked for the exec ring (Op.RING; apir.local.exec_ring) posts its EXECBUFFERs in a
+page of its shared memory file: the connection thread then polls that page's `posted` word
+without a system call (and its socket every _RING_SLICE_S) under the same rules, runs a
+command posted there as an EXECBUFFER message's, and, before it handles any request, runs what
+the ring holds, so the order of commands and requests is the guest's. Not polling, it stores
+`polling` 0 and the guest sends KICK.
 """
 
 from __future__ import annotations
@@ -48,10 +55,13 @@ import time
 from typing import Optional
 
 from apir.codec.constants import CONFIG_KEY_HELLO_TIMEOUT, CONFIG_KEY_LOCAL_SPIN, CONFIG_KEY_MAX_CONNECTIONS
+from apir.codec.atomics import spins_for
 from apir.codec.local_wire import (
     HELLO_MAGIC,
     MAX_GET_CAPS,
+    MAX_RING_COMMAND,
     REQUEST,
+    RING_SIZE,
     WIRE_VERSION,
     ConnectionClosed,
     Op,
@@ -62,6 +72,8 @@ from apir.codec.virtgpu import BLOB_ALIGNMENT
 from apir.host.limits import DEFAULT_HELLO_TIMEOUT_S, DEFAULT_LOCAL_SPIN_S, DEFAULT_MAX_CONNECTIONS, config_limit
 from apir.host.local_hangup import HangupWatch
 from apir.host.local_kernel import ContextFactory, KernelContext, KernelError, default_context_factory
+from apir.host.local_memfile import HostBlob, MemFileFull
+from apir.local.exec_ring import ExecRing
 from apir.local.socket_io import recv_message, send_message
 from apir.local.spin_policy import spinning_pays
 
@@ -95,6 +107,10 @@ class ServerStats:
         return "ServerStats(" + ", ".join(f"{k}={getattr(self, k)}" for k in self.__slots__) + ")"
 
 
+# While it polls the exec ring, a connection thread looks at its socket this often (a request
+# there waits at most this long; each look is a system call).
+_RING_SLICE_S = 20e-6
+
 # Longer spins never pay: a guest that takes this long to send its next request is not in a loop of
 # small calls.
 MAX_LOCAL_SPIN_S = 0.01
@@ -108,6 +124,11 @@ class _Connection:
         self.sock = sock
         self.conn_id = conn_id
         self.kernel: Optional[KernelContext] = None
+        # the exec ring, once the guest asked for it (Op.RING): its page, its views, and the
+        # sequence number of the newest command taken from it
+        self.ring_blob: Optional[HostBlob] = None
+        self.ring: Optional[ExecRing] = None
+        self.ring_seq = 0
         self.thread = threading.Thread(target=self.run, name=f"apir-local-{conn_id}", daemon=True)
 
     def run(self) -> None:
@@ -145,9 +166,14 @@ class _Connection:
         poller = select.poll()
         poller.register(self.sock, select.POLLIN)
         while True:
-            self._poll_for_request(poller)
+            if self.ring is not None:
+                self._poll_ring(kernel, poller)
+            else:
+                self._poll_for_request(poller)
             header, payload, fds = recv_message(self.sock)
             _close_fds(fds)
+            if self.ring is not None:
+                self._run_ring(kernel)  # posted before this request was sent: runs first
             try:
                 body, err = self._handle(kernel, header.op, payload), 0
             except KernelError as exc:
@@ -174,6 +200,73 @@ class _Connection:
         end = time.perf_counter() + spin_s
         while not poller.poll(0) and time.perf_counter() < end:
             pass
+
+    def _poll_ring(self, k: KernelContext, poller: select.poll) -> None:
+        """Runs the commands posted in the exec ring, polling it (and, every _RING_SLICE_S,
+        the socket) for up to `spin_s` after the last one, while spinning pays as for
+        `_poll_for_request`; returns when the socket is readable or the spin ends, having
+        stored `polling` 0: from then on the guest kicks. A command posted before that store
+        is run here (the fenced store-then-load: see apir.local.exec_ring)."""
+        ring = self.ring
+        assert ring is not None
+        spin_s, conns = self.server.spin_s, self.server._conns
+        if spin_s > 0 and len(conns) == 1 and spinning_pays():
+            ring.polling.store_release(1)
+            slice_spins = spins_for(_RING_SLICE_S)
+            clock = time.perf_counter
+            end = clock() + spin_s
+            while True:
+                seq = ring.posted.spin_while_equal(self.ring_seq, slice_spins)
+                if seq != self.ring_seq:
+                    self._run_ring(k, seq)
+                    end = clock() + spin_s
+                elif poller.poll(0) or clock() >= end or len(conns) > 1:
+                    break  # a request, the spin's end, or another guest (who needs the GIL)
+        while ring.polling.store_then_load(0, ring.posted) != self.ring_seq:
+            self._run_ring(k)
+
+    def _run_ring(self, k: KernelContext, seq: Optional[int] = None) -> None:
+        """Runs the exec ring's posted command (`seq`: `posted` as just loaded, else loaded
+        here), if it is a new one, as an EXECBUFFER message's (the same checks and errno), and
+        publishes it as done."""
+        ring = self.ring
+        assert ring is not None
+        if seq is None:
+            seq = ring.posted.load_acquire()
+        if seq == self.ring_seq:
+            return
+        self.ring_seq = seq
+        flags, ring_idx, size, command = ring.take()
+        err = 0
+        try:
+            if size > MAX_RING_COMMAND:
+                raise KernelError(errno.EINVAL, f"exec ring command of {size} bytes")
+            k.execbuffer(flags, ring_idx, command)
+        except KernelError as exc:
+            log.info(
+                "guest %d: exec ring command %d refused (%s): %s",
+                self.conn_id,
+                seq,
+                errno.errorcode.get(exc.err, exc.err),
+                exc,
+            )
+            err = exc.err
+        ring.finish(seq, err)
+
+    def _open_ring(self, k: KernelContext) -> bytes:
+        """Op.RING: a page of the connection's shared memory file for the exec ring (no
+        resource: commands cannot name it); its offset and size. EEXIST for a second one,
+        ENOMEM past the context's limit."""
+        if self.ring_blob is not None:
+            raise KernelError(errno.EEXIST, "the exec ring exists already")
+        try:
+            blob = k.memfile.allocate(RING_SIZE)
+        except MemFileFull as exc:
+            raise KernelError(errno.ENOMEM, str(exc)) from None
+        except OSError as exc:
+            raise KernelError(exc.errno or errno.ENOMEM, f"shared memory: {exc}") from None
+        self.ring_blob, self.ring, self.ring_seq = blob, ExecRing(blob.memory), 0
+        return fixed_reply(Op.RING).pack(blob.offset, blob.size, 0)
 
     def _handle(self, k: KernelContext, wire_op: int, payload: bytes) -> bytes:
         """The reply payload of one request to kernel context `k`; KernelError for an errno
@@ -213,6 +306,12 @@ class _Connection:
         if op == Op.GEM_CLOSE:
             k.gem_close(args[0])
             return b""
+        if op == Op.RING:
+            return self._open_ring(k)
+        if op == Op.KICK:
+            if self.ring is None:
+                raise KernelError(errno.EINVAL, "KICK without an exec ring")
+            return b""  # what was posted ran before this request (see _serve)
         if op == Op.STAT:
             srv = self.server
             st = srv.stats() if srv.stat_host_wide else _kernel_stats(ServerStats(), k)
@@ -230,6 +329,7 @@ class _Connection:
     def cleanup(self) -> None:
         """Close the context and free its blobs; runs once, when the connection ends."""
         self.server.hangups.forget(self.sock.fileno())
+        self.ring = None  # its views of the page: the page's mapping is closed with the file
         try:
             if self.kernel is not None:
                 self.kernel.close()
@@ -273,8 +373,9 @@ def _kernel_stats(st: ServerStats, k: Optional[KernelContext]) -> ServerStats:
         st.contexts += 1
         n = k.ggml_buffers
         st.ggml_buffers = -1 if n is None or st.ggml_buffers < 0 else st.ggml_buffers + n
-    st.blobs += k.memfile.blob_count
-    st.blob_bytes += k.memfile.blob_bytes
+    blobs = list(k.blobs.values())  # the guest's blobs (not the exec ring's page), a snapshot
+    st.blobs += len(blobs)
+    st.blob_bytes += sum(blob.size for _, blob in blobs)
     st.file_bytes += k.memfile.file_size
     return st
 

@@ -37,19 +37,23 @@ def _call_in_thread(fn):
     return t, outcome
 
 
-def test_host_killed_after_execbuffer_stopped_waiting_is_an_error_at_once(tmp_path):
+@pytest.mark.parametrize("exec_ring", [True, False])
+def test_host_killed_after_execbuffer_stopped_waiting_is_an_error_at_once(tmp_path, exec_ring):
     h = HostProcess(tmp_path / "apir.sock")
     try:
-        dev = LocalDevice(h.path, exec_wait_s=0.05)
+        dev = LocalDevice(h.path, exec_wait_s=0.05, exec_ring=exec_ring)
         client = ApirClient.connect(dev, data_size=65536)
         assert dev.exec_wait_s < 1.0 and DEFAULT_FORWARD_TIMEOUT_S >= 300
         assert client.device_get_type() == 0  # GGML_BACKEND_DEVICE_TYPE_CPU
+        assert (dev._ring is not None) == exec_ring
+        posted = dev._ring_seq
         h.pause()  # stopped: the next call stays in flight past execbuffer's wait
         t, outcome = _call_in_thread(client.device_get_type)
         deadline = time.monotonic() + BOUND_S
-        while not dev._exec_seqs and time.monotonic() < deadline:
+        # in flight: an EXECBUFFER (or KICK) reply owed, or a command posted in the exec ring
+        while not dev._exec_seqs and dev._ring_seq == posted and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert dev._exec_seqs, "execbuffer did not hand the wait over to the reply word"
+        assert dev._exec_seqs or dev._ring_seq != posted, "the command never left"
         time.sleep(0.2)  # the caller now waits on the reply word, well past exec_wait_s
         assert t.is_alive() and outcome == {}
         killed = time.monotonic()

@@ -20,7 +20,8 @@ def test_documented_bytes():
     sizes = {op: (REQUEST[op].size, None if REPLY[op] is None else REPLY[op].size) for op in Op}
     assert sizes == {Op.HELLO: (8, 16), Op.GETPARAM: (8, 8), Op.GET_CAPS: (16, None),
                      Op.CONTEXT_INIT: (16, 0), Op.CREATE_BLOB: (24, 16), Op.MAP: (8, 8),
-                     Op.GEM_CLOSE: (8, 0), Op.EXECBUFFER: (16, 0), Op.STAT: (0, 32)}
+                     Op.GEM_CLOSE: (8, 0), Op.EXECBUFFER: (16, 0), Op.STAT: (0, 32),
+                     Op.RING: (0, 16), Op.KICK: (0, 0)}
     assert REQUEST[Op.HELLO].pack(0x52495041, 1)[:4] == b"APIR"
 
 
