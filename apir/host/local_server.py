@@ -214,15 +214,22 @@ class _Connection:
             ring.polling.store_release(1)
             slice_spins = spins_for(_RING_SLICE_S)
             clock = time.perf_counter
-            end = clock() + spin_s
+            end, look = clock() + spin_s, clock() + _RING_SLICE_S
             while True:
                 seq = ring.posted.spin_while_equal(self.ring_seq, slice_spins)
                 if seq != self.ring_seq:
                     self._run_ring(k, seq)
                     end = clock() + spin_s
-                elif poller.poll(0) or clock() >= end or len(conns) > 1:
+                    if clock() < look:
+                        continue
+                # every slice, even while commands keep coming (a guest rewriting `posted`
+                # in a loop): the socket (a request, a hang-up) and the other guests
+                if poller.poll(0) or clock() >= end or len(conns) > 1:
                     break  # a request, the spin's end, or another guest (who needs the GIL)
-        while ring.polling.store_then_load(0, ring.posted) != self.ring_seq:
+                look = clock() + _RING_SLICE_S
+        # Once: a command posted after this load finds `polling` 0 and is kicked (a loop
+        # here would never end while the guest rewrites `posted`).
+        if ring.polling.store_then_load(0, ring.posted) != self.ring_seq:
             self._run_ring(k)
 
     def _run_ring(self, k: KernelContext, seq: Optional[int] = None) -> None:

@@ -3,6 +3,7 @@ the host is not polling; its layout as docs/local-transport.md gives it; order w
 socket's requests; a hostile guest writing the page."""
 
 import errno
+import os
 import mmap
 import struct
 import threading
@@ -196,3 +197,52 @@ def test_hostile_ring_input_gets_errnos_and_the_host_goes_on(tmp_path):
             src, dst = dev.create_blob(16384), dev.create_blob(16384)
             assert _echo(dev, src, dst, b"LIVE") == b"\x01\0\0\0LIVE"
         assert wait_for(lambda: len(srv._conns) == 0)
+
+
+class _RepostingContext(EchoContext):
+    """A guest that posts a new command in the ring while each one runs (as a guest process
+    rewriting `posted` in a loop on a core of its own would): every submit bumps `posted` of
+    the page in `page` (the test's mapping), until `until` (monotonic) passes."""
+
+    page = None
+    until = 0.0
+
+    def submit(self, command):
+        page = type(self).page
+        if page is not None and time.monotonic() < type(self).until:
+            seq = struct.unpack_from("<I", page, 0)[0]
+            struct.pack_into("<I", page, 0, seq % 0xFFFFFFFF + 1)
+
+
+@pytest.mark.parametrize("spin", [True, False])  # the host polls the ring / stops at once
+def test_a_guest_posting_without_end_does_not_keep_the_host_from_its_socket(tmp_path, monkeypatch, spin):
+    """`posted` that never stays put must not hold the connection thread in its ring loop:
+    it still answers requests and sees the guest hang up (its context freed), and a second
+    guest is served."""
+    monkeypatch.setattr(local_server, "spinning_pays", lambda: spin)
+    with _server(tmp_path, None, _RepostingContext) as srv:
+        s = raw(srv)
+        fd = hello(s)
+        page = None
+        try:
+            assert request(s, Op.CONTEXT_INIT, struct.pack("<IIQ", 10, 1, 0))[0] == 0
+            err, body = request(s, Op.RING, b"")
+            offset, size, _ = REPLY[Op.RING].unpack(body)
+            page = mmap.mmap(fd, size, offset=offset)
+            struct.pack_into("<IIII", page, 192, 4, 8, 0, 0)  # RING_IDX, 8 bytes, ring 0
+            _RepostingContext.page, _RepostingContext.until = page, time.monotonic() + 8.0
+            page[0:4] = struct.pack("<I", 1)
+            s.settimeout(3.0)
+            t0 = time.monotonic()
+            assert request(s, Op.KICK, b"", seq=3)[0] == 0
+            assert request(s, Op.GETPARAM, struct.pack("<Q", 1), seq=4) == (0, struct.pack("<Q", 1))
+            assert time.monotonic() - t0 < 2.0
+            with LocalDevice(srv.path) as dev:  # another guest meanwhile
+                assert dev.get_param(1) == 1
+        finally:
+            s.close()
+            os.close(fd)
+        assert wait_for(lambda: len(srv._conns) == 0, 3.0)  # the hang-up seen, the context freed
+        assert time.monotonic() < _RepostingContext.until  # (not because the posting stopped)
+        _RepostingContext.page = None
+        page.close()
