@@ -182,7 +182,11 @@ class LocalDevice:
             if size < RING_SIZE:
                 raise self._fail(f"an exec ring of {size} bytes, expected {RING_SIZE}")
             try:
-                self._ring_memory = map_shared(self.fd, size, offset)
+                # a page past the file's end would be mapped, and fault (SIGBUS) at the first post
+                file_size = os.fstat(self.fd).st_size
+                if offset + RING_SIZE > file_size:
+                    raise self._fail(f"an exec ring at offset {offset}, past the {file_size}-byte shared file")
+                self._ring_memory = map_shared(self.fd, RING_SIZE, offset)  # (the page the ring uses)
             except (OSError, ValueError) as exc:
                 raise DeviceError(f"{self.node}: mapping the exec ring failed: {exc}") from None
             self._ring = ExecRing(self._ring_memory)

@@ -14,11 +14,12 @@ import pytest
 from apir.codec.constants import CONFIG_KEY_LOCAL_SPIN
 from apir.codec.local_wire import MAX_RING_COMMAND, REPLY, RING_SIZE, Op
 from apir.guest.errors import IoctlError
-from apir.guest.local import LocalDevice
+from apir.guest.local import HostConnectionLost, LocalDevice
 from apir.host import local_server
 from apir.host.local_kernel import KernelError
 from apir.host.local_server import LocalServer
 from apir.local.exec_ring import ExecRing
+from tests.local.fakehost import FakeHost
 from tests.local.localkit import EchoContext, hello, raw, request, wait_for
 
 
@@ -246,3 +247,17 @@ def test_a_guest_posting_without_end_does_not_keep_the_host_from_its_socket(tmp_
         assert time.monotonic() < _RepostingContext.until  # (not because the posting stopped)
         _RepostingContext.page = None
         page.close()
+
+
+@pytest.mark.parametrize("offset", [1 << 20, 8192])  # past the 16 KiB file / across its end
+def test_a_ring_past_the_shared_file_is_refused_not_a_bus_error(tmp_path, offset):
+    """A host's RING reply naming a page beyond the file's end: mapped as it was, the guest's
+    first post faulted (SIGBUS, the whole process gone); now a clear HostConnectionLost."""
+    host = FakeHost(tmp_path / "s.sock", {Op.RING: (REPLY[Op.RING].pack(offset, RING_SIZE, 0), 0)})
+    try:
+        with LocalDevice(host.path, io_timeout_s=2.0, exec_wait_s=0.2) as dev:
+            with pytest.raises(HostConnectionLost, match="past the 16384-byte shared file"):
+                dev.execbuffer(b"12345678")
+            assert dev._ring is None
+    finally:
+        host.close()
