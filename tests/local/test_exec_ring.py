@@ -73,12 +73,16 @@ def test_post_refuses_what_the_page_cannot_hold():
         ExecRing(bytearray(RING_SIZE - 4))
 
 
-@pytest.mark.parametrize("spin_s", [None, 0])  # the host polls the ring / never does (KICKs)
-def test_commands_go_through_the_ring(tmp_path, spin_s):
+@pytest.mark.parametrize("spin_s", [0.01, 0])  # the host polls the ring (10 ms) / never does (KICKs)
+def test_commands_go_through_the_ring(tmp_path, monkeypatch, spin_s):
+    # spinning as on an idle machine, whatever else this one runs (apir.local.spin_policy)
+    monkeypatch.setattr(local_server, "spinning_pays", lambda: True)
     with _server(tmp_path, spin_s) as srv, _CountingDevice(srv.path) as dev:
         dev.context_init(10)
         src, dst = dev.create_blob(16384), dev.create_blob(16384)
         for i in range(50):
+            if spin_s and dev._ring is not None:  # (a loaded machine may run the guest first)
+                wait_for(lambda: dev._ring.polling.load_acquire() == 1, 2.0)
             value = struct.pack("<I", 0x1000 + i)
             assert _echo(dev, src, dst, value) == b"\x01\0\0\0" + value
         assert dev._ring is not None and dev._ring_seq == 50
@@ -86,7 +90,7 @@ def test_commands_go_through_the_ring(tmp_path, spin_s):
         if spin_s == 0:
             assert dev.sent[Op.KICK] == 50  # every command, the host being blocked in recv
         else:
-            assert dev.sent.get(Op.KICK, 0) < 50  # most found the host polling
+            assert dev.sent.get(Op.KICK, 0) < 25  # most found the host polling
 
 
 def test_a_refused_ring_command_is_an_ioctl_error_and_the_ring_goes_on(tmp_path):
