@@ -134,7 +134,9 @@ class _Connection:
     def run(self) -> None:
         try:
             self._serve()
-        except ConnectionClosed:
+        except (ConnectionClosed, ConnectionResetError):
+            # (a reset: the guest closed with a reply still unread, as after a KICK or an
+            # EXECBUFFER it did not wait for; an ordinary end)
             log.info("guest %d disconnected", self.conn_id)
         except (WireError, OSError) as exc:
             log.warning("guest %d: connection dropped: %s", self.conn_id, exc)
