@@ -55,6 +55,7 @@ from apir.codec.constants import (
     ENV_MAX_BUFFERS,
     ENV_MEMORY_LIMIT,
     VENUS_COMMAND_TYPE_LENGTH,
+    ApirBackendCommandType,
     ApirCommandType,
     ApirForwardReturnCode,
     ApirLoadLibraryReturnCode,
@@ -73,7 +74,7 @@ if TYPE_CHECKING:  # annotations only
 
     from apir.host.trace import CommandTrace
 
-__all__ = ["HostContext", "COMMAND_MALFORMED", "NOTIFICATION_SIZE", "CONFIG_ENV_FALLBACKS"]
+__all__ = ["HostContext", "COMMAND_MALFORMED", "NOTIFICATION_SIZE", "CONFIG_ENV_FALLBACKS", "may_run_long"]
 
 # The return code of a command the host could not even decode. 1 is a failure for each of
 # the three commands (HandShake expects the magic, LoadLibrary 0, Forward >= 4), and is
@@ -83,6 +84,10 @@ NOTIFICATION_SIZE = 4  # the u32 reply notification word at byte 0 of the reply 
 _HEADER = struct.Struct("<III")  # command type, flags, reply resource id
 _FORWARD = int(ApirCommandType.FORWARD)  # plain ints: no enum lookups on the hot path
 _HANDSHAKE = int(ApirCommandType.HANDSHAKE)
+# The Forward functions whose host run time the command itself bounds: all but graph_compute.
+_BOUNDED_FORWARD = frozenset(
+    int(f) for f in ApirBackendCommandType if f is not ApirBackendCommandType.BACKEND_GRAPH_COMPUTE
+)
 
 CONFIG_ENV_FALLBACKS: Dict[str, str] = {
     CONFIG_KEY_LOAD_LIBRARY_PATH: ENV_BACKEND_LIBRARY,
@@ -95,6 +100,32 @@ CONFIG_ENV_FALLBACKS: Dict[str, str] = {
     CONFIG_KEY_MAX_BUFFERS: ENV_MAX_BUFFERS,
     CONFIG_KEY_ASYNC_TRANSFERS: ENV_ASYNC_TRANSFERS,  # apir.host.transfers
 }
+
+
+def may_run_long(command: Buffer, capset_id: int) -> bool:
+    """Whether serving the EXECBUFFER payload `command` of a context on capset `capset_id` may
+    take unbounded time, read from its header only (command type u32 at byte 0, less
+    VENUS_COMMAND_TYPE_LENGTH over the Venus capset as `HostContext.submit` does; flags u32
+    at byte 4, the backend function id of a Forward).
+
+    False for HandShake and every Forward function but backend_graph_compute: their host run
+    time is bounded by what the command names (a few bytes, a transfer of at most the blob it
+    names, one buffer). True for LoadLibrary (dlopen and backend init), Forward
+    backend_graph_compute (a graph may run for minutes, or hang in a broken backend), and any
+    header this cannot read: shorter than 12 bytes, an unknown command type or function id.
+    A caller that runs bounded commands at once and the others where they can be waited for
+    with a timeout and cancelled (apir.local.embedded) thus sends whatever `submit` would
+    refuse the slow way. Never raises for guest bytes."""
+    if type(command) is not bytes:  # (bytes, as the embedded device has it: no view needed)
+        command = memoryview(command).cast("B")
+    if len(command) < _HEADER.size:
+        return True
+    cmd_type, flags, _ = _HEADER.unpack_from(command, 0)
+    if capset_id == VIRTGPU_DRM_CAPSET_VENUS and cmd_type >= VENUS_COMMAND_TYPE_LENGTH:
+        cmd_type -= VENUS_COMMAND_TYPE_LENGTH
+    if cmd_type == _FORWARD:
+        return flags not in _BOUNDED_FORWARD
+    return cmd_type != _HANDSHAKE
 
 
 def _builtin_library() -> BackendLibrary:

@@ -13,6 +13,7 @@ from apir.codec.constants import (
     ApirCommandType as T,
 )
 from apir.host import COMMAND_MALFORMED, HostContext, LibraryLoadError
+from apir.host.component import may_run_long
 from tests.host.hostkit import DATA_RES, REPLY_RES, Guest
 
 
@@ -200,3 +201,36 @@ def test_deferred_notification_is_handed_over_not_stored(guest):
     finally:
         guest.ctx.defer_notification = False
     assert guest.forward(Cmd.DEVICE_GET_COUNT)[0] == 0  # stored by submit again
+
+
+def _header(cmd_type, flags=0, reply_res=REPLY_RES):
+    return struct.pack("<III", cmd_type, flags, reply_res)
+
+
+@pytest.mark.parametrize("capset_id,offset", [(10, 0), (VIRTGPU_DRM_CAPSET_VENUS, VENUS_COMMAND_TYPE_LENGTH)])
+def test_may_run_long_names_load_library_and_graph_compute(capset_id, offset):
+    """Only LoadLibrary and Forward backend_graph_compute may run unbounded; HandShake and the
+    other 22 Forward functions are bounded by what they name (arguments after the header do
+    not change the answer)."""
+    assert may_run_long(_header(T.HANDSHAKE + offset) + bytes(8), capset_id) is False
+    assert may_run_long(_header(T.LOADLIBRARY + offset), capset_id) is True
+    long_ones = [f for f in Cmd if may_run_long(_header(T.FORWARD + offset, f) + bytes(16), capset_id)]
+    assert long_ones == [Cmd.BACKEND_GRAPH_COMPUTE]
+    # any buffer the ioctl may hand over
+    assert may_run_long(bytearray(_header(T.FORWARD + offset, Cmd.DEVICE_GET_TYPE)), capset_id) is False
+    assert may_run_long(memoryview(_header(T.FORWARD + offset, Cmd.BACKEND_GRAPH_COMPUTE)), capset_id) is True
+
+
+def test_may_run_long_for_every_header_it_cannot_read():
+    """Short, unknown command type, unknown function id: may run long (the slow path refuses
+    them); the Venus offset is subtracted only over the Venus capset, as `submit` does."""
+    forward_get_type = _header(T.FORWARD, Cmd.DEVICE_GET_TYPE)
+    for short in (b"", forward_get_type[:4], forward_get_type[:11]):
+        assert may_run_long(short, 10) is True
+    assert may_run_long(_header(3), 10) is True
+    assert may_run_long(_header(0xFFFFFFFF, 0xFFFFFFFF), 10) is True
+    assert may_run_long(_header(T.FORWARD, len(Cmd)), 10) is True
+    # Forward + 331 is an unknown type over APIR; plain Forward still passes over Venus
+    assert may_run_long(_header(T.FORWARD + VENUS_COMMAND_TYPE_LENGTH, Cmd.DEVICE_GET_TYPE), 10) is True
+    assert may_run_long(forward_get_type, VIRTGPU_DRM_CAPSET_VENUS) is False
+    assert may_run_long(_header(T.HANDSHAKE + VENUS_COMMAND_TYPE_LENGTH - 1), VIRTGPU_DRM_CAPSET_VENUS) is True
