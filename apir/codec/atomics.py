@@ -344,7 +344,9 @@ class Word:
         for a waker that still comes back for the GIL itself).
         The GIL is released before the stores and not taken back until the spin ends, so a
         thread woken by a store finds the GIL free. ValueError when a value is not a u32."""
-        first, first_value = (self, value) if before is None else before
+        # without `before`, a word of nobody's is stored first; not this one twice: its reader,
+        # woken by the first store, may have stored into it again before the second
+        first, first_value = (_scratch_word(), 0) if before is None else before
         for v in (value, first_value):
             if not 0 <= v <= 0xFFFFFFFF:
                 raise ValueError(f"{v} does not fit in a u32")
@@ -363,6 +365,17 @@ class Word:
                 max(int(settle), 0),
             )
         )
+
+
+_scratch: Optional[Word] = None
+
+
+def _scratch_word() -> Word:
+    """A word no one reads (`store_release_then_spin`'s first store when it has only one)."""
+    global _scratch
+    if _scratch is None:
+        _scratch = Word(np.zeros(4, dtype=np.uint8))
+    return _scratch
 
 
 _nonzero_u32_cfunc = None

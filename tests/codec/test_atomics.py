@@ -126,6 +126,23 @@ def test_store_then_spin_stores_in_order_and_clears_the_ring():
         second.store_release_then_spin(1, bell, 1, before=(first, -1))
 
 
+def test_store_then_spin_without_before_stores_its_word_once(monkeypatch):
+    """Without `before`, the word is stored once, not twice: a reader woken by the first store
+    may zero the word for its next use before a second store would put the old value back."""
+    word, bell = atomics.Word(np.zeros(8, np.uint8), 0), atomics.Word(np.zeros(8, np.uint8), 4)
+    calls = []
+    real = atomics._store_then_spin
+
+    def spy(arr, offset, value, arr2, offset2, value2, *rest):
+        calls.append((arr is word.array, value, arr2 is word.array, value2))
+        return real(arr, offset, value, arr2, offset2, value2, *rest)
+
+    monkeypatch.setattr(atomics, "_store_then_spin", spy)
+    assert word.store_release_then_spin(7, bell, 10) == 0
+    assert calls == [(False, 0, True, 7)]  # the first store goes into another word
+    assert word.load_acquire() == 7
+
+
 def test_store_then_spin_orderings():
     arr = np.zeros(16, np.uint8)
     ir = _ir(atomics._store_then_spin, arr, 0, 1, arr, 4, 2, arr, 8, 1, True, 0).splitlines()
