@@ -1,27 +1,51 @@
 """`EmbeddedDevice`: the virtgpu device interface with the host inside this process.
 
 Theory of operation: the same kernel-plus-hypervisor stand-in as the socket server
-(apir.host.local_kernel.KernelContext, one HostContext and one shared memory file) runs on a
-thread of its own, the "host thread", which alone touches the context. Every device call is a job
-handed to it through a `queue.SimpleQueue`; calls other than execbuffer wait for their job
-(bounded by `io_timeout_s`). execbuffer returns once the command is queued, as the ioctl returns
-once submitted: the caller then waits on the reply notification word (apir.guest.remote), which
-the host thread stores when `submit` is done. `exec_wait_s` > 0 makes execbuffer wait for the
-command instead (a second wake-up).
+(apir.host.local_kernel.KernelContext, one HostContext and one shared memory file) runs in this
+process. A thread of its own, the "host thread", serves every device call as a job handed to it
+through a `queue.SimpleQueue`, with one exception: inline runs (below). Calls other than
+execbuffer wait for their job (bounded by `io_timeout_s`).
+
+Inline runs: a waited-for execbuffer (`exec_wait_s` > 0, the default) of a command whose host
+run time its own payload bounds runs it synchronously in the caller's thread, the way
+virglrenderer runs a context's submit_cmd inside virgl_renderer_submit_cmd: `HostContext.submit`,
+then the reply notification stored (release), then execbuffer returns, and the caller's wait on
+the reply word finds it set. Which commands those are, `apir.host.component.may_run_long` reads
+from the header: all but LoadLibrary (dlopen and backend init) and Forward backend_graph_compute
+(a graph can run for minutes, or hang in a broken backend); a header it cannot read counts as
+long. The long ones still go to the host thread, so the guest's wait on the reply word keeps its
+timeout and `close` can still cancel a compute (`KernelContext.cancel_compute`). An inline run
+skips the hand-over between threads, which on a 2-core VM was about 30 of the 42-54 us of a
+device_get_type round trip (GIL hand-overs, wake-ups). Mutual exclusion and order: an inline run
+happens only while no job is queued or running, under the device's lock, which every job's
+queueing takes too, so no job can be queued meanwhile. The jobs queued and the jobs the host
+thread has finished are counted: the first under the lock, the second by the host thread alone,
+in a word it stores (release) after a job's reply notification, so an inline run never comes
+before an earlier command's reply store, nor overtakes a command queued before it (it goes to the
+host thread then, behind the others). An idle host thread is blocked on its queue: an inline run
+does not wake it.
+
+Host-thread jobs: execbuffer_nowait, an execbuffer with `exec_wait_s` 0 and the long commands
+return once the command is queued, as the ioctl returns once submitted (the long ones after
+waiting up to `exec_wait_s` for it): the caller then waits on the reply notification word
+(apir.guest.remote), which the host thread stores when `submit` is done.
 
 The hand-off avoids thread wake-ups and waits for the GIL (a thread that finds the GIL held
 sleeps until it is handed over, several microseconds). After each job the host thread spins for
 `host_spin_s` without the GIL on a doorbell word, which the guest rings (release store) after
 queueing a job; only when the spin ends unrung does it block on the queue (a put wakes it). A
 job is always queued before its ring, so a ring is a hint and no job is lost. The HostContext
-defers its reply notification (`defer_notification`): the host thread stores it (release) and,
-for a waited-for execbuffer, a "done" word, in the same call without the GIL that spins on the
-doorbell, so a guest woken by either finds the GIL free. A waited-for execbuffer rings and
-spins on the done word in one such call (then blocks on the job's lock after `host_spin_s`);
-one that returns at once rings 2, and the host thread waits `_SETTLE_S` more before taking the
-GIL, while the guest gets to its own spin on the reply word. Neither side spins while the
-machine has more runnable threads than cores (`apir.local.spin_policy`): spinners then only
-slow each other down, and blocking waits answer sooner.
+defers its reply notification (`defer_notification`): the host thread stores it (release) and
+then the count of finished jobs in the same call without the GIL that spins on the doorbell, so
+a guest woken by the reply finds the GIL free. For a waited-for job it makes those two stores
+at once, then releases the job's lock, and stores a "done" word from that call instead. A
+waited-for execbuffer on the host thread rings and spins on the done word in one such call
+(then blocks on the job's lock after `host_spin_s`); one that returns at once rings 2, and the
+host thread waits `_SETTLE_S` more before taking the GIL, while the guest gets to its own spin
+on the reply word.
+Neither side spins while the machine has more runnable threads than cores
+(`apir.local.spin_policy`): spinners then only slow each other down, and blocking waits answer
+sooner.
 
 Blobs need no fd: the guest's `Blob.memory` is the host's own mapping of the blob's range.
 This is the default device, spec ``embedded`` (apir.devices.open_device).
@@ -47,6 +71,7 @@ from apir.codec.virtgpu import (
 from apir.guest.device import Blob
 from apir.guest.errors import DeviceError, IoctlError
 from apir.local.spin_policy import spinning_pays
+from apir.host.component import may_run_long
 from apir.host.local_kernel import (
     ContextFactory,
     DeferredNotification,
@@ -79,14 +104,18 @@ class _Job:
 
 
 class EmbeddedDevice:
-    """A virtgpu device whose host (a HostContext) runs on a thread of this process.
+    """A virtgpu device whose host (a HostContext) runs in this process: on a thread of its
+    own, and the bounded commands of a waited-for execbuffer in the caller's thread (see the
+    module).
 
     `config` is the HostContext configuration (``ggml.library.path``, ``ggml.library.reg``,
     ...); `context_factory(ctx_id, capset_id, config)` builds the context (default:
     `apir.host.component.HostContext`). Errors: `IoctlError` for a refused call (the errno the
-    kernel would set), `DeviceError` when the host thread is gone or does not answer within
-    `io_timeout_s`. `host_spin_s`: how long the host thread spins on the doorbell after a
-    job before it blocks (a core busy that long after each command; 0 never spins).
+    kernel would set), `DeviceError` when the device is closed, the host thread is gone or does
+    not answer within `io_timeout_s`. `exec_wait_s`: how long execbuffer waits for a command the
+    host thread runs (0: never waits, and every command goes to the host thread). `host_spin_s`:
+    how long the host thread spins on the doorbell after a job before it blocks (a core busy
+    that long after each job; 0 never spins).
     """
 
     node = name = "embedded"
@@ -112,19 +141,37 @@ class EmbeddedDevice:
         # non-zero once a waited-for job is done (after its lock is released): execbuffer
         # spins on it for up to `host_spin_s` before it blocks on the job's lock
         self._done = Word(np.zeros(1, dtype=np.uint32).view(np.uint8), 0)
+        # how many jobs the host thread has finished (mod 2**32), stored by it alone after the
+        # job's other stores; an inline run needs it equal to `_queued`
+        self._finished = Word(np.zeros(1, dtype=np.uint32).view(np.uint8), 0)
+        self._queued = 0  # how many jobs were queued (mod 2**32), under `_lock`
+        # the last value of `_finished` an inline run read (acquire), under `_lock`: while it
+        # equals `_queued`, the word need not be read again (it can only grow up to `_queued`)
+        self._finished_seen = 0
+        self._host_gone = False  # set as the host thread ends, however it ends
+        # taken to queue a job and for an inline run: none is queued while one runs
+        self._lock = threading.Lock()
         self.kernel = KernelContext("embedded", config, context_factory, max_bytes)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._blobs: dict[int, Blob] = {}  # by bo_handle: the blobs not destroyed yet
         self._closed = False
-        self._thread = threading.Thread(target=self._host_loop, name="apir-embedded-host", daemon=True)
+        self._thread = threading.Thread(target=self._host_main, name="apir-embedded-host", daemon=True)
         self._thread.start()
 
     # --- the host thread -----------------------------------------------------------------
+    def _host_main(self) -> None:
+        try:
+            self._host_loop()
+        finally:
+            self._host_gone = True  # (a plain flag: is_alive costs an inline run 0.3 us)
+
     def _host_loop(self) -> None:
         jobs, kernel = self._jobs, self.kernel
-        # (Word, value) stores not done yet, in order: a reply notification and the done word,
-        # deferred to the doorbell spin (or made before the next job, if one is queued)
+        # (Word, value) stores not done yet, in order: a reply notification and the count of
+        # finished jobs (a job nobody waits for), or the done word, deferred to the doorbell
+        # spin (or made before the next job, if one is queued)
         pending: list = []
+        finished = 0
         while True:
             if jobs.empty() and self._spin_for_bell(pending):
                 continue  # rung: the job is in the queue (or it was taken already)
@@ -149,7 +196,14 @@ class EmbeddedDevice:
                 if note is not None:
                     pending.append(note)
                 note = None  # its Word pins the reply mapping: a later GEM_CLOSE must unmap it
+            finished = (finished + 1) & 0xFFFFFFFF
+            pending.append((self._finished, finished))  # after the reply's store (see _run_inline)
             if job.done is not None:
+                # a waiter watches the done word or the job's lock, not the reply word: the
+                # stores so far are made now, so the waiter's next call sees this job finished
+                for word, value in pending:
+                    word.store_release(value)
+                pending.clear()
                 job.done.release()
                 pending.append((self._done, 1))  # for a waiter spinning on it (see _run)
         try:
@@ -167,7 +221,7 @@ class EmbeddedDevice:
             if rung:
                 bell.store_release(0)
             return rung
-        before = pending[0] if len(pending) > 1 else None
+        before = pending[0] if len(pending) > 1 else None  # (two at most: see _host_loop)
         word, value = pending[-1]
         pending.clear()
         return word.store_release_then_spin(value, bell, spins, before=before, clear=True, settle=self._settle_spins)
@@ -198,7 +252,9 @@ class EmbeddedDevice:
         spin = spin and wait and self._host_spins > 0 and spinning_pays()
         if spin:
             self._done.store_release(0)
-        self._jobs.put(job)
+        with self._lock:  # not while an inline run uses the context
+            self._queued = (self._queued + 1) & 0xFFFFFFFF
+            self._jobs.put(job)
         if spin:
             # ring, then spin on the done word, in one call without the GIL: the host thread
             # that answers the ring finds the GIL free (a ring taken back with the GIL held
@@ -231,6 +287,43 @@ class EmbeddedDevice:
             if time.monotonic() >= deadline:
                 return False
         return True
+
+    def _run_inline(self, command: bytes) -> bool:
+        """Runs the EXECBUFFER payload `command` in this thread if its header says it is
+        bounded (`may_run_long`) and no job is queued or running; True then, once the reply
+        notification is stored. False when it must go to the host thread. IoctlError for a
+        KernelError (its errno), DeviceError (logged) for any other failure, or when the
+        device is closed or the host thread gone."""
+        if may_run_long(command, self.kernel.capset_id):
+            return False
+        with self._lock:
+            if self._closed:
+                raise DeviceError("embedded: device is closed")
+            if self._host_gone:
+                raise DeviceError("embedded: the host thread is gone")
+            if self._finished_seen != self._queued:
+                self._finished_seen = self._finished.load_acquire()
+                if self._finished_seen != self._queued:
+                    return False  # behind the jobs queued before it, on the host thread
+            kernel, error = self.kernel, None
+            try:
+                try:
+                    kernel.submit(command)
+                except Exception as exc:  # its reply notification, if any, is still stored
+                    error = exc
+                take = getattr(kernel.ctx, "take_notification", None)
+                note = take() if take is not None else None
+                if note is not None:
+                    note[0].store_release(note[1])
+                note = None  # its Word pins the reply mapping: a later GEM_CLOSE must unmap it
+            except Exception as exc:
+                error = error or exc
+        if error is None:
+            return True
+        if isinstance(error, KernelError):
+            raise IoctlError(self.node, IoctlName.EXECBUFFER, error.err, str(error)) from None
+        log.error("embedded: EXECBUFFER failed in the host", exc_info=error)
+        raise DeviceError(f"embedded: {IoctlName.EXECBUFFER} failed in the host: {error!r}") from error
 
     def watch(self, timeout_s: float) -> None:
         """For a caller waiting on a reply notification word (apir.guest.remote): sleeps
@@ -284,12 +377,19 @@ class EmbeddedDevice:
         return {b.res_id: b for b in list(self._blobs.values())}
 
     def execbuffer(self, payload, ring_idx: int = 0) -> None:
-        """DRM_IOCTL_VIRTGPU_EXECBUFFER: queues the command for the host thread and returns
-        once it ran or after `exec_wait_s`, whichever is first (spinning up to `host_spin_s`
-        without the GIL, then blocking; waiting saves the caller a
-        sleep on the reply word for short commands; a long graph compute simply goes on, and
-        the caller waits on the reply notification with its own timeout, as over a kernel).
-        Flag and ring checks happen here, as in the ioctl: IoctlError(EINVAL)."""
+        """DRM_IOCTL_VIRTGPU_EXECBUFFER of the APIR command `payload` (bytes-like, copied).
+
+        With `exec_wait_s` > 0: a command whose host run time its payload bounds (all but
+        LoadLibrary and Forward backend_graph_compute, `apir.host.component.may_run_long`)
+        runs in this thread, once no job is queued or running on the host thread, and its
+        reply notification is stored when this returns. Others are queued for the host
+        thread, and this returns once they ran or after `exec_wait_s`, whichever is first
+        (spinning up to `host_spin_s` without the GIL, then blocking; a long graph compute
+        simply goes on, and the caller waits on the reply notification with its own timeout,
+        as over a kernel). With `exec_wait_s` 0, every command is queued and this returns at
+        once. Flag and ring checks happen here, as in the ioctl: IoctlError(EINVAL); a
+        command that fails in the host: IoctlError (EIO, the kernel stand-in's errno) or
+        DeviceError; DeviceError when the device is closed or the host thread is gone."""
         self._submit(payload, ring_idx, self.exec_wait_s > 0)
 
     def execbuffer_nowait(self, payload, ring_idx: int = 0) -> None:
@@ -304,6 +404,8 @@ class EmbeddedDevice:
             self.kernel.check_execbuffer(VIRTGPU_EXECBUF_RING_IDX, ring_idx, len(command))
         except KernelError as exc:
             raise IoctlError(self.node, IoctlName.EXECBUFFER, exc.err, str(exc)) from None
+        if wait and self._run_inline(command):
+            return
         self._run(
             IoctlName.EXECBUFFER,
             self.kernel.submit,
@@ -333,13 +435,23 @@ class EmbeddedDevice:
 
     def close(self) -> None:
         """Stops the host thread, which closes the context and frees every blob. A graph
-        still computing there is cancelled first (it stops after its current node)."""
+        still computing there is cancelled first (it stops after its current node); a
+        command running inline in another thread ends first (waited for up to
+        `io_timeout_s`)."""
         if self._closed:
             return
         self._closed = True
         self.kernel.cancel_compute("the embedded device is closed")
         self._blobs.clear()  # the host thread frees them all as it stops
-        self._jobs.put(_STOP)
+        # after an inline run in another thread (a bounded command) ends: no other starts now
+        locked = self._lock.acquire(timeout=self.io_timeout_s)
+        if not locked:
+            log.warning("embedded: an inline command did not end within %g s", self.io_timeout_s)
+        try:
+            self._jobs.put(_STOP)
+        finally:
+            if locked:
+                self._lock.release()
         self._bell.store_release(1)
         self._thread.join(self.io_timeout_s)
         if self._thread.is_alive():
