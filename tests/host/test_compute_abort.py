@@ -160,9 +160,11 @@ class _ClientGuest:
 
 
 class _RecordingContext(HostContext):
-    """A HostContext that keeps the ggml status of each graph it computed."""
+    """A HostContext that keeps the ggml status of each graph it computed, and the thread
+    that computed it."""
 
     statuses: list = []
+    threads: list = []
 
     def __init__(self, ctx_id, capset_id, config):
         super().__init__(ctx_id, config, capset_id=capset_id)
@@ -174,6 +176,7 @@ class _RecordingContext(HostContext):
             reply = self.get_shmem(reply_res)
             if reply is not None:
                 _RecordingContext.statuses.append(struct.unpack_from("<i", reply.memory, 4)[0])
+                _RecordingContext.threads.append(threading.current_thread().name)
 
 
 def test_a_guest_hanging_up_cancels_its_compute_on_the_socket_host(ggml, tmp_path, compute_started):
@@ -207,12 +210,16 @@ def test_a_guest_hanging_up_cancels_its_compute_on_the_socket_host(ggml, tmp_pat
         scratch.close()
 
 
-def test_closing_an_embedded_device_cancels_its_compute(ggml, compute_started):
+@pytest.mark.parametrize("exec_wait_s", [0.0, 1.0])
+def test_closing_an_embedded_device_cancels_its_compute(ggml, compute_started, exec_wait_s):
+    """Whether execbuffer returns at once or waits (where bounded commands run in the caller's
+    thread), the graph computes on the host thread, and closing the device stops it."""
     from apir.local.embedded import EmbeddedDevice
 
     _RecordingContext.statuses = []
+    _RecordingContext.threads = []
     dev = EmbeddedDevice(config={"apir.host.graph_time_limit_s": "0"}, context_factory=_RecordingContext,
-                         exec_wait_s=0.0)
+                         exec_wait_s=exec_wait_s)
     client = ApirClient.connect(dev)
     scratch = GgmlScratch(ggml, N_NODES + 8)
     graph, (acc, one), _ = add_chain(ggml, scratch.ctx)
@@ -234,6 +241,7 @@ def test_closing_an_embedded_device_cancels_its_compute(ggml, compute_started):
     t.join(BOUND_S)
     assert not t.is_alive()
     assert _RecordingContext.statuses == [ggml.statuses["ABORTED"]]  # the host's compute stopped
+    assert _RecordingContext.threads == ["apir-embedded-host"]
     # the call in flight ends with that status, or, when the closing device freed the reply
     # blob before the caller looked, with the device's error
     assert outcome.get("status") == ggml.statuses["ABORTED"] or "closed" in str(outcome.get("error")), outcome
