@@ -6,8 +6,10 @@ Prints p50 / p99 in microseconds for:
   - device_get_type over the socket transport (a separate `apir host serve` process), with its
     exec ring (commands through shared memory, the default) and without (a socket message each
     way: LocalDevice(exec_ring=False)),
-  - device_get_type over the embedded host (a thread of this process), with execbuffer
-    returning at once (the guest spins on the notification word) and waiting for completion.
+  - device_get_type over the embedded host, as configured by default (exec_wait_s 1 s: the
+    command, bounded, runs inline in the calling thread) and with exec_wait_s 0 (every command
+    goes to the host thread, a thread of this process, and the guest spins on the notification
+    word: the path execbuffer_nowait and the long commands take).
   - the peer, ggml-rpc: ggml_backend_dev_memory of an RPC device, one RPC_CMD_GET_DEVICE_MEMORY
     round trip over loopback TCP to an rpc-server this benchmark starts (benchmarks/rpc_peer.py).
     Of ggml-rpc's commands it is the closest to device_get_type: a query of the device, with no
@@ -185,8 +187,8 @@ def main(argv=None) -> int:
         for mode, label, results in (
             ("socket", "socket host", ring),
             ("socket", "socket, no ring", messages),
-            ("embedded", "embedded (spin)", bench_embedded(n, w, 0.0, names)),
-            ("embedded", "embedded (wait)", bench_embedded(n, w, 1.0, names)),
+            ("embedded", "embedded default (inline)", bench_embedded(n, w, 1.0, names)),
+            ("embedded", "embedded host thread (exec_wait_s=0)", bench_embedded(n, w, 0.0, names)),
         ):
             rows += [(f"{name}, {label}", mode, result) for name, result in zip(names, results)]
         if paths is not None:
@@ -207,10 +209,10 @@ def main(argv=None) -> int:
         print()
         return 0
     print(f"ggml: {res['ggml_lib_dir']}; {args.calls} calls after {args.warmup} warm-up")
-    print(f"{'round trip':36} {'p50 us':>9} {'p99 us':>9} {'/ ping-pong':>12} {'target':>7} "
+    print(f"{'round trip':56} {'p50 us':>9} {'p99 us':>9} {'/ ping-pong':>12} {'target':>7} "
           f"{'/ ggml-rpc':>11} {'target':>7}")
     for row in res["rows"]:
-        line = f"{row['name']:36} {row['p50_us']:9.1f} {row['p99_us']:9.1f} {row['p50_over_ping_pong']:12.2f}"
+        line = f"{row['name']:56} {row['p50_us']:9.1f} {row['p99_us']:9.1f} {row['p50_over_ping_pong']:12.2f}"
         if "ping_pong_target" in row:
             line += f" {'<= ' + str(row['ping_pong_target']):>7}"
         if "p50_over_ggml_rpc" in row:
