@@ -242,6 +242,16 @@ class Encoder:
         st.pack_into(self.buf, pos, value)
         self.pos = pos + st.size
 
+    def pack(self, st: struct.Struct, *values) -> None:
+        """Several values at once in the layout `st` (little-endian, 4-byte fields: what as
+        many `i32`/`u32` calls would write, in one step), e.g. a command header."""
+        pos = self.pos
+        if self.fatal or st.size > self.end - pos:
+            self.fatal = True
+            return
+        st.pack_into(self.buf, pos, *values)
+        self.pos = pos + st.size
+
     def u32(self, value: int) -> None:
         self._pack(_U32, value & 0xFFFFFFFF)
 

@@ -217,3 +217,20 @@ def test_round_trip(items, extra):
     for kind, value in items:
         assert _read(dec, kind, value) == value
     assert not dec.fatal and dec.remaining == extra
+
+
+def test_pack_writes_what_the_scalar_calls_write():
+    """Encoder.pack (Remote.call's command header) against i32/i32/u32, whose bytes
+    test_encode_matches_c checks against the C encoder; and its overflow like theirs."""
+    import struct
+
+    header = struct.Struct("<iiI")
+    one, many = bytearray(16), bytearray(16)
+    a, b = Encoder(one), Encoder(many)
+    a.pack(header, -331, 7, 0xFFFFFFFE)
+    b.i32(-331), b.i32(7), b.u32(0xFFFFFFFE)
+    assert (one, a.pos) == (many, b.pos) == (one, 12)
+    small = bytearray(b"\xcc" * 16)
+    c = Encoder(small, 0, 8)
+    c.pack(header, 1, 2, 3)
+    assert c.fatal and c.pos == 0 and small == b"\xcc" * 16
