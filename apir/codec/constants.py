@@ -181,7 +181,10 @@ class ApirCommandType(enum.IntEnum):
 
 class ApirLoadLibraryReturnCode(enum.IntEnum):
     """LoadLibrary's return code (api_remoting.h). Codes >= INIT_BASE_INDEX carry the backend
-    library's `apir_backend_initialize` return code n as INIT_BASE_INDEX + n."""
+    library's `apir_backend_initialize` return code n as INIT_BASE_INDEX + n; n is itself one
+    of these codes: ENV_VAR_MISSING / CANNOT_OPEN / SYMBOL_MISSING for the ggml backend library,
+    or INIT_BASE_INDEX + an ApirBackendInitializeReturnCode (backend.cpp; virtgpu.cpp reads a
+    failure so)."""
 
     SUCCESS = 0
     HYPERCALL_INITIALIZATION_ERROR = 1

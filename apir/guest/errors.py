@@ -153,17 +153,34 @@ class LoadLibrarySymbolMissing(LoadLibraryError):
 
 
 class BackendInitializeError(LoadLibraryError):
-    """The backend library loaded, but its `apir_backend_initialize` returned `init_code`."""
+    """The backend library loaded, but its `apir_backend_initialize` returned `init_code`, a
+    LoadLibrary code of its own: below INIT_BASE_INDEX it could not load the ggml backend
+    library (`ggml_load_code`: ENV_VAR_MISSING, CANNOT_OPEN, SYMBOL_MISSING), else it carries
+    backend_dispatch_initialize's APIR_BACKEND_INITIALIZE_* code as INIT_BASE_INDEX + n
+    (`backend_code` = n). The C guest reads the code the same way (virtgpu.cpp,
+    create_virtgpu's LoadLibrary error path)."""
 
     reason = "the backend library failed to initialize"
 
     def __init__(self, code: int, init_code: int):
         self.init_code = init_code
+        base = ApirLoadLibraryReturnCode.INIT_BASE_INDEX
+        self.ggml_load_code: Optional[int] = init_code if init_code < base else None
+        self.backend_code: Optional[int] = init_code - base if init_code >= base else None
+        enum_type: type = ApirLoadLibraryReturnCode if init_code < base else ApirBackendInitializeReturnCode
         try:
-            name = ApirBackendInitializeReturnCode(init_code).name
+            name = enum_type(init_code if init_code < base else init_code - base).name
         except ValueError:
             name = "unknown"
-        super().__init__(code, f"apir_backend_initialize returned {init_code} ({name})")
+        if init_code < base:
+            detail = f"apir_backend_initialize returned {init_code} ({name})"
+        else:
+            detail = f"apir_backend_initialize returned {init_code}: {base} + {init_code - base} ({name})"
+        super().__init__(code, detail)
+
+
+class BackendGgmlLibraryError(BackendInitializeError):
+    reason = "the backend library could not load the ggml backend library (ggml.library.path / .reg)"
 
 
 class BackendCannotOpenBackendLibrary(BackendInitializeError):
@@ -210,6 +227,16 @@ _LOAD_LIBRARY: Dict[int, Type[LoadLibraryError]] = {
     ApirLoadLibraryReturnCode.CANNOT_OPEN: LoadLibraryCannotOpen,
     ApirLoadLibraryReturnCode.SYMBOL_MISSING: LoadLibrarySymbolMissing,
 }
+# apir_backend_initialize's codes below INIT_BASE_INDEX: it could not load the ggml library
+_GGML_LOAD = frozenset(
+    int(c)
+    for c in (
+        ApirLoadLibraryReturnCode.ENV_VAR_MISSING,
+        ApirLoadLibraryReturnCode.CANNOT_OPEN,
+        ApirLoadLibraryReturnCode.SYMBOL_MISSING,
+    )
+)
+# ... and at or above it, INIT_BASE_INDEX + backend_dispatch_initialize's code:
 _BACKEND_INIT: Dict[int, Type[BackendInitializeError]] = {
     ApirBackendInitializeReturnCode.CANNOT_OPEN_BACKEND_LIBRARY: BackendCannotOpenBackendLibrary,
     ApirBackendInitializeReturnCode.CANNOT_OPEN_GGML_LIBRARY: BackendCannotOpenGgmlLibrary,
@@ -229,8 +256,10 @@ def load_library_error(code: int) -> Optional[LoadLibraryError]:
         return None
     base = ApirLoadLibraryReturnCode.INIT_BASE_INDEX
     if code >= base:
-        init_code = code - base
-        return _BACKEND_INIT.get(init_code, BackendInitializeError)(code, init_code)
+        init_code = code - base  # apir_backend_initialize's own LoadLibrary code
+        if init_code in _GGML_LOAD:
+            return BackendGgmlLibraryError(code, init_code)
+        return _BACKEND_INIT.get(init_code - base, BackendInitializeError)(code, init_code)
     return _LOAD_LIBRARY.get(code, LoadLibraryError)(code)
 
 
