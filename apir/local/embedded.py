@@ -252,9 +252,13 @@ class EmbeddedDevice:
         spin = spin and wait and self._host_spins > 0 and spinning_pays()
         if spin:
             self._done.store_release(0)
-        with self._lock:  # not while an inline run uses the context
+        if not self._lock.acquire(False):  # not while an inline run uses the context
+            self._wait_for_lock(request)
+        try:
             self._queued = (self._queued + 1) & 0xFFFFFFFF
             self._jobs.put(job)
+        finally:
+            self._lock.release()
         if spin:
             # ring, then spin on the done word, in one call without the GIL: the host thread
             # that answers the ring finds the GIL free (a ring taken back with the GIL held
@@ -288,6 +292,14 @@ class EmbeddedDevice:
                 return False
         return True
 
+    def _wait_for_lock(self, request: str) -> None:
+        """Takes the device's lock, which an inline run in another thread holds for the run's
+        length, bounded by no one (a backend call that hangs): DeviceError after
+        `io_timeout_s`, as for a host-thread job that does not answer."""
+        limit = self.io_timeout_s
+        if not self._lock.acquire(timeout=min(max(limit, 0.0), threading.TIMEOUT_MAX)):
+            raise DeviceError(f"embedded: {request}: a command running inline did not end within {limit:g} s")
+
     def _run_inline(self, command: bytes) -> bool:
         """Runs the EXECBUFFER payload `command` in this thread if its header says it is
         bounded (`may_run_long`) and no job is queued or running; True then, once the reply
@@ -296,7 +308,11 @@ class EmbeddedDevice:
         device is closed or the host thread gone."""
         if may_run_long(command, self.kernel.capset_id):
             return False
-        with self._lock:
+        if self._closed:  # (before the lock: a closing device may have given up on it)
+            raise DeviceError("embedded: device is closed")
+        if not self._lock.acquire(False):
+            self._wait_for_lock(IoctlName.EXECBUFFER)
+        try:
             if self._closed:
                 raise DeviceError("embedded: device is closed")
             if self._host_gone:
@@ -318,6 +334,8 @@ class EmbeddedDevice:
                 note = None  # its Word pins the reply mapping: a later GEM_CLOSE must unmap it
             except Exception as exc:
                 error = error or exc
+        finally:
+            self._lock.release()
         if error is None:
             return True
         if isinstance(error, KernelError):

@@ -363,3 +363,62 @@ def test_close_waits_for_an_inline_run_in_another_thread():
     ctx = dev.kernel.ctx
     assert ctx.seen[-1][:2] == (F.DEVICE_GET_MEMORY, t.name)
     assert ctx.closed_during_submit is False and ctx.closed and dev.kernel.closed
+
+
+def _ends_within(fn, limit_s):
+    """fn() in a thread of its own: (returned in time, its exception or None); a call still
+    blocked after `limit_s` is left behind (daemon)."""
+    out = {}
+
+    def run():
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+        out["done"] = True
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(limit_s)
+    return out.get("done", False), out.get("error")
+
+
+def test_an_inline_run_that_hangs_blocks_no_other_call_past_io_timeout_s():
+    """A bounded command that never ends inline (a hung backend call) holds the device's
+    lock: every other thread's call still ends within io_timeout_s (DeviceError), as it did
+    when each call was a host-thread job; after close() (which gives up on the run after
+    io_timeout_s), calls fail at once as on any closed device."""
+
+    class HangingInline(OrderContext):
+        def submit(self, command):
+            _, flags, _ = struct.unpack_from("<III", command)
+            if flags == F.DEVICE_GET_MEMORY:
+                started.set()
+                release.wait(30)
+            super().submit(command)
+
+    started, release = threading.Event(), threading.Event()
+    dev = EmbeddedDevice(context_factory=HangingInline, io_timeout_s=0.3)
+    try:
+        dev.context_init(10)
+        hung, reply = dev.create_blob(4096), dev.create_blob(4096)
+        # (its end, once released, is left to the closed device: the stand-in's memory is gone)
+        hang = lambda: dev.execbuffer(_forward(F.DEVICE_GET_MEMORY, hung))  # noqa: E731
+        t = threading.Thread(target=_ends_within, args=(hang, 60))
+        t.start()
+        assert started.wait(10)
+        for call in (
+            dev.stats,
+            lambda: dev.create_blob(4096),
+            lambda: dev.execbuffer(_forward(F.DEVICE_GET_TYPE, reply)),
+            lambda: dev.execbuffer_nowait(_forward(F.DEVICE_GET_TYPE, reply)),
+        ):
+            done, error = _ends_within(call, 5)
+            assert done and isinstance(error, DeviceError), error
+        dev.close()  # gives up on the inline run after io_timeout_s
+        done, error = _ends_within(lambda: dev.execbuffer(_forward(F.DEVICE_GET_TYPE, reply)), 5)
+        assert done and isinstance(error, DeviceError) and "closed" in str(error), error
+    finally:
+        release.set()
+    t.join(10)
+    assert not t.is_alive()
