@@ -172,6 +172,13 @@ class HostContext:
         # for the next command (apir.local.embedded); `take_notification` hands it over.
         self.defer_notification = False
         self._pending_notification: Optional[Tuple[Word, int]] = None
+        # Whether the commands `may_run_long` calls bounded also end in bounded time on this
+        # context's backend (an embedded host runs them in the guest's thread, with no timeout
+        # on the guest's side): before LoadLibrary, and on a backend whose kernels work in host
+        # memory (a profile's host_addressable: ggml-cpu); not on a GPU's or ggml-rpc's, whose
+        # copies wait on a device or a server that may never answer, nor on a library of
+        # unknown kind.
+        self.commands_bounded_in_time = True
         # An apir.host.trace.CommandTrace: its describe(self, command) before each command,
         # finish(record, (rc, reply_bytes) or None, host_seconds) after. None: no tracing.
         self.tracer: Optional[CommandTrace] = None
@@ -380,6 +387,8 @@ class HostContext:
             library.deinit()
             return base + init_rc  # the C component's encoding of a backend init failure
         self._library = library
+        profile = getattr(library, "profile", None)
+        self.commands_bounded_in_time = bool(profile is not None and profile.host_addressable)
         log.info("ctx %d: LoadLibrary: backend library loaded (%s)", self.ctx_id, path or "built-in")
         return ApirLoadLibraryReturnCode.SUCCESS
 

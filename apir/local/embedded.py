@@ -13,8 +13,11 @@ then the reply notification stored (release), then execbuffer returns, and the c
 the reply word finds it set. Which commands those are, `apir.host.component.may_run_long` reads
 from the header: all but LoadLibrary (dlopen and backend init) and Forward backend_graph_compute
 (a graph can run for minutes, or hang in a broken backend); a header it cannot read counts as
-long. The long ones still go to the host thread, so the guest's wait on the reply word keeps its
-timeout and `close` can still cancel a compute (`KernelContext.cancel_compute`). An inline run
+long. So do all commands of a context whose backend is not ggml-cpu
+(`HostContext.commands_bounded_in_time`): a GPU's or ggml-rpc's copies wait on a device or a
+server that may never answer. The long ones still go to the host thread, so the guest's wait on
+the reply word keeps its timeout and `close` can still cancel a compute
+(`KernelContext.cancel_compute`). An inline run
 skips the hand-over between threads, which on a 2-core VM was about 30 of the 42-54 us of a
 device_get_type round trip (GIL hand-overs, wake-ups). Mutual exclusion and order: an inline run
 happens only while no job is queued or running, under the device's lock, which every job's
@@ -302,12 +305,15 @@ class EmbeddedDevice:
 
     def _run_inline(self, command: bytes) -> bool:
         """Runs the EXECBUFFER payload `command` in this thread if its header says it is
-        bounded (`may_run_long`) and no job is queued or running; True then, once the reply
-        notification is stored. False when it must go to the host thread. IoctlError for a
-        KernelError (its errno), DeviceError (logged) for any other failure, or when the
-        device is closed or the host thread gone."""
+        bounded (`may_run_long`), the context's backend bounds it in time too
+        (`HostContext.commands_bounded_in_time`: ggml-cpu's) and no job is queued or running;
+        True then, once the reply notification is stored. False when it must go to the host
+        thread. IoctlError for a KernelError (its errno), DeviceError (logged) for any other
+        failure, or when the device is closed or the host thread gone."""
         if may_run_long(command, self.kernel.capset_id):
             return False
+        if not getattr(self.kernel.ctx, "commands_bounded_in_time", True):
+            return False  # a GPU's or ggml-rpc's copies may never end: the guest's wait has a limit
         if self._closed:  # (before the lock: a closing device may have given up on it)
             raise DeviceError("embedded: device is closed")
         if not self._lock.acquire(False):

@@ -1,6 +1,7 @@
 """EmbeddedDevice: the host thread, commands run inline in the caller's thread, errors and
 teardown."""
 
+import dataclasses
 import errno
 import logging
 import struct
@@ -163,6 +164,51 @@ def test_bounded_commands_run_in_the_callers_thread_and_long_ones_on_the_host_th
             (HOST_THREAD, T.FORWARD, F.BACKEND_GRAPH_COMPUTE),
             (inline, T.FORWARD, F.DEVICE_GET_TYPE),
         ]
+
+
+class _GpuLikeLibrary:
+    """The built-in backend library as the host would see a GPU's or ggml-rpc's: a profile
+    whose kernels do not work in host memory."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    @property
+    def profile(self):
+        return dataclasses.replace(self._inner.profile, host_addressable=False)
+
+
+def test_a_backend_off_host_memory_runs_every_command_on_the_host_thread(monkeypatch):
+    """After LoadLibrary of a backend that is not ggml-cpu (a GPU's or ggml-rpc's copies may
+    wait forever on a device or a server), nothing runs inline: the guest's wait keeps its
+    limit. HandShake, before LoadLibrary, still runs inline."""
+    from apir.guest.client import ApirClient
+    from apir.host import component
+
+    real = component._builtin_library
+
+    def gpu_like():
+        return _GpuLikeLibrary(real())
+
+    monkeypatch.setattr(component, "_builtin_library", gpu_like)
+    me = threading.current_thread().name
+    dev = EmbeddedDevice(context_factory=RecordingContext)
+    with ApirClient.connect(dev) as client:
+        ctx = dev.kernel.ctx
+        assert ctx.commands_bounded_in_time is False
+        lib = ctx._library
+        assert client.device_get_type() == lib.g.ggml_backend_dev_type(lib.dev)
+        assert ctx.seen == [
+            (me, T.HANDSHAKE, 0),
+            (HOST_THREAD, T.LOADLIBRARY, 0),
+            (HOST_THREAD, T.FORWARD, F.DEVICE_GET_TYPE),
+        ]
+    monkeypatch.setattr(component, "_builtin_library", real)
+    with ApirClient.connect(EmbeddedDevice(context_factory=RecordingContext)) as client:
+        assert client.remote.device.kernel.ctx.commands_bounded_in_time is True  # ggml-cpu
 
 
 @pytest.mark.parametrize("capset_id", [VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS])
