@@ -17,9 +17,9 @@ long. So do all commands of a context whose backend is not ggml-cpu
 (`HostContext.commands_bounded_in_time`): a GPU's or ggml-rpc's copies wait on a device or a
 server that may never answer. The long ones still go to the host thread, so the guest's wait on
 the reply word keeps its timeout and `close` can still cancel a compute
-(`KernelContext.cancel_compute`). An inline run
-skips the hand-over between threads, which on a 2-core VM was about 30 of the 42-54 us of a
-device_get_type round trip (GIL hand-overs, wake-ups). Mutual exclusion and order: an inline run
+(`KernelContext.cancel_compute`). An inline run skips the hand-over between threads, which on a
+2-core VM was about 30 of the 42-54 us of a device_get_type round trip (GIL hand-overs,
+wake-ups). Mutual exclusion and order: an inline run
 happens only while no job is queued or running, under the device's lock, which every job's
 queueing takes too, so no job can be queued meanwhile. The jobs queued and the jobs the host
 thread has finished are counted: the first under the lock, the second by the host thread alone,
@@ -404,8 +404,9 @@ class EmbeddedDevice:
         """DRM_IOCTL_VIRTGPU_EXECBUFFER of the APIR command `payload` (bytes-like, copied).
 
         With `exec_wait_s` > 0: a command whose host run time its payload bounds (all but
-        LoadLibrary and Forward backend_graph_compute, `apir.host.component.may_run_long`)
-        runs in this thread, once no job is queued or running on the host thread, and its
+        LoadLibrary and Forward backend_graph_compute, `apir.host.component.may_run_long`, on
+        ggml-cpu: `HostContext.commands_bounded_in_time`) runs in this thread, once no job is
+        queued or running on the host thread, and its
         reply notification is stored when this returns. Others are queued for the host
         thread, and this returns once they ran or after `exec_wait_s`, whichever is first
         (spinning up to `host_spin_s` without the GIL, then blocking; a long graph compute
