@@ -221,12 +221,7 @@ class KernelContext:
             raise KernelError(
                 errno.ENOSPC, f"the context holds {len(self.blobs)} blobs, its limit ({CONFIG_KEY_MAX_BLOBS})"
             )
-        try:
-            blob = self.memfile.allocate(size)
-        except MemFileFull as exc:
-            raise KernelError(errno.ENOMEM, str(exc)) from None
-        except OSError as exc:
-            raise KernelError(exc.errno or errno.ENOMEM, f"shared memory: {exc}") from None
+        blob = self.allocate(size)
         res_id = next_res_id()
         try:
             self.ctx.add_resource(res_id, blob.memory)
@@ -238,6 +233,17 @@ class KernelContext:
         self.blobs[bo_handle] = (res_id, blob)
         log.debug("%s: blob res %d bo %d, %d bytes at offset %d", self.name, res_id, bo_handle, blob.size, blob.offset)
         return res_id, bo_handle, blob
+
+    def allocate(self, size: int) -> HostBlob:
+        """`size` bytes (rounded up to 16 KiB) of the shared memory file: a blob's, or the
+        socket host's exec ring page (apir.host.local_server), which is no resource. ENOMEM
+        past the file's limit, the errno of a failed ftruncate / mmap."""
+        try:
+            return self.memfile.allocate(size)
+        except MemFileFull as exc:
+            raise KernelError(errno.ENOMEM, str(exc)) from None
+        except OSError as exc:
+            raise KernelError(exc.errno or errno.ENOMEM, f"shared memory: {exc}") from None
 
     def map(self, bo_handle: int) -> int:
         """DRM_IOCTL_VIRTGPU_MAP: the blob's offset in the shared memory file. ENOENT."""

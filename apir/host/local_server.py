@@ -72,7 +72,7 @@ from apir.codec.virtgpu import BLOB_ALIGNMENT
 from apir.host.limits import DEFAULT_HELLO_TIMEOUT_S, DEFAULT_LOCAL_SPIN_S, DEFAULT_MAX_CONNECTIONS, config_limit
 from apir.host.local_hangup import HangupWatch
 from apir.host.local_kernel import ContextFactory, KernelContext, KernelError, default_context_factory
-from apir.host.local_memfile import HostBlob, MemFileFull
+from apir.host.local_memfile import HostBlob
 from apir.local.exec_ring import ExecRing
 from apir.local.socket_io import recv_message, send_message
 from apir.local.spin_policy import spinning_pays
@@ -268,12 +268,7 @@ class _Connection:
         ENOMEM past the context's limit."""
         if self.ring_blob is not None:
             raise KernelError(errno.EEXIST, "the exec ring exists already")
-        try:
-            blob = k.memfile.allocate(RING_SIZE)
-        except MemFileFull as exc:
-            raise KernelError(errno.ENOMEM, str(exc)) from None
-        except OSError as exc:
-            raise KernelError(exc.errno or errno.ENOMEM, f"shared memory: {exc}") from None
+        blob = k.allocate(RING_SIZE)
         self.ring_blob, self.ring, self.ring_seq = blob, ExecRing(blob.memory), 0
         return fixed_reply(Op.RING).pack(blob.offset, blob.size, 0)
 
