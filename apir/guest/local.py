@@ -181,14 +181,7 @@ class LocalDevice:
             offset, size, _pad = fmt.unpack(body)
             if size < RING_SIZE:
                 raise self._fail(f"an exec ring of {size} bytes, expected {RING_SIZE}")
-            try:
-                # a page past the file's end would be mapped, and fault (SIGBUS) at the first post
-                file_size = os.fstat(self.fd).st_size
-                if offset + RING_SIZE > file_size:
-                    raise self._fail(f"an exec ring at offset {offset}, past the {file_size}-byte shared file")
-                self._ring_memory = map_shared(self.fd, RING_SIZE, offset)  # (the page the ring uses)
-            except (OSError, ValueError) as exc:
-                raise DeviceError(f"{self.node}: mapping the exec ring failed: {exc}") from None
+            self._ring_memory = self._map(offset, RING_SIZE, "the exec ring")  # (the page it uses)
             self._ring = ExecRing(self._ring_memory)
             self._ring_spins = spins_for(_RING_SPIN_S)
             return self._ring
@@ -279,7 +272,7 @@ class LocalDevice:
         )
         try:
             (offset,) = self._call(Op.MAP, bo_handle, 0)
-            memory = map_shared(self.fd, real_size, offset)  # no descriptor per blob
+            memory = self._map(offset, real_size, f"blob {res_id}")
         except BaseException:
             try:
                 self._call(Op.GEM_CLOSE, bo_handle, 0)
@@ -289,6 +282,19 @@ class LocalDevice:
         blob = Blob(res_id=res_id, bo_handle=bo_handle, size=real_size, memory=memory)
         self._blobs[bo_handle] = blob
         return blob
+
+    def _map(self, offset: int, size: int, what: str) -> mmap.mmap:
+        """`size` bytes of the shared file at `offset`, mapped (no descriptor per mapping). A
+        range past the file's end, as a broken host may name, would map and then fault
+        (SIGBUS, the whole process gone) at the first access: HostConnectionLost instead;
+        DeviceError when mmap fails."""
+        try:
+            file_size = os.fstat(self.fd).st_size
+            if offset + size > file_size:
+                raise self._fail(f"{what} at offset {offset} ({size} bytes), past the {file_size}-byte shared file")
+            return map_shared(self.fd, size, offset)
+        except (OSError, ValueError) as exc:
+            raise DeviceError(f"{self.node}: mapping {what} failed: {exc}") from None
 
     def destroy_blob(self, blob: Blob) -> None:
         """munmap + DRM_IOCTL_GEM_CLOSE. If a view of the mapping is still alive (numpy array,
