@@ -203,13 +203,13 @@ class LocalDevice:
             raise self._fail(f"no answer from the apir host within {sock.gettimeout():g} s") from None
         except (WireError, OSError) as exc:
             raise self._fail(f"connection to the apir host failed: {exc}") from None
-        if header.op != op or header.seq != seq:
-            for fd in fds:
+        if header.op != op or header.seq != seq or header.err or op != Op.HELLO:
+            for fd in fds:  # only HELLO's reply carries one (the shared file): a host's others go
                 os.close(fd)
+            fds = []
+        if header.op != op or header.seq != seq:
             raise self._fail(f"reply {header.op}/{header.seq} to request {op}/{seq}")
         if header.err:
-            for fd in fds:
-                os.close(fd)
             name = _IOCTL_NAMES.get(op, op.name)
             raise IoctlError(self.node, name, header.err, os.strerror(header.err))
         return body, fds

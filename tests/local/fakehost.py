@@ -1,5 +1,6 @@
 """A scripted socket host for guest-side tests: answers HELLO with a 16 KiB memfd and every
-later request with `answers[op]` (payload, err), or errno 0 and an empty payload."""
+later request with `answers[op]` (payload, err[, fd, ...]: descriptors to attach), or errno 0
+and an empty payload."""
 
 import os
 import socket
@@ -33,10 +34,10 @@ class FakeHost:
             send_message(conn, Op.HELLO, header.seq, reply, fds=(fd,))
             while True:
                 header, _, _ = recv_message(conn)
-                body, err = self.answers.get(header.op, (b"", 0))
+                body, err, *fds = self.answers.get(header.op, (b"", 0))  # (+ fds to attach)
                 if body is None:
                     continue  # never answered
-                send_message(conn, header.op, header.seq, body, err=err)
+                send_message(conn, header.op, header.seq, body, err=err, fds=tuple(fds))
         except (ConnectionClosed, OSError):
             pass
         finally:

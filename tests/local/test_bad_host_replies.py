@@ -35,3 +35,22 @@ def test_a_blob_inside_the_shared_file_maps(tmp_path):
             assert (blob.res_id, blob.size, bytes(blob.memory[0:4])) == (7, 16384, b"ok!!")
     finally:
         host.close()
+
+
+def test_descriptors_a_host_attaches_to_other_replies_are_closed(tmp_path):
+    """Only HELLO's reply carries a descriptor (the shared file); any other the host sends
+    along is closed at once, not left open in the guest for every reply."""
+    import os
+
+    r, w = os.pipe()
+    host = FakeHost(tmp_path / "s.sock", {Op.GETPARAM: (REPLY[Op.GETPARAM].pack(1), 0, w, w, w)})
+    try:
+        with LocalDevice(host.path, io_timeout_s=2.0) as dev:
+            before = len(os.listdir("/proc/self/fd"))
+            for _ in range(20):
+                assert dev.get_param(1) == 1
+            assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        host.close()
+        os.close(r)
+        os.close(w)
