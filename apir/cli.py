@@ -565,13 +565,17 @@ def add_parser(subparsers, parents) -> None:
         "trace",
         parents=parents,
         help="print a command trace (`apir host serve --trace FILE`) and its per-function summary",
+        description="Print a command trace (`apir host serve --trace FILE`) and its per-function summary.",
     )
     trace.add_argument("file", metavar="FILE", help="the trace file")
     trace.add_argument("--summary", action="store_true", help="only the per-function summary")
     trace.set_defaults(run=run_trace)
 
     info = subparsers.add_parser(
-        "info", parents=parents, help="HandShake with a host and describe its device and buffer type"
+        "info",
+        parents=parents,
+        help="HandShake with a host and describe its device and buffer type",
+        description="HandShake with a host and describe its device and buffer type.",
     )
     add_device_arguments(info)
     add_trace_argument(info)
