@@ -21,6 +21,7 @@ exception, so the client has one place that knows the taxonomy.
 
 from __future__ import annotations
 
+import enum
 from typing import Dict, Optional, Type
 
 from apir.codec.constants import (
@@ -152,6 +153,13 @@ class LoadLibrarySymbolMissing(LoadLibraryError):
     reason = "the backend library lacks the apir_backend_* symbols"
 
 
+def _name(codes: Type[enum.IntEnum], value: int) -> str:
+    try:
+        return codes(value).name
+    except ValueError:
+        return "unknown"
+
+
 class BackendInitializeError(LoadLibraryError):
     """The backend library loaded, but its `apir_backend_initialize` returned `init_code`, a
     LoadLibrary code of its own: below INIT_BASE_INDEX it could not load the ggml backend
@@ -165,17 +173,15 @@ class BackendInitializeError(LoadLibraryError):
     def __init__(self, code: int, init_code: int):
         self.init_code = init_code
         base = ApirLoadLibraryReturnCode.INIT_BASE_INDEX
-        self.ggml_load_code: Optional[int] = init_code if init_code < base else None
-        self.backend_code: Optional[int] = init_code - base if init_code >= base else None
-        enum_type: type = ApirLoadLibraryReturnCode if init_code < base else ApirBackendInitializeReturnCode
-        try:
-            name = enum_type(init_code if init_code < base else init_code - base).name
-        except ValueError:
-            name = "unknown"
+        self.ggml_load_code: Optional[int] = None
+        self.backend_code: Optional[int] = None
         if init_code < base:
-            detail = f"apir_backend_initialize returned {init_code} ({name})"
+            self.ggml_load_code = init_code
+            detail = f"apir_backend_initialize returned {init_code} ({_name(ApirLoadLibraryReturnCode, init_code)})"
         else:
-            detail = f"apir_backend_initialize returned {init_code}: {base} + {init_code - base} ({name})"
+            n = self.backend_code = init_code - base
+            name = _name(ApirBackendInitializeReturnCode, n)
+            detail = f"apir_backend_initialize returned {init_code}: {base} + {n} ({name})"
         super().__init__(code, detail)
 
 
