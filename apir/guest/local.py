@@ -317,8 +317,7 @@ class LocalDevice:
         `exec_wait_s` (the reply notification word says which). Through the exec ring when
         the host offers one, the command fits and the ring's previous command is done, else
         as an EXECBUFFER message. IoctlError for a command the host refused."""
-        ring = self._ring if not self._ring_wanted else self._open_ring()
-        if ring is not None and len(payload) <= MAX_RING_COMMAND and self._ring_execbuffer(ring, payload, ring_idx):
+        if self._through_ring(payload, ring_idx, self.exec_wait_s):
             return
         command = bytes(payload)
         header = REQUEST[Op.EXECBUFFER].pack(VIRTGPU_EXECBUF_RING_IDX, len(command), ring_idx, 0)
@@ -335,8 +334,7 @@ class LocalDevice:
         a caller with work of its own before it waits on the reply word (apir.guest.remote's
         `meanwhile`); the host's EXECBUFFER reply (or a refusal through the ring) is read by
         the next request or `watch`."""
-        ring = self._ring if not self._ring_wanted else self._open_ring()
-        if ring is not None and len(payload) <= MAX_RING_COMMAND and self._ring_execbuffer(ring, payload, ring_idx, 0):
+        if self._through_ring(payload, ring_idx, 0.0):
             return
         command = bytes(payload)
         header = REQUEST[Op.EXECBUFFER].pack(VIRTGPU_EXECBUF_RING_IDX, len(command), ring_idx, 0)
@@ -344,12 +342,22 @@ class LocalDevice:
             self._drain_pending()
             self._exec_seqs.append((Op.EXECBUFFER, self._send(Op.EXECBUFFER, header + command)))
 
-    def _ring_execbuffer(self, ring: ExecRing, payload, ring_idx: int, wait_s: Optional[float] = None) -> bool:
+    def _through_ring(self, payload, ring_idx: int, wait_s: float) -> bool:
+        """`_ring_execbuffer` when the host offers the exec ring (asked for on first use) and
+        the command fits it; False, with nothing sent, otherwise."""
+        ring = self._ring if not self._ring_wanted else self._open_ring()
+        return (
+            ring is not None
+            and len(payload) <= MAX_RING_COMMAND
+            and self._ring_execbuffer(ring, payload, ring_idx, wait_s)
+        )
+
+    def _ring_execbuffer(self, ring: ExecRing, payload, ring_idx: int, wait_s: float) -> bool:
         """Posts the command in the exec ring (and KICKs a host that is not polling it), then
-        waits for it up to `wait_s` (default `exec_wait_s`): a spin on the ring's `done` word,
-        then `watch` in growing sleeps. False, with nothing sent, when the ring's previous
-        command is not done yet (the caller sends this one as a message: the host runs what
-        the ring holds before any request, so the order holds)."""
+        waits for it up to `wait_s`: a spin on the ring's `done` word, then `watch` in growing
+        sleeps. False, with nothing sent, when the ring's previous command is not done yet
+        (the caller sends this one as a message: the host runs what the ring holds before any
+        request, so the order holds)."""
         with self._lock:
             if self._broken is not None:
                 raise HostConnectionLost(f"{self.node}: {self._broken}")
@@ -362,7 +370,6 @@ class LocalDevice:
             self._ring_seq = seq
             if not polling:
                 self._exec_seqs.append((Op.KICK, self._send(Op.KICK, b"")))
-        wait_s = self.exec_wait_s if wait_s is None else wait_s
         if wait_s <= 0:
             return True
         deadline = time.monotonic() + wait_s
@@ -376,21 +383,15 @@ class LocalDevice:
             self.watch(min(sleep_s, left))  # HostConnectionLost when the host is gone
             sleep_s = min(sleep_s * 2, _RING_SLEEP_MAX_S)
             done = ring.done.load_acquire()
-        self._ring_reported = seq
-        err = ring.err.load_acquire()  # stored before `done`
-        if err:
-            del ring  # a kept traceback must not pin the page's mapping
-            raise IoctlError(self.node, IoctlName.EXECBUFFER, err, os.strerror(err))
+        self._raise_ring_error(seq)
         return True
 
-    def _raise_ring_error(self) -> None:
-        """IoctlError, once, when the newest ring command is done and the host refused it
-        (the host stores `err` before `done`)."""
-        ring, seq = self._ring, self._ring_seq
-        if ring is None or seq == self._ring_reported or ring.done.load_acquire() != seq:
-            return
+    def _raise_ring_error(self, seq: int) -> None:
+        """IoctlError when the host refused ring command `seq`, which is done (the host stores
+        `err` before `done`); either way its errno counts as looked at."""
         self._ring_reported = seq
-        err = ring.err.load_acquire()
+        ring = self._ring
+        err = ring.err.load_acquire() if ring is not None else 0
         del ring  # a kept traceback must not pin the page's mapping
         if err:
             raise IoctlError(self.node, IoctlName.EXECBUFFER, err, os.strerror(err))
@@ -414,7 +415,14 @@ class LocalDevice:
                 raise HostConnectionLost(f"{self.node}: {self._broken}")
             if self.sock is None:
                 raise DeviceError(f"{self.node}: device is closed")
-            self._raise_ring_error()
+            # a ring command refused after execbuffer's wait (no local: a kept traceback must
+            # not pin the page's mapping)
+            if (
+                self._ring is not None
+                and self._ring_seq != self._ring_reported
+                and self._ring.done.load_acquire() == self._ring_seq
+            ):
+                self._raise_ring_error(self._ring_seq)
             if timeout_s < 1e-3:
                 time.sleep(max(0.0, timeout_s))
                 timeout_s = 0.0
