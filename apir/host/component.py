@@ -102,10 +102,18 @@ CONFIG_ENV_FALLBACKS: Dict[str, str] = {
 }
 
 
+def _apir_command_type(cmd_type: int, capset_id: int) -> int:
+    """The APIR command type of header word `cmd_type` on capset `capset_id`: over Venus the
+    guest adds VENUS_COMMAND_TYPE_LENGTH (virglrenderer's Venus-to-APIR transition)."""
+    if capset_id == VIRTGPU_DRM_CAPSET_VENUS and cmd_type >= VENUS_COMMAND_TYPE_LENGTH:
+        return cmd_type - VENUS_COMMAND_TYPE_LENGTH
+    return cmd_type
+
+
 def may_run_long(command: Buffer, capset_id: int) -> bool:
     """Whether serving the EXECBUFFER payload `command` of a context on capset `capset_id` may
     take unbounded time, read from its header only (command type u32 at byte 0, less
-    VENUS_COMMAND_TYPE_LENGTH over the Venus capset as `HostContext.submit` does; flags u32
+    VENUS_COMMAND_TYPE_LENGTH over the Venus capset, as `HostContext.submit` reads it; flags u32
     at byte 4, the backend function id of a Forward).
 
     False for HandShake and every Forward function but backend_graph_compute: their host run
@@ -121,8 +129,7 @@ def may_run_long(command: Buffer, capset_id: int) -> bool:
     if len(command) < _HEADER.size:
         return True
     cmd_type, flags, _ = _HEADER.unpack_from(command, 0)
-    if capset_id == VIRTGPU_DRM_CAPSET_VENUS and cmd_type >= VENUS_COMMAND_TYPE_LENGTH:
-        cmd_type -= VENUS_COMMAND_TYPE_LENGTH
+    cmd_type = _apir_command_type(cmd_type, capset_id)
     if cmd_type == _FORWARD:
         return flags not in _BOUNDED_FORWARD
     return cmd_type != _HANDSHAKE
@@ -278,8 +285,7 @@ class HostContext:
             log.error("ctx %d: truncated command header (%d bytes)", self.ctx_id, len(cmd))
             return self._reply_malformed()
         cmd_type, flags, reply_res_id = _HEADER.unpack_from(cmd, 0)
-        if self.capset_id == VIRTGPU_DRM_CAPSET_VENUS and cmd_type >= VENUS_COMMAND_TYPE_LENGTH:
-            cmd_type -= VENUS_COMMAND_TYPE_LENGTH
+        cmd_type = _apir_command_type(cmd_type, self.capset_id)
         reply = self._reply_resource(reply_res_id)
         if reply is None:
             return self._reply_malformed()

@@ -19,9 +19,9 @@ server that may never answer. The long ones still go to the host thread, so the 
 the reply word keeps its timeout and `close` can still cancel a compute
 (`KernelContext.cancel_compute`). An inline run skips the hand-over between threads, which on a
 2-core VM was about 30 of the 42-54 us of a device_get_type round trip (GIL hand-overs,
-wake-ups). Mutual exclusion and order: an inline run
-happens only while no job is queued or running, under the device's lock, which every job's
-queueing takes too, so no job can be queued meanwhile. The jobs queued and the jobs the host
+wake-ups). Mutual exclusion and order: an inline run happens only while no job is queued or
+running, under the device's lock, which every job's queueing takes too, so no job can be queued
+meanwhile. The jobs queued and the jobs the host
 thread has finished are counted: the first under the lock, the second by the host thread alone,
 in a word it stores (release) after a job's reply notification, so an inline run never comes
 before an earlier command's reply store, nor overtakes a command queued before it (it goes to the
@@ -45,8 +45,7 @@ at once, then releases the job's lock, and stores a "done" word from that call i
 waited-for execbuffer on the host thread rings and spins on the done word in one such call
 (then blocks on the job's lock after `host_spin_s`); one that returns at once rings 2, and the
 host thread waits `_SETTLE_S` more before taking the GIL, while the guest gets to its own spin
-on the reply word.
-Neither side spins while the machine has more runnable threads than cores
+on the reply word. Neither side spins while the machine has more runnable threads than cores
 (`apir.local.spin_policy`): spinners then only slow each other down, and blocking waits answer
 sooner.
 
