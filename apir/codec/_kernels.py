@@ -890,25 +890,39 @@ def record_match_kernel(new, old, head, rec_size, mask, name_at, name_len):
 # --- tensors whose shape rules see the same inputs ---------------------------------------------
 
 
+_M32 = (1 << 32) - 1
+
+
 @helper
 def _lane_seeds(n, key):
-    """`n` secret per-position seeds for `_row_hash` (derived from the secret `key`)."""
-    seeds = np.empty(n, np.int64)
-    for k in range(n):
-        seeds[k] = _mix(k + 1, 0, key)
+    """2 * `n` secret 32-bit seeds, a pair per lane of `_nh` (derived from the secret `key`)."""
+    seeds = np.empty(2 * n, np.int64)
+    for k in range(2 * n):
+        seeds[k] = _mix(k + 1, 0, key) & _M32
     return seeds
 
 
 @helper
+def _nh(x, seeds, k):
+    # Lane k of an NH sum (UMAC's hash, RFC 4418 section 5.2.2): the two 32-bit halves of the
+    # int64 word x, each plus its lane's secret seed mod 2**32, multiplied (exact: below
+    # 2**64), the product's low 62 bits. For two rows that differ, their sums of lanes agree
+    # with probability at most 2**-30 over the seeds, so a guest that does not know them can
+    # neither aim rows at one probe chain nor make rows collide by swapping words; one
+    # multiply a word, where two keyed folds (_mix) cost twice the time.
+    # (int(): in the Python twin, numpy scalars would overflow)
+    a = ((int(x) & _M32) + int(seeds[2 * k])) & _M32
+    b = (((int(x) >> 32) & _M32) + int(seeds[2 * k + 1])) & _M32
+    return (a * b) & _LOW62
+
+
+@helper
 def _row_hash(words, keep, mask, seeds, r, key):
-    # Each compared word (`keep`: word indices; `mask`: their masks) hashed on its own, seeded
-    # by its position, and the hashes summed: independent multiplies overlap in the CPU, where
-    # one chain through every word waited on each multiply. The seeds are secret, so a guest
-    # can neither aim rows at one probe chain nor make two rows collide by swapping words.
+    # The compared words (`keep`: word indices; `mask`: their masks) summed as NH lanes, one
+    # lane per position, and the sum mixed once for the slot.
     h = 0
     for k in range(keep.shape[0]):
-        # (int(): in the Python twin, numpy scalars would overflow)
-        h = (h + _mix(int(seeds[k]), int(words[r, keep[k]]) & int(mask[k]), key)) & _LOW62
+        h = (h + _nh(words[r, keep[k]] & mask[k], seeds, k)) & _LOW62
     return _mix(h, 0, key)
 
 
@@ -981,9 +995,6 @@ def rule_group_kernel(words, keep, mask, src_index, out_rep, key):
             s = (s + 1) & slot_mask
     # 2. tensors with the same class, source slots and source classes share a group
     codes = np.empty(src_index.shape, np.int32)
-    for i in range(n):
-        for k in range(slots):
-            codes[i, k] = _src_code(src_index, i, k)
     table[:] = -1
     lanes = keep.shape[0]
     groups = 0
@@ -992,13 +1003,16 @@ def rule_group_kernel(words, keep, mask, src_index, out_rep, key):
         # leaves them out of the hash; _same_inputs compares every slot. One lane per slot,
         # as _row_hash's; a lane's value packs the slot's code and its source's class.)
         last = slots
-        while last > 0 and codes[i, last - 1] == -1:
+        while last > 0 and src_index[i, last - 1] < 0:
             last -= 1
-        h = _mix(int(seeds[lanes]), int(tclass[i]) * 65536 + last, key)
+        for k in range(last, slots):
+            codes[i, k] = -1
+        h = _nh(int(tclass[i]) * 65536 + last, seeds, lanes)
         for k in range(last):
-            c = int(codes[i, k])
+            c = _src_code(src_index, i, k)
+            codes[i, k] = c
             cls = int(tclass[src_index[i, k]]) if c >= 0 else -1
-            h = (h + _mix(int(seeds[lanes + 1 + k]), (cls + 1) * 65536 + c + 2, key)) & _LOW62
+            h = (h + _nh((cls + 1) * 65536 + c + 2, seeds, lanes + 1 + k)) & _LOW62
         s = _mix(h, 0, key) & slot_mask
         while True:
             r = table[s]
