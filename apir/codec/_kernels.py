@@ -1063,9 +1063,14 @@ def add_nodes_kernel(add_node, graph, nodes, host):
 @helper
 def _write_tensor(a, r, off, roff, width):
     # the fields of fresh tensor `a` copied from the record at `r` (make_tensors_kernel)
-    for d in range(4):
-        store_i64(a + off[0] + 8 * d, _load_wide(r + roff[0] + d * width, width))
-        store_i64(a + off[1] + 8 * d, _load_wide(r + roff[1] + d * width, width))
+    if width == 4:  # (the test outside the loop: 4 straight-line widenings each)
+        for d in range(4):
+            store_i64(a + off[0] + 8 * d, load_u32(r + roff[0] + 4 * d))
+            store_i64(a + off[1] + 8 * d, load_u32(r + roff[1] + 4 * d))
+    else:
+        for d in range(4):
+            store_i64(a + off[0] + 8 * d, load_i64(r + roff[0] + 8 * d))
+            store_i64(a + off[1] + 8 * d, load_i64(r + roff[1] + 8 * d))
     store_u32(a + off[2], load_u32(r + roff[2]))
     memcopy(a + off[3], r + roff[3], 4 * roff[7])
     store_u32(a + off[4], load_u32(r + roff[4]))
@@ -1106,7 +1111,8 @@ def make_tensors_kernel(
     its first NUL (the rest stays zero, as ggml_set_name leaves it). Stored: buffer and data
     (`buffers[h]`, `bases[h]` + `offsets[i]` for handle h = `handle_of[i]`); src (int32[n, S])
     and view_src (int32[n]) tensor indices or -1, as the twins' addresses (`host`, int64[n],
-    filled in `order`: sources first) or NULL; view_offs for views only. Returns 0, or -1 - i
+    filled in `order`: sources first), the absent ones left NULL as ggml_new_tensor made them;
+    view_offs for views only. Returns 0, or -1 - i
     where ggml returned NULL (the context is full)."""
     for k in range(order.size):
         i = order[k]
@@ -1119,12 +1125,15 @@ def make_tensors_kernel(
         h = handle_of[i]
         store_i64(a + off[6], buffers[h])
         store_i64(a + off[7], bases[h] + offsets[i])
+        # (ggml_new_tensor left src and view_src NULL and view_offs 0: only the present ones)
         for s in range(src.shape[1]):
             j = src[i, s]
-            store_i64(a + off[8] + 8 * s, host[j] if j >= 0 else 0)
+            if j >= 0:
+                store_i64(a + off[8] + 8 * s, host[j])
         v = view_src[i]
-        store_i64(a + off[9], host[v] if v >= 0 else 0)
-        store_i64(a + off[10], load_i64(r + roff[6]) if v >= 0 else 0)
+        if v >= 0:
+            store_i64(a + off[9], host[v])
+            store_i64(a + off[10], load_i64(r + roff[6]))
     return 0
 
 
