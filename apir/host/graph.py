@@ -44,6 +44,7 @@ from apir.codec._kernels import (
     TABLE_KEY,
     add_nodes_kernel,
     first_overlap_kernel,
+    graph_writes_kernel,
     make_tensors_kernel,
     new_tensors_kernel,
     record_bounds_kernel,
@@ -129,26 +130,22 @@ def _check_graph_needs(lib, parsed, made: List[TensorInfo], recs: _Records, prof
     read = [info for info in made if info.snapshot is not None]
     if not read:
         return
-    # the writes in graph order (position, tensor written): each node that writes
-    # (ggml_op_is_empty), and the sources an OPT_STEP_* updates in place
+    # the writes in graph order (graph_writes_kernel): each node that writes, and the sources
+    # an OPT_STEP_* updates in place
     empty, opt_step = _write_ops(lib.g)
-    node_ops = ops[nodes]
-    pos = np.flatnonzero(~empty[node_ops])
-    steps = pos[opt_step[node_ops[pos]]]
-    srcs = parsed.src_index[nodes[steps]].astype(np.int64)
-    step_pos = np.broadcast_to(steps[:, None], srcs.shape)[srcs >= 0]
-    w_pos = np.concatenate([pos, step_pos]).astype(np.int64)
-    w_t = np.concatenate([nodes[pos], srcs[srcs >= 0]])
+    buf = _same_buffer(recs.found)[recs.inverse]  # per tensor: its buffer, as one number
+    room = len(nodes) * (1 + parsed.src_index.shape[1])
+    w = (np.empty(room, np.int64), np.empty(room, np.int64), np.empty(room, np.int64), np.empty(room, np.int64))
+    m = graph_writes_kernel(nodes, ops, empty, opt_step, parsed.src_index, buf, recs.offsets, recs.extents, *w)
+    w = tuple(a[:m] for a in w)
     # each reader's position (-1: a reader that is not a node, e.g. a leaf, reads nothing at
     # compute), the last per ids tensor
     at = np.full(len(parsed.tensors), -1, np.int64)
     at[nodes] = np.arange(len(nodes))
     until = np.array([max((int(at[j]) for j in info.read_by or ()), default=-1) for info in read], np.int64)
     q_t = np.array([info.index for info in read], np.int64)
-    same = _same_buffer(recs.found)  # per handle
     first = np.empty(len(read), np.int64)  # per ids tensor: the first write over its bytes
-    w = (same[recs.inverse[w_t]], recs.offsets[w_t], recs.offsets[w_t] + recs.extents[w_t], w_pos)
-    q = (same[recs.inverse[q_t]], recs.offsets[q_t], recs.offsets[q_t] + recs.extents[q_t])
+    q = (buf[q_t], recs.offsets[q_t], recs.offsets[q_t] + recs.extents[q_t])
     first_overlap_kernel(*w, *q, first, _DIRECT_PAIRS)
     hit = np.flatnonzero((first >= 0) & (first <= until))
     if len(hit):
