@@ -695,6 +695,7 @@ def _map_find(keys, vals, key, hkey):
 
 @jit
 def parse_graph_kernel(
+    src,
     addr,
     n_nodes,
     n_tensors,
@@ -714,10 +715,13 @@ def parse_graph_kernel(
     info,
     hkey,
 ):
-    """Validates a graph at `addr` (a private copy: ids at addr + 4, records at
-    addr + 8 + 8 * n_nodes, counts already checked against the size) and fills the index
-    arrays. `map_keys` (zeroed, a power of two >= 2 * n_tensors) / `map_vals` map ids to
-    tensor indices, slots hashed with multiplier `hkey` (TABLE_KEY: the ids are the guest's);
+    """Copies a graph from `src` (the guest's bytes, counts already checked against their
+    size) to `addr` (the host's private copy: ids at addr + 4, records at addr + 8 + 8 *
+    n_nodes), validates the copy and fills the index arrays. Each record is copied just
+    before it is checked, so it is read from the guest once and checked in cache; the copy
+    is complete only when the graph is valid. `map_keys` (zeroed, a power of two >= 2 *
+    n_tensors) / `map_vals` map ids to tensor indices, slots hashed with multiplier `hkey`
+    (TABLE_KEY: the ids are the guest's);
     `state` (zeroed int8), `stack_t` / `stack_k` (int32, n_tensors) are the cycle check's
     DFS. Returns 0 or a PARSE_* error with details in `info`."""
     rec = rl[R_SIZE]
@@ -726,8 +730,10 @@ def parse_graph_kernel(
     tensors_at = addr + 8 + 8 * n_nodes
     n_types = type_valid.shape[0]
     mask = map_keys.shape[0] - 1
+    memcopy(addr, src, 8 + 8 * n_nodes)
     for i in range(n_tensors):
         r = tensors_at + rec * i
+        memcopy(r, src + 8 + 8 * n_nodes + rec * i, rec)
         tid = load_i64(r + rl[R_ID])
         if tid == 0:
             info[0] = i

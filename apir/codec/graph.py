@@ -297,9 +297,10 @@ def parse_graph(
     """Validates the graph in ``buf[start:end]`` (any readable buffer; typically the guest's
     shared memory) and returns a `ParsedGraph`. The host's side of `apir_decode_ggml_cgraph`.
 
-    The bytes are copied out first, so a guest writing to the buffer meanwhile cannot change
-    what was checked; only the bytes the graph's counts claim are copied (the counts used are
-    written back into the copy), so a small graph in a large window costs what the graph does.
+    The bytes are checked in a private copy (the kernel copies each record just before it
+    checks it), so a guest writing to the buffer meanwhile cannot change what was checked;
+    only the bytes the graph's counts claim are copied (the counts used are written back into
+    the copy), so a small graph in a large window costs what the graph does.
     `op_count` is GGML_OP_COUNT; `type_valid` a bool array indexed by type, False for removed
     types (`apir.ggml.lib.Ggml.valid_types`). Raises GraphError naming the first problem found."""
     view = memoryview(buf)
@@ -322,11 +323,8 @@ def parse_graph(
     need += rpc.itemsize * n_tensors
     if need > size:
         raise GraphError(f"n_tensors = {n_tensors} needs {need} bytes, the graph has {size}")
-    data = np.frombuffer(view, dtype=np.uint8, count=need, offset=start).copy()
-    del view
-    # The guest may have rewritten a count since it was read: the copy holds the ones used.
-    _U32.pack_into(data, 0, n_nodes)
-    _U32.pack_into(data, 4 + 8 * n_nodes, n_tensors)
+    guest = np.frombuffer(view, dtype=np.uint8, count=need, offset=start)
+    data = np.empty(need, dtype=np.uint8)  # (the kernel copies the graph into it)
     rl, lim, _ = _rpc_layout(limits)
     kernel = _kernel or K.parse_graph_kernel
     cap = _pow2_at_least(2 * n_tensors)
@@ -343,6 +341,7 @@ def parse_graph(
     type_valid = np.ascontiguousarray(type_valid, dtype=np.bool_)
     tensors = np.frombuffer(data, dtype=rpc, count=n_tensors, offset=8 + 8 * n_nodes)
     err = kernel(
+        guest.ctypes.data,
         data.ctypes.data,
         n_nodes,
         n_tensors,
@@ -362,7 +361,11 @@ def parse_graph(
         info,
         K.TABLE_KEY,
     )
+    del guest, view
     if err != 0:
         raise _parse_error(err, info, tensors)
+    # The guest may have rewritten a count since it was read: the copy holds the ones used.
+    _U32.pack_into(data, 0, n_nodes)
+    _U32.pack_into(data, 4 + 8 * n_nodes, n_tensors)
     node_ids = np.frombuffer(data, dtype="<u8", count=n_nodes, offset=4).copy()
     return ParsedGraph(node_ids, tensors, order, node_index, src_index, view_src_index, need)
