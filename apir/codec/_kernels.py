@@ -721,9 +721,8 @@ def parse_graph_kernel(
     before it is checked, so it is read from the guest once and checked in cache; the copy
     is complete only when the graph is valid. `map_keys` (zeroed, a power of two >= 2 *
     n_tensors) / `map_vals` map ids to tensor indices, slots hashed with multiplier `hkey`
-    (TABLE_KEY: the ids are the guest's);
-    `state` (zeroed int8), `stack_t` / `stack_k` (int32, n_tensors) are the cycle check's
-    DFS. Returns 0 or a PARSE_* error with details in `info`."""
+    (TABLE_KEY: the ids are the guest's); `state` (zeroed int8), `stack_t` / `stack_k`
+    (int32, n_tensors) are the cycle check's DFS. Returns 0 or a PARSE_* error with details in `info`."""
     rec = rl[R_SIZE]
     max_src = lim[L_MAX_SRC]
     max_name = lim[L_MAX_NAME]
@@ -1198,10 +1197,15 @@ def record_fields_kernel(
         blck = blck_size[ty]
         ne0 = _load_wide(r + off[2], width)
         nb0 = _load_wide(r + off[3], width)
-        if ne0 < 0 or nb0 < 0 or ne0 >= _VALUE_MAX or nb0 >= _VALUE_MAX or ne0 % blck != 0:
+        if ne0 < 0 or nb0 < 0 or ne0 >= _VALUE_MAX or nb0 >= _VALUE_MAX:
+            return -1
+        # (blck 1, the float types: no division, the costliest step of a record)
+        blocks0 = ne0 if blck == 1 else ne0 // blck
+        if blck != 1 and ne0 % blck != 0:
             return -1
         bound = float(ne0) * (float(nb0) + float(ts)) + float(nb0)
-        span = np.ceil(float(max(ne0, 1)) / float(blck)) * float(ts)
+        blocks = float(max(ne0, 1)) if blck == 1 else np.ceil(float(max(ne0, 1)) / float(blck))
+        span = blocks * float(ts)
         empty = ne0 == 0
         rest = 0
         for d in range(1, 4):
@@ -1223,7 +1227,6 @@ def record_fields_kernel(
                 break
         if not has_nul:
             return -1
-        blocks0 = ne0 // blck
         row = max(blocks0 * ts, (blocks0 - 1) * nb0 + ts)
         if blck > 1:
             row = max(row, blocks0 * nb0)
@@ -1235,6 +1238,9 @@ def record_fields_kernel(
         offsets[i] = data
         voffs[i] = vo
         h = load_i64(r + off[7])
+        if n_handles and h == handles[handle_of[i - 1]]:  # (most records: the buffer before's)
+            handle_of[i] = handle_of[i - 1]
+            continue
         s = _mix(0, h, key) & (cap - 1)
         while True:
             k = table[s]
