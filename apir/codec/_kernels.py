@@ -693,6 +693,17 @@ def _map_find(keys, vals, key, hkey):
         i = (i + 1) & mask
 
 
+@helper
+def _find_id(map_keys, map_vals, key, hkey, ids_at, rec, guess, n):
+    # The index of the tensor whose id is `key` (-1: none), tensor `guess` tried first (a
+    # source is most often the tensor just before, a node the tensor after the node before:
+    # the order ggml_graph and the C's serializer list them in), then the map. Ids are
+    # unique (checked), so a matching guess is the answer; `ids_at`: tensor 0's id.
+    if 0 <= guess < n and load_i64(ids_at + rec * guess) == key:
+        return guess
+    return _map_find(map_keys, map_vals, key, hkey)
+
+
 @jit
 def parse_graph_kernel(
     src,
@@ -768,13 +779,14 @@ def parse_graph_kernel(
             info[0] = i
             return PARSE_NAME
     sources_first = True  # every src and view_src listed before its tensor (the C's order)
+    ids_at = tensors_at + rl[R_ID]
     for i in range(n_tensors):
         r = tensors_at + rec * i
         for s in range(max_src):
             sid = load_i64(r + rl[R_SRC] + 8 * s)
             idx = -1
             if sid != 0:
-                idx = _map_find(map_keys, map_vals, sid, hkey)
+                idx = _find_id(map_keys, map_vals, sid, hkey, ids_at, rec, i - 1, n_tensors)
                 if idx < 0:
                     info[0] = i
                     info[1] = s
@@ -785,18 +797,20 @@ def parse_graph_kernel(
         vid = load_i64(r + rl[R_VIEW_SRC])
         idx = -1
         if vid != 0:
-            idx = _map_find(map_keys, map_vals, vid, hkey)
+            idx = _find_id(map_keys, map_vals, vid, hkey, ids_at, rec, i - 1, n_tensors)
             if idx < 0:
                 info[0] = i
                 info[1] = vid
                 return PARSE_UNKNOWN_VIEW_SRC
             sources_first = sources_first and idx < i
         view_src_index[i] = idx
+    idx = -1
     for i in range(n_nodes):
         nid = load_i64(addr + 4 + 8 * i)
+        guess = idx + 1
         idx = -1
         if nid != 0:
-            idx = _map_find(map_keys, map_vals, nid, hkey)
+            idx = _find_id(map_keys, map_vals, nid, hkey, ids_at, rec, guess, n_tensors)
         if idx < 0:
             info[0] = i
             info[1] = nid
