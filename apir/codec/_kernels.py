@@ -58,7 +58,7 @@ __all__ = [
     "call_void_ptr_ptr",
     "new_tensors_kernel",
     "add_nodes_kernel",
-    "make_tensors_kernel",
+    "write_tensors_kernel",
     "record_fields_kernel",
     "record_bounds_kernel",
     "graph_writes_kernel",
@@ -1082,7 +1082,7 @@ def add_nodes_kernel(add_node, graph, nodes, host):
 
 @helper
 def _write_tensor(a, r, off, roff, width):
-    # the fields of fresh tensor `a` copied from the record at `r` (make_tensors_kernel)
+    # the fields of zeroed tensor `a` copied from the record at `r` (write_tensors_kernel)
     if width == 4:  # (the test outside the loop: 4 straight-line widenings each)
         for d in range(4):
             store_i64(a + off[0] + 8 * d, load_u32(r + roff[0] + 4 * d))
@@ -1102,17 +1102,15 @@ def _write_tensor(a, r, off, roff, width):
 
 
 @jit
-def make_tensors_kernel(
-    new_tensor_1d,
-    ctx,
-    order,
-    type_,
-    ne0,
+def write_tensors_kernel(
+    base,
+    stride,
     off,
     rows,
     size,
     roff,
     width,
+    type_,
     handle_of,
     buffers,
     bases,
@@ -1121,38 +1119,37 @@ def make_tensors_kernel(
     view_src,
     host,
 ):
-    """new_tensors_kernel, each fresh tensor then written (while in cache) as the host twin of
-    apir_rpc_tensor record i (records at address `rows`, `size` bytes each, a copy the host
-    owns). `off` (int64[11]): the offsets in struct ggml_tensor of ne, nb, op, op_params,
-    flags, name, buffer, data, src, view_src and view_offs (8-byte ne, nb and pointers); `roff`
-    (int64[9]): the records' offsets of ne, nb, op, op_params, flags, name, view_offs and the
-    counts of op_params entries and name bytes; `width`: the bytes of a record's ne / nb entry
-    (4 or 8). Copied: ne, nb (widened), op, op_params, flags (4 bytes each), the name up to
-    its first NUL (the rest stays zero, as ggml_set_name leaves it). Stored: buffer and data
-    (`buffers[h]`, `bases[h]` + `offsets[i]` for handle h = `handle_of[i]`); src (int32[n, S])
-    and view_src (int32[n]) tensor indices or -1, as the twins' addresses (`host`, int64[n],
-    filled in `order`: sources first), the absent ones left NULL as ggml_new_tensor made them;
-    view_offs for views only. Returns 0, or -1 - i
-    where ggml returned NULL (the context is full)."""
-    for k in range(order.size):
-        i = order[k]
-        a = call_ptr_ptr_i32_i64(new_tensor_1d, ctx, type_[i], ne0[i])
-        if a == 0:
-            return -1 - i
+    """The host twin of each apir_rpc_tensor record i (records at address `rows`, `size`
+    bytes each, a copy the host owns) written whole at `base` + i * `stride` (room for a
+    struct ggml_tensor of `stride` bytes each), its address into `host[i]` (int64[n]): the
+    struct zeroed, as ggml_new_tensor leaves a fresh one, then type (`type_[i]`), and the
+    fields copied from the record and stored. `off` (int64[12]): the offsets in struct
+    ggml_tensor of ne, nb, op, op_params, flags, name, buffer, data, src, view_src, view_offs
+    and type (8-byte ne, nb and pointers); `roff` (int64[9]): the records' offsets of ne, nb,
+    op, op_params, flags, name, view_offs and the counts of op_params entries and name bytes;
+    `width`: the bytes of a record's ne / nb entry (4 or 8). Copied: ne, nb (widened), op,
+    op_params, flags (4 bytes each), the name up to its first NUL (the rest stays zero, as
+    ggml_set_name leaves it). Stored: buffer and data (`buffers[h]`, `bases[h]` +
+    `offsets[i]` for handle h = `handle_of[i]`); src (int32[n, S]) and view_src (int32[n])
+    tensor indices, as the twins' addresses (the absent ones stay NULL); view_offs for views
+    only. Returns 0."""
+    for i in range(host.size):
+        a = base + i * stride
         host[i] = a
+        memzero(a, stride)
+        store_u32(a + off[11], type_[i])
         r = rows + i * size
         _write_tensor(a, r, off, roff, width)
         h = handle_of[i]
         store_i64(a + off[6], buffers[h])
         store_i64(a + off[7], bases[h] + offsets[i])
-        # (ggml_new_tensor left src and view_src NULL and view_offs 0: only the present ones)
         for s in range(src.shape[1]):
             j = src[i, s]
             if j >= 0:
-                store_i64(a + off[8] + 8 * s, host[j])
+                store_i64(a + off[8] + 8 * s, base + j * stride)
         v = view_src[i]
         if v >= 0:
-            store_i64(a + off[9], host[v])
+            store_i64(a + off[9], base + v * stride)
             store_i64(a + off[10], load_i64(r + roff[6]))
     return 0
 

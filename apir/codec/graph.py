@@ -365,7 +365,7 @@ def parse_graph(
     if err != 0:
         raise _parse_error(err, info, tensors)
     # The guest may have rewritten a count since it was read: the copy holds the ones used.
-    _U32.pack_into(data, 0, n_nodes)
-    _U32.pack_into(data, 4 + 8 * n_nodes, n_tensors)
+    _U32.pack_into(data.data, 0, n_nodes)
+    _U32.pack_into(data.data, 4 + 8 * n_nodes, n_tensors)
     node_ids = np.frombuffer(data, dtype="<u8", count=n_nodes, offset=4).copy()
     return ParsedGraph(node_ids, tensors, order, node_index, src_index, view_src_index, need)

@@ -45,10 +45,10 @@ from apir.codec._kernels import (
     add_nodes_kernel,
     first_overlap_kernel,
     graph_writes_kernel,
-    make_tensors_kernel,
     new_tensors_kernel,
     record_bounds_kernel,
     record_fields_kernel,
+    write_tensors_kernel,
 )
 from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
@@ -134,10 +134,9 @@ def _check_graph_needs(lib, parsed, made: List[TensorInfo], recs: _Records, prof
     # an OPT_STEP_* updates in place
     empty, opt_step = _write_ops(lib.g)
     buf = _same_buffer(recs.found)[recs.inverse]  # per tensor: its buffer, as one number
-    room = len(nodes) * (1 + parsed.src_index.shape[1])
-    w = (np.empty(room, np.int64), np.empty(room, np.int64), np.empty(room, np.int64), np.empty(room, np.int64))
-    m = graph_writes_kernel(nodes, ops, empty, opt_step, parsed.src_index, buf, recs.offsets, recs.extents, *w)
-    w = tuple(a[:m] for a in w)
+    space = np.empty((4, len(nodes) * (1 + parsed.src_index.shape[1])), np.int64)
+    m = graph_writes_kernel(nodes, ops, empty, opt_step, parsed.src_index, buf, recs.offsets, recs.extents, *space)
+    w = [a[:m] for a in space]  # buffer, lo, hi, position
     # each reader's position (-1: a reader that is not a node, e.g. a leaf, reads nothing at
     # compute), the last per ids tensor
     at = np.full(len(parsed.tensors), -1, np.int64)
@@ -358,8 +357,8 @@ class TensorInfos(Sequence[TensorInfo]):
         return [self._made[i] for i in sorted(self._made)]
 
 
-# struct ggml_tensor's fields make_tensors_kernel writes (its `off`), and the record's it reads
-_WRITTEN = ("ne", "nb", "op", "op_params", "flags", "name", "buffer", "data", "src", "view_src", "view_offs")
+# struct ggml_tensor's fields write_tensors_kernel writes (its `off`), and the record's it reads
+_WRITTEN = ("ne", "nb", "op", "op_params", "flags", "name", "buffer", "data", "src", "view_src", "view_offs", "type")
 _READ = ("ne", "nb", "op", "op_params", "flags", "name", "view_offs")
 
 
@@ -369,7 +368,7 @@ def _entries(dt: np.dtype) -> tuple:
 
 
 def _kernel_layout(tensor: np.dtype, rpc: np.dtype, max_src: int) -> Optional[tuple]:
-    """make_tensors_kernel's (`off`, `roff`, `width`) for ggml's tensor layout `tensor` and
+    """write_tensors_kernel's (`off`, `roff`, `width`) for ggml's tensor layout `tensor` and
     the records' `rpc`, or None when a field is not of the width the kernel reads or writes
     (the caller then writes field by field)."""
     f: Mapping[str, tuple] = tensor.fields or {}
@@ -380,6 +379,7 @@ def _kernel_layout(tensor: np.dtype, rpc: np.dtype, max_src: int) -> Optional[tu
     read = {"ne": (width, 4), "nb": (width, 4), "op": (4, 1), "op_params": (4, params), "flags": (4, 1)}
     read.update(name=(1, name_len), view_offs=(8, 1))
     written = dict(read, ne=(8, 4), nb=(8, 4), buffer=(8, 1), data=(8, 1), src=(8, max_src), view_src=(8, 1))
+    written.update(type=(4, 1))
     if width not in (4, 8) or any(_entries(r[k][0]) != v for k, v in read.items()):
         return None
     if any(_entries(f[k][0]) != v for k, v in written.items()):
@@ -391,32 +391,32 @@ def _kernel_layout(tensor: np.dtype, rpc: np.dtype, max_src: int) -> Optional[tu
 
 def _create_tensors(lib: PythonBackendLibrary, parsed, scratch: Scratch, recs: _Records) -> np.ndarray:
     """The host twins of the checked records (as `TensorChecker.host_from_rpc`, with src and
-    view_src pointing at the twins), created in sources-first order and each written as it is
-    made (`make_tensors_kernel`, at the offsets of the layout `apir.ggml.layout.check_layout`
-    checked at load; where that layout is not the one the kernel writes, created by
-    `new_tensors_kernel` and written field by field through numpy); their addresses (int64)
-    by tensor index."""
+    view_src pointing at the twins); their addresses (int64) by tensor index. Written whole
+    by `write_tensors_kernel` side by side in the scratch's `tensor_block`, at the offsets of
+    the layout `apir.ggml.layout.check_layout` checked at load; where that layout is not the
+    one the kernel writes, created in sources-first order by ggml_new_tensor_1d in the
+    scratch's context (`new_tensors_kernel`) and written field by field through numpy."""
     g, chk, t = lib.g, lib.checker, parsed.tensors
     n = len(t)
-    order = parsed.order.astype(np.int64)
     type_ = t["type"].astype(np.int64)
     host = np.zeros(n, dtype=np.int64)
-    blocks = np.asarray(chk.blck_size_arr, np.int64)[type_]
     src = np.ascontiguousarray(parsed.src_index, np.int32)
     v = np.ascontiguousarray(parsed.view_src_index, np.int32)
     buffers = np.array([b.ptr for b in recs.found], np.int64)
     bases = np.array([b.base for b in recs.found], np.int64)
-    scratch.check_room(n)  # (ggml aborts on a full context: its NULL below is never seen)
-    new_tensor = c_address(g.ggml_new_tensor_1d)
     layout = _kernel_layout(chk.tensor_dtype, t.dtype, src.shape[1])
     if layout is not None:
         off, roff, width = layout
+        stride = chk.tensor_dtype.itemsize  # sizeof(struct ggml_tensor), as check_layout found
+        base = scratch.tensor_block(n, stride)
         rows = np.ascontiguousarray(t)  # (kept alive through the call: the kernel reads its address)
-        record = (off, rows.ctypes.data, t.dtype.itemsize, roff, width)
-        at = (recs.inverse, buffers, bases, recs.offsets, src, v)
-        if make_tensors_kernel(new_tensor, scratch.ctx, order, type_, blocks, *record, *at, host) < 0:
-            raise MemoryError("scratch ggml_context full")
+        record = (off, rows.ctypes.data, t.dtype.itemsize, roff, width, type_)
+        write_tensors_kernel(base, stride, *record, recs.inverse, buffers, bases, recs.offsets, src, v, host)
         return host
+    order = parsed.order.astype(np.int64)
+    blocks = np.asarray(chk.blck_size_arr, np.int64)[type_]
+    scratch.check_room(n)  # (ggml aborts on a full context: its NULL below is never seen)
+    new_tensor = c_address(g.ggml_new_tensor_1d)
     if new_tensors_kernel(new_tensor, scratch.ctx, order, type_, blocks, host) < 0:
         raise MemoryError("scratch ggml_context full")
     # Every field as host_from_rpc writes it, tensor by tensor in creation order.

@@ -44,6 +44,7 @@ class Scratch:
     def __init__(self, g, n_tensors: int, graph_size: int = 0):
         self.g = g
         self.pinned: list[ctypes.Array] = []  # memory the context's tensors point into, kept until close
+        self._tensors: Optional[np.ndarray] = None  # tensor_block's memory, kept until close
         self.buffers: list[int] = []  # ggml buffers made for this scratch's tensors, freed on close
         size = g.ggml_tensor_overhead() * (n_tensors + 1) + 1024
         if graph_size:
@@ -66,6 +67,20 @@ class Scratch:
         if need > room:
             raise MemoryError(f"scratch ggml_context full: {need} bytes needed, {room} free")
 
+    def tensor_block(self, n_tensors: int, tensor_size: int) -> int:
+        """The address of room for `n_tensors` structs ggml_tensor of `tensor_size` bytes
+        (sizeof, as apir.ggml.layout checked it) side by side, 64-byte aligned, not zeroed:
+        for a caller that writes whole tensors itself (apir.host.graph), where 10,000 calls
+        of ggml_new_tensor would cost more than writing them. ggml only reads a graph's
+        tensors through their pointers, never through the context that holds them. The
+        memory lives until `close` (one block per Scratch) and counts in `size`."""
+        if self._tensors is not None:
+            raise RuntimeError("Scratch.tensor_block: this scratch has its block already")
+        nbytes = n_tensors * tensor_size
+        self._tensors = np.empty(nbytes + 64, np.uint8)
+        self.size += nbytes + 64
+        return -(-self._tensors.ctypes.data // 64) * 64
+
     def close(self) -> None:
         for buf in self.buffers:
             self.g.ggml_backend_buffer_free(buf)
@@ -74,6 +89,7 @@ class Scratch:
             self.g.ggml_free(self.ctx)
             self.ctx = None
         self.pinned = []
+        self._tensors = None
 
     def __enter__(self) -> "Scratch":
         return self

@@ -65,11 +65,14 @@ def build(scratch, p):
 
 p = parsed()
 n, nodes = len(p.tensors), len(p.node_index)
+kernel_layout = hg._kernel_layout
+hg._kernel_layout = lambda tensor, rpc, max_src: None  # tensors made by ggml_new_tensor_1d
 with Scratch(g, 2, 1) as scratch:  # room for 3 tensors of 13
     build(scratch, p)
-with Scratch(g, n, 0) as scratch:  # room for the tensors, its slack eaten, none for the cgraph
-    each = g.ggml_tensor_overhead()
-    while g.ggml_get_mem_size(scratch.ctx) - g.ggml_used_mem(scratch.ctx) >= (n + 1) * each:
+hg._kernel_layout = kernel_layout  # tensors written in the scratch's tensor_block
+with Scratch(g, 0, 0) as scratch:  # its slack eaten: no room for the cgraph
+    need = g.ggml_graph_overhead_custom(nodes, False)
+    while g.ggml_get_mem_size(scratch.ctx) - g.ggml_used_mem(scratch.ctx) >= need:
         g.ggml_new_tensor_1d(scratch.ctx, g.types["F32"], 1)
     build(scratch, parsed())
 with Scratch(g, n, nodes) as scratch:  # as graph_compute sizes it
