@@ -924,7 +924,7 @@ def _lane_seeds(n, key):
 
 @helper
 def _nh(x, seeds, k):
-    # Lane k of an NH sum (UMAC's hash, RFC 4418 section 5.2.2): the two 32-bit halves of the
+    # Lane k of an NH sum (UMAC's hash, RFC 4418's L1-HASH): the two 32-bit halves of the
     # int64 word x, each plus its lane's secret seed mod 2**32, multiplied (exact: below
     # 2**64), the product's low 62 bits. For two rows that differ, their sums of lanes agree
     # with probability at most 2**-30 over the seeds, so a guest that does not know them can
