@@ -733,7 +733,8 @@ def parse_graph_kernel(
     is complete only when the graph is valid. `map_keys` (zeroed, a power of two >= 2 *
     n_tensors) / `map_vals` map ids to tensor indices, slots hashed with multiplier `hkey`
     (TABLE_KEY: the ids are the guest's); `state` (zeroed int8), `stack_t` / `stack_k`
-    (int32, n_tensors) are the cycle check's DFS. Returns 0 or a PARSE_* error with details in `info`."""
+    (int32, n_tensors) are the cycle check's DFS. Returns 0 or a PARSE_* error with details
+    in `info`."""
     rec = rl[R_SIZE]
     max_src = lim[L_MAX_SRC]
     max_name = lim[L_MAX_NAME]

@@ -12,9 +12,9 @@ memory), and each node's shape goes through `apir.host.shapes.check_node` (once 
 tensors whose rules see equal inputs, apir.host.rule_memo: a model's layers repeat), then what rules ask
 of the whole graph (`_check_graph_needs`: row ids read before compute are written by no node
 before they are read; kernels safe only on one thread are in a one-thread graph). Only then are
-tensors created in a host `ggml_context` (no data allocated: `data` points into the checked
-buffers), in sources-first order (row ids pointed at the copy their rule checked), and the nodes
-added to a graph in the guest's node order.
+the host tensors made (no data allocated: `data` points into the checked buffers; row ids
+pointed at the copy their rule checked), and the nodes added to a graph, in the scratch's
+`ggml_context`, in the guest's node order.
 
 Speed: a MiniLM batch has ~330 tensors and a large LLM graph over 10,000, so nothing here
 runs Python per tensor. The record checks run on the parsed graph's arrays at once
@@ -24,10 +24,12 @@ exact Python integers) run instead and raise the same `Refused` as always, so th
 path never decides a refusal, only an acceptance the per-tensor path would make too. A
 tensor's `TensorInfo` is made only when a rule or check asks for it (`TensorInfos`), and a
 rule runs once per group of equal inputs (apir.host.rule_memo). The host tensors are
-created and their fields written by Numba kernels that call ggml through its function
-addresses and write at the offsets of the layout `apir.ggml.layout.check_layout` checked at
-load (`_create_tensors`; field by field through numpy if that layout is not the one the
-kernel writes).
+written whole by a Numba kernel, side by side in one block the scratch owns, at the offsets
+of the layout `apir.ggml.layout.check_layout` checked at load (`_create_tensors`: ggml reads
+a graph's tensors through their pointers only; if that layout is not the one the kernel
+writes, they are made by ggml_new_tensor_1d in the scratch's context and written field by
+field through numpy). The graph's nodes are added by a kernel that calls ggml through its
+function's address.
 
 Errors: `Refused` (with the tensor or node index) for anything the checks reject.
 """
