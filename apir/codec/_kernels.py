@@ -693,6 +693,9 @@ def _map_find(keys, vals, key, hkey):
         i = (i + 1) & mask
 
 
+_LATER = -2  # parse_graph_kernel: a source not found among the tensors before its own (yet)
+
+
 @helper
 def _find_id(map_keys, map_vals, key, hkey, ids_at, rec, guess, n):
     # The index of the tensor whose id is `key` (-1: none), tensor `guess` tried first (a
@@ -741,6 +744,9 @@ def parse_graph_kernel(
     tensors_at = addr + 8 + 8 * n_nodes
     n_types = type_valid.shape[0]
     mask = map_keys.shape[0] - 1
+    sources_first = True  # every src and view_src listed before its tensor (the C's order)
+    later = False  # a src or view_src not among the tensors before its own
+    ids_at = tensors_at + rl[R_ID]
     memcopy(addr, src, 8 + 8 * n_nodes)
     for i in range(n_tensors):
         r = tensors_at + rec * i
@@ -779,32 +785,52 @@ def parse_graph_kernel(
         if not terminated:
             info[0] = i
             return PARSE_NAME
-    sources_first = True  # every src and view_src listed before its tensor (the C's order)
-    ids_at = tensors_at + rl[R_ID]
-    for i in range(n_tensors):
-        r = tensors_at + rec * i
+        # Sources listed before the tensor (the C's order) are found now, while its record is
+        # in cache (the map holds tensors 0..i); any other waits for the pass below.
         for s in range(max_src):
             sid = load_i64(r + rl[R_SRC] + 8 * s)
             idx = -1
             if sid != 0:
-                idx = _find_id(map_keys, map_vals, sid, hkey, ids_at, rec, i - 1, n_tensors)
+                idx = _find_id(map_keys, map_vals, sid, hkey, ids_at, rec, i - 1, i)
+                if idx < 0:
+                    idx = _LATER
+                    later = True
+                elif idx == i:
+                    sources_first = False
+            src_index[i, s] = idx
+        vid = load_i64(r + rl[R_VIEW_SRC])
+        idx = -1
+        if vid != 0:
+            idx = _find_id(map_keys, map_vals, vid, hkey, ids_at, rec, i - 1, i)
+            if idx < 0:
+                idx = _LATER
+                later = True
+            elif idx == i:
+                sources_first = False
+        view_src_index[i] = idx
+    # Sources listed after their tensor, or not at all: in tensor order, as the errors go.
+    for i in range(n_tensors if later else 0):
+        r = tensors_at + rec * i
+        for s in range(max_src):
+            if src_index[i, s] == _LATER:
+                sid = load_i64(r + rl[R_SRC] + 8 * s)
+                idx = _map_find(map_keys, map_vals, sid, hkey)
                 if idx < 0:
                     info[0] = i
                     info[1] = s
                     info[2] = sid
                     return PARSE_UNKNOWN_SRC
                 sources_first = sources_first and idx < i
-            src_index[i, s] = idx
-        vid = load_i64(r + rl[R_VIEW_SRC])
-        idx = -1
-        if vid != 0:
-            idx = _find_id(map_keys, map_vals, vid, hkey, ids_at, rec, i - 1, n_tensors)
+                src_index[i, s] = idx
+        if view_src_index[i] == _LATER:
+            vid = load_i64(r + rl[R_VIEW_SRC])
+            idx = _map_find(map_keys, map_vals, vid, hkey)
             if idx < 0:
                 info[0] = i
                 info[1] = vid
                 return PARSE_UNKNOWN_VIEW_SRC
             sources_first = sources_first and idx < i
-        view_src_index[i] = idx
+            view_src_index[i] = idx
     idx = -1
     for i in range(n_nodes):
         nid = load_i64(addr + 4 + 8 * i)
