@@ -88,9 +88,8 @@ def bench_graph(g, ref) -> None:
 def bench_host_build(g, ref) -> None:
     from apir.codec.graph import BufferTable
     from apir.host.dispatch_backend import prepare_graph
-    from apir.host.graph import build_graph_parts, lib_op_enums
+    from apir.host.graph import build_graph_parts, graph_scratch, lib_op_enums
     from apir.host.graph_cache import GraphCache, graph_wire
-    from apir.host.tensors import Scratch
     from tests.host.hostkit import Guest
 
     bg = build_graph(g, 500, ref.ref_new_buffer, graph_size=16384, all_allocated=True)
@@ -118,7 +117,7 @@ def bench_host_build(g, ref) -> None:
             timing leaves it out)."""
             t0 = time.perf_counter()
             parsed = parse_graph(ours_wire, **kw)
-            with Scratch(g, len(parsed.tensors), max(len(parsed.node_index), 1)) as scratch:
+            with graph_scratch(lib, parsed) as scratch:
                 build_graph_parts(lib, parsed, scratch, enums)
                 return time.perf_counter() - t0
 

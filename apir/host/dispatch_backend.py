@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Optional
 from apir.codec.graph import GraphError, ParsedGraph, parse_graph
 from apir.codec.wire import Decoder, Encoder
 from apir.host.errors import BACKEND_RC_OK, Refused, log
-from apir.host.graph import BuiltGraph, build_graph_parts, lib_op_enums
+from apir.host.graph import BuiltGraph, build_graph_parts, graph_scratch, lib_op_enums
 from apir.host.graph_cache import GraphCache, GraphCacheEntry, graph_key, graph_wire
 from apir.host.profiles import CPU
 from apir.host.tensors import Scratch
@@ -92,7 +92,7 @@ def prepare_graph(lib: PythonBackendLibrary, parsed: ParsedGraph, cache: Optiona
     if entry is not None:
         return entry
     _warn_if_nothing_to_compute(lib.g, parsed)  # (a hit has the same flags: warned once)
-    scratch = Scratch(lib.g, len(parsed.tensors), max(len(parsed.node_index), 1))
+    scratch = graph_scratch(lib, parsed)
     try:
         built = build_graph_parts(lib, parsed, scratch, enums)
     except BaseException:

@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # annotations only: the dispatcher it leads to imports this m
 
 __all__ = [
     "build_graph",
+    "graph_scratch",
     "build_graph_parts",
     "BuiltGraph",
     "tensor_info",
@@ -454,6 +455,16 @@ class BuiltGraph(NamedTuple):
     infos: TensorInfos  # as the rules saw them (snapshots and readers of row ids included)
     src_rows: np.ndarray  # int32[n_tensors, max_src]: src indices per tensor (-1: none)
     buffers: Dict[int, HostBuffer]  # handle -> the HostBuffer the checks saw
+
+
+def graph_scratch(lib: PythonBackendLibrary, parsed) -> Scratch:
+    """A Scratch for `build_graph_parts` of `parsed`: its context has room for the cgraph,
+    and for every tensor only where they are made there (a ggml layout `write_tensors_kernel`
+    does not write: `_create_tensors`); otherwise they go in its tensor block, and room for
+    them in the context would count twice in `Scratch.size` (the graph cache's budget)."""
+    t = parsed.tensors
+    in_context = _kernel_layout(lib.checker.tensor_dtype, t.dtype, parsed.src_index.shape[1]) is None
+    return Scratch(lib.g, len(t) if in_context else 0, max(len(parsed.node_index), 1))
 
 
 def build_graph(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums: OpEnums) -> int:

@@ -330,3 +330,27 @@ def test_record_kernels_twins_agree(setup, monkeypatch):
             assert ret_a == ret_b
             if ret_a >= 0:
                 assert all(np.array_equal(x, y) for x, y in zip(arrays_a, arrays_b))
+
+
+@pytest.mark.parametrize("bulk", [True, False])
+def test_graph_scratch_counts_each_tensor_once(setup, monkeypatch, bulk):
+    """graph_scratch's context has room for the tensors only where they are made there (the
+    ggml_new_tensor path); else they live in its tensor block, and `size` (the graph cache's
+    budget) counts each once: the cgraph's room, one header of slack, the block."""
+    from apir.host.dispatch_backend import prepare_graph
+
+    lib, wire, _ = setup
+    if not bulk:
+        monkeypatch.setattr(hg, "_kernel_layout", lambda tensor, rpc, max_src: None)
+    g = lib.g
+    parsed = _parse(lib, wire)
+    n, nodes = len(parsed.tensors), len(parsed.node_index)
+    entry = prepare_graph(lib, parsed, None)
+    try:
+        graph = g.ggml_graph_overhead_custom(nodes, False) + g.ggml_tensor_overhead() + 1024
+        if bulk:
+            assert entry.scratch.size == graph + n * lib.checker.tensor_dtype.itemsize + 64
+        else:
+            assert entry.scratch.size == graph + n * g.ggml_tensor_overhead()
+    finally:
+        entry.close()
