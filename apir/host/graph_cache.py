@@ -83,13 +83,15 @@ def _key_mask(rpc: np.dtype, ids: bool = False) -> np.ndarray:
     """0xFF for each byte of an apir_rpc_tensor record the host reads, except (unless `ids`)
     the ids (`id`, `src`, `view_src`, which `graph_key` replaces by indices); 0 for those, for
     `padding` and for the holes between fields, which no check, rule or build step reads (the
-    C guest leaves them uninitialized, so keying on them would only make equal graphs differ)."""
+    C guest leaves them uninitialized, so keying on them would only make equal graphs differ).
+    Read-only: the one array every caller gets."""
     mask = np.zeros(rpc.itemsize, np.uint8)
     fields: Mapping[str, tuple] = rpc.fields or {}
     skip = ("padding",) if ids else ("id", "src", "view_src", "padding")
     for name, spec in fields.items():
         if name not in skip:
             mask[spec[1] : spec[1] + spec[0].itemsize] = 0xFF
+    mask.flags.writeable = False  # (one array for every caller: lru_cache)
     return mask
 
 
@@ -124,15 +126,16 @@ def graph_key(parsed) -> bytes:
 @dataclasses.dataclass(frozen=True)
 class GraphWire:
     """`graph_wire` of a graph: `data`, its `head` header bytes then one record of
-    `record_size` bytes per tensor; `mask` (`_key_mask` with ids) and the name's place
-    (`name_at`, `name_len`) say how `GraphCache.take_same` compares graph bytes with it."""
+    `record_size` bytes per tensor; `word_mask` (`_key_mask` with ids, the name left out, as
+    int64 words), the name's offset `name_at` and each record's name length (`name_lens`,
+    int64) say how `GraphCache.take_same` compares graph bytes with it."""
 
     data: bytes
     head: int
     record_size: int
-    mask: np.ndarray
+    word_mask: np.ndarray
     name_at: int
-    name_len: int
+    name_lens: np.ndarray
 
     def matches(self, memory, size: int) -> bool:
         """Whether the first `size` bytes of `memory` hold this graph
@@ -140,9 +143,23 @@ class GraphWire:
         first = min(16, len(self.data))  # the node count and first node id: most misses, no kernel call
         if len(self.data) > size or bytes(memory[:first]) != self.data[:first]:
             return False
-        view = np.frombuffer(memory, np.uint8, count=size)
+        if self.word_mask.size * 8 != self.record_size:
+            return False  # (records of a size the kernel does not compare: graph_wire)
+        view = np.frombuffer(memory, np.uint8, count=size)  # (held through the call: its address is read)
         old = np.frombuffer(self.data, np.uint8)
-        return bool(record_match_kernel(view, old, self.head, self.record_size, self.mask, self.name_at, self.name_len))
+        return bool(
+            record_match_kernel(
+                view.ctypes.data,
+                size,
+                old.ctypes.data,
+                old.size,
+                self.head,
+                self.record_size,
+                self.word_mask,
+                self.name_at,
+                self.name_lens,
+            )
+        )
 
 
 def graph_wire(parsed) -> GraphWire:
@@ -163,7 +180,15 @@ def graph_wire(parsed) -> GraphWire:
     name_at, name_len = t.dtype.fields["name"][1], t.dtype.fields["name"][0].itemsize
     mask = _key_mask(t.dtype, ids=True)
     record_key_kernel(rows, mask, name_at, name_len, out[head:])
-    return GraphWire(out.tobytes(), head, size, mask, name_at, name_len)
+    nul = rows[:, name_at : name_at + name_len] == 0
+    # bytes before each name's first NUL (a name without one, which the checks refuse, is
+    # compared whole)
+    name_lens = np.where(nul.any(axis=1), np.argmax(nul, axis=1), name_len - 1).astype(np.int64)
+    outside = mask.copy()  # (the cached mask stays as it is)
+    outside[name_at : name_at + name_len] = 0  # the name is compared apart, up to its NUL
+    if size % 8:  # (no ggml's apir_rpc_tensor: it holds 8-byte fields) never matched in place
+        outside = np.zeros(0, np.uint8)
+    return GraphWire(out.tobytes(), head, size, outside.view(np.int64), name_at, name_lens)
 
 
 def _unread_copy(info: TensorInfo) -> TensorInfo:

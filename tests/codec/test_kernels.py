@@ -144,24 +144,42 @@ def test_record_key_kernel_vs_python():
 
 
 def test_record_match_kernel_vs_python():
-    """A header, then records compared under the mask and each name up to its NUL; the
-    first difference that counts is a mismatch, in the jitted kernel and its twin."""
+    """A header, then records compared 8 bytes at a time under the word mask and each name up
+    to its NUL; the first difference that counts is a mismatch, in the jitted kernel and its
+    twin, whatever the new bytes' alignment."""
     rng = np.random.default_rng(8)
-    rows = rng.integers(1, 256, (3, 12), dtype=np.uint8)
-    rows[0, 6] = 0  # name at [4, 10) ends at byte 6
-    mask = np.array([0xFF, 0, 0xFF, 0xFF] + [0xFF] * 6 + [0, 0xFF], np.uint8)
-    head = np.array([7, 8, 9, 10], np.uint8)
-    old = np.empty(4 + rows.size, np.uint8)
-    old[:4] = head
-    K.record_key_kernel(rows, mask, 4, 6, old[4:])
-    new = np.concatenate([head, rows.reshape(-1), np.array([1, 2], np.uint8)])  # trailing bytes
-    for fn in (K.record_match_kernel, K.record_match_kernel.py_func):
-        assert fn(new, old, 4, 12, mask, 4, 6)
-        # (offset, compared): a header byte; record 0's masked-out bytes 1 and 10; record 1's
-        # byte 0; record 0's name: its NUL (byte 6) compared, the bytes after it (7..9) not
-        for at, counts in ((0, True), (4 + 1, False), (4 + 10, False), (4 + 12, True), (4 + 6, True),
-                           (4 + 7, False), (4 + 9, False)):
-            changed = new.copy()
-            changed[at] ^= 0x40
-            assert fn(changed, old, 4, 12, mask, 4, 6) is (not counts), at
-        assert not fn(new[: old.size - 1], old, 4, 12, mask, 4, 6)
+    rows = rng.integers(1, 256, (3, 24), dtype=np.uint8)  # names at [8, 20)
+    rows[0, 10] = 0  # record 0's name ends at byte 10
+    rows[1, 8] = 0  # record 1's is empty
+    rows[2, 19] = 0  # record 2's NUL is its name's last byte
+    mask = np.array([0xFF, 0, 0xFF, 0xFF] + [0xFF] * 4 + [0xFF] * 12 + [0, 0xFF, 0xFF, 0], np.uint8)
+    head = np.arange(7, 15, dtype=np.uint8)
+    old = np.empty(8 + rows.size, np.uint8)
+    old[:8] = head
+    K.record_key_kernel(rows, mask, 8, 12, old[8:])
+    words = mask.copy()
+    words[8:20] = 0
+    words = words.view(np.int64)
+    name_lens = np.array([2, 0, 11], np.int64)
+    for offset in (0, 3):  # the guest's bytes at an aligned and an unaligned address
+        buf = np.zeros(offset + 8 + rows.size + 2, np.uint8)
+        new = buf[offset:]
+        new[:8] = head
+        new[8 : 8 + rows.size] = rows.reshape(-1)
+        new[-2:] = [1, 2]  # trailing bytes
+        for fn in (K.record_match_kernel, K.record_match_kernel.py_func):
+            def match(b, size=None):
+                size = b.size if size is None else size
+                return fn(b.ctypes.data, size, old.ctypes.data, old.size, 8, 24, words, 8, name_lens)
+
+            assert match(new)
+            # (offset, compared): header bytes; record 0's masked-out bytes 1 and 20; record
+            # 1's byte 0 and its name's NUL (8) but not the byte after it; record 0's name:
+            # its NUL (10) compared, the bytes after it (11..19) not; record 2's last name byte
+            for at, counts in ((0, True), (7, True), (8 + 1, False), (8 + 20, False), (8 + 21, True),
+                               (8 + 24, True), (8 + 24 + 8, True), (8 + 24 + 9, False), (8 + 10, True),
+                               (8 + 11, False), (8 + 19, False), (8 + 48 + 19, True), (8 + 48 + 18, True)):
+                changed = new.copy()
+                changed[at] ^= 0x40
+                assert match(changed) is (not counts), (offset, at)
+            assert not match(new, old.size - 1)
