@@ -6,7 +6,7 @@
 - parse_graph_kernel's guessed indices (`_find_id`) against a reference on random graphs
   with duplicated, high-bit, unknown and late ids, jitted and twin.
 - rule_group_kernel with every hash forced to one value (one probe chain: only the exact
-  comparisons decide) against `_groups_by_definition`, 10 source slots, late sources.
+  comparisons decide) against `groups_by_definition`, 10 source slots, late sources.
 - write_tensors_kernel's structs byte for byte as the ggml_new_tensor_1d path writes them
   (src / view_src compared as tensor indices), records in C order and reversed.
 """
@@ -16,7 +16,6 @@ import struct
 import threading
 import time
 
-import numba
 import numpy as np
 import pytest
 
@@ -26,22 +25,13 @@ from apir.codec.records import rpc_tensor_dtype
 from apir.host import graph as hg
 from apir.host.tensors import Scratch
 from tests.host.hostkit import GgmlScratch, RemoteGraph
-from tests.host.test_first_build_attack import _groups_by_definition
+from tests.host.attackkit import flip, groups_by_definition
 
 
 def _parse(lib, raw, end=None, kernel=None):
     g = lib.g
     return parse_graph(raw, 0, end, limits=g.limits, op_count=g.op_count, type_valid=lib.checker.valid_types,
                        _kernel=kernel)
-
-
-@numba.njit(nogil=True)
-def _flip(mem, offs, a, b, stop):
-    while stop[0] == 0:
-        for k in range(offs.size):
-            mem[offs[k]] = a[k]
-        for k in range(offs.size):
-            mem[offs[k]] = b[k]
 
 
 def test_parse_under_a_racing_guest_checks_what_it_keeps(guest, ggml):
@@ -85,7 +75,7 @@ def test_parse_under_a_racing_guest_checks_what_it_keeps(guest, ggml):
             a = np.array([v for _, v, _ in spec], np.uint8)
             b = np.array([v for _, _, v in spec], np.uint8)
             stop = np.zeros(1, np.int64)
-            th = threading.Thread(target=_flip, args=(mem, offs, a, b, stop))
+            th = threading.Thread(target=flip, args=(mem, offs, a, b, stop))
             th.start()
             seen = {"kept": 0, "refused": 0}
             try:
@@ -228,7 +218,7 @@ def test_group_kernel_decides_by_exact_comparison_when_every_hash_collides(monke
                     src[i, k] = src[i, int(rng.integers(k))]
         got = np.full(n, -7, np.int32)
         groups = K.rule_group_kernel.py_func(words, keep, mask[keep], src, got, 1)
-        want = _groups_by_definition(words, mask, src)
+        want = groups_by_definition(words, mask, src)
         assert np.array_equal(got, want), (trial, got, want)
         assert groups == len(np.unique(want))
 

@@ -33,7 +33,7 @@ from apir.codec import _kernels as K
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.host.graph_cache import _key_mask, graph_key, graph_wire
-from tests.host.test_attack7 import _flip
+from tests.host.attackkit import flip
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -187,7 +187,7 @@ def test_second_pass_under_a_racing_guest(ggml):
         a = np.array([v for _, v, _ in spec], np.uint8)
         b = np.array([v for _, _, v in spec], np.uint8)
         stop = np.zeros(1, np.int64)
-        th = threading.Thread(target=_flip, args=(mem, offs, a, b, stop))
+        th = threading.Thread(target=flip, args=(mem, offs, a, b, stop))
         th.start()
         seen = {"kept": 0, "refused": 0}
         try:

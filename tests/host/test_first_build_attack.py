@@ -25,6 +25,7 @@ from apir.host import graph as hg
 from apir.host.errors import Refused
 from apir.host.graph_cache import GraphCacheEntry
 from apir.host.tensors import Scratch
+from tests.host.attackkit import groups_by_definition
 from tests.host.hostkit import GgmlScratch, RemoteGraph
 
 _ROOT = Path(__file__).resolve().parents[2]
@@ -283,33 +284,6 @@ def test_a_later_layer_whose_data_lies_elsewhere_is_refused(layers, lie, monkeyp
 # --- the grouping kernel against its definition -----------------------------------------------
 
 
-def _groups_by_definition(words, mask, src):
-    """rule_group_kernel's answer from its definition, by brute force: each tensor's first
-    tensor with the same masked record, the same source slots (none, itself, a slot's tensor
-    again) and sources of the same masked records."""
-    n, slots = src.shape
-
-    def record(i):
-        return tuple((words[i] & mask).tolist())
-
-    def inputs(i):
-        row = src[i].tolist()
-        out = [record(i)]
-        for k, s in enumerate(row):
-            if s < 0:
-                out.append(("none",))
-            elif s == i:
-                out.append(("self",))
-            elif row.index(s) < k:
-                out.append(("again", row.index(s)))
-            else:
-                out.append(("src", record(s)))
-        return tuple(out)
-
-    seen = {}
-    return np.array([seen.setdefault(inputs(i), i) for i in range(n)], np.int32)
-
-
 @pytest.mark.parametrize("twin", [False, True])
 def test_group_kernel_matches_its_definition(twin):
     """Few distinct records and sources, so that many tensors share a probe chain in the
@@ -338,7 +312,7 @@ def test_group_kernel_matches_its_definition(twin):
         got = np.full(n, -7, np.int32)
         keep = np.flatnonzero(mask)
         groups = kernel(words, keep, mask[keep], src, got, TABLE_KEY if trial % 2 else 1)  # (1: the worst key)
-        want = _groups_by_definition(words, mask, src)
+        want = groups_by_definition(words, mask, src)
         assert np.array_equal(got, want), (trial, got, want)
         assert groups == len(np.unique(want))
 
