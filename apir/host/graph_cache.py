@@ -186,7 +186,7 @@ def graph_wire(parsed) -> GraphWire:
     name_lens = np.where(nul.any(axis=1), np.argmax(nul, axis=1), name_len - 1).astype(np.int64)
     outside = mask.copy()  # (the cached mask stays as it is)
     outside[name_at : name_at + name_len] = 0  # the name is compared apart, up to its NUL
-    if size % 8:  # (no ggml's apir_rpc_tensor: it holds 8-byte fields) never matched in place
+    if size % 8:  # never matched in place (apir_rpc_tensor holds 8-byte fields: its size never is)
         outside = np.zeros(0, np.uint8)
     return GraphWire(out.tobytes(), head, size, outside.view(np.int64), name_at, name_lens)
 
