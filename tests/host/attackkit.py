@@ -1,8 +1,11 @@
 """What the first-build attack tests share: a guest thread rewriting its memory while the
-host reads it (`flip`), and rule_group_kernel's answer from its definition
+host reads it (`flip`, `racing_guest`), and rule_group_kernel's answer from its definition
 (`groups_by_definition`)."""
 
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import numba
 import numpy as np
@@ -17,6 +20,25 @@ def flip(mem, offs, a, b, stop):
             mem[offs[k]] = a[k]
         for k in range(offs.size):
             mem[offs[k]] = b[k]
+
+
+@contextlib.contextmanager
+def racing_guest(wire: bytes, spec):
+    """`wire` copied into a buffer (uint8, yielded) whose bytes another thread keeps
+    rewriting (`flip`) while the block runs: for each (offset, a, b) of `spec`, between a
+    and b."""
+    mem = np.frombuffer(bytearray(wire), np.uint8)
+    offs = np.array([o for o, _, _ in spec], np.int64)
+    a = np.array([v for _, v, _ in spec], np.uint8)
+    b = np.array([v for _, _, v in spec], np.uint8)
+    stop = np.zeros(1, np.int64)
+    th = threading.Thread(target=flip, args=(mem, offs, a, b, stop))
+    th.start()
+    try:
+        yield mem
+    finally:
+        stop[0] = 1
+        th.join()
 
 
 def groups_by_definition(words, mask, src):

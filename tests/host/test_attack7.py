@@ -13,7 +13,6 @@
 
 import ctypes
 import struct
-import threading
 import time
 
 import numpy as np
@@ -25,7 +24,7 @@ from apir.codec.records import rpc_tensor_dtype
 from apir.host import graph as hg
 from apir.host.tensors import Scratch
 from tests.host.hostkit import GgmlScratch, RemoteGraph
-from tests.host.attackkit import flip, groups_by_definition
+from tests.host.attackkit import groups_by_definition, racing_guest
 
 
 def _parse(lib, raw, end=None, kernel=None):
@@ -70,15 +69,8 @@ def test_parse_under_a_racing_guest_checks_what_it_keeps(guest, ggml):
     }
     try:
         for name, spec in cases.items():
-            mem = np.frombuffer(bytearray(wire), np.uint8)
-            offs = np.array([o for o, _, _ in spec], np.int64)
-            a = np.array([v for _, v, _ in spec], np.uint8)
-            b = np.array([v for _, _, v in spec], np.uint8)
-            stop = np.zeros(1, np.int64)
-            th = threading.Thread(target=flip, args=(mem, offs, a, b, stop))
-            th.start()
             seen = {"kept": 0, "refused": 0}
-            try:
+            with racing_guest(wire, spec) as mem:
                 end = time.monotonic() + 0.7
                 while time.monotonic() < end:
                     try:
@@ -92,9 +84,6 @@ def test_parse_under_a_racing_guest_checks_what_it_keeps(guest, ggml):
                     q = _parse(lib, copy)  # what was kept passes the checks, to the same links
                     for f in ("node_index", "src_index", "view_src_index", "order"):
                         assert np.array_equal(getattr(p, f), getattr(q, f)), (name, f)
-            finally:
-                stop[0] = 1
-                th.join()
             assert seen["refused"] and seen["kept"], (name, seen)
     finally:
         remote.close()

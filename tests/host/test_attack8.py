@@ -22,7 +22,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from apir.codec import _kernels as K
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.host.graph_cache import _key_mask, graph_key, graph_wire
-from tests.host.attackkit import flip
+from tests.host.attackkit import racing_guest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -182,15 +181,8 @@ def test_second_pass_under_a_racing_guest(ggml):
         "last src unknown": [(at("src", i=n - 2), wire[at("src", i=n - 2)], 0)],  # 0: no source, valid
     }
     for name, spec in cases.items():
-        mem = np.frombuffer(bytearray(wire), np.uint8)
-        offs = np.array([o for o, _, _ in spec], np.int64)
-        a = np.array([v for _, v, _ in spec], np.uint8)
-        b = np.array([v for _, _, v in spec], np.uint8)
-        stop = np.zeros(1, np.int64)
-        th = threading.Thread(target=flip, args=(mem, offs, a, b, stop))
-        th.start()
         seen = {"kept": 0, "refused": 0}
-        try:
+        with racing_guest(wire, spec) as mem:
             start = time.monotonic()  # (a shared machine may not run the flipper at once)
             while time.monotonic() < start + 0.3 or (
                 not (seen["kept"] and (seen["refused"] or name.startswith("last"))) and time.monotonic() < start + 8
@@ -207,9 +199,6 @@ def test_second_pass_under_a_racing_guest(ggml):
                 q = parse_graph(copy, **_kw(ggml))
                 for f in ("node_index", "src_index", "view_src_index", "order"):
                     assert np.array_equal(getattr(p, f), getattr(q, f)), (name, f)
-        finally:
-            stop[0] = 1
-            th.join()
         assert seen["kept"], (name, seen)
         assert seen["refused"] or name == "last src unknown", (name, seen)
 
