@@ -370,10 +370,12 @@ def _entries(dt: np.dtype) -> tuple:
     return (dt.base.itemsize, dt.shape[0]) if dt.shape else (dt.itemsize, 1)
 
 
+@functools.lru_cache(maxsize=8)
 def _kernel_layout(tensor: np.dtype, rpc: np.dtype, max_src: int) -> Optional[tuple]:
     """write_tensors_kernel's (`off`, `roff`, `width`) for ggml's tensor layout `tensor` and
     the records' `rpc`, or None when a field is not of the width the kernel reads or writes
-    (the caller then writes field by field)."""
+    (the caller then writes field by field). Once per layout (16 us of dtype walking, which
+    graph_scratch and _create_tensors both ask for on every build); the arrays read-only."""
     f: Mapping[str, tuple] = tensor.fields or {}
     r: Mapping[str, tuple] = rpc.fields or {}
     if any(name not in r for name in _READ) or any(name not in f for name in _WRITTEN):
@@ -389,6 +391,7 @@ def _kernel_layout(tensor: np.dtype, rpc: np.dtype, max_src: int) -> Optional[tu
         return None
     off = np.array([f[k][1] for k in _WRITTEN], np.int64)
     roff = np.array([r[k][1] for k in _READ] + [params, name_len], np.int64)
+    off.flags.writeable = roff.flags.writeable = False
     return off, roff, width
 
 
