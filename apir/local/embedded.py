@@ -59,7 +59,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
@@ -103,6 +103,14 @@ class _Job:
             self.done.acquire()
         self.result: Any = None
         self.error: Optional[BaseException] = None
+
+
+def _deferred_notification(kernel: KernelContext) -> Optional[Tuple[Word, int]]:
+    """The reply notification (Word, value) the context deferred for the command it just
+    served (`HostContext.take_notification`), or None (none deferred, or a context factory's
+    context without deferral)."""
+    take = getattr(kernel.ctx, "take_notification", None)
+    return take() if take is not None else None
 
 
 class EmbeddedDevice:
@@ -193,8 +201,7 @@ class EmbeddedDevice:
                     else:
                         log.exception("embedded host: job failed")
             if job.fn == kernel.submit:  # (bound methods: equal, not identical)
-                take = getattr(kernel.ctx, "take_notification", None)
-                note = take() if take is not None else None
+                note = _deferred_notification(kernel)
                 if note is not None:
                     pending.append(note)
                 note = None  # its Word pins the reply mapping: a later GEM_CLOSE must unmap it
@@ -254,8 +261,7 @@ class EmbeddedDevice:
         spin = spin and wait and self._host_spins > 0 and spinning_pays()
         if spin:
             self._done.store_release(0)
-        if not self._lock.acquire(False):  # not while an inline run uses the context
-            self._wait_for_lock(request)
+        self._take_lock(request)  # (not while an inline run uses the context)
         try:
             self._queued = (self._queued + 1) & 0xFFFFFFFF
             self._jobs.put(job)
@@ -294,10 +300,12 @@ class EmbeddedDevice:
                 return False
         return True
 
-    def _wait_for_lock(self, request: str) -> None:
+    def _take_lock(self, request: str) -> None:
         """Takes the device's lock, which an inline run in another thread holds for the run's
         length, bounded by no one (a backend call that hangs): DeviceError after
         `io_timeout_s`, as for a host-thread job that does not answer."""
+        if self._lock.acquire(False):  # (the usual case, without a timed wait)
+            return
         limit = self.io_timeout_s
         if not self._lock.acquire(timeout=min(max(limit, 0.0), threading.TIMEOUT_MAX)):
             raise DeviceError(f"embedded: {request}: a command running inline did not end within {limit:g} s")
@@ -315,8 +323,7 @@ class EmbeddedDevice:
             return False  # a GPU's or ggml-rpc's copies may never end: the guest's wait has a limit
         if self._closed:  # (before the lock: a closing device may have given up on it)
             raise DeviceError("embedded: device is closed")
-        if not self._lock.acquire(False):
-            self._wait_for_lock(IoctlName.EXECBUFFER)
+        self._take_lock(IoctlName.EXECBUFFER)
         try:
             if self._closed:
                 raise DeviceError("embedded: device is closed")
@@ -332,8 +339,7 @@ class EmbeddedDevice:
                     kernel.submit(command)
                 except Exception as exc:  # its reply notification, if any, is still stored
                     error = exc
-                take = getattr(kernel.ctx, "take_notification", None)
-                note = take() if take is not None else None
+                note = _deferred_notification(kernel)
                 if note is not None:
                     note[0].store_release(note[1])
                 note = None  # its Word pins the reply mapping: a later GEM_CLOSE must unmap it
