@@ -53,6 +53,7 @@ __all__ = [
     "record_key_kernel",
     "record_match_kernel",
     "rule_group_kernel",
+    "group_sizes_kernel",
     "TABLE_KEY",
     "call_ptr_ptr_i32_i64",
     "call_void_ptr_ptr",
@@ -1084,6 +1085,22 @@ def rule_group_kernel(words, keep, mask, src_index, out_rep, key):
                 out_rep[i] = r
                 break
             s = (s + 1) & slot_mask
+    return groups
+
+
+@jit
+def group_sizes_kernel(rep, out_reps, out_sizes):
+    """For `rep` (int32[n]: rule_group_kernel's answer, each tensor's representative, which
+    is at or before it): `out_reps` (int32[n]) starts with the representatives in index
+    order, and `out_sizes[r]` (int32[n], zeroed by the caller) = the members of r's group.
+    Returns the number of groups. (numpy's `rep == arange` and bincount: 60 us a 10k graph.)"""
+    groups = 0
+    for i in range(rep.shape[0]):
+        r = rep[i]
+        if r == i:
+            out_reps[groups] = i
+            groups += 1
+        out_sizes[r] += 1
     return groups
 
 

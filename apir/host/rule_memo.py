@@ -31,7 +31,7 @@ from typing import Dict, Mapping, Optional, Sequence
 
 import numpy as np
 
-from apir.codec._kernels import TABLE_KEY, rule_group_kernel
+from apir.codec._kernels import TABLE_KEY, group_sizes_kernel, rule_group_kernel
 from apir.errors import ApirError
 from apir.host.shapes import OpEnums, TensorInfo, check_node, node_sources
 
@@ -136,12 +136,21 @@ def check_nodes(
     n = len(infos)
     if groups is None:
         groups = np.arange(n, dtype=np.int32)
-    reps = np.flatnonzero(groups == np.arange(n))
-    shared = reps[np.bincount(groups, minlength=n)[reps] > 1]
-    pure = np.zeros(n, np.bool_)
-    for i in shared.tolist():
-        pure[i] = _check_sealed(infos[i], node_sources(src_index[i].tolist(), infos.__getitem__), enums, rules)
-    alone = np.flatnonzero(~pure[groups]).tolist()
+    reps, sizes = np.empty(n, np.int32), np.zeros(n, np.int32)
+    reps = reps[: group_sizes_kernel(groups, reps, sizes)]
+    shared = reps[sizes[reps] > 1]
+    impure = [
+        i
+        for i in shared.tolist()
+        if not _check_sealed(infos[i], node_sources(src_index[i].tolist(), infos.__getitem__), enums, rules)
+    ]
+    if impure:  # each member of their groups on its own (found in one pass over the graph)
+        pure = np.zeros(n, np.bool_)
+        pure[shared] = True
+        pure[impure] = False
+        alone = np.flatnonzero(~pure[groups]).tolist()
+    else:  # (each shared group passed: the groups of one are left, found without a pass)
+        alone = reps[sizes[reps] == 1].tolist()
     for i in alone:
         check_node(infos[i], node_sources(src_index[i].tolist(), infos.__getitem__), enums, rules)
     return len(shared) + len(alone)

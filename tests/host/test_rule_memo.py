@@ -10,7 +10,7 @@ same message, and leave the same row-id state on the infos.
 import numpy as np
 import pytest
 
-from apir.codec._kernels import TABLE_KEY, rule_group_kernel
+from apir.codec._kernels import TABLE_KEY, group_sizes_kernel, rule_group_kernel
 from apir.codec.graph import parse_graph
 from apir.host import graph as hg
 from apir.host import rule_memo
@@ -114,6 +114,23 @@ def test_group_kernel_twins_agree(setup):
         args = (words, keep, mask[keep], src)
         assert rule_group_kernel(*args, a, TABLE_KEY) == rule_group_kernel.py_func(*args, b, TABLE_KEY)
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("twin", [False, True])
+def test_group_sizes_are_numpys(twin):
+    """group_sizes_kernel: the representatives in index order and each group's size, as
+    numpy finds them (`rep == arange`, bincount), on random groupings."""
+    kernel = group_sizes_kernel.py_func if twin else group_sizes_kernel
+    rng = np.random.default_rng(11)
+    for n in (0, 1, 7, 500):
+        rep = np.arange(n, dtype=np.int32)
+        for i in range(1, n):
+            if rng.random() < 0.7:
+                rep[i] = rep[rng.integers(i)]  # (a representative is at or before its members)
+        reps, sizes = np.full(n, -9, np.int32), np.zeros(n, np.int32)
+        k = kernel(rep, reps, sizes)
+        assert reps[:k].tolist() == np.flatnonzero(rep == np.arange(n)).tolist()
+        assert sizes.tolist() == np.bincount(rep, minlength=n).tolist()
 
 
 _LIES = ("ne", "nb", "op_params", "type")
