@@ -29,7 +29,9 @@ of the layout `apir.ggml.layout.check_layout` checked at load (`_create_tensors`
 a graph's tensors through their pointers only; if that layout is not the one the kernel
 writes, they are made by ggml_new_tensor_1d in the scratch's context and written field by
 field through numpy). The graph's nodes are added by a kernel that calls ggml through its
-function's address.
+function's address. On a host with a second CPU, a graph of thousands of tensors has its
+record checks and host tensors made on the build helper thread (apir.host.build_helper)
+while this thread groups and runs the shape rules (`build_graph_parts`).
 
 Errors: `Refused` (with the tensor or node index) for anything the checks reject.
 """
@@ -38,6 +40,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from concurrent import futures
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -53,6 +57,7 @@ from apir.codec._kernels import (
     write_tensors_kernel,
 )
 from apir.ggml.layout import tensor_record
+from apir.host.build_helper import beside
 from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
 from apir.host.rule_memo import check_nodes, rule_groups
@@ -450,6 +455,24 @@ def _create_tensors(lib: PythonBackendLibrary, parsed, scratch: Scratch, recs: _
     return host
 
 
+# Graphs with fewer tensors are built on one thread: the helper's wake-up (~0.1 ms) would cost
+# more than the kernels it runs (a MiniLM batch: 330 tensors, 30 us of them).
+_BESIDE_MIN_TENSORS = 2048
+
+
+def _records_then_tensors(lib: PythonBackendLibrary, parsed, scratch: Scratch, records: Future) -> Optional[np.ndarray]:
+    """The build helper's part of `build_graph_parts`: `_check_records` (its answer set on
+    `records` as soon as it is known), then, when they passed, `_create_tensors` (its answer
+    returned); None when they did not (the caller checks one by one, then makes them)."""
+    try:
+        recs = _check_records(lib, parsed)
+    except BaseException as e:
+        records.set_exception(e)
+        raise
+    records.set_result(recs)
+    return None if recs is None else _create_tensors(lib, parsed, scratch, recs)
+
+
 class BuiltGraph(NamedTuple):
     """A built host graph and what its checks saw (for `apir.host.graph_cache`)."""
 
@@ -476,21 +499,38 @@ def build_graph(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums: OpEn
 
 
 def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums: OpEnums) -> BuiltGraph:
-    """`build_graph`, returning the graph with what its checks saw; raises Refused."""
+    """`build_graph`, returning the graph with what its checks saw; raises Refused.
+
+    A graph of `_BESIDE_MIN_TENSORS` tensors or more has its record checks and host tensors
+    made on the build helper thread (apir.host.build_helper) while this thread groups the
+    tensors for the shape rules; the rules wait for the record checks, as they do without
+    it, so a graph is refused for the same reason either way. The helper writes only the
+    scratch's tensor block, and this returns (or raises) only after it is done."""
     g = lib.g
     if len(parsed.node_index) and np.bincount(parsed.node_index).max() > 1:
         raise Refused("graph: a node is listed twice")
-    recs = _check_records(lib, parsed)
-    if recs is None:
-        recs = _check_records_one_by_one(lib, parsed)
-    profile = getattr(lib, "profile", None) or CPU
-    infos = TensorInfos(lib, parsed, recs, fetch=not profile.host_addressable)
-    _check_spans(lib, parsed, infos, recs)
-    check_nodes(infos, parsed.src_index, enums, profile.rules, rule_groups(parsed))
-    made = infos.made()
-    _check_graph_needs(lib, parsed, made, recs, profile)
+    records: Future = Future()
+    job = None
+    if len(parsed.tensors) >= _BESIDE_MIN_TENSORS:
+        job = beside(_records_then_tensors, lib, parsed, scratch, records)
+    try:
+        groups = rule_groups(parsed)
+        recs = records.result() if job is not None else _check_records(lib, parsed)
+        if recs is None:
+            recs = _check_records_one_by_one(lib, parsed)
+        profile = getattr(lib, "profile", None) or CPU
+        infos = TensorInfos(lib, parsed, recs, fetch=not profile.host_addressable)
+        _check_spans(lib, parsed, infos, recs)
+        check_nodes(infos, parsed.src_index, enums, profile.rules, groups)
+        made = infos.made()
+        _check_graph_needs(lib, parsed, made, recs, profile)
+        host_at = job.result() if job is not None else None
+    finally:
+        if job is not None:
+            futures.wait([job])  # (it writes into the scratch, which the caller may free next)
+    if host_at is None:  # (not made beside: no helper, or the records were checked one by one)
+        host_at = _create_tensors(lib, parsed, scratch, recs)  # int64 per tensor
 
-    host_at = _create_tensors(lib, parsed, scratch, recs)  # int64 per tensor
     # row ids: the kernel reads the copy the rule checked (the guest may write the original,
     # e.g. in a buffer of its memory, between the check and the kernel)
     readers = [info for info in made if info.snapshot is not None]

@@ -1,6 +1,6 @@
 """What the first-build attack tests share: a guest thread rewriting its memory while the
-host reads it (`flip`, `racing_guest`), and rule_group_kernel's answer from its definition
-(`groups_by_definition`)."""
+host reads it (`flip`, `racing_guest`), rule_group_kernel's answer from its definition
+(`groups_by_definition`), and what a build made, comparable across builds (`host_tensors`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import threading
 
 import numba
 import numpy as np
+
+from apir.ggml.layout import tensor_record
 
 
 @numba.njit(nogil=True)
@@ -67,3 +69,20 @@ def groups_by_definition(words, mask, src):
 
     seen = {}
     return np.array([seen.setdefault(inputs(i), i) for i in range(n)], np.int32)
+
+
+def host_tensors(dtype: np.dtype, host: np.ndarray, copied=()) -> list:
+    """Each host tensor a build made (`host`: their addresses by tensor index; `dtype`: the
+    ggml_tensor layout) as the fields a kernel reads, its src and view_src as tensor indices
+    (-1: none) instead of addresses, which differ from one build to the next; the data of
+    the tensors in `copied` (row ids whose copy the kernel reads: a new one each build) as
+    None."""
+    index = {a: i for i, a in enumerate(host.tolist())}
+    out = []
+    for i, a in enumerate(host.tolist()):
+        r = tensor_record(a, dtype)
+        fields = tuple(r[f].tobytes() for f in ("type", "ne", "nb", "op", "op_params", "flags", "name"))
+        links = tuple(index.get(int(p), -1) if p else -1 for p in r["src"].tolist() + [int(r["view_src"])])
+        data = None if i in copied else int(r["data"])
+        out.append((fields, int(r["buffer"]), data, int(r["view_offs"]), links))
+    return out

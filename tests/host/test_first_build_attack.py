@@ -10,7 +10,8 @@ infos and the bulk ggml calls must keep.
   in-place result (`address`), SET_ROWS of F16 into F32 (sets `one_thread`), GET_ROWS (row
   ids), under lies in every field a guest writes, sources and views rewired, nodes swapped,
   and a second handle of the same buffer: the same refusal (message, node, rule), the same
-  row-id state on every info, the same cache entry (readers, id holders, id checks).
+  row-id state on every info, the same cache entry (readers, id holders, id checks), and the
+  same host tensors, the grouped build's made on the build helper thread.
 """
 
 import subprocess
@@ -21,11 +22,12 @@ import numpy as np
 import pytest
 
 from apir.codec.graph import parse_graph
+from apir.host import build_helper
 from apir.host import graph as hg
 from apir.host.errors import Refused
 from apir.host.graph_cache import GraphCacheEntry
 from apir.host.tensors import Scratch
-from tests.host.attackkit import groups_by_definition
+from tests.host.attackkit import groups_by_definition, host_tensors
 from tests.host.hostkit import GgmlScratch, RemoteGraph
 
 _ROOT = Path(__file__).resolve().parents[2]
@@ -162,17 +164,22 @@ def _parse(lib, wire):
 
 def _build(lib, parsed, grouped, monkeypatch):
     """What build_graph_parts decided and left: the refusal (message, node, rule) or None,
-    each info's row-id state (None: untouched) and the cache entry's facts."""
+    each info's row-id state (None: untouched) and the cache entry's facts, and the host
+    tensors it made. `grouped`: rules once per group, the record checks and host tensors on
+    the build helper thread (apir.host.build_helper, whatever the graph's size); else every
+    tensor's rule, all on this thread."""
+    monkeypatch.undo()
     if grouped:
-        monkeypatch.undo()
+        monkeypatch.setattr(hg, "_BESIDE_MIN_TENSORS", 0)
     else:
         monkeypatch.setattr(hg, "rule_groups", lambda p: np.arange(len(p.tensors), dtype=np.int32))
+        monkeypatch.setattr(build_helper, "enabled", False)
     n = len(parsed.tensors)
     with Scratch(lib.g, n, max(len(parsed.node_index), 1)) as scratch:
         try:
             built = hg.build_graph_parts(lib, parsed, scratch, hg.lib_op_enums(lib))
         except Refused as exc:
-            return (str(exc), exc.node, exc.rule), None, None
+            return (str(exc), exc.node, exc.rule), None, None, None
         made = {info.index: info for info in built.infos.made()}
         state = []
         for i in range(n):
@@ -183,7 +190,9 @@ def _build(lib, parsed, grouped, monkeypatch):
         entry = GraphCacheEntry(
             b"", scratch, built.graph, built.host, built.buffers, built.infos, built.src_rows, readers
         )
-        return None, state, (readers, entry.id_holders, entry.id_checks)
+        copied = {i for i, f in made.items() if f.snapshot is not None}
+        made_tensors = host_tensors(lib.checker.tensor_dtype, built.host, copied)
+        return None, state, (readers, entry.id_holders, entry.id_checks), made_tensors
 
 
 def _lie(rng, parsed, handles):
@@ -239,7 +248,7 @@ def test_grouped_rules_decide_as_every_tensor_alone_under_lies(layers, monkeypat
     lib, wire, handle, alias, name = layers
     base = _parse(lib, wire)
     assert len(np.unique(hg.rule_groups(base))) < len(base.tensors) // 2  # the layers share groups
-    first, state, entry = _build(lib, _parse(lib, wire), True, monkeypatch)
+    first, state, entry, _ = _build(lib, _parse(lib, wire), True, monkeypatch)
     assert first is None and entry[0] and entry[2]  # row ids read, with bounds to re-check on hits
     assert any(s is not None and s[3] for s in state) == (name == "b")  # SET_ROWS F16 -> F32: one thread
     rng = np.random.default_rng(41 if name == "a" else 43)
