@@ -9,8 +9,8 @@ on bench_codec's graph this took the build from 3.6 to 3.0 ms, and with the spli
 `apir.host.graph.build_graph_parts` (the rule grouping on the caller's side) lower still.
 
 The helper is one thread for the whole process (a `ThreadPoolExecutor` of one worker, made
-when first asked for), asleep on its queue while no build needs it: an idle host burns no
-CPU. A process allowed on one CPU only (`os.sched_getaffinity`) gets no helper, and its
+and its thread started when first asked for), asleep on its queue while no build needs it:
+an idle host burns no CPU. A process allowed on one CPU only (`os.sched_getaffinity`) gets no helper, and its
 callers run the same functions themselves, in the same order. A forked child makes its own
 (a parent's worker thread does not exist in the child).
 
@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
-__all__ = ["beside", "helper_cpus"]
+__all__ = ["beside", "helper_cpus", "wait_done"]
 
 _lock = threading.Lock()
 _pool: Optional[ThreadPoolExecutor] = None
@@ -53,12 +54,35 @@ def beside(fn: Callable, *args) -> Optional[Future]:
         return None
     with _lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="apir-build-helper")
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="apir-build-helper")
+            try:
+                # Its thread started now, on a job of its own: ThreadPoolExecutor starts it
+                # in the first submit, after queueing that job, and a thread that fails to
+                # start would leave a caller's job queued, to run in some later build.
+                pool.submit(int).result()
+            except RuntimeError:  # (the process is out of threads, or shutting down)
+                pool.shutdown(wait=False)
+                return None
+            _pool = pool
         pool = _pool
     try:
         return pool.submit(fn, *args)
-    except RuntimeError:  # (submit after the interpreter's shutdown began)
+    except RuntimeError:  # (submit after the interpreter's shutdown began: nothing queued)
         return None
+
+
+def wait_done(job: Future) -> None:
+    """Returns once `job` is done, whatever interrupts the wait (a signal handler's
+    KeyboardInterrupt or SystemExit): the first such exception is raised then. A caller
+    whose job writes memory it is about to free must not leave before the job does."""
+    stopped: Optional[BaseException] = None
+    while not job.done():
+        try:
+            futures.wait([job])
+        except BaseException as exc:
+            stopped = stopped or exc
+    if stopped is not None:
+        raise stopped
 
 
 def _forget_in_child() -> None:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from concurrent import futures
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
@@ -57,7 +56,7 @@ from apir.codec._kernels import (
     write_tensors_kernel,
 )
 from apir.ggml.layout import tensor_record
-from apir.host.build_helper import beside
+from apir.host.build_helper import beside, wait_done
 from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
 from apir.host.rule_memo import check_nodes, rule_groups
@@ -481,10 +480,11 @@ def _records_then_tensors(lib: PythonBackendLibrary, parsed, scratch: Scratch, r
         records.set_exception(e)
         raise
     records.set_result(recs)
-    if recs is None:
-        return None
-    host_at = _create_tensors(lib, parsed, scratch, recs)
-    return host_at, _node_graph(lib, parsed, scratch, host_at)
+    with scratch.writing:
+        if recs is None or scratch.closed:  # (closed: the caller left without waiting)
+            return None
+        host_at = _create_tensors(lib, parsed, scratch, recs)
+        return host_at, _node_graph(lib, parsed, scratch, host_at)
 
 
 def _node_graph(lib: PythonBackendLibrary, parsed, scratch: Scratch, host_at: np.ndarray) -> int:
@@ -535,9 +535,9 @@ def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums
         raise Refused("graph: a node is listed twice")
     records: Future = Future()
     job = None
-    if len(parsed.tensors) >= _BESIDE_MIN_TENSORS:
-        job = beside(_records_then_tensors, lib, parsed, scratch, records)
     try:
+        if len(parsed.tensors) >= _BESIDE_MIN_TENSORS:
+            job = beside(_records_then_tensors, lib, parsed, scratch, records)
         groups = rule_groups(parsed)
         recs = records.result() if job is not None else _check_records(lib, parsed)
         if recs is None:
@@ -551,7 +551,7 @@ def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums
         made_beside = job.result() if job is not None else None
     finally:
         if job is not None:
-            futures.wait([job])  # (it writes into the scratch, which the caller may free next)
+            wait_done(job)  # (it writes into the scratch, which the caller may free next)
     if made_beside is None:  # (no helper, or the records were checked one by one)
         host_at = _create_tensors(lib, parsed, scratch, recs)  # int64 per tensor
         graph = _node_graph(lib, parsed, scratch, host_at)
