@@ -52,6 +52,7 @@ __all__ = [
     "parse_graph_kernel",
     "record_key_kernel",
     "record_match_kernel",
+    "records_match_kernel",
     "rule_group_kernel",
     "group_sizes_kernel",
     "TABLE_KEY",
@@ -927,8 +928,21 @@ def record_match_kernel(new, size, old, old_size, head, rec_size, word_mask, nam
     for w in range(head // 8):
         if load_i64(new + 8 * w) != load_i64(old + 8 * w):
             return False
+    return _records_match(new, old, head, rec_size, word_mask, name_at, name_lens, 0, (old_size - head) // rec_size)
+
+
+@jit
+def records_match_kernel(new, old, head, rec_size, word_mask, name_at, name_lens, lo, hi):
+    """record_match_kernel's comparison of records [`lo`, `hi`) only (the caller compared
+    the sizes, and compares the header and the other records): one part of a large graph's
+    records, compared on another thread."""
+    return _records_match(new, old, head, rec_size, word_mask, name_at, name_lens, lo, hi)
+
+
+@helper
+def _records_match(new, old, head, rec_size, word_mask, name_at, name_lens, lo, hi):
     words = rec_size // 8
-    for r in range((old_size - head) // rec_size):
+    for r in range(lo, hi):
         a = new + head + r * rec_size
         b = old + head + r * rec_size
         diff = 0

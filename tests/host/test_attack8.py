@@ -31,6 +31,7 @@ import pytest
 from apir.codec import _kernels as K
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
+from apir.host import graph_cache
 from apir.host.graph_cache import _key_mask, graph_key, graph_wire
 from tests.host.attackkit import racing_guest
 
@@ -237,7 +238,10 @@ def _brute_key(p, rpc):
             p.view_src_index.tobytes())
 
 
-def test_wire_match_and_key_by_definition(ggml):
+@pytest.mark.parametrize("split", [False, True], ids=["one-thread", "split"])
+def test_wire_match_and_key_by_definition(ggml, split, monkeypatch):
+    if split:  # the records compared in two parts, the second on the build helper thread
+        monkeypatch.setattr(graph_cache, "_BESIDE_MIN_RECORDS", 1)
     rpc = rpc_tensor_dtype(ggml.limits)
     name_at, name_len = rpc.fields["name"][1], rpc.fields["name"][0].itemsize
     unread = np.flatnonzero(_key_mask(rpc, ids=True) == 0)

@@ -9,6 +9,7 @@ import pytest
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
+from apir.host import graph_cache
 from apir.host.graph_cache import GraphCache, GraphCacheEntry, graph_key, graph_wire
 from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph, cpu_compute
 
@@ -267,9 +268,14 @@ def test_every_byte_of_the_graph_is_in_the_key_or_refused(session, ggml):
     assert sorted(set(same)) == sorted(unread)
 
 
-def test_every_byte_the_host_reads_is_in_the_wire_match(session, ggml):
+@pytest.mark.parametrize("split", [False, True], ids=["one-thread", "split"])
+def test_every_byte_the_host_reads_is_in_the_wire_match(session, ggml, split, monkeypatch):
     """`GraphWire.matches` (the same graph sent again, compared without parsing): flipping
-    any byte the host reads, ids included, is a mismatch; flipping an unread byte is not."""
+    any byte the host reads, ids included, is a mismatch; flipping an unread byte is not.
+    `split`: the records compared in two parts, the second on the build helper thread (as
+    a large graph's are), whatever the graph's size."""
+    if split:
+        monkeypatch.setattr(graph_cache, "_BESIDE_MIN_RECORDS", 1)
     kw = dict(limits=ggml.limits, op_count=ggml.op_count, type_valid=ggml.valid_types)
     wire = graph_wire(parse_graph(session.wire, **kw))
     assert wire.matches(session.wire, len(session.wire))
