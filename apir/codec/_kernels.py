@@ -16,9 +16,10 @@ Rules kept throughout (docs/numba-notes.md says why):
 
 Nothing here checks addresses: the callers pass only memory they own (the guest its own ggml
 context; the host a private copy of the guest's bytes). A bad address crashes the process.
-One exception, with arrays rather than addresses: `record_match_kernel` compares a graph where
-it lies in the guest's shared memory (apir.host.graph_cache.GraphCache.take_same), reading no
-byte past the cached graph's size, and its answer is all that is used.
+One exception, with arrays rather than addresses: `record_match_kernel` (and
+`records_match_kernel`, a part of its records) compares a graph where it lies in the guest's
+shared memory (apir.host.graph_cache.GraphCache.take_same), reading no byte past the cached
+graph's size, and its answer is all that is used.
 """
 
 from __future__ import annotations
