@@ -326,6 +326,43 @@ def test_group_kernel_matches_its_definition(twin):
         assert groups == len(np.unique(want))
 
 
+@pytest.mark.parametrize("twin", [False, True])
+def test_group_kernel_matches_its_definition_on_repeated_layers(twin):
+    """Layers that repeat (what the kernel tries first: the tensor after the one found like
+    the tensor before), each tensor of a layer now and then unlike its twin in the layer
+    before by a masked word, a source, or a source's slot: the groups are the definition's."""
+    from apir.codec._kernels import TABLE_KEY, rule_group_kernel
+
+    kernel = rule_group_kernel.py_func if twin else rule_group_kernel
+    rng = np.random.default_rng(17)
+    mask = np.array([-1, 0, 0x0000FFFF00000000, -1], np.int64)
+    for trial in range(40 if twin else 400):
+        period, layers = int(rng.integers(1, 9)), int(rng.integers(2, 7))
+        n = period * layers
+        base = rng.integers(-2, 2, size=(period, 4)).astype(np.int64)
+        words = np.tile(base, (layers, 1))
+        words[:, 1] = rng.integers(1 << 62, size=n)  # unmasked
+        src = np.full((n, 2), -1, np.int32)
+        for i in range(n):
+            for k in range(2):
+                if rng.random() < 0.6 and i:  # a source in its own layer, or in the one before
+                    src[i, k] = int(rng.integers(max(0, i - period - 1), i))
+            if i >= period and rng.random() < 0.7:  # most often: its twin's sources, moved a layer on
+                twin_src = src[i - period]
+                src[i] = np.where(twin_src >= 0, twin_src + period, -1)
+        for i in np.flatnonzero(rng.random(n) < 0.1):  # now and then unlike its twin
+            if rng.random() < 0.5:
+                words[i, int(rng.choice([0, 2, 3]))] ^= np.int64(int(rng.choice([1, 1 << 33, -(1 << 63)])))
+            else:
+                src[i, int(rng.integers(2))] = int(rng.integers(-1, i)) if i else -1
+        got = np.full(n, -7, np.int32)
+        keep = np.flatnonzero(mask)
+        groups = kernel(words, keep, mask[keep], src, got, TABLE_KEY if trial % 2 else 1)
+        want = groups_by_definition(words, mask, src)
+        assert np.array_equal(got, want), (trial, got, want)
+        assert groups == len(np.unique(want))
+
+
 def _slots(hashes, cap):
     return len(set(int(h) & (cap - 1) for h in hashes))
 
