@@ -4,15 +4,17 @@ Theory of operation: the first build of a 10,000-node graph (apir.host.graph) is
 Numba kernels that release the GIL (the record checks, writing the host tensors) and half
 work the caller's thread must do in order (grouping the tensors for the shape rules, then the
 rules themselves, in Python). The two halves read the same parsed records and write nothing
-the other reads, so the kernels' half can run on a second CPU while the caller does its own:
-on bench_codec's graph this took the build from 3.6 to 3.0 ms, and with the split of
-`apir.host.graph.build_graph_parts` (the rule grouping on the caller's side) lower still.
+the other reads, so the kernels' half runs on a second CPU while the caller does its own
+(`apir.host.graph.build_graph_parts`); the same-bytes match of a large cached graph is split
+the same way (`apir.host.graph_cache.GraphWire.matches`). On bench_codec's graph the build
+took 2.2-2.8 ms with the helper against 2.9-3.0 ms on one thread: on this 2-core VM each
+thread runs slower while the other runs.
 
 The helper is one thread for the whole process (a `ThreadPoolExecutor` of one worker, made
 and its thread started when first asked for), asleep on its queue while no build needs it:
-an idle host burns no CPU. A process allowed on one CPU only (`os.sched_getaffinity`) gets no helper, and its
-callers run the same functions themselves, in the same order. A forked child makes its own
-(a parent's worker thread does not exist in the child).
+an idle host burns no CPU. A process allowed on one CPU only (`os.sched_getaffinity`) gets
+no helper, and its callers run the same functions themselves, in the same order. A forked
+child makes its own (a parent's worker thread does not exist in the child).
 
 Errors: none of its own; a job's exception is raised by its Future's `result()`.
 """
@@ -46,9 +48,8 @@ def helper_cpus() -> int:
 def beside(fn: Callable, *args) -> Optional[Future]:
     """`fn(*args)` queued on the helper thread (its Future), or None where the process has
     one CPU, `enabled` is False, or the interpreter is shutting down: the caller then runs
-    `fn` itself. A job
-    must not wait on another job: there is one worker, and jobs run one at a time in the
-    order they were queued."""
+    `fn` itself. A job must not wait on another job: there is one worker, and jobs run one
+    at a time in the order they were queued."""
     global _pool
     if not enabled or helper_cpus() < 2:
         return None
