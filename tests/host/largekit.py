@@ -7,11 +7,13 @@ the refusal, or the host tensors it made)."""
 from __future__ import annotations
 
 import ctypes
+import struct
 
 import numpy as np
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.codec.graph import parse_graph
+from apir.codec.records import rpc_tensor_dtype
 from apir.host import HostContext
 from apir.host import graph as hg
 from apir.host.backend_library import CONFIG_KEY_N_THREADS
@@ -29,6 +31,7 @@ __all__ = [
     "graph_scratch",
     "block_tensors",
     "build_outcome",
+    "chain_wire",
 ]
 
 LAYERS = 540  # 4 tensors a layer (5 every 20th): 2,200 tensors, over _BESIDE_MIN_TENSORS
@@ -179,3 +182,21 @@ def one_thread_guest(ctx_id: int = 7) -> Guest:
     ctx = HostContext(ctx_id)
     ctx.set_config(CONFIG_KEY_N_THREADS, "1")
     return Guest(ctx, data_size=4 << 20)
+
+
+def chain_wire(g, n: int) -> bytes:
+    """The bytes of a graph of `n` tensors with no data (records only: for what compares or
+    groups them, not for a build), each the src of the next, every one but the first a node,
+    tensor i named "t<i>" (its NUL at byte len("t<i>") of the name)."""
+    rpc = rpc_tensor_dtype(g.limits)
+    recs = np.zeros(n, rpc)
+    recs["id"] = np.arange(1, n + 1) * 16
+    recs["type"] = int(np.flatnonzero(g.valid_types)[0])
+    recs["ne"], recs["nb"] = [1, 1, 1, 1], [4, 4, 4, 4]
+    recs["src"][1:, 0] = recs["id"][:-1]
+    names = recs["name"].view(np.uint8).reshape(n, -1)
+    for i in range(n):
+        name = f"t{i}".encode()
+        names[i, : len(name)] = list(name)
+    nodes = recs["id"][1:]
+    return struct.pack("<I", len(nodes)) + nodes.astype("<u8").tobytes() + struct.pack("<I", n) + recs.tobytes()
