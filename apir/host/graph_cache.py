@@ -155,11 +155,11 @@ class GraphWire:
         part = n // 2 if n >= _BESIDE_MIN_RECORDS else n  # (records [part, n) compared beside)
         tail = (self.head, self.record_size, self.word_mask, self.name_at, self.name_lens)
         job = None
-        if part < n:
-            job = beside(records_match_kernel, view.ctypes.data, old.ctypes.data, *tail, part, n)
-            if job is None:  # (no helper: all here)
-                part = n
         try:
+            if part < n:
+                job = beside(_match_part, view, old, tail, part, n)
+                if job is None:  # (no helper: all here)
+                    part = n
             here = record_match_kernel(
                 view.ctypes.data, size, old.ctypes.data, self.head + part * self.record_size, *tail
             )
@@ -167,6 +167,13 @@ class GraphWire:
         finally:
             if job is not None:
                 wait_done(job)  # (it reads `view` and `old`)
+
+
+def _match_part(view: np.ndarray, old: np.ndarray, tail: tuple, lo: int, hi: int) -> bool:
+    # records [lo, hi) of GraphWire.matches, on the helper: the arrays held through the call
+    # (an interrupt between queueing this and the caller's wait leaves the caller without
+    # waiting: the guest's memory then stays mapped while it is read, its release refused)
+    return bool(records_match_kernel(view.ctypes.data, old.ctypes.data, *tail, lo, hi))
 
 
 # Graphs of fewer records are compared on one thread (the helper's wake-up would cost more)

@@ -12,10 +12,10 @@ scratch's `writing` lock, and check_nodes' group sizes (group_sizes_kernel).
   records around the split and at both ends, the header, shorter sizes, trailing bytes, other
   alignments, a mismatch in either half only; the same answers with the helper off; a guest
   rewriting a read byte between two wrong values while it is compared never matches.
-- BUG (test_BUG_..., fails on this host): an interrupt (SIGINT's KeyboardInterrupt) after
-  `beside` queued the helper's half and before `matches` stored the job leaves `matches` at
-  once, while the helper still has the guest's memory to read: once the blob is released and
-  unmapped, the helper reads unmapped memory and the host dies of SIGSEGV (in a child here).
+- An interrupt (SIGINT's KeyboardInterrupt) after `beside` queued the helper's half and
+  before `matches` stored the job leaves `matches` at once, while the helper still has the
+  guest's memory to read: the job holds that memory, so the blob's release is refused and the
+  helper never reads unmapped memory (it did: SIGSEGV, in a child here).
 - A build whose caller is interrupted after `beside` queued its job: the job writes nothing
   into the scratch prepare_graph freed.
 """
@@ -434,18 +434,16 @@ _INTERRUPTED_MATCH_CHILD = textwrap.dedent(
 
 
 @needs_two_cpus
-def test_BUG_an_interrupt_after_beside_queued_the_match_leaves_the_helper_reading_unmapped_memory():
-    """BUG (apir/host/graph_cache.py, GraphWire.matches, line 159: `job = beside(...)` stands
-    before the `try` whose `finally` waits the job out, and the job holds nothing alive of
-    what it reads: raw addresses of the guest's memory and of the wire). A KeyboardInterrupt
-    (SIGINT: Ctrl-C in a notebook's embedded host; CPython runs the handler at the
-    eval-breaker check that ends a CALL, so after `pool.submit` queued the job inside
-    `beside`, or after `beside` returned and before `job` is stored) leaves `matches` at once
-    while the helper has records [n // 2, n) of the guest's blob still to compare. The
-    command fails, the guest's blob is released and unmapped, and the helper, queued behind
-    another guest's build, reads unmapped memory: the host dies of SIGSEGV (in a child
-    process here). A correct host either waits for the helper before `matches` leaves, or
-    keeps what the helper reads alive while it runs (the release then refused)."""
+def test_an_interrupt_after_beside_queued_the_match_keeps_the_guests_memory_mapped():
+    """A KeyboardInterrupt (SIGINT: Ctrl-C in a notebook's embedded host; CPython runs the
+    handler at the eval-breaker check that ends a CALL, so after `pool.submit` queued the job
+    inside `beside`, or after `beside` returned and before `job` is stored) leaves
+    `GraphWire.matches` at once, while the helper has records [n // 2, n) of the guest's blob
+    still to compare, behind another guest's build. The job holds the arrays it reads, so the
+    blob's release is refused while it runs, and the helper reads mapped memory. (Its job held
+    raw addresses only: the blob was released and unmapped, and the host died of SIGSEGV, in a
+    child process here.) A correct host either waits for the helper before `matches` leaves,
+    or keeps what the helper reads alive while it runs."""
     env = dict(os.environ, PYTHONPATH=str(_ROOT))
     res = subprocess.run([sys.executable, "-c", _INTERRUPTED_MATCH_CHILD, str(_ROOT)], env=env, cwd=_ROOT,
                          capture_output=True, text=True, timeout=240)
@@ -457,7 +455,7 @@ def test_BUG_an_interrupt_after_beside_queued_the_match_leaves_the_helper_readin
 
 @needs_two_cpus
 def test_an_interrupt_after_beside_queued_a_build_writes_nothing_into_the_freed_scratch(ggml, monkeypatch):
-    """build_graph_parts has the window of the BUG above: a KeyboardInterrupt after `beside`
+    """build_graph_parts has the window of the match above: a KeyboardInterrupt after `beside`
     queued the helper's part and before `job` is stored leaves the caller without waiting,
     and prepare_graph frees the scratch as it unwinds. The helper's part, run after that,
     reads only what its job holds (the parsed graph, the library's buffer table) and finds
