@@ -296,13 +296,13 @@ def test_every_byte_around_the_split_is_in_the_match(large, helper, monkeypatch)
     raw, wire, rpc = large
     monkeypatch.setattr(build_helper, "enabled", helper)
     parts = []
-    kernel = graph_cache.records_match_kernel
+    kernel = graph_cache._match_part
 
     def spy(*args):
         parts.append((args[-2], args[-1], threading.current_thread().name))
         return kernel(*args)
 
-    monkeypatch.setattr(graph_cache, "records_match_kernel", spy)
+    monkeypatch.setattr(graph_cache, "_match_part", spy)
     assert wire.matches(raw, len(raw))
     if helper:
         assert parts == [(_N // 2, _N, parts[0][2])] and parts[0][2].startswith("apir-build-helper"), parts
@@ -336,7 +336,7 @@ def test_a_mismatch_in_one_half_only_and_the_helper_done_before_the_answer(large
     either way `matches` answers only once the helper's comparison is done (it reads the
     guest's memory), however early the caller's half knew."""
     raw, wire, rpc = large
-    kernel = graph_cache.records_match_kernel
+    kernel = graph_cache._match_part
     done = []
 
     def slow(*args):  # (the helper busy with another build first)
@@ -345,7 +345,7 @@ def test_a_mismatch_in_one_half_only_and_the_helper_done_before_the_answer(large
         done.append(out)
         return out
 
-    monkeypatch.setattr(graph_cache, "records_match_kernel", slow)
+    monkeypatch.setattr(graph_cache, "_match_part", slow)
     type_at = rpc.fields["type"][1]
     for r, want_helper in ((5, True), (_N - 5, False), (_N // 2 - 1, True), (_N // 2, False)):
         mem = bytearray(raw)
@@ -400,7 +400,7 @@ _INTERRUPTED_MATCH_CHILD = textwrap.dedent(
     mm[:] = raw
     blob = memoryview(mm)  # (the host's Resource.memory)
     assert wire.matches(blob, len(raw))
-    beside, kernel = graph_cache.beside, graph_cache.records_match_kernel
+    beside, kernel = graph_cache.beside, graph_cache._match_part
     unmapped, ran = threading.Event(), threading.Event()
 
     def late(*args):  # the helper busy with another guest's build until the blob is gone
@@ -414,7 +414,7 @@ _INTERRUPTED_MATCH_CHILD = textwrap.dedent(
         beside(*args)  # (queued)
         raise KeyboardInterrupt  # the handler of a SIGINT that came as beside returned
 
-    graph_cache.beside, graph_cache.records_match_kernel = interrupted, late
+    graph_cache.beside, graph_cache._match_part = interrupted, late
     try:
         wire.matches(blob, len(raw))
     except KeyboardInterrupt:
