@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import numba
 import numpy as np
@@ -36,8 +37,15 @@ def racing_guest(wire: bytes, spec):
     flip(mem, offs, a, b, np.ones(1, np.int64))  # compiled here, not in the thread's first seconds
     stop = np.zeros(1, np.int64)
     th = threading.Thread(target=flip, args=(mem, offs, a, b, stop))
+    was = mem[offs].copy()
     th.start()
     try:
+        # the block starts once the guest has rewritten each byte it rewrites (the last one
+        # in its order): before that, a read could still see the bytes as they were
+        moving = np.flatnonzero((a != was) | (b != was))
+        deadline = time.monotonic() + 30
+        while moving.size and mem[offs[moving[-1]]] == was[moving[-1]] and time.monotonic() < deadline:
+            time.sleep(0)
         yield mem
     finally:
         stop[0] = 1

@@ -114,14 +114,17 @@ class GgmlScratch:
         self.g.ggml_free(self.ctx)
 
 
-def cpu_compute(g, ctx: int, graph: int, inputs, output: int) -> bytes:
+def cpu_compute(g, ctx: int, graph: int, inputs, output: int, n_threads: int = 0) -> bytes:
     """`graph` (tensors of no_alloc `ctx`) computed with ggml CPU directly, the baseline the
     host's results are compared with: `inputs` are (tensor, bytes) pairs; returns `output`'s
-    bytes."""
+    bytes. `n_threads`: ggml's default when 0 (4 threads, which spin for seconds on a loaded
+    machine of 2 cores: large graphs ask for 1)."""
     dev = g.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
     buf = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, g.ggml_backend_dev_buffer_type(dev))
     backend = g.ggml_backend_dev_init(dev, None)
     try:
+        if n_threads:
+            g.ggml_backend_cpu_set_n_threads(backend, n_threads)
         for t, d in inputs:
             g.ggml_backend_tensor_set(t, d, 0, len(d))
         assert g.ggml_backend_graph_compute(backend, graph) == 0

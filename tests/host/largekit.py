@@ -19,12 +19,11 @@ from apir.host import graph as hg
 from apir.host.backend_library import CONFIG_KEY_N_THREADS
 from apir.host.tensors import Scratch
 from tests.host.attackkit import host_tensors
-from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph
+from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph, cpu_compute
 
 __all__ = [
     "LAYERS",
     "layers_graph",
-    "cpu_compute_one_thread",
     "LargeRemote",
     "one_thread_guest",
     "parse",
@@ -70,25 +69,6 @@ def layers_graph(g, ctx, layers: int = LAYERS, seed: int = 0):
     return graph, list(zip(inputs, data)), h
 
 
-def cpu_compute_one_thread(g, ctx: int, graph: int, inputs, output: int) -> bytes:
-    """hostkit.cpu_compute on one thread (ggml's default of 4 threads spins for seconds on a
-    loaded machine of 2 cores)."""
-    dev = g.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
-    buf = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, g.ggml_backend_dev_buffer_type(dev))
-    backend = g.ggml_backend_dev_init(dev, None)
-    try:
-        g.ggml_backend_cpu_set_n_threads(backend, 1)
-        for t, d in inputs:
-            g.ggml_backend_tensor_set(t, d, 0, len(d))
-        assert g.ggml_backend_graph_compute(backend, graph) == 0
-        out = ctypes.create_string_buffer(g.ggml_nbytes(output))
-        g.ggml_backend_tensor_get(output, out, 0, len(out.raw))
-        return out.raw
-    finally:
-        g.ggml_backend_free(backend)
-        g.ggml_backend_buffer_free(buf)
-
-
 class LargeRemote:
     """A `layers_graph` graph laid out for `guest` (its inputs set in the host buffer), and ggml
     CPU's answer."""
@@ -112,7 +92,7 @@ class LargeRemote:
             graph, inputs, y = layers_graph(g, s.ctx, self.layers, self.seed)
             if ids is not None:
                 inputs[-1] = (inputs[-1][0], ids)
-            return cpu_compute_one_thread(g, s.ctx, graph, inputs, y)
+            return cpu_compute(g, s.ctx, graph, inputs, y, n_threads=1)
         finally:
             s.close()
 
