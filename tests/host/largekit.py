@@ -1,8 +1,9 @@
-"""What the build-helper attack tests (test_attack9.py, and the child processes it starts)
-share: a guest graph of 2,200 tensors (over apir.host.graph._BESIDE_MIN_TENSORS, so that its
-first build has the build helper take part) laid out for a hostkit Guest with ggml CPU's
-answer (`LargeRemote`), and a build's outcome comparable across builds (`build_outcome`:
-the refusal, or the host tensors it made)."""
+"""What the build-helper attack tests (test_attack9.py, test_attack10.py, and the child
+processes they start) share: a guest graph of 2,200 tensors (over
+apir.host.graph._BESIDE_MIN_TENSORS, so that its first build has the build helper take part)
+laid out for a hostkit Guest with ggml CPU's answer (`LargeRemote`), a build's outcome
+comparable across builds (`build_outcome`: the refusal, or the host tensors it made), and the
+wire of a long chain of nodes (`chain_wire`: a same-bytes match split with the helper)."""
 
 from __future__ import annotations
 
