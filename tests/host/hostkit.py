@@ -114,6 +114,19 @@ class GgmlScratch:
         self.g.ggml_free(self.ctx)
 
 
+def add_chain(g, ctx: int, n: int, graph_size: int = 0) -> int:
+    """A graph in no_alloc `ctx` of `n` ADD nodes, each adding an 8x4 F32 input x to the node
+    before (x itself first): n + 1 tensors. `graph_size`: the cgraph's room in nodes (0:
+    ggml's default, 2,048)."""
+    x = g.ggml_new_tensor_2d(ctx, g.types["F32"], 8, 4)
+    y = x
+    for _ in range(n):
+        y = g.ggml_add(ctx, y, x)
+    graph = g.ggml_new_graph_custom(ctx, graph_size, False) if graph_size else g.ggml_new_graph(ctx)
+    g.ggml_build_forward_expand(graph, y)
+    return graph
+
+
 def cpu_compute(g, ctx: int, graph: int, inputs, output: int, n_threads: int = 0) -> bytes:
     """`graph` (tensors of no_alloc `ctx`) computed with ggml CPU directly, the baseline the
     host's results are compared with: `inputs` are (tensor, bytes) pairs; returns `output`'s

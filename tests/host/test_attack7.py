@@ -23,7 +23,7 @@ from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.host import graph as hg
 from apir.host.tensors import Scratch
-from tests.host.hostkit import GgmlScratch, RemoteGraph
+from tests.host.hostkit import GgmlScratch, RemoteGraph, add_chain
 from tests.host.attackkit import groups_by_definition, racing_guest
 
 
@@ -36,13 +36,7 @@ def _parse(lib, raw, end=None, kernel=None):
 def test_parse_under_a_racing_guest_checks_what_it_keeps(guest, ggml):
     lib, g = guest.ctx._library, ggml
     s = GgmlScratch(g, 256)
-    x = g.ggml_new_tensor_2d(s.ctx, g.types["F32"], 8, 4)
-    y = x
-    for _ in range(150):
-        y = g.ggml_add(s.ctx, y, x)
-    graph = g.ggml_new_graph(s.ctx)
-    g.ggml_build_forward_expand(graph, y)
-    remote = RemoteGraph(guest, g, s.ctx, graph)
+    remote = RemoteGraph(guest, g, s.ctx, add_chain(g, s.ctx, 150))
     wire = remote.wire
     rpc = rpc_tensor_dtype(g.limits)
     n_nodes = struct.unpack_from("<I", wire, 0)[0]

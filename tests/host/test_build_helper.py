@@ -18,7 +18,7 @@ from apir.host import graph as hg
 from apir.host.errors import Refused
 from apir.host.tensors import Scratch
 from tests.host.attackkit import host_tensors
-from tests.host.hostkit import GgmlScratch, RemoteGraph
+from tests.host.hostkit import GgmlScratch, RemoteGraph, add_chain
 
 _ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,13 +30,7 @@ def chain(guest, ggml):
     """(lib, wire) of a graph of 2,101 tensors (2,100 ADD nodes): over the size at which the
     helper takes part by default."""
     s = GgmlScratch(ggml, 3000)  # (room for the tensors, and for a cgraph of 4,096 nodes)
-    x = ggml.ggml_new_tensor_2d(s.ctx, ggml.types["F32"], 8, 4)
-    y = x
-    for _ in range(2100):
-        y = ggml.ggml_add(s.ctx, y, x)
-    graph = ggml.ggml_new_graph_custom(s.ctx, 4096, False)
-    ggml.ggml_build_forward_expand(graph, y)
-    remote = RemoteGraph(guest, ggml, s.ctx, graph)
+    remote = RemoteGraph(guest, ggml, s.ctx, add_chain(ggml, s.ctx, 2100, 4096))
     yield guest.ctx._library, remote.wire
     remote.close()
     s.close()

@@ -39,19 +39,13 @@ import numpy as np
 from apir.codec.graph import parse_graph
 from apir.host import graph as hg
 from apir.host.tensors import Scratch
-from tests.host.hostkit import Guest, GgmlScratch, RemoteGraph
+from tests.host.hostkit import Guest, GgmlScratch, RemoteGraph, add_chain
 
 guest = Guest()
 lib = guest.ctx._library
 g = lib.g
 s = GgmlScratch(g)
-x = g.ggml_new_tensor_2d(s.ctx, g.types["F32"], 8, 4)
-y = x
-for _ in range(12):
-    y = g.ggml_add(s.ctx, y, x)
-graph = g.ggml_new_graph(s.ctx)
-g.ggml_build_forward_expand(graph, y)
-remote = RemoteGraph(guest, g, s.ctx, graph)
+remote = RemoteGraph(guest, g, s.ctx, add_chain(g, s.ctx, 12))
 
 
 def parsed():
