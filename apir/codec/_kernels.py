@@ -16,10 +16,11 @@ Rules kept throughout (docs/numba-notes.md says why):
 
 Nothing here checks addresses: the callers pass only memory they own (the guest its own ggml
 context; the host a private copy of the guest's bytes). A bad address crashes the process.
-One exception, with arrays rather than addresses: `record_match_kernel` (and
-`records_match_kernel`, a part of its records) compares a graph where it lies in the guest's
-shared memory (apir.host.graph_cache.GraphCache.take_same), reading no byte past the cached
-graph's size, and its answer is all that is used.
+One exception, with arrays rather than addresses: the kernels that compare a graph where it
+lies in the guest's shared memory with a cached one (`record_match_kernel`,
+`records_match_kernel`, `records_moved_kernel`, `ids_moved_kernel`, `ids_link_kernel`, for
+apir.host.graph_cache.GraphCache.take_same) read no byte past the cached graph's size, and
+their answer is all that is used.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ __all__ = [
     "record_key_kernel",
     "record_match_kernel",
     "records_match_kernel",
+    "ids_link_kernel",
+    "ids_moved_kernel",
+    "ID_MOVED_MAX",
+    "records_moved_kernel",
     "rule_group_kernel",
     "group_sizes_kernel",
     "TABLE_KEY",
@@ -941,6 +946,20 @@ def records_match_kernel(new, old, head, rec_size, word_mask, name_at, name_lens
 
 
 @helper
+def _bytes_diff(a, b, n):
+    # non-zero where the `n` bytes at `a` and at `b` differ: 8 at a time, then one by one
+    diff = 0
+    k = 0
+    while k + 8 <= n:
+        diff |= load_i64(a + k) ^ load_i64(b + k)
+        k += 8
+    while k < n:
+        diff |= load_u8(a + k) ^ load_u8(b + k)
+        k += 1
+    return diff
+
+
+@helper
 def _records_match(new, old, head, rec_size, word_mask, name_at, name_lens, lo, hi):
     words = rec_size // 8
     for r in range(lo, hi):
@@ -949,16 +968,93 @@ def _records_match(new, old, head, rec_size, word_mask, name_at, name_lens, lo, 
         diff = 0
         for w in range(words):
             diff |= (load_i64(a + 8 * w) ^ load_i64(b + 8 * w)) & word_mask[w]
-        n = name_lens[r] + 1
-        k = 0
-        while k + 8 <= n:
-            diff |= load_i64(a + name_at + k) ^ load_i64(b + name_at + k)
-            k += 8
-        while k < n:
-            diff |= load_u8(a + name_at + k) ^ load_u8(b + name_at + k)
-            k += 1
+        diff |= _bytes_diff(a + name_at, b + name_at, name_lens[r] + 1)
         if diff:
             return False
+    return True
+
+
+# The ids records_moved_kernel moves: those below this, moved by less than it, add up to
+# the same int64 in the jitted kernel and in its Python twin (no wrap to tell apart)
+ID_MOVED_MAX = 1 << 62
+
+
+@jit
+def records_moved_kernel(new, old, head, rec_size, word_mask, moves, name_at, name_lens, delta, lo, hi):
+    """`records_match_kernel` for records [`lo`, `hi`) with the ids moved by `delta`: each
+    word where `moves` (int64 per word of a record) is 1 (`id`, `src[]`, `view_src`) holds
+    0 where the old one does, else the old one plus `delta`. The ids of the same graph built
+    by a ggml context at another address. The caller has checked that every old id is in
+    [1, ID_MOVED_MAX), that |`delta`| < ID_MOVED_MAX and that the least old id plus `delta`
+    is above 0: moved by one constant, the ids stay non-zero and unique, and every link
+    stays, so parse_graph_kernel finds the old graph's index arrays."""
+    words = rec_size // 8
+    for r in range(lo, hi):
+        a = new + head + r * rec_size
+        b = old + head + r * rec_size
+        diff = 0
+        for w in range(words):
+            o = load_i64(b + 8 * w)
+            shift = delta if moves[w] != 0 and o != 0 else 0
+            diff |= (load_i64(a + 8 * w) ^ (o + shift)) & word_mask[w]
+        diff |= _bytes_diff(a + name_at, b + name_at, name_lens[r] + 1)
+        if diff:
+            return False
+    return True
+
+
+@jit
+def ids_moved_kernel(new, old, n, delta):
+    """Whether each of the `n` int64 ids at address `new` is the one at `old` plus `delta`
+    (a graph's node ids; records_moved_kernel's rule and preconditions)."""
+    for k in range(n):
+        if load_i64(new + 8 * k) != load_i64(old + 8 * k) + delta:
+            return False
+    return True
+
+
+@jit
+def ids_link_kernel(new, head, rec_size, id_at, src_at, view_src_at, node_index, src_index, view_src_index, hkey):
+    """Whether the ids of the graph at address `new` (`head` header bytes, then records of
+    `rec_size` bytes with `id`, `src[]` and `view_src` at those offsets; n = len(src_index)
+    records read, none past them) link its tensors as the index arrays of another graph's
+    parse say (`node_index`: int32[n_nodes]; `src_index`: int32[n, max_src]; `view_src_index`:
+    int32[n]; -1 for none; each other index in [0, n)): every id non-zero and unique (an
+    open-addressing set keyed by `hkey`, TABLE_KEY), each node id the id of the tensor its
+    index names, each src and view_src 0 where the index is -1, else the id of that tensor.
+    Exactly when this holds, parse_graph_kernel finds these index arrays from these ids."""
+    n = src_index.shape[0]
+    cap = 2
+    while cap < 2 * n:
+        cap *= 2
+    table = np.zeros(cap, np.int64)
+    mask = cap - 1
+    ids = new + head + id_at  # tensor 0's id
+    for i in range(n):
+        tid = load_i64(ids + rec_size * i)
+        if tid == 0:
+            return False
+        j = _mix(0, tid, hkey) & mask
+        while True:
+            k = table[j]
+            if k == tid:
+                return False
+            if k == 0:
+                table[j] = tid
+                break
+            j = (j + 1) & mask
+    for k in range(node_index.shape[0]):
+        if load_i64(new + 4 + 8 * k) != load_i64(ids + rec_size * int(node_index[k])):
+            return False
+    max_src = src_index.shape[1]
+    for i in range(n):
+        r = new + head + rec_size * i
+        for s in range(max_src + 1):
+            j = int(src_index[i, s] if s < max_src else view_src_index[i])  # (int: the twin's int32 would overflow)
+            at = r + src_at + 8 * s if s < max_src else r + view_src_at
+            want = 0 if j < 0 else load_i64(ids + rec_size * j)
+            if load_i64(at) != want:
+                return False
     return True
 
 

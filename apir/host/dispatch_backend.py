@@ -8,9 +8,9 @@ by the context's work budget (`apir.host.work_plan`), and only a graph that pass
 computed (on a backend without a profile, apir.host.profiles, none is); one that does not
 is refused (BACKEND_RC_ERROR, no status). On a profile with `caches_graphs` (CPU, Vulkan,
 RPC) a graph whose structure the context computed before reuses that built graph after the
-re-checks `apir.host.graph_cache` describes: the same bytes as a graph served before are
-matched where they lie, before any parse (`GraphCache.take_same`), else the parsed graph's
-key is looked up (`prepare_graph`). The compute runs under the
+re-checks `apir.host.graph_cache` describes: a graph built before, sent again with the same
+bytes or under other tensor ids, is matched where it lies, before any parse
+(`GraphCache.take_same`), else the parsed graph's key is looked up (`prepare_graph`). The compute runs under the
 context's abort flag: past `apir.host.graph_time_limit_s`, or once the context is being
 destroyed, it stops and the status is GGML_STATUS_ABORTED.
 
@@ -104,8 +104,8 @@ def prepare_graph(lib: PythonBackendLibrary, parsed: ParsedGraph, cache: Optiona
 def _same_graph_again(
     lib: PythonBackendLibrary, cache: Optional[GraphCache], memory, size: int
 ) -> Optional[GraphCacheEntry]:
-    """The cache entry whose last graph the guest sent again, byte for byte where the host
-    reads (`GraphCache.take_same`: no parse, no key), after its row ids' re-check; None when
+    """The cache entry whose graph the guest sent again, where the host reads: byte for byte
+    or under other ids (`GraphCache.take_same`: no parse, no key), after its row ids' re-check; None when
     there is none (or the re-check asks for a rebuild). Raises Refused as the re-check does."""
     entry = cache.take_same(memory, size, lib) if cache is not None else None
     return _rechecked(lib, entry, lib_op_enums(lib)) if entry is not None else None

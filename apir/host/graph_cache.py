@@ -10,15 +10,16 @@ src and view_src indices). A name is read up to its first NUL only. A graph find
 in one of two ways:
 
 - `take_same`, before any parse: the guest's bytes, where they lie in its shared memory, match
-  the bytes the host read of one of the last two graphs that entry served (`graph_wire`: ids
-  included, the unread bytes not compared). A decode step sends exactly the graph of the step
-  before, and a guest that builds its graphs in two contexts in turn (apir's own guest
-  backend for MiniLM) one of the two before, so this serves them without a parse or a key.
-  Nothing read there is used afterwards: what
-  runs is the entry's graph, checked when built, whatever the guest writes meanwhile (a guest
-  racing its own bytes only changes which of its checked graphs runs);
-- `take`, after the parse: its key is byte-for-byte equal to the entry's (the whole key is
-  compared, no hash decides).
+  the bytes the host read of the graph that built the entry (`graph_wire`; the unread bytes
+  not compared): with the same ids (`GraphWire.matches`: a decode step sends exactly the
+  graph of the step before), or with other ids that link the same tensors
+  (`GraphWire.same_structure`: the same graph built in another ggml context, as apir's own
+  guest backend builds MiniLM's batches in two contexts in turn). Either has this entry's
+  key, so this serves them without a parse or a key. Nothing read there is used afterwards:
+  what runs is the entry's graph, checked when built, whatever the guest writes meanwhile (a
+  guest racing its own bytes only changes which of its checked graphs runs);
+- `take`, after the parse (a graph that reached none in place, or a caller that parses):
+  its key is byte-for-byte equal to the entry's (the whole key is compared, no hash decides).
 
 Either way it is served only when
 
@@ -56,7 +57,16 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from apir.codec._kernels import record_key_kernel, record_match_kernel, records_match_kernel
+from apir.codec._kernels import (
+    ID_MOVED_MAX,
+    TABLE_KEY,
+    ids_link_kernel,
+    ids_moved_kernel,
+    record_key_kernel,
+    record_match_kernel,
+    records_match_kernel,
+    records_moved_kernel,
+)
 from apir.host.build_helper import beside, wait_done
 from apir.host.graph import TensorInfos, fetch_row_ids, point_at_device_copies
 from apir.host.profiles import CPU
@@ -75,7 +85,6 @@ __all__ = [
 ]
 
 DEFAULT_MAX_ENTRIES = 8
-WIRES_KEPT = 2  # graph_wires an entry keeps for take_same (a guest alternating two contexts)
 DEFAULT_MAX_BYTES = 64 << 20
 
 
@@ -129,7 +138,11 @@ class GraphWire:
     """`graph_wire` of a graph: `data`, its `head` header bytes then one record of
     `record_size` bytes per tensor; `word_mask` (`_key_mask` with ids, the name left out, as
     int64 words), the name's offset `name_at` and each record's name length (`name_lens`,
-    int64) say how `GraphCache.take_same` compares graph bytes with it."""
+    int64) say how `GraphCache.take_same` compares graph bytes with it; `link_mask` (the same
+    without the ids), the indices of the int64 words of `id`, `src[]` and `view_src`
+    (`id_words`, in that order; `moves`: 1 at those words, 0 elsewhere) and its least and
+    greatest tensor id (`id_range`) how it compares a graph of the same structure under
+    other ids."""
 
     data: bytes
     head: int
@@ -137,6 +150,10 @@ class GraphWire:
     word_mask: np.ndarray
     name_at: int
     name_lens: np.ndarray
+    link_mask: np.ndarray
+    id_words: np.ndarray
+    moves: np.ndarray
+    id_range: Tuple[int, int]
 
     def matches(self, memory, size: int) -> bool:
         """Whether the first `size` bytes of `memory` hold this graph
@@ -154,29 +171,90 @@ class GraphWire:
             return False  # (records of a size the kernel does not compare: graph_wire)
         view = np.frombuffer(memory, np.uint8, count=size)  # (held through the call: its address is read)
         old = np.frombuffer(self.data, np.uint8)
-        n = (old.size - self.head) // self.record_size
-        part = n // 2 if n >= _BESIDE_MIN_RECORDS else n  # (records [part, n) compared beside)
         tail = (self.head, self.record_size, self.word_mask, self.name_at, self.name_lens)
-        job = None
-        try:
-            if part < n:
-                job = beside(_match_part, view, old, tail, part, n)
-                if job is None:  # (no helper: all here)
-                    part = n
-            here = self.head + part * self.record_size  # (the header and records [0, part))
-            same = _memcmp(view.ctypes.data, old.ctypes.data, here) == 0 or record_match_kernel(
-                view.ctypes.data, size, old.ctypes.data, here, *tail
+
+        def here(part: int) -> bool:  # the header and records [0, part)
+            at = self.head + part * self.record_size
+            return _memcmp(view.ctypes.data, old.ctypes.data, at) == 0 or bool(
+                record_match_kernel(view.ctypes.data, size, old.ctypes.data, at, *tail)
             )
-            return bool(same and (job is None or job.result()))
-        finally:
-            if job is not None:
-                wait_done(job)  # (it reads `view` and `old`)
+
+        return _compare(view, old, tail, here, _match_part)
+
+    def same_structure(self, memory, size: int, links: Tuple[np.ndarray, np.ndarray, np.ndarray]) -> bool:
+        """Whether the first `size` bytes of `memory` hold a graph that parse_graph would
+        give this graph's `graph_key`, its ids aside: the same counts, the same records
+        (`link_mask`, names up to their NUL), and ids that link the tensors as `links`, this
+        graph's (node_index, src_index, view_src_index), say. A guest that built the same
+        graph in another ggml context sends it so. Its ids are first tried as this graph's
+        moved by one constant (a context at another address: `records_moved_kernel`), then
+        checked in full (`ids_link_kernel`: unique, non-zero, each reference the id of the
+        tensor its index names). Compared as `matches` compares: the second half of a large
+        graph's records on the helper."""
+        n_nodes = (self.head - 8) // 8
+        if len(self.data) > size or self.link_mask.size * 8 != self.record_size or len(links[0]) != n_nodes:
+            return False
+        if len(self.data) == self.head or bytes(memory[:4]) != self.data[:4]:
+            return False  # (no tensors; n_nodes)
+        if bytes(memory[self.head - 4 : self.head]) != self.data[self.head - 4 : self.head]:
+            return False  # (n_tensors)
+        view = np.frombuffer(memory, np.uint8, count=size)  # (held through the call: its address is read)
+        old = np.frombuffer(self.data, np.uint8)
+        id_at = self.head + 8 * int(self.id_words[0])
+        delta = int(view[id_at : id_at + 8].view("<i8")[0]) - int(old[id_at : id_at + 8].view("<i8")[0])
+        low, high = self.id_range
+        if abs(delta) < ID_MOVED_MAX and 0 < low and high < ID_MOVED_MAX and low + delta > 0:
+            moved = (self.head, self.record_size, self.word_mask, self.moves, self.name_at, self.name_lens, delta)
+
+            def here_moved(part: int) -> bool:  # node ids, records [0, part)
+                return bool(
+                    ids_moved_kernel(view.ctypes.data + 4, old.ctypes.data + 4, n_nodes, delta)
+                    and records_moved_kernel(view.ctypes.data, old.ctypes.data, *moved, 0, part)
+                )
+
+            if _compare(view, old, moved, here_moved, _moved_part):
+                return True
+        linked = (self.head, self.record_size, self.link_mask, self.name_at, self.name_lens)
+        fields = [8 * int(self.id_words[k]) for k in (0, 1, -1)]  # id, src, view_src
+
+        def here_linked(part: int) -> bool:  # records [0, part), then every id
+            return bool(
+                records_match_kernel(view.ctypes.data, old.ctypes.data, *linked, 0, part)
+                and ids_link_kernel(view.ctypes.data, self.head, self.record_size, *fields, *links, TABLE_KEY)
+            )
+
+        return _compare(view, old, linked, here_linked, _match_part)
+
+
+def _compare(view: np.ndarray, old: np.ndarray, tail: tuple, here, part_fn) -> bool:
+    # GraphWire's comparisons: `here(part)` on the caller, `part_fn(view, old, tail, part,
+    # n)` (records [part, n)) on the build helper for a graph of _BESIDE_MIN_RECORDS records
+    # or more; the answer is both's
+    head, size = tail[0], tail[1]
+    n = (old.size - head) // size
+    part = n // 2 if n >= _BESIDE_MIN_RECORDS else n
+    job = None
+    try:
+        if part < n:
+            job = beside(part_fn, view, old, tail, part, n)
+            if job is None:  # (no helper: all here)
+                part = n
+        return bool(here(part) and (job is None or job.result()))
+    finally:
+        if job is not None:
+            wait_done(job)  # (it reads `view` and `old`)
+
+
+def _moved_part(view: np.ndarray, old: np.ndarray, tail: tuple, lo: int, hi: int) -> bool:
+    # records [lo, hi) of GraphWire.same_structure's moved ids, on the helper (as _match_part)
+    return bool(records_moved_kernel(view.ctypes.data, old.ctypes.data, *tail, lo, hi))
 
 
 def _match_part(view: np.ndarray, old: np.ndarray, tail: tuple, lo: int, hi: int) -> bool:
-    # records [lo, hi) of GraphWire.matches, on the helper: the arrays held through the call
-    # (an interrupt between queueing this and the caller's wait leaves the caller without
-    # waiting: the guest's memory then stays mapped while it is read, its release refused)
+    # records [lo, hi) of GraphWire's comparisons, on the helper: the arrays held through the
+    # call (an interrupt between queueing this and the caller's wait leaves the caller without
+    # waiting: the guest's memory then stays mapped while it is read, its release refused).
+    # Equal bytes imply equal masked bytes, whatever the mask.
     head, size = tail[0], tail[1]
     start = head + lo * size
     if _memcmp(view.ctypes.data + start, old.ctypes.data + start, (hi - lo) * size) == 0:
@@ -215,11 +293,30 @@ def graph_wire(parsed) -> GraphWire:
     # bytes before each name's first NUL (a name without one, which the checks refuse, is
     # compared whole)
     name_lens = np.where(nul.any(axis=1), np.argmax(nul, axis=1), name_len - 1).astype(np.int64)
-    outside = mask.copy()  # (the cached mask stays as it is)
-    outside[name_at : name_at + name_len] = 0  # the name is compared apart, up to its NUL
+    outside, links = mask.copy(), _key_mask(t.dtype).copy()  # (the cached masks stay as they are)
+    # the name is compared apart, up to its NUL
+    outside[name_at : name_at + name_len] = links[name_at : name_at + name_len] = 0
     if size % 8:  # never matched in place (apir_rpc_tensor holds 8-byte fields: its size never is)
-        outside = np.zeros(0, np.uint8)
-    return GraphWire(out.tobytes(), head, size, outside.view(np.int64), name_at, name_lens)
+        outside = links = np.zeros(0, np.uint8)
+    fields = t.dtype.fields
+    src_at, max_src = fields["src"][1], fields["src"][0].shape[0]
+    id_words = np.array([fields["id"][1], *range(src_at, src_at + 8 * max_src, 8), fields["view_src"][1]]) // 8
+    moves = np.zeros(size // 8, np.int64)
+    moves[id_words] = 1
+    ids = t["id"].view(np.int64)
+    id_range = (int(ids.min()), int(ids.max())) if len(ids) else (0, 0)
+    return GraphWire(
+        out.tobytes(),
+        head,
+        size,
+        outside.view(np.int64),
+        name_at,
+        name_lens,
+        links.view(np.int64),
+        id_words,
+        moves,
+        id_range,
+    )
 
 
 def _unread_copy(info: TensorInfo) -> TensorInfo:
@@ -249,9 +346,8 @@ class GraphCacheEntry:
     src_rows: np.ndarray
     readers: List[int]
     nbytes: int = 0
-    # `graph_wire` of the last graphs it served (most recent first, at most WIRES_KEPT
-    # different ones), for `GraphCache.take_same`
-    wires: Tuple[GraphWire, ...] = ()
+    # `graph_wire` of the graph that built it, for `GraphCache.take_same`
+    wire: Optional[GraphWire] = None
 
     def __post_init__(self) -> None:
         # the tensors whose ids rules read (and copied): the same for every hit
@@ -280,12 +376,23 @@ class GraphCacheEntry:
         # read through the same view on every hit (`_fresh_snapshots`)
         self._id_views: Dict[tuple, tuple] = {}
 
+    @functools.cached_property
+    def links(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(node_index, src_index, view_src_index) of the graph, int32, read-only views of
+        the end of its key (`graph_key`)."""
+        n, n_nodes = (int(v) for v in np.frombuffer(self.key, np.int64, 2))
+        max_src = self.src_rows.shape[1]
+        end = len(self.key)
+        at = end - 4 * (n_nodes + n * max_src + n)
+        node_index = np.frombuffer(self.key, np.int32, n_nodes, at)
+        src_index = np.frombuffer(self.key, np.int32, n * max_src, at + 4 * n_nodes).reshape(n, max_src)
+        return node_index, src_index, np.frombuffer(self.key, np.int32, n, end - 4 * n)
+
     def remember_wire(self, wire: GraphWire) -> None:
-        """Keeps `wire` (`graph_wire` of the graph being served) for `GraphCache.take_same`,
-        first, with the one before it that differs (bytes counted in `nbytes`)."""
-        kept = (wire,) + tuple(w for w in self.wires if w.data != wire.data)[: WIRES_KEPT - 1]
-        self.nbytes += sum(len(w.data) for w in kept) - sum(len(w.data) for w in self.wires)
-        self.wires = kept
+        """Keeps `wire` (`graph_wire` of the graph that built it) for `GraphCache.take_same`
+        (its bytes counted in `nbytes`)."""
+        self.nbytes += len(wire.data) - (len(self.wire.data) if self.wire is not None else 0)
+        self.wire = wire
 
     def buffers_unchanged(self, lib) -> bool:
         """Whether every handle still names the same HostBuffer object."""
@@ -430,22 +537,28 @@ class GraphCache:
         return None
 
     def take_same(self, memory, size: int, lib) -> Optional[GraphCacheEntry]:
-        """Removes and returns the entry one of whose last graphs' bytes (`GraphCacheEntry.wires`)
-        the `size` bytes of `memory` (the guest's shared memory) match, and whose buffers are
-        unchanged; or None. The bytes are compared where they lie, without parsing them: what
-        the host serves is the entry's graph, checked when it was built, whatever the guest
-        writes there meanwhile. A decode step sends the very graph of the
-        step before (the same tensors, so the same ids), and this skips its parse and key."""
-        for slot, entry in self._entries.items():
-            wire = next((w for w in entry.wires if w.matches(memory, size)), None)
-            if wire is not None:
-                del self._entries[slot]
-                if entry.buffers_unchanged(lib):
-                    self.hits += 1
-                    entry.remember_wire(wire)  # (now the last served)
-                    return entry
-                entry.close()
-                return None
+        """Removes and returns the entry whose graph the `size` bytes of `memory` (the guest's
+        shared memory) hold again, and whose buffers are unchanged; or None. The bytes are
+        compared where they lie, without parsing them, first as the very bytes of a graph
+        served before (`GraphWire.matches`), then as the same graph under other ids
+        (`GraphWire.same_structure`). What the host serves is the entry's graph, checked when
+        it was built, whatever the guest writes there meanwhile."""
+        wired = [(slot, entry, entry.wire) for slot, entry in self._entries.items() if entry.wire is not None]
+        for slot, entry, wire in wired:
+            if wire.matches(memory, size):
+                return self._served(slot, entry, lib)
+        for slot, entry, wire in wired:
+            if wire.same_structure(memory, size, entry.links):
+                return self._served(slot, entry, lib)
+        return None
+
+    def _served(self, slot: int, entry: GraphCacheEntry, lib) -> Optional[GraphCacheEntry]:
+        # `entry` (at `slot`) taken out: returned if its buffers are unchanged, else freed
+        del self._entries[slot]
+        if entry.buffers_unchanged(lib):
+            self.hits += 1
+            return entry
+        entry.close()
         return None
 
     def put(self, entry: GraphCacheEntry) -> None:

@@ -162,20 +162,34 @@ def test_other_guest_ids_same_structure_is_a_hit(session, ggml):
 
 def _renamed(session, shift: int) -> bytes:
     """The session's graph with every tensor id moved by `shift`: the same structure."""
+    return _with_ids(session, lambda ids: ids + np.uint64(shift % (1 << 64)))
+
+
+def _permuted(session, seed: int) -> bytes:
+    """The session's graph with its tensor ids given out again in a random order, each
+    another random id: the same structure, no constant between old and new ids."""
     n_nodes, recs = session.records()
-    nodes = np.frombuffer(session.wire, np.uint64, count=n_nodes, offset=4) + np.uint64(shift)
+    new = np.random.default_rng(seed).integers(1, 1 << 63, len(recs), dtype=np.uint64)
+    return _with_ids(session, lambda ids: new[np.searchsorted(np.sort(recs["id"]), ids)])
+
+
+def _with_ids(session, rename) -> bytes:
+    """The session's graph with every id (node ids, each record's id, src and view_src) x
+    replaced by rename(x), 0 (no tensor) kept."""
+    n_nodes, recs = session.records()
+    nodes = rename(np.frombuffer(session.wire, np.uint64, count=n_nodes, offset=4).copy())
     for f in ("id", "src", "view_src"):
-        recs[f] = np.where(recs[f] != 0, recs[f] + np.uint64(shift), 0)
+        recs[f] = np.where(recs[f] != 0, rename(recs[f]), 0)
     return session.wire[:4] + nodes.tobytes() + session.wire[4 + 8 * n_nodes : 8 + 8 * n_nodes] + recs.tobytes()
 
 
-def test_two_graphs_sent_in_turn_are_served_without_parsing(session, ggml, monkeypatch):
+def test_graphs_under_other_ids_are_served_without_parsing(session, ggml, monkeypatch):
     """A guest that builds its graphs in two contexts in turn sends the same structure under
-    two sets of ids: once each was parsed, both are matched in place (the entry keeps the
-    last two graphs' bytes), and a third set is parsed again."""
+    two sets of ids (each moved by one constant), and one under ids in another order entirely:
+    once the first was parsed, every other is matched in place (`GraphWire.same_structure`)."""
     import apir.host.dispatch_backend as db
 
-    a, b, c = session.wire, _renamed(session, 1 << 40), _renamed(session, 1 << 41)
+    a, b, c = session.wire, _renamed(session, 1 << 40), _permuted(session, seed=3)
     parses = []
     real = db.parse_graph
     monkeypatch.setattr(db, "parse_graph", lambda *a, **k: parses.append(1) or real(*a, **k))
@@ -184,20 +198,19 @@ def test_two_graphs_sent_in_turn_are_served_without_parsing(session, ggml, monke
         session.set_inputs(data)
         assert session.compute(wire) == (0, 0)
         assert session.output() == _direct(ggml, data)
-    # parsed: a, b (first seen), c (new), then b (c and a were the last two)
-    assert len(parses) == 4 and session.cache.hits == 7
+    assert len(parses) == 1 and session.cache.hits == 7
 
 
 def test_an_entry_counts_what_it_keeps(session, ggml):
     """An entry's bytes (bounded by the cache's max_bytes): its key, scratch context, the
-    records its infos are made from, the copies of the row ids its rules read and the wires
+    records its infos are made from, the copies of the row ids its rules read and the wire
     it keeps for the in-place match."""
     session.set_inputs(_data(ggml, 1))
     assert session.compute() == (0, 0)
     (entry,) = session.cache._entries.values()
     n_nodes, recs = session.records()
     assert entry.infos.nbytes == recs.nbytes > 0
-    wires = sum(len(w.data) for w in entry.wires)
+    wires = len(entry.wire.data)
     ids = sum(len(entry.infos[i].snapshot) for i in entry.id_holders)
     assert ids == 3 * 4  # (the GET_ROWS ids: 3 I32)
     assert wires > 0 and entry.nbytes == len(entry.key) + entry.scratch.size + recs.nbytes + ids + wires
@@ -292,9 +305,109 @@ def test_every_byte_the_host_reads_is_in_the_wire_match(session, ggml, split, mo
     assert sorted(set(same)) == sorted(unread)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-thread", "split"])
+@pytest.mark.parametrize("ids", ["moved", "permuted", "high"])
+def test_same_structure_is_exactly_an_equal_key(session, ggml, ids, split, monkeypatch):
+    """`GraphWire.same_structure` accepts a graph exactly when parsing it gives the cached
+    graph's key: for the graph under other ids (moved by one constant, given out in another
+    order, or moved past 2**62, where only the full check of links applies), and for each of
+    those with any one byte flipped (ids and links included), the two always agree.
+    `split`: half the records compared on the build helper thread, whatever the size."""
+    if split:
+        monkeypatch.setattr(graph_cache, "_BESIDE_MIN_RECORDS", 1)
+    kw = dict(limits=ggml.limits, op_count=ggml.op_count, type_valid=ggml.valid_types)
+    parsed = parse_graph(session.wire, **kw)
+    key, wire = graph_key(parsed), graph_wire(parsed)
+    links = (parsed.node_index, parsed.src_index, parsed.view_src_index)
+    other = {"moved": _renamed(session, 1 << 40), "permuted": _permuted(session, seed=5),
+             "high": _renamed(session, (1 << 62) + 12345)}[ids]
+    assert other != session.wire and wire.same_structure(other, len(other), links)
+    assert wire.same_structure(session.wire, len(session.wire), links)  # (other ids: the same ones)
+    assert not wire.same_structure(other, len(other) - 1, links)
+    agreed = 0
+    for p in range(len(other)):
+        for flip in (0x01, 0x80):
+            flipped = bytearray(other)
+            flipped[p] ^= flip
+            try:
+                same = graph_key(parse_graph(bytes(flipped), **kw)) == key
+            except GraphError:
+                same = False
+            assert wire.same_structure(flipped, len(flipped), links) is same, (p, flip)
+            agreed += same
+    assert agreed > 0  # (the unread bytes, and ids no tensor links)
+
+
+def test_same_structure_tries_moved_ids_before_the_full_check(session, ggml, monkeypatch):
+    """Ids moved by one constant (a ggml context at another address) are matched without the
+    full check of links and its hash set (`ids_link_kernel`); ids in another order need it."""
+    kw = dict(limits=ggml.limits, op_count=ggml.op_count, type_valid=ggml.valid_types)
+    parsed = parse_graph(session.wire, **kw)
+    wire = graph_wire(parsed)
+    links = (parsed.node_index, parsed.src_index, parsed.view_src_index)
+    calls = []
+    real = graph_cache.ids_link_kernel
+    monkeypatch.setattr(graph_cache, "ids_link_kernel", lambda *a: calls.append(1) or real(*a))
+    moved = _renamed(session, -(1 << 20))
+    assert wire.same_structure(moved, len(moved), links) and calls == []
+    permuted = _permuted(session, seed=7)
+    assert wire.same_structure(permuted, len(permuted), links) and calls == [1]
+
+
+def test_structure_kernels_vs_python(session, ggml):
+    """The kernels of `GraphWire.same_structure` and their Python twins give the same answer
+    on the graph under other ids with bytes flipped here and there (ids and links included)."""
+    from apir.codec import _kernels as K
+
+    kw = dict(limits=ggml.limits, op_count=ggml.op_count, type_valid=ggml.valid_types)
+    parsed = parse_graph(session.wire, **kw)
+    w = graph_wire(parsed)
+    links = (parsed.node_index, parsed.src_index, parsed.view_src_index)
+    n, n_nodes = len(parsed.tensors), len(parsed.node_ids)
+    fields = [8 * int(w.id_words[k]) for k in (0, 1, -1)]
+    old = np.frombuffer(w.data, np.uint8)
+    rng = np.random.default_rng(11)
+    answers = set()
+    for base, delta in ((_renamed(session, 1 << 40), 1 << 40), (_permuted(session, seed=2), 1 << 40)):
+        for p in [None, *rng.integers(0, len(base), 60)]:
+            new = np.frombuffer(base, np.uint8).copy()
+            if p is not None:
+                new[p] ^= 1 << int(rng.integers(0, 8))
+            a, b = new.ctypes.data, old.ctypes.data
+            for kernel, args in (
+                (K.records_moved_kernel, (a, b, w.head, w.record_size, w.word_mask, w.moves, w.name_at, w.name_lens, delta, 0, n)),
+                (K.ids_moved_kernel, (a + 4, b + 4, n_nodes, delta)),
+                (K.ids_link_kernel, (a, w.head, w.record_size, *fields, *links, K.TABLE_KEY)),
+            ):
+                want = kernel(*args)
+                assert kernel.py_func(*args) == want, (kernel, p)
+                answers.add(bool(want))
+    assert answers == {True, False}
+
+
+def test_same_structure_refuses_ids_a_parse_refuses(session, ggml):
+    """Ids that link every tensor as before but that parse_graph refuses are no match:
+    tensor 0 renamed (with every link to it) to tensor 1's id, or to 0; every id moved by
+    one constant that takes the least of them to 0."""
+    kw = dict(limits=ggml.limits, op_count=ggml.op_count, type_valid=ggml.valid_types)
+    parsed = parse_graph(session.wire, **kw)
+    wire = graph_wire(parsed)
+    links = (parsed.node_index, parsed.src_index, parsed.view_src_index)
+    ids = session.records()[1]["id"]
+
+    def tensor_0_as(bad):
+        return lambda x: np.where(x == ids[0], np.uint64(bad), x)
+
+    for rename in (tensor_0_as(ids[1]), tensor_0_as(0), lambda x: x - ids.min()):
+        bad = _with_ids(session, rename)
+        with pytest.raises(GraphError, match="id"):
+            parse_graph(bad, **kw)
+        assert not wire.same_structure(bad, len(bad), links)
+
+
 def test_the_same_graph_again_is_served_without_parsing(session, ggml, monkeypatch):
     """A graph sent again byte for byte (a decode step's) is matched where it lies and
-    served from the cache without a parse; ids renamed, it is parsed and found by its key."""
+    served from the cache without a parse."""
     import apir.host.dispatch_backend as db
 
     session.set_inputs(_data(ggml, 1))
@@ -639,32 +752,29 @@ def test_the_row_id_copies_an_entry_pins_count_against_max_bytes(guest, ggml):
         rg.close()
 
 
-def test_row_ids_are_checked_again_on_a_hit_through_either_wire(session, ggml, monkeypatch):
-    """An entry matched in place through the older of its two wires re-checks its row ids as
-    through the newer: an id out of range is refused without a parse, the entry is dropped,
-    and the other wire's graph is then parsed and refused in full; with ids in range again it
-    is built anew. An entry's bytes count both wires it keeps."""
+def test_row_ids_are_checked_again_on_a_hit_under_other_ids(session, ggml, monkeypatch):
+    """An entry matched in place under other ids (`GraphWire.same_structure`) re-checks its row
+    ids as a hit with the same bytes does: an id out of range is refused without a parse and
+    the entry is dropped; the graph is then parsed and refused in full; with ids in range
+    again it is built anew."""
     import apir.host.dispatch_backend as db
 
     a, b = session.wire, _renamed(session, 1 << 40)
     parses = []
     real = db.parse_graph
     monkeypatch.setattr(db, "parse_graph", lambda *args, **k: parses.append(1) or real(*args, **k))
-    for wire in (a, b):
-        session.set_inputs(_data(ggml, 1))
-        assert session.compute(wire) == (0, 0)
+    session.set_inputs(_data(ggml, 1))
+    assert session.compute(a) == (0, 0)
     (entry,) = session.cache._entries.values()
-    assert len(entry.wires) == 2 and entry.wires[1].matches(a, len(a)) and not entry.wires[0].matches(a, len(a))
-    n_nodes, recs = session.records()
-    base = len(entry.key) + entry.scratch.size + recs.nbytes + 3 * 4  # (3 I32 row ids)
-    assert entry.nbytes == base + len(entry.wires[0].data) + len(entry.wires[1].data)
+    assert entry.wire.matches(a, len(a)) and not entry.wire.matches(b, len(b))
+    assert entry.wire.same_structure(b, len(b), entry.links)
     session.set_inputs(_data(ggml, 2, rows=(0, N_ROWS, 1)))
-    assert session.compute(a)[0] != 0
-    assert (len(parses), len(session.cache)) == (2, 0)  # matched in place, refused, dropped
     assert session.compute(b)[0] != 0
-    assert (len(parses), len(session.cache)) == (3, 0)
+    assert (len(parses), len(session.cache)) == (1, 0)  # matched in place, refused, dropped
+    assert session.compute(b)[0] != 0
+    assert (len(parses), len(session.cache)) == (2, 0)
     data = _data(ggml, 3, rows=(N_ROWS - 1, 0, 2))
     session.set_inputs(data)
     assert session.compute(b) == (0, 0)
     assert session.output() == _direct(ggml, data)
-    assert len(parses) == 4 and len(session.cache) == 1
+    assert len(parses) == 3 and len(session.cache) == 1
