@@ -1,5 +1,6 @@
 """The host's per-graph work for one all-MiniLM-L6-v2 batch: the graph cache's in-place match
-(_same_graph_again: the very bytes of a graph served before, re-checked), parse_graph,
+(_same_graph_again: a graph served before, its very bytes or under other tensor ids,
+re-checked), parse_graph,
 prepare_graph (checks and build, or the graph cache's re-check by key) and check_work_size
 (ggml_graph_plan's bound).
 
