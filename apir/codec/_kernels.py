@@ -58,6 +58,9 @@ __all__ = [
     "ids_link_kernel",
     "ids_moved_kernel",
     "ID_MOVED_MAX",
+    "MOVED_SAME",
+    "MOVED_IDS_DIFFER",
+    "MOVED_DIFFERENT",
     "records_moved_kernel",
     "rule_group_kernel",
     "group_sizes_kernel",
@@ -979,15 +982,23 @@ def _records_match(new, old, head, rec_size, word_mask, name_at, name_lens, lo, 
 ID_MOVED_MAX = 1 << 62
 
 
+# records_moved_kernel's answers
+MOVED_SAME = 0  # every record the old one, its ids moved
+MOVED_IDS_DIFFER = 1  # a record differs from the old one in its ids only: not moved, maybe linked
+MOVED_DIFFERENT = 2  # a record differs outside its ids: no graph of the same structure
+
+
 @jit
-def records_moved_kernel(new, old, head, rec_size, word_mask, moves, name_at, name_lens, delta, lo, hi):
-    """`records_match_kernel` for records [`lo`, `hi`) with the ids moved by `delta`: each
-    word where `moves` (int64 per word of a record) is 1 (`id`, `src[]`, `view_src`) holds
-    0 where the old one does, else the old one plus `delta`. The ids of the same graph built
-    by a ggml context at another address. The caller has checked that every old id is in
-    [1, ID_MOVED_MAX), that |`delta`| < ID_MOVED_MAX and that the least old id plus `delta`
-    is above 0: moved by one constant, the ids stay non-zero and unique, and every link
-    stays, so parse_graph_kernel finds the old graph's index arrays."""
+def records_moved_kernel(new, old, head, rec_size, word_mask, link_mask, moves, name_at, name_lens, delta, lo, hi):
+    """Compares records [`lo`, `hi`) as `records_match_kernel` does under `word_mask`, their
+    ids moved by `delta`: each word where `moves` (int64 per word of a record: -1 at `id`,
+    `src[]`, `view_src`, else 0) is -1 holds 0 where the old one does, else the old one plus
+    `delta`. The ids of the same graph built by a ggml context at another address. The caller
+    has checked that every old id is in [1, ID_MOVED_MAX), that |`delta`| < ID_MOVED_MAX and
+    that the least old id plus `delta` is above 0: moved by one constant, the ids stay
+    non-zero and unique, and every link stays, so parse_graph_kernel finds the old graph's
+    index arrays. Returns MOVED_SAME, or at the first record that differs MOVED_DIFFERENT
+    (under `link_mask`, its ids left out) or MOVED_IDS_DIFFER (in its ids only)."""
     words = rec_size // 8
     for r in range(lo, hi):
         a = new + head + r * rec_size
@@ -995,12 +1006,13 @@ def records_moved_kernel(new, old, head, rec_size, word_mask, moves, name_at, na
         diff = 0
         for w in range(words):
             o = load_i64(b + 8 * w)
-            shift = delta if moves[w] != 0 and o != 0 else 0
-            diff |= (load_i64(a + 8 * w) ^ (o + shift)) & word_mask[w]
+            diff |= (load_i64(a + 8 * w) ^ (o + (delta & moves[w] if o != 0 else 0))) & word_mask[w]
         diff |= _bytes_diff(a + name_at, b + name_at, name_lens[r] + 1)
-        if diff:
-            return False
-    return True
+        if diff:  # (which: compared again without the ids, this record only)
+            if _records_match(new, old, head, rec_size, link_mask, name_at, name_lens, r, r + 1):
+                return MOVED_IDS_DIFFER
+            return MOVED_DIFFERENT
+    return MOVED_SAME
 
 
 @jit
@@ -1022,16 +1034,20 @@ def ids_link_kernel(new, head, rec_size, id_at, src_at, view_src_at, node_index,
     int32[n]; -1 for none; each other index in [0, n)): every id non-zero and unique (an
     open-addressing set keyed by `hkey`, TABLE_KEY), each node id the id of the tensor its
     index names, each src and view_src 0 where the index is -1, else the id of that tensor.
-    Exactly when this holds, parse_graph_kernel finds these index arrays from these ids."""
+    Exactly when this holds, parse_graph_kernel finds these index arrays from these ids.
+    Each word is read from `new` once (the ids into a private array first)."""
     n = src_index.shape[0]
     cap = 2
     while cap < 2 * n:
         cap *= 2
     table = np.zeros(cap, np.int64)
     mask = cap - 1
-    ids = new + head + id_at  # tensor 0's id
+    # each id read from the guest once: a guest rewriting one between reads could otherwise
+    # pass the set with one value and the links with another
+    ids = np.empty(n, np.int64)
     for i in range(n):
-        tid = load_i64(ids + rec_size * i)
+        tid = load_i64(new + head + id_at + rec_size * i)
+        ids[i] = tid
         if tid == 0:
             return False
         j = _mix(0, tid, hkey) & mask
@@ -1044,16 +1060,15 @@ def ids_link_kernel(new, head, rec_size, id_at, src_at, view_src_at, node_index,
                 break
             j = (j + 1) & mask
     for k in range(node_index.shape[0]):
-        if load_i64(new + 4 + 8 * k) != load_i64(ids + rec_size * int(node_index[k])):
+        if load_i64(new + 4 + 8 * k) != ids[node_index[k]]:
             return False
     max_src = src_index.shape[1]
     for i in range(n):
         r = new + head + rec_size * i
         for s in range(max_src + 1):
-            j = int(src_index[i, s] if s < max_src else view_src_index[i])  # (int: the twin's int32 would overflow)
+            j = src_index[i, s] if s < max_src else view_src_index[i]
             at = r + src_at + 8 * s if s < max_src else r + view_src_at
-            want = 0 if j < 0 else load_i64(ids + rec_size * j)
-            if load_i64(at) != want:
+            if load_i64(at) != (0 if j < 0 else ids[j]):
                 return False
     return True
 

@@ -59,6 +59,9 @@ import numpy as np
 
 from apir.codec._kernels import (
     ID_MOVED_MAX,
+    MOVED_DIFFERENT,
+    MOVED_IDS_DIFFER,
+    MOVED_SAME,
     TABLE_KEY,
     ids_link_kernel,
     ids_moved_kernel,
@@ -140,7 +143,7 @@ class GraphWire:
     int64 words), the name's offset `name_at` and each record's name length (`name_lens`,
     int64) say how `GraphCache.take_same` compares graph bytes with it; `link_mask` (the same
     without the ids), the indices of the int64 words of `id`, `src[]` and `view_src`
-    (`id_words`, in that order; `moves`: 1 at those words, 0 elsewhere) and its least and
+    (`id_words`, int64, in that order; `moves`: -1 at those words, 0 elsewhere) and its least and
     greatest tensor id (`id_range`) how it compares a graph of the same structure under
     other ids."""
 
@@ -179,7 +182,7 @@ class GraphWire:
                 record_match_kernel(view.ctypes.data, size, old.ctypes.data, at, *tail)
             )
 
-        return _compare(view, old, tail, here, _match_part)
+        return all(_compare(view, old, tail, here, _match_part))
 
     def same_structure(self, memory, size: int, links: Tuple[np.ndarray, np.ndarray, np.ndarray]) -> bool:
         """Whether the first `size` bytes of `memory` hold a graph that parse_graph would
@@ -187,10 +190,11 @@ class GraphWire:
         (`link_mask`, names up to their NUL), and ids that link the tensors as `links`, this
         graph's (node_index, src_index, view_src_index), say. A guest that built the same
         graph in another ggml context sends it so. Its ids are first tried as this graph's
-        moved by one constant (a context at another address: `records_moved_kernel`), then
-        checked in full (`ids_link_kernel`: unique, non-zero, each reference the id of the
-        tensor its index names). Compared as `matches` compares: the second half of a large
-        graph's records on the helper."""
+        moved by one constant (a context at another address: `records_moved_kernel`); unless
+        that finds bytes outside the ids that differ, they are then checked in full
+        (`ids_link_kernel`: unique, non-zero, each reference the id of the tensor its index
+        names). Compared as `matches` compares: the second half of a large graph's records on
+        the helper."""
         n_nodes = (self.head - 8) // 8
         if len(self.data) > size or self.link_mask.size * 8 != self.record_size or len(links[0]) != n_nodes:
             return False
@@ -204,32 +208,42 @@ class GraphWire:
         delta = int(view[id_at : id_at + 8].view("<i8")[0]) - int(old[id_at : id_at + 8].view("<i8")[0])
         low, high = self.id_range
         if abs(delta) < ID_MOVED_MAX and 0 < low and high < ID_MOVED_MAX and low + delta > 0:
-            moved = (self.head, self.record_size, self.word_mask, self.moves, self.name_at, self.name_lens, delta)
-
-            def here_moved(part: int) -> bool:  # node ids, records [0, part)
-                return bool(
-                    ids_moved_kernel(view.ctypes.data + 4, old.ctypes.data + 4, n_nodes, delta)
-                    and records_moved_kernel(view.ctypes.data, old.ctypes.data, *moved, 0, part)
-                )
-
-            if _compare(view, old, moved, here_moved, _moved_part):
-                return True
-        linked = (self.head, self.record_size, self.link_mask, self.name_at, self.name_lens)
-        fields = [8 * int(self.id_words[k]) for k in (0, 1, -1)]  # id, src, view_src
-
-        def here_linked(part: int) -> bool:  # records [0, part), then every id
-            return bool(
-                records_match_kernel(view.ctypes.data, old.ctypes.data, *linked, 0, part)
-                and ids_link_kernel(view.ctypes.data, self.head, self.record_size, *fields, *links, TABLE_KEY)
+            moved = (
+                self.head,
+                self.record_size,
+                self.word_mask,
+                self.link_mask,
+                self.moves,
+                self.name_at,
+                self.name_lens,
+                delta,
             )
 
-        return _compare(view, old, linked, here_linked, _match_part)
+            def here_moved(part: int) -> int:  # node ids, records [0, part)
+                if not ids_moved_kernel(view.ctypes.data + 4, old.ctypes.data + 4, n_nodes, delta):
+                    return MOVED_IDS_DIFFER
+                return int(records_moved_kernel(view.ctypes.data, old.ctypes.data, *moved, 0, part))
+
+            answers = _compare(view, old, moved, here_moved, _moved_part)
+            if MOVED_DIFFERENT in answers:
+                return False  # (bytes outside the ids differ: no other ids make it the same)
+            if answers == (MOVED_SAME, MOVED_SAME):
+                return True
+        linked = (self.head, self.record_size, self.link_mask, self.name_at, self.name_lens)
+
+        def here_linked(part: int) -> bool:  # records [0, part)
+            return bool(records_match_kernel(view.ctypes.data, old.ctypes.data, *linked, 0, part))
+
+        if not all(_compare(view, old, linked, here_linked, _match_part)):
+            return False
+        fields = [8 * int(self.id_words[k]) for k in (0, 1, -1)]  # id, src, view_src
+        return bool(ids_link_kernel(view.ctypes.data, self.head, self.record_size, *fields, *links, TABLE_KEY))
 
 
-def _compare(view: np.ndarray, old: np.ndarray, tail: tuple, here, part_fn) -> bool:
-    # GraphWire's comparisons: `here(part)` on the caller, `part_fn(view, old, tail, part,
-    # n)` (records [part, n)) on the build helper for a graph of _BESIDE_MIN_RECORDS records
-    # or more; the answer is both's
+def _compare(view: np.ndarray, old: np.ndarray, tail: tuple, here, part_fn) -> tuple:
+    # GraphWire's comparisons: the answers of `here(part)`, on the caller, and of
+    # `part_fn(view, old, tail, part, n)` (records [part, n)), on the build helper, for a
+    # graph of _BESIDE_MIN_RECORDS records or more; (here's, here's) where all ran here
     head, size = tail[0], tail[1]
     n = (old.size - head) // size
     part = n // 2 if n >= _BESIDE_MIN_RECORDS else n
@@ -239,15 +253,16 @@ def _compare(view: np.ndarray, old: np.ndarray, tail: tuple, here, part_fn) -> b
             job = beside(part_fn, view, old, tail, part, n)
             if job is None:  # (no helper: all here)
                 part = n
-        return bool(here(part) and (job is None or job.result()))
+        first = here(part)
+        return first, (job.result() if job is not None else first)
     finally:
         if job is not None:
             wait_done(job)  # (it reads `view` and `old`)
 
 
-def _moved_part(view: np.ndarray, old: np.ndarray, tail: tuple, lo: int, hi: int) -> bool:
+def _moved_part(view: np.ndarray, old: np.ndarray, tail: tuple, lo: int, hi: int) -> int:
     # records [lo, hi) of GraphWire.same_structure's moved ids, on the helper (as _match_part)
-    return bool(records_moved_kernel(view.ctypes.data, old.ctypes.data, *tail, lo, hi))
+    return int(records_moved_kernel(view.ctypes.data, old.ctypes.data, *tail, lo, hi))
 
 
 def _match_part(view: np.ndarray, old: np.ndarray, tail: tuple, lo: int, hi: int) -> bool:
@@ -302,7 +317,7 @@ def graph_wire(parsed) -> GraphWire:
     src_at, max_src = fields["src"][1], fields["src"][0].shape[0]
     id_words = np.array([fields["id"][1], *range(src_at, src_at + 8 * max_src, 8), fields["view_src"][1]]) // 8
     moves = np.zeros(size // 8, np.int64)
-    moves[id_words] = 1
+    moves[id_words] = -1
     ids = t["id"].view(np.int64)
     id_range = (int(ids.min()), int(ids.max())) if len(ids) else (0, 0)
     return GraphWire(

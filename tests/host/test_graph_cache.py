@@ -340,7 +340,8 @@ def test_same_structure_is_exactly_an_equal_key(session, ggml, ids, split, monke
 
 def test_same_structure_tries_moved_ids_before_the_full_check(session, ggml, monkeypatch):
     """Ids moved by one constant (a ggml context at another address) are matched without the
-    full check of links and its hash set (`ids_link_kernel`); ids in another order need it."""
+    full check of links and its hash set (`ids_link_kernel`); ids in another order need it,
+    and a graph that differs outside its ids gets no full check."""
     kw = dict(limits=ggml.limits, op_count=ggml.op_count, type_valid=ggml.valid_types)
     parsed = parse_graph(session.wire, **kw)
     wire = graph_wire(parsed)
@@ -352,6 +353,15 @@ def test_same_structure_tries_moved_ids_before_the_full_check(session, ggml, mon
     assert wire.same_structure(moved, len(moved), links) and calls == []
     permuted = _permuted(session, seed=7)
     assert wire.same_structure(permuted, len(permuted), links) and calls == [1]
+    # moved ids, a byte outside the ids of the last record changed: no other ids could make
+    # it the same graph, so no full check; one id not moved: the full check says no
+    rpc = rpc_tensor_dtype(ggml.limits)
+    n_nodes = int.from_bytes(moved[:4], "little")
+    last = 8 + 8 * n_nodes + (len(parsed.tensors) - 1) * rpc.itemsize
+    for at, want_calls in ((last + rpc.fields["op_params"][1], [1]), (last + rpc.fields["id"][1] + 5, [1, 1])):
+        other = bytearray(moved)
+        other[at] ^= 1
+        assert not wire.same_structure(other, len(other), links) and calls == want_calls
 
 
 def test_structure_kernels_vs_python(session, ggml):
@@ -375,14 +385,15 @@ def test_structure_kernels_vs_python(session, ggml):
                 new[p] ^= 1 << int(rng.integers(0, 8))
             a, b = new.ctypes.data, old.ctypes.data
             for kernel, args in (
-                (K.records_moved_kernel, (a, b, w.head, w.record_size, w.word_mask, w.moves, w.name_at, w.name_lens, delta, 0, n)),
+                (K.records_moved_kernel, (a, b, w.head, w.record_size, w.word_mask, w.link_mask, w.moves, w.name_at, w.name_lens, delta, 0, n)),
                 (K.ids_moved_kernel, (a + 4, b + 4, n_nodes, delta)),
                 (K.ids_link_kernel, (a, w.head, w.record_size, *fields, *links, K.TABLE_KEY)),
             ):
-                want = kernel(*args)
-                assert kernel.py_func(*args) == want, (kernel, p)
-                answers.add(bool(want))
-    assert answers == {True, False}
+                want = int(kernel(*args))
+                assert int(kernel.py_func(*args)) == want, (kernel, p)
+                answers.add((kernel.__name__, want))
+    moved = {("records_moved_kernel", K.MOVED_SAME), ("records_moved_kernel", K.MOVED_DIFFERENT)}
+    assert moved <= answers and {("ids_link_kernel", 0), ("ids_link_kernel", 1)} <= answers
 
 
 def test_same_structure_refuses_ids_a_parse_refuses(session, ggml):
