@@ -15,7 +15,8 @@ embedded host by default, `--socket` / `--drm` for the others) and a baseline wi
                        (apir.host.graph_cache) over the whole run: a repeated batch's graph
                        hits after the first
 
-Target and baseline runs alternate so drift on a shared machine hits both alike. Until the APIR
+Target and baseline runs alternate so drift on a shared machine hits both alike, each round
+starting with the next of them (the first batch of a round runs faster than the last). Until the APIR
 guest backend exists, the target is local ggml CPU too (flagged FALLBACK) and the ratios only
 show the measurement's noise. Also reports whether both outputs are byte-identical.
 
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
     where.add_argument("--drm", metavar="NODE")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-words", type=int, default=40, help="longest sentence in words (default 40)")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=12, help="rounds (default 12: each backend first in as many)")
     p.add_argument("--threads", type=int, default=2, help="threads of the local CPU backend(s)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-rpc-peer", action="store_true",
@@ -187,8 +188,13 @@ def main(argv=None) -> int:
         # Warm-up: first allocation of each compute buffer, thread pools, caches.
         outs = {name: _time_batch(model, batch)[2] for name, model in models.items()}
         times = {name: ([], []) for name in models}
-        for _ in range(args.repeats):
-            for name, model in models.items():
+        names = list(models)
+        for r in range(args.repeats):
+            # each round starts with the next backend: in a round of three identical ggml CPU
+            # backends the last batch ran up to 9% slower than the first, so each takes every
+            # place in turn
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                model = models[name]
                 total, compute, outs[name] = _time_batch(model, batch)
                 times[name][0].append(total)
                 times[name][1].append(compute)
