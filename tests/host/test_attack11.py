@@ -52,7 +52,8 @@ from apir.codec.records import rpc_tensor_dtype
 from apir.host import build_helper, graph_cache
 from apir.host.graph_cache import graph_key, graph_wire
 from tests.host.attackkit import racing_guest
-from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph, cpu_compute
+from tests.host.cachekit import GraphSession, direct_output, graph_inputs
+from tests.host.hostkit import DATA_RES, Guest
 from tests.host.largekit import chain_wire
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -625,83 +626,9 @@ def test_ids_are_read_once_by_the_link_check(ggml, chain):
 # --- what runs on a hit -----------------------------------------------------------------------
 
 
-N_ROWS = 10
-
-
-def _graph(g, ctx):
-    """mul_mat + add + get_rows + soft_max + a view: links, views and row ids (as
-    test_graph_cache's)."""
-    f32 = g.types["F32"]
-    w = g.ggml_new_tensor_2d(ctx, f32, 16, 12)
-    x = g.ggml_new_tensor_2d(ctx, f32, 16, 3)
-    emb = g.ggml_new_tensor_2d(ctx, f32, 12, N_ROWS)
-    rows = g.ggml_new_tensor_1d(ctx, g.types["I32"], 3)
-    inputs = [w, x, emb, rows]
-    for i, t in enumerate(inputs):
-        g.ggml_set_name(t, f"in{i}".encode())
-        g.ggml_set_input(t)
-    y = g.ggml_add(ctx, g.ggml_mul_mat(ctx, w, x), g.ggml_get_rows(ctx, emb, rows))
-    y = g.ggml_soft_max_ext(ctx, y, None, 0.5, 0.0)
-    y = g.ggml_cont(ctx, g.ggml_view_2d(ctx, y, 6, 3, g.ggml_row_size(f32, 12), 0))
-    g.ggml_set_output(y)
-    graph = g.ggml_new_graph(ctx)
-    g.ggml_build_forward_expand(graph, y)
-    return graph, inputs, y
-
-
-def _data(seed, rows=(1, 7, 3)):
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal(16 * 12).astype(np.float32).tobytes(),
-            rng.standard_normal(16 * 3).astype(np.float32).tobytes(),
-            rng.standard_normal(12 * N_ROWS).astype(np.float32).tobytes(),
-            np.array(rows, np.int32).tobytes()]
-
-
-def _direct(g, data):
-    s = GgmlScratch(g)
-    graph, inputs, y = _graph(g, s.ctx)
-    out = cpu_compute(g, s.ctx, graph, zip(inputs, data), y)
-    s.close()
-    return out
-
-
-class _Session:
-    """One guest graph on a host context (as test_graph_cache's)."""
-
-    def __init__(self, guest, g):
-        self.guest, self.g = guest, g
-        self.s = GgmlScratch(g)
-        graph, self.inputs, self.y = _graph(g, self.s.ctx)
-        self.remote = RemoteGraph(guest, g, self.s.ctx, graph)
-        self.wire = self.remote.wire
-
-    @property
-    def cache(self):
-        return self.guest.ctx._library.graph_cache
-
-    def set_inputs(self, data):
-        for t, d in zip(self.inputs, data):
-            assert self.guest.set_tensor(self.remote.handle, self.remote.rpc(t), d) == 0
-
-    def compute(self, wire=None):
-        wire = self.wire if wire is None else wire
-        self.guest.data[: len(wire)] = wire
-        rc, dec = self.guest.forward(Cmd.BACKEND_GRAPH_COMPUTE, lambda e: (e.u32(DATA_RES), e.size_t(len(wire))))
-        return rc, (dec.i32() if rc == 0 else None)
-
-    def output(self):
-        rc, out = self.guest.get_tensor(self.remote.handle, self.remote.rpc(self.y), self.g.ggml_nbytes(self.y))
-        assert rc == 0
-        return out
-
-    def close(self):
-        self.remote.close()
-        self.s.close()
-
-
 @pytest.fixture
 def session(guest, ggml):
-    s = _Session(guest, ggml)
+    s = GraphSession(guest, ggml)
     yield s
     s.close()
 
@@ -713,7 +640,7 @@ def test_bytes_rewritten_right_after_the_match_change_nothing_that_runs(session,
     are refused."""
     import apir.host.dispatch_backend as db
 
-    session.set_inputs(_data(1))
+    session.set_inputs(graph_inputs(1))
     assert session.compute() == (0, 0)
     other = _renamed(ggml, session.wire, lambda x: x * _u(3) + _u(1 << 62))  # (not moved: ids_link_kernel)
     real_take, parses = graph_cache.GraphCache.take_same, []
@@ -726,11 +653,11 @@ def test_bytes_rewritten_right_after_the_match_change_nothing_that_runs(session,
     monkeypatch.setattr(graph_cache.GraphCache, "take_same", take_then_rewrite)
     real_parse = db.parse_graph
     monkeypatch.setattr(db, "parse_graph", lambda *a, **k: parses.append(1) or real_parse(*a, **k))
-    data = _data(2, rows=(9, 0, 4))
+    data = graph_inputs(2, rows=(9, 0, 4))
     session.set_inputs(data)
     assert session.compute(other) == (0, 0)
     assert (session.cache.hits, parses) == (1, [])
-    assert session.output() == _direct(ggml, data)
+    assert session.output() == direct_output(ggml, data)
     hostile = b"\xff\xff\xff\x7f" + bytes(len(other) - 4)
     assert session.compute(hostile)[0] != 0 and parses == [1]
 
@@ -744,7 +671,7 @@ def test_a_hit_from_bytes_no_parse_accepts_computes_the_entrys_graph(session, gg
     same bytes are parsed and refused (a duplicate id)."""
     import apir.host.dispatch_backend as db
 
-    session.set_inputs(_data(1))
+    session.set_inputs(graph_inputs(1))
     assert session.compute() == (0, 0)
     (entry,) = session.cache._entries.values()
     key, wire, links = entry.key, entry.wire, entry.links
@@ -769,11 +696,11 @@ def test_a_hit_from_bytes_no_parse_accepts_computes_the_entrys_graph(session, gg
     parses = []
     real_parse = db.parse_graph
     monkeypatch.setattr(db, "parse_graph", lambda *a, **k: parses.append(1) or real_parse(*a, **k))
-    data = _data(3, rows=(2, 8, 5))
+    data = graph_inputs(3, rows=(2, 8, 5))
     session.set_inputs(data)
     assert session.compute(dup_state) == (0, 0)
     assert (calls, parses, session.cache.hits) == ([False], [], 1)  # (False: ids are read once now)
-    assert session.output() == _direct(ggml, data)
+    assert session.output() == direct_output(ggml, data)
     monkeypatch.setattr(graph_cache, "ids_link_kernel", real_link)
     assert session.compute(dup_state)[0] != 0 and parses == [1]
 
@@ -784,9 +711,9 @@ def test_another_contexts_entry_is_never_served(ggml):
     matched in B (B's cache is empty: parsed, refused for handles it does not know), and A's
     entry is still there, untouched, and served to A under other ids."""
     ga, gb = Guest(), Guest()
-    sa = _Session(ga, ggml)
+    sa = GraphSession(ga, ggml)
     try:
-        sa.set_inputs(_data(1))
+        sa.set_inputs(graph_inputs(1))
         assert sa.compute() == (0, 0)
         other = _renamed(ggml, sa.wire, lambda x: x + _u(1 << 40))
         cache_b = gb.ctx._library.graph_cache
@@ -795,10 +722,10 @@ def test_another_contexts_entry_is_never_served(ggml):
             rc, _ = gb.forward(Cmd.BACKEND_GRAPH_COMPUTE, lambda e, w=wire: (e.u32(DATA_RES), e.size_t(len(w))))
             assert rc != 0 and (cache_b.hits, len(cache_b)) == (0, 0)
         assert (sa.cache.hits, len(sa.cache)) == (0, 1)
-        data = _data(4)
+        data = graph_inputs(4)
         sa.set_inputs(data)
         assert sa.compute(other) == (0, 0) and sa.cache.hits == 1
-        assert sa.output() == _direct(ggml, data)
+        assert sa.output() == direct_output(ggml, data)
     finally:
         sa.close()
         ga.close()

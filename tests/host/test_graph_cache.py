@@ -11,106 +11,25 @@ from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.host import graph_cache
 from apir.host.graph_cache import GraphCache, GraphCacheEntry, graph_key, graph_wire
-from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph, cpu_compute
-
-N_ROWS = 10  # rows of the GET_ROWS table
-
-
-def _graph(g, ctx):
-    """mul_mat + add + get_rows + soft_max + a view: links, views and row ids."""
-    f32 = g.types["F32"]
-    w = g.ggml_new_tensor_2d(ctx, f32, 16, 12)
-    x = g.ggml_new_tensor_2d(ctx, f32, 16, 3)
-    emb = g.ggml_new_tensor_2d(ctx, f32, 12, N_ROWS)
-    rows = g.ggml_new_tensor_1d(ctx, g.types["I32"], 3)
-    inputs = [w, x, emb, rows]
-    for i, t in enumerate(inputs):
-        g.ggml_set_name(t, f"in{i}".encode())
-        g.ggml_set_input(t)
-    y = g.ggml_add(ctx, g.ggml_mul_mat(ctx, w, x), g.ggml_get_rows(ctx, emb, rows))
-    y = g.ggml_soft_max_ext(ctx, y, None, 0.5, 0.0)
-    y = g.ggml_cont(ctx, g.ggml_view_2d(ctx, y, 6, 3, g.ggml_row_size(f32, 12), 0))
-    g.ggml_set_output(y)
-    graph = g.ggml_new_graph(ctx)
-    g.ggml_build_forward_expand(graph, y)
-    return graph, inputs, y
-
-
-def _data(g, seed, rows=(1, 7, 3)):
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal(16 * 12).astype(np.float32).tobytes(),
-            rng.standard_normal(16 * 3).astype(np.float32).tobytes(),
-            rng.standard_normal(12 * N_ROWS).astype(np.float32).tobytes(),
-            np.array(rows, np.int32).tobytes()]
-
-
-def _direct(g, data):
-    s = GgmlScratch(g)
-    graph, inputs, y = _graph(g, s.ctx)
-    out = cpu_compute(g, s.ctx, graph, zip(inputs, data), y)
-    s.close()
-    return out
-
-
-class _Session:
-    """One guest graph on a host context: set inputs, send (possibly altered) wire bytes."""
-
-    def __init__(self, guest, g):
-        self.guest, self.g = guest, g
-        self.s = GgmlScratch(g)
-        graph, self.inputs, self.y = _graph(g, self.s.ctx)
-        self.remote = RemoteGraph(guest, g, self.s.ctx, graph)
-        self.wire = self.remote.wire
-
-    @property
-    def cache(self) -> GraphCache:
-        return self.guest.ctx._library.graph_cache
-
-    def set_inputs(self, data):
-        for t, d in zip(self.inputs, data):
-            assert self.guest.set_tensor(self.remote.handle, self.remote.rpc(t), d) == 0
-
-    def compute(self, wire=None):
-        """(rc, status or None)."""
-        wire = self.wire if wire is None else wire
-        self.guest.data[: len(wire)] = wire
-        rc, dec = self.guest.forward(Cmd.BACKEND_GRAPH_COMPUTE, lambda e: (e.u32(DATA_RES), e.size_t(len(wire))))
-        return rc, (dec.i32() if rc == 0 else None)
-
-    def output(self):
-        rc, out = self.guest.get_tensor(self.remote.handle, self.remote.rpc(self.y), self.g.ggml_nbytes(self.y))
-        assert rc == 0
-        return out
-
-    def records(self):
-        n_nodes = int.from_bytes(self.wire[:4], "little")
-        return n_nodes, np.frombuffer(self.wire, rpc_tensor_dtype(self.g.limits), offset=8 + 8 * n_nodes).copy()
-
-    def wire_with(self, records):
-        n_nodes = int.from_bytes(self.wire[:4], "little")
-        return self.wire[: 8 + 8 * n_nodes] + records.tobytes()
-
-    def close(self):
-        self.remote.close()
-        self.s.close()
-
+from tests.host.cachekit import N_ROWS, GraphSession, direct_output, graph_inputs
+from tests.host.hostkit import DATA_RES, Guest
 
 @pytest.fixture
 def session(guest, ggml):
-    s = _Session(guest, ggml)
+    s = GraphSession(guest, ggml)
     yield s
     s.close()
 
 
 def test_repeated_graph_is_served_from_the_cache_with_new_inputs(session, ggml):
-    session.set_inputs(_data(ggml, 1))
+    session.set_inputs(graph_inputs(1))
     assert session.compute() == (0, 0)
     assert (session.cache.hits, len(session.cache)) == (0, 1)
     for seed, rows in ((2, (0, 9, 9)), (3, (5, 4, 2))):
-        data = _data(ggml, seed, rows)
+        data = graph_inputs(seed, rows)
         session.set_inputs(data)
         assert session.compute() == (0, 0)
-        assert session.output() == _direct(ggml, data)
+        assert session.output() == direct_output(ggml, data)
     assert (session.cache.hits, session.cache.misses, len(session.cache)) == (2, 1, 1)
 
 
@@ -123,28 +42,28 @@ def test_a_hit_checks_fresh_ids_without_running_the_rules(session, ggml, monkeyp
     calls = []
     real = gc.check_node
     monkeypatch.setattr(gc, "check_node", lambda *a: calls.append(a) or real(*a))
-    session.set_inputs(_data(ggml, 1))
+    session.set_inputs(graph_inputs(1))
     assert session.compute() == (0, 0)
-    data = _data(ggml, 2, rows=(N_ROWS - 1, 0, 4))
+    data = graph_inputs(2, rows=(N_ROWS - 1, 0, 4))
     session.set_inputs(data)
     assert session.compute() == (0, 0)
     assert (session.cache.hits, calls) == (1, [])
-    assert session.output() == _direct(ggml, data)
+    assert session.output() == direct_output(ggml, data)
     (entry,) = session.cache._entries.values()
     for i in entry.id_holders:
         entry.infos[i].id_bounds = None  # as if a rule read ids some other way
     entry.__post_init__()  # (what the entry derives from its infos, derived again)
     assert entry.id_checks is None
-    data = _data(ggml, 3, rows=(2, 2, 8))
+    data = graph_inputs(3, rows=(2, 2, 8))
     session.set_inputs(data)
     assert session.compute() == (0, 0)
     assert session.cache.hits == 2 and len(calls) == 1  # the one GET_ROWS reader's rule
-    assert session.output() == _direct(ggml, data)
+    assert session.output() == direct_output(ggml, data)
 
 
 def test_other_guest_ids_same_structure_is_a_hit(session, ggml):
     """Tensor ids only name tensors: the same graph with every id renamed is the same graph."""
-    session.set_inputs(_data(ggml, 1))
+    session.set_inputs(graph_inputs(1))
     assert session.compute() == (0, 0)
     n_nodes, recs = session.records()
     shift = np.uint64(1 << 40)
@@ -153,11 +72,11 @@ def test_other_guest_ids_same_structure_is_a_hit(session, ggml):
         recs[f] = np.where(recs[f] != 0, recs[f] + shift, 0)
     wire = session.wire[:4] + nodes.tobytes() + session.wire[4 + 8 * n_nodes: 8 + 8 * n_nodes] + recs.tobytes()
     assert wire != session.wire
-    data = _data(ggml, 4)
+    data = graph_inputs(4)
     session.set_inputs(data)
     assert session.compute(wire) == (0, 0)
     assert session.cache.hits == 1
-    assert session.output() == _direct(ggml, data)
+    assert session.output() == direct_output(ggml, data)
 
 
 def _renamed(session, shift: int) -> bytes:
@@ -194,10 +113,10 @@ def test_graphs_under_other_ids_are_served_without_parsing(session, ggml, monkey
     real = db.parse_graph
     monkeypatch.setattr(db, "parse_graph", lambda *a, **k: parses.append(1) or real(*a, **k))
     for k, wire in enumerate([a, b, a, b, a, c, a, b]):
-        data = _data(ggml, 10 + k)
+        data = graph_inputs(10 + k)
         session.set_inputs(data)
         assert session.compute(wire) == (0, 0)
-        assert session.output() == _direct(ggml, data)
+        assert session.output() == direct_output(ggml, data)
     assert len(parses) == 1 and session.cache.hits == 7
 
 
@@ -205,7 +124,7 @@ def test_an_entry_counts_what_it_keeps(session, ggml):
     """An entry's bytes (bounded by the cache's max_bytes): its key, scratch context, the
     records its infos are made from, the copies of the row ids its rules read and the wire
     it keeps for the in-place match."""
-    session.set_inputs(_data(ggml, 1))
+    session.set_inputs(graph_inputs(1))
     assert session.compute() == (0, 0)
     (entry,) = session.cache._entries.values()
     n_nodes, recs = session.records()
@@ -219,7 +138,7 @@ def test_an_entry_counts_what_it_keeps(session, ggml):
 def test_bytes_after_a_names_nul_are_not_structure(session, ggml):
     """The C guest sends each name's bytes after its NUL uninitialized (llama.cpp's decode
     graphs differ there token after token): such a graph is the same graph, a hit."""
-    session.set_inputs(_data(ggml, 1))
+    session.set_inputs(graph_inputs(1))
     assert session.compute() == (0, 0)
     _, recs = session.records()
     names = recs["name"].view(np.uint8).reshape(len(recs), -1)
@@ -229,11 +148,11 @@ def test_bytes_after_a_names_nul_are_not_structure(session, ggml):
     names[after] = garbage[after]
     wire = session.wire_with(recs)
     assert wire != session.wire
-    data = _data(ggml, 6)
+    data = graph_inputs(6)
     session.set_inputs(data)
     assert session.compute(wire) == (0, 0)
     assert session.cache.hits == 1
-    assert session.output() == _direct(ggml, data)
+    assert session.output() == direct_output(ggml, data)
 
 
 def _unread_bytes(g, wire):
@@ -421,16 +340,16 @@ def test_the_same_graph_again_is_served_without_parsing(session, ggml, monkeypat
     served from the cache without a parse."""
     import apir.host.dispatch_backend as db
 
-    session.set_inputs(_data(ggml, 1))
+    session.set_inputs(graph_inputs(1))
     assert session.compute() == (0, 0)
     parses = []
     real = db.parse_graph
     monkeypatch.setattr(db, "parse_graph", lambda *a, **k: parses.append(1) or real(*a, **k))
-    data = _data(ggml, 2, rows=(3, 3, 0))
+    data = graph_inputs(2, rows=(3, 3, 0))
     session.set_inputs(data)
     assert session.compute() == (0, 0)
     assert (session.cache.hits, parses) == (1, [])
-    assert session.output() == _direct(ggml, data)
+    assert session.output() == direct_output(ggml, data)
 
 
 @pytest.mark.parametrize(
@@ -441,7 +360,7 @@ def test_the_same_graph_again_is_served_without_parsing(session, ggml, monkeypat
 def test_changed_field_is_never_served_from_the_cache(session, ggml, field):
     """One field of one tensor changed: the graph is checked and built in full (refused or
     computed as ggml would), never taken from the cache."""
-    session.set_inputs(_data(ggml, 1))
+    session.set_inputs(graph_inputs(1))
     assert session.compute() == (0, 0)
     n_nodes, recs = session.records()
     get_rows = int(np.flatnonzero(recs["op"] == ggml.ops["GET_ROWS"])[0])
@@ -484,40 +403,40 @@ def test_changed_field_is_never_served_from_the_cache(session, ggml, field):
     session.compute(wire)
     assert session.cache.hits == hits
     # and the original graph is still served, with the right result
-    data = _data(ggml, 5)
+    data = graph_inputs(5)
     session.set_inputs(data)
     assert session.compute() == (0, 0)
-    assert session.output() == _direct(ggml, data)
+    assert session.output() == direct_output(ggml, data)
 
 
 def test_row_ids_are_checked_again_on_every_hit(session, ggml):
     """GET_ROWS reads its row ids before compute: a cached graph re-reads and re-checks them,
     so ids made out of range after the first compute are refused, not served."""
-    session.set_inputs(_data(ggml, 1))
+    session.set_inputs(graph_inputs(1))
     assert session.compute() == (0, 0)
-    session.set_inputs(_data(ggml, 1, rows=(0, N_ROWS, 1)))
+    session.set_inputs(graph_inputs(1, rows=(0, N_ROWS, 1)))
     rc, _ = session.compute()
     assert rc != 0
     assert session.cache.hits == 1  # found, re-checked, refused
     assert len(session.cache) == 0  # and dropped
-    data = _data(ggml, 2, rows=(N_ROWS - 1, 0, 2))
+    data = graph_inputs(2, rows=(N_ROWS - 1, 0, 2))
     session.set_inputs(data)
     assert session.compute() == (0, 0)
-    assert session.output() == _direct(ggml, data)
+    assert session.output() == direct_output(ggml, data)
 
 
 def test_row_ids_the_kernel_reads_are_the_new_copy(session, ggml):
     """After a hit the kernel reads the ids copied (and checked) for this compute."""
     for seed, rows in ((1, (1, 2, 3)), (2, (9, 8, 7)), (3, (0, 0, 0))):
-        data = _data(ggml, seed, rows)
+        data = graph_inputs(seed, rows)
         session.set_inputs(data)
         assert session.compute() == (0, 0)
-        assert session.output() == _direct(ggml, data)
+        assert session.output() == direct_output(ggml, data)
     assert session.cache.hits == 2
 
 
 def test_freed_buffer_drops_its_graphs(session, ggml):
-    session.set_inputs(_data(ggml, 1))
+    session.set_inputs(graph_inputs(1))
     assert session.compute() == (0, 0)
     assert len(session.cache) == 1
     assert session.guest.forward(Cmd.BUFFER_FREE_BUFFER, lambda e: e.handle(session.remote.handle))[0] == 0
@@ -529,9 +448,9 @@ def test_freed_buffer_drops_its_graphs(session, ggml):
 def test_cache_is_per_context(ggml):
     a, b = Guest(), Guest()
     try:
-        sa, sb = _Session(a, ggml), _Session(b, ggml)
+        sa, sb = GraphSession(a, ggml), GraphSession(b, ggml)
         for s in (sa, sb):
-            s.set_inputs(_data(ggml, 1))
+            s.set_inputs(graph_inputs(1))
             assert s.compute() == (0, 0)
             assert (s.cache.hits, s.cache.misses) == (0, 1)
         assert sa.cache is not sb.cache
@@ -774,18 +693,18 @@ def test_row_ids_are_checked_again_on_a_hit_under_other_ids(session, ggml, monke
     parses = []
     real = db.parse_graph
     monkeypatch.setattr(db, "parse_graph", lambda *args, **k: parses.append(1) or real(*args, **k))
-    session.set_inputs(_data(ggml, 1))
+    session.set_inputs(graph_inputs(1))
     assert session.compute(a) == (0, 0)
     (entry,) = session.cache._entries.values()
     assert entry.wire.matches(a, len(a)) and not entry.wire.matches(b, len(b))
     assert entry.wire.same_structure(b, len(b), entry.links)
-    session.set_inputs(_data(ggml, 2, rows=(0, N_ROWS, 1)))
+    session.set_inputs(graph_inputs(2, rows=(0, N_ROWS, 1)))
     assert session.compute(b)[0] != 0
     assert (len(parses), len(session.cache)) == (1, 0)  # matched in place, refused, dropped
     assert session.compute(b)[0] != 0
     assert (len(parses), len(session.cache)) == (2, 0)
-    data = _data(ggml, 3, rows=(N_ROWS - 1, 0, 2))
+    data = graph_inputs(3, rows=(N_ROWS - 1, 0, 2))
     session.set_inputs(data)
     assert session.compute(b) == (0, 0)
-    assert session.output() == _direct(ggml, data)
+    assert session.output() == direct_output(ggml, data)
     assert len(parses) == 3 and len(session.cache) == 1
