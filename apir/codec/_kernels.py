@@ -548,6 +548,24 @@ _LOW7 = 0x00FFFFFFFFFFFFFF  # the low 7 bytes of a word
 
 
 @helper
+def _first_nul(addr, n):
+    """The index of the first NUL among the `n` bytes at `addr`, or `n` when there is none:
+    8 bytes at a time (`_copy_name`'s test for a zero byte in a word), then byte by byte
+    from the word that holds one. Reads none of the bytes past the `n`."""
+    k = 0
+    while k + 8 <= n:
+        v = load_i64(addr + k)
+        if (v - _ONES) & ~v & _HIGHS:
+            break
+        k += 8
+    while k < n:
+        if load_u8(addr + k) == 0:
+            return k
+        k += 1
+    return n
+
+
+@helper
 def _copy_name(src, dst, max_name):
     """snprintf(dst, max_name, "%s", src) into zeroed `dst`: at most max_name - 1 bytes, then
     NUL (already 0). Whole 8-byte words: `m = (v - 0x01..) & ~v & 0x80..` is non-zero exactly
@@ -788,12 +806,7 @@ def parse_graph_kernel(
             info[0] = i
             info[1] = op
             return PARSE_BAD_OP
-        terminated = False
-        for c in range(max_name):
-            if load_u8(r + rl[R_NAME] + c) == 0:
-                terminated = True
-                break
-        if not terminated:
+        if _first_nul(r + rl[R_NAME], max_name) == max_name:
             info[0] = i
             return PARSE_NAME
         # Sources listed before the tensor (the C's order) are found now, while its record is
@@ -915,10 +928,9 @@ def record_key_kernel(rows, mask, name_at, name_len, out):
             store_i64(o + 8 * w, load_i64(a + 8 * w) & word_mask[w])
         for b in range(8 * words, size):
             store_u8(o + b, load_u8(a + b) & mask[b])
-        for b in range(name_len):
-            if load_u8(a + name_at + b) == 0:
-                memzero(o + name_at + b + 1, name_len - b - 1)
-                break
+        b = _first_nul(a + name_at, name_len)
+        if b < name_len:
+            memzero(o + name_at + b + 1, name_len - b - 1)
     return 0
 
 
@@ -1295,11 +1307,7 @@ def _write_tensor(a, r, off, roff, width):
     store_u32(a + off[2], load_u32(r + roff[2]))
     memcopy(a + off[3], r + roff[3], 4 * roff[7])
     store_u32(a + off[4], load_u32(r + roff[4]))
-    for b in range(roff[8]):
-        c = load_u8(r + roff[5] + b)
-        if c == 0:
-            break
-        store_u8(a + off[5] + b, c)
+    memcopy(a + off[5], r + roff[5], _first_nul(r + roff[5], roff[8]))
 
 
 @jit
@@ -1432,12 +1440,7 @@ def record_fields_kernel(
         spans[i] = span
         if bound >= _FAST_LIMIT:
             return -1
-        has_nul = False
-        for b in range(name_len):
-            if load_u8(r + off[4] + b) == 0:
-                has_nul = True
-                break
-        if not has_nul:
+        if _first_nul(r + off[4], name_len) == name_len:
             return -1
         row = max(blocks0 * ts, (blocks0 - 1) * nb0 + ts)
         if blck > 1:

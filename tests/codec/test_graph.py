@@ -351,6 +351,7 @@ def test_parse_errors(ggml, graphs, rpc, type_valid):
         (mutate(raw, rpc, n, 1, "type", ggml.type_count), f"type {ggml.type_count} is not"),
         (mutate(raw, rpc, n, 1, "op", ggml.op_count), f"op {ggml.op_count} is out of range"),
         (mutate(raw, rpc, n, 0, "name", b"x" * 64), "name is not NUL-terminated"),
+        (mutate(raw, rpc, n, 0, "name", np.frombuffer(b"\x80\x01" * 32, "S1")), "name is not NUL-terminated"),
         (mutate(raw, rpc, n, with_src, "src", 0x1234, 1), r"src\[1\] = 0x1234 is not among"),
         (mutate(raw, rpc, n, with_view, "view_src", 0x4321), "view_src 0x4321 is not among"),
         (raw[:4] + (0x777).to_bytes(8, "little") + raw[12:], "node 0: id 0x777 is not among"),
@@ -365,6 +366,8 @@ def test_parse_errors(ggml, graphs, rpc, type_valid):
             parse(data, ggml, type_valid)
     with pytest.raises(GraphError, match="outside"):
         parse(raw, ggml, type_valid, start=8, end=len(raw) + 1)
+    for name in (b"\x80" * 63 + b"\0", b"\x01\x80" * 31 + b"\x01\0", b"x" * 63 + b"\0"):  # NUL last: valid
+        assert parse(mutate(raw, rpc, n, 0, "name", np.frombuffer(name, "S1")), ggml, type_valid).n_tensors == len(recs)
 
 
 def test_parse_empty_graph(ggml, type_valid):

@@ -143,6 +143,27 @@ def test_record_key_kernel_vs_python():
         assert out.tobytes() == want.tobytes()
 
 
+def test_names_cut_at_their_first_nul_in_any_byte_of_a_word():
+    """The first NUL of a 64-byte name (found 8 bytes at a time, `_first_nul`) at each of its
+    positions, with bytes of every value around it (0x80 and 0x01 ones next to it, which the
+    word test must not take for a zero), and a name without one: record_key_kernel cuts the
+    name just after it, the jitted kernel as its twin."""
+    rng = np.random.default_rng(9)
+    rows = rng.integers(1, 256, (65, 72), dtype=np.uint8)  # names at [8, 72)
+    rows[::2, 8:72] = np.where(rng.random((33, 64)) < 0.5, 0x80, 0x01).astype(np.uint8)
+    for p in range(64):
+        rows[p, 8 + p] = 0
+        rows[p, 8 + p + 1 : 72] |= (rows[p, 8 + p + 1 : 72] == 0).astype(np.uint8)  # (the first NUL)
+    mask = np.full(72, 0xFF, np.uint8)
+    want = rows.copy()
+    for p in range(64):
+        want[p, 8 + p + 1 :] = 0  # row 64: no NUL, kept whole
+    for fn in (K.record_key_kernel, K.record_key_kernel.py_func):
+        out = np.full(rows.size, 0xEE, np.uint8)
+        assert fn(rows, mask, 8, 64, out) == 0
+        assert out.reshape(rows.shape).tolist() == want.tolist()
+
+
 def test_record_match_kernel_vs_python():
     """A header, then records compared 8 bytes at a time under the word mask and each name up
     to its NUL; the first difference that counts is a mismatch, in the jitted kernel and its
