@@ -1353,10 +1353,10 @@ def write_tensors_kernel(
         store_i64(a + off[6], buffers[h])
         store_i64(a + off[7], bases[h] + offsets[i])
         for s in range(src.shape[1]):
-            j = src[i, s]
+            j = int(src[i, s])  # (int: in the twin, an int32 times the address would overflow)
             if j >= 0:
                 store_i64(a + off[8] + 8 * s, base + j * stride)
-        v = view_src[i]
+        v = int(view_src[i])
         if v >= 0:
             store_i64(a + off[9], base + v * stride)
             store_i64(a + off[10], load_i64(r + roff[6]))

@@ -3,10 +3,11 @@ zero-byte word test `(v - 0x01..01) & ~v & 0x80..80` on int64 words, then byte b
 word holding one) in parse_graph_kernel (PARSE_NAME), record_fields_kernel (the host's record
 checks), _write_tensor (the host tensor's name, copied up to its NUL) and record_key_kernel
 (graph_key / graph_wire: a name cut after its NUL). Every attack on the change is withstood:
-each test passes on 1f3a89d but one, test_BUG_write_tensors_twin_fails_on_the_int32_src_indices_
-the_host_passes, a bug older than the change and outside the jitted code: write_tensors_kernel's
-plain-Python twin raises OverflowError (NumPy 2 promotion of `base + j * stride`, j int32) on any
-graph with a source or a view, so its name copy could only be compared through int64 indices.
+each test passed on 1f3a89d but one, a bug older than the change and outside the jitted code,
+since fixed: write_tensors_kernel's plain-Python twin raised OverflowError (NumPy 2 promotion
+of `base + j * stride`, j int32) on any graph with a source or a view, so its name copy could
+only be compared through int64 indices
+(test_write_tensors_twin_runs_on_the_int32_src_indices_the_host_passes).
 
 - `_first_nul` against a byte scan, jitted (compiled in a wrapper, as it is into the kernels)
   and plain Python (the twins' helper): every 8-byte word over {00 01 7F 80 81 FE FF}^8 (7^8,
@@ -685,15 +686,14 @@ def test_nothing_past_a_name_is_read(ggml):
 # --- write_tensors_kernel's twin ---------------------------------------------------------------
 
 
-def test_BUG_write_tensors_twin_fails_on_the_int32_src_indices_the_host_passes():
+def test_write_tensors_twin_runs_on_the_int32_src_indices_the_host_passes():
     """write_tensors_kernel.py_func (its twin) on two records, tensor 1's src[0] tensor 0, with
-    src / view_src int32 as apir.host.graph._create_tensors passes them: the jitted kernel
-    stores tensor 0's address; the twin raises OverflowError at `base + j * stride` (j a
-    numpy int32: under NumPy 2's promotion rules (NEP 50) the Python int `base`, a heap address
-    over 2**31, is cast to int32). Not from 1f3a89d (the line is older); harmless in
-    production (the host runs the jitted kernel), but the twin that "tests compare" with the
-    kernel cannot run a graph with any source or view. Fix: `base + np.int64(j) * stride`
-    (and `v` likewise), or int(j) / int(v) in the twin's path."""
+    src / view_src int32 as apir.host.graph._create_tensors passes them: both the jitted kernel
+    and the twin store tensor 0's address. The twin raised OverflowError at `base + j * stride`
+    while j was a numpy int32 (under NumPy 2's promotion rules, NEP 50, the Python int `base`,
+    a heap address over 2**31, was cast to int32): harmless in production (the host runs the
+    jitted kernel), but the twin could not run a graph with any source or view. The indices
+    are now taken as int."""
     rpc, tl = rpc_tensor_dtype(), ggml_tensor_dtype()
     off, roff, width = hg._kernel_layout(tl, rpc, 10)
     recs = np.zeros(2, rpc)
