@@ -23,7 +23,7 @@ def client(request, tmp_path_factory):
     else:
         host = HostProcess(tmp_path_factory.mktemp("host") / "apir.sock")
         device = LocalDevice(host.path)
-    c = ApirClient.connect(device, data_size=WINDOW)
+    c = ApirClient.connect(device, data_size=WINDOW, handshake_timeout_s=60)  # (a fresh host process)
     yield c
     c.close()
     if host is not None:
