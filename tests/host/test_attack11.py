@@ -39,7 +39,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -475,30 +474,22 @@ def _ids_only(g, ids):
 
 def test_crafted_ids_do_not_flood_the_set(ggml):
     """ids_link_kernel's set of ids (keyed by TABLE_KEY) against 4,096 crafted ids per
-    pattern: at most 1 extra probe per id on average (random ids: about 0.5); and the jitted
-    kernel on 60,000 ids of each pattern within 4x its time on random ones (a pattern in one
-    probe chain would be ~1,000x)."""
+    pattern: at most 1 extra probe per id on average (random ids: about 0.5; a pattern in one
+    probe chain would be about 2,000), and the kernel accepts them all and refuses them with
+    the last id a copy of the first. Counted, not timed: this attack also timed the jitted
+    kernel on 60,000 ids of each pattern (1.7-3.2 ms against 2.0-2.5 ms for random ids), but
+    a timed assertion fails on a loaded machine (it did once in CI)."""
     n = 4096
-    probes = {name: _probes(ids, K.TABLE_KEY) for name, ids in _crafted_ids(n).items()}
-    assert max(probes.values()) <= n, probes
     rpc = rpc_tensor_dtype(ggml.limits)
     fields = (0, rpc.fields["src"][1], rpc.fields["view_src"][1])
-
-    def timed(ids):
-        raw, links = _ids_only(ggml, ids)
-        a = np.frombuffer(raw, np.uint8)
-        args = (a.ctypes.data, 16, rpc.itemsize, *fields, *links, K.TABLE_KEY)
-        assert K.ids_link_kernel(*args)
-        best = 1e9
-        for _ in range(5):
-            t0 = time.perf_counter()
-            K.ids_link_kernel(*args)
-            best = min(best, time.perf_counter() - t0)
-        return best
-
-    times = {name: timed(ids) for name, ids in _crafted_ids(60000).items()}
-    slowest = max((t, name) for name, t in times.items())
-    assert slowest[0] < 4 * times["random"] + 1e-3, (slowest, times["random"])
+    probes = {}
+    for name, ids in _crafted_ids(n).items():
+        probes[name] = _probes(ids, K.TABLE_KEY)
+        for dup in (False, True):
+            raw, links = _ids_only(ggml, list(ids[:-1]) + [ids[0] if dup else ids[-1]])
+            a = np.frombuffer(raw, np.uint8)
+            assert K.ids_link_kernel(a.ctypes.data, 16, rpc.itemsize, *fields, *links, K.TABLE_KEY) is not dup, name
+    assert max(probes.values()) <= n, probes
 
 
 # --- races ------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numba
@@ -314,15 +315,17 @@ def test_parse_names_of_other_lengths(ggml, max_name):
 def test_a_guest_flipping_the_names_only_nul_during_the_parse(ggml):
     """The last name's only possible NUL (its byte 63, the other 63 bytes 0x80 / 0x01, of the
     last of 64 records) rewritten between 0 and 0x01 by a guest thread while 1,500 parses
-    run: each refuses, or accepts a copy holding that NUL (the check reads the host's copy)."""
+    or more run (until both outcomes were seen): each refuses, or accepts a copy holding that
+    NUL (the check reads the host's copy)."""
     names = np.resize(np.array([0x80, 0x01], np.uint8), (64, 64)).copy()
     names[:, 63] = 0
     wire = _names_wire(ggml, names)
     rpc = rpc_tensor_dtype(ggml.limits)
     at = len(wire) - rpc.itemsize + rpc.fields["name"][1] + 63  # the last record's name byte 63
     outcomes = {"accepted": 0, "refused": 0}
+    deadline = time.monotonic() + 30  # (on a loaded machine the guest thread may wait for a core)
     with racing_guest(wire, [(at, 0, 1)]) as mem:
-        for _ in range(1500):
+        while sum(outcomes.values()) < 1500 or (min(outcomes.values()) == 0 and time.monotonic() < deadline):
             try:
                 p = parse_graph(mem, **_kw(ggml))
             except GraphError as exc:
@@ -332,7 +335,6 @@ def test_a_guest_flipping_the_names_only_nul_during_the_parse(ggml):
             last = _parsed_names(p)[-1]
             assert last[63] == 0 and (last[:63] != 0).all()
             outcomes["accepted"] += 1
-    assert sum(outcomes.values()) == 1500 and outcomes["accepted"] + outcomes["refused"] == 1500
     assert min(outcomes.values()) > 0, outcomes  # (both were seen)
 
 
