@@ -291,10 +291,16 @@ class EmbeddedDevice:
 
     def _acquire_while_alive(self, done: threading.Lock, limit_s: float) -> bool:
         """`done.acquire(timeout=limit_s)`, in slices of _ALIVE_CHECK_S between which a dead
-        host thread (which will never release it) raises DeviceError at once."""
+        host thread (which will never release it) raises DeviceError at once: that the device
+        was closed, when it was (the host thread then stops on purpose), else that the host
+        thread is gone. A job the host thread finished just before it stopped counts as done."""
         deadline = time.monotonic() + limit_s
         while not done.acquire(timeout=min(_ALIVE_CHECK_S, max(0.0, deadline - time.monotonic()))):
             if not self._thread.is_alive():
+                if done.acquire(blocking=False):  # (it finished the job, then stopped)
+                    return True
+                if self._closed:
+                    raise DeviceError("embedded: the device was closed during the call")
                 raise DeviceError("embedded: the host thread is gone")
             if time.monotonic() >= deadline:
                 return False
