@@ -19,18 +19,23 @@ Prints p50 / p99 in microseconds for:
     the server is held meanwhile, so the connection stays open as in real use. With the peer,
     apir's device_get_memory (the same question, ggml_backend_dev_memory on the host's device)
     is measured too, like for like.
-All are measured in the same run, so the ratios hold on this machine at this moment. Each p50 is
+All are open at once and measured in the same run, in interleaved rounds (each row's calls split
+into --rounds rounds, each round starting with the next row), so the ratios hold on this machine at
+this moment: measured one after the other, a row's p50 moved 11-21 us with the minute. Each
+socket host is a process of its own (a server spins after a reply only while it has one
+connection). Each p50 is
 printed with its ratio to the ping-pong (targets of issue 15: socket host <= 2, embedded <= 1.2)
 and, when the peer runs, to ggml-rpc's (target <= 1: apir no slower than ggml-rpc). With the peer
 the whole run loads the ggml build that has ggml-rpc's client (benchmarks/rpc_peer.py); without
 that build the peer is skipped with a note on how to build it.
 
-    python benchmarks/bench_roundtrip.py [--calls N] [--warmup N] [--no-rpc-peer] [--json]
+    python benchmarks/bench_roundtrip.py [--calls N] [--warmup N] [--rounds N] [--no-rpc-peer] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -69,16 +74,30 @@ def percentiles(samples_ns: list) -> tuple[float, float]:
     return s[len(s) // 2] / 1e3, s[min(len(s) - 1, int(len(s) * 0.99))] / 1e3
 
 
-def time_calls(fn, calls: int, warmup: int) -> tuple[float, float]:
-    for _ in range(warmup):
-        fn()
-    samples = []
+def time_calls(fn, calls: int, samples: list) -> None:
+    """Appends the time of each of `calls` calls of `fn`, in ns, to `samples`."""
     clock = time.perf_counter_ns
+    append = samples.append
     for _ in range(calls):
         t0 = clock()
         fn()
-        samples.append(clock() - t0)
-    return percentiles(samples)
+        append(clock() - t0)
+
+
+def interleaved(rows: list, calls: int, warmup: int, rounds: int) -> list:
+    """[(p50, p99) us] of each (label, fn) of `rows`: `warmup` calls of each, then `rounds`
+    rounds of calls // rounds calls of each, every round starting with the next row. All rows
+    are open at once and measured in the same minutes, so drift on a shared machine (this VM's
+    small calls took 11-21 us from one minute to the next) hits each alike and the ratios hold."""
+    for _, fn in rows:
+        for _ in range(warmup):
+            fn()
+    samples: list = [[] for _ in rows]
+    per_round = max(1, calls // rounds)
+    for r in range(rounds):
+        for k in list(range(r % len(rows), len(rows))) + list(range(r % len(rows))):
+            time_calls(rows[k][1], per_round, samples[k])
+    return [percentiles(s) for s in samples]
 
 
 def _wait_for_socket(path: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
@@ -97,77 +116,72 @@ def _wait_for_socket(path: str, proc: subprocess.Popen, timeout_s: float = 30.0)
     raise RuntimeError(f"nothing listens on {path} after {timeout_s} s")
 
 
-def bench_ping_pong(tmp: str, calls: int, warmup: int) -> tuple[float, float]:
+def _kill(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()
+
+
+def ping_pong(stack: contextlib.ExitStack, tmp: str):
+    """A 16-byte ping-pong with a Python echo process over a Unix socket: the call."""
     path = os.path.join(tmp, "echo.sock")
     proc = subprocess.Popen([sys.executable, "-c", _ECHO, path], stdout=subprocess.PIPE)
-    try:
-        proc.stdout.readline()
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.connect(path)
-            msg = bytes(16)
+    stack.callback(_kill, proc)
+    proc.stdout.readline()
+    sock = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+    sock.connect(path)
+    msg = bytes(16)
 
-            def ping():
-                sock.sendall(msg)
-                sock.recv(16)
+    def ping():
+        sock.sendall(msg)
+        sock.recv(16)
 
-            return time_calls(ping, calls, warmup)
-    finally:
-        proc.kill()
-        proc.wait()
+    return ping
 
 
-def bench_socket(tmp: str, calls: int, warmup: int, names=("device_get_type",)) -> tuple[list, list]:
-    """[(p50, p99) us] of each ApirClient call in `names`, in turn, over one `apir host serve`:
-    with the exec ring (the default), then with every EXECBUFFER a socket message."""
-    path = os.path.join(tmp, "apir.sock")
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(10)
+
+
+def socket_client(stack: contextlib.ExitStack, tmp: str, exec_ring: bool) -> ApirClient:
+    """An ApirClient over an `apir host serve` of its own (a server with one connection spins
+    after each reply; with two it would not), with or without the exec ring."""
+    path = os.path.join(tmp, f"apir-{int(exec_ring)}.sock")
     proc = subprocess.Popen([sys.executable, "-m", "apir.cli", "host", "serve", "--socket", path],
                             stderr=subprocess.DEVNULL)
-    try:
-        _wait_for_socket(path, proc)
-        results = []
-        for exec_ring in (True, False):
-            with ApirClient.connect(LocalDevice(path, exec_ring=exec_ring)) as client:
-                results.append([time_calls(getattr(client, name), calls, warmup) for name in names])
-        return results[0], results[1]
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    stack.callback(_stop, proc)
+    _wait_for_socket(path, proc)
+    return stack.enter_context(ApirClient.connect(LocalDevice(path, exec_ring=exec_ring)))
 
 
-def bench_embedded(calls: int, warmup: int, exec_wait_s: float, names=("device_get_type",)) -> list:
-    """[(p50, p99) us] of each ApirClient call in `names`, in turn, over one embedded host."""
-    with ApirClient.connect(EmbeddedDevice(exec_wait_s=exec_wait_s)) as client:
-        return [time_calls(getattr(client, name), calls, warmup) for name in names]
-
-
-def bench_ggml_rpc(paths: dict, calls: int, warmup: int) -> tuple[float, float]:
-    """p50 / p99 us of ggml_backend_dev_memory on ggml-rpc's device of an rpc-server on
-    loopback (RPC_CMD_GET_DEVICE_MEMORY), with a 4 KiB buffer held on the server so the client's
-    connection stays open (ggml-rpc reconnects when no buffer holds it)."""
+def ggml_rpc_call(stack: contextlib.ExitStack, paths: dict):
+    """ggml_backend_dev_memory on ggml-rpc's device of an rpc-server on loopback
+    (RPC_CMD_GET_DEVICE_MEMORY), with a 4 KiB buffer held on the server so the client's
+    connection stays open (ggml-rpc reconnects when no buffer holds it): the call."""
     from apir.ggml import load
     from apir.ggml.backend_spec import resolve
 
     g = load()
-    with rpc_peer.RpcServer(paths, threads=1) as server:
-        dev = resolve(g, server.spec).devices[0]
-        buf = g.ggml_backend_buft_alloc_buffer(g.ggml_backend_dev_buffer_type(dev), 4096)
-        if not buf:
-            raise RuntimeError("ggml-rpc: ggml_backend_buft_alloc_buffer failed")
-        try:
-            free, total = ctypes.c_size_t(), ctypes.c_size_t()
-            p_free, p_total = ctypes.byref(free), ctypes.byref(total)
-            result = time_calls(lambda: g.ggml_backend_dev_memory(dev, p_free, p_total), calls, warmup)
-            if total.value == 0:
-                raise RuntimeError("ggml-rpc: the server reported no memory (no answer?)")
-            return result
-        finally:
-            g.ggml_backend_buffer_free(buf)  # before the server stops: ggml-rpc aborts on a dead server
+    server = stack.enter_context(rpc_peer.RpcServer(paths, threads=1))
+    dev = resolve(g, server.spec).devices[0]
+    buf = g.ggml_backend_buft_alloc_buffer(g.ggml_backend_dev_buffer_type(dev), 4096)
+    if not buf:
+        raise RuntimeError("ggml-rpc: ggml_backend_buft_alloc_buffer failed")
+    stack.callback(g.ggml_backend_buffer_free, buf)  # before the server stops: ggml-rpc aborts on a dead server
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    p_free, p_total = ctypes.byref(free), ctypes.byref(total)
+
+    g.ggml_backend_dev_memory(dev, p_free, p_total)
+    if total.value == 0:
+        raise RuntimeError("ggml-rpc: the server reported no memory (no answer?)")
+    return lambda: g.ggml_backend_dev_memory(dev, p_free, p_total)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=5000)
     parser.add_argument("--warmup", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=10, help="rounds the calls of each row are split into")
     parser.add_argument("--no-rpc-peer", action="store_true", help="leave ggml-rpc out (and the ggml build it needs)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -180,22 +194,25 @@ def main(argv=None) -> int:
 
     # With the peer, device_get_memory too: the very call ggml-rpc's row makes (like for like).
     names = ("device_get_type", "device_get_memory") if paths is not None else ("device_get_type",)
-    n, w = args.calls, args.warmup
-    with tempfile.TemporaryDirectory(prefix="apir-bench-") as tmp:
-        rows = [("bare socket ping-pong (16 B)", None, bench_ping_pong(tmp, n, w))]
-        ring, messages = bench_socket(tmp, n, w, names)
-        for mode, label, results in (
-            ("socket", "socket host", ring),
-            ("socket", "socket, no ring", messages),
-            ("embedded", "embedded default (inline)", bench_embedded(n, w, 1.0, names)),
-            ("embedded", "embedded host thread (exec_wait_s=0)", bench_embedded(n, w, 0.0, names)),
+    with tempfile.TemporaryDirectory(prefix="apir-bench-") as tmp, contextlib.ExitStack() as stack:
+        calls = [("bare socket ping-pong (16 B)", None, ping_pong(stack, tmp))]
+        for mode, label, client in (
+            ("socket", "socket host", socket_client(stack, tmp, exec_ring=True)),
+            ("socket", "socket, no ring", socket_client(stack, tmp, exec_ring=False)),
+            ("embedded", "embedded default (inline)",
+             stack.enter_context(ApirClient.connect(EmbeddedDevice(exec_wait_s=1.0)))),
+            ("embedded", "embedded host thread (exec_wait_s=0)",
+             stack.enter_context(ApirClient.connect(EmbeddedDevice(exec_wait_s=0.0)))),
         ):
-            rows += [(f"{name}, {label}", mode, result) for name, result in zip(names, results)]
+            calls += [(f"{name}, {label}", mode, getattr(client, name)) for name in names]
         if paths is not None:
-            rows.append(("ggml-rpc get_device_memory, TCP", None, bench_ggml_rpc(paths, n, w)))
+            calls.append(("ggml-rpc get_device_memory, TCP", None, ggml_rpc_call(stack, paths)))
+        results = interleaved([(label, fn) for label, _, fn in calls], args.calls, args.warmup, args.rounds)
+    rows = [(label, mode, result) for (label, mode, _), result in zip(calls, results)]
     base = rows[0][2][0]
     rpc = rows[-1][2][0] if paths is not None else None
-    res = {"ggml_lib_dir": str(load().lib_dir), "calls": args.calls, "rpc_peer_skipped": skipped or None, "rows": []}
+    res = {"ggml_lib_dir": str(load().lib_dir), "calls": args.calls, "rounds": args.rounds,
+           "rpc_peer_skipped": skipped or None, "rows": []}
     for name, mode, (p50, p99) in rows:
         row = {"name": name, "p50_us": p50, "p99_us": p99, "p50_over_ping_pong": p50 / base}
         if mode:
@@ -208,7 +225,8 @@ def main(argv=None) -> int:
         json.dump(res, sys.stdout, indent=1)
         print()
         return 0
-    print(f"ggml: {res['ggml_lib_dir']}; {args.calls} calls after {args.warmup} warm-up")
+    print(f"ggml: {res['ggml_lib_dir']}; {args.calls} calls of each after {args.warmup} warm-up, "
+          f"in {args.rounds} interleaved rounds")
     print(f"{'round trip':56} {'p50 us':>9} {'p99 us':>9} {'/ ping-pong':>12} {'target':>7} "
           f"{'/ ggml-rpc':>11} {'target':>7}")
     for row in res["rows"]:
