@@ -60,7 +60,7 @@ class Decoder:
     read past `end` or any array size that does not match what the caller expects.
     """
 
-    __slots__ = ("buf", "pos", "end", "fatal")
+    __slots__ = ("buf", "start", "pos", "end", "fatal")
 
     def __init__(self, buf, start: int = 0, end: Optional[int] = None):
         self.buf = _byte_view(buf)
@@ -69,8 +69,15 @@ class Decoder:
             end = size
         if not 0 <= start <= end <= size:
             raise ValueError(f"decoder window [{start}, {end}) outside a {size}-byte buffer")
+        self.start = start
         self.pos = start
         self.end = end
+        self.fatal = False
+
+    def reset(self) -> None:
+        """Starts over at `start` (`fatal` is cleared), to reuse this decoder for the next
+        reply in the same buffer."""
+        self.pos = self.start
         self.fatal = False
 
     @property

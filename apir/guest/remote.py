@@ -133,6 +133,7 @@ class Remote:
         self.lock = threading.RLock()
         self._command = bytearray(COMMAND_BUFFER_SIZE)
         self._encoder = Encoder(self._command)  # reset for each call
+        self._command_view = memoryview(self._command)  # (the bytearray is never resized)
         self._latency_s = _SPIN_MIN_S
         # the wait's sleep
         self._pause: Callable[[float], None] = device.watch if isinstance(device, WatchedDevice) else time.sleep
@@ -158,7 +159,9 @@ class Remote:
         except BaseException:
             self.close()  # the device is ours: released on failure too
             raise
+        self._reply_res_id = reply.res_id
         self._reply_word: Optional[Word] = Word(reply.memory, 0)  # the reply notification word
+        self._reply_decoder: Optional[Decoder] = Decoder(reply.memory, 4, reply.size)  # reset for each call
         self.data_view = np.frombuffer(data.memory, dtype=np.uint8)  # the data window, as bytes
         self.transfer_chunk = min(transfer_chunk, data.size)
 
@@ -205,25 +208,25 @@ class Remote:
         the wait (without waiting for the command to run where the device can: see the
         module's 5.); it must not touch the blobs the command uses, and the wait happens even
         when it raises (its error is then the call's). Returns (return code, decode_fn's
-        result, or the Decoder itself when no decode_fn is given, valid only while the caller
-        holds `lock`).
+        result, or without one the Remote's reply Decoder itself, which the next call resets:
+        read it while holding `lock`).
 
         Raises ApirTimeout, EncoderOverflow, DeviceError (also while waiting, when the
         device's `watch` finds the host gone)."""
         if timeout_s is None:
             timeout_s = self.default_timeout(cmd_type)
         with self.lock:
-            reply = self._reply
-            if self.closed or reply is None or self._reply_word is None:
+            dec = self._reply_decoder
+            if self.closed or dec is None or self._reply_word is None:
                 raise RuntimeError("remote call on a closed Remote")
             enc = self._encoder
             enc.reset()
-            enc.pack(_COMMAND_HEADER, int(cmd_type) + self.command_type_offset, int(flags), reply.res_id)
+            enc.pack(_COMMAND_HEADER, int(cmd_type) + self.command_type_offset, int(flags), self._reply_res_id)
             if encode_fn is not None:
                 encode_fn(enc)
             enc.check()
             self._reply_word.store_release(0)
-            command = memoryview(self._command)[: enc.written]
+            command = self._command_view[: enc.written]
             if meanwhile is None:
                 self.device.execbuffer(command)
                 word = self._wait(self._reply_word, timeout_s, cmd_type, flags)
@@ -233,7 +236,7 @@ class Remote:
                     meanwhile()
                 finally:  # the command is in flight: its reply is waited for in any case
                     word = self._wait(self._reply_word, timeout_s, cmd_type, flags)
-            dec = Decoder(reply.memory, 4, reply.size)
+            dec.reset()
             ret = word - 1
             if decode_fn is None:
                 return ret, dec
@@ -320,7 +323,7 @@ class Remote:
             if self.closed:
                 return
             self.closed = True
-            self._reply_word = None
+            self._reply_word = self._reply_decoder = None
             self.data_view = self._spare_view = _NO_DATA  # drops the views of the mappings
             for blob in (self._reply, self._data, self._spare):
                 if blob is not None:

@@ -67,7 +67,7 @@ from apir.host.errors import log
 from apir.host.limits import LIMIT_ENV_FALLBACKS
 from apir.host.c_library import c_library_factory
 from apir.host.library import BackendLibrary, LibraryLoadError
-from apir.host.resources import Resource
+from apir.host.resources import NOTIFICATION_SIZE, Resource
 
 if TYPE_CHECKING:  # annotations only
     from typing_extensions import Buffer  # any bytes-like object (collections.abc.Buffer in 3.12)
@@ -80,7 +80,6 @@ __all__ = ["HostContext", "COMMAND_MALFORMED", "NOTIFICATION_SIZE", "CONFIG_ENV_
 # the three commands (HandShake expects the magic, LoadLibrary 0, Forward >= 4), and is
 # what the C component answers when it cannot sync its reply encoder.
 COMMAND_MALFORMED = 1
-NOTIFICATION_SIZE = 4  # the u32 reply notification word at byte 0 of the reply resource
 _HEADER = struct.Struct("<III")  # command type, flags, reply resource id
 _FORWARD = int(ApirCommandType.FORWARD)  # plain ints: no enum lookups on the hot path
 _HANDSHAKE = int(ApirCommandType.HANDSHAKE)
@@ -294,7 +293,7 @@ class HostContext:
             self._send(reply, COMMAND_MALFORMED)
             return COMMAND_MALFORMED, 0
         dec = Decoder(cmd, _HEADER.size)
-        enc = Encoder(reply.memory, NOTIFICATION_SIZE, reply.size)
+        enc = reply.reply_encoder()
         if cmd_type == _FORWARD:
             rc = self._forward(flags, dec, enc)
         elif cmd_type == _HANDSHAKE:

@@ -14,11 +14,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from apir.codec.atomics import Word
+from apir.codec.wire import Encoder
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # any bytes-like object (collections.abc.Buffer in 3.12)
 
-__all__ = ["Resource"]
+__all__ = ["Resource", "NOTIFICATION_SIZE"]
+
+NOTIFICATION_SIZE = 4  # the u32 reply notification word at byte 0 of a reply resource
 
 
 @dataclass(eq=False)
@@ -31,6 +34,7 @@ class Resource:
     address: int
     _anchor: object
     _word: Optional[Word] = field(default=None, repr=False)
+    _encoder: Optional[Encoder] = field(default=None, repr=False)
 
     @classmethod
     def wrap(cls, res_id: int, buffer: Buffer) -> "Resource":
@@ -54,8 +58,20 @@ class Resource:
             word = self._word = Word(self.memory, 0)
         return word
 
+    def reply_encoder(self) -> Encoder:
+        """An Encoder over this resource as a reply: from byte NOTIFICATION_SIZE (after the
+        notification word) to its end, reset; made on first use and kept, so a command does
+        not pay for a new one (the caller holds its context's lock, the only user)."""
+        enc = self._encoder
+        if enc is None:
+            enc = self._encoder = Encoder(self.memory, NOTIFICATION_SIZE, self.size)
+        else:
+            enc.reset()
+        return enc
+
     def release(self) -> None:
         """Drops the pin; the memory must not be used through this object afterwards."""
         self._anchor = None
         self._word = None  # its numpy view is an export of `memory`
+        self._encoder = None  # (so is its view)
         self.memory.release()

@@ -234,3 +234,14 @@ def test_pack_writes_what_the_scalar_calls_write():
     c = Encoder(small, 0, 8)
     c.pack(header, 1, 2, 3)
     assert c.fatal and c.pos == 0 and small == b"\xcc" * 16
+
+
+def test_decoder_reset_starts_over_and_clears_fatal():
+    buf = bytearray(12)
+    buf[4:12] = (7).to_bytes(4, "little") + (9).to_bytes(4, "little")
+    dec = Decoder(buf, 4, 12)
+    assert (dec.u32(), dec.u32()) == (7, 9)
+    assert dec.u32() == 0 and dec.fatal  # past the end
+    dec.reset()
+    assert not dec.fatal and dec.pos == 4
+    assert dec.u32() == 7

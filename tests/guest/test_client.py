@@ -338,4 +338,11 @@ def test_short_reply_is_a_reply_error():
     host.submit = submit
     with pytest.raises(ReplyError, match="device_get_name"):
         client.device_get_name()
+
+    def submit_ok(command):  # the next reply is whole: the Remote's reused Decoder starts over
+        reply = dev.blobs[struct.unpack_from("<I", command, 8)[0]].memory
+        struct.pack_into("<IQ4s", reply, 0, 4 + 1, 3, b"ab\0\0")
+
+    host.submit = submit_ok
+    assert client.device_get_name() == "ab"
     client.close()

@@ -1,5 +1,6 @@
 """HostContext: HandShake, LoadLibrary, Forward, the reply word, malformed commands, config."""
 
+import mmap
 import struct
 
 import pytest
@@ -146,6 +147,24 @@ def test_reply_too_small_for_payload(guest):
     rc, _ = guest.command(T.FORWARD, int(Cmd.DEVICE_GET_NAME), reply_res=61)
     # the reply went to resource 61, not to the guest's usual reply blob
     assert struct.unpack_from("<I", tiny, 0)[0] - 1 == COMMAND_MALFORMED
+
+
+def test_reply_resource_encoder_starts_over_for_each_command(guest):
+    """The reply Encoder a resource keeps (Resource.reply_encoder) is reset for every command:
+    a reply that did not fit leaves nothing behind for the next one, and removing the resource
+    leaves no view of its memory (the mapping can be closed)."""
+    tiny = mmap.mmap(-1, 8)  # word + 4 payload bytes
+    guest.ctx.add_resource(61, tiny)
+    rc, _ = guest.command(T.FORWARD, int(Cmd.DEVICE_GET_NAME), reply_res=61)
+    assert struct.unpack_from("<I", tiny, 0)[0] - 1 == COMMAND_MALFORMED
+    for _ in range(2):
+        tiny[:] = bytes(8)
+        guest.command(T.FORWARD, int(Cmd.DEVICE_GET_TYPE), reply_res=61)
+        word, dev_type = struct.unpack_from("<II", tiny, 0)
+        assert word - 1 == 4  # the Forward's base index + BACKEND_RC_OK
+        assert dev_type == guest.forward(Cmd.DEVICE_GET_TYPE)[1].u32()
+    guest.ctx.remove_resource(61)
+    tiny.close()  # BufferError if a view of it were still alive
 
 
 def test_config_env_fallback(monkeypatch, ggml):
