@@ -216,8 +216,7 @@ class Remote:
         if timeout_s is None:
             timeout_s = self.default_timeout(cmd_type)
         with self.lock:
-            dec = self._reply_decoder
-            if self.closed or dec is None or self._reply_word is None:
+            if self.closed or self._reply_decoder is None or self._reply_word is None:
                 raise RuntimeError("remote call on a closed Remote")
             enc = self._encoder
             enc.reset()
@@ -236,6 +235,9 @@ class Remote:
                     meanwhile()
                 finally:  # the command is in flight: its reply is waited for in any case
                     word = self._wait(self._reply_word, timeout_s, cmd_type, flags)
+            # (taken only now: a local holding it while the wait raised would pin the reply
+            # mapping through a kept traceback, as `_wait` explains)
+            dec = self._reply_decoder
             dec.reset()
             ret = word - 1
             if decode_fn is None:
