@@ -2,7 +2,9 @@
 
 Prints p50 / p99 in microseconds for:
   - bare socket ping-pong: 16-byte message and 16-byte answer between this process and a
-    Python echo process over a Unix socket (the floor any socket transport pays),
+    Python echo process over a Unix socket (the floor any socket transport pays), both pinned:
+    on two vCPUs (the baseline of the ratios: a guest's vCPU and a host's device process are
+    two) and on one (a wake-up without another vCPU's, often twice as fast),
   - device_get_type over the socket transport (a separate `apir host serve` process), with its
     exec ring (commands through shared memory, the default) and without (a socket message each
     way: LocalDevice(exec_ring=False)),
@@ -23,8 +25,8 @@ All are open at once and measured in the same run, in interleaved rounds (each r
 into --rounds rounds, each round starting with the next row), so the ratios hold on this machine at
 this moment: measured one after the other, a row's p50 moved 11-21 us with the minute. Each
 socket host is a process of its own (a server spins after a reply only while it has one
-connection). Each p50 is
-printed with its ratio to the ping-pong (targets of issue 15: socket host <= 2, embedded <= 1.2)
+connection). Each p50 is printed with its ratio to the two-vCPU ping-pong (on a machine of one
+CPU, the one-vCPU one; targets of issue 15: socket host <= 2, embedded <= 1.2)
 and, when the peer runs, to ggml-rpc's (target <= 1: apir no slower than ggml-rpc). With the peer
 the whole run loads the ggml build that has ggml-rpc's client (benchmarks/rpc_peer.py); without
 that build the peer is skipped with a note on how to build it.
@@ -43,20 +45,24 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from apir.guest.client import ApirClient
 from apir.local.embedded import EmbeddedDevice
 from apir.guest.local import LocalDevice
+from apir.local.spin_policy import SAMPLE_S
 
 import rpc_peer
 
 # Targets of issue 15: p50 over the bare socket ping-pong, and over ggml-rpc's small call.
 PING_PONG_TARGET = {"socket": 2.0, "embedded": 1.2}
+SETTLE_S = 1.2 * SAMPLE_S
 RPC_TARGET = 1.0
 
 _ECHO = r"""
-import socket, sys
+import os, socket, sys
+os.sched_setaffinity(0, {int(sys.argv[2])})
 srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 srv.bind(sys.argv[1]); srv.listen(1)
 print("ready", flush=True)
@@ -85,18 +91,40 @@ def time_calls(fn, calls: int, samples: list) -> None:
 
 
 def interleaved(rows: list, calls: int, warmup: int, rounds: int) -> list:
-    """[(p50, p99) us] of each (label, fn) of `rows`: `warmup` calls of each, then `rounds`
-    rounds of calls // rounds calls of each, every round starting with the next row. All rows
-    are open at once and measured in the same minutes, so drift on a shared machine (this VM's
-    small calls took 11-21 us from one minute to the next) hits each alike and the ratios hold."""
-    for _, fn in rows:
-        for _ in range(warmup):
-            fn()
+    """[(p50, p99) us] of each (label, fn, cpus) of `rows`: `warmup` calls of each, then
+    `rounds` rounds of calls // rounds calls of each, every round starting with the next row.
+    A row with `cpus` runs its calls in a thread of its own pinned there (so that this thread,
+    and the hosts' threads the scheduler placed beside it, stay where they are). All rows are
+    open at once and measured in the same minutes, so drift on a shared machine (this VM's
+    small calls took 11-21 us from one minute to the next) hits each alike and the ratios
+    hold."""
+
+    def run(k: int, n: int, samples: list) -> None:
+        _, fn, cpus = rows[k]
+        if cpus is None:
+            time_calls(fn, n, samples)
+            return
+
+        def pinned():
+            os.sched_setaffinity(0, cpus)  # (0: this thread)
+            time_calls(fn, n, samples)
+
+        thread = threading.Thread(target=pinned)
+        thread.start()
+        thread.join()
+
+    for k in range(len(rows)):
+        run(k, warmup, [])
     samples: list = [[] for _ in rows]
     per_round = max(1, calls // rounds)
     for r in range(rounds):
         for k in list(range(r % len(rows), len(rows))) + list(range(r % len(rows))):
-            time_calls(rows[k][1], per_round, samples[k])
+            # Each round starts after a pause longer than the spin policy's sampling period
+            # (apir.local.spin_policy): a sample taken while the row before ran (a ping-pong
+            # pinned to one vCPU: three runnable threads on two cores) would keep a host from
+            # spinning for up to SAMPLE_S, half a round, which no steady run of calls sees.
+            time.sleep(SETTLE_S)
+            run(k, per_round, samples[k])
     return [percentiles(s) for s in samples]
 
 
@@ -121,10 +149,11 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def ping_pong(stack: contextlib.ExitStack, tmp: str):
-    """A 16-byte ping-pong with a Python echo process over a Unix socket: the call."""
-    path = os.path.join(tmp, "echo.sock")
-    proc = subprocess.Popen([sys.executable, "-c", _ECHO, path], stdout=subprocess.PIPE)
+def ping_pong(stack: contextlib.ExitStack, tmp: str, echo_cpu: int):
+    """A 16-byte ping-pong with a Python echo process, which runs on CPU `echo_cpu`, over a
+    Unix socket: the call."""
+    path = os.path.join(tmp, f"echo-{echo_cpu}.sock")
+    proc = subprocess.Popen([sys.executable, "-c", _ECHO, path, str(echo_cpu)], stdout=subprocess.PIPE)
     stack.callback(_kill, proc)
     proc.stdout.readline()
     sock = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
@@ -195,7 +224,16 @@ def main(argv=None) -> int:
     # With the peer, device_get_memory too: the very call ggml-rpc's row makes (like for like).
     names = ("device_get_type", "device_get_memory") if paths is not None else ("device_get_type",)
     with tempfile.TemporaryDirectory(prefix="apir-bench-") as tmp, contextlib.ExitStack() as stack:
-        calls = [("bare socket ping-pong (16 B)", None, ping_pong(stack, tmp))]
+        # The ping-pong's two processes pinned: on one vCPU it took 7.6-10.2 us here, on two
+        # 17.4-20.3 (a wake-up on the other vCPU), and left to the scheduler 17-19 in most runs
+        # and 7-11 in some. The baseline is the two-vCPU figure: the guest's vCPU and the host's
+        # device process, and the scheduler's usual choice; the one-vCPU figure is shown beside.
+        cpus = sorted(os.sched_getaffinity(0))
+        here, there = cpus[0], cpus[-1]
+        calls = []
+        if there != here:
+            calls.append(("bare socket ping-pong, two vCPUs (16 B)", None, ping_pong(stack, tmp, there), {here}))
+        calls.append(("bare socket ping-pong, one vCPU (16 B)", None, ping_pong(stack, tmp, here), {here}))
         for mode, label, client in (
             ("socket", "socket host", socket_client(stack, tmp, exec_ring=True)),
             ("socket", "socket, no ring", socket_client(stack, tmp, exec_ring=False)),
@@ -204,11 +242,12 @@ def main(argv=None) -> int:
             ("embedded", "embedded host thread (exec_wait_s=0)",
              stack.enter_context(ApirClient.connect(EmbeddedDevice(exec_wait_s=0.0)))),
         ):
-            calls += [(f"{name}, {label}", mode, getattr(client, name)) for name in names]
+            calls += [(f"{name}, {label}", mode, getattr(client, name), None) for name in names]
         if paths is not None:
-            calls.append(("ggml-rpc get_device_memory, TCP", None, ggml_rpc_call(stack, paths)))
-        results = interleaved([(label, fn) for label, _, fn in calls], args.calls, args.warmup, args.rounds)
-    rows = [(label, mode, result) for (label, mode, _), result in zip(calls, results)]
+            calls.append(("ggml-rpc get_device_memory, TCP", None, ggml_rpc_call(stack, paths), None))
+        results = interleaved([(label, fn, pin) for label, _, fn, pin in calls], args.calls, args.warmup,
+                              args.rounds)
+    rows = [(label, mode, result) for (label, mode, _, _), result in zip(calls, results)]
     base = rows[0][2][0]
     rpc = rows[-1][2][0] if paths is not None else None
     res = {"ggml_lib_dir": str(load().lib_dir), "calls": args.calls, "rounds": args.rounds,
