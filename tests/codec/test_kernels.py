@@ -31,6 +31,42 @@ def test_raw_loads_and_stores_jit_vs_python():
         assert buf.raw == b"\0" + b"\xfe" + b"\xff" * 7 + b"\xfe\xff\xff\xff" + b"\xab\0\0"
 
 
+def test_word_loads_at_any_alignment_jit_vs_python():
+    """load_i64_at(addr, k) is the int64 at addr + 8 k, whatever addr's alignment, and
+    _bytes_diff (its words, then the bytes left over) finds a difference in any byte."""
+
+    @K.jit
+    def words(addr, n):
+        total = 0
+        for k in range(n):
+            total = total * 31 + K.load_i64_at(addr, k)
+        return total
+
+    @K.jit
+    def bytes_diff(a, b, n):
+        return K._bytes_diff(a, b, n)
+
+    raw = np.random.default_rng(7).integers(0, 256, 64, dtype=np.uint8)
+    for off in range(8):
+        addr = raw.ctypes.data + off
+        want = 0
+        for k in range(6):
+            want = want * 31 + int(np.frombuffer(raw[off + 8 * k : off + 8 * k + 8].tobytes(), "<i8")[0])
+        want = (want + (1 << 63)) % (1 << 64) - (1 << 63)  # the jitted int64 wraps
+        assert words(addr, 6) == want
+        assert words.py_func(addr, 6) % (1 << 64) == want % (1 << 64)
+    for fn in (bytes_diff, bytes_diff.py_func):
+        for n in range(0, 20):
+            a, b = raw[:24].copy(), raw[:24].copy()
+            assert fn(a.ctypes.data + 1, b.ctypes.data + 1, n) == 0
+            for i in range(n):
+                b[1 + i] ^= 0x10
+                assert fn(a.ctypes.data + 1, b.ctypes.data + 1, n) != 0
+                b[1 + i] ^= 0x10
+            b[1 + n] ^= 0x10  # the byte after the n compared: not read as a difference
+            assert fn(a.ctypes.data + 1, b.ctypes.data + 1, n) == 0
+
+
 def test_memmove_kernel_vs_python():
     for fn in (K.memmove_kernel, K.memmove_kernel.py_func):
         a = np.arange(100, dtype=np.uint8)
