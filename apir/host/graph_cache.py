@@ -65,6 +65,7 @@ from apir.codec._kernels import (
     TABLE_KEY,
     ids_link_kernel,
     ids_moved_kernel,
+    name_lens_kernel,
     record_key_kernel,
     record_match_kernel,
     records_match_kernel,
@@ -304,10 +305,10 @@ def graph_wire(parsed) -> GraphWire:
     name_at, name_len = t.dtype.fields["name"][1], t.dtype.fields["name"][0].itemsize
     mask = _key_mask(t.dtype, ids=True)
     record_key_kernel(rows, mask, name_at, name_len, out[head:])
-    nul = rows[:, name_at : name_at + name_len] == 0
     # bytes before each name's first NUL (a name without one, which the checks refuse, is
     # compared whole)
-    name_lens = np.where(nul.any(axis=1), np.argmax(nul, axis=1), name_len - 1).astype(np.int64)
+    name_lens = np.empty(len(t), np.int64)
+    name_lens_kernel(rows, name_at, name_len, name_lens)
     outside, links = mask.copy(), _key_mask(t.dtype).copy()  # (the cached masks stay as they are)
     # the name is compared apart, up to its NUL
     outside[name_at : name_at + name_len] = links[name_at : name_at + name_len] = 0

@@ -198,6 +198,11 @@ def test_names_cut_at_their_first_nul_in_any_byte_of_a_word():
         out = np.full(rows.size, 0xEE, np.uint8)
         assert fn(rows, mask, 8, 64, out) == 0
         assert out.reshape(rows.shape).tolist() == want.tolist()
+    # name_lens_kernel (GraphWire's compared name bytes): the NUL's position, 63 without one
+    for fn in (K.name_lens_kernel, K.name_lens_kernel.py_func):
+        lens = np.full(65, -5, np.int64)
+        assert fn(rows, 8, 64, lens) == 0
+        assert lens.tolist() == list(range(64)) + [63]
 
 
 def test_record_match_kernel_vs_python():
