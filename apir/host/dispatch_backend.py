@@ -29,7 +29,7 @@ from apir.codec.graph import GraphError, ParsedGraph, parse_graph
 from apir.codec.wire import Decoder, Encoder
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.graph import BuiltGraph, build_graph_parts, graph_scratch, lib_op_enums
-from apir.host.graph_cache import GraphCache, GraphCacheEntry, graph_key, graph_wire
+from apir.host.graph_cache import GraphCache, GraphCacheEntry, GraphWire, graph_key, graph_wire, link_key
 from apir.host.profiles import CPU
 from apir.host.tensors import Scratch
 from apir.host.work_plan import check_work_size
@@ -61,9 +61,10 @@ def graph_compute(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
             parsed = parse_graph(res.memory, 0, size, limits=g.limits, op_count=g.op_count, type_valid=chk.valid_types)
         except GraphError as exc:
             raise Refused(f"backend_graph_compute: {exc}") from None
-        entry = prepare_graph(lib, parsed, cache)
-        if cache is not None:
-            entry.remember_wire(graph_wire(parsed))
+        wire = graph_wire(parsed) if cache is not None else None
+        entry = prepare_graph(lib, parsed, cache, wire)
+        if wire is not None:
+            entry.remember_wire(wire)
     try:
         check_work_size(lib, entry.graph, entry.planned)  # before the CPU backend allocates its work buffer
         lib.set_graph_threads()  # no more than the work-size bound planned with
@@ -81,16 +82,26 @@ def graph_compute(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     return BACKEND_RC_OK
 
 
-def prepare_graph(lib: PythonBackendLibrary, parsed: ParsedGraph, cache: Optional[GraphCache]) -> GraphCacheEntry:
+def prepare_graph(
+    lib: PythonBackendLibrary, parsed: ParsedGraph, cache: Optional[GraphCache], wire: Optional[GraphWire] = None
+) -> GraphCacheEntry:
     """The checked, built host graph of `parsed`: from `cache` (an `apir.host.graph_cache`
     GraphCache, or None) when it holds the same structure and the re-check passes, else
-    checked and built in full. Raises Refused; the caller owns the entry (put it back or
-    close it)."""
+    checked and built in full. `wire`: `graph_wire(parsed)`, given by a caller that looked in
+    `cache` in place first (`GraphCache.take_same`, as graph_compute does) and will keep it on
+    the entry; where it compares (`GraphWire.compares`), that look found every entry of this
+    graph's key, so no key is made or looked up, and the entry keeps the counts and index
+    arrays alone (`link_key`: what `take_same` reads). Raises Refused; the caller owns the
+    entry (put it back or close it)."""
     enums = lib_op_enums(lib)
-    key = graph_key(parsed) if cache is not None else b""
-    entry = _rechecked(lib, cache.take(key, lib) if cache is not None else None, enums)
-    if entry is not None:
-        return entry
+    if cache is not None and wire is not None and wire.compares:
+        key = link_key(parsed)
+        cache.misses += 1  # (take_same found none: the miss `take` would have counted)
+    else:
+        key = graph_key(parsed) if cache is not None else b""
+        entry = _rechecked(lib, cache.take(key, lib) if cache is not None else None, enums)
+        if entry is not None:
+            return entry
     _warn_if_nothing_to_compute(lib.g, parsed)  # (a hit has the same flags: warned once)
     scratch = graph_scratch(lib, parsed)
     try:

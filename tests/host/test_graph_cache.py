@@ -33,6 +33,43 @@ def test_repeated_graph_is_served_from_the_cache_with_new_inputs(session, ggml):
     assert (session.cache.hits, session.cache.misses, len(session.cache)) == (2, 1, 1)
 
 
+def test_graph_compute_keys_its_entries_by_their_links_and_finds_them_in_place(session, ggml, monkeypatch):
+    """graph_compute looks for a graph in place (take_same) before it parses, and that look
+    finds every entry of the graph's key, so the entry it builds keeps `link_key` (the counts
+    and index arrays), not `graph_key`, and no `take` by key runs; the next compute of the
+    graph, under the same or other ids, is served in place. A caller that builds without a
+    wire (prepare_graph(..., wire=None)) still keys and looks up by `graph_key`."""
+    from apir.host import dispatch_backend
+    from apir.host.graph_cache import link_key
+
+    took = []
+    real_take = GraphCache.take
+    monkeypatch.setattr(GraphCache, "take", lambda self, key, lib: took.append(key) or real_take(self, key, lib))
+    session.set_inputs(graph_inputs(1))
+    assert session.compute() == (0, 0)
+    parsed = parse_graph(session.wire, limits=ggml.limits, op_count=ggml.op_count, type_valid=ggml.valid_types)
+    (entry,) = session.cache._entries.values()
+    full = graph_key(parsed)
+    assert entry.key == link_key(parsed) != full
+    assert entry.key == full[:16] + full[len(full) - (len(entry.key) - 16) :]  # the key less its records
+    assert entry.wire is not None and entry.wire.compares
+    assert [a.tolist() for a in entry.links] == [
+        a.tolist() for a in (parsed.node_index, parsed.src_index, parsed.view_src_index)
+    ]
+    assert (took, session.cache.misses) == ([], 1)
+    data = graph_inputs(2)
+    session.set_inputs(data)
+    assert session.compute() == (0, 0)
+    assert (session.cache.hits, took) == (1, [])
+    assert session.output() == direct_output(ggml, data)
+    lib = session.guest.ctx._library
+    built = dispatch_backend.prepare_graph(lib, parsed, session.cache)  # no wire: by graph_key
+    try:
+        assert took == [full] and built.key == full
+    finally:
+        built.close()
+
+
 def test_a_hit_checks_fresh_ids_without_running_the_rules(session, ggml, monkeypatch):
     """On a hit only the row ids are new: they are copied and checked against the bounds the
     rules recorded (`shapes.base.check_row_ids`), and no rule runs again. Where a read has no
