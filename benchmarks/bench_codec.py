@@ -13,7 +13,10 @@
    buffer), timed in C. Each side: the best of 20 builds, the host context's ggml_free not
    timed (the C harness frees it after its clock stops). Target: ours <= 1.0x the C. Ours with
    the build helper thread (apir.host.build_helper: the record checks and host tensors on a
-   second CPU, the host's default when it has one) and, for reference, on one thread only.
+   second CPU, the host's default when it has one) and, for reference, on one thread only,
+   and what graph_compute itself does with a graph the cache does not hold (the parse and
+   build plus the cache's part: the wire kept for matching the next graph in place, and the
+   entry's `link_key`), against the same C time (no target: the C keeps no cache).
    Also the same graph again from the context's graph cache, as graph_compute finds it
    (apir.host.graph_cache.GraphCache.take_same: compared in place, no parse, then the
    re-check): under other tensor ids (as built in another ggml context), and the very same
