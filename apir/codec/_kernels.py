@@ -223,10 +223,14 @@ _i_load_u32 = _make_load(32, False)
 _i_load_i32 = _make_load(32, True)
 _i_load_i64 = _make_load(64, True)
 _i_store_u8 = _make_store(8)
+_i_store_u32 = _make_store(32)
+_i_store_i64 = _make_store(64)
 
 
 @intrinsic
 def _i_load_i64_at(typingctx, addr, index):
+    # word `index` of an int64 array at `addr`: a getelementptr, whose consecutive indices
+    # LLVM can vectorize (an inttoptr per address it cannot), alignment 1 as every load here
     if not (isinstance(addr, types.Integer) and isinstance(index, types.Integer)):
         return None
 
@@ -252,9 +256,6 @@ def _i_store_i64_at(typingctx, addr, index, value):
         return context.get_dummy_value()
 
     return types.void(addr, index, value), codegen
-
-_i_store_u32 = _make_store(32)
-_i_store_i64 = _make_store(64)
 
 
 def _make_block_copy(llvm_name):

@@ -421,7 +421,7 @@ class GraphCacheEntry:
     @functools.cached_property
     def links(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(node_index, src_index, view_src_index) of the graph, int32, read-only views of
-        the end of its key (`graph_key`)."""
+        the end of its key (`graph_key`, or `link_key` for an entry graph_compute made)."""
         n, n_nodes = (int(v) for v in np.frombuffer(self.key, np.int64, 2))
         max_src = self.src_rows.shape[1]
         end = len(self.key)
