@@ -515,7 +515,7 @@ def test_graph_key_groups_names_exactly_by_their_bytes_up_to_the_nul(ggml, monke
         p = parse_graph(raw, **_kw(ggml))
         keys.setdefault(graph_key(p), set()).add((prefix, other_prefix))
         w = graph_wire(p)
-        wires.setdefault(w.data, set()).add((prefix, other_prefix))
+        wires.setdefault(w.data.tobytes(), set()).add((prefix, other_prefix))
         raws.append((w, raw))
         prefixes.append((prefix, other_prefix))
     distinct = set(prefixes)
