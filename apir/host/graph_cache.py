@@ -159,13 +159,13 @@ def _key(parsed, records: bool) -> bytes:
 @dataclasses.dataclass(frozen=True)
 class GraphWire:
     """`graph_wire` of a graph: `data` (read-only uint8), its `head` header bytes then one
-    record of `record_size` bytes per tensor; `word_mask` (`_key_mask` with ids, the name left out, as
-    int64 words), the name's offset `name_at` and each record's name length (`name_lens`,
-    int64) say how `GraphCache.take_same` compares graph bytes with it; `link_mask` (the same
-    without the ids), the indices of the int64 words of `id`, `src[]` and `view_src`
-    (`id_words`, int64, in that order; `moves`: -1 at those words, 0 elsewhere) and its least and
-    greatest tensor id (`id_range`) how it compares a graph of the same structure under
-    other ids."""
+    record of `record_size` bytes per tensor; `word_mask` (`_key_mask` with ids, the name left
+    out, as int64 words), the name's offset `name_at` and each record's name length
+    (`name_lens`, int64) say how `GraphCache.take_same` compares graph bytes with it;
+    `link_mask` (the same without the ids), the indices of the int64 words of `id`, `src[]`
+    and `view_src` (`id_words`, int64, in that order; `moves`: -1 at those words, 0
+    elsewhere) and its least and greatest tensor id (`id_range`) how it compares a graph of
+    the same structure under other ids."""
 
     data: np.ndarray
     head: int
@@ -197,7 +197,7 @@ class GraphWire:
         first = min(16, len(self.data))  # the node count and first node id: most misses, no kernel call
         if len(self.data) > size or bytes(memory[:first]) != self.data[:first].tobytes():
             return False
-        if self.word_mask.size * 8 != self.record_size:
+        if not self.compares:
             return False  # (records of a size the kernel does not compare: graph_wire)
         view = np.frombuffer(memory, np.uint8, count=size)  # (held through the call: its address is read)
         old = self.data
@@ -223,7 +223,7 @@ class GraphWire:
         names). Compared as `matches` compares: the second half of a large graph's records on
         the helper."""
         n_nodes = (self.head - 8) // 8
-        if len(self.data) > size or self.link_mask.size * 8 != self.record_size or len(links[0]) != n_nodes:
+        if len(self.data) > size or not self.compares or len(links[0]) != n_nodes:
             return False
         if len(self.data) == self.head or bytes(memory[:4]) != self.data[:4].tobytes():
             return False  # (no tensors; n_nodes)
