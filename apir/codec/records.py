@@ -23,7 +23,9 @@ pointers for buffer/src/view_src/data, then `extra` and 8 bytes of padding.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
+from typing import Dict, Mapping, Union
 
 import numpy as np
 
@@ -36,6 +38,7 @@ __all__ = [
     "RPC_TENSOR_DTYPE",
     "GGML_TENSOR_DTYPE",
     "rpc_tensor_undefined_mask",
+    "RecordStruct",
 ]
 
 
@@ -139,3 +142,42 @@ def rpc_tensor_undefined_mask(dtype: np.dtype = RPC_TENSOR_DTYPE) -> np.ndarray:
         off = field_offset(dtype, name)
         mask[off : off + dtype[name].itemsize] = False
     return mask
+
+
+_STRUCT_CODES = {"<u4": "I", "<i4": "i", "<u8": "Q", "<i8": "q"}
+
+
+class RecordStruct:
+    """A `struct.Struct` laid out like the structured `dtype` (one of the two above), for a
+    record read or written whole by Python code, where a numpy record's field access costs
+    about a microsecond a field: `unpack_from` gives a flat tuple, `pack_into` takes one.
+
+    `slots[name]` is the field's place in that tuple: an index (a scalar; a name's bytes, one
+    `bytes` of the whole array) or a slice (an array field, one item an element). Holes and
+    the tail are pad bytes (zero when packed). Raises KeyError for a field format outside
+    u32/i32/u64/i64/bytes."""
+
+    def __init__(self, dtype: np.dtype):
+        fields: Mapping[str, tuple] = dtype.fields or {}
+        parts, pos, index = ["<"], 0, 0
+        self.slots: Dict[str, Union[int, slice]] = {}
+        for name in sorted(fields, key=lambda n: fields[n][1]):
+            sub, off = fields[name][0], int(fields[name][1])
+            if off > pos:
+                parts.append(f"{off - pos}x")
+            base, count = sub.base, int(np.prod(sub.shape)) if sub.shape else 1
+            if base.kind == "S":
+                parts.append(f"{count * base.itemsize}s")
+                self.slots[name] = index
+                index += 1
+            else:
+                parts.append(f"{count}{_STRUCT_CODES[base.str]}")
+                self.slots[name] = slice(index, index + count) if sub.shape else index
+                index += count
+            pos = off + sub.itemsize
+        if dtype.itemsize > pos:
+            parts.append(f"{dtype.itemsize - pos}x")
+        self.struct = struct.Struct("".join(parts))
+        self.size = self.struct.size
+        self.items = index  # the length of the flat tuple
+        assert self.size == dtype.itemsize, (self.size, dtype.itemsize)

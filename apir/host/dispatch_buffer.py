@@ -18,12 +18,12 @@ copy is queued (apir.host.transfers) and lands before the context's next other c
 
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING
 
 from apir.codec.wire import Decoder, Encoder
 from apir.host.errors import BACKEND_RC_OK, Refused
 from apir.host.handles import HostBuffer
-from apir.host.tensors import Scratch
 
 if TYPE_CHECKING:  # annotations only: backend_library imports the dispatcher, which imports this module
     from apir.host.backend_library import PythonBackendLibrary
@@ -59,17 +59,17 @@ def _transfer(lib: PythonBackendLibrary, dec: Decoder, what: str, to_tensor: boo
         raise Refused(f"{what}: size {size} exceeds resource {res_id} ({res.size} bytes)")
     if size == 0:
         return
-    with Scratch(g, 1) as scratch:
-        t = chk.host_from_rpc(scratch, rec, tbuf)
-        nbytes = g.ggml_nbytes(t)
-        if offset + size > nbytes:
-            raise Refused(f"{what}: [{offset}, {offset + size}) outside the tensor's {nbytes} bytes")
-        if to_tensor:
-            transfers = lib.transfers
-            if transfers is None or not transfers.upload(tbuf, t, res.address, offset, size):
-                g.ggml_backend_tensor_set(t, res.address, offset, size)
-        else:
-            g.ggml_backend_tensor_get(t, res.address, offset, size)
+    twin = chk.loose_twin(rec, tbuf)
+    t = ctypes.addressof(twin)
+    nbytes = g.ggml_nbytes(t)
+    if offset + size > nbytes:
+        raise Refused(f"{what}: [{offset}, {offset + size}) outside the tensor's {nbytes} bytes")
+    if to_tensor:
+        transfers = lib.transfers
+        if transfers is None or not transfers.upload(tbuf, t, res.address, offset, size):
+            g.ggml_backend_tensor_set(t, res.address, offset, size)
+    else:
+        g.ggml_backend_tensor_get(t, res.address, offset, size)
 
 
 def set_tensor(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
@@ -93,14 +93,12 @@ def cpy_tensor(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
         raise Refused("buffer_cpy_tensor: a tensor without a buffer")
     if dst_buf is not buf:
         raise Refused(f"buffer_cpy_tensor: destination is not in buffer 0x{handle:x}")
-    with Scratch(g, 2) as scratch:
-        src = chk.host_from_rpc(scratch, src_rec, src_buf)
-        dst = chk.host_from_rpc(scratch, dst_rec, dst_buf)
-        need = g.ggml_nbytes(src)
-        room = dst_buf.size - int(dst_rec["data"])
-        if need > room:
-            raise Refused(f"buffer_cpy_tensor: {need} source bytes, {room} bytes left in the destination buffer")
-        enc.bool(g.ggml_backend_buffer_copy_tensor(src, dst))
+    src, dst = chk.loose_twin(src_rec, src_buf), chk.loose_twin(dst_rec, dst_buf)
+    need = g.ggml_nbytes(ctypes.addressof(src))
+    room = dst_buf.size - dst_rec.data
+    if need > room:
+        raise Refused(f"buffer_cpy_tensor: {need} source bytes, {room} bytes left in the destination buffer")
+    enc.bool(g.ggml_backend_buffer_copy_tensor(ctypes.addressof(src), ctypes.addressof(dst)))
     return BACKEND_RC_OK
 
 

@@ -245,11 +245,11 @@ def _check_records_one_by_one(lib: PythonBackendLibrary, parsed) -> _Records:
     offsets = [0] * n
     extents = [0] * n
     for i in range(n):
-        rec = recs[i]
+        rec = chk.rpc_tensor(recs[i].tobytes())
         buf, extent = chk.check_rpc(rec, lib.buffers, f"graph tensor {i}")
         if buf is None or not buf.base:
             raise Refused(f"graph tensor {i}: no buffer with data")
-        bufs[i], offsets[i], extents[i] = buf, int(rec["data"]), extent
+        bufs[i], offsets[i], extents[i] = buf, rec.data, extent
     for i in range(n):
         v = int(parsed.view_src_index[i])
         if v < 0:
@@ -594,7 +594,7 @@ def _bytes_tensor(lib, scratch: Scratch, buffer: int, data: int, n: int) -> int:
     through the backend (ggml_backend_tensor_get / _set)."""
     g = lib.g
     return lib.checker.host_tensor(
-        scratch, g.types["I8"], [n, 1, 1, 1], [1, n, n, n], 0, 0, 0, b"row ids\0", buffer, data
+        scratch, g.types["I8"], [n, 1, 1, 1], [1, n, n, n], 0, (), 0, b"row ids\0", buffer, data
     )
 
 

@@ -21,21 +21,37 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from apir.codec.records import rpc_tensor_dtype
+from apir.codec.records import RecordStruct, rpc_tensor_dtype
 from apir.codec.wire import Decoder
 from apir.ggml.layout import tensor_record
 from apir.ggml.lib import InitParams
 from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
 
-__all__ = ["Scratch", "TensorChecker", "decode_inline_tensor", "CUSTOM_OPS"]
+__all__ = ["Scratch", "TensorChecker", "RpcTensor", "decode_inline_tensor", "CUSTOM_OPS"]
 
 CUSTOM_OPS = ("CUSTOM", "MAP_CUSTOM1", "MAP_CUSTOM2", "MAP_CUSTOM3")
 _NE_MAX = 1 << 62  # ne fits int64 with room for products of two
+
+
+class RpcTensor(NamedTuple):
+    """The fields of one `apir_rpc_tensor` that the host reads, as Python values, each read
+    once from the guest's bytes (`TensorChecker.rpc_tensor`): later checks and the host twin
+    see these values, whatever the guest writes into its memory meanwhile."""
+
+    type: int
+    buffer: int  # the host handle
+    ne: Tuple[int, ...]
+    nb: Tuple[int, ...]
+    op: int
+    op_params: Tuple[int, ...]
+    flags: int
+    data: int  # offset from the buffer's virtual base
+    name: bytes  # the whole field, NUL included (check_common)
 
 
 class Scratch:
@@ -145,6 +161,16 @@ class TensorChecker:
             self.type_size_arr[t], self.blck_size_arr[t] = self.type_size[t], self.blck_size[t]
         self.custom_op_mask = np.zeros(max(g.op_count, 1), dtype=bool)
         self.custom_op_mask[list(self.custom_ops)] = True
+        # Single records go through struct, not numpy: ~1 us a field less (RecordStruct).
+        self._rpc = RecordStruct(self.rpc_dtype)
+        self._rpc_fields = tuple(self._rpc.slots[f] for f in RpcTensor._fields)
+        self._tensor = RecordStruct(self.tensor_dtype)
+        ts = self._tensor.slots
+        self._t_slots: Tuple[Any, ...] = tuple(
+            ts[f] for f in ("type", "ne", "nb", "op", "op_params", "flags", "buffer", "data", "name")
+        )
+        self._t_zero = self._tensor.struct.unpack(bytes(self._tensor.size))  # a fresh tensor's fields
+        self._no_params = (0,) * (self.limits.max_op_params // 4)
 
     # --- field checks ---------------------------------------------------------------------
     def type_ok(self, type_: int) -> bool:
@@ -174,22 +200,25 @@ class TensorChecker:
         return tensor_extent(self.type_size[type_], self.blck_size[type_], ne, nb)
 
     # --- rpc tensors ----------------------------------------------------------------------
-    def rpc_record(self, dec: Decoder, what: str) -> np.void:
-        """One `apir_rpc_tensor` off the wire (copied out of shared memory)."""
-        raw = dec.inplace(self.rpc_dtype.itemsize)
+    def rpc_record(self, dec: Decoder, what: str) -> RpcTensor:
+        """One `apir_rpc_tensor` off the wire (`rpc_tensor`). Raises Refused when truncated."""
+        raw = dec.inplace(self._rpc.size)
         if raw is None:
             raise Refused(f"{what}: truncated apir_rpc_tensor")
-        return np.frombuffer(bytes(raw), dtype=self.rpc_dtype, count=1)[0]
+        return self.rpc_tensor(raw)
 
-    def check_rpc(self, rec, buffers, what: str) -> Tuple[Optional[HostBuffer], int]:
+    def rpc_tensor(self, raw) -> RpcTensor:
+        """The RpcTensor of the `apir_rpc_tensor` at the start of the bytes-like `raw` (each
+        byte read once)."""
+        v = self._rpc.struct.unpack_from(raw)
+        return RpcTensor._make([v[i] for i in self._rpc_fields])
+
+    def check_rpc(self, rec: RpcTensor, buffers, what: str) -> Tuple[Optional[HostBuffer], int]:
         """Checks one rpc record; returns (its buffer or None, its extent in bytes).
         `buffers` is the context's buffer table."""
-        type_, op = int(rec["type"]), int(rec["op"])
-        ne = [int(x) for x in rec["ne"]]
-        nb = [int(x) for x in rec["nb"]]
-        self.check_common(what, type_, op, ne, bytes(rec["name"]))
-        handle, data = int(rec["buffer"]), int(rec["data"])
-        extent = self.extent(type_, ne, nb)
+        self.check_common(what, rec.type, rec.op, rec.ne, rec.name)
+        handle, data = rec.buffer, rec.data
+        extent = self.extent(rec.type, rec.ne, rec.nb)
         if handle == 0:
             if data != 0:
                 raise Refused(f"{what}: tensor without a buffer has data 0x{data:x}")
@@ -214,35 +243,54 @@ class TensorChecker:
         buffer: int = 0,
         data: int = 0,
     ) -> int:
-        """A tensor header in `scratch` with these (already checked) fields; no src."""
-        g = self.g
+        """A tensor header in `scratch` with these (already checked) fields; no src.
+        `op_params`: its int32 words, or empty for all zero."""
         scratch.check_room(1)
-        t = g.ggml_new_tensor_1d(scratch.ctx, type_, self.blck_size[type_])
-        rec = tensor_record(t, self.tensor_dtype)
-        rec["ne"][:] = ne
-        rec["nb"][:] = nb
-        rec["op"] = op
-        rec["op_params"][:] = op_params
-        rec["flags"] = flags
-        rec["buffer"] = buffer
-        rec["data"] = data
-        g.ggml_set_name(t, name.split(b"\0", 1)[0][: self.limits.max_name - 1])
+        t = self.g.ggml_new_tensor_1d(scratch.ctx, type_, self.blck_size[type_])
+        self.write_tensor(
+            (ctypes.c_char * self._tensor.size).from_address(t), type_, ne, nb, op, op_params, flags, name, buffer, data
+        )
         return t
 
-    def host_from_rpc(self, scratch: Scratch, rec, buf: Optional[HostBuffer]) -> int:
+    def write_tensor(
+        self, mem, type_: int, ne, nb, op: int, op_params, flags: int, name: bytes, buffer: int, data: int
+    ) -> None:
+        """Writes a whole `ggml_tensor` with these fields into the writable buffer `mem`, in one
+        `struct.pack_into`; every other field as a fresh tensor has it (zero: no src, view or
+        extra). The name is cut at its NUL and at GGML_MAX_NAME - 1 bytes, as ggml_set_name."""
+        v = list(self._t_zero)
+        s_type, s_ne, s_nb, s_op, s_params, s_flags, s_buffer, s_data, s_name = self._t_slots
+        v[s_type], v[s_ne], v[s_nb], v[s_op] = type_, ne, nb, op
+        v[s_params] = op_params if len(op_params) else self._no_params
+        v[s_flags], v[s_buffer], v[s_data] = flags, buffer, data
+        v[s_name] = name.split(b"\0", 1)[0][: self.limits.max_name - 1]
+        self._tensor.struct.pack_into(mem, 0, *v)
+
+    def host_from_rpc(self, scratch: Scratch, rec: RpcTensor, buf: Optional[HostBuffer]) -> int:
         """The host twin of a checked rpc record: data = real base + offset; no src/view."""
         return self.host_tensor(
             scratch,
-            int(rec["type"]),
-            [int(x) for x in rec["ne"]],
-            [int(x) for x in rec["nb"]],
-            int(rec["op"]),
-            rec["op_params"],
-            int(rec["flags"]),
-            bytes(rec["name"]),
+            rec.type,
+            rec.ne,
+            rec.nb,
+            rec.op,
+            rec.op_params,
+            rec.flags,
+            rec.name,
             buf.ptr if buf else 0,
-            buf.base + int(rec["data"]) if buf else 0,
+            buf.base + rec.data if buf else 0,
         )
+
+    def loose_twin(self, rec: RpcTensor, buf: HostBuffer) -> ctypes.Array:
+        """`host_from_rpc` in memory of its own (the returned array; its address is the
+        tensor), in no ggml_context: for a backend call that only reads the tensor
+        (ggml_backend_tensor_set / _get, buffer_copy_tensor), where a Scratch per call costs
+        more than the call. Keep the array alive while ggml may read the tensor."""
+        mem = ctypes.create_string_buffer(self._tensor.size)
+        self.write_tensor(
+            mem, rec.type, rec.ne, rec.nb, rec.op, rec.op_params, rec.flags, rec.name, buf.ptr, buf.base + rec.data
+        )
+        return mem
 
 
 def decode_inline_tensor(chk: TensorChecker, dec: Decoder, scratch: Scratch, what: str) -> int:

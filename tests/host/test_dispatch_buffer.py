@@ -61,3 +61,37 @@ def test_clear_and_free(guest, ggml):
     assert guest.forward(Cmd.BUFFER_GET_BASE, lambda e: e.handle(buf))[0] == 1  # gone
     assert guest.forward(Cmd.BUFFER_FREE_BUFFER, lambda e: e.handle(buf))[0] == 1  # no double free
     s.close()
+
+
+def test_loose_twin_has_the_fields_ggml_gives_the_same_tensor(ggml):
+    """The transfer functions' tensor, written in one struct.pack_into outside any
+    ggml_context, against the tensor ggml itself makes with those fields (ggml_new_tensor,
+    ggml_set_name, data and buffer set): every field equal, a too-long name cut alike."""
+    import ctypes
+
+    from apir.ggml.layout import tensor_record
+    from apir.host.handles import HostBuffer
+    from apir.host.tensors import TensorChecker
+
+    chk = TensorChecker(ggml)
+    s = GgmlScratch(ggml)
+    try:
+        t = ggml.ggml_new_tensor_3d(s.ctx, ggml.types["F16"], 8, 3, 2)
+        name = bytes(range(65, 65 + 26)) * 4  # 104 bytes: over GGML_MAX_NAME
+        ggml.ggml_set_name(t, name)
+        ref = tensor_record(t, ggml.tensor_dtype)
+        ref["op_params"][:3] = [7, -1, 1 << 30]
+        ref["flags"] = 4
+        buf = HostBuffer(ptr=0x5000, base=0x100000, size=1 << 20, virtual_base=1 << 40, buft_handle=1)
+        ref["buffer"], ref["data"] = buf.ptr, buf.base + 512
+        raw = rpc_bytes(rpc_record(ggml, t, 1, data=512))
+        rec = chk.rpc_tensor(raw)
+        assert rec.name.split(b"\0")[0] == name[:63]
+        params = tuple(int(x) for x in ref["op_params"])
+        twin = chk.loose_twin(rec._replace(op_params=params, flags=4, name=name), buf)  # name uncut, no NUL
+        got = tensor_record(ctypes.addressof(twin), ggml.tensor_dtype)
+        for field in ggml.tensor_dtype.names:
+            if field != "padding":
+                assert np.array_equal(got[field], ref[field]), field
+    finally:
+        s.close()

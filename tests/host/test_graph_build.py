@@ -188,7 +188,7 @@ def _reference_twins(lib, parsed, scratch):
     bufs = hg._check_records_one_by_one(lib, parsed).bufs
     host = [0] * len(recs)
     for i in (int(x) for x in parsed.order):
-        t = chk.host_from_rpc(scratch, recs[i], bufs[i])
+        t = chk.host_from_rpc(scratch, chk.rpc_tensor(recs[i].tobytes()), bufs[i])
         rec = np.frombuffer((ctypes.c_char * chk.tensor_dtype.itemsize).from_address(t),
                             dtype=chk.tensor_dtype)[0]
         for k, j in enumerate(parsed.src_index[i]):
