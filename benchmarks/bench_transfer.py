@@ -7,7 +7,7 @@ and read back with ggml_backend_tensor_get, end to end (ggml's calls, the guest 
 callbacks, the transport, the host's copies):
 
   copying    buffer_type_alloc_buffer: bytes travel through the client's windows in
-             4 MiB chunks (Remote.transfer_chunk), one buffer_set_tensor / get_tensor each,
+             8 MiB chunks (Remote.transfer_chunk), one buffer_set_tensor / get_tensor each,
              and the host copies them between the window and its buffer: two copies per
              byte, overlapped (the guest copies chunk k+1 into the other window while the
              host takes chunk k; downloads the mirror image), so on two free cores the

@@ -3,7 +3,7 @@
 Tensor bytes travel through the data window: `buffer_set_tensor` copies a chunk in, then
 sends (buffer, rpc tensor, window res_id, offset, size); `buffer_get_tensor` sends the same
 and copies the chunk out once the host replied. A transfer of one chunk
-(`Remote.transfer_chunk`, 4 MiB) or less is one such call. A larger one is cut into chunks at
+(`Remote.transfer_chunk`, 8 MiB) or less is one such call. A larger one is cut into chunks at
 increasing offsets (the C makes a temporary blob instead) that alternate between two windows
 (`Remote.transfer_windows`), so that the guest's copy of one chunk overlaps the host's copy of
 the previous one (two copies per byte, one after the other, would cap the transfer at half a
