@@ -80,7 +80,13 @@ class VirtgpuDevice(Protocol):
 @runtime_checkable
 class WatchedDevice(Protocol):
     """A device that can tell, while the guest waits on a reply notification word, that its
-    host is gone (apir.guest.remote uses `watch` in place of sleeping when a device has it)."""
+    host is gone (apir.guest.remote uses `watch` in place of sleeping when a device has it).
+
+    A device whose class sets `watch_wakes = True` also returns from `watch` as soon as the
+    host has run every command submitted so far (its reply notification is then set), so a
+    waiter may pass long timeouts at no cost in latency (apir.guest.remote then sleeps up to
+    `_WOKEN_SLEEP_MAX_S` a look, not 1 ms: a long graph compute is waited for in tens of
+    looks, not one a millisecond)."""
 
     def watch(self, timeout_s: float) -> None:
         """Waits up to `timeout_s` seconds (less when something arrives); raises DeviceError

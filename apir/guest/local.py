@@ -79,10 +79,14 @@ _IOCTL_NAMES: dict[Op, str] = {
     Op.KICK: IoctlName.EXECBUFFER,
 }
 # An EXECBUFFER through the exec ring spins this long (at most) on its `done` word, then waits
-# on the socket in growing sleeps (a host that dies is seen there).
+# on the socket in growing sleeps (a host that dies is seen there; a long one ends at the wake
+# request's reply, see `watch`).
 _RING_SPIN_S = 500e-6
 _RING_SLEEP_MIN_S = 10e-6
-_RING_SLEEP_MAX_S = 1e-3
+_RING_SLEEP_MAX_S = 50e-3
+# `watch` asks for a wake (a KICK) when told to wait this long or longer for a ring command: a
+# wait that has lasted about as long already, where a message costs little next to it.
+_WAKE_REQUEST_MIN_S = 1e-3
 
 
 class HostConnectionLost(DeviceError):
@@ -404,12 +408,21 @@ class LocalDevice:
         except OSError:
             return True  # let the read report it
 
+    # watch returns once the host has run what was posted or sent (see watch)
+    watch_wakes = True
+
     def watch(self, timeout_s: float) -> None:
         """Waits up to `timeout_s` for the host's side of the socket, for a caller waiting on
         a reply notification word (apir.guest.remote): returns early when something arrived
-        (a late EXECBUFFER reply, read here), raises `HostConnectionLost` at once when the
-        host closed the connection, exited or was killed. Waits under 1 ms sleep and then
-        poll without blocking (poll's unit is the millisecond)."""
+        (a late EXECBUFFER or KICK reply, read here), raises `HostConnectionLost` at once when
+        the host closed the connection, exited or was killed. Waits under 1 ms sleep and then
+        poll without blocking (poll's unit is the millisecond).
+
+        A wait of `_WAKE_REQUEST_MIN_S` or more for an exec ring command the host is running
+        (nothing else owed: a host not polling the ring was kicked already) first sends a KICK:
+        the host answers it once the ring's command has run (local_server reads its socket
+        between commands), so the wait ends there, where a host busy on a long graph would
+        otherwise be looked at every millisecond until it ends."""
         with self._lock:
             if self._broken is not None:
                 raise HostConnectionLost(f"{self.node}: {self._broken}")
@@ -426,6 +439,13 @@ class LocalDevice:
             if timeout_s < 1e-3:
                 time.sleep(max(0.0, timeout_s))
                 timeout_s = 0.0
+            elif (
+                timeout_s >= _WAKE_REQUEST_MIN_S
+                and not self._exec_seqs
+                and self._ring is not None
+                and self._ring.done.load_acquire() != self._ring_seq
+            ):
+                self._exec_seqs.append((Op.KICK, self._send(Op.KICK, b"")))
             if not self._readable(timeout_s):
                 return
             if self._exec_seqs:

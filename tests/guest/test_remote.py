@@ -151,3 +151,32 @@ def test_silent_host_every_backend_function_times_out():
         assert exc.command == f"Forward {name}" and LIMIT <= elapsed < LIMIT + SLACK, (name, elapsed)
     assert set(client.remote.device.blobs) == blobs  # buffer_from_ptr's blob was released
     client.close()
+
+
+class _WatchedSyncDevice(SyncDevice):
+    """A SyncDevice with `watch` (it sleeps the time asked, and records it)."""
+
+    def __init__(self, ctx, wakes):
+        super().__init__(ctx)
+        self.watch_wakes = wakes
+        self.asked = []
+
+    def watch(self, timeout_s):
+        self.asked.append(timeout_s)
+        time.sleep(timeout_s)
+
+
+@pytest.mark.parametrize("wakes", [False, True])
+def test_the_wait_looks_every_millisecond_unless_the_device_wakes_it(wakes):
+    """A 0.3 s call: on a device whose watch returns once the host is done (`watch_wakes`)
+    the looks grow past 1 ms (to tens of them, not hundreds); on any other, 1 ms at most."""
+    dev = _WatchedSyncDevice(ThreadedHost(0.0), wakes)
+    with Remote(dev) as remote:
+        client = ApirClient(remote)
+        assert client.handshake() == (0, 2)
+        dev.ctx.delay_s, dev.asked[:] = 0.3, []
+        assert client.device_get_count() == 1234
+    if wakes:
+        assert max(dev.asked) > 0.01 and len(dev.asked) < 60  # (about 20: 10 us doubling to 50 ms)
+    else:
+        assert max(dev.asked) <= 1e-3
