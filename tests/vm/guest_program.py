@@ -370,8 +370,9 @@ def paired():
     open("compute.end", "w").close()
     out["rounds"], out["exact_rounds"] = total, exact
     own_res = sorted({c.remote.data.res_id, c.remote.reply.res_id})
-    with open("handles.json", "w") as f:
+    with open("handles.json.part", "w") as f:  # renamed whole: the host copies it once it exists
         json.dump({"buffers": bufs, "buffer_type": buft, "res_ids": own_res}, f)
+    os.rename("handles.json.part", "handles.json")
     wait_for("peer.json")
     with open("peer.json") as f:
         peer = json.load(f)

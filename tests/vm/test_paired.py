@@ -77,8 +77,10 @@ def paired(provisioned, vm_kernel, vm_work, embedded_embeddings):
                     (w / "both.started").write_text("")
                 events["both.started"] = time.monotonic() - t0
             if seen("a", "handles.json") and seen("b", "handles.json") and not (works["a"] / "peer.json").exists():
-                shutil.copy(works["b"] / "handles.json", works["a"] / "peer.json")
-                shutil.copy(works["a"] / "handles.json", works["b"] / "peer.json")
+                # each copy renamed into place whole: the guest reads peer.json once it exists
+                for src, dst in (("b", "a"), ("a", "b")):
+                    shutil.copy(works[src] / "handles.json", works[dst] / "peer.json.part")
+                    os.replace(works[dst] / "peer.json.part", works[dst] / "peer.json")
             if not killed and seen("a", "probed") and seen("b", "probed"):
                 counts["a_before_kill"] = status["a"]
                 counts["b_before_kill"] = status["b"]
