@@ -83,8 +83,8 @@ TRANSFER_CHUNK = 8 << 20
 # latency when that fits), in one call (then chunks of _SPIN_CHUNK acquire loads should the
 # load rate have been overestimated); then sleep from _SLEEP_MIN_S doubling to _SLEEP_MAX_S,
 # or to _WOKEN_SLEEP_MAX_S on a device whose `watch` returns once the host is done
-# (`watch_wakes`, apir.guest.device.WatchedDevice): there a look a millisecond cost 6% of a
-# core while a MiniLM batch computed (the host's two compute threads on two cores: 3% slower).
+# (`watch_wakes`, apir.guest.device.WatchedDevice): there looks a millisecond apart took 6% of
+# a core while a MiniLM batch computed on the host's two threads, this machine's two cores.
 _COMMAND_HEADER = struct.Struct("<iiI")  # command type, flags, reply res_id (remote_call_prepare)
 _SPIN_MIN_S = 20e-6
 _SPIN_MAX_S = 500e-6
