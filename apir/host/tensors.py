@@ -268,8 +268,21 @@ class TensorChecker:
 
     def host_from_rpc(self, scratch: Scratch, rec: RpcTensor, buf: Optional[HostBuffer]) -> int:
         """The host twin of a checked rpc record: data = real base + offset; no src/view."""
-        return self.host_tensor(
-            scratch,
+        return self.host_tensor(scratch, *self._twin_fields(rec, buf))
+
+    def loose_twin(self, rec: RpcTensor, buf: HostBuffer) -> ctypes.Array:
+        """`host_from_rpc` in memory of its own (the returned array; its address is the
+        tensor), in no ggml_context: for a backend call that only reads the tensor
+        (ggml_backend_tensor_set / _get, buffer_copy_tensor), where a Scratch per call costs
+        more than the call. Keep the array alive while ggml may read the tensor."""
+        mem = ctypes.create_string_buffer(self._tensor.size)
+        self.write_tensor(mem, *self._twin_fields(rec, buf))
+        return mem
+
+    @staticmethod
+    def _twin_fields(rec: RpcTensor, buf: Optional[HostBuffer]) -> tuple:
+        # host_tensor's / write_tensor's fields (after scratch or mem) of the twin of `rec`
+        return (
             rec.type,
             rec.ne,
             rec.nb,
@@ -280,17 +293,6 @@ class TensorChecker:
             buf.ptr if buf else 0,
             buf.base + rec.data if buf else 0,
         )
-
-    def loose_twin(self, rec: RpcTensor, buf: HostBuffer) -> ctypes.Array:
-        """`host_from_rpc` in memory of its own (the returned array; its address is the
-        tensor), in no ggml_context: for a backend call that only reads the tensor
-        (ggml_backend_tensor_set / _get, buffer_copy_tensor), where a Scratch per call costs
-        more than the call. Keep the array alive while ggml may read the tensor."""
-        mem = ctypes.create_string_buffer(self._tensor.size)
-        self.write_tensor(
-            mem, rec.type, rec.ne, rec.nb, rec.op, rec.op_params, rec.flags, rec.name, buf.ptr, buf.base + rec.data
-        )
-        return mem
 
 
 def decode_inline_tensor(chk: TensorChecker, dec: Decoder, scratch: Scratch, what: str) -> int:
