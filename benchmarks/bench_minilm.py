@@ -26,7 +26,11 @@ same batch with the same model code (apir.models.minilm) in this process on ggml
 from ggml's registry (`open_local_device("rpc:127.0.0.1:PORT")`), next to apir's embedded host
 and an `apir host serve` it starts (whichever of the two is not the target already), all in the
 same alternation. Each batch time is printed with its ratio to ggml-rpc's (target <= 1.0: apir
-no slower than ggml-rpc). Only batch times compare: ggml-rpc's graph_compute returns before the
+no slower than ggml-rpc), and with the median of its per-round ratios (each batch over the
+ggml-rpc batch of the same round, so drift between rounds cancels) and that median's 95%
+interval (distribution-free: the sign test's order statistics). Local ggml CPU gets the same
+paired figure: the same kernels with no remoting at all, so its interval shows how far from
+1.0 parity lands in this run. Only batch times compare: ggml-rpc's graph_compute returns before the
 server computes (RPC_CMD_GRAPH_COMPUTE has no answer), so its compute time is the send alone
 and its wait falls in the output's read. The whole run then loads the ggml build that has
 ggml-rpc's client (apir's hosts, the baseline and rpc-server all on the same ggml CPU kernels);
@@ -57,6 +61,7 @@ from apir.ggml import load as load_ggml
 from apir.models.minilm import MiniLM
 
 import rpc_peer
+from paired_stats import median_interval
 from bench_roundtrip import _wait_for_socket
 
 RPC_TARGET = 1.0  # batch time of each apir mode over ggml-rpc's, issue 15 item 7
@@ -143,7 +148,8 @@ def main(argv=None) -> int:
     where.add_argument("--drm", metavar="NODE")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-words", type=int, default=40, help="longest sentence in words (default 40)")
-    p.add_argument("--repeats", type=int, default=12, help="rounds (default 12: each backend first in as many)")
+    p.add_argument("--repeats", type=int, default=20,
+                   help="rounds (default 20: a multiple of the up to four backends, so each starts as many)")
     p.add_argument("--threads", type=int, default=2, help="threads of the local CPU backend(s)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-rpc-peer", action="store_true",
@@ -208,12 +214,16 @@ def main(argv=None) -> int:
     if paths is not None:
         rpc_s = med["ggml-rpc"][0]
         peer = {"rpc_server_threads": args.threads, "ggml_rpc_batch_s": rpc_s, "target": RPC_TARGET, "rows": []}
-        for name in models:
-            if name == "local" or name == "ggml-rpc":
-                continue
-            label = f"apir {target_ob.transport} (target)" if name == "target" else name
+        rpc_rounds = times["ggml-rpc"][0]
+        for name in [n for n in models if n not in ("local", "ggml-rpc")] + ["local"]:
+            if name == "local":
+                label = "local ggml (reference)"
+            else:
+                label = f"apir {target_ob.transport} (target)" if name == "target" else name
+            paired = median_interval([t / r for t, r in zip(times[name][0], rpc_rounds)])
             peer["rows"].append({
                 "name": label, "batch_s": med[name][0], "ratio": med[name][0] / rpc_s,
+                "paired_ratio": paired[0], "paired_interval": paired[1:], "apir": name != "local",
                 "upload_MBps": upload_all[name],
                 "byte_identical": bool(np.array_equal(outs[name].view(np.uint32), outs["ggml-rpc"].view(np.uint32))),
             })
@@ -262,11 +272,15 @@ def main(argv=None) -> int:
         print(peer_skipped)
         return 0
     print(f"\nthe peer: ggml-rpc, rpc-server on loopback (ggml CPU, {args.threads} threads), same batch")
-    print(f"{'':28}{'batch ms':>10}{'/ ggml-rpc':>12}{'target':>9}{'upload MB/s':>13}  same output")
+    print(f"{'':28}{'batch ms':>10}{'/ ggml-rpc':>12}{'target':>9}{'paired (95% interval)':>25}"
+          f"{'upload MB/s':>13}  same output")
     for row in peer["rows"]:
-        print(f"{row['name']:28}{row['batch_s'] * 1e3:10.1f}{row['ratio']:12.3f}{'<= 1.0':>9}"
-              f"{row['upload_MBps']:13.0f}  {'yes' if row['byte_identical'] else 'NO'}")
-    print(f"{'ggml-rpc':28}{peer['ggml_rpc_batch_s'] * 1e3:10.1f}{1.0:12.3f}{'':9}{peer['ggml_rpc_upload_MBps']:13.0f}")
+        lo, hi = row["paired_interval"]
+        paired = f"{row['paired_ratio']:.3f} ({lo:.3f}-{hi:.3f})"
+        print(f"{row['name']:28}{row['batch_s'] * 1e3:10.1f}{row['ratio']:12.3f}{'<= 1.0' if row['apir'] else '':>9}"
+              f"{paired:>25}{row['upload_MBps']:13.0f}  {'yes' if row['byte_identical'] else 'NO'}")
+    print(f"{'ggml-rpc':28}{peer['ggml_rpc_batch_s'] * 1e3:10.1f}{1.0:12.3f}{'':9}{'':25}"
+          f"{peer['ggml_rpc_upload_MBps']:13.0f}")
     return 0
 
 
