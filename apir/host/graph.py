@@ -143,18 +143,20 @@ def _check_graph_needs(lib, parsed, made: List[TensorInfo], recs: _Records, prof
     read = [info for info in made if info.snapshot is not None]
     if not read:
         return
-    # the writes in graph order (graph_writes_kernel): each node that writes, and the sources
-    # an OPT_STEP_* updates in place
-    empty, opt_step = _write_ops(lib.g)
-    buf = _same_buffer(recs.found)[recs.inverse]  # per tensor: its buffer, as one number
-    space = np.empty((4, len(nodes) * (1 + parsed.src_index.shape[1])), np.int64)
-    m = graph_writes_kernel(nodes, ops, empty, opt_step, parsed.src_index, buf, recs.offsets, recs.extents, *space)
-    w = [a[:m] for a in space]  # buffer, lo, hi, position
     # each reader's position (-1: a reader that is not a node, e.g. a leaf, reads nothing at
     # compute), the last per ids tensor
     at = np.full(len(parsed.tensors), -1, np.int64)
     at[nodes] = np.arange(len(nodes))
     until = np.array([max((int(at[j]) for j in info.read_by or ()), default=-1) for info in read], np.int64)
+    # the writes in graph order (graph_writes_kernel): each node that writes, and the sources
+    # an OPT_STEP_* updates in place; only those up to the last reader can come before one
+    # (an embedding's GET_ROWS is node 0: one node's writes, not the whole graph's)
+    before = nodes[: int(until.max()) + 1]
+    empty, opt_step = _write_ops(lib.g)
+    buf = _same_buffer(recs.found)[recs.inverse]  # per tensor: its buffer, as one number
+    space = np.empty((4, len(before) * (1 + parsed.src_index.shape[1])), np.int64)
+    m = graph_writes_kernel(before, ops, empty, opt_step, parsed.src_index, buf, recs.offsets, recs.extents, *space)
+    w = [a[:m] for a in space]  # buffer, lo, hi, position
     q_t = np.array([info.index for info in read], np.int64)
     first = np.empty(len(read), np.int64)  # per ids tensor: the first write over its bytes
     q = (buf[q_t], recs.offsets[q_t], recs.offsets[q_t] + recs.extents[q_t])
