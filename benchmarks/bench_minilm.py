@@ -28,9 +28,9 @@ and an `apir host serve` it starts (whichever of the two is not the target alrea
 same alternation. Each batch time is printed with its ratio to ggml-rpc's (target <= 1.0: apir
 no slower than ggml-rpc), and with the median of its per-round ratios (each batch over the
 ggml-rpc batch of the same round, so drift between rounds cancels) and that median's 95%
-interval (distribution-free: the sign test's order statistics). Local ggml CPU gets the same
-paired figure: the same kernels with no remoting at all, so its interval shows how far from
-1.0 parity lands in this run. Only batch times compare: ggml-rpc's graph_compute returns before the
+interval (distribution-free: benchmarks/paired_stats.py). Local ggml CPU gets the same paired
+figure: the same kernels with no remoting at all, so its interval shows how far from 1.0
+parity lands in this run. Only batch times compare: ggml-rpc's graph_compute returns before the
 server computes (RPC_CMD_GRAPH_COMPUTE has no answer), so its compute time is the send alone
 and its wait falls in the output's read. The whole run then loads the ggml build that has
 ggml-rpc's client (apir's hosts, the baseline and rpc-server all on the same ggml CPU kernels);
