@@ -1,22 +1,17 @@
 """benchmarks/bench_llama.py's choice of backend and device, and tests/llama/build.py's Vulkan
 build marker, without llama.cpp (the benchmark itself runs in benchmarks/, never in tests)."""
 
-import importlib.util
 import stat
 from pathlib import Path
 
 import pytest
 
+from tests.benchkit import load_benchmark
 from tests.llama import build as llama_build
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_llama", REPO / "benchmarks" / "bench_llama.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_llama")
 
 
 def test_vulkan_index_takes_cpu_and_vulkan_devices_only():

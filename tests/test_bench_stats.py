@@ -1,20 +1,15 @@
 """benchmarks/paired_stats.py: the median's distribution-free interval that bench_minilm prints
 next to each paired ratio (the benchmark itself runs in benchmarks/, never in tests)."""
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.benchkit import load_benchmark
 
 
 def _stats():
-    spec = importlib.util.spec_from_file_location("paired_stats", REPO / "benchmarks" / "paired_stats.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("paired_stats")
 
 
 # n -> the ranks (1-based) of the 95% interval for the median in the sign test's published
