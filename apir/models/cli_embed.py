@@ -391,7 +391,13 @@ def _print_table(out, args, opened, sentences, emb, cosine, n_tokens, upload, em
         text = sentence if len(sentence) <= 50 else sentence[:47] + "..."
         out.write(f"  {f'[{i}]':<{label}} {values}  ({n_tokens[i]} tokens) {text!r}\n")
     if cosine is None:
-        out.write(f"\ncosine similarity: not shown for {len(emb)} sentences (--similarity shows it)\n")
+        if args.similarity is False:
+            out.write("\ncosine similarity: not shown (--no-similarity)\n")
+        else:
+            out.write(
+                f"\ncosine similarity: not shown for {len(emb)} sentences, more than {SIMILARITY_AUTO_MAX} "
+                "(--similarity shows it)\n"
+            )
         return
     out.write("\ncosine similarity:\n")
     label = max(label + 1, 4)
