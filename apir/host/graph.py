@@ -153,7 +153,7 @@ def _check_graph_needs(lib, parsed, made: List[TensorInfo], recs: _Records, prof
     # (an embedding's GET_ROWS is node 0: one node's writes, not the whole graph's)
     before = nodes[: int(until.max()) + 1]
     empty, opt_step = _write_ops(lib.g)
-    buf = _same_buffer(recs.found)[recs.inverse]  # per tensor: its buffer, as one number
+    buf = _same_memory(recs.found)[recs.inverse]  # per tensor: its memory, as one number
     space = np.empty((4, len(before) * (1 + parsed.src_index.shape[1])), np.int64)
     m = graph_writes_kernel(before, ops, empty, opt_step, parsed.src_index, buf, recs.offsets, recs.extents, *space)
     w = [a[:m] for a in space]  # buffer, lo, hi, position
@@ -214,6 +214,16 @@ def _same_buffer(found: List[HostBuffer]) -> np.ndarray:
     handles may name one buffer)."""
     first: Dict[int, int] = {}
     return np.array([first.setdefault(id(b), k) for k, b in enumerate(found)], dtype=np.int64)
+
+
+def _same_memory(found: List[HostBuffer]) -> np.ndarray:
+    """int64 per handle: the index of the first handle naming the same memory, offsets
+    measured from the same base: the same HostBuffer, or a buffer_from_ptr buffer of the same
+    resource (each wraps the resource from its start; the guest may wrap one resource twice,
+    and a write through one handle then overwrites what the other reads)."""
+    first: Dict[object, int] = {}
+    keys = [("res", b.res_id) if b.res_id is not None else id(b) for b in found]
+    return np.array([first.setdefault(key, k) for k, key in enumerate(keys)], dtype=np.int64)
 
 
 def _check_spans(lib: PythonBackendLibrary, parsed, infos: TensorInfos, recs: _Records) -> None:

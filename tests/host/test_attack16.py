@@ -32,10 +32,11 @@ local one (every tensor, not only the result).
   rather than its pairwise loop): one writer placed before its reader among writers all after
   theirs is refused naming it; none before: accepted.
 - Two buffer handles over one memory: buffer_from_ptr twice on one resource, the ids named
-  through one handle and a CPY writing them first through the other. BUG: accepted
-  (`_same_buffer` tells buffers apart by HostBuffer object, so the CPY's bytes are never
-  compared with the ids'): the host computes with the checked ids where ggml CPU reads the
-  CPY's (xfail, strict). The same graph in one buffer is refused.
+  through one handle and a CPY writing them first through the other. BUG (fixed): accepted
+  (`_same_buffer` told buffers apart by HostBuffer object, so the CPY's bytes were never
+  compared with the ids'): the host computed with the checked ids where ggml CPU reads the
+  CPY's. Now `_same_memory` makes the wraps of one resource one memory there, and the graph is
+  refused, as the same graph in one buffer is.
   With a writer after the reader it is still accepted and computes as ggml CPU.
 
 Every other attack above is withstood, and each accepted case equals ggml CPU.
@@ -577,15 +578,7 @@ def outcomes():
     return run_in_child(run_cases, list(CASES), timeout=240)
 
 
-_BUGS = {
-    "two_handles_writer_first": "_same_buffer tells buffers apart by HostBuffer object: a CPY through one "
-    "buffer_from_ptr handle over ids read through another handle of the same resource is never compared",
-}
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=_BUGS[n])) if n in _BUGS else n for n in CASES]
-)
+@pytest.mark.parametrize("name", list(CASES))
 def test_row_ids_overwritten_before_a_reader(outcomes, name):
     got = outcomes[name]
     assert isinstance(got, Outcome), got
