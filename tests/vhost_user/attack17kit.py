@@ -1,0 +1,121 @@
+"""Helpers of tests/vhost_user/test_attack17.py: a device in a process of its own (a fault
+there must not take pytest down), a HostContext stand-in that computes until released, extra
+guest memory regions, and a wait on the used ring that never reads the call eventfd."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import List
+
+from apir.host.vhost_user import protocol as vu
+
+from .frontend import FakeFrontend
+
+_SERVER = """
+import sys, time
+from apir.host.vhost_user import VhostUserServer
+
+class Stub:
+    def add_resource(self, res_id, memory): pass
+    def remove_resource(self, res_id): pass
+    def submit(self, command): pass
+    def close(self): pass
+
+servers = [VhostUserServer(p, shm_size=64 << 20, context_factory=lambda *a: Stub()).start() for p in sys.argv[1:]]
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def spawn_device(paths: List[str]) -> subprocess.Popen:
+    """A device process serving one socket per path (stub contexts), once it listens."""
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER, *paths], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    assert line.strip() == "ready", line
+    return proc
+
+
+class HeldContext:
+    """A HostContext stand-in whose SUBMIT_3D runs until `release` is set (or 30 s)."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.busy = threading.Event()
+        self.resources = {}
+
+    def add_resource(self, res_id, memory):
+        self.resources[res_id] = memory
+
+    def remove_resource(self, res_id):
+        self.resources.pop(res_id, None)
+
+    def submit(self, command):
+        self.busy.set()
+        self.release.wait(30)
+
+    def cancel_compute(self, reason):
+        self.release.set()
+
+    def close(self):
+        pass
+
+
+def memfd(size: int, seals: int = 0) -> int:
+    fd = os.memfd_create("attack17-ram", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+QEMU_SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL  # memory-backend-memfd seal=on
+
+
+def region(gpa: int, size: int, uva: int, offset: int = 0) -> bytes:
+    """ADD_MEM_REG / REM_MEM_REG payload."""
+    return struct.pack("<Q", 0) + vu.MEMORY_REGION.pack(gpa, size, uva, offset)
+
+
+def table(*regions) -> bytes:
+    """SET_MEM_TABLE payload of (gpa, size, uva, offset) regions."""
+    return struct.pack("<II", len(regions), 0) + b"".join(vu.MEMORY_REGION.pack(*r) for r in regions)
+
+
+def wait_used_polled(fe: FakeFrontend, head: int, timeout: float = 10.0) -> int:
+    """Bytes written for chain `head`, watching the used ring only (the call eventfd is left
+    alone). Raises TimeoutError."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fe.reap(0)
+        if head in fe.done[0]:
+            return fe.done[0].pop(head)
+        time.sleep(0.01)
+    raise TimeoutError(f"chain {head} not used within {timeout} s")
+
+
+def connect_sealed(path: str) -> FakeFrontend:
+    """FakeFrontend.connect, with guest RAM sealed as QEMU's memory-backend-memfd seals it."""
+    import mmap
+    import socket
+
+    from .frontend import MEM_SIZE
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    fe = FakeFrontend(sock)
+    fe.mem.close()
+    os.close(fe.mem_fd)
+    fe.mem_fd = memfd(MEM_SIZE, QEMU_SEALS)
+    fe.mem = mmap.mmap(fe.mem_fd, MEM_SIZE)
+    fe.negotiate()
+    fe.setup_memory()
+    for q in (0, 1):
+        fe.setup_queue(q, 64)
+    return fe
