@@ -9,15 +9,25 @@ region here and copies bytes in and out: `read(gpa, n)` and `write(gpa, data)` r
 the guest and are hostile; nothing is read outside what the front-end shared). Copies, not
 views: a region can be removed while another thread works, and a view would keep a removed
 mapping alive or crash on it. One lock serialises table changes with accesses.
+
+The front-end keeps the file, and may truncate it: a mapped page past the new end faults
+(SIGBUS), which would take down the host process and every VM it serves. A file sealed
+against shrinking (QEMU's memory-backend-memfd, seal=on by default) is mapped; any other
+regular file is read and written with pread / pwrite on a descriptor of its own, where a
+truncated range is a short read (GuestMemoryError), not a fault. A file that takes no
+pwrite (hugetlbfs) must be sealed; anything else (a pipe, a device) is refused.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
+import os
+import stat
 import threading
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from apir.errors import ApirError
 
@@ -36,20 +46,67 @@ class GuestMemoryError(ApirError, ValueError):
 
 @dataclass
 class Region:
-    """One memory table entry, mapped: guest `gpa`, `size` bytes, QEMU's `uva`, and the mapping
-    `mm` whose byte `delta` is guest byte `gpa`."""
+    """One memory table entry: guest `gpa`, `size` bytes, QEMU's `uva`. Either mapped (`mm`,
+    whose byte `delta` is guest byte `gpa`) or, for a file that can shrink under us, reached
+    through `fd` (its own descriptor), where guest byte `gpa` is file byte `delta`."""
 
     gpa: int
     size: int
     uva: int
-    mm: mmap.mmap
+    mm: Optional[mmap.mmap]
     delta: int
+    fd: Optional[int] = None
+
+    def read(self, off: int, n: int) -> bytes:
+        """n bytes at offset `off` of the mapping or file. Raises GuestMemoryError."""
+        if self.mm is not None:
+            return self.mm[off : off + n]
+        assert self.fd is not None
+        parts, got = [], 0
+        while got < n:
+            try:
+                piece = os.pread(self.fd, n - got, off + got)
+            except OSError as exc:
+                raise GuestMemoryError(f"guest memory file unreadable: {exc}") from None
+            if not piece:
+                raise GuestMemoryError(f"guest memory file ends before {off + n:#x} (truncated by the front-end)")
+            parts.append(piece)
+            got += len(piece)
+        return b"".join(parts)
+
+    def write(self, off: int, data: bytes) -> None:
+        """Stores `data` at offset `off`. Raises GuestMemoryError."""
+        if self.mm is not None:
+            self.mm[off : off + len(data)] = data
+            return
+        assert self.fd is not None
+        view, done = memoryview(data), 0
+        while done < len(data):
+            try:
+                done += os.pwrite(self.fd, view[done:], off + done)
+            except OSError as exc:
+                raise GuestMemoryError(f"guest memory file unwritable: {exc}") from None
 
     def close(self) -> None:
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None
+        if self.mm is None:
+            return
         try:
             self.mm.close()
         except BufferError:  # an export still alive (should not happen: only copies go out)
             log.error("guest memory region gpa=%#x still exported; left to the collector", self.gpa)
+
+
+def _shrink_sealed(fd: int) -> bool:
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
+    except OSError:  # not a file that takes seals
+        return False
 
 
 class GuestMemory:
@@ -68,6 +125,8 @@ class GuestMemory:
         or ValueError (past the file's end) when mmap fails."""
         if size <= 0 or gpa + size > _ADDR_LIMIT or uva + size > _ADDR_LIMIT or mmap_offset + size > _ADDR_LIMIT:
             raise GuestMemoryError(f"bad memory region gpa={gpa:#x} size={size:#x} offset={mmap_offset:#x}")
+        if not _shrink_sealed(fd):
+            return GuestMemory._file_region(fd, gpa, size, uva, mmap_offset)
         start = mmap_offset - mmap_offset % _PAGE
         delta = mmap_offset - start
         try:
@@ -75,6 +134,24 @@ class GuestMemory:
         except OverflowError:  # a length over ssize_t or an offset over off_t: refused, not a crash
             raise GuestMemoryError(f"memory region size={size:#x} offset={mmap_offset:#x} cannot be mapped") from None
         return Region(gpa, size, uva, mm, delta)
+
+    @staticmethod
+    def _file_region(fd: int, gpa: int, size: int, uva: int, offset: int) -> Region:
+        """A region of a file the front-end can truncate: reached with pread / pwrite."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise GuestMemoryError(f"memory region gpa={gpa:#x}: not a regular file, nor sealed against shrinking")
+        if offset + size > st.st_size:
+            raise GuestMemoryError(f"memory region size={size:#x} offset={offset:#x} past the file's end")
+        own = os.dup(fd)
+        try:
+            os.pwrite(own, b"", offset)  # hugetlbfs takes no write(): it must be sealed (and mapped)
+        except OSError as exc:
+            os.close(own)
+            raise GuestMemoryError(
+                f"memory region gpa={gpa:#x}: a file without pwrite ({exc}) must be sealed against shrinking"
+            ) from None
+        return Region(gpa, size, uva, None, offset, fd=own)
 
     def set_table(self, regions: List[Region]) -> None:
         """SET_MEM_TABLE: replaces every region. Raises GuestMemoryError (and closes the new
@@ -141,12 +218,12 @@ class GuestMemory:
                     return r.gpa + (uva - r.uva)
         raise GuestMemoryError(f"front-end address {uva:#x} is outside guest memory")
 
-    def _find(self, gpa: int, n: int) -> Tuple[mmap.mmap, int]:
+    def _find(self, gpa: int, n: int) -> Tuple[Region, int]:
         if gpa < 0 or n < 0 or gpa + n > _ADDR_LIMIT:
             raise GuestMemoryError(f"guest range {gpa:#x}+{n:#x} is not an address range")
         for r in self._regions:
             if r.gpa <= gpa and gpa + n <= r.gpa + r.size:
-                return r.mm, r.delta + (gpa - r.gpa)
+                return r, r.delta + (gpa - r.gpa)
         raise GuestMemoryError(f"guest range {gpa:#x}+{n:#x} is outside guest memory (or spans regions)")
 
     def contains(self, gpa: int, n: int) -> bool:
@@ -162,17 +239,17 @@ class GuestMemory:
     def read(self, gpa: int, n: int) -> bytes:
         """A copy of guest bytes [gpa, gpa + n). Raises GuestMemoryError."""
         with self._lock:
-            mm, off = self._find(gpa, n)
-            return mm[off : off + n]
+            r, off = self._find(gpa, n)
+            return r.read(off, n)
 
     def write(self, gpa: int, data: bytes) -> None:
         """Stores `data` at guest address `gpa`. Raises GuestMemoryError (nothing written)."""
         with self._lock:
-            mm, off = self._find(gpa, len(data))
-            mm[off : off + len(data)] = data
+            r, off = self._find(gpa, len(data))
+            r.write(off, data)
 
     def read_into(self, gpa: int, out: bytearray, pos: int, n: int) -> None:
         """Copies guest bytes [gpa, gpa + n) into out[pos : pos + n]. Raises GuestMemoryError."""
         with self._lock:
-            mm, off = self._find(gpa, n)
-            out[pos : pos + n] = mm[off : off + n]
+            r, off = self._find(gpa, n)
+            out[pos : pos + n] = r.read(off, n)
