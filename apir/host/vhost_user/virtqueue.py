@@ -116,6 +116,7 @@ class Virtqueue:
     def set_kick(self, fd: Optional[int]) -> None:
         """SET_VRING_KICK: takes `fd` (None: no kicks, the ring is polled); the ring starts
         (its used index is read from memory)."""
+        _non_blocking(fd)  # the front-end may read its kick between our poll and read
         with self.lock:
             if self.kick_fd is not None:
                 self.retired_kicks.append(self.kick_fd)
@@ -133,6 +134,7 @@ class Virtqueue:
 
     def set_call(self, fd: Optional[int]) -> None:
         """SET_VRING_CALL: takes `fd`."""
+        _non_blocking(fd)  # an eventfd at its maximum count (or a full pipe) must not stall us
         with self.lock:
             close_quietly(self.call_fd)
             self.call_fd = fd
@@ -283,3 +285,15 @@ class Virtqueue:
     def complete(self, chain: Chain, response: bytes) -> bool:
         """write_response + push."""
         return self.push(chain, self.write_response(chain, response))
+
+
+def _non_blocking(fd: Optional[int]) -> None:
+    """Makes the front-end's kick or call descriptor non-blocking: a blocked read or write
+    on it would hang the thread serving the ring (QEMU's own event notifiers are
+    non-blocking already)."""
+    if fd is None:
+        return
+    try:
+        os.set_blocking(fd, False)
+    except OSError as exc:
+        log.warning("descriptor %d cannot be made non-blocking: %s", fd, exc)
