@@ -429,12 +429,12 @@ class FrontendSession:
                         os.read(self._wake_r, 4096)
                     except OSError:
                         pass
-                for fd, _ in kicks:
-                    if fd in ready:
-                        try:
-                            os.read(fd, 8)
-                        except OSError:
-                            pass
+                for fd, vq in kicks:
+                    if fd in ready and not _read_kick(fd):
+                        # Ready and yet no kick (a pipe whose writer is gone, a file at its
+                        # end): polled again it would spin this thread for the session's life.
+                        log.warning("%s: queue %d: kick descriptor gives no kicks; dropped", self.name, vq.index)
+                        vq.drop_kick(fd)
                 for vq in self.queues:
                     vq.close_retired()
                 if self._stopping:
@@ -469,6 +469,17 @@ class FrontendSession:
                 vq.complete(chain, response(NO_HEADER, VirtioGpuCtrlType.RESP_ERR_INVALID_PARAMETER))
                 continue
             self.device.handle(request, _reply_to(vq, chain))
+
+
+def _read_kick(fd: int) -> bool:
+    """Consumes a kick; False when the descriptor is ready but can give none (end of file, an
+    error other than having nothing to read)."""
+    try:
+        return bool(os.read(fd, 8))
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return False
 
 
 def _reply_to(vq: Virtqueue, chain: Chain) -> Send:

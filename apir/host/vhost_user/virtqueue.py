@@ -139,6 +139,14 @@ class Virtqueue:
             close_quietly(self.call_fd)
             self.call_fd = fd
 
+    def drop_kick(self, fd: int) -> None:
+        """Stops polling kick descriptor `fd` (it gives no kicks); the ring runs on, served on
+        wake-ups, until the next SET_VRING_KICK."""
+        with self.lock:
+            if self.kick_fd == fd:
+                self.retired_kicks.append(fd)
+                self.kick_fd = None
+
     def stop(self) -> int:
         """GET_VRING_BASE: stops the ring; returns the next avail index it would have read."""
         with self.lock:
