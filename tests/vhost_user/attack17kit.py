@@ -75,7 +75,6 @@ def memfd(size: int, seals: int = 0) -> int:
     return fd
 
 
-QEMU_SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL  # memory-backend-memfd seal=on
 
 
 def region(gpa: int, size: int, uva: int, offset: int = 0) -> bytes:
@@ -98,24 +97,3 @@ def wait_used_polled(fe: FakeFrontend, head: int, timeout: float = 10.0) -> int:
             return fe.done[0].pop(head)
         time.sleep(0.01)
     raise TimeoutError(f"chain {head} not used within {timeout} s")
-
-
-def connect_sealed(path: str) -> FakeFrontend:
-    """FakeFrontend.connect, with guest RAM sealed as QEMU's memory-backend-memfd seals it."""
-    import mmap
-    import socket
-
-    from .frontend import MEM_SIZE
-
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(path)
-    fe = FakeFrontend(sock)
-    fe.mem.close()
-    os.close(fe.mem_fd)
-    fe.mem_fd = memfd(MEM_SIZE, QEMU_SEALS)
-    fe.mem = mmap.mmap(fe.mem_fd, MEM_SIZE)
-    fe.negotiate()
-    fe.setup_memory()
-    for q in (0, 1):
-        fe.setup_queue(q, 64)
-    return fe

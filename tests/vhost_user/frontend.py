@@ -11,6 +11,7 @@ waiting, and the raw methods (`write_desc`, `publish`, `kick`) craft any chain.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import select
@@ -38,11 +39,20 @@ FREE_BASE = SLOT_BASE + SLOTS * SLOT_SIZE  # guest pages for GUEST blobs and cra
 F_NEXT, F_WRITE, F_INDIRECT = 1, 2, 4
 
 
+# QEMU's memory-backend-memfd seals guest RAM so (seal=on, its default): the device maps it
+QEMU_SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+
+
 class FakeFrontend:
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, sealed: bool = True):
+        """`sealed`: guest RAM sealed as QEMU's memory-backend-memfd seals it (else a file the
+        front-end can still truncate, as memory-backend-file's: the device then reads and
+        writes it with pread / pwrite)."""
         self.sock = sock
-        self.mem_fd = os.memfd_create("fake-guest-ram")
+        self.mem_fd = os.memfd_create("fake-guest-ram", os.MFD_ALLOW_SEALING)
         os.ftruncate(self.mem_fd, MEM_SIZE)
+        if sealed:
+            fcntl.fcntl(self.mem_fd, fcntl.F_ADD_SEALS, QEMU_SEALS)
         self.mem = mmap.mmap(self.mem_fd, MEM_SIZE)
         self.kick = [os.eventfd(0), os.eventfd(0)]
         self.call = [os.eventfd(0, os.EFD_NONBLOCK), os.eventfd(0, os.EFD_NONBLOCK)]
@@ -90,10 +100,10 @@ class FakeFrontend:
         return vu.U64.unpack(msg.payload)[0]
 
     @classmethod
-    def connect(cls, path: str, queue_size: int = QUEUE_SIZE) -> "FakeFrontend":
+    def connect(cls, path: str, queue_size: int = QUEUE_SIZE, sealed: bool = True) -> "FakeFrontend":
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(path)
-        fe = cls(sock)
+        fe = cls(sock, sealed)
         fe.negotiate()
         fe.setup_memory()
         for q in (0, 1):

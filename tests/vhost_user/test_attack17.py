@@ -50,7 +50,6 @@ from apir.host.vhost_user import protocol as vu
 
 from .attack17kit import (
     HeldContext,
-    connect_sealed,
     memfd,
     region,
     spawn_device,
@@ -106,7 +105,8 @@ def test_guest_ram_truncated_under_the_device_faults_nothing(tmp_path):
     paths = [str(tmp_path / "a.sock"), str(tmp_path / "b.sock")]
     proc = spawn_device(paths)
     try:
-        a, b = FakeFrontend.connect(paths[0]), FakeFrontend.connect(paths[1])
+        # a's RAM is a file it can truncate (memory-backend-file's), b's sealed (memfd's)
+        a, b = FakeFrontend.connect(paths[0], sealed=False), FakeFrontend.connect(paths[1])
         served(a)
         base = a.stop_queue(0)
         os.ftruncate(a.mem_fd, 0)  # the rings, and every buffer, are gone from the file
@@ -117,7 +117,7 @@ def test_guest_ram_truncated_under_the_device_faults_nothing(tmp_path):
         served(b, timeout=10)  # the other VM: the process is alive and serving
         assert proc.poll() is None
         a.close()
-        again = FakeFrontend.connect(paths[0])  # the truncating VM's session ended alone
+        again = FakeFrontend.connect(paths[0], sealed=False)  # the truncating VM's session ended alone
         served(again)
         again.close()
         b.close()
@@ -128,7 +128,7 @@ def test_guest_ram_truncated_under_the_device_faults_nothing(tmp_path):
 
 
 def test_a_region_sealed_as_qemu_seals_it_is_served(server):
-    fe = connect_sealed(server.path)
+    fe = FakeFrontend.connect(server.path)  # (sealed as QEMU seals it)
     try:
         served(fe)
         with pytest.raises(PermissionError):
