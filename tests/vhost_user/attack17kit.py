@@ -9,7 +9,6 @@ import os
 import struct
 import subprocess
 import sys
-import threading
 import time
 from typing import List
 
@@ -42,39 +41,12 @@ def spawn_device(paths: List[str]) -> subprocess.Popen:
     return proc
 
 
-class HeldContext:
-    """A HostContext stand-in whose SUBMIT_3D runs until `release` is set (or 30 s)."""
-
-    def __init__(self):
-        self.release = threading.Event()
-        self.busy = threading.Event()
-        self.resources = {}
-
-    def add_resource(self, res_id, memory):
-        self.resources[res_id] = memory
-
-    def remove_resource(self, res_id):
-        self.resources.pop(res_id, None)
-
-    def submit(self, command):
-        self.busy.set()
-        self.release.wait(30)
-
-    def cancel_compute(self, reason):
-        self.release.set()
-
-    def close(self):
-        pass
-
-
 def memfd(size: int, seals: int = 0) -> int:
     fd = os.memfd_create("attack17-ram", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
     if seals:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
     return fd
-
-
 
 
 def region(gpa: int, size: int, uva: int, offset: int = 0) -> bytes:

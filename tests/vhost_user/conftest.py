@@ -1,4 +1,5 @@
 import os
+import threading
 import time
 
 import pytest
@@ -43,3 +44,44 @@ def fe(server):
     f = FakeFrontend.connect(server.path)
     yield f
     f.close()
+
+
+class BusyContext:
+    """A HostContext stand-in whose SUBMIT_3D runs until `release` is set (or 30 s)."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.busy = threading.Event()
+        self.resources = {}
+
+    def add_resource(self, res_id, memory):
+        self.resources[res_id] = memory
+
+    def remove_resource(self, res_id):
+        self.resources.pop(res_id, None)
+
+    def submit(self, command):
+        self.busy.set()
+        self.release.wait(30)
+
+    def cancel_compute(self, reason):
+        self.release.set()
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def busy(make_server):
+    contexts = {}
+
+    def factory(ctx_id, capset_id, config):
+        contexts[ctx_id] = BusyContext()
+        return contexts[ctx_id]
+
+    srv = make_server(context_factory=factory)
+    fe = FakeFrontend.connect(srv.path)
+    yield srv, fe, contexts
+    for c in contexts.values():
+        c.release.set()
+    fe.close()

@@ -49,7 +49,6 @@ from apir.codec.virtgpu import VirtioGpuCtrlType as T
 from apir.host.vhost_user import protocol as vu
 
 from .attack17kit import (
-    HeldContext,
     memfd,
     region,
     spawn_device,
@@ -82,22 +81,6 @@ GPA2, UVA2, SIZE2 = GPA_BASE + MEM_SIZE, UVA_BASE + MEM_SIZE, 1 << 20  # a secon
 
 def served(fe, timeout: float = 30.0) -> None:
     assert resp_type(fe.command(DISPLAY, DISPLAY_SIZE, timeout=timeout)) == T.RESP_OK_DISPLAY_INFO
-
-
-@pytest.fixture
-def held(make_server):
-    contexts = {}
-
-    def factory(ctx_id, capset_id, config):
-        contexts[ctx_id] = HeldContext()
-        return contexts[ctx_id]
-
-    srv = make_server(context_factory=factory)
-    fe = FakeFrontend.connect(srv.path)
-    yield srv, fe, contexts
-    for c in contexts.values():
-        c.release.set()
-    fe.close()
 
 
 # --- bugs -------------------------------------------------------------------------------------
@@ -186,7 +169,7 @@ def test_a_kick_descriptor_that_never_kicks_is_dropped_not_spun_on(fe, server, t
 
 
 # --- memory table changes under running commands --------------------------------------------
-def _held_submit(fe, contexts, resp_gpa):
+def _busy_submit(fe, contexts, resp_gpa):
     """A SUBMIT_3D on context 1 (computing until released) whose response buffer is at
     `resp_gpa`; returns its head."""
     assert resp_type(fe.command(ctx_create(1))) == OK
@@ -199,12 +182,12 @@ def _held_submit(fe, contexts, resp_gpa):
     return 40
 
 
-def test_removing_a_response_buffers_region_while_its_command_computes(held):
-    srv, fe, contexts = held
+def test_removing_a_response_buffers_region_while_its_command_computes(busy):
+    srv, fe, contexts = busy
     fd = memfd(SIZE2)
     try:
         assert fe.ack(R.ADD_MEM_REG, region(GPA2, SIZE2, UVA2), fds=[fd]) == 0
-        head = _held_submit(fe, contexts, GPA2 + 0x100)
+        head = _busy_submit(fe, contexts, GPA2 + 0x100)
         assert fe.ack(R.REM_MEM_REG, region(GPA2, SIZE2, UVA2)) == 0
         assert srv.session.memory.region_count == 1
         contexts[1].release.set()
@@ -215,10 +198,10 @@ def test_removing_a_response_buffers_region_while_its_command_computes(held):
     served(fe)
 
 
-def test_replacing_the_table_under_a_computing_command_writes_the_new_table_only(held):
-    srv, fe, contexts = held
+def test_replacing_the_table_under_a_computing_command_writes_the_new_table_only(busy):
+    srv, fe, contexts = busy
     used = GPA_BASE + RING_OFFSETS[0][2]
-    head = _held_submit(fe, contexts, RESP)
+    head = _busy_submit(fe, contexts, RESP)
     idx_before = fe.used_idx(0)
     fd = memfd(MEM_SIZE)
     try:
@@ -318,8 +301,8 @@ def test_a_command_over_48_two_byte_descriptors_is_gathered(fe, server):
 
 
 # --- resources across contexts and VMs --------------------------------------------------------
-def test_a_blob_attached_elsewhere_goes_with_its_creating_context(held):
-    srv, fe, contexts = held
+def test_a_blob_attached_elsewhere_goes_with_its_creating_context(busy):
+    srv, fe, contexts = busy
     for ctx in (1, 2):
         assert resp_type(fe.command(ctx_create(ctx))) == OK
     assert resp_type(fe.command(create_blob(5, 8192, ctx_id=1))) == OK
@@ -352,8 +335,8 @@ def test_another_vms_resource_ids_mean_nothing(make_server):
         b.close()
 
 
-def test_fences_on_a_context_destroyed_mid_compute_are_all_answered_in_order(held):
-    srv, fe, contexts = held
+def test_fences_on_a_context_destroyed_mid_compute_are_all_answered_in_order(busy):
+    srv, fe, contexts = busy
     assert resp_type(fe.command(ctx_create(1))) == OK
     fenced = dict(flags=1)  # VIRTIO_GPU_FLAG_FENCE, timeline (ctx 1, ring 0)
     slots = [fe.post(submit(1, b"x", fence_id=1, **fenced))]

@@ -5,7 +5,6 @@ gone (SIGBUS)."""
 
 import os
 import struct
-import threading
 import time
 
 import pytest
@@ -14,7 +13,7 @@ from apir.codec.virtgpu import VirtioGpuCtrlType as T
 from apir.host.vhost_user import protocol as vu
 
 from .conftest import wait_for
-from .frontend import GPA_BASE, MEM_SIZE, UVA_BASE, FakeFrontend, hdr, resp_type
+from .frontend import GPA_BASE, MEM_SIZE, UVA_BASE, hdr, resp_type
 from .gpu import create_blob, ctx_create, map_blob, res_cmd, submit
 
 OK = T.RESP_OK_NODATA
@@ -90,47 +89,6 @@ def test_a_kick_descriptor_numbered_past_fd_setsize_is_served(fe, server):
     finally:
         for fd in held:
             os.close(fd)
-
-
-class BusyContext:
-    """A HostContext stand-in whose SUBMIT_3D runs until `release` is set (or 30 s)."""
-
-    def __init__(self):
-        self.release = threading.Event()
-        self.busy = threading.Event()
-        self.resources = {}
-
-    def add_resource(self, res_id, memory):
-        self.resources[res_id] = memory
-
-    def remove_resource(self, res_id):
-        self.resources.pop(res_id, None)
-
-    def submit(self, command):
-        self.busy.set()
-        self.release.wait(30)
-
-    def cancel_compute(self, reason):
-        self.release.set()
-
-    def close(self):
-        pass
-
-
-@pytest.fixture
-def busy(make_server):
-    contexts = {}
-
-    def factory(ctx_id, capset_id, config):
-        contexts[ctx_id] = BusyContext()
-        return contexts[ctx_id]
-
-    srv = make_server(context_factory=factory)
-    fe = FakeFrontend.connect(srv.path)
-    yield srv, fe, contexts
-    for c in contexts.values():
-        c.release.set()
-    fe.close()
 
 
 def test_attach_detach_loops_against_a_busy_context_are_bounded(busy, monkeypatch):
