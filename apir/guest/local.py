@@ -218,9 +218,15 @@ class LocalDevice:
             raise IoctlError(self.node, name, header.err, os.strerror(header.err))
         return body, fds
 
-    def _drain_pending(self) -> None:
-        """Read the EXECBUFFER replies of commands that outlived execbuffer's wait."""
+    def _drain_pending(self, kicks_later: bool = False) -> None:
+        """Read the EXECBUFFER replies of commands that outlived execbuffer's wait. With
+        `kicks_later`, when only KICK replies are owed and none has arrived, they stay owed
+        (read by the next request or `watch`): a KICK carries no command, so nothing posted
+        next can overtake it, and a host stopped before it answered a wake request must not
+        keep the next ring command from being posted."""
         while self._exec_seqs:
+            if kicks_later and all(op == Op.KICK for op, _ in self._exec_seqs) and not self._readable(0.0):
+                return
             self._read_reply(*self._exec_seqs.pop(0))
 
     def _send(self, op: Op, payload: bytes) -> int:
@@ -365,7 +371,7 @@ class LocalDevice:
         with self._lock:
             if self._broken is not None:
                 raise HostConnectionLost(f"{self.node}: {self._broken}")
-            self._drain_pending()
+            self._drain_pending(kicks_later=True)
             previous = self._ring_seq
             if previous != self._ring_reported and ring.done.load_acquire() != previous:
                 return False  # (a command waited for to the end needs no look)

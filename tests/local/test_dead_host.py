@@ -15,6 +15,7 @@ from apir.guest.client import ApirClient
 from apir.local.embedded import EmbeddedDevice
 from apir.guest.errors import DeviceError
 from apir.guest.local import HostConnectionLost, LocalDevice
+from apir.codec.local_wire import Op
 from apir.guest.remote import DEFAULT_FORWARD_TIMEOUT_S, Remote
 from apir.host.local_server import LocalServer
 from tests.local.hostproc import HostProcess
@@ -67,6 +68,47 @@ def test_host_killed_after_execbuffer_stopped_waiting_is_an_error_at_once(tmp_pa
         assert outcome["done"] - killed < BOUND_S
         with pytest.raises(HostConnectionLost):
             client.device_get_name()
+    finally:
+        h.stop()
+
+
+def test_a_wake_request_a_stopped_host_never_answered_does_not_hold_the_next_ring_command(tmp_path):
+    """A KICK the host has not answered yet (watch's wake request, answered once the ring's
+    command has run) carries no command: the next ring command is posted without reading its
+    answer. (It was read first, so a host stopped between running the command and answering
+    the KICK kept the next command from being posted at all: CI's run of the test above.)
+    Once the host runs again both are answered; killed instead, the caller learns it at once."""
+    h = HostProcess(tmp_path / "apir.sock")
+    try:
+        dev = LocalDevice(h.path, exec_wait_s=0.05, exec_ring=True)
+        client = ApirClient.connect(dev, data_size=65536, handshake_timeout_s=60)
+        assert client.device_get_type() == 0 and dev._ring is not None
+        h.pause()
+        with dev._lock:  # a wake request, as watch sends it, that the stopped host owes
+            owed = (Op.KICK, dev._send(Op.KICK, b""))
+            dev._exec_seqs.append(owed)
+        posted = dev._ring_seq
+        t, outcome = _call_in_thread(client.device_get_type)
+        deadline = time.monotonic() + BOUND_S
+        while dev._ring_seq == posted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert dev._ring_seq != posted, "the command waited for the KICK's answer"
+        assert t.is_alive() and outcome == {} and dev._exec_seqs == [owed]
+        h.signal(signal.SIGCONT)
+        t.join(BOUND_S)
+        assert not t.is_alive() and outcome.get("value") == 0, outcome
+        # its answer read since (a wake request of the later waits may still be owed)
+        assert client.device_get_type() == 0 and owed not in dev._exec_seqs
+        h.pause()
+        with dev._lock:
+            dev._exec_seqs.append((Op.KICK, dev._send(Op.KICK, b"")))
+        t, outcome = _call_in_thread(client.device_get_type)
+        time.sleep(0.2)
+        killed = time.monotonic()
+        h.signal(signal.SIGKILL)
+        t.join(BOUND_S)
+        assert not t.is_alive() and isinstance(outcome.get("error"), HostConnectionLost), outcome
+        assert outcome["done"] - killed < BOUND_S
     finally:
         h.stop()
 
