@@ -209,11 +209,16 @@ class _Records(NamedTuple):
         return np.asarray(values)[self.inverse]
 
 
+def _first_alike(keys: list) -> np.ndarray:
+    """int64 per entry of `keys`: the index of the first entry equal to it."""
+    first: Dict[object, int] = {}
+    return np.array([first.setdefault(key, k) for k, key in enumerate(keys)], dtype=np.int64)
+
+
 def _same_buffer(found: List[HostBuffer]) -> np.ndarray:
     """int64 per handle: the index of the first handle naming the same HostBuffer object (two
     handles may name one buffer)."""
-    first: Dict[int, int] = {}
-    return np.array([first.setdefault(id(b), k) for k, b in enumerate(found)], dtype=np.int64)
+    return _first_alike([id(b) for b in found])
 
 
 def _same_memory(found: List[HostBuffer]) -> np.ndarray:
@@ -221,9 +226,7 @@ def _same_memory(found: List[HostBuffer]) -> np.ndarray:
     measured from the same base: the same HostBuffer, or a buffer_from_ptr buffer of the same
     resource (each wraps the resource from its start; the guest may wrap one resource twice,
     and a write through one handle then overwrites what the other reads)."""
-    first: Dict[object, int] = {}
-    keys = [("res", b.res_id) if b.res_id is not None else id(b) for b in found]
-    return np.array([first.setdefault(key, k) for k, key in enumerate(keys)], dtype=np.int64)
+    return _first_alike([("res", b.res_id) if b.res_id is not None else id(b) for b in found])
 
 
 def _check_spans(lib: PythonBackendLibrary, parsed, infos: TensorInfos, recs: _Records) -> None:
