@@ -4,8 +4,6 @@ guest memory regions, and a wait on the used ring that never reads the call even
 
 from __future__ import annotations
 
-import fcntl
-import os
 import struct
 import subprocess
 import sys
@@ -39,14 +37,6 @@ def spawn_device(paths: List[str]) -> subprocess.Popen:
     line = proc.stdout.readline()  # type: ignore[union-attr]
     assert line.strip() == "ready", line
     return proc
-
-
-def memfd(size: int, seals: int = 0) -> int:
-    fd = os.memfd_create("attack17-ram", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, size)
-    if seals:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-    return fd
 
 
 def region(gpa: int, size: int, uva: int, offset: int = 0) -> bytes:

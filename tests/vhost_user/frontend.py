@@ -43,16 +43,22 @@ F_NEXT, F_WRITE, F_INDIRECT = 1, 2, 4
 QEMU_SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 
 
+def guest_ram(size: int, sealed: bool = True) -> int:
+    """A memfd of `size` bytes as guest RAM: sealed as QEMU's memory-backend-memfd seals it, or
+    (`sealed=False`) a file the front-end can still truncate, as memory-backend-file's (the
+    device then reads and writes it with pread / pwrite)."""
+    fd = os.memfd_create("fake-guest-ram", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if sealed:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, QEMU_SEALS)
+    return fd
+
+
 class FakeFrontend:
     def __init__(self, sock: socket.socket, sealed: bool = True):
-        """`sealed`: guest RAM sealed as QEMU's memory-backend-memfd seals it (else a file the
-        front-end can still truncate, as memory-backend-file's: the device then reads and
-        writes it with pread / pwrite)."""
+        """`sealed`: guest RAM as `guest_ram` makes it."""
         self.sock = sock
-        self.mem_fd = os.memfd_create("fake-guest-ram", os.MFD_ALLOW_SEALING)
-        os.ftruncate(self.mem_fd, MEM_SIZE)
-        if sealed:
-            fcntl.fcntl(self.mem_fd, fcntl.F_ADD_SEALS, QEMU_SEALS)
+        self.mem_fd = guest_ram(MEM_SIZE, sealed)
         self.mem = mmap.mmap(self.mem_fd, MEM_SIZE)
         self.kick = [os.eventfd(0), os.eventfd(0)]
         self.call = [os.eventfd(0, os.EFD_NONBLOCK), os.eventfd(0, os.EFD_NONBLOCK)]

@@ -49,7 +49,6 @@ from apir.codec.virtgpu import VirtioGpuCtrlType as T
 from apir.host.vhost_user import protocol as vu
 
 from .attack17kit import (
-    memfd,
     region,
     spawn_device,
     table,
@@ -65,6 +64,7 @@ from .frontend import (
     RING_OFFSETS,
     UVA_BASE,
     FakeFrontend,
+    guest_ram,
     hdr,
     resp_type,
 )
@@ -184,7 +184,7 @@ def _busy_submit(fe, contexts, resp_gpa):
 
 def test_removing_a_response_buffers_region_while_its_command_computes(busy):
     srv, fe, contexts = busy
-    fd = memfd(SIZE2)
+    fd = guest_ram(SIZE2, sealed=False)
     try:
         assert fe.ack(R.ADD_MEM_REG, region(GPA2, SIZE2, UVA2), fds=[fd]) == 0
         head = _busy_submit(fe, contexts, GPA2 + 0x100)
@@ -203,7 +203,7 @@ def test_replacing_the_table_under_a_computing_command_writes_the_new_table_only
     used = GPA_BASE + RING_OFFSETS[0][2]
     head = _busy_submit(fe, contexts, RESP)
     idx_before = fe.used_idx(0)
-    fd = memfd(MEM_SIZE)
+    fd = guest_ram(MEM_SIZE, sealed=False)
     try:
         assert fe.ack(R.SET_MEM_TABLE, table((GPA_BASE, MEM_SIZE, UVA_BASE, 0)), fds=[fd]) == 0
         contexts[1].release.set()
@@ -243,7 +243,7 @@ def test_bad_memory_tables_are_refused_and_the_old_one_stays(fe, server, tmp_pat
 
 # --- rings in odd places ----------------------------------------------------------------------
 def test_a_descriptor_table_straddling_two_regions(fe, server):
-    fd = memfd(SIZE2)
+    fd = guest_ram(SIZE2, sealed=False)
     try:
         assert fe.ack(R.ADD_MEM_REG, region(GPA2, SIZE2, UVA2), fds=[fd]) == 0
         _, avail, used = RING_OFFSETS[1]
