@@ -29,19 +29,11 @@ import struct
 import pytest
 
 from apir.codec.local_wire import HEADER, Op, fixed_reply
-from apir.host.local_server import LocalServer
 from apir.local.socket_io import recv_message
-from tests.local.localkit import EchoContext, hello, raw, request, wait_for
+from tests.local.localkit import hello, raw, request, wait_for
 
 F_SEAL_FUTURE_WRITE = 0x10  # (Linux 5.1; not in Python's fcntl)
 PUNCH = 3  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-
-
-@pytest.fixture
-def server(tmp_path):
-    srv = LocalServer(str(tmp_path / "s.sock"), context_factory=EchoContext).start()
-    yield srv
-    srv.close()
 
 
 def _guest(server):

@@ -24,13 +24,6 @@ from tests.local.hostproc import HostProcess
 from tests.local.localkit import EchoContext, hello, raw, request, wait_for
 
 
-@pytest.fixture
-def server(tmp_path):
-    srv = LocalServer(str(tmp_path / "s.sock"), context_factory=EchoContext).start()
-    yield srv
-    srv.close()
-
-
 def test_blobs_are_shared_memory_at_their_map_offsets(server):
     with LocalDevice(server.path) as dev:
         assert dev.get_param(VirtgpuParam.SUPPORTED_CAPSET_IDS) == (1 << 4) | (1 << 10)
