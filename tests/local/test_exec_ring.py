@@ -286,6 +286,8 @@ def test_a_long_wait_asks_to_be_woken_and_ends_with_the_command(tmp_path, monkey
         dev.context_init(10)
         src, dst = dev.create_blob(16384), dev.create_blob(16384)
         assert _echo(dev, src, dst, b"WARM") == b"\x01\0\0\0WARM"  # the ring open
+        while dev._exec_seqs:  # the answer to WARM's KICK, which may come after its `done`
+            dev.watch(1.0)
         monkeypatch.setattr(_LongEchoContext, "delay_s", 0.5)
         src.memory[0:4] = b"LONG"
         dst.memory[0:8] = bytes(8)
