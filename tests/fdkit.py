@@ -1,14 +1,24 @@
-"""The descriptors open in this process, for tests that check a refused or dropped
-descriptor is closed."""
+"""Which descriptors of this process are open on a given file, for tests that check a refused
+or dropped descriptor is closed. They look for copies of the very file they sent, not at the
+count or set of all descriptors: other tests' threads and the garbage collector open and close
+descriptors of their own at any moment (CI saw both)."""
 
-import gc
 import os
 
 
-def open_fds() -> set[int]:
-    """The numbers of the descriptors open now, taken after a garbage collection, so that a
-    socket or file an earlier test left to the collector is closed before the count rather
-    than during the test. A test compares with `<=`: nothing open that was not open before
-    (the count alone also drops when something unrelated closes, and then hides a leak)."""
-    gc.collect()
-    return {int(name) for name in os.listdir("/proc/self/fd")}
+def target(fd: int) -> str:
+    """What /proc/self/fd/`fd` names: a path, or "pipe:[inode]", "socket:[inode]", ..."""
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def fds_on(targets) -> list[int]:
+    """The descriptors open now on any of `targets` (strings from `target`)."""
+    targets = set(targets)
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") in targets:
+                found.append(int(name))
+        except OSError:
+            continue  # closed since the listing (the listing's own descriptor, another thread's)
+    return found

@@ -30,7 +30,7 @@ import pytest
 
 from apir.codec.local_wire import HEADER, Op, fixed_reply
 from apir.local.socket_io import recv_message
-from tests.fdkit import open_fds
+from tests.fdkit import fds_on
 from tests.local.localkit import hello, raw, request, wait_for
 
 F_SEAL_FUTURE_WRITE = 0x10  # (Linux 5.1; not in Python's fcntl)
@@ -137,17 +137,18 @@ def test_holes_punched_under_the_host(server):
     os.close(fd)
 
 
-def test_descriptors_on_requests_are_dropped(server):
+def test_descriptors_on_requests_are_dropped(server, tmp_path):
     s, fd = _guest(server)
-    before = open_fds()
+    sent = tmp_path / "sent"  # a file of its own, so that a copy left open is ours to find
+    sent.write_bytes(b"")
     for seq in range(20):
-        fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(40)]
+        fds = [os.open(sent, os.O_RDONLY) for _ in range(40)]
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
         s.sendmsg([HEADER.pack(Op.STAT, 0, 0, seq)], anc)
         for f in fds:
             os.close(f)
         header, body, got = recv_message(s)
         assert (header.op, header.seq, header.err, got) == (Op.STAT, seq, 0, [])
-    assert open_fds() <= before
+    assert fds_on([str(sent)]) == []  # the host closed each copy it received
     s.close()
     os.close(fd)

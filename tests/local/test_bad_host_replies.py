@@ -7,7 +7,7 @@ import pytest
 
 from apir.codec.local_wire import REPLY, Op
 from apir.guest.local import HostConnectionLost, LocalDevice
-from tests.fdkit import open_fds
+from tests.fdkit import fds_on, target
 from tests.local.fakehost import FakeHost
 
 
@@ -47,10 +47,9 @@ def test_descriptors_a_host_attaches_to_other_replies_are_closed(tmp_path):
     host = FakeHost(tmp_path / "s.sock", {Op.GETPARAM: (REPLY[Op.GETPARAM].pack(1), 0, w, w, w)})
     try:
         with LocalDevice(host.path, io_timeout_s=2.0) as dev:
-            before = open_fds()
             for _ in range(20):
                 assert dev.get_param(1) == 1
-            assert open_fds() <= before
+            assert sorted(fds_on([target(w)])) == sorted([r, w])  # no copy of `w` left open
     finally:
         host.close()
         os.close(r)

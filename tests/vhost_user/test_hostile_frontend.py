@@ -11,7 +11,7 @@ import pytest
 
 from apir.codec.virtgpu import VirtioGpuCtrlType as T
 from apir.host.vhost_user import protocol as vu
-from tests.fdkit import open_fds
+from tests.fdkit import fds_on, target
 
 from .conftest import wait_for
 from .frontend import GPA_BASE, MEM_SIZE, UVA_BASE, hdr, resp_type
@@ -126,13 +126,14 @@ def test_attach_detach_loops_against_a_busy_context_are_bounded(busy, monkeypatc
 def test_a_backend_req_fd_that_is_not_a_socket_is_refused_and_closed(fe, server):
     # Each refused descriptor left open would let a front-end run the host (every VM it
     # serves) out of descriptors.
-    before = open_fds()
+    pipes = []
     for _ in range(20):
         r, w = os.pipe()
         try:
+            pipes.append(target(r))
             assert fe.ack(vu.Request.SET_BACKEND_REQ_FD, b"", fds=[r]) != 0
         finally:
             os.close(r)
             os.close(w)
-    assert open_fds() <= before
+    assert fds_on(pipes) == []  # the device closed each copy it was sent
     _still_serving(fe)
