@@ -87,6 +87,25 @@ _RING_SLEEP_MAX_S = 50e-3
 # `watch` asks for a wake (a KICK) when told to wait this long or longer for a ring command: a
 # wait that has lasted about as long already, where a message costs little next to it.
 _WAKE_REQUEST_MIN_S = 1e-3
+# A connect that finds the host's listen backlog full is tried again this often (see _connect).
+_CONNECT_RETRY_S = 5e-3
+
+
+def _connect(sock: socket.socket, path: str, timeout_s: float) -> None:
+    """`sock.connect(path)`, waiting up to `timeout_s` while the host's listen backlog is full
+    (guests connecting faster than the host accepts them, or a host out of descriptors for a
+    moment): a Unix socket with a timeout, non-blocking underneath, gets EAGAIN there at once,
+    where a blocking connect waits for the host to accept. BlockingIOError once `timeout_s`
+    has passed; any other OSError at once (nothing listens there: ENOENT, ECONNREFUSED)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(_CONNECT_RETRY_S)
 
 
 class HostConnectionLost(DeviceError):
@@ -132,7 +151,13 @@ class LocalDevice:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(connect_timeout_s)
         try:
-            sock.connect(self.path)
+            _connect(sock, self.path, connect_timeout_s)
+        except BlockingIOError:
+            sock.close()
+            raise DeviceError(
+                f"{self.node}: the apir host accepted no connection within {connect_timeout_s:g} s "
+                "(its queue of connections not accepted yet stayed full)"
+            ) from None
         except OSError as exc:
             sock.close()
             raise DeviceError(f"{self.node}: no apir host is serving there ({exc.strerror or exc})") from None

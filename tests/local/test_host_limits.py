@@ -10,9 +10,11 @@ import struct
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
+import apir.guest.local as guest_local
 from apir.codec.local_wire import HEADER, Op
 from apir.guest.local import HostConnectionLost, LocalDevice
 from apir.host.local_server import LocalServer
@@ -164,3 +166,41 @@ def test_accept_survives_running_out_of_descriptors(tmp_path):
     finally:
         host.kill()
         host.wait()
+
+
+def test_a_guest_connecting_while_the_backlog_is_full_waits_for_the_host(tmp_path, monkeypatch):
+    """A Unix socket with a timeout (non-blocking underneath) gets EAGAIN at once from connect()
+    while the host's listen backlog is full, where a blocking one waits: LocalDevice waits, up to
+    connect_timeout_s, for the host to accept. (It failed at once, "no apir host is serving there":
+    the guest of the test above, on a loaded machine whose host accepted as fast as the attacker
+    connected, met the backlog still full of the attacker's connections.)"""
+    srv = LocalServer(str(tmp_path / "s.sock"), context_factory=EchoContext)  # listening, not accepting
+    fillers, waits = [], []
+    try:
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(srv.path)
+            except BlockingIOError:  # full
+                s.close()
+                break
+            fillers.append(s)
+
+        def sleep(seconds):  # the guest found the backlog full: only now does the host accept
+            if not waits:
+                for f in fillers:
+                    f.close()
+                srv.start()
+            waits.append(seconds)
+            time.sleep(seconds)
+
+        monkeypatch.setattr(guest_local, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep))
+        with LocalDevice(srv.path, connect_timeout_s=30.0) as dev:
+            assert waits  # its first connect found the backlog full
+            dev.context_init(10)
+            assert dev.create_blob(16384).size == 16384
+    finally:
+        for f in fillers:
+            f.close()
+        srv.close()
