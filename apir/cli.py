@@ -295,9 +295,12 @@ def write_vhost_stats(path: str, servers) -> None:
 
     stats = {}
     for server in servers:
+        # the session count first: a session counted has left the counts read after it (read
+        # the other way round, a session ending in between was counted with its contexts)
+        served, connected = server.sessions_served, server.session is not None
         entry = dataclasses.asdict(server.counts())
-        entry["sessions_served"] = server.sessions_served
-        entry["connected"] = server.session is not None
+        entry["sessions_served"] = served
+        entry["connected"] = connected
         stats[server.path] = entry
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
