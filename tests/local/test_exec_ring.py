@@ -207,14 +207,13 @@ def test_hostile_ring_input_gets_errnos_and_the_host_goes_on(tmp_path):
 class _RepostingContext(EchoContext):
     """A guest that posts a new command in the ring while each one runs (as a guest process
     rewriting `posted` in a loop on a core of its own would): every submit bumps `posted` of
-    the page in `page` (the test's mapping), until `until` (monotonic) passes."""
+    the page in `page` (the test's mapping), while it is set."""
 
     page = None
-    until = 0.0
 
     def submit(self, command):
         page = type(self).page
-        if page is not None and time.monotonic() < type(self).until:
+        if page is not None:
             seq = struct.unpack_from("<I", page, 0)[0]
             struct.pack_into("<I", page, 0, seq % 0xFFFFFFFF + 1)
 
@@ -223,7 +222,9 @@ class _RepostingContext(EchoContext):
 def test_a_guest_posting_without_end_does_not_keep_the_host_from_its_socket(tmp_path, monkeypatch, spin):
     """`posted` that never stays put must not hold the connection thread in its ring loop:
     it still answers requests and sees the guest hang up (its context freed), and a second
-    guest is served."""
+    guest is served. The guest posts to the end, so a host held in the loop answers nothing:
+    the bounds are liveness bounds (with the host made to spin, the two requests took 2.2-2.5 s
+    on 2 cores shared with 8 busy processes)."""
     monkeypatch.setattr(local_server, "spinning_pays", lambda: spin)
     with _server(tmp_path, None, _RepostingContext) as srv:
         s = raw(srv)
@@ -235,20 +236,18 @@ def test_a_guest_posting_without_end_does_not_keep_the_host_from_its_socket(tmp_
             offset, size, _ = REPLY[Op.RING].unpack(body)
             page = mmap.mmap(fd, size, offset=offset)
             struct.pack_into("<IIII", page, 192, 4, 8, 0, 0)  # RING_IDX, 8 bytes, ring 0
-            _RepostingContext.page, _RepostingContext.until = page, time.monotonic() + 8.0
+            monkeypatch.setattr(_RepostingContext, "page", page)  # (None again once the host is closed)
             page[0:4] = struct.pack("<I", 1)
-            s.settimeout(3.0)
-            t0 = time.monotonic()
+            s.settimeout(60.0)
             assert request(s, Op.KICK, b"", seq=3)[0] == 0
             assert request(s, Op.GETPARAM, struct.pack("<Q", 1), seq=4) == (0, struct.pack("<Q", 1))
-            assert time.monotonic() - t0 < 2.0
-            with LocalDevice(srv.path) as dev:  # another guest meanwhile
+            with LocalDevice(srv.path, connect_timeout_s=60.0) as dev:  # another guest meanwhile
                 assert dev.get_param(1) == 1
         finally:
             s.close()
             os.close(fd)
-        assert wait_for(lambda: len(srv._conns) == 0, 3.0)  # the hang-up seen, the context freed
-        assert time.monotonic() < _RepostingContext.until  # (not because the posting stopped)
+        # the hang-up seen, the context freed, while the guest's commands still came
+        assert wait_for(lambda: len(srv._conns) == 0, 60.0)
         _RepostingContext.page = None
         page.close()
 
