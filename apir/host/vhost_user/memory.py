@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from apir.errors import ApirError
+from apir.host.vhost_user.protocol import close_quietly
 
 __all__ = ["GuestMemory", "GuestMemoryError", "Region", "MAX_MEM_SLOTS"]
 
@@ -88,12 +89,8 @@ class Region:
                 raise GuestMemoryError(f"guest memory file unwritable: {exc}") from None
 
     def close(self) -> None:
-        if self.fd is not None:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = None
+        close_quietly(self.fd)
+        self.fd = None
         if self.mm is None:
             return
         try:
