@@ -91,6 +91,33 @@ def _replay_all(paths, fences, errors) -> int:
     return worst
 
 
+def _warm_up(seed, fences, config) -> None:
+    """Computes `seed` as it is, on a throwaway Env, before the child says `ready`. Otherwise
+    a fresh child's first input pays for what the host loads on first use (ggml's backend,
+    its Numba kernels from their cache): 0.3-0.5 s on an idle machine, ten times a typical
+    input, and past the self-test's 4 s hang deadline on CI's loaded machine, where a child
+    started after a fault had its first input counted as a hang. Raises RuntimeError when the
+    seed is not computed (every seed is a graph this host accepted)."""
+    import struct
+
+    from apir.codec.constants import ApirBackendCommandType as Cmd
+    from tests.fuzz.corpus import join_wire
+    from tests.fuzz.inputs import GRAPH_RES, Env, forward
+
+    env = Env(fences, config, 4096)
+    try:
+        handle = env.alloc([seed.image])[0]
+        recs = seed.recs.copy()
+        recs["buffer"][recs["buffer"] == seed.handle] = handle
+        wire = join_wire(seed.nodes, recs)
+        env.write(GRAPH_RES, wire)
+        rc, _ = env.submit(forward(Cmd.BACKEND_GRAPH_COMPUTE, struct.pack("<IQ", GRAPH_RES, len(wire))))
+        if env.computed != 1:
+            raise RuntimeError(f"warm-up: seed {seed.name} not computed (rc {rc})")
+    finally:
+        env.close()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=0)
@@ -170,6 +197,7 @@ def main(argv=None) -> int:
     if args.only is not None:
         run(args.only, args.record)
         return 0
+    _warm_up(seeds[0], fences, config)
     baseline = _peak_rss()
     out.write(f"ready {len(seeds)} {len(skipped)} {fenced.fenced_allocs}\n")
     out.flush()
