@@ -213,8 +213,8 @@ def embedded_trace(args: argparse.Namespace, spec: Optional[str]):
     if not getattr(args, "trace", None):
         return None, None
     from apir.devices import parse_spec
-    from apir.host.local_kernel import default_context_factory
-    from apir.host.trace import CommandTrace, traced_context_factory
+    from apir.host.local.kernel import default_context_factory
+    from apir.host.component.trace import CommandTrace, traced_context_factory
 
     if parse_spec(spec).kind != "embedded":
         raise UsageError(
@@ -240,9 +240,9 @@ def stop_on_signals() -> threading.Event:
 
 # --- apir host serve -------------------------------------------------------------------------
 def run_host_serve(args: argparse.Namespace) -> int:
-    from apir.host.local_kernel import default_context_factory
-    from apir.host.local_server import LocalServer
-    from apir.host.trace import CommandTrace, traced_context_factory
+    from apir.host.local.kernel import default_context_factory
+    from apir.host.local.server import LocalServer
+    from apir.host.component.trace import CommandTrace, traced_context_factory
 
     check_listen(args.socket)
     config = host_config_from_args(args)
@@ -310,13 +310,13 @@ def write_vhost_stats(path: str, servers) -> None:
 
 def run_host_vhost_user(args: argparse.Namespace) -> int:
     from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS
-    from apir.host.local_kernel import default_context_factory
-    from apir.host.trace import CommandTrace, traced_context_factory
+    from apir.host.local.kernel import default_context_factory
+    from apir.host.component.trace import CommandTrace, traced_context_factory
     from apir.host.vhost_user import VhostUserServer
 
     # Imported now, not at the first CTX_CREATE: importing it (seconds on a loaded machine)
     # would eat into the 2 s the guest gives the HandShake that follows (seen in a VM).
-    import apir.host.component  # noqa: F401
+    import apir.host.component.context  # noqa: F401
 
     for path in args.socket:
         check_listen(path)
@@ -366,7 +366,7 @@ def run_host_vhost_user(args: argparse.Namespace) -> int:
 
 # --- apir trace ------------------------------------------------------------------------------
 def run_trace(args: argparse.Namespace) -> int:
-    from apir.host.trace import format_trace, read_trace
+    from apir.host.component.trace import format_trace, read_trace
 
     print(format_trace(read_trace(args.file), commands=not args.summary))
     return 0

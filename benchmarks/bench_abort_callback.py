@@ -3,7 +3,7 @@
 Theory of operation: ggml's CPU backend calls the abort callback from its compute thread after
 every node (ggml-cpu.c, ggml_graph_compute_thread). apir installs a compiled callback that reads
 one u32 without the GIL (apir.codec.atomics.nonzero_u32_callback, used by
-apir.host.compute_abort). A ctypes CFUNCTYPE callback would take the GIL for each node instead,
+apir.host.backend.compute_abort). A ctypes CFUNCTYPE callback would take the GIL for each node instead,
 and when another thread runs Python it waits for the GIL too (up to the switch interval, 5 ms).
 This times ggml_backend_graph_compute directly (no transport) on a chain of small in-place ADD
 nodes (--elements F32 each), so the per-node cost is what shows, for each callback (none, apir's
@@ -29,7 +29,7 @@ import numpy as np
 import apir.ggml
 from apir.codec.atomics import nonzero_u32_callback
 from apir.ggml.lib import InitParams
-from apir.host.compute_abort import SET_ABORT_CALLBACK, _SET_ABORT_CALLBACK_T
+from apir.host.backend.compute_abort import SET_ABORT_CALLBACK, _SET_ABORT_CALLBACK_T
 
 _CALLBACK_T = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p)
 

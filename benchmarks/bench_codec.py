@@ -12,13 +12,13 @@
    (which builds the same ggml graph and checks only that each tensor's bytes lie in its
    buffer), timed in C. Each side: the best of 20 builds, the host context's ggml_free not
    timed (the C harness frees it after its clock stops). Target: ours <= 1.0x the C. Ours with
-   the build helper thread (apir.host.build_helper: the record checks and host tensors on a
+   the build helper thread (apir.host.graph.build_helper: the record checks and host tensors on a
    second CPU, the host's default when it has one) and, for reference, on one thread only,
    and what graph_compute itself does with a graph the cache does not hold (the parse and
    build plus the cache's part: the wire kept for matching the next graph in place, and the
    entry's `link_key`), against the same C time (no target: the C keeps no cache).
    Also the same graph again from the context's graph cache, as graph_compute finds it
-   (apir.host.graph_cache.GraphCache.take_same: compared in place, no parse, then the
+   (apir.host.graph.cache.GraphCache.take_same: compared in place, no parse, then the
    re-check): under other tensor ids (as built in another ggml context), and the very same
    bytes. Target (issue 15): each <= 0.2x a first build.
 
@@ -94,11 +94,11 @@ def bench_graph(g, ref) -> None:
 
 def bench_host_build(g, ref) -> None:
     from apir.codec.graph import BufferTable
-    from apir.host import build_helper
-    from apir.host.build_helper import helper_cpus
-    from apir.host.dispatch_backend import prepare_graph
-    from apir.host.graph import build_graph_parts, graph_scratch, lib_op_enums
-    from apir.host.graph_cache import GraphCache, graph_wire
+    from apir.host.graph import build_helper
+    from apir.host.graph.build_helper import helper_cpus
+    from apir.host.backend.dispatch_backend import prepare_graph
+    from apir.host.graph.build import build_graph_parts, graph_scratch, lib_op_enums
+    from apir.host.graph.cache import GraphCache, graph_wire
     from tests.host.hostkit import Guest
 
     bg = build_graph(g, 500, ref.ref_new_buffer, graph_size=16384, all_allocated=True)

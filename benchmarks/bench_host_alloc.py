@@ -20,7 +20,7 @@ import struct
 import time
 
 from apir.codec.constants import ApirBackendCommandType as Fn, ApirCommandType
-from apir.host.component import HostContext
+from apir.host.component.context import HostContext
 
 REPLY_RES = 1
 SIZES = (0, 4096, 1 << 20, 16 << 20, 64 << 20, 256 << 20)

@@ -9,7 +9,7 @@ Theory of operation: the llama.cpp build and model of benchmarks/bench_llama.py.
 the host stops. The difference of the two runs' counts over the difference of their tokens is
 what one more generated token costs (model load and warm-up cancel out). The host's
 environment passes through, so `APIR_HOST_ASYNC_TRANSFERS=off` measures the synchronous copies
-(apir.host.transfers) against the default.
+(apir.host.backend.transfers) against the default.
 
 Run: PYTHONPATH=. python benchmarks/bench_host_fences.py [--backend vulkan:0] [--lavapipe]
          [--tokens-a 2] [--tokens-b 10] [--threads 2] [--json]

@@ -5,9 +5,9 @@ prepare_graph (checks and build, or the graph cache's re-check by key) and check
 (ggml_graph_plan's bound).
 
 Theory of operation: runs batches through APIR over the embedded host (as bench_minilm.py)
-with those functions of `apir.host.dispatch_backend` wrapped in timers, twice: with the
+with those functions of `apir.host.backend.dispatch_backend` wrapped in timers, twice: with the
 context's graph cache off (every batch checked and built in full: the "first build") and on
-(the same graph again: a "rebuild" from the cache, apir.host.graph_cache), and prints the
+(the same graph again: a "rebuild" from the cache, apir.host.graph.cache), and prints the
 median wall and thread-CPU time of each per batch (the first batch left out; 0 for a step no
 later batch reached), then rebuild / first build: the median over batches of each batch's
 match + parse + prepare (target <= 0.2; a batch the match serves runs no parse or prepare, so
@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 
-from apir.host import dispatch_backend
+from apir.host.backend import dispatch_backend
 from apir.models.assets import load_assets
 from apir.models.backends import open_backend
 from apir.models.minilm import MiniLM

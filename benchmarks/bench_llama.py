@@ -63,7 +63,7 @@ from typing import List, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from apir.host.trace import read_trace  # noqa: E402
+from apir.host.component.trace import read_trace  # noqa: E402
 from tests.interop.harness import build_shim, guest_env  # noqa: E402
 from tests.llama.build import build, build_vulkan, is_built, is_built_vulkan, model  # noqa: E402
 from tests.llama.runner import generate  # noqa: E402

@@ -12,7 +12,7 @@ embedded host by default, `--socket` / `--drm` for the others) and a baseline wi
                        ggml CPU, <= 1.10 on a GPU backend (--backend vulkan:N)
   sentences/s          batch size / median batch time
   host graph cache     hits and misses of the embedded target host's graph cache
-                       (apir.host.graph_cache) over the whole run: a repeated batch's graph
+                       (apir.host.graph.cache) over the whole run: a repeated batch's graph
                        hits after the first
 
 Target and baseline runs alternate so drift on a shared machine hits both alike, each round
@@ -85,7 +85,7 @@ def make_sentences(n: int, max_words: int) -> list:
 
 def _recording_factory(contexts: list):
     """An embedded host's context factory that also keeps each context in `contexts`."""
-    from apir.host.local_kernel import default_context_factory
+    from apir.host.local.kernel import default_context_factory
 
     def factory(ctx_id, capset_id, config):
         ctx = default_context_factory(ctx_id, capset_id, config)

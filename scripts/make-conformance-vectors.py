@@ -11,7 +11,7 @@ For each C reference build (tests/cref.py: APIR 0.2 / ggml 0.20.2 and APIR 0.1 /
    the error replies);
 2. runs it through the apir DRM shim (tests/interop/shim/apir_drm_shim.c) against
    scripts/conformance/record_host.py, a host whose backend library is the C host library
-   (libggml-virtgpu-backend.so, through apir.host.c_library), which records every command, the
+   (libggml-virtgpu-backend.so, through apir.host.backend.c_library), which records every command, the
    bytes in shared memory, the return code and the reply payload; once with the APIR capset and
    once with the Venus capset (a short session);
 3. annotates every command and reply field by field (scripts/conformance/annotate.py: offset,

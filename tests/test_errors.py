@@ -35,7 +35,7 @@ def _public_errors() -> dict:
 def test_every_public_error_derives_from_apir_error():
     errors = _public_errors()
     # the discovery sees the errors of both halves, the codec and the guest backend
-    for name in ("apir.codec.local_wire.WireError", "apir.guest.errors.DeviceError", "apir.host.errors.Refused",
+    for name in ("apir.local.wire.WireError", "apir.guest.errors.DeviceError", "apir.host.errors.Refused",
                  "apir.guest.backend.apir_backend.GraphComputeError", "apir.ggml.errors.GgmlLoadError"):
         assert name in errors
     assert sorted(n for n, cls in errors.items() if not issubclass(cls, ApirError)) == []
@@ -46,7 +46,7 @@ _STANDARD_BASES = {
     "apir.cli.UsageError": ValueError,
     "apir.codec.graph.GraphError": ValueError,
     "apir.socket_path.SocketPathError": ValueError,
-    "apir.host.trace.TraceError": ValueError,
+    "apir.host.component.trace.TraceError": ValueError,
     "apir.ggml.errors.GgmlLoadError": RuntimeError,
     "apir.models.assets.ModelNotInstalled": RuntimeError,
     "apir.models.minilm.MiniLMError": RuntimeError,

@@ -21,7 +21,7 @@ context; the host a private copy of the guest's bytes). A bad address crashes th
 One exception, with arrays rather than addresses: the kernels that compare a graph where it
 lies in the guest's shared memory with a cached one (`record_match_kernel`,
 `records_match_kernel`, `records_moved_kernel`, `ids_moved_kernel`, `ids_link_kernel`, for
-apir.host.graph_cache.GraphCache.take_same) read no byte past the cached graph's size, and
+apir.host.graph.cache.GraphCache.take_same) read no byte past the cached graph's size, and
 their answer is all that is used.
 """
 
@@ -1459,7 +1459,7 @@ def record_fields_kernel(
     handles,
     key,
 ):
-    """The per-record checks of apir.host.graph._check_records on the n apir_rpc_tensor
+    """The per-record checks of apir.host.graph.build._check_records on the n apir_rpc_tensor
     records at address `rows` (`size` bytes each; a copy the host owns): a valid type
     (`valid`, uint8 per type), an op below len(`custom`) that is not custom (`custom`, uint8
     per op), ne and nb below 2**62 with ne[0] a multiple of the type's block, a NUL in the
@@ -1468,7 +1468,7 @@ def record_fields_kernel(
     view_offs and buffer; `width`: the bytes of one ne / nb entry (4 or 8). Fills per record
     its extent (TensorChecker.extent), data offset, view_offs, the index of its buffer
     handle in `handles` (each handle once, in order of first use, as int64 bit patterns) and
-    its span in float (`spans`: apir.host.shapes.base.span_nbytes, a 0 dimension taken as 1).
+    its span in float (`spans`: apir.host.graph.shapes.base.span_nbytes, a 0 dimension taken as 1).
     `key`: the multiplier of the handles' hash table (TABLE_KEY). Returns the number of
     handles, or -1 when any record fails a check or leaves the range (the caller then checks
     record by record)."""
@@ -1549,7 +1549,7 @@ def record_bounds_kernel(extents, offsets, voffs, handle_of, sizes, ident, view_
     (`ident`, per handle: the same number for handles of one buffer), at the source's data +
     view_offs, its extent inside the source's. And the records whose span (`spans`, float)
     is near or over their buffer's size, in `suspects` (int64[n], in index order), for
-    apir.host.graph._check_spans to check exactly. Returns how many suspects, or -1 when any
+    apir.host.graph.build._check_spans to check exactly. Returns how many suspects, or -1 when any
     check fails."""
     n_suspects = 0
     for i in range(extents.size):

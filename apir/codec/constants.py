@@ -133,7 +133,7 @@ DEFAULT_GGML_LIBRARY_REG = "ggml_backend_init"
 ENV_USE_APIR_CAPSET = "GGML_REMOTING_USE_APIR_CAPSET"
 
 # --- apir's own liveness bounds (no C twin): time and descriptors one guest can take ----------
-# Defaults and parsing: apir.host.limits.
+# Defaults and parsing: apir.host.config.
 CONFIG_KEY_GRAPH_TIME_LIMIT = "apir.host.graph_time_limit_s"  # seconds one graph_compute may run
 ENV_GRAPH_TIME_LIMIT = "APIR_HOST_GRAPH_TIME_LIMIT_S"
 CONFIG_KEY_MAX_CONNECTIONS = "apir.local.max_connections"  # guests one socket host serves at once
@@ -154,7 +154,7 @@ ENV_VHOST_MAX_BLOB_BYTES = "APIR_VHOST_MAX_BLOB_BYTES"
 CONFIG_KEY_VHOST_BACKEND_TIMEOUT = "apir.vhost.backend_timeout_s"  # seconds QEMU has to ack SHMEM_MAP
 ENV_VHOST_BACKEND_TIMEOUT = "APIR_VHOST_BACKEND_TIMEOUT_S"
 # --- apir's own host keys (no C twin): what one guest can make the host hold -------------------
-# Values are decimal integers; apir.host.budget documents each bound and its default.
+# Values are decimal integers; apir.host.backend.budget documents each bound and its default.
 CONFIG_KEY_BUFFER_BUDGET = "apir.host.buffer_budget"  # bytes of ggml buffers per context
 ENV_BUFFER_BUDGET = "APIR_HOST_BUFFER_BUDGET"
 CONFIG_KEY_MEMORY_LIMIT = "apir.host.memory_limit"  # bytes of ggml buffers per host process
@@ -162,7 +162,7 @@ ENV_MEMORY_LIMIT = "APIR_HOST_MEMORY_LIMIT"
 CONFIG_KEY_MAX_BUFFERS = "apir.host.max_buffers"  # ggml buffers (handles) per context
 ENV_MAX_BUFFERS = "APIR_HOST_MAX_BUFFERS"
 
-# deferred uploads / batched reads on device memory (apir.host.transfers): on unless off/0
+# deferred uploads / batched reads on device memory (apir.host.backend.transfers): on unless off/0
 CONFIG_KEY_ASYNC_TRANSFERS = "apir.host.async_transfers"
 ENV_ASYNC_TRANSFERS = "APIR_HOST_ASYNC_TRANSFERS"
 

@@ -2,7 +2,7 @@
 
 Theory of operation: the guest's device seam (`apir.guest.device.VirtgpuDevice`) is the set of
 virtgpu DRM ioctls, and every device (a real render node, the local socket transport, the
-embedded host) and the host side of the local transport (apir.host.local_kernel) use the same
+embedded host) and the host side of the local transport (apir.host.local.kernel) use the same
 numbers for them. They are declared once, here, with the names of `drm/virtgpu_drm.h` (the
 kernel UAPI) and of the C guest (`virtgpu.cpp`, `virtgpu-shm.cpp`); tests compare them with the
 kernel header (tests/guest/test_drm_uapi.py). The ioctl request numbers and structures, which

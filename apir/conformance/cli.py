@@ -5,7 +5,7 @@
 
 The host checked is apir's own, embedded in this process (its Python dispatcher, or with
 --backend-library the C host library libggml-virtgpu-backend.so through apir's component and
-apir.host.c_library; run that with APIR_GGML_LIB_DIR set to the C build's ggml, docs/interop.md),
+apir.host.backend.c_library; run that with APIR_GGML_LIB_DIR set to the C build's ggml, docs/interop.md),
 or any host serving apir's local transport at --socket. The guest checked is apir's encoder
 (apir.guest.ApirClient). One line per vector (PASS / FAIL with the first differing field /
 SKIP), then the counts; exit status 1 when any vector failed.

@@ -9,7 +9,7 @@ input is copied to the start of its blob, the notification word zeroed, the comm
 then the return code, the reply payload (by fields) and any shared-memory output are compared.
 
 Targets: `EmbeddedTarget` (a HostContext in this process: apir's Python dispatcher, or with
-config the C host library through apir.host.c_library) and `SocketTarget` (any host serving
+config the C host library through apir.host.backend.c_library) and `SocketTarget` (any host serving
 apir's local transport, `apir host serve --socket PATH`).
 """
 
@@ -52,7 +52,7 @@ class EmbeddedTarget:
         self._next_ctx = 1
 
     def open(self, capset: int) -> None:
-        from apir.host.component import HostContext
+        from apir.host.component.context import HostContext
 
         if self.library_factory is None:
             self.ctx = HostContext(self._next_ctx, self.config, capset_id=capset)

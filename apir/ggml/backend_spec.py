@@ -13,7 +13,7 @@ Specs (`apir host serve --backend SPEC`, config key `apir.host.backend`):
     NAME[:N]                      device N (default 0) of registration NAME: vulkan, vulkan:1,...
     rpc:HOST:PORT[,HOST:PORT...]  ggml-rpc servers, every device of each, in order
 A path to a ggml backend library is not a spec: it goes to `ggml.library.path` (the C host's
-key, apir.host.backend_library), which dlopens it and calls its registration symbol.
+key, apir.host.backend.library), which dlopens it and calls its registration symbol.
 
 ggml-rpc aborts its client process (GGML_ABORT, "Remote RPC server crashed") when a server does
 not answer, also while adding one: `resolve` first connects to each server itself and refuses

@@ -8,7 +8,7 @@ cannot be read is written here, once:
   same: every 0.20.x is "0.20"), with the APIR protocol version that series' C guest
   (ggml-virtgpu) speaks and its GGML_BACKEND_API_VERSION. The guest ABI tables
   (apir.guest.backend.abi) are keyed by series, so a patch release needs no change.
-- `SINCE`: behaviour of ggml's CPU kernels the host's shape rules (apir.host.shapes) depend
+- `SINCE`: behaviour of ggml's CPU kernels the host's shape rules (apir.host.graph.shapes) depend
   on, by the first ggml version that has it (`Feature`). A rule asks
   `Feature.X in enums.features`, never compares versions itself.
 

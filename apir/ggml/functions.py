@@ -33,7 +33,7 @@ class InitParams(ctypes.Structure):
 
 class Cplan(ctypes.Structure):
     """`struct ggml_cplan` (ggml-cpu.h, the same in ggml 0.10 and 0.20), returned by value by
-    `ggml_graph_plan`; apir reads only `work_size` (apir.host.work_plan)."""
+    `ggml_graph_plan`; apir reads only `work_size` (apir.host.graph.work_plan)."""
 
     _fields_ = [
         ("work_size", ctypes.c_size_t),
@@ -255,7 +255,7 @@ class GgmlFunctions:
     ggml_l2_norm: Fn = sig("p:ppf")
     # guest ggml backend (apir/guest/backend) and its numpy helpers
     ggml_n_dims: Fn = sig("i:p")
-    # host shape rules (apir/host/shapes/ tests): ops built with ggml's own constructors
+    # host shape rules (apir/host/graph/shapes/ tests): ops built with ggml's own constructors
     ggml_log: Fn = sig("p:pp")
     ggml_sin: Fn = sig("p:pp")
     ggml_cos: Fn = sig("p:pp")
@@ -282,7 +282,7 @@ class GgmlFunctions:
     ggml_set_rows: Fn = sig("p:pppp")
     ggml_rope_ext: Fn = sig("p:ppppiiiffffff")
     ggml_rope_multi: Fn = sig("p:ppppipiiffffff")
-    # host shape rules of the training ops (apir/host/shapes/backward.py, rope.py tests)
+    # host shape rules of the training ops (apir/host/graph/shapes/backward.py, rope.py tests)
     ggml_silu_back: Fn = sig("p:ppp")
     ggml_rms_norm_back: Fn = sig("p:pppf")
     ggml_soft_max_ext_back: Fn = sig("p:pppff")
@@ -352,14 +352,14 @@ class GgmlFunctions:
     ggml_add_inplace: Fn = sig("p:ppp")
     ggml_mul_inplace: Fn = sig("p:ppp")
     ggml_add_cast: Fn = sig("p:pppi")
-    # host shape rules (apir/host/shapes/): which types the CPU can quantize into (from_float)
+    # host shape rules (apir/host/graph/shapes/): which types the CPU can quantize into (from_float)
     # host shape rules of what ggml 0.25 added (tests/host/shapes, cases needing a Feature of 0.25)
     ggml_swiglu_clamp: Fn = sig("p:pppf")
     ggml_rope_set_offset: Fn = sig("p:pi")
     ggml_dsv4_hc_pre_gated: Fn = sig("p:pppf")
     ggml_get_type_traits_cpu: Fn = sig("p:i")
     ggml_get_type_traits: Fn = sig("p:i")
-    # host work-size bound (apir/host/work_plan.py): struct ggml_cplan returned by value
+    # host work-size bound (apir/host/graph/work_plan.py): struct ggml_cplan returned by value
     ggml_graph_plan: Fn = sig("C:pip")
 
 

@@ -2,7 +2,7 @@
 
 Theory of operation: connecting to an apir host process (`apir host serve --socket PATH`) is
 opening a render node: the HELLO reply brings the context's shared memory file (SCM_RIGHTS), and
-every device call is one request and one reply (apir.codec.local_wire's messages, sent and received
+every device call is one request and one reply (apir.local.wire's messages, sent and received
 by apir.local.socket_io; docs/local-transport.md).
 `create_blob` is CREATE_BLOB + MAP + ``mmap(fd, size, offset)``, exactly as a DRM guest maps a
 blob, so the host and the guest share the blob's pages and no bulk data crosses the socket.
@@ -36,7 +36,7 @@ import time
 from typing import Optional
 
 from apir.codec.atomics import spins_for
-from apir.codec.local_wire import (
+from apir.local.wire import (
     HELLO_MAGIC,
     MAX_RING_COMMAND,
     REPLY,

@@ -1,14 +1,17 @@
-"""apir.host: the hypervisor half of APIR.
+"""apir.host: the hypervisor half of APIR, laid out as the system it models.
 
-- `component`: `HostContext`, the APIR component (resources, configuration, HandShake /
-  LoadLibrary / Forward, the reply notification).
-- `library`: the backend library protocol LoadLibrary loads; `backend_library`: the built-in
-  one over ggml, with `dispatcher` and its `dispatch_{device,buffer_type,buffer,backend}`.
-- `tensors`, `graph`, `shapes`, `handles`: what keeps guest bytes from reaching ggml unchecked
-  (graphs are parsed by `apir.codec.graph.parse_graph` first).
+- `component`: virglrenderer's APIR component (`HostContext`: resources, configuration,
+  HandShake / LoadLibrary / Forward, the reply notification; the command trace).
+- `library`: the seam between the component and the backend library LoadLibrary loads;
+  `backend`: the built-in one over ggml (dispatcher, handlers, budgets, transfers).
+- `graph`: parse -> check -> build -> compute, with the shape rules (`graph.shapes`).
+- `handles`, `tensors`, `resources`: the context's buffers, records checked against them,
+  and the guest's shared memory, which every part above uses.
+- `config`: the host's configuration keys and their defaults.
+- the devices that reach a guest: `local` (the local transport's host side) and `vhost_user`.
 """
 
-from apir.host.component import COMMAND_MALFORMED, HostContext
+from apir.host.component.context import COMMAND_MALFORMED, HostContext
 from apir.host.library import BackendLibrary, LibraryHost, LibraryLoadError
 
 __all__ = ["HostContext", "COMMAND_MALFORMED", "BackendLibrary", "LibraryHost", "LibraryLoadError"]

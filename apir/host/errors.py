@@ -31,7 +31,7 @@ class Refused(ApirError):
     The fields say the same for code (tests, tools): `node` the index of the graph node
     refused (None where no node is concerned), `op` its op name, `reason` why (the message's
     own words, without the node prefix), `rule` the check that refused it (the rule
-    function's `module.qualname`, e.g. "apir.host.shapes.rope._rope"; None where not a shape
+    function's `module.qualname`, e.g. "apir.host.graph.shapes.rope._rope"; None where not a shape
     rule). The message, which is all the log and the guest ever see of it, is unchanged by
     them."""
 

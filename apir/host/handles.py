@@ -93,7 +93,7 @@ class HostBufferType:
 class HostBuffer:
     """A buffer this context owns (`ggml_backend_buffer_t`), with its real and virtual base.
     `res_id` is the shared-memory resource it wraps (buffer_from_ptr), else None; `charge`
-    the bytes it costs the context's budget (apir.host.budget)."""
+    the bytes it costs the context's budget (apir.host.backend.budget)."""
 
     ptr: int
     base: int  # real base address: never sent to the guest

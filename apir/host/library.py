@@ -15,10 +15,10 @@ missing configuration, an unopenable library or a missing symbol, and 6 + n for 
 dispatcher's own `APIR_BACKEND_INITIALIZE_*` code n (so 6 is success, like 0).
 
 With no backend library configured, the built-in Python dispatcher
-(`apir.host.backend_library.PythonBackendLibrary`) is used. A configured path goes to the
+(`apir.host.backend.library.PythonBackendLibrary`) is used. A configured path goes to the
 `library_factory` the `HostContext` was given; the default one
-(`apir.host.c_library.c_library_factory`) opens it as a C backend library
-(`libggml-virtgpu-backend.so`) through `apir.host.c_library.CLibrary`, so `apir host serve
+(`apir.host.backend.c_library.c_library_factory`) opens it as a C backend library
+(`libggml-virtgpu-backend.so`) through `apir.host.backend.c_library.CLibrary`, so `apir host serve
 --backend-library PATH` serves it from configuration alone. That adapter refuses to initialize
 (6 + APIR_BACKEND_INITIALIZE_CANNOT_OPEN_GGML_LIBRARY) when the C library bound to another
 ggml build's libggml-base than the configured ggml library's (docs/interop.md).

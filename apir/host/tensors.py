@@ -63,7 +63,7 @@ class Scratch:
         self.pinned: list[ctypes.Array] = []  # memory the context's tensors point into, kept until close
         self._tensors: Optional[np.ndarray] = None  # tensor_block's memory, kept until close
         self.buffers: list[int] = []  # ggml buffers made for this scratch's tensors, freed on close
-        # held by another thread while it writes the scratch (apir.host.graph's build helper):
+        # held by another thread while it writes the scratch (apir.host.graph.build's build helper):
         # close() waits for it, and that thread writes nothing once `closed`
         self.writing = threading.Lock()
         size = g.ggml_tensor_overhead() * (n_tensors + 1) + 1024
@@ -90,7 +90,7 @@ class Scratch:
     def tensor_block(self, n_tensors: int, tensor_size: int) -> int:
         """The address of room for `n_tensors` structs ggml_tensor of `tensor_size` bytes
         (sizeof, as apir.ggml.layout checked it) side by side, 64-byte aligned, not zeroed:
-        for a caller that writes whole tensors itself (apir.host.graph), where 10,000 calls
+        for a caller that writes whole tensors itself (apir.host.graph.build), where 10,000 calls
         of ggml_new_tensor would cost more than writing them. ggml only reads a graph's
         tensors through their pointers, never through the context that holds them. The
         memory lives until `close` (one block per Scratch) and counts in `size`."""
@@ -131,7 +131,7 @@ def tensor_extent(type_size: int, blck_size: int, ne: Sequence[int], nb: Sequenc
     of a tensor's extent: 0 when an ne is 0, else the last byte of the last row + 1, where a
     row of `ne[0] / blck_size` blocks of `type_size` bytes spans whichever is longer of its
     packed size and its nb[0] stride (and, for block types, ggml_nbytes' own `ne[0] / blck *
-    nb[0]`). Exact (Python ints); apir.host.graph has its whole-graph numpy twin."""
+    nb[0]`). Exact (Python ints); apir.host.graph.build has its whole-graph numpy twin."""
     if any(n <= 0 for n in ne):
         return 0
     blocks0 = ne[0] // blck_size
@@ -154,7 +154,7 @@ class TensorChecker:
         self.custom_ops = {g.ops[name] for name in CUSTOM_OPS if name in g.ops}
         self.valid_types = g.valid_types  # apir.ggml.lib.Ggml.valid_types
         # The same facts as arrays indexed by type / op, for checks of a whole graph at once
-        # (apir.host.graph); 1 where a type is not valid, so no division by zero.
+        # (apir.host.graph.build); 1 where a type is not valid, so no division by zero.
         self.type_size_arr = np.ones(len(self.valid_types), dtype=np.int64)
         self.blck_size_arr = np.ones(len(self.valid_types), dtype=np.int64)
         for t in np.flatnonzero(self.valid_types).tolist():

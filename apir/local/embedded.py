@@ -1,7 +1,7 @@
 """`EmbeddedDevice`: the virtgpu device interface with the host inside this process.
 
 Theory of operation: the same kernel-plus-hypervisor stand-in as the socket server
-(apir.host.local_kernel.KernelContext, one HostContext and one shared memory file) runs in this
+(apir.host.local.kernel.KernelContext, one HostContext and one shared memory file) runs in this
 process. A thread of its own, the "host thread", serves every device call as a job handed to it
 through a `queue.SimpleQueue`, with one exception: inline runs (below). Calls other than
 execbuffer wait for their job (bounded by `io_timeout_s`).
@@ -10,7 +10,7 @@ Inline runs: a waited-for execbuffer (`exec_wait_s` > 0, the default) of a comma
 run time its own payload bounds runs it synchronously in the caller's thread, the way
 virglrenderer runs a context's submit_cmd inside virgl_renderer_submit_cmd: `HostContext.submit`,
 then the reply notification stored (release), then execbuffer returns, and the caller's wait on
-the reply word finds it set. Which commands those are, `apir.host.component.may_run_long` reads
+the reply word finds it set. Which commands those are, `apir.host.component.context.may_run_long` reads
 from the header: all but LoadLibrary (dlopen and backend init) and Forward backend_graph_compute
 (a graph can run for minutes, or hang in a broken backend); a header it cannot read counts as
 long. So do all commands of a context whose backend is not ggml-cpu
@@ -73,8 +73,8 @@ from apir.codec.virtgpu import (
 from apir.guest.device import Blob
 from apir.guest.errors import DeviceError, IoctlError
 from apir.local.spin_policy import spinning_pays
-from apir.host.component import may_run_long
-from apir.host.local_kernel import (
+from apir.host.component.context import may_run_long
+from apir.host.local.kernel import (
     ContextFactory,
     DeferredNotification,
     KernelContext,
@@ -120,7 +120,7 @@ class EmbeddedDevice:
 
     `config` is the HostContext configuration (``ggml.library.path``, ``ggml.library.reg``,
     ...); `context_factory(ctx_id, capset_id, config)` builds the context (default:
-    `apir.host.component.HostContext`). Errors: `IoctlError` for a refused call (the errno the
+    `apir.host.component.context.HostContext`). Errors: `IoctlError` for a refused call (the errno the
     kernel would set), `DeviceError` when the device is closed, the host thread is gone or does
     not answer within `io_timeout_s`. `exec_wait_s`: how long execbuffer waits for a command the
     host thread runs (0: never waits, and every command goes to the host thread). `host_spin_s`:
@@ -415,7 +415,7 @@ class EmbeddedDevice:
         """DRM_IOCTL_VIRTGPU_EXECBUFFER of the APIR command `payload` (bytes-like, copied).
 
         With `exec_wait_s` > 0: a command whose host run time its payload bounds (all but
-        LoadLibrary and Forward backend_graph_compute, `apir.host.component.may_run_long`, on
+        LoadLibrary and Forward backend_graph_compute, `apir.host.component.context.may_run_long`, on
         ggml-cpu: `HostContext.commands_bounded_in_time`) runs in this thread, once no job is
         queued or running on the host thread, and its
         reply notification is stored when this returns. Others are queued for the host

@@ -15,8 +15,8 @@ in a virtqueue (virtio 1.2, 2.7.10: the device sets VRING_USED_F_NO_NOTIFY while
   fence, so a command posted meanwhile is either seen there or kicked (one of the two fenced
   store-then-load pairs sees the other side's store).
 
-The layout (byte offsets and size) is apir.codec.local_wire's RING_*. Both sides use this
-class on their own mapping of the page: the host (apir.host.local_server) and `LocalDevice`
+The layout (byte offsets and size) is apir.local.wire's RING_*. Both sides use this
+class on their own mapping of the page: the host (apir.host.local.server) and `LocalDevice`
 (apir.guest.local). The guest trusts nothing here beyond its own words; the host reads the
 guest's words once each and bounds the command by MAX_RING_COMMAND.
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from apir.codec.atomics import Word, as_word_array
-from apir.codec.local_wire import (
+from apir.local.wire import (
     MAX_RING_COMMAND,
     REQUEST,
     RING_COMMAND,

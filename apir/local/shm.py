@@ -1,7 +1,7 @@
 """Mapping a range of the shared memory file without holding a descriptor per mapping.
 
 Theory of operation: the local transport puts every blob of a context in one memfd and each side
-maps a blob's range on its own (apir.host.local_memfile on the host, `LocalDevice` on the guest).
+maps a blob's range on its own (apir.host.local.memfile on the host, `LocalDevice` on the guest).
 Python's `mmap.mmap(fd, ...)` keeps a dup() of `fd` for as long as the mapping lives (for its
 `size()` and `resize()`), so every blob cost a file descriptor: a guest that made about 20,000
 16 KiB blobs used up the host process's descriptors, and then no guest could connect, make a blob

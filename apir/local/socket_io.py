@@ -1,10 +1,10 @@
 """One local-wire message over a Unix stream socket, with file descriptors (SCM_RIGHTS).
 
-Theory of operation: the local transport's messages (apir.codec.local_wire: a 16-byte header
+Theory of operation: the local transport's messages (apir.local.wire: a 16-byte header
 and a payload) travel on a Unix stream socket; the HELLO reply also carries the context's shared
 memory file as SCM_RIGHTS, attached to the message's first byte. `send_message` sends one whole
 message, `recv_message` reads one whole message and the descriptors that came with it. The
-socket host (apir.host.local_server) and `LocalDevice` (apir.guest.local) both use these two.
+socket host (apir.host.local.server) and `LocalDevice` (apir.guest.local) both use these two.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import array
 import os
 import socket
 
-from apir.codec.local_wire import HEADER, MAX_PAYLOAD, ConnectionClosed, Header, pack_message, unpack_header
+from apir.local.wire import HEADER, MAX_PAYLOAD, ConnectionClosed, Header, pack_message, unpack_header
 
 __all__ = ["send_message", "recv_message"]
 

@@ -380,7 +380,7 @@ def _step(step_name, event, layout, minor, capset, roles, handles) -> dict:
     if command != "Forward":
         source = "apir component (virglrenderer's role: no C build of the component exists)"
     elif function == "buffer_free_buffer":
-        source = "apir.host.c_library adapter, with the C handler's checks and return codes (docs/interop.md)"
+        source = "apir.host.backend.c_library adapter, with the C handler's checks and return codes (docs/interop.md)"
     else:
         source = "C host library libggml-virtgpu-backend.so (apir_backend_dispatcher)"
     ok = (command == "Forward" and rc == 4) or (command == "HandShake" and rc == 0xAB1E)

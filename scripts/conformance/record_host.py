@@ -3,9 +3,9 @@
     python scripts/conformance/record_host.py --socket PATH --out CAPTURE.json \
         --c-library LIB --ggml-library LIB --ggml-reg SYM
 
-Serves the local transport (apir.host.local_server) with one HostContext per guest, whose
+Serves the local transport (apir.host.local.server) with one HostContext per guest, whose
 backend library is the C host library (libggml-virtgpu-backend.so through
-apir.host.c_library), and records, per context and in order: every blob the guest creates
+apir.host.backend.c_library), and records, per context and in order: every blob the guest creates
 (res_id, size) and every EXECBUFFER payload with the bytes it left in shared memory (for the
 commands that carry data there), the return code and the reply payload the host wrote. Run on
 the C build's ggml (APIR_GGML_LIB_DIR), as every host process that loads the C library.
@@ -26,9 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from apir.codec.constants import VENUS_COMMAND_TYPE_LENGTH, VIRTGPU_DRM_CAPSET_VENUS  # noqa: E402
-from apir.host.c_library import c_library_factory  # noqa: E402
-from apir.host.component import HostContext  # noqa: E402
-from apir.host.local_server import LocalServer  # noqa: E402
+from apir.host.backend.c_library import c_library_factory  # noqa: E402
+from apir.host.component.context import HostContext  # noqa: E402
+from apir.host.local.server import LocalServer  # noqa: E402
 
 _HDR = struct.Struct("<III")
 _U32 = struct.Struct("<I")

@@ -4,7 +4,7 @@
     python -m tests.backends.graph_cache_run --backend SPEC OUT.json
 
 Two host contexts in this process compute on SPEC's device (`apir.host.backend`): one with the
-graph cache (apir.host.graph_cache), one whose cache keeps nothing (every graph a fresh
+graph cache (apir.host.graph.cache), one whose cache keeps nothing (every graph a fresh
 build). Graph A (GET_ROWS of 5 ids, scaled) is sent again and again with new row ids; in
 between, other graphs with row ids write theirs over the context's device ids buffer (7 ids)
 or make it replace that buffer by a larger one (20000 ids). Each of A's results is compared
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     import apir.ggml
     from apir.ggml.backend_spec import resolve
     from apir.host import HostContext
-    from apir.host.graph_cache import GraphCache
+    from apir.host.graph.cache import GraphCache
     from tests.host.hostkit import Guest
 
     g = apir.ggml.load()

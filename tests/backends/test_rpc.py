@@ -97,7 +97,7 @@ def test_rpc_server_killed_mid_compute_gives_the_guest_an_error(backends_build, 
 
 
 def test_repeated_graph_hits_the_cache_with_the_rechecked_row_ids(backends_build, tmp_path):
-    """apir.host.graph_cache on ggml-rpc (one loopback rpc-server): a hit uploads its re-checked
+    """apir.host.graph.cache on ggml-rpc (one loopback rpc-server): a hit uploads its re-checked
     row ids into the device copy, on the server (tests/backends/graph_cache_run.py)."""
     port = free_port()
     server = rpc_server(backends_build, port, tmp_path / "rpc.log")

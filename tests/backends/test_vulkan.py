@@ -93,7 +93,7 @@ def test_backend_ops_through_apir_pass_where_vulkan_passes(vk, tmp_path):
 
 
 def test_repeated_graph_hits_the_cache_with_the_rechecked_row_ids(vk, tmp_path):
-    """apir.host.graph_cache on Vulkan: a hit uploads its re-checked row ids into the device
+    """apir.host.graph.cache on Vulkan: a hit uploads its re-checked row ids into the device
     copy (tests/backends/graph_cache_run.py)."""
     report = graph_cache_run(vk, "vulkan:0", tmp_path / "report.json", True)
     assert report["backend"] == "Vulkan0"
@@ -101,7 +101,7 @@ def test_repeated_graph_hits_the_cache_with_the_rechecked_row_ids(vk, tmp_path):
 
 
 def test_deferred_uploads_land_before_every_command_that_sees_them(vk, tmp_path):
-    """apir.host.transfers on Vulkan: a set_tensor into a device buffer is queued (ggml-vulkan's
+    """apir.host.backend.transfers on Vulkan: a set_tensor into a device buffer is queued (ggml-vulkan's
     set_tensor_async from pinned staging), and the guest gets exactly the bytes it set from
     each command after it: compute, get, cpy_tensor, clear, free (a new buffer reads zeros);
     sets past a small staging keep it within its bound; a cached graph's hits read their two

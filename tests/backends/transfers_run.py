@@ -1,4 +1,4 @@
-"""Deferred uploads and batched row-id reads (apir.host.transfers) through apir's host on one
+"""Deferred uploads and batched row-id reads (apir.host.backend.transfers) through apir's host on one
 ggml backend, in a process of its own (the ggml build and the Vulkan driver are chosen by
 environment when ggml loads).
 
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     import apir.ggml
     from apir.codec.constants import ApirBackendCommandType as Cmd
     from apir.host import HostContext
-    from apir.host.transfers import DeviceTransfers
+    from apir.host.backend.transfers import DeviceTransfers
     from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph, RepeatedGraph, rpc_bytes, rpc_record
 
     g = apir.ggml.load()

@@ -75,7 +75,7 @@ def test_apir_guest_encoder_passes(path):
 
 
 def test_socket_host_passes(tmp_path):
-    from apir.host.local_server import LocalServer
+    from apir.host.local.server import LocalServer
 
     with LocalServer(str(tmp_path / "h.sock")) as server:
         server.start()

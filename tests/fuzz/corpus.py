@@ -105,7 +105,7 @@ def load_or_build_seeds(g, guest_factory, cache: Optional[str]) -> Tuple[List[Se
 
 def _cases(g):
     """(name, case) of every module's cases this ggml build is meant to run."""
-    from apir.host.shapes import op_enums
+    from apir.host.graph.shapes import op_enums
 
     old = op_enums(g).version < (0, 20, 0)
     out = []

@@ -6,7 +6,7 @@ from pathlib import Path
 import apir
 from apir.codec.constants import APIR_PROTOCOL_VERSIONS
 from apir.ggml.features import SERIES, SINCE, Feature, features_of, parse_version, series_name
-from apir.host.shapes import op_enums
+from apir.host.graph.shapes import op_enums
 
 SHAPES = Path(apir.__file__).parent / "host" / "shapes"
 

@@ -23,7 +23,7 @@ WINDOW = 64 * 1024  # a small data window, so transfers get chunked
 @pytest.fixture(scope="module", params=["c-host", "apir-host"])
 def host(request, cref_020):
     if request.param == "apir-host":
-        from apir.host.component import HostContext
+        from apir.host.component.context import HostContext
 
         return HostContext(7)
     return shared_c_host(cref_020)
@@ -123,7 +123,7 @@ def guest_0_1(host, is_c_host):
         c = ApirClient(Remote(SyncDevice(host, owns_host=False), data_size=WINDOW), protocol=(0, 1))
         c.handshake()
     else:
-        from apir.host.component import HostContext
+        from apir.host.component.context import HostContext
 
         c = ApirClient.connect(SyncDevice(HostContext(8)), data_size=WINDOW, protocol=(0, 1))
     yield c

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from apir.codec.constants import ApirBackendCommandType as F
-from apir.codec.local_wire import Op
+from apir.local.wire import Op
 from apir.codec.records import RPC_TENSOR_DTYPE
 from apir.codec.wire import Decoder
 from apir.guest.errors import BackendFunctionError, DeviceError
@@ -48,7 +48,7 @@ def g():
 def _host_context(request, kind):
     if kind == "c-host":
         return shared_c_host(request.getfixturevalue("cref_020"))
-    from apir.host.component import HostContext
+    from apir.host.component.context import HostContext
 
     return HostContext(11)
 
@@ -326,7 +326,7 @@ def test_a_refused_middle_chunk_fails_the_download_and_nothing_after_it_is_copie
 
 
 def test_a_host_gone_mid_transfer_ends_it_with_no_chunk_sent_after(g):
-    from apir.host.component import HostContext
+    from apir.host.component.context import HostContext
 
     device = DeferredDevice(HostContext(12))
     client = _connect(device)

@@ -9,7 +9,7 @@ import numpy as np
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.codec.records import rpc_tensor_dtype
-from apir.host.graph_cache import GraphCache
+from apir.host.graph.cache import GraphCache
 from tests.host.hostkit import DATA_RES, GgmlScratch, RemoteGraph, cpu_compute
 
 __all__ = ["N_ROWS", "cached_graph", "graph_inputs", "direct_output", "GraphSession"]

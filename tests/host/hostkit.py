@@ -217,7 +217,7 @@ class RemoteGraph:
 
 class RepeatedGraph:
     """One guest graph sent again and again on `guest` (the same buffers, so the same graph
-    structure: apir.host.graph_cache), with its inputs set anew before each compute.
+    structure: apir.host.graph.cache), with its inputs set anew before each compute.
     `build(g, ctx)` gives (graph, input tensors, result tensor)."""
 
     def __init__(self, guest: Guest, g, build):

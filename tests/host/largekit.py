@@ -1,6 +1,6 @@
 """What the build-helper attack tests (test_attack9.py, test_attack10.py, and the child
 processes they start) share: a guest graph of 2,200 tensors (over
-apir.host.graph._BESIDE_MIN_TENSORS, so that its first build has the build helper take part)
+apir.host.graph.build._BESIDE_MIN_TENSORS, so that its first build has the build helper take part)
 laid out for a hostkit Guest with ggml CPU's answer (`LargeRemote`), a build's outcome
 comparable across builds (`build_outcome`: the refusal, or the host tensors it made), and the
 wire of a long chain of nodes (`chain_wire`: a same-bytes match split with the helper)."""
@@ -16,8 +16,8 @@ from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.codec.graph import parse_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.host import HostContext
-from apir.host import graph as hg
-from apir.host.backend_library import CONFIG_KEY_N_THREADS
+from apir.host.graph import build as hg
+from apir.host.backend.library import CONFIG_KEY_N_THREADS
 from apir.host.tensors import Scratch
 from tests.host.attackkit import host_tensors
 from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph, cpu_compute

@@ -1,5 +1,5 @@
 """What the host shape-rule tests (tests/host/shapes/, one file per rule module of
-apir.host.shapes) share: a `Case` (an op built with ggml's own constructor, named for the test
+apir.host.graph.shapes) share: a `Case` (an op built with ggml's own constructor, named for the test
 id `OP-name`), `Remote` (its graph laid out in a host buffer and computed through the host),
 `direct` (the same graph on ggml CPU), and the assertions every rule test makes:
 
@@ -29,8 +29,8 @@ import pytest
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.ggml.features import Feature
 from apir.host.errors import Refused
-from apir.host.shapes import CHECKED_OPS
-from apir.host.shapes.base import rule_name
+from apir.host.graph.shapes import CHECKED_OPS
+from apir.host.graph.shapes.base import rule_name
 from tests.host.hostkit import DATA_RES, GgmlScratch, RemoteGraph, cpu_compute
 
 ERROR = 1  # BACKEND_RC_ERROR
@@ -202,7 +202,7 @@ def assert_matches_ggml_cpu(guest, g, case):
 
 
 class _Refusals(logging.Handler):
-    """The `Refused` objects on apir.host's records (apir.host.dispatcher puts them there)."""
+    """The `Refused` objects on apir.host's records (apir.host.backend.dispatcher puts them there)."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -281,13 +281,13 @@ def ctor(g, name):
 
 
 def rule_check(guest, r, recs, t=None) -> Optional[Refused]:
-    """The `Refused` that `apir.host.shapes.check_node` raises for node `t` (default: the
+    """The `Refused` that `apir.host.graph.shapes.check_node` raises for node `t` (default: the
     case's result) of records `recs` (a `Remote`'s, edited), or None: the rules as
     device_supports_op sees them, without data (row ids are not read) and without the
     graph-level checks (extents, spans) that would refuse first through the host. For rules
     whose bound needs a tensor larger than a test can allocate."""
-    from apir.host.graph import lib_op_enums, tensor_info
-    from apir.host.shapes import check_node
+    from apir.host.graph.build import lib_op_enums, tensor_info
+    from apir.host.graph.shapes import check_node
 
     lib = guest.ctx._library
     ids = {int(v): k for k, v in enumerate(recs["id"])}
@@ -306,7 +306,7 @@ def rule_check(guest, r, recs, t=None) -> Optional[Refused]:
 def info(index, type_name, ne, op="NONE", op_params=(), type_size=4, blck_size=1, nb=None):
     """A `TensorInfo` as the rules see one (no data: `address` None), packed unless `nb` is
     given: for bounds whose tensors are gigabytes (shown on the rules, `infos_check`)."""
-    from apir.host.shapes import TensorInfo
+    from apir.host.graph.shapes import TensorInfo
 
     if nb is None:
         nb = [type_size]
@@ -319,9 +319,9 @@ def info(index, type_name, ne, op="NONE", op_params=(), type_size=4, blck_size=1
 
 
 def infos_check(g, node, srcs) -> Optional[Refused]:
-    """The `Refused` `apir.host.shapes.check_node` raises for `node` (a TensorInfo) from
+    """The `Refused` `apir.host.graph.shapes.check_node` raises for `node` (a TensorInfo) from
     `srcs`, or None."""
-    from apir.host.shapes import check_node, op_enums
+    from apir.host.graph.shapes import check_node, op_enums
 
     try:
         check_node(node, srcs, op_enums(g))

@@ -37,9 +37,9 @@ from apir.codec import _kernels as K
 from apir.codec._kernels import TABLE_KEY, group_sizes_kernel, rule_group_kernel
 from apir.codec.graph import parse_graph
 from apir.codec.records import rpc_tensor_dtype
-from apir.host import build_helper, graph_cache
-from apir.host import graph as hg
-from apir.host.graph_cache import graph_wire
+from apir.host.graph import build_helper, cache as graph_cache
+from apir.host.graph import build as hg
+from apir.host.graph.cache import graph_wire
 from tests.host.attackkit import groups_by_definition, racing_guest
 from tests.host.largekit import chain_wire
 
@@ -227,7 +227,7 @@ def test_group_kernel_comparisons_stay_linear_on_crafted_graphs(monkeypatch):
 
     monkeypatch.setattr(K, "_same_row", row)
     monkeypatch.setattr(K, "_same_inputs", inputs)
-    from apir.host import rule_memo
+    from apir.host.graph import rule_memo
 
     n = 1500
     _, dt = _real_records(1)
@@ -390,8 +390,8 @@ _INTERRUPTED_MATCH_CHILD = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     import apir.ggml
     from apir.codec.graph import parse_graph
-    from apir.host import graph_cache
-    from apir.host.graph_cache import graph_wire
+    from apir.host.graph import cache as graph_cache
+    from apir.host.graph.cache import graph_wire
     from tests.host.largekit import chain_wire
     g = apir.ggml.load()
     raw = chain_wire(g, 4097)
@@ -461,7 +461,7 @@ def test_an_interrupt_after_beside_queued_a_build_writes_nothing_into_the_freed_
     reads only what its job holds (the parsed graph, the library's buffer table) and finds
     the scratch closed: it makes no host tensor and no cgraph (ggml_new_tensor or
     write_tensors_kernel into a freed ggml_context). The next build on the helper is whole."""
-    from apir.host import dispatch_backend
+    from apir.host.backend import dispatch_backend
     from tests.host.largekit import LargeRemote, build_outcome, one_thread_guest, parse
 
     guest = one_thread_guest()

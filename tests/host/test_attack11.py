@@ -48,8 +48,8 @@ from apir.codec import _kernels as K
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
-from apir.host import build_helper, graph_cache
-from apir.host.graph_cache import graph_key, graph_wire
+from apir.host.graph import build_helper, cache as graph_cache
+from apir.host.graph.cache import graph_key, graph_wire
 from tests.host.attackkit import racing_guest
 from tests.host.cachekit import GraphSession, direct_output, graph_inputs
 from tests.host.hostkit import DATA_RES, Guest
@@ -344,8 +344,8 @@ _GUARD_CHILD = textwrap.dedent(
     import apir.ggml
     from apir.codec.graph import parse_graph
     from apir.codec.records import rpc_tensor_dtype
-    from apir.host import graph_cache
-    from apir.host.graph_cache import graph_wire
+    from apir.host.graph import cache as graph_cache
+    from apir.host.graph.cache import graph_wire
     g = apir.ggml.load()
     rpc = rpc_tensor_dtype(g.limits)
     kw = dict(limits=g.limits, op_count=g.op_count, type_valid=g.valid_types)
@@ -631,7 +631,7 @@ def test_bytes_rewritten_right_after_the_match_change_nothing_that_runs(session,
     rewrites it into bytes the parse refuses (every id 0, the node count huge). What runs is
     the entry's checked graph: the right output, a hit, no parse. Sent as they are, those bytes
     are refused."""
-    import apir.host.dispatch_backend as db
+    import apir.host.backend.dispatch_backend as db
 
     session.set_inputs(graph_inputs(1))
     assert session.compute() == (0, 0)
@@ -662,7 +662,7 @@ def test_a_hit_from_bytes_no_parse_accepts_computes_the_entrys_graph(session, gg
     its graph (under other ids) with the link check made to answer True, and the entry
     computes the right output with new inputs, without a parse. With the real link check the
     same bytes are parsed and refused (a duplicate id)."""
-    import apir.host.dispatch_backend as db
+    import apir.host.backend.dispatch_backend as db
 
     session.set_inputs(graph_inputs(1))
     assert session.compute() == (0, 0)
@@ -736,8 +736,8 @@ _INTERRUPTED_CHILD = textwrap.dedent(
     import apir.ggml
     from apir.codec.graph import parse_graph
     from apir.codec.records import rpc_tensor_dtype
-    from apir.host import graph_cache
-    from apir.host.graph_cache import graph_wire
+    from apir.host.graph import cache as graph_cache
+    from apir.host.graph.cache import graph_wire
     from tests.host.largekit import chain_wire
     g = apir.ggml.load()
     rpc = rpc_tensor_dtype(g.limits)

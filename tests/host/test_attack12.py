@@ -57,9 +57,9 @@ from apir.codec import _kernels as K
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import GgmlLimits, ggml_tensor_dtype, rpc_tensor_dtype
 from apir.ggml.layout import tensor_record
-from apir.host import graph as hg
-from apir.host import graph_cache
-from apir.host.graph_cache import graph_key, graph_wire
+from apir.host.graph import build as hg
+from apir.host.graph import cache as graph_cache
+from apir.host.graph.cache import graph_key, graph_wire
 from tests.host.attackkit import racing_guest
 from tests.host.cachekit import GraphSession, direct_output, graph_inputs
 from tests.host.hostkit import GgmlScratch
@@ -571,7 +571,7 @@ _GUARD_CHILD = textwrap.dedent(
     from apir.codec import _kernels as K
     from apir.codec.graph import GraphError, parse_graph
     from apir.codec.records import GgmlLimits, ggml_tensor_dtype, rpc_tensor_dtype
-    from apir.host import graph as hg
+    from apir.host.graph import build as hg
 
     @numba.njit
     def first_nul(addr, n):
@@ -690,7 +690,7 @@ def test_nothing_past_a_name_is_read(ggml):
 
 def test_write_tensors_twin_runs_on_the_int32_src_indices_the_host_passes():
     """write_tensors_kernel.py_func (its twin) on two records, tensor 1's src[0] tensor 0, with
-    src / view_src int32 as apir.host.graph._create_tensors passes them: both the jitted kernel
+    src / view_src int32 as apir.host.graph.build._create_tensors passes them: both the jitted kernel
     and the twin store tensor 0's address. The twin raised OverflowError at `base + j * stride`
     while j was a numpy int32 (under NumPy 2's promotion rules, NEP 50, the Python int `base`,
     a heap address over 2**31, was cast to int32): harmless in production (the host runs the

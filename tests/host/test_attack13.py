@@ -27,7 +27,7 @@ from apir.guest.client import ApirClient
 from apir.guest.device import Blob
 from apir.guest.errors import ApirTimeout
 from apir.host import HostContext
-from apir.host.component import COMMAND_MALFORMED
+from apir.host.component.context import COMMAND_MALFORMED
 from tests.host.hostkit import DATA_RES, REPLY_RES, Guest
 
 FORWARD_OK = 4  # ApirForwardReturnCode.BASE_INDEX + BACKEND_RC_OK

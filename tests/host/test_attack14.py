@@ -42,7 +42,7 @@ from apir.codec import _kernels as K
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
-from apir.host.graph_cache import _key_mask, graph_key, graph_wire, link_key
+from apir.host.graph.cache import _key_mask, graph_key, graph_wire, link_key
 from tests.host.cachekit import GraphSession, direct_output, graph_inputs
 from tests.host.hostkit import DATA_RES, GgmlScratch, RemoteGraph
 
@@ -137,7 +137,7 @@ _GUARD_CHILD = textwrap.dedent(
     import numba
     import numpy as np
     from apir.codec import _kernels as K
-    from apir.host import graph_cache
+    from apir.host.graph import cache as graph_cache
     from tests.host.test_attack14 import _graph_bytes, _entry, _moved, KW0
 
     page = mmap.PAGESIZE

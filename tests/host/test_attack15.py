@@ -547,7 +547,7 @@ def graph_fallback(edits):
     import logging
 
     import apir.ggml
-    from apir.host import graph as host_graph
+    from apir.host.graph import build as host_graph
     from tests.host.hostkit import GgmlScratch, RemoteGraph, add_chain
 
     g = apir.ggml.load()
@@ -744,7 +744,7 @@ def test_deferred_uploads_get_the_checked_twin(monkeypatch, ggml):
     twin whose [data + offset, + size) lies in the named buffer; refusals queue nothing; the
     bytes land where the records say once flushed."""
     from apir.ggml.layout import tensor_record
-    from apir.host.transfers import DeviceTransfers
+    from apir.host.backend.transfers import DeviceTransfers
 
     h = Host(ggml)
     try:

@@ -61,7 +61,7 @@ from apir.ggml.lib import InitParams
 from tests.host.childkit import run_in_child
 
 WRAP_RES = 3
-GRAPH_NEEDS = "apir.host.graph._check_graph_needs"
+GRAPH_NEEDS = "apir.host.graph.build._check_graph_needs"
 
 
 # --- building a case ------------------------------------------------------------------------

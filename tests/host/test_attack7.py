@@ -21,7 +21,7 @@ import pytest
 from apir.codec import _kernels as K
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
-from apir.host import graph as hg
+from apir.host.graph import build as hg
 from apir.host.tensors import Scratch
 from tests.host.hostkit import GgmlScratch, RemoteGraph, add_chain
 from tests.host.attackkit import groups_by_definition, racing_guest

@@ -31,8 +31,8 @@ import pytest
 from apir.codec import _kernels as K
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
-from apir.host import graph_cache
-from apir.host.graph_cache import _key_mask, graph_key, graph_wire
+from apir.host.graph import cache as graph_cache
+from apir.host.graph.cache import _key_mask, graph_key, graph_wire
 from tests.host.attackkit import racing_guest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -312,7 +312,7 @@ _GUARD_CHILD = textwrap.dedent(
     import apir.ggml
     from apir.codec.graph import parse_graph
     from apir.codec.records import rpc_tensor_dtype
-    from apir.host.graph_cache import graph_wire
+    from apir.host.graph.cache import graph_wire
     g = apir.ggml.load()
     rpc = rpc_tensor_dtype(g.limits)
     libc = ctypes.CDLL(None)

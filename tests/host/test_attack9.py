@@ -1,5 +1,5 @@
-"""Attack 9: the build helper thread (apir.host.build_helper) beside a large graph's first build
-(apir.host.graph.build_graph_parts), and check_nodes' group sizes (group_sizes_kernel).
+"""Attack 9: the build helper thread (apir.host.graph.build_helper) beside a large graph's first build
+(apir.host.graph.build.build_graph_parts), and check_nodes' group sizes (group_sizes_kernel).
 
 - The caller leaves build_graph_parts only after the helper is done with the scratch, however
   it leaves: a refusal, a BaseException on either thread, a SIGINT while it waits for the
@@ -32,12 +32,12 @@ import pytest
 
 from apir.codec.graph import GraphError
 from apir.codec.records import rpc_tensor_dtype
-from apir.host import build_helper
-from apir.host import dispatch_backend
-from apir.host import graph as hg
-from apir.host import rule_memo
+from apir.host.graph import build_helper
+from apir.host.backend import dispatch_backend
+from apir.host.graph import build as hg
+from apir.host.graph import rule_memo
 from apir.host.errors import Refused
-from apir.host.shapes import TensorInfo
+from apir.host.graph.shapes import TensorInfo
 from tests.host.largekit import LAYERS, LargeRemote, block_tensors, build_outcome, graph_scratch, one_thread_guest
 from tests.host.largekit import parse
 
@@ -520,7 +520,7 @@ def test_two_guests_build_large_graphs_at_once_on_the_one_helper(ggml):
 _FORK_AND_EXIT = r"""
 import os, signal, sys, threading
 import apir.ggml
-from apir.host import graph as hg
+from apir.host.graph import build as hg
 import tests.host.largekit as t
 
 g = apir.ggml.load()

@@ -1,4 +1,4 @@
-"""The build helper thread (apir.host.build_helper) beside a graph's first build: the same
+"""The build helper thread (apir.host.graph.build_helper) beside a graph's first build: the same
 host graph as one thread builds, the same refusals, its errors raised to the caller, and the
 caller gone from build_graph_parts only after the helper is done with the scratch."""
 
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from apir.codec.graph import parse_graph
-from apir.host import build_helper
-from apir.host import graph as hg
+from apir.host.graph import build_helper
+from apir.host.graph import build as hg
 from apir.host.errors import Refused
 from apir.host.tensors import Scratch
 from tests.host.attackkit import host_tensors
@@ -117,7 +117,7 @@ def test_an_error_on_the_helper_is_raised_to_the_caller(chain, where, monkeypatc
 
 _FORK_CHILD = r"""
 import os, sys, threading
-from apir.host import build_helper
+from apir.host.graph import build_helper
 
 assert build_helper.beside(threading.get_ident).result(timeout=10) != threading.get_ident()
 pid = os.fork()

@@ -14,7 +14,7 @@ from apir.codec.constants import (
     ApirCommandType as T,
 )
 from apir.host import COMMAND_MALFORMED, HostContext, LibraryLoadError
-from apir.host.component import may_run_long
+from apir.host.component.context import may_run_long
 from tests.host.hostkit import DATA_RES, REPLY_RES, Guest
 
 

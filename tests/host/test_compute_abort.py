@@ -17,7 +17,7 @@ from apir.guest.client import ApirClient
 from apir.guest.errors import DeviceError
 from apir.guest.local import HostConnectionLost, LocalDevice
 from apir.host import HostContext
-from apir.host.local_server import LocalServer
+from apir.host.local.server import LocalServer
 from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph
 from tests.local.localkit import wait_for
 

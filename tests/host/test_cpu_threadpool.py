@@ -1,13 +1,13 @@
 """Each context on ggml CPU computes with a persistent threadpool of its thread count
-(apir.host.cpu_threadpool), freed with the context."""
+(apir.host.backend.cpu_threadpool), freed with the context."""
 
 import dataclasses
 import os
 import types
 
 from apir.host import HostContext
-from apir.host.backend_library import CONFIG_KEY_N_THREADS, CONFIG_KEY_POLL
-from apir.host.cpu_threadpool import _params
+from apir.host.backend.library import CONFIG_KEY_N_THREADS, CONFIG_KEY_POLL
+from apir.host.backend.cpu_threadpool import _params
 from tests.host.hostkit import Guest
 
 
@@ -23,7 +23,7 @@ def test_context_computes_with_a_threadpool_of_its_threads(ggml):
     worker 0; ggml 0.20 exports no getter, so the host's count of pooled threads says it),
     freed with the context. (The OS's own thread count is checked by the RLIMIT_NPROC test
     below: other tests' threads come and go in this process.)"""
-    from apir.host import cpu_threadpool
+    from apir.host.backend import cpu_threadpool
 
     for n in (1, 3):
         before = cpu_threadpool.pooled_threads()
@@ -70,7 +70,7 @@ def test_params_follow_the_headers_max_n_threads(ggml):
 def test_idle_contexts_hold_no_more_pooled_threads_than_the_bound(ggml, monkeypatch):
     """Each idle context keeps its pool's threads, and ggml_threadpool_new GGML_ASSERTs (the
     host aborts) when the OS refuses a thread: past the host's bound a context gets no pool."""
-    from apir.host import cpu_threadpool
+    from apir.host.backend import cpu_threadpool
 
     monkeypatch.setenv(cpu_threadpool.ENV_MAX_POOL_THREADS, str(cpu_threadpool.pooled_threads() + 6))
     before = cpu_threadpool.pooled_threads()
@@ -87,7 +87,7 @@ def test_idle_contexts_hold_no_more_pooled_threads_than_the_bound(ggml, monkeypa
 
 _CHILD = r"""
 from apir.host import HostContext
-from apir.host.backend_library import CONFIG_KEY_N_THREADS
+from apir.host.backend.library import CONFIG_KEY_N_THREADS
 from tests.host.hostkit import Guest
 gs = []
 for i in range(40):

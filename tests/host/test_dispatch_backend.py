@@ -149,8 +149,9 @@ def test_n_threads_free_computes_each_graph_on_the_free_cores(ggml, monkeypatch,
     """apir.host.n_threads=free: a graph computes on no more threads than the cores (3 here)
     other processes leave free as it starts (apir.local.spin_policy.free_cores), all of them
     again once free; unset or a number, the count never changes. ggml CPU's bytes either way."""
-    from apir.host import HostContext, backend_library
-    from apir.host.backend_library import CONFIG_KEY_N_THREADS
+    from apir.host import HostContext
+    from apir.host.backend import library as backend_library
+    from apir.host.backend.library import CONFIG_KEY_N_THREADS
     from tests.host.hostkit import Guest
 
     monkeypatch.setattr(backend_library.os, "cpu_count", lambda: 3)

@@ -91,7 +91,7 @@ def test_supports_op_says_no_where_compute_would_refuse(guest, ggml):
     # rows of 64 into Q8_0 rows of 32: the rule refuses (the CPU work buffer is sized by 32)
     cpy_bad = ggml.ggml_cpy(s.ctx, ggml.ggml_new_tensor_2d(s.ctx, f32, 64, 2), ggml.ggml_new_tensor_2d(s.ctx, q8, 32, 4))
     # an op with no rule on this host: an ADD relabelled so (ggml CPU's default is yes for these)
-    from apir.host.shapes import CHECKED_OPS
+    from apir.host.graph.shapes import CHECKED_OPS
 
     no_rule = [op for op in ("WIN_PART", "WIN_UNPART", "POOL_1D", "POOL_2D", "GET_REL_POS")
                if op in ggml.ops and op not in CHECKED_OPS]
@@ -128,7 +128,7 @@ def test_configured_device_type(ggml, name):
     """apir.host.device_type: device_get_type reports that `enum ggml_backend_dev_type` value
     (read from ggml-backend.h) instead of the CPU device's own; the rest is unchanged."""
     from apir.host import HostContext
-    from apir.host.backend_library import device_types
+    from apir.host.backend.library import device_types
     from tests.host.hostkit import Guest
 
     g = Guest(HostContext(7, {"apir.host.device_type": name}))

@@ -1,6 +1,6 @@
 """Issue 13, classes 1 and 2, the general mechanisms: empty sources (`base.check_empty_sources`),
 spans of empty or aliasing tensors (`base.check_span`) and the compute-time work-size bound
-(`apir.host.work_plan`), and the class 3 bounds of the conv, matrix and tensor_ops rules. The
+(`apir.host.graph.work_plan`), and the class 3 bounds of the conv, matrix and tensor_ops rules. The
 issue's examples abort, hang or misread in the host, so each runs in a child process
 (tests.host.childkit; its address space limited, so that a regression's huge allocation fails
 at once): a regression fails the test, not pytest."""
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from tests.host.childkit import run_in_child
-from apir.host.shapes import CHECKED_OPS
-from apir.host.shapes.base import check_empty_sources, check_span, rule_name
+from apir.host.graph.shapes import CHECKED_OPS
+from apir.host.graph.shapes.base import check_empty_sources, check_span, rule_name
 from tests.host.shapekit import ERROR, Case, Remote, _in, assert_refused_by_rule, ctor, refusal, rule_check
 
 HUGE = (1 << 32) - 1  # the largest ne an apir_rpc_tensor carries (uint32)
@@ -204,13 +204,13 @@ def test_span_of_aliasing_elements_beyond_the_buffer_is_refused(mm):
 def test_work_budget_bounds_the_planned_work_buffer(guest, mm, ggml):
     """F16 x F32 MUL_MAT: ggml plans src1 converted to F16 (2 * 64 * 16 bytes) plus a cache
     line per thread; a budget below that refuses the graph, the default computes it."""
-    from apir.host.work_plan import CONFIG_KEY_WORK_BUDGET
+    from apir.host.graph.work_plan import CONFIG_KEY_WORK_BUDGET
 
     lib = guest.ctx._library
     assert lib.n_threads >= 1
     guest.ctx.set_config(CONFIG_KEY_WORK_BUDGET, "1024")
     got = refusal(mm, serves_next=False)
-    assert (got.node, got.op, got.rule) == (None, None, "apir.host.work_plan.check_work_size"), str(got)
+    assert (got.node, got.op, got.rule) == (None, None, "apir.host.graph.work_plan.check_work_size"), str(got)
     assert "work buffer, over the context's work budget of 1024 bytes" in got.reason, got.reason
     guest.ctx.set_config(CONFIG_KEY_WORK_BUDGET, str(2 * 64 * 16 + 64 * lib.n_threads))
     rc, dec = mm.compute()
@@ -226,7 +226,7 @@ def test_work_budget_bounds_the_planned_work_buffer(guest, mm, ggml):
 def test_planned_work_size_is_ggml_graph_plan(ggml):
     """planned_work_size reads ggml_graph_plan's struct result: 2 * 64 * 16 bytes of F16 src1
     plus a 64-byte cache line per thread (CACHE_LINE_SIZE on x86-64 and aarch64)."""
-    from apir.host.work_plan import DEFAULT_WORK_BUDGET, planned_work_size
+    from apir.host.graph.work_plan import DEFAULT_WORK_BUDGET, planned_work_size
     from tests.host.hostkit import GgmlScratch
     from tests.host.shapekit import _graph
 
@@ -421,7 +421,7 @@ def test_empty_sources_ok_marks_a_rule_that_allows_them():
     import numpy as np
 
     from apir.host.errors import Refused
-    from apir.host.shapes.base import (TensorInfo, allows_empty_sources, check_empty_sources, empty_sources_ok,
+    from apir.host.graph.shapes.base import (TensorInfo, allows_empty_sources, check_empty_sources, empty_sources_ok,
                                        int_counted_rules)
 
     def info(index, ne):

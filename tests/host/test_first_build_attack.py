@@ -1,11 +1,11 @@
-"""apir.host.graph's first build under attack: what the per-group rules, the lazily made
+"""apir.host.graph.build's first build under attack: what the per-group rules, the lazily made
 infos and the bulk ggml calls must keep.
 
 - A scratch `ggml_context` without room for the graph's tensors or its cgraph is a
   MemoryError (the dispatcher's error reply), never ggml's abort: ggml_new_tensor_1d
   GGML_ASSERTs a full context and ggml_new_graph_custom dereferences its NULL object, so
   the room is checked before ggml is called (in a child process: the old way killed it).
-- Grouped rules (apir.host.rule_memo) decide as checking every tensor on its own, on a graph
+- Grouped rules (apir.host.graph.rule_memo) decide as checking every tensor on its own, on a graph
   whose rules read what `Sealed` hides: ROPE's frequency factors (`room`), OPT_STEP's
   in-place result (`address`), SET_ROWS of F16 into F32 (sets `one_thread`), GET_ROWS (row
   ids), under lies in every field a guest writes, sources and views rewired, nodes swapped,
@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 from apir.codec.graph import parse_graph
-from apir.host import build_helper
-from apir.host import graph as hg
+from apir.host.graph import build_helper
+from apir.host.graph import build as hg
 from apir.host.errors import Refused
-from apir.host.graph_cache import GraphCacheEntry
+from apir.host.graph.cache import GraphCacheEntry
 from apir.host.tensors import Scratch
 from tests.host.attackkit import groups_by_definition, host_tensors
 from tests.host.hostkit import GgmlScratch, RemoteGraph
@@ -37,7 +37,7 @@ _ROOT = Path(__file__).resolve().parents[2]
 _CHILD = r"""
 import numpy as np
 from apir.codec.graph import parse_graph
-from apir.host import graph as hg
+from apir.host.graph import build as hg
 from apir.host.tensors import Scratch
 from tests.host.hostkit import Guest, GgmlScratch, RemoteGraph, add_chain
 
@@ -160,7 +160,7 @@ def _build(lib, parsed, grouped, monkeypatch):
     """What build_graph_parts decided and left: the refusal (message, node, rule) or None,
     each info's row-id state (None: untouched) and the cache entry's facts, and the host
     tensors it made. `grouped`: rules once per group, the record checks and host tensors on
-    the build helper thread (apir.host.build_helper, whatever the graph's size); else every
+    the build helper thread (apir.host.graph.build_helper, whatever the graph's size); else every
     tensor's rule, all on this thread."""
     monkeypatch.undo()
     if grouped:
@@ -371,7 +371,7 @@ def test_hash_tables_spread_keys_that_differ_only_in_high_bits():
     chain either (ids crafted for the fixed one: 40,000 took the parse 0.66 s, now 0.013 s)."""
     from apir.codec import _kernels as K
     from apir.codec.records import rpc_tensor_dtype
-    from apir.host import rule_memo
+    from apir.host.graph import rule_memo
 
     assert K.TABLE_KEY % 2 == 1 and 0 < K.TABLE_KEY < 1 << 62
     n, cap = 4096, 8192
@@ -413,7 +413,7 @@ def test_hash_tables_keep_guest_words_apart_whatever_the_key():
 
     from apir.codec import _kernels as K
     from apir.codec.records import rpc_tensor_dtype
-    from apir.host import rule_memo
+    from apir.host.graph import rule_memo
 
     flip = (1 << 62) | (1 << 30)
     rng = np.random.default_rng(5)
@@ -447,7 +447,7 @@ def test_rule_group_hash_keeps_swapped_words_and_halves_apart():
 
     from apir.codec import _kernels as K
     from apir.codec.records import rpc_tensor_dtype
-    from apir.host import rule_memo
+    from apir.host.graph import rule_memo
 
     dt = rpc_tensor_dtype()
     mask = rule_memo._mask(dt)
@@ -508,7 +508,7 @@ def _needs_by_pairs(lib, parsed, made, recs):
     """_check_graph_needs' refusal of overwritten row ids (its message, or None) by its
     definition: every ids tensor, in tensor order, against every write (a node that is not
     empty, and an OPT_STEP's sources) up to its last reader, in graph order."""
-    from apir.host.profiles import EMPTY_OPS
+    from apir.host.graph.profiles import EMPTY_OPS
 
     op_names, ops = lib.g.op_names, parsed.tensors["op"]
     nodes = parsed.node_index.tolist()
@@ -540,7 +540,7 @@ def test_graph_needs_decide_as_comparing_every_pair(layers, direct_pairs, monkey
     GET_ROWS nodes with their own ids took 6.5 s there, quadratic) against its definition,
     on graphs whose ids, results and OPT_STEP parameters are moved over each other, whose
     nodes are reordered, and whose tensors name the buffer by a second handle."""
-    from apir.host.rule_memo import check_nodes
+    from apir.host.graph.rule_memo import check_nodes
 
     lib, wire, handle, alias, _ = layers
     monkeypatch.setattr(hg, "_DIRECT_PAIRS", direct_pairs)
@@ -651,7 +651,7 @@ def test_row_ids_many_nodes_read_are_read_once(guest, ggml, monkeypatch):
     cost N * n before compute (1,000 readers of 4M ids: 7 s of host CPU, outside the
     compute's time limit). Every reader's bound is still checked (a lower one refuses an id
     the others pass), and recorded for the cache's re-check."""
-    from apir.host.shapes import base
+    from apir.host.graph.shapes import base
 
     lib = guest.ctx._library
     s = GgmlScratch(ggml, 256)

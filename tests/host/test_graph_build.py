@@ -1,4 +1,4 @@
-"""apir.host.graph's fast paths against its per-tensor ones.
+"""apir.host.graph.build's fast paths against its per-tensor ones.
 
 The record checks run on whole arrays (`_check_records`) and fall back to the per-tensor
 checks (`_check_records_one_by_one`) on any doubt; the host tensors are written in bulk
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from apir.codec.graph import parse_graph
-from apir.host import graph as hg
+from apir.host.graph import build as hg
 from apir.host.errors import Refused
-from apir.host.shapes.base import IdReads
+from apir.host.graph.shapes.base import IdReads
 from apir.host.tensors import Scratch
 from tests.host.hostkit import GgmlScratch, RemoteGraph
 
@@ -155,7 +155,7 @@ def test_span_suspects_hold_every_tensor_over_its_buffer(setup):
     exactly) include every tensor whose exact span (`base.span_nbytes`) exceeds its buffer,
     with tensors of the real graph made empty (one dimension 0) and their other dimensions
     grown to just below, at and just above their buffer."""
-    from apir.host.shapes.base import span_nbytes
+    from apir.host.graph.shapes.base import span_nbytes
 
     lib, wire, _ = setup
     rng = np.random.default_rng(11)
@@ -337,7 +337,7 @@ def test_graph_scratch_counts_each_tensor_once(setup, monkeypatch, bulk):
     """graph_scratch's context has room for the tensors only where they are made there (the
     ggml_new_tensor path); else they live in its tensor block, and `size` (the graph cache's
     budget) counts each once: the cgraph's room, one header of slack, the block."""
-    from apir.host.dispatch_backend import prepare_graph
+    from apir.host.backend.dispatch_backend import prepare_graph
 
     lib, wire, _ = setup
     if not bulk:

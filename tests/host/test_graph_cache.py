@@ -1,4 +1,4 @@
-"""apir.host.graph_cache: a repeated graph reuses its built host graph, and nothing that
+"""apir.host.graph.cache: a repeated graph reuses its built host graph, and nothing that
 differs is ever served from the cache (the graph's bytes, its buffers, the row ids its rules
 read)."""
 
@@ -9,8 +9,8 @@ import pytest
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
-from apir.host import graph_cache
-from apir.host.graph_cache import GraphCache, GraphCacheEntry, graph_key, graph_wire
+from apir.host.graph import cache as graph_cache
+from apir.host.graph.cache import GraphCache, GraphCacheEntry, graph_key, graph_wire
 from tests.host.cachekit import N_ROWS, GraphSession, direct_output, graph_inputs
 from tests.host.hostkit import DATA_RES, Guest
 
@@ -39,8 +39,8 @@ def test_graph_compute_keys_its_entries_by_their_links_and_finds_them_in_place(s
     and index arrays), not `graph_key`, and no `take` by key runs; the next compute of the
     graph, under the same or other ids, is served in place. A caller that builds without a
     wire (prepare_graph(..., wire=None)) still keys and looks up by `graph_key`."""
-    from apir.host import dispatch_backend
-    from apir.host.graph_cache import link_key
+    from apir.host.backend import dispatch_backend
+    from apir.host.graph.cache import link_key
 
     took = []
     real_take = GraphCache.take
@@ -74,7 +74,7 @@ def test_a_hit_checks_fresh_ids_without_running_the_rules(session, ggml, monkeyp
     """On a hit only the row ids are new: they are copied and checked against the bounds the
     rules recorded (`shapes.base.check_row_ids`), and no rule runs again. Where a read has no
     recorded bound, the readers' rules run (and refuse as they do)."""
-    import apir.host.graph_cache as gc
+    import apir.host.graph.cache as gc
 
     calls = []
     real = gc.check_node
@@ -143,7 +143,7 @@ def test_graphs_under_other_ids_are_served_without_parsing(session, ggml, monkey
     """A guest that builds its graphs in two contexts in turn sends the same structure under
     two sets of ids (each moved by one constant), and one under ids in another order entirely:
     once the first was parsed, every other is matched in place (`GraphWire.same_structure`)."""
-    import apir.host.dispatch_backend as db
+    import apir.host.backend.dispatch_backend as db
 
     a, b, c = session.wire, _renamed(session, 1 << 40), _permuted(session, seed=3)
     parses = []
@@ -375,7 +375,7 @@ def test_same_structure_refuses_ids_a_parse_refuses(session, ggml):
 def test_the_same_graph_again_is_served_without_parsing(session, ggml, monkeypatch):
     """A graph sent again byte for byte (a decode step's) is matched where it lies and
     served from the cache without a parse."""
-    import apir.host.dispatch_backend as db
+    import apir.host.backend.dispatch_backend as db
 
     session.set_inputs(graph_inputs(1))
     assert session.compute() == (0, 0)
@@ -516,7 +516,7 @@ class _Scratch:
 
 
 class _NoInfos(list):
-    """An entry's infos when no rule ran (apir.host.graph.TensorInfos)."""
+    """An entry's infos when no rule ran (apir.host.graph.build.TensorInfos)."""
 
     nbytes = 0
 
@@ -724,7 +724,7 @@ def test_row_ids_are_checked_again_on_a_hit_under_other_ids(session, ggml, monke
     ids as a hit with the same bytes does: an id out of range is refused without a parse and
     the entry is dropped; the graph is then parsed and refused in full; with ids in range
     again it is built anew."""
-    import apir.host.dispatch_backend as db
+    import apir.host.backend.dispatch_backend as db
 
     a, b = session.wire, _renamed(session, 1 << 40)
     parses = []

@@ -280,7 +280,7 @@ def test_graph_lying_shapes(graph, refused, ggml):
     recs["nb"][mm][0] = 8  # strided destination the kernel would not honour
     refused(Cmd.BACKEND_GRAPH_COMPUTE, graph.send(graph.wire(recs=recs)))
     recs = graph.recs.copy()
-    from apir.host.shapes import CHECKED_OPS
+    from apir.host.graph.shapes import CHECKED_OPS
 
     no_rule = next(op for op in ggml.ops if op not in CHECKED_OPS and not op.startswith(("CUSTOM", "MAP_")))
     recs["op"][mm] = ggml.ops[no_rule]  # an op this host has no shape check for

@@ -78,7 +78,7 @@ def _free(guest, handle):
 @pytest.fixture
 def host_memory():
     """The process-wide pool, checked to be back where it started after the test."""
-    from apir.host.budget import HOST_MEMORY
+    from apir.host.backend.budget import HOST_MEMORY
 
     before = HOST_MEMORY.used
     yield HOST_MEMORY

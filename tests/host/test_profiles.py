@@ -1,4 +1,4 @@
-"""Backend profiles (apir.host.profiles): a backend without one supports nothing and computes
+"""Backend profiles (apir.host.graph.profiles): a backend without one supports nothing and computes
 no graph; a profile whose kernels do not read host memory (Vulkan's, RPC's) reads row ids
 through the backend, refuses them in guest memory and asks the device about every node.
 
@@ -11,11 +11,12 @@ import mmap
 import numpy as np
 import pytest
 
-import apir.host.backend_library as backend_library
+import apir.host.backend.library as backend_library
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.codec.graph import BufferTable, serialize_graph
 from apir.ggml.layout import tensor_record
-from apir.host import HostContext, profiles
+from apir.host import HostContext
+from apir.host.graph import profiles
 from tests.host.hostkit import DATA_RES, Guest, GgmlScratch, RemoteGraph, RepeatedGraph, cpu_compute, inline_tensor
 
 BLOB_RES = 3
@@ -31,8 +32,8 @@ def test_profile_for(reg_name, expect):
 
 
 def test_profiles_name_the_cpu_facts():
-    from apir.host.shapes import CHECKED_OPS
-    from apir.host.shapes.base import op_enums
+    from apir.host.graph.shapes import CHECKED_OPS
+    from apir.host.graph.shapes.base import op_enums
 
     assert profiles.CPU.rules is CHECKED_OPS and profiles.CPU.type_traits is op_enums
     assert profiles.CPU.host_addressable and profiles.CPU.plans_work_buffer
@@ -153,7 +154,7 @@ def test_device_memory_profile_reads_row_ids_through_the_backend(monkeypatch, gg
 
 def test_device_memory_profile_reads_no_host_address(monkeypatch, ggml):
     """The snapshot comes from TensorInfo.fetch, never from the buffer's address."""
-    from apir.host.shapes import base
+    from apir.host.graph.shapes import base
 
     import ctypes
     import types
@@ -178,7 +179,7 @@ def test_row_ids_in_guest_memory_are_read_from_the_checked_copy(monkeypatch, ggm
     snapshot itself; a device-memory one: a device buffer made for the graph, freed after).
     The ids are rewritten in guest memory right after the graph's checks; the result is still
     the checked ids'."""
-    from apir.host import graph as host_graph
+    from apir.host.graph import build as host_graph
 
     checked_ids, later_ids = [1, 2, 3, 4, 5], [0, 0, 0, 0, 0]
     want = _direct(ggml, _get_rows_graph, _rows_data(checked_ids))

@@ -1,4 +1,4 @@
-"""apir.host.rule_memo: a rule run once per group of equal inputs decides as running it on
+"""apir.host.graph.rule_memo: a rule run once per group of equal inputs decides as running it on
 every tensor would.
 
 A graph of four equal layers (mul_mat, add, get_rows with each layer's own ids, rms_norm,
@@ -12,12 +12,12 @@ import pytest
 
 from apir.codec._kernels import TABLE_KEY, group_sizes_kernel, rule_group_kernel
 from apir.codec.graph import parse_graph
-from apir.host import graph as hg
-from apir.host import rule_memo
+from apir.host.graph import build as hg
+from apir.host.graph import rule_memo
 from apir.host.errors import Refused
-from apir.host.graph import lib_op_enums
-from apir.host.rule_memo import Impure, Sealed, rule_groups
-from apir.host.shapes import TensorInfo
+from apir.host.graph.build import lib_op_enums
+from apir.host.graph.rule_memo import Impure, Sealed, rule_groups
+from apir.host.graph.shapes import TensorInfo
 from apir.host.tensors import Scratch
 from tests.host.hostkit import GgmlScratch, RemoteGraph
 

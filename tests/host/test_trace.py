@@ -1,4 +1,4 @@
-"""The call tracer (apir.host.trace): what `apir host serve --trace` records and `apir trace` prints."""
+"""The call tracer (apir.host.component.trace): what `apir host serve --trace` records and `apir trace` prints."""
 
 import json
 import struct
@@ -7,9 +7,9 @@ import pytest
 
 from apir.codec.constants import APIR_HANDSHAKE_MAGIC, ApirBackendCommandType, ApirCommandType
 from apir.devices import open_client
-from apir.host.local_kernel import default_context_factory
-from apir.host.local_server import LocalServer
-from apir.host.trace import CommandTrace, TraceError, format_trace, read_trace, traced_context_factory
+from apir.host.local.kernel import default_context_factory
+from apir.host.local.server import LocalServer
+from apir.host.component.trace import CommandTrace, TraceError, format_trace, read_trace, traced_context_factory
 from tests.local.hostproc import HostProcess
 
 HEADER = struct.Struct("<III")
@@ -163,7 +163,7 @@ def test_tensor_arguments_are_described_by_shape_and_type(tmp_path):
     import apir.ggml
     from apir.codec.records import RPC_TENSOR_DTYPE
     from apir.guest.client import ApirClient
-    from apir.host.component import HostContext
+    from apir.host.component.context import HostContext
     from tests.guest.hosts import SyncDevice
 
     g = apir.ggml.load()

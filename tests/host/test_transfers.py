@@ -1,4 +1,4 @@
-"""Deferred uploads and batched row-id reads (apir.host.transfers), on ggml CPU with a profile
+"""Deferred uploads and batched row-id reads (apir.host.backend.transfers), on ggml CPU with a profile
 that has `async_transfers` (Vulkan's, renamed): which copies are queued, when the queue is
 flushed, the staging bound, and where the synchronous path stays. ggml CPU has no async
 copies (ggml_backend_tensor_set_async copies at once there), so the bytes cannot tell a
@@ -11,11 +11,12 @@ import mmap
 import numpy as np
 import pytest
 
-import apir.host.backend_library as backend_library
+import apir.host.backend.library as backend_library
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.codec.graph import BufferTable, rpc_tensor_from_ggml
-from apir.host import HostContext, profiles
-from apir.host.transfers import DeviceTransfers
+from apir.host import HostContext
+from apir.host.graph import profiles
+from apir.host.backend.transfers import DeviceTransfers
 from tests.host.hostkit import Guest, GgmlScratch, RemoteGraph, RepeatedGraph, cpu_compute
 
 ASYNC = dataclasses.replace(profiles.VULKAN, name="async-device")

@@ -1,4 +1,4 @@
-"""Deferred uploads (apir.host.transfers) against a backend whose async copies really are
+"""Deferred uploads (apir.host.backend.transfers) against a backend whose async copies really are
 deferred: ggml CPU's ggml_backend_tensor_set_async / _get_async replaced by ones that compute
 the device address at the call (as ggml-vulkan does) but copy only at the backend's next
 ggml_backend_synchronize, and never for any other call (a synchronous set or get, a graph
@@ -14,11 +14,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-import apir.host.backend_library as backend_library
+import apir.host.backend.library as backend_library
 from apir.codec.graph import BufferTable, rpc_tensor_from_ggml
 from apir.codec.constants import ApirBackendCommandType as Cmd
-from apir.host import HostContext, profiles
-from apir.host.transfers import DEFAULT_STAGING_BYTES
+from apir.host import HostContext
+from apir.host.graph import profiles
+from apir.host.backend.transfers import DEFAULT_STAGING_BYTES
 from tests.host.hostkit import DATA_RES, Guest, GgmlScratch, RemoteGraph, RepeatedGraph, cpu_compute
 
 ASYNC = dataclasses.replace(profiles.VULKAN, name="async-device")

@@ -3,7 +3,7 @@
 Theory of operation: two `HostContext`s live in one process whose only ggml is the C reference
 build's (APIR_GGML_LIB_DIR / APIR_GGML_INCLUDE_DIR point at it, so the C backend library and
 apir's ggml binding share one libggml-base). One loads libggml-virtgpu-backend.so through
-`apir.host.c_library`, the other apir's built-in dispatcher. Each gets its own reply blob, data
+`apir.host.backend.c_library`, the other apir's built-in dispatcher. Each gets its own reply blob, data
 blob and buffer_from_ptr blob of the same sizes. A scripted session sends every one of the 23
 backend functions (some several times) as identical command bytes, except for the handles each
 host gave out earlier, which are substituted per side. Each reply is decoded with the layout the
@@ -107,8 +107,8 @@ def _config(paths: Dict[str, str], c_library: bool) -> Dict[str, str]:
 
 
 def make_sides(paths: Dict[str, str]) -> List[Side]:
-    from apir.host.c_library import c_library_factory
-    from apir.host.component import HostContext
+    from apir.host.backend.c_library import c_library_factory
+    from apir.host.component.context import HostContext
 
     sides = []
     for ctx_id, (name, is_c) in enumerate((("C", True), ("apir", False)), start=101):

@@ -5,7 +5,7 @@ guest, with either apir's Python dispatcher or a C backend library behind it.
                                        [--backend SPEC]
 
 `--c-library` makes every context load that C backend library (libggml-virtgpu-backend.so)
-through apir.host.c_library; without it the built-in Python dispatcher serves. The ggml this
+through apir.host.backend.c_library; without it the built-in Python dispatcher serves. The ggml this
 process uses is whatever APIR_GGML_LIB_DIR / APIR_GGML_INCLUDE_DIR select: the tests point them at
 the C reference build, so the C backend library and apir share one libggml (docs/interop.md).
 The server runs until SIGTERM / SIGINT.
@@ -35,9 +35,9 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     from apir.codec.constants import CONFIG_KEY_MAX_BLOBS
-    from apir.host.c_library import c_library_factory
-    from apir.host.component import HostContext
-    from apir.host.local_server import LocalServer
+    from apir.host.backend.c_library import c_library_factory
+    from apir.host.component.context import HostContext
+    from apir.host.local.server import LocalServer
 
     config = {}
     if args.c_library:
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
         config["apir.host.device_type"] = args.device_type
     # ggml's C guest (0.20) never destroys the blob of a host-memory buffer it frees
     # (docs/interop.md), so one test-backend-ops process holds about two blobs per case: the
-    # default of 1024 blobs per context (apir.host.limits) ended MUL_MAT_ID's 872 cases after
+    # default of 1024 blobs per context (apir.host.config) ended MUL_MAT_ID's 872 cases after
     # 511, when CREATE_BLOB failed and the C guest aborted. A quarter of Linux's default
     # vm.max_map_count (one host mapping per blob) leaves room for every op's cases.
     config.setdefault(CONFIG_KEY_MAX_BLOBS, "16384")

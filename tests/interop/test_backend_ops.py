@@ -85,7 +85,7 @@ def test_glu_ops(cref_paths, apir_host):
         assert apir.count(bo.OK) == cpu.count(bo.OK)
 
 
-# ggml's own cases of the ops of apir/host/shapes/tensor_ops.py (refused for want of a rule
+# ggml's own cases of the ops of apir/host/graph/shapes/tensor_ops.py (refused for want of a rule
 # before): ACC and SET place src1 by op_params, FILL in place or not, TRI's four types, ...
 TENSOR_OPS = [
     ("ACC", None),

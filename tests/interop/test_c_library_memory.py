@@ -1,4 +1,4 @@
-"""The C backend library behind apir's HostContext (apir.host.c_library) hands out fresh
+"""The C backend library behind apir's HostContext (apir.host.backend.c_library) hands out fresh
 buffers that read as zeros, like apir's own dispatcher (issue 13, class 5)."""
 
 import subprocess
@@ -11,7 +11,7 @@ from tests.interop.harness import REPO, c_build_env
 _SCRIPT = r"""
 import sys
 from apir.codec.constants import ApirBackendCommandType as Cmd
-from apir.host.component import HostContext
+from apir.host.component.context import HostContext
 from tests.host.hostkit import Guest, GgmlScratch, rpc_bytes, rpc_record
 import apir.ggml
 g = apir.ggml.load()

@@ -1,5 +1,5 @@
 """`apir host serve` with a C backend library named only in its configuration (the default
-library factory, apir.host.c_library.c_library_factory), and its refusal to mix two ggml
+library factory, apir.host.backend.c_library.c_library_factory), and its refusal to mix two ggml
 builds in one process."""
 
 import os
@@ -16,7 +16,7 @@ from tests.interop.harness import expected_matmul, parse
 _LOAD = r"""
 import sys
 from apir.codec.constants import ApirCommandType as T, ApirBackendCommandType as Cmd
-from apir.host.component import HostContext
+from apir.host.component.context import HostContext
 from tests.host.hostkit import Guest
 import apir.ggml
 apir.ggml.load()  # this process's ggml comes first: the C library binds its libggml-base

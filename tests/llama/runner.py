@@ -25,7 +25,7 @@ from tests.llama.build import build_dir
 
 HERE = Path(__file__).resolve().parent
 
-# host log lines that mean the host refused or failed a command (apir.host.dispatcher): any is
+# host log lines that mean the host refused or failed a command (apir.host.backend.dispatcher): any is
 # a failure of a llama.cpp run, whatever the guest printed
 HOST_ERROR = re.compile(r" (refused|failed): | ERROR | CRITICAL |Traceback")
 

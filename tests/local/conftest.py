@@ -1,6 +1,6 @@
 import pytest
 
-from apir.host.local_server import LocalServer
+from apir.host.local.server import LocalServer
 from tests.local.localkit import EchoContext
 
 

@@ -6,7 +6,7 @@ import os
 import socket
 import threading
 
-from apir.codec.local_wire import HELLO_MAGIC, WIRE_VERSION, ConnectionClosed, Op, fixed_reply
+from apir.local.wire import HELLO_MAGIC, WIRE_VERSION, ConnectionClosed, Op, fixed_reply
 from apir.codec.virtgpu import BLOB_ALIGNMENT
 from apir.local.socket_io import recv_message, send_message
 

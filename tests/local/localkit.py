@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from apir.codec.local_wire import HEADER, HELLO_MAGIC, WIRE_VERSION, Op
+from apir.local.wire import HEADER, HELLO_MAGIC, WIRE_VERSION, Op
 from apir.local.socket_io import recv_message
 
 

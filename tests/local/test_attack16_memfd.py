@@ -1,4 +1,4 @@
-"""Attack 16, the socket host's shared memory file (apir.host.local_memfile) and descriptors in
+"""Attack 16, the socket host's shared memory file (apir.host.local.memfile) and descriptors in
 the hands of a hostile guest, who holds the file's fd from HELLO on.
 
 - Seals the guest adds (the host seals only against shrinking, not F_SEAL_SEAL): F_SEAL_GROW,
@@ -28,7 +28,7 @@ import struct
 
 import pytest
 
-from apir.codec.local_wire import HEADER, Op, fixed_reply
+from apir.local.wire import HEADER, Op, fixed_reply
 from apir.local.socket_io import recv_message
 from tests.fdkit import fds_on
 from tests.local.localkit import hello, raw, request, wait_for

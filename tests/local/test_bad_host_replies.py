@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from apir.codec.local_wire import REPLY, Op
+from apir.local.wire import REPLY, Op
 from apir.guest.local import HostConnectionLost, LocalDevice
 from tests.fdkit import fds_on, target
 from tests.local.fakehost import FakeHost

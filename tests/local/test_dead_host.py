@@ -15,9 +15,9 @@ from apir.guest.client import ApirClient
 from apir.local.embedded import EmbeddedDevice
 from apir.guest.errors import DeviceError
 from apir.guest.local import HostConnectionLost, LocalDevice
-from apir.codec.local_wire import Op
+from apir.local.wire import Op
 from apir.guest.remote import DEFAULT_FORWARD_TIMEOUT_S, Remote
-from apir.host.local_server import LocalServer
+from apir.host.local.server import LocalServer
 from tests.local.hostproc import HostProcess
 
 BOUND_S = 10.0  # "at once" on a loaded machine; the call's own limit is 300 s

@@ -29,7 +29,7 @@ HOST_THREAD = "apir-embedded-host"
 @pytest.mark.parametrize("exec_wait_s", [0.0, 1.0])
 def test_a_command_without_an_apir_header_runs_on_the_host_thread(exec_wait_s):
     """The echo command (8 bytes) is too short for an APIR header: it may run long
-    (apir.host.component.may_run_long), so the host thread runs it, waited for or not."""
+    (apir.host.component.context.may_run_long), so the host thread runs it, waited for or not."""
     seen = []
 
     class Ctx(EchoContext):
@@ -186,7 +186,7 @@ def test_a_backend_off_host_memory_runs_every_command_on_the_host_thread(monkeyp
     wait forever on a device or a server), nothing runs inline: the guest's wait keeps its
     limit. HandShake, before LoadLibrary, still runs inline."""
     from apir.guest.client import ApirClient
-    from apir.host import component
+    from apir.host.component import context as component
 
     real = component._builtin_library
 

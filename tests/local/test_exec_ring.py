@@ -12,12 +12,12 @@ import time
 import pytest
 
 from apir.codec.constants import CONFIG_KEY_LOCAL_SPIN
-from apir.codec.local_wire import MAX_RING_COMMAND, REPLY, RING_SIZE, Op
+from apir.local.wire import MAX_RING_COMMAND, REPLY, RING_SIZE, Op
 from apir.guest.errors import IoctlError
 from apir.guest.local import HostConnectionLost, LocalDevice
-from apir.host import local_server
-from apir.host.local_kernel import KernelError
-from apir.host.local_server import LocalServer
+from apir.host.local import server as local_server
+from apir.host.local.kernel import KernelError
+from apir.host.local.server import LocalServer
 from apir.local.exec_ring import ExecRing
 from tests.local.fakehost import FakeHost
 from tests.local.localkit import EchoContext, hello, raw, request, wait_for

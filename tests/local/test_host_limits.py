@@ -15,9 +15,9 @@ import types
 import pytest
 
 import apir.guest.local as guest_local
-from apir.codec.local_wire import HEADER, Op
+from apir.local.wire import HEADER, Op
 from apir.guest.local import HostConnectionLost, LocalDevice
-from apir.host.local_server import LocalServer
+from apir.host.local.server import LocalServer
 from tests.local.localkit import EchoContext, hello, raw, request, wait_for
 
 
@@ -121,8 +121,8 @@ def test_a_connection_without_hello_is_closed_at_its_deadline(make_server):
 
 _LOW_FD_HOST = r"""
 import os, resource, sys, time
-import apir.host.component  # imported now: lazy imports need descriptors the test takes away
-from apir.host.local_server import LocalServer
+import apir.host.component.context  # imported now: lazy imports need descriptors the test takes away
+from apir.host.local.server import LocalServer
 
 srv = LocalServer(sys.argv[1], config={"apir.local.max_connections": "1000",
                                        "apir.local.hello_timeout_s": "600"}).start()

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from apir.host.local_memfile import MemFile, MemFileFull
+from apir.host.local.memfile import MemFile, MemFileFull
 
 
 def test_ranges_are_aligned_shared_and_reused():

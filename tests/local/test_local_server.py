@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from apir.codec.local_wire import HEADER, HELLO_MAGIC, Op
+from apir.local.wire import HEADER, HELLO_MAGIC, Op
 from apir.codec.virtgpu import VirtgpuParam
 from apir.guest.client import ApirClient
 from apir.guest.errors import IoctlError
 from apir.guest.local import HostConnectionLost, LocalDevice, host_stats
-from apir.host.local_server import LocalServer
+from apir.host.local.server import LocalServer
 from apir.local.socket_io import recv_message
 from tests.local.hostproc import HostProcess
 from tests.local.localkit import EchoContext, hello, raw, request, wait_for
@@ -297,8 +297,8 @@ def test_a_new_guest_cannot_read_a_departed_guests_buffer(tmp_path):
 
 def test_spin_after_a_reply_is_configured_and_bounded(tmp_path):
     """`apir.local.spin_s`: the default, a value, and a value past MAX_LOCAL_SPIN_S (capped)."""
-    from apir.host import local_server as ls
-    from apir.host.limits import DEFAULT_LOCAL_SPIN_S
+    from apir.host.local import server as ls
+    from apir.host.config import DEFAULT_LOCAL_SPIN_S
 
     for config, want in ((None, DEFAULT_LOCAL_SPIN_S), ({"apir.local.spin_s": "0"}, 0.0),
                          ({"apir.local.spin_s": "0.002"}, 0.002), ({"apir.local.spin_s": "5"}, ls.MAX_LOCAL_SPIN_S)):
@@ -316,7 +316,7 @@ def test_poll_for_request_returns_on_data_at_its_deadline_or_when_spinning_does_
     import socket
     import types
 
-    from apir.host import local_server as ls
+    from apir.host.local import server as ls
 
     a, b = socket.socketpair()
     poller = select.poll()
@@ -355,7 +355,7 @@ def test_an_idle_connection_stops_spinning(tmp_path, monkeypatch):
     blocks in recv: a guest connected and idle (the only one, spin_s at its cap, spinning made
     to pay), its thread uses no CPU. Spinning past the deadline would use a core."""
     from apir.codec.virtgpu import VirtgpuParam
-    from apir.host import local_server as ls
+    from apir.host.local import server as ls
 
     monkeypatch.setattr(ls, "spinning_pays", lambda: True)
     srv = LocalServer(str(tmp_path / "spin.sock"), config={"apir.local.spin_s": "1"}, context_factory=EchoContext)
@@ -384,7 +384,7 @@ def test_a_connection_spins_only_while_it_is_the_only_one(tmp_path, monkeypatch)
     waits for the spin to end (a neighbour making a small call every 150 us raised another
     guest's p50 1.3-2x, 2 cores). So a connection polls for its next request only while it is
     the server's only connection."""
-    from apir.host import local_server as ls
+    from apir.host.local import server as ls
 
     class Poller:
         def __init__(self):

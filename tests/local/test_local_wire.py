@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from apir.codec.local_wire import (
+from apir.local.wire import (
     HEADER, MAX_PAYLOAD, REPLY, REQUEST, ConnectionClosed, Op, WireError, pack_message,
 )
 from apir.local.socket_io import recv_message, send_message

@@ -197,7 +197,7 @@ def test_progress_bar_draws_on_its_stream():
 def test_the_embedded_host_computes_on_the_free_cores_or_threads(capsys, minilm, monkeypatch, argv, threads):
     """The embedded host gets apir.host.n_threads: --threads, else "free" (each graph on the
     cores other processes leave free, one here); the embeddings are the same bytes."""
-    from apir.host import backend_library
+    from apir.host.backend import library as backend_library
     from apir.models import backends
 
     configs = []

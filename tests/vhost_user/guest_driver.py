@@ -12,7 +12,7 @@ from apir.codec import virtgpu
 from apir.codec.virtgpu import VirtioGpuCtrlType as T
 from apir.guest.device import Blob
 from apir.guest.errors import DeviceError
-from apir.host.local_kernel import GETPARAMS
+from apir.host.local.kernel import GETPARAMS
 
 from .frontend import FakeFrontend, hdr, resp_type
 

@@ -10,7 +10,7 @@ import pytest
 
 from apir.codec.virtgpu import VirtioGpuCtrlType as T
 from apir.guest.client import ApirClient
-from apir.host.trace import read_trace
+from apir.host.component.trace import read_trace
 
 from .conftest import wait_for
 

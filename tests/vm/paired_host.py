@@ -17,10 +17,10 @@ import signal
 import sys
 import threading
 
-import apir.host.component  # noqa: F401 - now, not at the first CTX_CREATE (as apir host vhost-user)
-from apir.host.local_kernel import default_context_factory
+import apir.host.component.context  # noqa: F401 - now, not at the first CTX_CREATE (as apir host vhost-user)
+from apir.host.local.kernel import default_context_factory
 from apir.host.vhost_user import VhostUserServer
-from apir.host.local_kernel import ggml_buffer_count
+from apir.host.local.kernel import ggml_buffer_count
 
 
 def main(argv):

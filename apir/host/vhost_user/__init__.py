@@ -2,7 +2,7 @@
 
 QEMU 11.1's generic `vhost-user-test-device-pci` (virtio-id 16) connects to `VhostUserServer`'s
 socket; the guest kernel's virtio_gpu driver then talks to `GpuDevice`, whose APIR contexts are
-`apir.host.component.HostContext`s. Modules, one job each:
+`apir.host.component.context.HostContext`s. Modules, one job each:
 
     protocol        the vhost-user message codec (requests, features, framing, fds)
     memory          guest RAM through the memory table, every access bounds-checked

@@ -21,7 +21,7 @@ does the same for every context: the front-end is gone.
 
 Every field of a command is the guest's: unknown ids, short bodies, sizes and offsets out of
 range, unknown flags get a VIRTIO_GPU_RESP_ERR_* response, and the next command is served.
-What one VM may hold is bounded (apir.host.limits: apir.vhost.*).
+What one VM may hold is bounded (apir.host.config: apir.vhost.*).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from apir.codec.constants import (
     CONFIG_KEY_VHOST_MAX_RESOURCES,
     CapsetApir,
 )
-from apir.codec.local_wire import MAX_EXEC_COMMAND
+from apir.local.wire import MAX_EXEC_COMMAND
 from apir.codec.virtgpu import (
     VIRTGPU_BLOB_FLAG_USE_MAPPABLE,
     VIRTGPU_BLOB_MEM_HOST3D,
@@ -54,13 +54,13 @@ from apir.codec.virtgpu import (
     VIRTIO_GPU_SHM_ID_HOST_VISIBLE,
     VirtioGpuCtrlType as T,
 )
-from apir.host.limits import (
+from apir.host.config import (
     DEFAULT_VHOST_MAX_BLOB_BYTES,
     DEFAULT_VHOST_MAX_CONTEXTS,
     DEFAULT_VHOST_MAX_RESOURCES,
     config_limit,
 )
-from apir.host.local_kernel import CAPSET_APIR_VERSION, ApirContext, ContextFactory, ggml_buffer_count
+from apir.host.local.kernel import CAPSET_APIR_VERSION, ApirContext, ContextFactory, ggml_buffer_count
 from apir.host.vhost_user.backend_channel import BackendChannel, BackendError
 from apir.host.vhost_user.completion import FenceOrder, Ticket
 from apir.host.vhost_user.context_worker import ContextWorker
@@ -243,7 +243,7 @@ class GpuDevice:
         return response(hdr, T.RESP_OK_CAPSET_INFO, info)
 
     def _get_capset(self, hdr: Header, body: bytes, ticket, reply) -> bytes:
-        # Both capsets answer with the APIR struct (apir.host.local_kernel.KernelContext.get_caps).
+        # Both capsets answer with the APIR struct (apir.host.local.kernel.KernelContext.get_caps).
         capset_id, version = unpack_body(GET_CAPSET_REQ, body, "GET_CAPSET")
         if capset_id not in self.capsets or version > CAPSET_MAX_VERSION:
             raise GpuError(T.RESP_ERR_INVALID_PARAMETER, f"no capset {capset_id} version {version}")

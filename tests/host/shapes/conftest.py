@@ -1,4 +1,4 @@
-"""tests/host/shapes: one test file per rule module of apir.host.shapes. A run is *complete*
+"""tests/host/shapes: one test file per rule module of apir.host.graph.shapes. A run is *complete*
 when it holds tests of every file here and none of them was deselected; then
 test_checked_ops.py's coverage check, moved to the end of the run, checks what the other
 tests recorded (tests/host/shapekit.py's COVERAGE)."""

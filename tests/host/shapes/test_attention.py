@@ -1,4 +1,4 @@
-"""apir.host.shapes.attention: FLASH_ATTN_EXT, the linear-attention and state-space ops
+"""apir.host.graph.shapes.attention: FLASH_ATTN_EXT, the linear-attention and state-space ops
 (RWKV_WKV6/7, GATED_LINEAR_ATTN, SSM_CONV, SSM_SCAN, GATED_DELTA_NET), LIGHTNING_INDEXER and
 the DSV4 hyper-connection ops, in the forms test-backend-ops builds. Each case, built with
 ggml's own constructor, computes through the host to ggml CPU's own bytes; a lying shape,
@@ -10,7 +10,7 @@ gigabytes are shown on the rules themselves (`infos_check`)."""
 import numpy as np
 import pytest
 
-from apir.host.shapes import base, op_enums
+from apir.host.graph.shapes import base, op_enums
 from tests.host.childkit import refusal_in_child
 from apir.ggml.features import Feature
 from tests.host.shapekit import (
@@ -264,7 +264,7 @@ def test_ssm_scan_state_ids_out_of_range(guest, ggml, bad):
                                  pytest.param([INT32_MAX, 0], id="SSM_SCAN-id-max")])
 def test_ssm_scan_state_ids_out_of_range_on_a_cache_hit(guest, ggml, bad):
     """The same graph again (a graph cache hit: fresh ids checked against the bound the rule
-    recorded, apir.host.graph_cache): ids out of range are refused with the rule's reason (the
+    recorded, apir.host.graph.cache): ids out of range are refused with the rule's reason (the
     kernel would read states from s + ids[i] * nb[3], unchecked), and good ids then computed to
     ggml CPU's bytes."""
     case = Case("SSM_SCAN", _ssm_scan(), data={6: lambda n, r: np.array([2, 0], np.int32)})

@@ -1,4 +1,4 @@
-"""apir.host.shapes.backward: the training ops (SILU_BACK, RMS_NORM_BACK, SOFT_MAX_BACK,
+"""apir.host.graph.shapes.backward: the training ops (SILU_BACK, RMS_NORM_BACK, SOFT_MAX_BACK,
 CROSS_ENTROPY_LOSS[_BACK], OPT_STEP_ADAMW / _SGD) in the forms test-backend-ops builds. Each
 case, built with ggml's own constructor, computes through the host to ggml CPU's own bytes; a
 lying shape or parameter is refused by that op's rule (asserted on the refusal's node, op,

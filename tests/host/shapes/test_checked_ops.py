@@ -1,4 +1,4 @@
-"""apir.host.shapes (the package: CHECKED_OPS, the merge of the rule modules' RULES): every
+"""apir.host.graph.shapes (the package: CHECKED_OPS, the merge of the rule modules' RULES): every
 op the host checks, in the loaded ggml, has an accepted case (computed through the host to
 ggml CPU's bytes) and a case refused by its own rule, in the test file of its rule module
 (tests/host/shapes/test_<module>.py). The cases record themselves as they pass
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from apir.host.shapes import CHECKED_OPS, attention, backward, elementwise, layout, op_enums, rope
+from apir.host.graph.shapes import CHECKED_OPS, attention, backward, elementwise, layout, op_enums, rope
 from tests.host.shapekit import COVERAGE
 from tests.host.shapes.conftest import RUN
 
@@ -47,7 +47,7 @@ RULE_MODULES = sorted({_module(op) for op in CHECKED_OPS})
 
 @pytest.mark.parametrize("module", RULE_MODULES)
 def test_every_rule_module_has_a_test_file(module):
-    assert (HERE / f"test_{module}.py").exists(), f"apir.host.shapes.{module} has no tests/host/shapes/test_{module}.py"
+    assert (HERE / f"test_{module}.py").exists(), f"apir.host.graph.shapes.{module} has no tests/host/shapes/test_{module}.py"
 
 
 def test_audit_table_has_a_row_per_op():

@@ -1,4 +1,4 @@
-"""apir.host.shapes.conv: the convolution, pooling and image ops (IM2COL[_BACK|_3D],
+"""apir.host.graph.shapes.conv: the convolution, pooling and image ops (IM2COL[_BACK|_3D],
 COL2IM_1D, CONV_2D[_DW], CONV_3D, CONV_TRANSPOSE_1D/_2D, POOL_1D/_2D[_BACK], UPSCALE,
 PAD_REFLECT_1D, ROLL, WIN_PART / WIN_UNPART, GET_REL_POS / ADD_REL_POS). Each case, built with
 ggml's own constructor, computes through the host to ggml CPU's own bytes; a lying shape or
@@ -17,9 +17,9 @@ import pytest
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.codec.records import rpc_tensor_dtype
 from apir.host.errors import Refused
-from apir.host.shapes import base
-from apir.host.shapes import conv as rules
-from apir.host.shapes import op_enums
+from apir.host.graph.shapes import base
+from apir.host.graph.shapes import conv as rules
+from apir.host.graph.shapes import op_enums
 from tests.host.hostkit import DATA_RES, GgmlScratch, RemoteGraph
 from tests.host.kernelkit import (
     I32,
@@ -333,7 +333,7 @@ def test_conv_2d_dw_f16_kernel_by_version(guest, ggml):
 def test_nearest_index_fits(n_dst, n_src, align, ok):
     """UPSCALE's nearest index `i / sf` in float: 2**24 + 1 from 3 rounds sf to 2**24 / 3, so
     the last index, (float) 2**24 / sf, is 3.0: one past src0's 3 (ggml CPU would read it)."""
-    from apir.host.shapes.conv import _nearest_index_fits
+    from apir.host.graph.shapes.conv import _nearest_index_fits
 
     assert _nearest_index_fits(n_dst, n_src, align) is ok
 
@@ -587,8 +587,8 @@ def test_conv_2d_zero_kernel_dim_is_still_refused(guest, ggml):
 def test_conv_3d_zero_kernel_is_refused_off_the_cpu(ggml):
     """The exemption is a fact of ggml-cpu's kernel: the Vulkan and RPC profiles (whose kernels
     were not read for it) keep the generic refusal; the CPU's rules accept it."""
-    from apir.host import profiles
-    from apir.host.shapes import check_node
+    from apir.host.graph import profiles
+    from apir.host.graph.shapes import check_node
 
     k = info(0, "F32", [0, 1, 1, 1])
     x = info(1, "F32", [2, 2, 2, 1])

@@ -1,4 +1,4 @@
-"""apir.host.shapes.elementwise: the element-wise ops (unary math, UNARY, GLU, ADD / SUB / MUL /
+"""apir.host.graph.shapes.elementwise: the element-wise ops (unary math, UNARY, GLU, ADD / SUB / MUL /
 DIV / ADD1 with broadcast, casts and quantized rows, SCALE, CLAMP, LEAKY_RELU), the norms
 (NORM, RMS_NORM, L2_NORM, GROUP_NORM), SOFT_MAX and DIAG_MASK_INF / _ZERO, in the forms
 test-backend-ops builds (permuted, in place, views with gaps). Each case, built with ggml's own
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
-from apir.host.shapes import base, op_enums
+from apir.host.graph.shapes import base, op_enums
 from tests.host.childkit import refusal_in_child
 from apir.ggml.features import Feature
 from tests.host.shapekit import (

@@ -1,4 +1,4 @@
-"""apir.host.shapes.layout: the ops that move, copy or reduce elements without arithmetic on
+"""apir.host.graph.shapes.layout: the ops that move, copy or reduce elements without arithmetic on
 them (CPY, CONT, DUP, CONCAT, PAD, REPEAT[_BACK], the views NONE / VIEW / RESHAPE / PERMUTE /
 TRANSPOSE), the reductions and index ops (SUM, SUM_ROWS, MEAN, ARGMAX, COUNT_EQUAL, ARGSORT,
 TOP_K) and the generators (ARANGE, TIMESTEP_EMBEDDING), in the forms test-backend-ops builds
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
-from apir.host.shapes import base, op_enums
+from apir.host.graph.shapes import base, op_enums
 from tests.host.childkit import refusal_in_child
 from apir.ggml.features import Feature
 from tests.host.shapekit import (

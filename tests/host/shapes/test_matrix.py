@@ -1,4 +1,4 @@
-"""apir.host.shapes.matrix: MUL_MAT, MUL_MAT_ID, OUT_PROD, GET_ROWS, GET_ROWS_BACK, SET_ROWS and
+"""apir.host.graph.shapes.matrix: MUL_MAT, MUL_MAT_ID, OUT_PROD, GET_ROWS, GET_ROWS_BACK, SET_ROWS and
 ADD_ID in the layouts test-backend-ops uses (permuted and broadcast sources, F16 / BF16 /
 quantized types, ids that are views). Each case, built with ggml's own constructor, computes
 through the host to ggml CPU's own bytes; a lying shape is refused by the op's rule (asserted
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
-from apir.host.shapes import matrix as rules
-from apir.host.shapes import op_enums
-from apir.host.shapes.base import check_span, rule_name
+from apir.host.graph.shapes import matrix as rules
+from apir.host.graph.shapes import op_enums
+from apir.host.graph.shapes.base import check_span, rule_name
 from tests.host.kernelkit import (
     I32,
     Cover,
@@ -313,7 +313,7 @@ def test_row_ids_computed_by_the_graph_are_refused(guest, ggml):
     # refused for the values found there before compute (GET_ROWS' rule), or else by the
     # graph's check of what the rules read, naming the argsort node that writes them
     by_rule = (got.op, got.rule) == ("GET_ROWS", rule_name(rules.RULES["GET_ROWS"]))
-    assert by_rule or (got.op, got.rule) == ("ARGSORT", "apir.host.graph._check_graph_needs"), (got.rule, str(got))
+    assert by_rule or (got.op, got.rule) == ("ARGSORT", "apir.host.graph.build._check_graph_needs"), (got.rule, str(got))
     assert got.reason.startswith("row id out of" if by_rule else "row ids read before compute"), got.reason
     assert guest.forward(Cmd.DEVICE_GET_COUNT)[0] == 0
     r.close()
@@ -329,8 +329,8 @@ def test_row_ids_written_by_a_copy_are_refused(guest, ggml):
     case = Case("GET_ROWS", build, data={1: _ints(6), 2: _bad([0, 99, 1])})
     r = Remote(guest, ggml, case)
     got = refusal(r, serves_next=False)
-    # refused by the graph's check of what the rules read (apir.host.graph), naming the CPY
-    assert (got.op, got.rule) == ("CPY", "apir.host.graph._check_graph_needs"), (got.op, got.rule, str(got))
+    # refused by the graph's check of what the rules read (apir.host.graph.build), naming the CPY
+    assert (got.op, got.rule) == ("CPY", "apir.host.graph.build._check_graph_needs"), (got.op, got.rule, str(got))
     assert got.reason.startswith("row ids read before compute, but node"), got.reason
     assert guest.forward(Cmd.DEVICE_GET_COUNT)[0] == 0
     r.close()
@@ -364,7 +364,7 @@ def test_set_rows_f16_on_several_threads_is_refused(guest, ggml):
     r = Remote(guest, ggml, case)
     got = refusal(r, serves_next=False)
     # the SET_ROWS rule marks its node one-thread; the graph check refuses the graph
-    assert (got.op, got.rule) == ("SET_ROWS", "apir.host.graph._check_graph_needs"), (got.op, got.rule, str(got))
+    assert (got.op, got.rule) == ("SET_ROWS", "apir.host.graph.build._check_graph_needs"), (got.op, got.rule, str(got))
     assert got.reason.startswith("only safe on one thread"), got.reason
     r.close()
 
@@ -413,8 +413,8 @@ def test_kernel_reads_the_ids_that_were_checked(guest, ggml, monkeypatch):
     """The guest may write its buffers while the host computes: the ids checked are copied and
     the kernel reads the copy. Here the ids' buffer is zeroed right after the checks (as a
     racing guest would): the result is still that of the ids checked."""
-    from apir.host import graph as host_graph
-    from apir.host.shapes.base import extent
+    from apir.host.graph import build as host_graph
+    from apir.host.graph.shapes.base import extent
 
     real = host_graph._check_graph_needs
 
@@ -540,7 +540,7 @@ KERNEL_ASSERTS: dict[str, dict[str, Cover]] = {
         "nb1 <= nb2": v(("nb", "dst", 2, 16)),
         "nb2 <= nb3": v(("nb", "dst", 3, 30)),
         "params->wsize >= (size_t)((char *) wdata_cur - (char *) params->wdata)":
-            Why("ggml_graph_plan sizes the work buffer with this formula; apir.host.work_plan bounds the plan"),
+            Why("ggml_graph_plan sizes the work buffer with this formula; apir.host.graph.work_plan bounds the plan"),
         "src1->type == GGML_TYPE_F32": v(("type", "src1", 0, I32)),
     },
 }

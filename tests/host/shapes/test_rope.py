@@ -1,4 +1,4 @@
-"""apir.host.shapes.rope: ROPE and ROPE_BACK in the forms test-backend-ops builds (normal,
+"""apir.host.graph.shapes.rope: ROPE and ROPE_BACK in the forms test-backend-ops builds (normal,
 NeoX, multi-section, interleaved and vision modes; frequency factors; F16; views; in place).
 Each case, built with ggml's own constructor, computes through the host to ggml CPU's own
 bytes; a lying shape or parameter is refused by the rope rule (asserted on the refusal's node,
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from apir.ggml.layout import tensor_record
-from apir.host.shapes import base, op_enums
+from apir.host.graph.shapes import base, op_enums
 from apir.ggml.features import Feature
 from tests.host.shapekit import (
     edited_refusal,

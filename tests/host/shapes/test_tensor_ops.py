@@ -1,4 +1,4 @@
-"""apir.host.shapes.tensor_ops: ACC, SET, CUMSUM, FILL, DIAG, TRI and SOLVE_TRI in the forms
+"""apir.host.graph.shapes.tensor_ops: ACC, SET, CUMSUM, FILL, DIAG, TRI and SOLVE_TRI in the forms
 test-backend-ops builds (in place, views, I32). Each case, built with ggml's own constructor,
 computes through the host to ggml CPU's own bytes; a lying shape, type or op_param is refused
 by that op's rule (asserted on the refusal's node, op, rule and reason), and the host serves
@@ -8,8 +8,8 @@ that the rule refuses or the reason none reaches it (tests/host/kernelkit.py).""
 import numpy as np
 import pytest
 
-from apir.host.shapes import op_enums
-from apir.host.shapes import tensor_ops as rules
+from apir.host.graph.shapes import op_enums
+from apir.host.graph.shapes import tensor_ops as rules
 from tests.host.kernelkit import (
     I32,
     Cover,

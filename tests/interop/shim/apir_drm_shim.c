@@ -47,7 +47,7 @@
 #define APIR_SHIM_NODE "/dev/dri/apir-local-renderD128"
 #define APIR_SHIM_SOCKET_ENV "APIR_SHIM_SOCKET"
 
-/* the local transport's wire (apir/codec/local_wire.py) */
+/* the local transport's wire (apir/local/wire.py) */
 #define WIRE_HELLO_MAGIC 0x52495041u /* "APIR" */
 #define WIRE_VERSION 1u
 enum wire_op {

@@ -1,0 +1,156 @@
+"""Backend handler (C `backend-dispatched-backend.cpp`): graph_compute.
+
+Arguments: u32 res_id, size_t cgraph_size; the serialized graph is bytes [0, cgraph_size) of
+that shared-memory resource. Reply: the `enum ggml_status` (i32) of the compute. The size is
+checked against the resource's real size (the C has a placeholder there), the graph is
+parsed and checked (`parse_graph`, `apir.host.graph.build`), ggml's planned work buffer is bounded
+by the context's work budget (`apir.host.graph.work_plan`), and only a graph that passes is
+computed (on a backend without a profile, apir.host.graph.profiles, none is); one that does not
+is refused (BACKEND_RC_ERROR, no status). On a profile with `caches_graphs` (CPU, Vulkan,
+RPC) a graph whose structure the context computed before reuses that built graph after the
+re-checks `apir.host.graph.cache` describes: a graph built before, sent again with the same
+bytes or under other tensor ids, is matched where it lies, before any parse
+(`GraphCache.take_same`), else the parsed graph's key is looked up (`prepare_graph`). The compute runs under the
+context's abort flag: past `apir.host.graph_time_limit_s`, or once the context is being
+destroyed, it stops and the status is GGML_STATUS_ABORTED.
+
+Nodes without GGML_TENSOR_FLAG_COMPUTE are skipped by ggml (ggml_build_forward_select leaves
+the branches it does not select without it), so such a graph is computed as ggml computes it;
+a graph in which no node has the flag computes nothing and reports SUCCESS, as on the C host:
+that is logged as a warning (once per built graph), since it is almost always a guest that
+forgot the flag.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from apir.codec.graph import GraphError, ParsedGraph, parse_graph
+from apir.codec.wire import Decoder, Encoder
+from apir.host.errors import BACKEND_RC_OK, Refused, log
+from apir.host.graph.build import BuiltGraph, build_graph_parts, graph_scratch, lib_op_enums
+from apir.host.graph.cache import GraphCache, GraphCacheEntry, GraphWire, graph_key, graph_wire, link_key
+from apir.host.graph.profiles import CPU
+from apir.host.tensors import Scratch
+from apir.host.graph.work_plan import check_work_size
+
+if TYPE_CHECKING:  # annotations only: backend_library imports the dispatcher, which imports this module
+    from apir.host.backend.library import PythonBackendLibrary
+
+__all__ = ["graph_compute", "prepare_graph"]
+
+
+def graph_compute(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+    g, chk = lib.g, lib.checker
+    res_id, size = dec.u32(), dec.size_t()
+    if dec.fatal:
+        raise Refused("backend_graph_compute: truncated arguments")
+    if getattr(lib, "profile", CPU) is None:
+        raise Refused(
+            f"backend_graph_compute: the host has no profile of backend {lib.backend_name!r} "
+            "(apir.host.graph.profiles): it computes no graph there"
+        )
+    res = lib.shmem(res_id, "backend_graph_compute")
+    if size == 0 or size > res.size:
+        raise Refused(f"backend_graph_compute: graph of {size} bytes in resource {res_id} ({res.size} bytes)")
+    # only where the backend's compute leaves the built graph as it was (the profile says so)
+    cache = getattr(lib, "graph_cache", None) if getattr(lib, "profile", CPU).caches_graphs else None
+    entry = _same_graph_again(lib, cache, res.memory, size)
+    if entry is None:
+        try:
+            parsed = parse_graph(res.memory, 0, size, limits=g.limits, op_count=g.op_count, type_valid=chk.valid_types)
+        except GraphError as exc:
+            raise Refused(f"backend_graph_compute: {exc}") from None
+        wire = graph_wire(parsed) if cache is not None else None
+        entry = prepare_graph(lib, parsed, cache, wire)
+        if wire is not None:
+            entry.remember_wire(wire)
+    try:
+        check_work_size(lib, entry.graph, entry.planned)  # before the CPU backend allocates its work buffer
+        lib.set_graph_threads()  # no more than the work-size bound planned with
+        # under the context's time limit and cancellation (apir.host.backend.compute_abort)
+        status = lib.abort.run(g.ggml_backend_graph_compute, lib.backend, entry.graph)
+        g.ggml_backend_synchronize(lib.backend)
+    except BaseException:
+        entry.close()
+        raise
+    if cache is not None:
+        cache.put(entry)
+    else:
+        entry.close()
+    enc.i32(status)
+    return BACKEND_RC_OK
+
+
+def prepare_graph(
+    lib: PythonBackendLibrary, parsed: ParsedGraph, cache: Optional[GraphCache], wire: Optional[GraphWire] = None
+) -> GraphCacheEntry:
+    """The checked, built host graph of `parsed`: from `cache` (an `apir.host.graph.cache`
+    GraphCache, or None) when it holds the same structure and the re-check passes, else
+    checked and built in full. `wire`: `graph_wire(parsed)`, given by a caller that looked in
+    `cache` in place first (`GraphCache.take_same`, as graph_compute does) and will keep it on
+    the entry; where it compares (`GraphWire.compares`), that look found every entry of this
+    graph's key, so no key is made or looked up, and the entry keeps the counts and index
+    arrays alone (`link_key`: what `take_same` reads). Raises Refused; the caller owns the
+    entry (put it back or close it)."""
+    enums = lib_op_enums(lib)
+    if cache is not None and wire is not None and wire.compares:
+        key = link_key(parsed)
+        cache.misses += 1  # (take_same found none: the miss `take` would have counted)
+    else:
+        key = graph_key(parsed) if cache is not None else b""
+        entry = _rechecked(lib, cache.take(key, lib) if cache is not None else None, enums)
+        if entry is not None:
+            return entry
+    _warn_if_nothing_to_compute(lib.g, parsed)  # (a hit has the same flags: warned once)
+    scratch = graph_scratch(lib, parsed)
+    try:
+        built = build_graph_parts(lib, parsed, scratch, enums)
+    except BaseException:
+        scratch.close()
+        raise
+    return _entry(key, scratch, built, parsed)
+
+
+def _same_graph_again(
+    lib: PythonBackendLibrary, cache: Optional[GraphCache], memory, size: int
+) -> Optional[GraphCacheEntry]:
+    """The cache entry whose graph the guest sent again, where the host reads: byte for byte
+    or under other ids (`GraphCache.take_same`: no parse, no key), after its row ids' re-check; None when
+    there is none (or the re-check asks for a rebuild). Raises Refused as the re-check does."""
+    entry = cache.take_same(memory, size, lib) if cache is not None else None
+    return _rechecked(lib, entry, lib_op_enums(lib)) if entry is not None else None
+
+
+def _rechecked(lib: PythonBackendLibrary, entry: Optional[GraphCacheEntry], enums) -> Optional[GraphCacheEntry]:
+    """`entry` (taken from the cache) after its re-check (`GraphCacheEntry.recheck`), or None
+    (closed) when the re-check asks for a rebuild; closed and re-raised when it refuses."""
+    if entry is None:
+        return None
+    try:
+        fresh = entry.recheck(lib, enums)
+    except BaseException:
+        entry.close()
+        raise
+    if fresh:
+        return entry
+    entry.close()
+    return None
+
+
+def _entry(key: bytes, scratch: Scratch, built: BuiltGraph, parsed: ParsedGraph) -> GraphCacheEntry:
+    """The cache entry of a graph just built (its scratch context now owned by the entry)."""
+    readers = sorted({j for info in built.infos.made() if info.snapshot is not None for j in info.read_by or ()})
+    return GraphCacheEntry(key, scratch, built.graph, built.host, built.buffers, built.infos, built.src_rows, readers)
+
+
+def _warn_if_nothing_to_compute(g, parsed) -> None:
+    compute = g.tensor_flags.get("COMPUTE", 0)
+    nodes = parsed.tensors["flags"][parsed.node_index]
+    if compute and len(nodes) and not (nodes & compute).any():
+        log.warning(
+            "backend_graph_compute: none of the graph's %d nodes has GGML_TENSOR_FLAG_COMPUTE (%d): "
+            "ggml computes nothing and reports success",
+            len(nodes),
+            compute,
+        )

@@ -1,0 +1,181 @@
+"""A context's asynchronous copies to and from device memory: deferred uploads, batched reads.
+
+Theory of operation: on a backend whose buffers are device memory (ggml-vulkan), every
+synchronous `ggml_backend_tensor_set` / `_get` records a copy, submits it and waits for its
+fence; a decoding guest sends about 14 small `buffer_set_tensor` per token, and a cached
+graph's hit reads 3-4 row-id tensors back, each paying that round trip. Where the backend's
+profile says its async copies were read (`BackendProfile.async_transfers`, apir.host.graph.profiles),
+a `DeviceTransfers` per context turns them into one fence per batch:
+
+- **Deferred uploads** (`upload`): `buffer_set_tensor` into a device buffer copies the guest's
+  bytes at once into this context's staging memory (the guest may overwrite its data window as
+  soon as the reply is sent) and queues `ggml_backend_tensor_set_async` from there. Nothing
+  else of the guest is read later; the command's checks and its error come before, as for a
+  synchronous set.
+- **Flush** (`flush`): `ggml_backend_synchronize`, after which every queued copy is in device
+  memory and the staging is free again. The dispatcher flushes at the start of every backend
+  command other than `buffer_set_tensor` (graph_compute, get/cpy_tensor, clear, free_buffer,
+  get_base, device queries...), and a set that is not deferred flushes first: whatever could
+  read or free device memory, or depends on it, sees the uploads in the order the guest sent
+  them. The context's buffers are freed (free_buffer, a removed resource, deinit) only after a
+  flush.
+  The flush is needed even where ggml-vulkan orders its own work: its graph_compute
+  GGML_ASSERTs that no copy is pending in its compute context when GGML_VK_PERF_LOGGER is set,
+  and with a dedicated transfer queue (AMD dGPUs) an async get is not ordered after an async
+  set queued before it (the get's submission waits only on transfers submitted already).
+- **Bound**: the staging is `capacity` bytes (DEFAULT_STAGING_BYTES, made on first use and kept
+  until `close`); an upload that does not fit behind the queued ones flushes first, and one
+  larger than the whole staging goes the synchronous way. A guest cannot make the host hold
+  more. (Not charged to the context's buffer budget: a fixed amount per context, like its
+  row-ids device buffer.)
+- **Batched reads** (`read`): the row ids a cached graph re-checks (apir.host.graph.cache) are
+  read with `ggml_backend_tensor_get_async` into the staging and one synchronize per
+  staging-full, then copied out.
+
+Which copies qualify (`eligible`): only a buffer ggml allocated (not one wrapping guest memory,
+`buffer_from_ptr`: the guest reads that memory itself) whose type is the backend's default
+buffer type (`ggml_backend_buffer_get_type(buf) == ggml_backend_get_default_buffer_type(backend)`).
+ggml-vulkan's set/get_tensor_async GGML_ASSERT a buffer of its default or its host buffer type
+and abort the process on any other (ggml 0.20.2's and 0.25's ggml-vulkan.cpp,
+ggml_backend_vk_set_tensor_2d_async / _get_); ggml-backend.cpp's own asserts (tensor
+allocated, offset + size within ggml_nbytes) are the checks apir.host.backend.dispatch_buffer makes
+before. Everything else keeps the synchronous path.
+
+Why staging of the device's host buffer type: ggml-vulkan copies asynchronously only from and
+to pinned memory (`ggml_vk_host_get` finds it among the device's pinned allocations; the copy
+then reads the staging at execution time, so it stays untouched until the flush). From any
+other memory its "async" set memcpys into its own staging and synchronizes at once (correct,
+no faster). The staging is `ggml_backend_dev_host_buffer_type(dev)`'s (ggml-vulkan: pinned,
+registered on Vulkan device 0), else plain host memory (ggml CPU has no host buffer type; its
+backend has no async copies: ggml_backend_tensor_set_async then synchronizes and copies at
+once, ggml-backend.cpp).
+
+When it pays: where a device buffer is not host-visible, every synchronous set or get waits for
+a fence, and batching them saves all but one. Where ggml-vulkan could map the buffer
+(host-visible device memory: lavapipe, a GPU with resizable BAR), its synchronous set is a
+plain memcpy with no fence, and deferring costs one copy more and a fence per batch (MiniLM's
+weight upload on lavapipe: 1.0-1.5 GB/s deferred, 1.4-2.4 synchronous). ggml does not say
+which memory a buffer got, so config `apir.host.async_transfers=off` turns the deferral off
+per host (apir.host.backend.library).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import List, Optional, Sequence, Tuple
+
+from apir.host.handles import HostBuffer
+
+__all__ = ["DeviceTransfers", "DEFAULT_STAGING_BYTES"]
+
+DEFAULT_STAGING_BYTES = 4 << 20  # per context: bytes of queued uploads (or one batch of reads)
+_ALIGN = 256  # each staged copy starts at a multiple of this (any device's copy alignment)
+
+
+class DeviceTransfers:
+    """The queued copies of one context's ggml backend `backend` on device `dev` of build `g`
+    (see the module docstring). `capacity`: bytes of staging. Not thread-safe: the context's
+    lock serializes its commands. `syncs` counts the synchronizes this object made."""
+
+    def __init__(self, g, backend: int, dev: int, capacity: int = DEFAULT_STAGING_BYTES):
+        self.g = g
+        self.backend = backend
+        self.dev = dev
+        self.capacity = capacity
+        self.default_buft = g.ggml_backend_get_default_buffer_type(backend)
+        self.pending = 0  # uploads queued since the last flush
+        self.syncs = 0
+        self._used = 0  # staging bytes the queued uploads hold
+        self._staging: Optional[Tuple[int, int, object]] = None  # (ggml buffer or 0, address, anchor)
+
+    def eligible(self, buf: HostBuffer) -> bool:
+        """Whether copies to and from `buf` may be asynchronous: ggml allocated it (no guest
+        memory) and its type is the backend's default buffer type."""
+        return buf.res_id is None and self.g.ggml_backend_buffer_get_type(buf.ptr) == self.default_buft
+
+    def upload(self, buf: HostBuffer, tensor: int, src: int, offset: int, size: int) -> bool:
+        """`ggml_backend_tensor_set(tensor, src, offset, size)` deferred: bytes [src, src +
+        size) copied into the staging now, the device copy queued. `tensor` lies in `buf`,
+        checked by the caller (offset + size within it, size > 0). False (after a flush, so
+        the caller's synchronous set comes after the queued ones) where `buf` is not eligible
+        or `size` exceeds the staging."""
+        if size > self.capacity or not self.eligible(buf):
+            self.flush()
+            return False
+        if self._used + size > self.capacity:
+            self.flush()
+        at = self._stage()[1] + self._used
+        ctypes.memmove(at, src, size)
+        self.g.ggml_backend_tensor_set_async(self.backend, tensor, at, offset, size)
+        self._used += -(-size // _ALIGN) * _ALIGN
+        self.pending += 1
+        return True
+
+    def flush(self) -> None:
+        """Waits until every queued upload is in device memory (`ggml_backend_synchronize`);
+        the staging is free again. Nothing when none is queued."""
+        if self.pending:
+            self._synchronize()
+            self.pending = 0
+        self._used = 0
+
+    def read(self, reads: Sequence[Tuple[int, int]]) -> List[ctypes.Array]:
+        """The first `n` bytes of each `(tensor, n)` (a tensor over device memory of an
+        eligible buffer, `n` within it), read with `ggml_backend_tensor_get_async` and one
+        synchronize per staging-full; queued uploads are flushed first. A read larger than
+        the staging is read synchronously."""
+        self.flush()
+        out: List[ctypes.Array] = [ctypes.create_string_buffer(max(n, 1)) for _, n in reads]
+        batch: List[Tuple[int, int, int]] = []  # (index, staging offset, n)
+        used = 0
+        for k, (tensor, n) in enumerate(reads):
+            if n == 0:
+                continue
+            if n > self.capacity:
+                self.g.ggml_backend_tensor_get(tensor, ctypes.addressof(out[k]), 0, n)
+                continue
+            if used + n > self.capacity:
+                self._collect(batch, out)
+                batch, used = [], 0
+            self.g.ggml_backend_tensor_get_async(self.backend, tensor, self._stage()[1] + used, 0, n)
+            batch.append((k, used, n))
+            used += -(-n // _ALIGN) * _ALIGN
+        self._collect(batch, out)
+        return out
+
+    def close(self) -> None:
+        """Flushes, then frees the staging (before the backend is freed)."""
+        self.flush()
+        if self._staging is not None:
+            if self._staging[0]:
+                self.g.ggml_backend_buffer_free(self._staging[0])
+            self._staging = None
+
+    def _collect(self, batch: List[Tuple[int, int, int]], out: List[ctypes.Array]) -> None:
+        if not batch:
+            return
+        self._synchronize()
+        base = self._stage()[1]
+        for k, at, n in batch:
+            ctypes.memmove(out[k], base + at, n)
+
+    def _synchronize(self) -> None:
+        self.g.ggml_backend_synchronize(self.backend)
+        self.syncs += 1
+
+    def _stage(self) -> Tuple[int, int, object]:
+        """The staging: `capacity` bytes of the device's host buffer type (pinned), else of
+        host memory; made on first use."""
+        if self._staging is None:
+            g = self.g
+            buft = g.ggml_backend_dev_host_buffer_type(self.dev)
+            buf = g.ggml_backend_buft_alloc_buffer(buft, self.capacity) if buft else 0
+            base = g.ggml_backend_buffer_get_base(buf) if buf else 0
+            if buf and base:
+                self._staging = (buf, base, None)
+            else:
+                if buf:
+                    g.ggml_backend_buffer_free(buf)
+                memory = (ctypes.c_char * self.capacity)()
+                self._staging = (0, ctypes.addressof(memory), memory)
+        return self._staging

@@ -1,0 +1,404 @@
+"""The APIR component: one `HostContext` per guest context (virglrenderer's `apir_context`).
+
+Theory of operation: the hypervisor creates a context for a guest (`HostContext(ctx_id,
+config, capset_id=...)`), registers each blob the guest creates (`add_resource`), and hands
+every EXECBUFFER payload to `submit`. A payload starts with three u32 (command type, flags,
+reply resource id). The context looks the reply resource up, runs the command, writes the
+reply payload 4 bytes into that resource, and then stores `return_code + 1` in its first 4
+bytes: the notification word the guest polls.
+
+    HandShake   (0)  guest major, minor -> host major, minor; returns APIR_HANDSHAKE_MAGIC.
+                     Guests 0.1 and 0.2 are accepted; the guest's version is kept so replies
+                     match it (device_get_props: 4 booleans for 0.1, 5 for 0.2).
+    LoadLibrary (1)  loads the backend library (see `apir.host.library`); the C codes.
+    Forward     (2)  flags = backend function id; returns 4 + the function's return code,
+                     or 1 (APIR_FORWARD_NO_DISPATCH_FCT) when no library is loaded.
+
+Over the Venus capset (4) the guest adds 331 to the command type; it is subtracted here.
+
+Unlike the C component, which writes no reply (and so hangs the guest) for an unknown
+command type, a truncated header or a bad reply resource, every command gets a reply
+whenever a reply resource is known: the one the header names, else the last one this context
+replied through. Such replies carry `COMMAND_MALFORMED` (1), which every guest reads as a
+failure of any of the three commands. `submit` never raises for guest input.
+
+Configuration: `get_config(key)` reads the context's key/value table (the C
+`virgl_apir_configure_kv`), then the environment variable the C falls back to.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, Dict, Mapping, Optional, Tuple
+
+from apir.codec.atomics import Word
+from apir.codec.constants import (
+    APIR_HANDSHAKE_MAGIC,
+    APIR_PROTOCOL_MAJOR,
+    APIR_PROTOCOL_MINOR,
+    APIR_PROTOCOL_VERSIONS,
+    CONFIG_KEY_ASYNC_TRANSFERS,
+    CONFIG_KEY_BUFFER_BUDGET,
+    CONFIG_KEY_GGML_LIBRARY_PATH,
+    CONFIG_KEY_GGML_LIBRARY_REG,
+    CONFIG_KEY_LOAD_LIBRARY_PATH,
+    CONFIG_KEY_MAX_BUFFERS,
+    CONFIG_KEY_MEMORY_LIMIT,
+    ENV_BACKEND_LIBRARY,
+    ENV_ASYNC_TRANSFERS,
+    ENV_BUFFER_BUDGET,
+    ENV_GGML_LIBRARY_PATH,
+    ENV_GGML_LIBRARY_REG,
+    ENV_MAX_BUFFERS,
+    ENV_MEMORY_LIMIT,
+    VENUS_COMMAND_TYPE_LENGTH,
+    ApirBackendCommandType,
+    ApirCommandType,
+    ApirForwardReturnCode,
+    ApirLoadLibraryReturnCode,
+    ApirBackendInitializeReturnCode,
+)
+from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS
+from apir.codec.wire import Decoder, Encoder
+from apir.host.errors import log
+from apir.host.config import LIMIT_ENV_FALLBACKS
+from apir.host.backend.c_library import c_library_factory
+from apir.host.library import BackendLibrary, LibraryLoadError
+from apir.host.resources import NOTIFICATION_SIZE, Resource
+
+if TYPE_CHECKING:  # annotations only
+    from typing_extensions import Buffer  # any bytes-like object (collections.abc.Buffer in 3.12)
+
+    from apir.host.component.trace import CommandTrace
+
+__all__ = ["HostContext", "COMMAND_MALFORMED", "NOTIFICATION_SIZE", "CONFIG_ENV_FALLBACKS", "may_run_long"]
+
+# The return code of a command the host could not even decode. 1 is a failure for each of
+# the three commands (HandShake expects the magic, LoadLibrary 0, Forward >= 4), and is
+# what the C component answers when it cannot sync its reply encoder.
+COMMAND_MALFORMED = 1
+_HEADER = struct.Struct("<III")  # command type, flags, reply resource id
+_FORWARD = int(ApirCommandType.FORWARD)  # plain ints: no enum lookups on the hot path
+_HANDSHAKE = int(ApirCommandType.HANDSHAKE)
+# The Forward functions whose host run time the command itself bounds: all but graph_compute.
+_BOUNDED_FORWARD = frozenset(
+    int(f) for f in ApirBackendCommandType if f is not ApirBackendCommandType.BACKEND_GRAPH_COMPUTE
+)
+
+CONFIG_ENV_FALLBACKS: Dict[str, str] = {
+    CONFIG_KEY_LOAD_LIBRARY_PATH: ENV_BACKEND_LIBRARY,
+    CONFIG_KEY_GGML_LIBRARY_PATH: ENV_GGML_LIBRARY_PATH,
+    CONFIG_KEY_GGML_LIBRARY_REG: ENV_GGML_LIBRARY_REG,
+    **LIMIT_ENV_FALLBACKS,  # apir's liveness bounds (apir.host.config)
+    # apir's own bounds (apir.host.backend.budget)
+    CONFIG_KEY_BUFFER_BUDGET: ENV_BUFFER_BUDGET,
+    CONFIG_KEY_MEMORY_LIMIT: ENV_MEMORY_LIMIT,
+    CONFIG_KEY_MAX_BUFFERS: ENV_MAX_BUFFERS,
+    CONFIG_KEY_ASYNC_TRANSFERS: ENV_ASYNC_TRANSFERS,  # apir.host.backend.transfers
+}
+
+
+def _apir_command_type(cmd_type: int, capset_id: int) -> int:
+    """The APIR command type of header word `cmd_type` on capset `capset_id`: over Venus the
+    guest adds VENUS_COMMAND_TYPE_LENGTH (virglrenderer's Venus-to-APIR transition)."""
+    if capset_id == VIRTGPU_DRM_CAPSET_VENUS and cmd_type >= VENUS_COMMAND_TYPE_LENGTH:
+        return cmd_type - VENUS_COMMAND_TYPE_LENGTH
+    return cmd_type
+
+
+def may_run_long(command: Buffer, capset_id: int) -> bool:
+    """Whether serving the EXECBUFFER payload `command` of a context on capset `capset_id` may
+    take unbounded time, read from its header only (command type u32 at byte 0, less
+    VENUS_COMMAND_TYPE_LENGTH over the Venus capset, as `HostContext.submit` reads it; flags u32
+    at byte 4, the backend function id of a Forward).
+
+    False for HandShake and every Forward function but backend_graph_compute: their host run
+    time is bounded by what the command names (a few bytes, a transfer of at most the blob it
+    names, one buffer). True for LoadLibrary (dlopen and backend init), Forward
+    backend_graph_compute (a graph may run for minutes, or hang in a broken backend), and any
+    header this cannot read: shorter than 12 bytes, an unknown command type or function id.
+    A caller that runs bounded commands at once and the others where they can be waited for
+    with a timeout and cancelled (apir.local.embedded) thus sends whatever `submit` would
+    refuse the slow way. Never raises for guest bytes."""
+    if type(command) is not bytes:  # (bytes, as the embedded device has it: no view needed)
+        command = memoryview(command).cast("B")
+    if len(command) < _HEADER.size:
+        return True
+    cmd_type, flags, _ = _HEADER.unpack_from(command, 0)
+    cmd_type = _apir_command_type(cmd_type, capset_id)
+    if cmd_type == _FORWARD:
+        return flags not in _BOUNDED_FORWARD
+    return cmd_type != _HANDSHAKE
+
+
+def _builtin_library() -> BackendLibrary:
+    # on first use: it imports the dispatcher, the shape rules and the codec's Numba kernels
+    from apir.host.backend.library import PythonBackendLibrary
+
+    return PythonBackendLibrary()
+
+
+class HostContext:
+    """One guest context of the APIR component.
+
+    `config`: the C's key/value configuration (`apir.load_library.path`, `ggml.library.path`,
+    `ggml.library.reg`), falling back to the environment. `capset_id`: 10 (APIR) or 4 (Venus).
+    `library_factory(path)`: opens a configured backend library (a `BackendLibrary`, or raises
+    `LibraryLoadError`); the built-in Python dispatcher serves when no path is configured.
+    """
+
+    def __init__(
+        self,
+        ctx_id: int,
+        config: Optional[Mapping[str, str]] = None,
+        *,
+        capset_id: int = VIRTGPU_DRM_CAPSET_APIR,
+        library_factory: Callable[[str], BackendLibrary] = c_library_factory,
+    ):
+        if capset_id not in (VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS):
+            raise ValueError(
+                f"APIR context with capset {capset_id}: expected "
+                f"{VIRTGPU_DRM_CAPSET_APIR} (APIR) or {VIRTGPU_DRM_CAPSET_VENUS} (Venus)"
+            )
+        self.ctx_id = ctx_id
+        self.capset_id = capset_id
+        self.config: Dict[str, str] = dict(config or {})
+        self.guest_version: Tuple[int, int] = (APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR)
+        self.host_version: Tuple[int, int] = (APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR)
+        self._library_factory = library_factory
+        self._library: Optional[BackendLibrary] = None
+        self._resources: Dict[int, Resource] = {}
+        self._last_reply_res_id: Optional[int] = None
+        self._lock = threading.RLock()
+        self._closed = False
+        # An embedded host sets `defer_notification` to store the word itself, from its wait
+        # for the next command (apir.local.embedded); `take_notification` hands it over.
+        self.defer_notification = False
+        self._pending_notification: Optional[Tuple[Word, int]] = None
+        # Whether the commands `may_run_long` calls bounded also end in bounded time on this
+        # context's backend (an embedded host runs them in the guest's thread, with no timeout
+        # on the guest's side): before LoadLibrary, and on a backend whose kernels work in host
+        # memory (a profile's host_addressable: ggml-cpu); not on a GPU's or ggml-rpc's, whose
+        # copies wait on a device or a server that may never answer, nor on a library of
+        # unknown kind.
+        self.commands_bounded_in_time = True
+        # An apir.host.component.trace.CommandTrace: its describe(self, command) before each command,
+        # finish(record, (rc, reply_bytes) or None, host_seconds) after. None: no tracing.
+        self.tracer: Optional[CommandTrace] = None
+
+    # --- configuration and resources (hypervisor side) ------------------------------------
+    def set_config(self, key: str, value: str) -> None:
+        """`virgl_apir_configure_kv`: sets one configuration key of this context."""
+        self.config[key] = value
+
+    def get_config(self, key: str) -> Optional[str]:
+        """The value of `key`: this context's configuration, else its environment fallback."""
+        value = self.config.get(key)
+        if value is None and key in CONFIG_ENV_FALLBACKS:
+            value = os.environ.get(CONFIG_ENV_FALLBACKS[key])
+        return value
+
+    def add_resource(self, res_id: int, memory: Buffer) -> None:
+        """Registers a blob: `memory` is any writable contiguous buffer (an mmap); its length
+        is the resource's size. Raises ValueError for a duplicate id or an unusable buffer."""
+        with self._lock:
+            if res_id in self._resources:
+                raise ValueError(f"resource {res_id} already exists in context {self.ctx_id}")
+            self._resources[res_id] = Resource.wrap(res_id, memory)
+
+    def remove_resource(self, res_id: int) -> None:
+        """Forgets a blob. Buffers that wrap it (buffer_from_ptr) are freed first, so no ggml
+        buffer outlives the memory it points into. Unknown ids are ignored, like the C."""
+        with self._lock:
+            res = self._resources.pop(res_id, None)
+            if res is None:
+                return
+            forget = getattr(self._library, "forget_resource", None)
+            if forget is not None:
+                forget(res_id)
+            if self._last_reply_res_id == res_id:
+                self._last_reply_res_id = None
+            res.release()
+
+    def get_shmem(self, res_id: int) -> Optional[Resource]:
+        """The blob `res_id` of this context, or None (`get_shmem_ptr`, plus the size)."""
+        return self._resources.get(res_id)
+
+    def cancel_compute(self, reason: str) -> None:
+        """Stops the graph compute in flight, if any, and every later one (the guest gets
+        GGML_STATUS_ABORTED): this context's guest is gone. Any thread, without the context's
+        lock, which the compute holds; a backend library without `cancel_compute` (a C one)
+        cannot be stopped."""
+        cancel = getattr(self._library, "cancel_compute", None)
+        if cancel is not None:
+            cancel(reason)
+
+    def close(self) -> None:
+        """Deinitializes the backend library, freeing exactly this context's buffers, and
+        drops the resources. Idempotent. A compute in flight on another thread is cancelled
+        first (`cancel_compute`), so closing does not wait for the graph to finish."""
+        self.cancel_compute("the context is closed")
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._library is not None:
+                self._library.deinit()
+                self._library = None
+            for res in self._resources.values():
+                res.release()
+            self._resources.clear()
+
+    def __enter__(self) -> "HostContext":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- commands ---------------------------------------------------------------------------
+    def submit(self, command: Buffer) -> None:
+        """Runs one EXECBUFFER payload and writes its reply. Never raises for guest input."""
+        with self._lock:
+            if self._closed:
+                log.error("ctx %d: command on a closed context dropped", self.ctx_id)
+                return
+            cmd = memoryview(command).cast("B")
+            tracer = self.tracer
+            record = tracer.describe(self, cmd) if tracer is not None else None
+            t0 = time.perf_counter() if tracer is not None else 0.0
+            result = None
+            try:
+                result = self._submit(cmd)
+            except Exception:  # noqa: BLE001 - a host bug must not take the hypervisor down
+                log.exception("ctx %d: internal error while serving a command", self.ctx_id)
+            if tracer is not None and record is not None:
+                tracer.finish(record, result, time.perf_counter() - t0)
+
+    def _submit(self, cmd: memoryview) -> Optional[Tuple[int, int]]:
+        """Serves one command; (return code, reply payload bytes) as sent, None when no reply
+        resource could carry one."""
+        if len(cmd) < _HEADER.size:
+            log.error("ctx %d: truncated command header (%d bytes)", self.ctx_id, len(cmd))
+            return self._reply_malformed()
+        cmd_type, flags, reply_res_id = _HEADER.unpack_from(cmd, 0)
+        cmd_type = _apir_command_type(cmd_type, self.capset_id)
+        reply = self._reply_resource(reply_res_id)
+        if reply is None:
+            return self._reply_malformed()
+        if cmd_type not in ApirCommandType._value2member_map_:
+            log.error("ctx %d: invalid command type %d", self.ctx_id, cmd_type)
+            self._send(reply, COMMAND_MALFORMED)
+            return COMMAND_MALFORMED, 0
+        dec = Decoder(cmd, _HEADER.size)
+        enc = reply.reply_encoder()
+        if cmd_type == _FORWARD:
+            rc = self._forward(flags, dec, enc)
+        elif cmd_type == _HANDSHAKE:
+            rc = self._handshake(dec, enc)
+        else:
+            rc = self._load_library()
+        if enc.fatal:
+            log.error(
+                "ctx %d: %s reply does not fit reply resource %d (%d bytes)",
+                self.ctx_id,
+                ApirCommandType(cmd_type).c_name,
+                reply.res_id,
+                reply.size,
+            )
+            rc = COMMAND_MALFORMED
+        self._send(reply, rc)
+        return rc, 0 if enc.fatal else enc.pos - NOTIFICATION_SIZE
+
+    def _reply_resource(self, res_id: int) -> Optional[Resource]:
+        res = self._resources.get(res_id)
+        if res is None or res.size < NOTIFICATION_SIZE:
+            log.error(
+                "ctx %d: reply resource %d %s",
+                self.ctx_id,
+                res_id,
+                "unknown" if res is None else f"too small ({res.size} bytes)",
+            )
+            return None
+        self._last_reply_res_id = res_id
+        return res
+
+    def _reply_malformed(self) -> Optional[Tuple[int, int]]:
+        """Replies COMMAND_MALFORMED through the last reply resource, if one is known;
+        (COMMAND_MALFORMED, 0) then, else None."""
+        res = self._resources.get(self._last_reply_res_id) if self._last_reply_res_id else None
+        if res is None:
+            log.error("ctx %d: no reply resource known: the command gets no reply", self.ctx_id)
+            return None
+        self._send(res, COMMAND_MALFORMED)
+        return COMMAND_MALFORMED, 0
+
+    def _send(self, reply: Resource, rc: int) -> None:
+        """`send_response`: the payload is already in place; publish `rc + 1` in the reply
+        notification word with release ordering (a guest that sees the word with an acquire
+        load sees the whole payload), or keep it for `take_notification`."""
+        word, value = reply.notification_word(), (rc + 1) & 0xFFFFFFFF
+        if self.defer_notification:
+            self._pending_notification = (word, value)
+        else:
+            word.store_release(value)
+
+    def take_notification(self) -> Optional[Tuple[Word, int]]:
+        """With `defer_notification` set: the (word, value) the last `submit` did not store
+        yet, or None (no reply, or taken already). The caller stores it with release
+        ordering, on the thread that ran `submit`, before that thread runs anything else."""
+        pending, self._pending_notification = self._pending_notification, None
+        return pending
+
+    def _handshake(self, dec: Decoder, enc: Encoder) -> int:
+        major, minor = dec.u32(), dec.u32()
+        if dec.fatal:
+            log.error("ctx %d: HandShake without a guest version", self.ctx_id)
+            return COMMAND_MALFORMED
+        enc.u32(self.host_version[0])
+        enc.u32(self.host_version[1])
+        if (major, minor) in APIR_PROTOCOL_VERSIONS:
+            self.guest_version = (major, minor)
+        else:
+            # The C only logs a mismatch; apir does too, and keeps speaking its own version.
+            log.error(
+                "ctx %d: guest APIR %d.%d is not one of %s; replying as %d.%d",
+                self.ctx_id,
+                major,
+                minor,
+                APIR_PROTOCOL_VERSIONS,
+                *self.host_version,
+            )
+            self.guest_version = self.host_version
+        log.info("ctx %d: HandShake: guest %d.%d, host %d.%d", self.ctx_id, major, minor, *self.host_version)
+        return APIR_HANDSHAKE_MAGIC
+
+    def _load_library(self) -> int:
+        if self._library is not None:
+            log.info("ctx %d: backend library already loaded", self.ctx_id)
+            return ApirLoadLibraryReturnCode.ALREADY_LOADED
+        path = self.get_config(CONFIG_KEY_LOAD_LIBRARY_PATH)
+        try:
+            library = _builtin_library() if path is None else self._library_factory(path)
+        except LibraryLoadError as exc:
+            log.error("ctx %d: LoadLibrary: %s", self.ctx_id, exc)
+            return exc.code
+        init_rc = library.initialize(self)
+        base = ApirLoadLibraryReturnCode.INIT_BASE_INDEX
+        if init_rc not in (ApirLoadLibraryReturnCode.SUCCESS, base + ApirBackendInitializeReturnCode.SUCCESS):
+            log.error("ctx %d: LoadLibrary: backend library initialization returned %d", self.ctx_id, init_rc)
+            library.deinit()
+            return base + init_rc  # the C component's encoding of a backend init failure
+        self._library = library
+        profile = getattr(library, "profile", None)
+        self.commands_bounded_in_time = bool(profile is not None and profile.host_addressable)
+        log.info("ctx %d: LoadLibrary: backend library loaded (%s)", self.ctx_id, path or "built-in")
+        return ApirLoadLibraryReturnCode.SUCCESS
+
+    def _forward(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
+        if self._library is None:
+            log.error("ctx %d: Forward before LoadLibrary", self.ctx_id)
+            return ApirForwardReturnCode.NO_DISPATCH_FCT
+        return ApirForwardReturnCode.BASE_INDEX + self._library.dispatch(function_id, dec, enc)

@@ -1,0 +1,694 @@
+"""The host-side graph builder: a checked `ggml_cgraph` from a parsed wire graph.
+
+Theory of operation: `apir.codec.graph.parse_graph` has already checked the wire's counts, ids,
+types, ops, names and acyclicity. Here a node listed twice is refused, every tensor record is
+checked against this context (`TensorChecker.check_rpc`: a known buffer, data + extent inside
+it, no custom op), each view against its source (same buffer, `data == source data + view_offs`,
+its extent inside the source's), every tensor of the graph must have data (a kernel writes
+through it), its span (its elements' bytes with each dimension of 0 taken as 1,
+`base.check_span`) must fit its buffer (an empty tensor's other dimensions, or elements aliased
+through strides of 0, would otherwise size ggml's work buffer and kernel loops far beyond any
+memory), and each node's shape goes through `apir.host.graph.shapes.check_node` (once per group of
+tensors whose rules see equal inputs, apir.host.graph.rule_memo: a model's layers repeat), then what rules ask
+of the whole graph (`_check_graph_needs`: row ids read before compute are written by no node
+before they are read; kernels safe only on one thread are in a one-thread graph). Only then are
+the host tensors made (no data allocated: `data` points into the checked buffers; row ids
+pointed at the copy their rule checked), and the nodes added to a graph, in the scratch's
+`ggml_context`, in the guest's node order.
+
+Speed: a MiniLM batch has ~330 tensors and a large LLM graph over 10,000, so nothing here
+runs Python per tensor. The record checks run on the parsed graph's arrays at once
+(`_check_records`); when that finds any problem, or values too large for its int64
+arithmetic, the per-tensor checks (`_check_records_one_by_one`, `TensorChecker.check_rpc`:
+exact Python integers) run instead and raise the same `Refused` as always, so the vectorized
+path never decides a refusal, only an acceptance the per-tensor path would make too. A
+tensor's `TensorInfo` is made only when a rule or check asks for it (`TensorInfos`), and a
+rule runs once per group of equal inputs (apir.host.graph.rule_memo). The host tensors are
+written whole by a Numba kernel, side by side in one block the scratch owns, at the offsets
+of the layout `apir.ggml.layout.check_layout` checked at load (`_create_tensors`: ggml reads
+a graph's tensors through their pointers only; if that layout is not the one the kernel
+writes, they are made by ggml_new_tensor_1d in the scratch's context and written field by
+field through numpy). The graph's nodes are added by a kernel that calls ggml through its
+function's address. On a host with a second CPU, a graph of thousands of tensors has its
+record checks and host tensors made on the build helper thread (apir.host.graph.build_helper)
+while this thread groups and runs the shape rules (`build_graph_parts`).
+
+Errors: `Refused` (with the tensor or node index) for anything the checks reject.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Dict, List, Mapping, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from apir.codec._kernels import (
+    TABLE_KEY,
+    add_nodes_kernel,
+    first_overlap_kernel,
+    graph_writes_kernel,
+    new_tensors_kernel,
+    record_bounds_kernel,
+    record_fields_kernel,
+    write_tensors_kernel,
+)
+from apir.ggml.layout import tensor_record
+from apir.host.graph.build_helper import beside, wait_done
+from apir.host.errors import Refused
+from apir.host.handles import HostBuffer
+from apir.host.graph.rule_memo import check_nodes, rule_groups
+from apir.host.graph.shapes import OpEnums, TensorInfo, op_enums
+from apir.host.graph.shapes.base import IdReads, check_span, copy_ids, extent
+from apir.host.graph.profiles import CPU, EMPTY_OPS, BackendProfile
+from apir.host.graph.work_plan import work_budget
+from apir.host.tensors import Scratch
+
+if TYPE_CHECKING:  # annotations only: the dispatcher it leads to imports this module
+    from apir.host.backend.library import PythonBackendLibrary
+
+__all__ = [
+    "build_graph",
+    "graph_scratch",
+    "build_graph_parts",
+    "BuiltGraph",
+    "tensor_info",
+    "lib_op_enums",
+    "point_at_device_copies",
+    "fetch_row_ids",
+]
+
+_NE_MAX = 1 << 62  # as apir.host.tensors
+
+
+def tensor_info(lib: PythonBackendLibrary, index: int, rec, address: Optional[int]) -> TensorInfo:
+    """The `TensorInfo` the shape rules see of tensor record `rec` (an rpc record or a
+    `ggml_tensor`: both have type, op, ne, nb and op_params) of the dispatcher `lib`."""
+    fields = (rec["type"], rec["op"], rec["ne"], rec["nb"], rec["op_params"])
+    return _tensor_info(lib, index, *fields, address)
+
+
+def _tensor_info(lib: PythonBackendLibrary, index: int, type_, op, ne, nb, op_params, address) -> TensorInfo:
+    # (`tensor_info` from the record's fields, each as numpy holds it)
+    g, chk = lib.g, lib.checker
+    type_, op = int(type_), int(op)
+    return TensorInfo(
+        index=index,
+        type_name=g.type_names[type_],
+        ne=ne.tolist(),  # (Python ints)
+        nb=nb.tolist(),
+        op_name=g.op_names[op],
+        op_params=op_params.copy(),
+        type_size=chk.type_size[type_],
+        blck_size=chk.blck_size[type_],
+        address=address,
+    )
+
+
+def lib_op_enums(lib: PythonBackendLibrary) -> OpEnums:
+    """`op_enums` of the dispatcher's ggml, computed once per dispatcher."""
+    enums = lib._op_enums
+    if enums is None:
+        enums = lib._op_enums = op_enums(lib.g)
+    return enums
+
+
+_EMPTY_OPS = EMPTY_OPS  # ops whose nodes write nothing (ggml_op_is_empty)
+
+
+def _check_graph_needs(lib, parsed, made: List[TensorInfo], recs: _Records, profile: BackendProfile = CPU) -> None:
+    """What rules asked of the whole graph: row ids they read before compute are not written
+    by a node that runs before (or is) their last reader (a node's own result, or the sources
+    an OPT_STEP_* updates in place): ggml CPU would then read other ids than those checked.
+    A write after the last reader is fine (ggml's allocator reuses a consumed input's memory),
+    and the kernels read the checked copy anyway (TensorInfo.snapshot). The first write over
+    each ids tensor's bytes comes from one sweep over all of them (`first_overlap_kernel`:
+    comparing each ids tensor with each write is quadratic in a graph of many readers). And a
+    kernel that is only safe on one thread is in a graph that the CPU runs on one thread (the
+    profile's `one_task_ops`)."""
+    op_names, ops = lib.g.op_names, parsed.tensors["op"]
+    nodes = parsed.node_index.astype(np.int64)
+    one_thread = [info for info in made if info.one_thread]
+    if one_thread:
+        many = [j for j in nodes.tolist() if op_names[int(ops[j])] not in profile.one_task_ops]
+        if many:
+            who = one_thread[0]
+            why = (
+                f"only safe on one thread, and node {many[0]} ({op_names[int(ops[many[0]])]}) "
+                f"makes the CPU run this graph on several"
+            )
+            raise Refused(f"node {who.index}: {why}", node=who.index, op=who.op_name, reason=why, rule=_GRAPH_NEEDS)
+    read = [info for info in made if info.snapshot is not None]
+    if not read:
+        return
+    # each reader's position (-1: a reader that is not a node, e.g. a leaf, reads nothing at
+    # compute), the last per ids tensor
+    at = np.full(len(parsed.tensors), -1, np.int64)
+    at[nodes] = np.arange(len(nodes))
+    until = np.array([max((int(at[j]) for j in info.read_by or ()), default=-1) for info in read], np.int64)
+    # the writes in graph order (graph_writes_kernel): each node that writes, and the sources
+    # an OPT_STEP_* updates in place; only those up to the last reader can come before one
+    # (an embedding's GET_ROWS is node 0: one node's writes, not the whole graph's)
+    before = nodes[: int(until.max()) + 1]
+    empty, opt_step = _write_ops(lib.g)
+    buf = _same_memory(recs.found)[recs.inverse]  # per tensor: its memory, as one number
+    space = np.empty((4, len(before) * (1 + parsed.src_index.shape[1])), np.int64)
+    m = graph_writes_kernel(before, ops, empty, opt_step, parsed.src_index, buf, recs.offsets, recs.extents, *space)
+    w = [a[:m] for a in space]  # buffer, lo, hi, position
+    q_t = np.array([info.index for info in read], np.int64)
+    first = np.empty(len(read), np.int64)  # per ids tensor: the first write over its bytes
+    q = (buf[q_t], recs.offsets[q_t], recs.offsets[q_t] + recs.extents[q_t])
+    first_overlap_kernel(*w, *q, first, _DIRECT_PAIRS)
+    hit = np.flatnonzero((first >= 0) & (first <= until))
+    if len(hit):
+        k = int(hit[0])  # (`read` is in tensor order: the first ids tensor so overwritten)
+        i, j = read[k].index, int(nodes[first[k]])
+        op = op_names[int(ops[j])]
+        why = f"row ids read before compute, but node {j} ({op}) writes over them before they are read"
+        raise Refused(f"graph tensor {i}: {why}", node=j, op=op, reason=why, rule=_GRAPH_NEEDS)
+
+
+@functools.lru_cache(maxsize=8)
+def _write_ops(g) -> tuple:
+    """(empty, opt_step): bool per op of build `g`, the ops whose nodes write nothing
+    (ggml_op_is_empty) and the OPT_STEP_* ops (which update sources in place)."""
+    names = [g.op_names.get(o, "") for o in range(g.op_count)]
+    empty = np.array([name in _EMPTY_OPS for name in names], np.bool_)
+    return empty, np.array([name.startswith("OPT_STEP") for name in names], np.bool_)
+
+
+# Up to this many (write, ids tensor) pairs first_overlap_kernel compares one by one (~60 us)
+_DIRECT_PAIRS = 1 << 16
+
+
+# (the `rule` of _check_graph_needs' refusals: apir.host.errors.Refused)
+_GRAPH_NEEDS = f"{__name__}._check_graph_needs"
+
+
+class _Records(NamedTuple):
+    """What the record checks found: per tensor its buffer (`found[inverse[i]]`), data offset
+    and extent."""
+
+    handles: List[int]  # the graph's buffer handles, each once
+    found: List[HostBuffer]  # the HostBuffer of each of `handles`
+    inverse: np.ndarray  # int64 per tensor: its handle's index in `handles`
+    offsets: np.ndarray  # int64
+    extents: np.ndarray  # int64
+    # the tensors whose span may not fit their buffer (_check_spans), None: not yet sought
+    suspects: Optional[List[int]] = None
+
+    @property
+    def bufs(self) -> List[HostBuffer]:
+        """The HostBuffer of every tensor."""
+        return [self.found[k] for k in self.inverse.tolist()]
+
+    def per_tensor(self, values: list) -> np.ndarray:
+        """`values` (one per handle) as an array with one per tensor."""
+        return np.asarray(values)[self.inverse]
+
+
+def _first_alike(keys: list) -> np.ndarray:
+    """int64 per entry of `keys`: the index of the first entry equal to it."""
+    first: Dict[object, int] = {}
+    return np.array([first.setdefault(key, k) for k, key in enumerate(keys)], dtype=np.int64)
+
+
+def _same_buffer(found: List[HostBuffer]) -> np.ndarray:
+    """int64 per handle: the index of the first handle naming the same HostBuffer object (two
+    handles may name one buffer)."""
+    return _first_alike([id(b) for b in found])
+
+
+def _same_memory(found: List[HostBuffer]) -> np.ndarray:
+    """int64 per handle: the index of the first handle naming the same memory, offsets
+    measured from the same base: the same HostBuffer, or a buffer_from_ptr buffer of the same
+    resource (each wraps the resource from its start; the guest may wrap one resource twice,
+    and a write through one handle then overwrites what the other reads)."""
+    return _first_alike([("res", b.res_id) if b.res_id is not None else id(b) for b in found])
+
+
+def _check_spans(lib: PythonBackendLibrary, parsed, infos: TensorInfos, recs: _Records) -> None:
+    """Every tensor's span (`base.span_nbytes`: its elements' bytes with each 0 dimension
+    taken as 1) within its buffer's size, an empty tensor's within the larger of that and the
+    context's work budget (`base.check_span`, issue 13 classes 1 and 2: an empty tensor is
+    never read, but ggml plans work buffers from its other dimensions). Estimated in float for
+    the whole graph; the few tensors near or over their buffer are then checked exactly."""
+    t = parsed.tensors
+    if not len(t):
+        return
+    suspects = recs.suspects
+    if suspects is None:  # (the record checks' kernel found them on its way)
+        chk = lib.checker
+        type_ = t["type"].astype(np.int64)
+        ne = np.maximum(t["ne"].astype(np.float64), 1.0)
+        span = np.ceil(ne[:, 0] / chk.blck_size_arr[type_]) * chk.type_size_arr[type_] * ne[:, 1:].prod(axis=1)
+        sizes = recs.per_tensor([float(b.size) for b in recs.found])
+        suspects = np.flatnonzero(span > sizes * (1 - 1e-9)).tolist()
+    budget = work_budget(lib) if suspects else 0
+    for i in suspects:
+        size = recs.found[recs.inverse[i]].size
+        check_span(infos[i], size if 0 not in infos[i].ne else max(size, budget), f"graph tensor {i}")
+
+
+def _check_records_one_by_one(lib: PythonBackendLibrary, parsed) -> _Records:
+    """The per-tensor checks, in tensor order; raises the first Refused."""
+    chk, recs = lib.checker, parsed.tensors
+    n = len(recs)
+    bufs: list = [None] * n
+    offsets = [0] * n
+    extents = [0] * n
+    for i in range(n):
+        rec = chk.rpc_tensor(recs[i].tobytes())
+        buf, extent = chk.check_rpc(rec, lib.buffers, f"graph tensor {i}")
+        if buf is None or not buf.base:
+            raise Refused(f"graph tensor {i}: no buffer with data")
+        bufs[i], offsets[i], extents[i] = buf, rec.data, extent
+    for i in range(n):
+        v = int(parsed.view_src_index[i])
+        if v < 0:
+            continue
+        if bufs[v] is not bufs[i]:
+            raise Refused(f"graph tensor {i}: view in another buffer than its source {v}")
+        offs = int(recs[i]["view_offs"])
+        if offsets[i] != offsets[v] + offs or offs + extents[i] > extents[v]:
+            raise Refused(
+                f"graph tensor {i}: view [{offs}, {offs + extents[i]}) outside its source's {extents[v]} bytes"
+            )
+    handles: Dict[int, int] = {}  # handle -> its index
+    found: List[HostBuffer] = []
+    for rec, b in zip(recs["buffer"].tolist(), bufs):
+        if rec not in handles:
+            handles[rec] = len(found)
+            found.append(b)
+    inverse = np.array([handles[h] for h in recs["buffer"].tolist()], dtype=np.int64)
+    return _Records(list(handles), found, inverse, np.array(offsets, dtype=np.int64), np.array(extents, dtype=np.int64))
+
+
+def _check_records(lib: PythonBackendLibrary, parsed) -> Optional[_Records]:
+    """`_check_records_one_by_one` on whole arrays: the same checks (check_common, extent,
+    check_rpc, a buffer with data, views inside their source), or None when any fails or a
+    value leaves the range where int64 arithmetic is exact (the caller then runs the
+    per-tensor checks, which refuse or accept exactly). Two Numba passes
+    (`apir.codec._kernels.record_fields_kernel`, `record_bounds_kernel`) around the look-up
+    of each buffer handle."""
+    chk, t = lib.checker, parsed.tensors
+    n = len(t)
+    if n == 0:
+        return _Records([], [], np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    fields: Mapping[str, tuple] = t.dtype.fields or {}
+    width = _entries(fields["ne"][0])[0]
+    if width not in (4, 8) or {_entries(fields["ne"][0]), _entries(fields["nb"][0])} != {(width, 4)}:
+        return None  # (the kernel reads GGML_MAX_DIMS = 4 entries of 4 or 8 bytes)
+    rows = np.ascontiguousarray(t)
+    off = np.array([fields[f][1] for f in ("type", "op", "ne", "nb", "name", "data", "view_offs", "buffer")], np.int64)
+    extents, offsets, voffs, handle_of, handles, suspects = (np.empty(n, np.int64) for _ in range(6))
+    spans = np.empty(n, np.float64)
+    n_handles = record_fields_kernel(
+        rows.ctypes.data,
+        n,
+        t.dtype.itemsize,
+        off,
+        width,
+        fields["name"][0].itemsize,
+        chk.valid_types.astype(np.uint8),
+        chk.custom_op_mask[: chk.g.op_count].astype(np.uint8),
+        chk.type_size_arr,
+        chk.blck_size_arr,
+        extents,
+        offsets,
+        voffs,
+        handle_of,
+        spans,
+        handles,
+        TABLE_KEY,
+    )
+    if n_handles < 0:
+        return None
+    # check_rpc: a known buffer (never handle 0 here: every graph tensor needs data) with a
+    # base, data + extent inside it
+    found: List[HostBuffer] = []
+    keys = [h % (1 << 64) for h in handles[:n_handles].tolist()]  # (the u64 handles)
+    for h in keys:
+        b = lib.buffers.get(h)
+        if b is None or not b.base or not 0 <= b.size < _NE_MAX:
+            return None
+        found.append(b)
+    same = _same_buffer(found)
+    sizes = np.array([b.size for b in found], dtype=np.int64)
+    view_src = np.ascontiguousarray(parsed.view_src_index, np.int32)
+    n_suspects = record_bounds_kernel(extents, offsets, voffs, handle_of, sizes, same, view_src, spans, suspects)
+    if n_suspects < 0:
+        return None
+    return _Records(keys, found, handle_of, offsets, extents, suspects[:n_suspects].tolist())
+
+
+class TensorInfos(Sequence[TensorInfo]):
+    """The `tensor_info` of each tensor of a parsed graph (with `address`, `room` and, where
+    kernels do not read host memory, `fetch`), each made when first asked for: in a graph of
+    repeated layers the rules run on few of the tensors (apir.host.graph.rule_memo). Only an info
+    that was made can hold what a rule left on it (`snapshot`, `read_by`, `id_bounds`,
+    `one_thread`): `made()` lists those."""
+
+    def __init__(self, lib: PythonBackendLibrary, parsed, recs: _Records, fetch: bool):
+        self._lib, self._t, self._recs, self._fetch = lib, parsed.tensors, recs, fetch
+        # the fields tensor_info reads, as columns (a field of one record is 0.7 us to read,
+        # of a column a third of that)
+        self._columns = tuple(self._t[f] for f in ("type", "op", "ne", "nb", "op_params"))
+        self._made: Dict[int, TensorInfo] = {}
+        # the row ids its rules copy: at most the bytes of its buffers (each once)
+        self._id_reads = IdReads(sum({id(b): b.size for b in recs.found}.values()))
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+    def __getitem__(self, i):  # an int index only
+        info = self._made.get(i)
+        if info is None:
+            if not 0 <= i < len(self._t):
+                raise IndexError(i)
+            recs = self._recs
+            buf, offset = recs.found[recs.inverse[i]], int(recs.offsets[i])
+            type_, op, ne, nb, params = self._columns
+            info = _tensor_info(self._lib, i, type_[i], op[i], ne[i], nb[i], params[i], buf.base + offset)
+            info.room = buf.size - offset  # bytes to the end of its buffer (TensorInfo.room)
+            info.id_reads = self._id_reads
+            if self._fetch:
+                info.fetch = _Fetcher(self._lib, buf, offset)
+            self._made[i] = info
+        return info
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the records the infos are made from (kept alive with them)."""
+        return int(self._t.nbytes)
+
+    def made(self) -> List[TensorInfo]:
+        """The infos made so far, in tensor order."""
+        return [self._made[i] for i in sorted(self._made)]
+
+
+# struct ggml_tensor's fields write_tensors_kernel writes (its `off`), and the record's it reads
+_WRITTEN = ("ne", "nb", "op", "op_params", "flags", "name", "buffer", "data", "src", "view_src", "view_offs", "type")
+_READ = ("ne", "nb", "op", "op_params", "flags", "name", "view_offs")
+
+
+def _entries(dt: np.dtype) -> tuple:
+    """(bytes of one entry, number of entries) of a field's dtype."""
+    return (dt.base.itemsize, dt.shape[0]) if dt.shape else (dt.itemsize, 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _kernel_layout(tensor: np.dtype, rpc: np.dtype, max_src: int) -> Optional[tuple]:
+    """write_tensors_kernel's (`off`, `roff`, `width`) for ggml's tensor layout `tensor` and
+    the records' `rpc`, or None when a field is not of the width the kernel reads or writes
+    (the caller then writes field by field). Once per layout (16 us of dtype walking, which
+    graph_scratch and _create_tensors both ask for on every build); the arrays read-only."""
+    f: Mapping[str, tuple] = tensor.fields or {}
+    r: Mapping[str, tuple] = rpc.fields or {}
+    if any(name not in r for name in _READ) or any(name not in f for name in _WRITTEN):
+        return None
+    width, params, name_len = _entries(r["ne"][0])[0], _entries(r["op_params"][0])[1], _entries(r["name"][0])[1]
+    read = {"ne": (width, 4), "nb": (width, 4), "op": (4, 1), "op_params": (4, params), "flags": (4, 1)}
+    read.update(name=(1, name_len), view_offs=(8, 1))
+    written = dict(read, ne=(8, 4), nb=(8, 4), buffer=(8, 1), data=(8, 1), src=(8, max_src), view_src=(8, 1))
+    written.update(type=(4, 1))
+    if width not in (4, 8) or any(_entries(r[k][0]) != v for k, v in read.items()):
+        return None
+    if any(_entries(f[k][0]) != v for k, v in written.items()):
+        return None
+    off = np.array([f[k][1] for k in _WRITTEN], np.int64)
+    roff = np.array([r[k][1] for k in _READ] + [params, name_len], np.int64)
+    off.flags.writeable = roff.flags.writeable = False
+    return off, roff, width
+
+
+def _create_tensors(lib: PythonBackendLibrary, parsed, scratch: Scratch, recs: _Records) -> np.ndarray:
+    """The host twins of the checked records (as `TensorChecker.host_from_rpc`, with src and
+    view_src pointing at the twins); their addresses (int64) by tensor index. Written whole
+    by `write_tensors_kernel` side by side in the scratch's `tensor_block`, at the offsets of
+    the layout `apir.ggml.layout.check_layout` checked at load; where that layout is not the
+    one the kernel writes, created in sources-first order by ggml_new_tensor_1d in the
+    scratch's context (`new_tensors_kernel`) and written field by field through numpy."""
+    g, chk, t = lib.g, lib.checker, parsed.tensors
+    n = len(t)
+    type_ = t["type"].astype(np.int64)
+    host = np.zeros(n, dtype=np.int64)
+    src = np.ascontiguousarray(parsed.src_index, np.int32)
+    v = np.ascontiguousarray(parsed.view_src_index, np.int32)
+    buffers = np.array([b.ptr for b in recs.found], np.int64)
+    bases = np.array([b.base for b in recs.found], np.int64)
+    layout = _kernel_layout(chk.tensor_dtype, t.dtype, src.shape[1])
+    if layout is not None:
+        off, roff, width = layout
+        stride = chk.tensor_dtype.itemsize  # sizeof(struct ggml_tensor), as check_layout found
+        base = scratch.tensor_block(n, stride)
+        rows = np.ascontiguousarray(t)  # (kept alive through the call: the kernel reads its address)
+        record = (off, rows.ctypes.data, t.dtype.itemsize, roff, width, type_)
+        write_tensors_kernel(base, stride, *record, recs.inverse, buffers, bases, recs.offsets, src, v, host)
+        return host
+    order = parsed.order.astype(np.int64)
+    blocks = np.asarray(chk.blck_size_arr, np.int64)[type_]
+    scratch.check_room(n)  # (ggml aborts on a full context: its NULL below is never seen)
+    new_tensor = c_address(g.ggml_new_tensor_1d)
+    if new_tensors_kernel(new_tensor, scratch.ctx, order, type_, blocks, host) < 0:
+        raise MemoryError("scratch ggml_context full")
+    # Every field as host_from_rpc writes it, tensor by tensor in creation order.
+    names = t["name"].view(np.uint8)[order]
+    # ggml_set_name on a fresh (zeroed) name: the bytes up to the first NUL, zeros after (the
+    # checks found a NUL in every name, so the result's last byte is one too)
+    names[np.cumsum(names == 0, axis=1) > 0] = 0
+    fields = {
+        "ne": t["ne"][order].astype(np.int64),
+        "nb": t["nb"][order].astype(np.uint64),
+        "op": t["op"][order],
+        "op_params": t["op_params"][order],
+        "flags": t["flags"][order],
+        "buffer": buffers[recs.inverse][order],
+        "data": (bases[recs.inverse] + recs.offsets)[order],
+        "src": np.where(src >= 0, host[src], 0)[order],
+        "view_src": np.where(v >= 0, host[v], 0)[order],
+        "view_offs": np.where(v >= 0, t["view_offs"], 0).astype(np.uint64)[order],
+    }
+    for k, addr in enumerate(host[order].tolist()):
+        rec = tensor_record(addr, chk.tensor_dtype)
+        for name, values in fields.items():
+            rec[name] = values[k]
+        rec["name"].view(np.uint8)[...] = names[k]
+    return host
+
+
+# Graphs with fewer tensors are built on one thread: the helper's wake-up (~0.1 ms) would cost
+# more than the kernels it runs (a MiniLM batch: 330 tensors, 30 us of them).
+_BESIDE_MIN_TENSORS = 2048
+
+
+def _records_then_tensors(lib: PythonBackendLibrary, parsed, scratch: Scratch, records: Future) -> Optional[tuple]:
+    """The build helper's part of `build_graph_parts`: `_check_records` (its answer set on
+    `records` as soon as it is known), then, when they passed, `_create_tensors` and
+    `_node_graph` (both answers returned); None when they did not (the caller checks one by
+    one, then makes them)."""
+    try:
+        recs = _check_records(lib, parsed)
+    except BaseException as e:
+        records.set_exception(e)
+        raise
+    records.set_result(recs)
+    with scratch.writing:
+        if recs is None or scratch.closed:  # (closed: the caller left without waiting)
+            return None
+        host_at = _create_tensors(lib, parsed, scratch, recs)
+        return host_at, _node_graph(lib, parsed, scratch, host_at)
+
+
+def _node_graph(lib: PythonBackendLibrary, parsed, scratch: Scratch, host_at: np.ndarray) -> int:
+    """A cgraph in the scratch's context with the guest's nodes (host tensors `host_at`, by
+    tensor index), in its order; MemoryError when the context has no room for it."""
+    g, size = lib.g, max(len(parsed.node_index), 1)
+    scratch.check_room(0, size)
+    graph = g.ggml_new_graph_custom(scratch.ctx, size, False)
+    add_nodes_kernel(c_address(g.ggml_graph_add_node), graph, parsed.node_index.astype(np.int64), host_at)
+    return graph
+
+
+class BuiltGraph(NamedTuple):
+    """A built host graph and what its checks saw (for `apir.host.graph.cache`)."""
+
+    graph: int  # the ggml_cgraph, in the scratch context
+    host: np.ndarray  # int64: host tensor address by tensor index
+    infos: TensorInfos  # as the rules saw them (snapshots and readers of row ids included)
+    src_rows: np.ndarray  # int32[n_tensors, max_src]: src indices per tensor (-1: none)
+    buffers: Dict[int, HostBuffer]  # handle -> the HostBuffer the checks saw
+
+
+def graph_scratch(lib: PythonBackendLibrary, parsed) -> Scratch:
+    """A Scratch for `build_graph_parts` of `parsed`: its context has room for the cgraph,
+    and for every tensor only where they are made there (a ggml layout `write_tensors_kernel`
+    does not write: `_create_tensors`); otherwise they go in its tensor block, and room for
+    them in the context would count twice in `Scratch.size` (the graph cache's budget)."""
+    t = parsed.tensors
+    in_context = _kernel_layout(lib.checker.tensor_dtype, t.dtype, parsed.src_index.shape[1]) is None
+    return Scratch(lib.g, len(t) if in_context else 0, max(len(parsed.node_index), 1))
+
+
+def build_graph(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums: OpEnums) -> int:
+    """A host cgraph (in `scratch`) for `parsed`; raises Refused."""
+    return build_graph_parts(lib, parsed, scratch, enums).graph
+
+
+def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums: OpEnums) -> BuiltGraph:
+    """`build_graph`, returning the graph with what its checks saw; raises Refused.
+
+    A graph of `_BESIDE_MIN_TENSORS` tensors or more has its record checks, host tensors and
+    the nodes' cgraph made on the build helper thread (apir.host.graph.build_helper) while this
+    thread groups the tensors for the shape rules and runs them; the rules wait for the
+    record checks, as they do without it, so a graph is refused for the same reason either
+    way. The helper writes only the scratch (its tensor block, the cgraph), and this returns
+    (or raises) only after it is done."""
+    if len(parsed.node_index) and np.bincount(parsed.node_index).max() > 1:
+        raise Refused("graph: a node is listed twice")
+    records: Future = Future()
+    job = None
+    try:
+        if len(parsed.tensors) >= _BESIDE_MIN_TENSORS:
+            job = beside(_records_then_tensors, lib, parsed, scratch, records)
+        groups = rule_groups(parsed)
+        recs = records.result() if job is not None else _check_records(lib, parsed)
+        if recs is None:
+            recs = _check_records_one_by_one(lib, parsed)
+        profile = getattr(lib, "profile", None) or CPU
+        infos = TensorInfos(lib, parsed, recs, fetch=not profile.host_addressable)
+        _check_spans(lib, parsed, infos, recs)
+        check_nodes(infos, parsed.src_index, enums, profile.rules, groups)
+        made = infos.made()
+        _check_graph_needs(lib, parsed, made, recs, profile)
+        made_beside = job.result() if job is not None else None
+    finally:
+        if job is not None:
+            wait_done(job)  # (it writes into the scratch, which the caller may free next)
+    if made_beside is None:  # (no helper, or the records were checked one by one)
+        host_at = _create_tensors(lib, parsed, scratch, recs)  # int64 per tensor
+        graph = _node_graph(lib, parsed, scratch, host_at)
+    else:
+        host_at, graph = made_beside
+
+    # row ids: the kernel reads the copy the rule checked (the guest may write the original,
+    # e.g. in a buffer of its memory, between the check and the kernel)
+    readers = [info for info in made if info.snapshot is not None]
+    if profile.host_addressable:
+        for info in readers:
+            snapshot = info.snapshot
+            assert snapshot is not None
+            tensor_record(int(host_at[info.index]), lib.checker.tensor_dtype)["data"] = ctypes.addressof(snapshot)
+            scratch.pinned.append(snapshot)
+    else:
+        point_at_device_copies(lib, scratch, [(info, int(host_at[info.index])) for info in readers])
+    if profile.device_checks_nodes:
+        _check_device_supports(lib, parsed, host_at.tolist())
+    return BuiltGraph(graph, host_at, infos, parsed.src_index, dict(zip(recs.handles, recs.found)))
+
+
+def c_address(fn) -> int:
+    """The address of ctypes function `fn` (for the kernels that call it in bulk)."""
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
+def _check_device_supports(lib, parsed, host) -> None:
+    """Every node that computes something passes the device's own `supports_op` (a GPU
+    backend aborts on a node it has no kernel for; apir.host.graph.profiles)."""
+    supports, op_names, ops = lib.g.ggml_backend_dev_supports_op, lib.g.op_names, parsed.tensors["op"]
+    for j in parsed.node_index.tolist():
+        op = op_names[int(ops[j])]
+        if op not in _EMPTY_OPS and not supports(lib.dev, host[j]):
+            raise Refused(f"node {j}: the device does not support {op} of this shape and types")
+
+
+def _bytes_tensor(lib, scratch: Scratch, buffer: int, data: int, n: int) -> int:
+    """A 1-d I8 tensor over the `n` bytes at `data` of ggml buffer `buffer`, for copies
+    through the backend (ggml_backend_tensor_get / _set)."""
+    g = lib.g
+    return lib.checker.host_tensor(
+        scratch, g.types["I8"], [n, 1, 1, 1], [1, n, n, n], 0, (), 0, b"row ids\0", buffer, data
+    )
+
+
+class _Fetcher:
+    """`TensorInfo.fetch` of a tensor at `offset` in HostBuffer `buf`: `fetch(n)`, its first
+    `n` bytes copied out through the backend (`ggml_backend_tensor_get` on a byte tensor over
+    them). `fetch_row_ids` batches several."""
+
+    __slots__ = ("lib", "buf", "offset")
+
+    def __init__(self, lib, buf: HostBuffer, offset: int):
+        self.lib, self.buf, self.offset = lib, buf, offset
+
+    def __call__(self, n: int) -> ctypes.Array:
+        out = ctypes.create_string_buffer(max(n, 1))
+        if n:
+            with Scratch(self.lib.g, 1) as s:
+                t = _bytes_tensor(self.lib, s, self.buf.ptr, self.buf.base + self.offset, n)
+                self.lib.g.ggml_backend_tensor_get(t, ctypes.addressof(out), 0, n)
+        return out
+
+
+def fetch_row_ids(lib, infos: List[TensorInfo]) -> List[ctypes.Array]:
+    """`shapes.base.copy_ids` of each of `infos` (the copies, in order), with the reads through
+    the backend of tensors in buffers that allow it (apir.host.backend.transfers: a device buffer of
+    the backend's default type) made asynchronously, one synchronize for all; every other
+    tensor read as copy_ids reads it (synchronously)."""
+    transfers = getattr(lib, "transfers", None)
+    out: List[ctypes.Array] = []
+    batch = []
+    for k, info in enumerate(infos):
+        f = info.fetch
+        if transfers is not None and isinstance(f, _Fetcher) and transfers.eligible(f.buf):
+            batch.append(k)
+            out.append(ctypes.create_string_buffer(1))  # replaced below
+        else:
+            out.append(copy_ids(info))
+    if transfers is not None and batch:
+        with Scratch(lib.g, len(batch)) as s:
+            reads = []
+            for k in batch:
+                f, n = infos[k].fetch, extent(infos[k])
+                assert isinstance(f, _Fetcher)
+                reads.append((_bytes_tensor(lib, s, f.buf.ptr, f.buf.base + f.offset, n), n))
+            for k, copy in zip(batch, transfers.read(reads)):
+                out[k] = copy
+    return out
+
+
+def point_at_device_copies(lib, scratch: Scratch, snaps) -> None:
+    """Where kernels read device memory: the checked row ids (`snaps`: (TensorInfo with a
+    snapshot, host tensor)) copied, in one transfer, into a buffer of the device's own type
+    (the context's `ids_buffer`, kept between graphs; else one made for this graph and freed
+    with `scratch`), and each host tensor pointed at its copy (its view_src cleared:
+    ggml-vulkan addresses a view through its source). The copies are at most the bytes of
+    the graph's buffers, which the context's budget charged (IdReads)."""
+    if not snaps:
+        return
+    g = lib.g
+    buft = g.ggml_backend_dev_buffer_type(lib.dev)
+    align = max(1, g.ggml_backend_buft_get_alignment(buft))
+    offsets, total = [], 0
+    for info, _ in snaps:
+        offsets.append(total)
+        total += -(-len(info.snapshot) // align) * align
+    keep = getattr(lib, "ids_buffer", None)
+    buf = keep(total) if keep is not None else g.ggml_backend_buft_alloc_buffer(buft, total)
+    if not buf:
+        raise Refused(f"graph: no device buffer of {total} bytes for the checked row ids")
+    if keep is None:
+        scratch.buffers.append(buf)
+    base = g.ggml_backend_buffer_get_base(buf)
+    staging = (ctypes.c_char * total)()
+    for (info, _), off in zip(snaps, offsets):
+        # (ctypes' slice assignment sets byte by byte: 7 ms for 352 KiB of ids, a memmove 0.1 ms)
+        ctypes.memmove(ctypes.addressof(staging) + off, info.snapshot, len(info.snapshot))
+    with Scratch(g, 1) as copies:
+        g.ggml_backend_tensor_set(_bytes_tensor(lib, copies, buf, base, total), ctypes.addressof(staging), 0, total)
+    dtype = lib.checker.tensor_dtype
+    for (_, addr), off in zip(snaps, offsets):
+        rec = tensor_record(addr, dtype)
+        rec["buffer"], rec["data"], rec["view_src"], rec["view_offs"] = buf, base + off, 0, 0

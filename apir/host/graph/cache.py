@@ -1,0 +1,628 @@
+"""Repeated graphs: a context's checked, built host graphs, reused when a graph comes again.
+
+Theory of operation: a guest decoding tokens, or embedding batch after batch, sends a graph
+of the same structure for every step; parsing, checking and building it again costs far more
+than computing a small one. After a graph passed every check and was built (`apir.host.graph.build`),
+its `GraphCacheEntry` keeps the host `ggml_context` it lives in, keyed by the graph's
+structure (`graph_key`): every byte of the validated private copy that the host reads, except
+the guest's tensor ids, which only link tensors and are replaced by the links they make (node,
+src and view_src indices). A name is read up to its first NUL only. A graph finds its entry
+in one of two ways:
+
+- `take_same`, before any parse: the guest's bytes, where they lie in its shared memory, match
+  the bytes the host read of the graph that built the entry (`graph_wire`; the unread bytes
+  not compared): with the same ids (`GraphWire.matches`: a decode step sends exactly the
+  graph of the step before), or with other ids that link the same tensors
+  (`GraphWire.same_structure`: the same graph built in another ggml context, as apir's own
+  guest backend builds MiniLM's batches in two contexts in turn). Either has this entry's
+  key, so this serves them without a parse or a key. Nothing read there is used afterwards:
+  what runs is the entry's graph, checked when built, whatever the guest writes meanwhile (a
+  guest racing its own bytes only changes which of its checked graphs runs);
+- `take`, after the parse (a caller that parses without looking in place first): its key is
+  byte-for-byte equal to the entry's (the whole key is compared, no hash decides).
+
+`take_same` finds an entry exactly when `take` would (`GraphWire.same_structure` accepts what
+parses to the entry's key), so graph_compute, which looks in place first, neither makes nor
+looks up a whole key for a graph it then builds: its entry keeps the counts and index arrays
+alone (`link_key`), which `take_same` reads, and its wire.
+
+Either way it is served only when
+
+- every buffer handle it names still maps to the very `HostBuffer` object the checks saw
+  (identity: a freed and reallocated buffer never matches; the entry holds the object so its
+  identity cannot be reused), and
+- the row ids that rules read before compute (the only guest memory a rule reads,
+  `shapes.base.check_row_ids`) pass again on fresh copies of that memory: each read recorded
+  its bound (every id in [0, n_rows)), and the fresh copy is checked against the least of
+  them without running the rules (where a bound is missing or an id is out of range, the
+  readers' rules run again and say which). The host tensors are pointed at the new copies
+  (where kernels read device memory: the new copies are uploaded into the context's device
+  buffer for row ids again, as the build does, since any later graph overwrites or replaces
+  that buffer).
+
+Everything else the checks used is a function of those bytes and those buffers, or is checked
+again on every compute anyway (the work-size bound, remembered per entry and thread count). A
+key that differs anywhere, a buffer that changed, or a refusal in the re-check drops the
+entry; the graph then goes through the full checks as if never seen.
+
+Bounds: per context (`PythonBackendLibrary.graph_cache`), at most `max_entries` entries and
+`max_bytes` bytes of keys, wires, host contexts, parsed records and row-id copies, least
+recently used evicted first. An entry in use is taken out of the cache (`take`, `take_same`)
+and put back after the compute (`put`), so two threads never share one. `drop_buffer` frees
+the entries naming a buffer being freed; `clear` all.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+from collections import OrderedDict
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+
+from apir.codec._kernels import (
+    ID_MOVED_MAX,
+    MOVED_DIFFERENT,
+    MOVED_IDS_DIFFER,
+    MOVED_SAME,
+    TABLE_KEY,
+    ids_link_kernel,
+    ids_moved_kernel,
+    name_lens_kernel,
+    record_key_kernel,
+    record_match_kernel,
+    records_match_kernel,
+    records_moved_kernel,
+)
+from apir.host.graph.build_helper import beside, wait_done
+from apir.host.graph.build import TensorInfos, fetch_row_ids, point_at_device_copies
+from apir.host.graph.profiles import CPU
+from apir.host.graph.shapes import OpEnums, TensorInfo, check_node, node_sources
+from apir.host.graph.shapes.base import id_values
+from apir.host.tensors import Scratch
+
+__all__ = [
+    "GraphCache",
+    "GraphCacheEntry",
+    "GraphWire",
+    "graph_key",
+    "graph_wire",
+    "link_key",
+    "DEFAULT_MAX_ENTRIES",
+    "DEFAULT_MAX_BYTES",
+]
+
+DEFAULT_MAX_ENTRIES = 8
+DEFAULT_MAX_BYTES = 64 << 20
+
+
+@functools.lru_cache(maxsize=16)
+def _key_mask(rpc: np.dtype, ids: bool = False) -> np.ndarray:
+    """0xFF for each byte of an apir_rpc_tensor record the host reads, except (unless `ids`)
+    the ids (`id`, `src`, `view_src`, which `graph_key` replaces by indices); 0 for those, for
+    `padding` and for the holes between fields, which no check, rule or build step reads (the
+    C guest leaves them uninitialized, so keying on them would only make equal graphs differ).
+    Read-only: the one array every caller gets."""
+    mask = np.zeros(rpc.itemsize, np.uint8)
+    fields: Mapping[str, tuple] = rpc.fields or {}
+    skip = ("padding",) if ids else ("id", "src", "view_src", "padding")
+    for name, spec in fields.items():
+        if name not in skip:
+            mask[spec[1] : spec[1] + spec[0].itemsize] = 0xFF
+    mask.flags.writeable = False  # (one array for every caller: lru_cache)
+    return mask
+
+
+def graph_key(parsed) -> bytes:
+    """The structure of a parsed graph as bytes: its records' bytes with `id`, `src`,
+    `view_src`, `padding`, the holes between fields (`_key_mask`) and each name's bytes after
+    its first NUL zeroed (`apir.codec._kernels.record_key_kernel`), then its node, src and
+    view_src index arrays (which say what those ids linked). Two graphs with equal keys differ
+    at most in the guest's names for their tensors and in bytes the host never reads.
+
+    A name is read up to its first NUL (build_graph copies it as ggml_set_name would); the C
+    guest sends the bytes after it uninitialized, different for every token of a decode. A
+    name without a NUL (refused by the checks) is kept whole."""
+    return _key(parsed, records=True)
+
+
+def link_key(parsed) -> bytes:
+    """`graph_key` without the records' bytes: the counts and the node, src and view_src index
+    arrays alone. The key of an entry that only `GraphCache.take_same` looks for (its
+    `GraphCacheEntry.links`), where a whole key would cost a masked copy of every record (0.3
+    ms and 3.4 MB on a 10k-node graph) that nothing compares."""
+    return _key(parsed, records=False)
+
+
+def _key(parsed, records: bool) -> bytes:
+    t = parsed.tensors
+    size = t.dtype.itemsize
+    rows = np.ascontiguousarray(t).view(np.uint8).reshape(len(t), size)
+    name_at, name_dtype = t.dtype.fields["name"][1], t.dtype.fields["name"][0]
+    links = [
+        np.ascontiguousarray(a, np.int32).view(np.uint8).reshape(-1)
+        for a in (parsed.node_index, parsed.src_index, parsed.view_src_index)
+    ]
+    at = 16 + (rows.size if records else 0)
+    out = np.empty(at + sum(a.size for a in links), np.uint8)
+    out[:16].view(np.int64)[:] = (len(t), len(parsed.node_index))
+    if records:
+        record_key_kernel(rows, _key_mask(t.dtype), name_at, name_dtype.itemsize, out[16:at])
+    for a in links:
+        out[at : at + a.size] = a
+        at += a.size
+    return out.tobytes()
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphWire:
+    """`graph_wire` of a graph: `data` (read-only uint8), its `head` header bytes then one
+    record of `record_size` bytes per tensor; `word_mask` (`_key_mask` with ids, the name left
+    out, as int64 words), the name's offset `name_at` and each record's name length
+    (`name_lens`, int64) say how `GraphCache.take_same` compares graph bytes with it;
+    `link_mask` (the same without the ids), the indices of the int64 words of `id`, `src[]`
+    and `view_src` (`id_words`, int64, in that order; `moves`: -1 at those words, 0
+    elsewhere) and its least and greatest tensor id (`id_range`) how it compares a graph of
+    the same structure under other ids."""
+
+    data: np.ndarray
+    head: int
+    record_size: int
+    word_mask: np.ndarray
+    name_at: int
+    name_lens: np.ndarray
+    link_mask: np.ndarray
+    id_words: np.ndarray
+    moves: np.ndarray
+    id_range: Tuple[int, int]
+
+    @property
+    def compares(self) -> bool:
+        """Whether `matches` and `same_structure` compare graphs at all: records of whole
+        int64 words (apir_rpc_tensor's always are). When they do, `GraphCache.take_same`
+        finds this entry for every graph whose `graph_key` equals its own."""
+        return self.word_mask.size * 8 == self.record_size and self.link_mask.size * 8 == self.record_size
+
+    def matches(self, memory, size: int) -> bool:
+        """Whether the first `size` bytes of `memory` hold this graph
+        (apir.codec._kernels.record_match_kernel). Bytes that equal the cached ones whole
+        (memcmp: a decode step's very graph, whose padding and names' tails are zero as the
+        cache keeps them) match without the masked comparison, which decides otherwise. The
+        records of a graph of `_BESIDE_MIN_RECORDS` or more are compared in two parts, the
+        second on the build helper thread (apir.host.graph.build_helper). bench_codec's 10k-node
+        graph is 3.4 MB to compare: the masked comparison took 0.37 ms on one thread, memcmp
+        0.25 ms."""
+        first = min(16, len(self.data))  # the node count and first node id: most misses, no kernel call
+        if len(self.data) > size or bytes(memory[:first]) != self.data[:first].tobytes():
+            return False
+        if not self.compares:
+            return False  # (records of a size the kernel does not compare: graph_wire)
+        view = np.frombuffer(memory, np.uint8, count=size)  # (held through the call: its address is read)
+        old = self.data
+        tail = (self.head, self.record_size, self.word_mask, self.name_at, self.name_lens)
+
+        def here(part: int) -> bool:  # the header and records [0, part)
+            at = self.head + part * self.record_size
+            return _memcmp(view.ctypes.data, old.ctypes.data, at) == 0 or bool(
+                record_match_kernel(view.ctypes.data, size, old.ctypes.data, at, *tail)
+            )
+
+        return all(_compare(view, old, tail, here, _match_part))
+
+    def same_structure(self, memory, size: int, links: Tuple[np.ndarray, np.ndarray, np.ndarray]) -> bool:
+        """Whether the first `size` bytes of `memory` hold a graph that parse_graph would
+        give this graph's `graph_key`, its ids aside: the same counts, the same records
+        (`link_mask`, names up to their NUL), and ids that link the tensors as `links`, this
+        graph's (node_index, src_index, view_src_index), say. A guest that built the same
+        graph in another ggml context sends it so. Its ids are first tried as this graph's
+        moved by one constant (a context at another address: `records_moved_kernel`); unless
+        that finds bytes outside the ids that differ, they are then checked in full
+        (`ids_link_kernel`: unique, non-zero, each reference the id of the tensor its index
+        names). Compared as `matches` compares: the second half of a large graph's records on
+        the helper."""
+        n_nodes = (self.head - 8) // 8
+        if len(self.data) > size or not self.compares or len(links[0]) != n_nodes:
+            return False
+        if len(self.data) == self.head or bytes(memory[:4]) != self.data[:4].tobytes():
+            return False  # (no tensors; n_nodes)
+        if bytes(memory[self.head - 4 : self.head]) != self.data[self.head - 4 : self.head].tobytes():
+            return False  # (n_tensors)
+        view = np.frombuffer(memory, np.uint8, count=size)  # (held through the call: its address is read)
+        old = self.data
+        id_at = self.head + 8 * int(self.id_words[0])
+        delta = int(view[id_at : id_at + 8].view("<i8")[0]) - int(old[id_at : id_at + 8].view("<i8")[0])
+        low, high = self.id_range
+        if abs(delta) < ID_MOVED_MAX and 0 < low and high < ID_MOVED_MAX and low + delta > 0:
+            moved = (
+                self.head,
+                self.record_size,
+                self.word_mask,
+                self.link_mask,
+                self.moves,
+                self.name_at,
+                self.name_lens,
+                delta,
+            )
+
+            def here_moved(part: int) -> int:  # node ids, records [0, part)
+                if not ids_moved_kernel(view.ctypes.data + 4, old.ctypes.data + 4, n_nodes, delta):
+                    return MOVED_IDS_DIFFER
+                return int(records_moved_kernel(view.ctypes.data, old.ctypes.data, *moved, 0, part))
+
+            answers = _compare(view, old, moved, here_moved, _moved_part)
+            if MOVED_DIFFERENT in answers:
+                return False  # (bytes outside the ids differ: no other ids make it the same)
+            if answers == (MOVED_SAME, MOVED_SAME):
+                return True
+        linked = (self.head, self.record_size, self.link_mask, self.name_at, self.name_lens)
+
+        def here_linked(part: int) -> bool:  # records [0, part)
+            return bool(records_match_kernel(view.ctypes.data, old.ctypes.data, *linked, 0, part))
+
+        if not all(_compare(view, old, linked, here_linked, _match_part)):
+            return False
+        fields = [8 * int(self.id_words[k]) for k in (0, 1, -1)]  # id, src, view_src
+        return bool(ids_link_kernel(view.ctypes.data, self.head, self.record_size, *fields, *links, TABLE_KEY))
+
+
+def _compare(view: np.ndarray, old: np.ndarray, tail: tuple, here, part_fn) -> tuple:
+    # GraphWire's comparisons: the answers of `here(part)`, on the caller, and of
+    # `part_fn(view, old, tail, part, n)` (records [part, n)), on the build helper, for a
+    # graph of _BESIDE_MIN_RECORDS records or more; (here's, here's) where all ran here
+    head, size = tail[0], tail[1]
+    n = (old.size - head) // size
+    part = n // 2 if n >= _BESIDE_MIN_RECORDS else n
+    job = None
+    try:
+        if part < n:
+            job = beside(part_fn, view, old, tail, part, n)
+            if job is None:  # (no helper: all here)
+                part = n
+        first = here(part)
+        return first, (job.result() if job is not None else first)
+    finally:
+        if job is not None:
+            wait_done(job)  # (it reads `view` and `old`)
+
+
+def _moved_part(view: np.ndarray, old: np.ndarray, tail: tuple, lo: int, hi: int) -> int:
+    # records [lo, hi) of GraphWire.same_structure's moved ids, on the helper (as _match_part)
+    return int(records_moved_kernel(view.ctypes.data, old.ctypes.data, *tail, lo, hi))
+
+
+def _match_part(view: np.ndarray, old: np.ndarray, tail: tuple, lo: int, hi: int) -> bool:
+    # records [lo, hi) of GraphWire's comparisons, on the helper: the arrays held through the
+    # call (an interrupt between queueing this and the caller's wait leaves the caller without
+    # waiting: the guest's memory then stays mapped while it is read, its release refused).
+    # Equal bytes imply equal masked bytes, whatever the mask.
+    head, size = tail[0], tail[1]
+    start = head + lo * size
+    if _memcmp(view.ctypes.data + start, old.ctypes.data + start, (hi - lo) * size) == 0:
+        return True
+    return bool(records_match_kernel(view.ctypes.data, old.ctypes.data, *tail, lo, hi))
+
+
+# libc's memcmp (the GIL released while it runs, as for any ctypes call)
+_memcmp = ctypes.CDLL(None).memcmp
+_memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_memcmp.restype = ctypes.c_int
+
+# Graphs of fewer records are compared on one thread (the helper's wake-up would cost more)
+_BESIDE_MIN_RECORDS = 2048
+
+
+def graph_wire(parsed) -> GraphWire:
+    """The bytes of a parsed graph that the host reads, as the guest sent them: its header
+    (n_nodes, node ids, n_tensors) and its records with ids kept but `padding`, the holes
+    between fields and each name's bytes after its first NUL zeroed. A later graph whose
+    bytes match these (`GraphCache.take_same`) is the same graph, ids and all: its key is
+    this one's, and parsing it would give the same ParsedGraph."""
+    t = parsed.tensors
+    size = t.dtype.itemsize
+    n_nodes = len(parsed.node_ids)
+    head = 8 + 8 * n_nodes
+    out = np.empty(head + len(t) * size, np.uint8)
+    out[:4].view("<u4")[0] = n_nodes
+    out[4 : 4 + 8 * n_nodes].view("<u8")[:] = parsed.node_ids
+    out[head - 4 : head].view("<u4")[0] = len(t)
+    rows = np.ascontiguousarray(t).view(np.uint8).reshape(len(t), size)
+    name_at, name_len = t.dtype.fields["name"][1], t.dtype.fields["name"][0].itemsize
+    mask = _key_mask(t.dtype, ids=True)
+    record_key_kernel(rows, mask, name_at, name_len, out[head:])
+    # bytes before each name's first NUL (a name without one, which the checks refuse, is
+    # compared whole)
+    name_lens = np.empty(len(t), np.int64)
+    name_lens_kernel(rows, name_at, name_len, name_lens)
+    outside, links = mask.copy(), _key_mask(t.dtype).copy()  # (the cached masks stay as they are)
+    # the name is compared apart, up to its NUL
+    outside[name_at : name_at + name_len] = links[name_at : name_at + name_len] = 0
+    if size % 8:  # never matched in place (apir_rpc_tensor holds 8-byte fields: its size never is)
+        outside = links = np.zeros(0, np.uint8)
+    fields = t.dtype.fields
+    src_at, max_src = fields["src"][1], fields["src"][0].shape[0]
+    id_words = np.array([fields["id"][1], *range(src_at, src_at + 8 * max_src, 8), fields["view_src"][1]]) // 8
+    moves = np.zeros(size // 8, np.int64)
+    moves[id_words] = -1
+    ids = t["id"].view(np.int64)
+    id_range = (int(ids.min()), int(ids.max())) if len(ids) else (0, 0)
+    out.flags.writeable = False  # (kept as made: a bytes copy cost 0.3 ms and 3.4 MB more on a 10k-node graph)
+    return GraphWire(
+        out,
+        head,
+        size,
+        outside.view(np.int64),
+        name_at,
+        name_lens,
+        links.view(np.int64),
+        id_words,
+        moves,
+        id_range,
+    )
+
+
+def _unread_copy(info: TensorInfo) -> TensorInfo:
+    """`info` as before any rule read its data (no snapshot, no readers, not one-thread-only).
+    A shallow copy of its fields, as dataclasses.replace makes, without re-running __init__
+    (4x the time, for every tensor a re-check touches on every hit)."""
+    new = object.__new__(TensorInfo)
+    new.__dict__.update(info.__dict__)
+    new.snapshot, new.read_by, new.id_bounds, new.one_thread = None, None, None, False
+    new.id_reads = None  # (the build bounded these very copies: the same tensors, the same extents)
+    return new
+
+
+@dataclasses.dataclass
+class GraphCacheEntry:
+    """One built graph. `buffers`: handle -> the HostBuffer the checks saw; `infos`: the
+    TensorInfo of every tensor as checked (apir.host.graph.build.TensorInfos: those a rule ran on
+    are `infos.made()`); `src_rows`: src indices per tensor (int32[n, max_src]); `host`: host
+    tensor addresses by index (int64); `readers`: nodes whose rules read guest memory."""
+
+    key: bytes
+    scratch: Scratch
+    graph: int
+    host: np.ndarray
+    buffers: Mapping[int, object]
+    infos: TensorInfos
+    src_rows: np.ndarray
+    readers: List[int]
+    nbytes: int = 0
+    # `graph_wire` of the graph that built it, for `GraphCache.take_same`
+    wire: Optional[GraphWire] = None
+
+    def __post_init__(self) -> None:
+        # the tensors whose ids rules read (and copied): the same for every hit
+        self.id_holders = [f.index for f in self.infos.made() if f.snapshot is not None]
+        # (the records its infos are made from stay alive with it: TensorInfos.nbytes; so do
+        # the copies of those ids, as large as the guest's ids tensors, refilled or replaced
+        # by copies of the same size on every hit)
+        pinned = sum(ctypes.sizeof(self.infos[i].snapshot) for i in self.id_holders)
+        self.nbytes = len(self.key) + int(getattr(self.scratch, "size", 0)) + self.infos.nbytes + pinned
+        # per such tensor, the bound its ids must stay under, per way of reading them (flat or
+        # at ids' nb): the least n_rows its reads recorded; None where a read recorded none
+        self.id_checks: Optional[List[tuple]] = []
+        for i in self.id_holders:
+            info = self.infos[i]
+            bounds = info.id_bounds or []
+            if len(bounds) != len(info.read_by or ()):
+                self.id_checks = None
+                break
+            least: Dict[bool, int] = {}
+            for flat, n_rows in bounds:
+                least[flat] = min(n_rows, least.get(flat, n_rows))
+            self.id_checks.append((i, sorted(least.items())))
+        # the work size ggml plans for this graph, by thread count (apir.host.graph.work_plan)
+        self.planned: Dict[int, int] = {}
+        # (tensor index, flat) -> (snapshot, its ids as read): a snapshot refilled in place is
+        # read through the same view on every hit (`_fresh_snapshots`)
+        self._id_views: Dict[tuple, tuple] = {}
+
+    @functools.cached_property
+    def links(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(node_index, src_index, view_src_index) of the graph, int32, read-only views of
+        the end of its key (`graph_key`, or `link_key` for an entry graph_compute made)."""
+        n, n_nodes = (int(v) for v in np.frombuffer(self.key, np.int64, 2))
+        max_src = self.src_rows.shape[1]
+        end = len(self.key)
+        at = end - 4 * (n_nodes + n * max_src + n)
+        node_index = np.frombuffer(self.key, np.int32, n_nodes, at)
+        src_index = np.frombuffer(self.key, np.int32, n * max_src, at + 4 * n_nodes).reshape(n, max_src)
+        return node_index, src_index, np.frombuffer(self.key, np.int32, n, end - 4 * n)
+
+    def remember_wire(self, wire: GraphWire) -> None:
+        """Keeps `wire` (`graph_wire` of the graph that built it) for `GraphCache.take_same`
+        (its bytes counted in `nbytes`)."""
+        self.nbytes += len(wire.data) - (len(self.wire.data) if self.wire is not None else 0)
+        self.wire = wire
+
+    def buffers_unchanged(self, lib) -> bool:
+        """Whether every handle still names the same HostBuffer object."""
+        get = lib.buffers.get
+        return all(get(h) is buf for h, buf in self.buffers.items())
+
+    def recheck(self, lib, enums: OpEnums) -> bool:
+        """Copies the row ids every reader read again and checks them (`_fresh_snapshots`;
+        where that does not settle it, the readers' rules run again on fresh TensorInfo
+        copies), then points the host tensors at the new copies. Raises Refused as the rules
+        do. Returns False (the caller rebuilds) if the copies made differ from the entry's,
+        which the same structure never gives."""
+        if not self.readers:
+            return True
+        snaps = self._fresh_snapshots(lib)
+        if snaps is None:
+            fresh = self._rerun_rules(enums, getattr(lib, "profile", None) or CPU)
+            copied = sorted(i for i, f in fresh.items() if f.snapshot is not None)
+            if copied != self.id_holders or any(fresh[i].read_by != self.infos[i].read_by for i in copied):
+                return False
+            snaps = {i: snap for i in copied if (snap := fresh[i].snapshot) is not None}
+        if not (getattr(lib, "profile", None) or CPU).host_addressable:
+            return self._refill_device_copies(lib, snaps)
+        data_at = lib.checker.tensor_dtype.fields["data"][1]
+        pointers = [ctypes.c_void_p.from_address(int(self.host[i]) + data_at) for i in snaps]
+        # the host tensors must read the copies themselves (as build_graph points them)
+        olds = [self.infos[i].snapshot for i in snaps]
+        if any(old is None or p.value != ctypes.addressof(old) for p, old in zip(pointers, olds)):
+            return False
+        for p, (i, snap) in zip(pointers, snaps.items()):
+            p.value = ctypes.addressof(snap)
+            self.infos[i].snapshot = snap
+        self.scratch.pinned = list(snaps.values())
+        return True
+
+    def _fresh_snapshots(self, lib) -> Optional[Dict[int, ctypes.Array]]:
+        """Fresh copies of the ids the readers' rules read (tensor index -> copy), each
+        checked against the bounds those reads recorded (`shapes.base.check_row_ids`: every
+        id in [0, n_rows)), without running the rules: everything else they checked is a
+        function of the key and the buffers, which are the entry's. None where this does not
+        settle it (an id out of range: the rules then say which; or a read without a
+        recorded bound). Reads through the backend are batched (`apir.host.graph.build.fetch_row_ids`:
+        one synchronize where the backend has async copies)."""
+        if self.id_checks is None:
+            return None
+        infos = self.infos
+        # the copies a host tensor reads in host memory are refilled in place (below); the
+        # rest are read anew, those through the backend all at once
+        fetched = [i for i, _ in self.id_checks if infos[i].fetch is not None or infos[i].snapshot is None]
+        copies = dict(zip(fetched, fetch_row_ids(lib, [infos[i] for i in fetched]))) if fetched else {}
+        snaps: Dict[int, ctypes.Array] = {}
+        for i, least in self.id_checks:
+            info = infos[i]
+            snap = copies.get(i)
+            if snap is None:
+                snap = info.snapshot
+                assert snap is not None  # (not fetched: it has one)
+                # the copy the host tensor reads, refilled in place: the entry is this thread's
+                # alone until `put`, and the graph that read it last has finished
+                ctypes.memmove(snap, info.address, len(snap))
+            for flat, n_rows in least:
+                seen = self._id_views.get((i, flat))
+                if seen is not None and seen[0] is snap:
+                    values = seen[1]
+                else:
+                    values = id_values(info, snap, flat)
+                    self._id_views[(i, flat)] = (snap, values)
+                if values.size and (values.min() < 0 or values.max() >= n_rows):
+                    return None
+            snaps[i] = snap
+        return snaps
+
+    def _rerun_rules(self, enums: OpEnums, profile) -> Dict[int, TensorInfo]:
+        """The readers' rules (those of the backend `profile`, as the build ran them) run
+        again on fresh TensorInfo copies (so row ids are copied and checked anew); raises
+        Refused as they do."""
+        fresh: Dict[int, TensorInfo] = {}
+
+        def info(i: int) -> TensorInfo:
+            if i not in fresh:
+                fresh[i] = _unread_copy(self.infos[i])
+            return fresh[i]
+
+        for j in self.readers:
+            check_node(info(j), node_sources(self.src_rows[j].tolist(), info), enums, profile.rules)
+        return fresh
+
+    def _refill_device_copies(self, lib, snaps: Dict[int, ctypes.Array]) -> bool:
+        """Where kernels read device memory (a profile without `host_addressable`): the
+        re-checked ids (`snaps`) copied into the context's device buffer again and the host
+        tensors pointed there, as the build did (`apir.host.graph.build.point_at_device_copies`).
+        The build's copies cannot be reused: every later graph writes its own ids into that
+        same buffer, and one that needs more frees it for a larger one. False (the caller
+        rebuilds) on a library without such a kept buffer."""
+        if getattr(lib, "ids_buffer", None) is None:
+            return False
+        fresh = []
+        for i, snap in snaps.items():
+            info = _unread_copy(self.infos[i])
+            info.snapshot = snap
+            fresh.append((info, int(self.host[i])))
+        point_at_device_copies(lib, self.scratch, fresh)
+        for i, snap in snaps.items():
+            self.infos[i].snapshot = snap
+        return True
+
+    def close(self) -> None:
+        self.scratch.close()
+
+
+class GraphCache:
+    """A context's built graphs (see the module docstring). Not thread-safe by itself: an
+    entry is used by one thread at a time because `take` removes it."""
+
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, max_bytes: int = DEFAULT_MAX_BYTES):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: "OrderedDict[int, GraphCacheEntry]" = OrderedDict()
+        self._next = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def take(self, key: bytes, lib) -> Optional[GraphCacheEntry]:
+        """Removes and returns the entry whose key equals `key` and whose buffers are
+        unchanged, or None (an equal-keyed entry with changed buffers is freed)."""
+        for slot, entry in self._entries.items():
+            if len(entry.key) == len(key) and entry.key == key:
+                del self._entries[slot]
+                if entry.buffers_unchanged(lib):
+                    self.hits += 1
+                    return entry
+                entry.close()
+                break
+        self.misses += 1
+        return None
+
+    def take_same(self, memory, size: int, lib) -> Optional[GraphCacheEntry]:
+        """Removes and returns the entry whose graph the `size` bytes of `memory` (the guest's
+        shared memory) hold again, and whose buffers are unchanged; or None. The bytes are
+        compared where they lie, without parsing them, first as the very bytes of a graph
+        served before (`GraphWire.matches`), then as the same graph under other ids
+        (`GraphWire.same_structure`). What the host serves is the entry's graph, checked when
+        it was built, whatever the guest writes there meanwhile."""
+        wired = [(slot, entry, entry.wire) for slot, entry in self._entries.items() if entry.wire is not None]
+        for slot, entry, wire in wired:
+            if wire.matches(memory, size):
+                return self._served(slot, entry, lib)
+        for slot, entry, wire in wired:
+            if wire.same_structure(memory, size, entry.links):
+                return self._served(slot, entry, lib)
+        return None
+
+    def _served(self, slot: int, entry: GraphCacheEntry, lib) -> Optional[GraphCacheEntry]:
+        # `entry` (at `slot`) taken out: returned if its buffers are unchanged, else freed
+        del self._entries[slot]
+        if entry.buffers_unchanged(lib):
+            self.hits += 1
+            return entry
+        entry.close()
+        return None
+
+    def put(self, entry: GraphCacheEntry) -> None:
+        """Adds `entry` as the most recently used; evicts the least recently used beyond the
+        bounds. An entry larger than `max_bytes` on its own is freed at once."""
+        if entry.nbytes > self.max_bytes or self.max_entries <= 0:
+            entry.close()
+            return
+        self._next += 1
+        self._entries[self._next] = entry
+        total = self.nbytes
+        while len(self._entries) > self.max_entries or total > self.max_bytes:
+            _, old = self._entries.popitem(last=False)
+            total -= old.nbytes
+            old.close()
+
+    def drop_buffer(self, buf) -> None:
+        """Frees the entries that name HostBuffer `buf` (being freed)."""
+        for slot in [s for s, e in self._entries.items() if any(b is buf for b in e.buffers.values())]:
+            self._entries.pop(slot).close()
+
+    def clear(self) -> None:
+        while self._entries:
+            self._entries.popitem()[1].close()

@@ -1,0 +1,97 @@
+"""The compute-time work-size bound: ggml's planned work buffer checked before any compute.
+
+Theory of operation: the CPU backend's `ggml_backend_cpu_graph_compute` (ggml-cpu.cpp) calls
+`ggml_graph_plan` and then allocates the planned work buffer with `new uint8_t[work_size]`;
+a size the machine cannot give throws `std::bad_alloc` through C, and the host process
+aborts (SIGABRT), taking every other guest with it. The plan is a pure function of the graph
+and the thread count, so `check_work_size` runs the same `ggml_graph_plan` on the checked
+host graph with the backend's thread count first and refuses the graph when the planned
+`work_size` exceeds the context's work budget. Only then is the graph computed. (A context
+with `apir.host.n_threads=free` may compute a graph on fewer threads than it plans with: a
+plan only grows with the count, so the bound holds, and whether a graph passes does not
+depend on the machine's load.)
+
+The rules (apir.host.graph.shapes) and `base.check_span` already keep each tensor's dimensions
+within its buffer, so the plan's arithmetic cannot wrap; this bound covers what is left:
+work buffers sized by sums and products over several tensors, thread counts, and any op
+whose planning a rule does not model.
+
+Configuration: `apir.host.work_budget` (bytes, `CONFIG_KEY_WORK_BUDGET`), default
+`DEFAULT_WORK_BUDGET` (1 GiB). Legitimate work buffers are about the size of a graph's
+largest source converted to another type (MUL_MAT's F32 src1 as the weights' dot type;
+CONV_TRANSPOSE_*'s copies of kernel and input; per-thread rows for the rest): far below it
+for models whose activations fit in a few hundred MiB. A value that is not a number means 0
+(every graph that plans a work buffer is refused), as for `apir.host.buffer_budget`.
+
+Backends: only a CPU backend (`ggml_backend_is_cpu`, and a backend profile that says so,
+apir.host.graph.profiles `plans_work_buffer`) plans this way; another backend (Vulkan, RPC, a
+configured `ggml.library.path`) allocates its own scratch, and no bound is applied here.
+
+Errors: `Refused` when the plan exceeds the budget.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict, Optional
+
+from apir.host.errors import Refused, log
+
+if TYPE_CHECKING:  # annotations only: the dispatcher it leads to imports this module
+    from apir.host.backend.library import PythonBackendLibrary
+
+__all__ = [
+    "CONFIG_KEY_WORK_BUDGET",
+    "DEFAULT_WORK_BUDGET",
+    "check_work_size",
+    "planned_work_size",
+    "work_budget",
+]
+
+CONFIG_KEY_WORK_BUDGET = "apir.host.work_budget"
+DEFAULT_WORK_BUDGET = 1 << 30
+
+
+def planned_work_size(g, graph: int, n_threads: int) -> int:
+    """Bytes of work buffer the CPU backend will allocate for `graph` (a host cgraph whose
+    nodes passed the rules) on `n_threads` threads (0: ggml's default, as a CPU backend whose
+    thread count was never set): `ggml_graph_plan(graph, n_threads, NULL).work_size`."""
+    return int(g.ggml_graph_plan(graph, n_threads, None).work_size)
+
+
+def work_budget(lib: PythonBackendLibrary) -> int:
+    """The context's work budget in bytes: config `apir.host.work_budget`, else
+    `DEFAULT_WORK_BUDGET`."""
+    value = lib.host.get_config(CONFIG_KEY_WORK_BUDGET)
+    if value is None:
+        return DEFAULT_WORK_BUDGET
+    try:
+        return int(value)
+    except ValueError:
+        log.error("%s=%r is not a number", CONFIG_KEY_WORK_BUDGET, value)
+        return 0
+
+
+def check_work_size(lib: PythonBackendLibrary, graph: int, planned: Optional[Dict[int, int]] = None) -> int | None:
+    """Refuses `graph` when the CPU backend of dispatcher `lib` would plan more work buffer
+    for it than `work_budget(lib)` (issue 13, class 2); returns the planned size (None for a
+    backend that is not the CPU's). `planned`: the sizes planned for this very host graph
+    before, by thread count (a cached graph's; filled here), since the plan depends on
+    nothing else. Raises Refused."""
+    g = lib.g
+    profile = getattr(lib, "profile", None)
+    if (profile is not None and not profile.plans_work_buffer) or not g.ggml_backend_is_cpu(lib.backend):
+        return None
+    n_threads = lib.n_threads
+    size = planned.get(n_threads) if planned is not None else None
+    if size is None:
+        size = planned_work_size(g, graph, n_threads)
+        if planned is not None:
+            planned[n_threads] = size
+    budget = work_budget(lib)
+    if size > budget:
+        why = (
+            f"ggml plans a {size}-byte work buffer, over the "
+            f"context's work budget of {budget} bytes ({CONFIG_KEY_WORK_BUDGET})"
+        )
+        raise Refused(f"backend_graph_compute: {why}", reason=why, rule=f"{__name__}.check_work_size")
+    return size
