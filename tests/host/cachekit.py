@@ -1,5 +1,5 @@
-"""What the graph cache tests (test_graph_cache.py, test_attack11.py) share: a small guest graph
-with links, a view and row ids (`cached_graph`: mul_mat + add + get_rows + soft_max + a
+"""What the graph cache tests (test_graph_cache.py, test_graph_cache_structure_hostile.py)
+share: a small guest graph with links, a view and row ids (`cached_graph`: mul_mat + add + get_rows + soft_max + a
 view), its inputs (`graph_inputs`), ggml CPU's answer for them (`direct_output`), and a
 `GraphSession` that sends it, or altered bytes of it, through a hostkit Guest's graph_compute."""
 

@@ -1,5 +1,5 @@
-"""What the build-helper attack tests (test_attack9.py, test_attack10.py, and the child
-processes they start) share: a guest graph of 2,200 tensors (over
+"""What the build helper's hostile tests (test_build_helper_hostile.py,
+test_build_helper_split_hostile.py, and the child processes they start) share: a guest graph of 2,200 tensors (over
 apir.host.graph.build._BESIDE_MIN_TENSORS, so that its first build has the build helper take part)
 laid out for a hostkit Guest with ggml CPU's answer (`LargeRemote`), a build's outcome
 comparable across builds (`build_outcome`: the refusal, or the host tensors it made), and the
@@ -19,7 +19,7 @@ from apir.host import HostContext
 from apir.host.graph import build as hg
 from apir.host.backend.library import CONFIG_KEY_N_THREADS
 from apir.host.tensors import Scratch
-from tests.host.attackkit import host_tensors
+from tests.host.hostilekit import host_tensors
 from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph, cpu_compute
 
 __all__ = [
@@ -127,7 +127,7 @@ def graph_scratch(lib, parsed) -> Scratch:
 
 
 def block_tensors(lib, built) -> bytes:
-    """attackkit.host_tensors of a build, at once: the tensors of one block side by side (as
+    """hostilekit.host_tensors of a build, at once: the tensors of one block side by side (as
     write_tensors_kernel makes them) read as one array, their src and view_src as indices, the
     data of row ids (a new copy each build) zeroed; per tensor where not one block."""
     dtype, host = lib.checker.tensor_dtype, built.host

@@ -17,7 +17,7 @@ from apir.host.graph import build_helper
 from apir.host.graph import build as hg
 from apir.host.errors import Refused
 from apir.host.tensors import Scratch
-from tests.host.attackkit import host_tensors
+from tests.host.hostilekit import host_tensors
 from tests.host.hostkit import GgmlScratch, RemoteGraph, add_chain
 
 _ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +42,7 @@ def _parse(lib, wire):
 
 
 def _made(lib, parsed):
-    """The host tensors build_graph_parts makes of `parsed` (attackkit.host_tensors)."""
+    """The host tensors build_graph_parts makes of `parsed` (hostilekit.host_tensors)."""
     with Scratch(lib.g, len(parsed.tensors), max(len(parsed.node_index), 1)) as scratch:
         built = hg.build_graph_parts(lib, parsed, scratch, hg.lib_op_enums(lib))
         return host_tensors(lib.checker.tensor_dtype, built.host)

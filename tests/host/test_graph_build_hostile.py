@@ -1,5 +1,5 @@
-"""Attacks on today's graph-build changes (branch attack7); each passes on 3cf9490.
-
+"""The host's graph build (apir.host.graph.build) against a hostile guest: the parse it starts
+from, the rule groups and the host tensors it writes.
 - parse_graph_kernel copies each record from the guest just before checking it: a guest
   thread rewriting its bytes meanwhile (ids, types, ops, names, sources, node ids, counts)
   gets a refusal or a private copy that parses again to the very same indices.
@@ -24,7 +24,7 @@ from apir.codec.records import rpc_tensor_dtype
 from apir.host.graph import build as hg
 from apir.host.tensors import Scratch
 from tests.host.hostkit import GgmlScratch, RemoteGraph, add_chain
-from tests.host.attackkit import groups_by_definition, racing_guest
+from tests.host.hostilekit import groups_by_definition, racing_guest
 
 
 def _parse(lib, raw, end=None, kernel=None):

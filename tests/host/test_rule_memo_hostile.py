@@ -1,17 +1,18 @@
-"""apir.host.graph.build's first build under attack: what the per-group rules, the lazily made
-infos and the bulk ggml calls must keep.
-
+"""Grouped rule checks (apir.host.graph.rule_memo) and the other parts of a graph's first build
+(apir.host.graph.build) a hostile guest can steer.
 - A scratch `ggml_context` without room for the graph's tensors or its cgraph is a
   MemoryError (the dispatcher's error reply), never ggml's abort: ggml_new_tensor_1d
   GGML_ASSERTs a full context and ggml_new_graph_custom dereferences its NULL object, so
-  the room is checked before ggml is called (in a child process: the old way killed it).
-- Grouped rules (apir.host.graph.rule_memo) decide as checking every tensor on its own, on a graph
-  whose rules read what `Sealed` hides: ROPE's frequency factors (`room`), OPT_STEP's
-  in-place result (`address`), SET_ROWS of F16 into F32 (sets `one_thread`), GET_ROWS (row
-  ids), under lies in every field a guest writes, sources and views rewired, nodes swapped,
-  and a second handle of the same buffer: the same refusal (message, node, rule), the same
-  row-id state on every info, the same cache entry (readers, id holders, id checks), and the
-  same host tensors, the grouped build's made on the build helper thread.
+  the room is checked before ggml is called (in a child process).
+- Grouped rules decide as checking every tensor on its own, on a graph whose rules read what
+  `Sealed` hides: ROPE's frequency factors (`room`), OPT_STEP's in-place result (`address`),
+  SET_ROWS of F16 into F32 (sets `one_thread`), GET_ROWS (row ids), under lies in every field
+  a guest writes, sources and views rewired, nodes swapped, and a second handle of the same
+  buffer: the same refusal (message, node, rule), the same row-id state on every info, the
+  same cache entry (readers, id holders, id checks), and the same host tensors, the grouped
+  build's made on the build helper thread.
+- rule_group_kernel and the hash tables keyed by guest words against their definitions;
+  first_overlap_kernel and the graph's needs against comparing every pair; row-id copies.
 """
 
 import subprocess
@@ -27,7 +28,7 @@ from apir.host.graph import build as hg
 from apir.host.errors import Refused
 from apir.host.graph.cache import GraphCacheEntry
 from apir.host.tensors import Scratch
-from tests.host.attackkit import groups_by_definition, host_tensors
+from tests.host.hostilekit import groups_by_definition, host_tensors
 from tests.host.hostkit import GgmlScratch, RemoteGraph
 
 _ROOT = Path(__file__).resolve().parents[2]

@@ -1,54 +1,22 @@
-"""Attack 15: a2cd300 (set/get/cpy_tensor read the apir_rpc_tensor with one struct.unpack_from,
-`RpcTensor`, and hand ggml a host tensor written by one struct.pack_into in memory of its own,
-`TensorChecker.loose_twin`; graph.py's per-tensor fallback reads its records the same way).
-
-- Every refusal, through the real dispatch path, in a child process (an abort fails the test):
-  233 set / get / cpy commands, each answered BACKEND_RC_ERROR with every byte of two allocated
-  buffers, a buffer_from_ptr buffer, the resource past that buffer and the data resource
-  unchanged: unknown / 0 / freed / buffer-type handles, records without a buffer (data 0 and
-  not), in another buffer; every removed type, GGML_TYPE_COUNT, 255, 2**32 - 1; op
-  GGML_OP_COUNT, + 1, 2**32 - 1, the four custom ops; Q4_0 / Q4_K with ne[0] off the block; a
-  64-byte name without NUL; data 4096 - 63, 4096, 2**32, 2**63, 2**64 - 64, 2**64 - 1; ne/nb
-  making ggml_nbytes wrap modulo 2**64 to 6 bytes (extent 2**64 + 6), all 2**32 - 1, ne[0]
-  2**32 - 1; offset + size wrapping 2**64, offset 2**64 - 1, one byte past ggml_nbytes (also
-  with nb[0] = 1 < the type size, and Q4_0 with nb[0] = 1: ggml_nbytes 19 and 1); size over
-  the resource, 2**64 - 1; resource 0 and unknown; a truncated record; an empty tensor (ne 0)
-  at the buffer's end with size 1. cpy_tensor: source larger than the room left (allocated and
-  buffer_from_ptr destinations), destination outside the named buffer, no buffer on either
-  side, freed buffers, extents past the buffer, wrapping ggml_nbytes on either side, data
-  2**64 - 1, bad type / op / name / block, truncated destination. The host serves on.
-- Accepted edges (child): a tensor ending exactly at its buffer's end (allocated and wrapped;
-  the resource past the wrapped buffer untouched), its last byte alone; nb[0] below the element
-  size (exactly ggml_nbytes' 19 bytes written) and Q4_0 with nb[0] 1 (1 byte); zero-size
-  transfers at offset 2**64 - 1 move nothing (a bad record with size 0 is still refused);
-  cpy_tensor of a 4096-byte source into a 64-byte destination tensor (ggml copies
-  ggml_nbytes(src): all within the buffer, as the C), src == dst, overlapping, into a wrapped
-  buffer's last 64 bytes, empty sources; ggml's zero-size dummy buffer (base NULL, no iface):
-  copies into it answer false, out of it copy nothing, set / get refused.
-- RpcTensor against numpy on random bytes; ggml_nbytes of the loose twin against its exact
-  value and the checked extent for every valid type and 4000 random u32 ne / nb (wraps
-  included: then the extent is >= 2**64 and the record refused); the twin's ne, nb, type,
-  op, op_params, flags, name (cut at NUL and 63 bytes), buffer, data, no src / view / extra.
-- TOCTOU: a guest thread flips `data` (0 / 3072) and ne[0] (512 / 16) of the record inside the
-  command while the host reads it in place; thousands of set and get commands, both outcomes
-  seen: every accepted one wrote / read [1984, 2048) only, the resource past the wrapped
-  buffer (a secret) neither written nor read. A mutant that re-reads the record per field
-  (a lazy record over the shared memory) fails this test.
-- graph_compute's per-tensor fallback (now through `rpc_tensor`): extents past int64 and
-  wrapping ggml_nbytes, data near 2**64, no buffer go to it (a spy counts the call) and are
-  refused naming the tensor; an ne with 0 passes it and is refused by the span check;
-  type / op / name are refused at parse; the unedited graph computes after.
-- Handles: a second context's buffer handles named by the first (get / set / cpy) reach only
-  the first's own buffers, never the second's bytes; a freed handle is refused and never handed
-  out again; a buffer_from_ptr buffer's handle is refused once its resource is removed. A
-  wrapped buffer set / got from its own resource stays inside it.
-- Names of 63 bytes, junk after a NUL, empty; any non-custom op with extreme op_params and
-  flags: set / get move exactly the tensor's bytes.
-- Deferred uploads (a DeviceTransfers of 256 bytes on the CPU context): every
-  ggml_backend_tensor_set_async / _set gets a twin in the named buffer at the checked offset;
-  refusals queue nothing; an upload over the staging flushes the queue and goes synchronous.
-
-Every attack is withstood (no bug found).
+"""Hostile apir_rpc_tensor records for set / get / cpy_tensor (apir.host.tensors: `RpcTensor`
+read in one struct.unpack_from, the host tensor `TensorChecker.loose_twin` writes for ggml),
+through the real dispatch path, in a child process where an abort would fail the test.
+- Every refusal (unknown / freed / foreign handles, bad types, ops, names and blocks, extents
+  and offsets that wrap 2**64, sizes over the resource, truncated records, cpy_tensor sources
+  larger than the room left) answers BACKEND_RC_ERROR and changes no byte of any buffer or
+  resource; the host serves on.
+- Accepted edges (a tensor ending exactly at its buffer's end, nb[0] below the element size,
+  zero-size transfers at offset 2**64 - 1, cpy_tensor into a smaller tensor as the C does,
+  src == dst, ggml's zero-size dummy buffer) touch only the tensor's bytes.
+- RpcTensor against numpy on random bytes; ggml_nbytes of the loose twin never exceeds the
+  checked extent, for every valid type and random ne / nb; the twin's fields.
+- A guest thread flipping `data` and ne[0] inside the command while the host reads it: every
+  accepted command wrote / read the one checked range (a record re-read per field fails this).
+- graph_compute's per-tensor fallback refuses what the kernel leaves to it, naming the tensor.
+- Handles: another context's handles reach only this context's buffers; a freed handle is
+  never handed out again; a wrapped buffer's handle dies with its resource.
+- Names, ops and op_params do not change what a transfer moves; deferred uploads get the
+  checked twin, refusals queue nothing, an upload over the staging goes synchronous.
 """
 
 from __future__ import annotations
@@ -501,7 +469,7 @@ def test_racing_record_is_checked_and_used_as_one_read(ggml):
     1984, 64 bytes, in a 4096-byte buffer_from_ptr buffer. Every mix of the two reads either
     refused or [1984, 2048); had the check and the twin read `data` apart, a write or read at
     3072 + 1984 would land in the watched resource bytes past the buffer."""
-    from tests.host.attackkit import racing_guest
+    from tests.host.hostilekit import racing_guest
 
     h = Host(ggml, wrap_pages=1, res_pages=2)
     try:

@@ -1,11 +1,9 @@
-"""Attacks on e6d7da8 (parse_graph_kernel finds sources in its copy pass, the rest in a second
-pass) and f71edaa (record_match_kernel / record_key_kernel 8 bytes at a time over raw
-addresses, names compared over the old graph's lengths); each passes on f71edaa.
-
-- parse_graph_kernel against its parent commit's kernel (git show e6d7da8~1) on random graphs
-  with sources before, after (shuffled DAGs) and at their tensor, unknown, zero, duplicated and
-  high-bit ids, bad types / ops / names: the same error text, or the same indices and order;
-  never a _LATER (-2) left in an accepted graph; jitted and twin.
+"""parse_graph (apir.codec.graph) and the graph cache's byte match (GraphWire.matches) on
+hostile graphs.
+- parse_graph_kernel against the one-pass kernel it replaced (read from git history) on random
+  graphs with sources before, after (shuffled DAGs) and at their tensor, unknown, zero,
+  duplicated and high-bit ids, bad types / ops / names: the same error text, or the same
+  indices and order; never a _LATER (-2) left in an accepted graph; jitted and twin.
 - the second pass under a racing guest: a graph whose sources all come after their tensor
   (reversed C order), a guest thread flipping a src / view_src id to an unknown id, the
   tensor itself, a later tensor: what is kept parses again to the same links.
@@ -33,7 +31,7 @@ from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.host.graph import cache as graph_cache
 from apir.host.graph.cache import _key_mask, graph_key, graph_wire
-from tests.host.attackkit import racing_guest
+from tests.host.hostilekit import racing_guest
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,43 +1,19 @@
-"""Attack 17 on the vhost-user device: memory tables changed under running commands, rings in
-odd places, hostile kick / call descriptors, and resources crossing contexts and VMs.
-
-Bugs found (each test failed before its fix):
-
-- A front-end truncating the guest RAM file it shared (SET_MEM_TABLE maps it; QEMU's
-  memory-backend-file is not sealed) made the device's next ring read fault: SIGBUS, the
-  whole host process gone with every other VM it served. Fixed: a region whose file is not
-  sealed against shrinking is read and written with pread / pwrite (a short read is an error,
-  not a fault); a sealed one (QEMU's memory-backend-memfd, seal=on) is still mapped.
-- A blocking call eventfd at its maximum count (the front-end writes 2**64 - 2 to it) made the
-  device's completion write block forever: the queue thread hung, the session's teardown
-  waited it out and the next VM on the socket was not served. Fixed: kick and call
-  descriptors are made non-blocking (a kick read raced away by the front-end blocks nothing
-  either).
-- A kick descriptor that is always ready and never yields a kick (a pipe whose writer is gone:
-  POLLHUP; a regular file: EOF) made the queue thread spin at 100% of a core for the session's
-  life. Fixed: such a descriptor is dropped (the ring is served on wake-ups until the next
-  SET_VRING_KICK).
-
-What held (a refusal or an error response, the device serving on):
-
-- the region holding a command's response buffer removed (REM_MEM_REG) while the command
-  computes on its worker: the response is dropped (0 bytes), nothing is written to the
-  removed file, the ring goes on;
-- the whole table replaced (SET_MEM_TABLE, another file) under a computing command: the
-  response lands in the new table only, the old file is not written;
-- SET_MEM_TABLE with overlapping regions, a zero size, an mmap_offset past the file's end, a
-  region past the file's end, a non-mappable descriptor (a pipe): refused, the old table
-  stays;
-- a descriptor table straddling two regions: the chain is an error, the device serves on;
-- a response written over the descriptor table it was walked from: written, served on;
-- SET_VRING_BASE far ahead of avail.idx while the ring runs: the ring stops (broken), and a
-  restart at the right base serves again;
-- a command split over 48 two-byte descriptors: gathered and served;
-- a blob of context 1 attached to context 2, then context 1 destroyed: context 2's host lets
-  go of it, it cannot be mapped any more, UNREF frees it, a second UNREF is refused;
-- resource ids of another VM (session): ATTACH / MAP / UNREF refused, the owner's blob stays;
-- fenced commands on a context destroyed with a compute in flight: every one answered, in
-  fence order.
+"""A vhost-user session (apir.host.vhost_user) under a hostile front-end: memory tables changed
+under running commands, rings in odd places, hostile kick / call descriptors, and resources
+crossing contexts and VMs. The device serves on after each (docs/security.md says why).
+- Guest RAM in a file not sealed against shrinking, truncated under the device: read with
+  pread / pwrite, so an error, not a SIGBUS; a sealed one (QEMU's memory-backend-memfd) mapped.
+- A call eventfd at its maximum count blocks nothing (kick and call descriptors are made
+  non-blocking); a kick descriptor always ready that never kicks (a hung-up pipe, a regular
+  file) is dropped, not spun on.
+- The region of a command's response buffer removed, or the whole table replaced, while the
+  command computes: the response is dropped or lands in the new table only.
+- Bad SET_MEM_TABLE (overlaps, zero size, offsets past the file, a pipe): refused, the old
+  table stays; a descriptor table straddling two regions; a response written over the
+  descriptor table it was walked from; SET_VRING_BASE far ahead of avail.idx; a command split
+  over 48 two-byte descriptors.
+- A blob of context 1 attached to context 2, then context 1 destroyed; another VM's resource
+  ids; fenced commands on a context destroyed mid-compute: all answered, in fence order.
 """
 
 import os
@@ -48,7 +24,7 @@ import pytest
 from apir.codec.virtgpu import VirtioGpuCtrlType as T
 from apir.host.vhost_user import protocol as vu
 
-from .attack17kit import (
+from .sessionkit import (
     region,
     spawn_device,
     table,

@@ -1,8 +1,7 @@
-"""Attack 10: rule_group_kernel's guess (the tensor after the last one matched, tried before
-the hash), GraphWire.matches split in two (records [n // 2, n) on the build helper), the
-scratch's `writing` lock, and check_nodes' group sizes (group_sizes_kernel).
-
-- rule_group_kernel and its Python twin against the definition (attackkit.groups_by_definition)
+"""Work split with the build helper (apir.host.graph.build_helper) on hostile graphs: a large
+graph's byte match (GraphWire.matches, records [n // 2, n) on the helper), the scratch's
+`writing` lock, and the rule groups the split build uses (rule_group_kernel, group_sizes_kernel).
+- rule_group_kernel and its Python twin against the definition (hostilekit.groups_by_definition)
   on adversarial graphs: guesses equal in the masked words but not in their sources (a source
   of another class, itself, a slot repeated, a source after its tensor, a difference only in
   the last slot), with the process's key and the worst key 1; its answer is idempotent (what
@@ -13,9 +12,9 @@ scratch's `writing` lock, and check_nodes' group sizes (group_sizes_kernel).
   alignments, a mismatch in either half only; the same answers with the helper off; a guest
   rewriting a read byte between two wrong values while it is compared never matches.
 - An interrupt (SIGINT's KeyboardInterrupt) after `beside` queued the helper's half and
-  before `matches` stored the job leaves `matches` at once, while the helper still has the
-  guest's memory to read: the job holds that memory, so the blob's release is refused and the
-  helper never reads unmapped memory (it did: SIGSEGV, in a child here).
+  before `matches` stored the job leaves `matches` at once while the job still holds the
+  guest's memory: the blob's release is refused and the helper never reads unmapped memory
+  (checked in a child, where such a read is a SIGSEGV).
 - A build whose caller is interrupted after `beside` queued its job: the job writes nothing
   into the scratch prepare_graph freed.
 """
@@ -40,7 +39,7 @@ from apir.codec.records import rpc_tensor_dtype
 from apir.host.graph import build_helper, cache as graph_cache
 from apir.host.graph import build as hg
 from apir.host.graph.cache import graph_wire
-from tests.host.attackkit import groups_by_definition, racing_guest
+from tests.host.hostilekit import groups_by_definition, racing_guest
 from tests.host.largekit import chain_wire
 
 _ROOT = Path(__file__).resolve().parents[2]

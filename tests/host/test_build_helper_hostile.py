@@ -1,6 +1,5 @@
-"""Attack 9: the build helper thread (apir.host.graph.build_helper) beside a large graph's first build
+"""The build helper thread (apir.host.graph.build_helper) beside a large graph's first build
 (apir.host.graph.build.build_graph_parts), and check_nodes' group sizes (group_sizes_kernel).
-
 - The caller leaves build_graph_parts only after the helper is done with the scratch, however
   it leaves: a refusal, a BaseException on either thread, a SIGINT while it waits for the
   helper (in its `finally` too), and a job left queued by a helper thread that failed to

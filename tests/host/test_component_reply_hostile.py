@@ -1,12 +1,10 @@
-"""Attacks on 79b111b: a reply resource keeps one reply Encoder (Resource.reply_encoder, reset
-for each command, dropped by Resource.release) and the guest's Remote keeps one reply Decoder.
-
+"""The reply Encoder a reply resource keeps (Resource.reply_encoder, reset for each command,
+dropped by Resource.release) and the guest's Remote's one reply Decoder.
 Host side: no state of one command reaches the next reply (pos, fatal), a removed and re-added
 res_id gets an encoder over its new memory, removal leaves the old mapping closable, tiny reply
 resources, several threads on one context and several contexts over one shared reply mapping.
 Guest side: a call that raises while it waits (a timeout) leaves no traceback that pins the
-reply mapping through the Remote's kept reply Decoder (found here as a bug: `Remote.call` took
-it into a local before the wait; it now takes it after).
+reply mapping through the Remote's kept reply Decoder (`Remote.call` takes it after the wait).
 """
 
 from __future__ import annotations
@@ -304,11 +302,11 @@ class _SilentDevice:
 def test_timed_out_handshake_leaves_no_reply_mapping_pinned():
     """ApirClient.connect against a host that never answers: the HandShake times out and
     connect closes the Remote from its `except BaseException` (the ApirTimeout's traceback
-    alive). Since 79b111b `Remote.call` holds the Remote's reply Decoder in a local (`dec`,
-    taken before the wait), whose memoryview exports the reply mmap; that frame, kept by the
-    traceback, makes the reply blob's unmap fail (BufferError, 'left mapped'). Before, the
-    call's frame held only the Blob (no export), as `_wait`'s docstring intends: 'a kept
-    traceback must not pin the reply mapping'."""
+    alive). Were the Remote's reply Decoder taken into a local of `Remote.call` before the
+    wait, its memoryview would export the reply mmap and that frame, kept by the traceback,
+    would make the reply blob's unmap fail (BufferError, 'left mapped'); the call's frame must
+    hold only the Blob (no export), as `_wait`'s docstring says: 'a kept traceback must not pin
+    the reply mapping'."""
     dev = _SilentDevice()
     with pytest.raises(ApirTimeout):
         ApirClient.connect(dev, handshake_timeout_s=0.02)

@@ -1,4 +1,4 @@
-"""Helpers of tests/vhost_user/test_attack17.py: a device in a process of its own (a fault
+"""Helpers of tests/vhost_user/test_session_hostile.py: a device in a process of its own (a fault
 there must not take pytest down), a HostContext stand-in that computes until released, extra
 guest memory regions, and a wait on the used ring that never reads the call eventfd."""
 

@@ -1,45 +1,20 @@
-"""Attack 16: 42e1182 (graph.py `_check_graph_needs` collects only the writes of the nodes up to
-the last row-id reader, `before = nodes[: until.max() + 1]`).
-
-Every case is a graph built with ggml's own constructors, its tensors laid out in one local CPU
-buffer and then moved (`_Built.alias`: a tensor's data set over another's bytes, its views
-following) so that nodes write over row ids; the same layout is sent to the host (a buffer of
-the same size: every record's data offset as in the local buffer) through the real dispatch
-path (BACKEND_GRAPH_COMPUTE), in a child process (an abort fails the test), and computed by
-ggml CPU on the local buffer. A case that must be refused is refused by
-`_check_graph_needs` naming the node that writes first, and the host then serves the unedited
-graph; a case that is accepted leaves the host buffer byte for byte as ggml CPU leaves the
-local one (every tensor, not only the result).
-
-- Reader positions: a GET_ROWS at node 0 with a CPY over its ids after it (accepted, as
-  ggml's allocator reuses consumed inputs); the CPY at node 0 and the GET_ROWS last (refused,
-  naming the CPY); the reader in the middle with the writer before (refused) and after
-  (accepted); two readers of one ids tensor with the writer between them (refused: the last
-  reader counts) and with equal inputs (a rule_memo group: each reader is recorded);
-  two ids tensors, the early one's writer after its reader while the other's reader is last
-  (accepted), and the late one's writer before it (refused).
-- The reader writing over its own ids (GET_ROWS' result over them): refused naming the reader.
-  SET_ROWS whose destination lies over its ids: refused. MUL_MAT_ID (expert ids), GET_ROWS_BACK
-  and ADD_ID readers with a writer before: refused; after: accepted.
-- Views: ids a view of a larger tensor at offset 16; a writer ending exactly at the ids' first
-  byte and one starting exactly past their last (accepted), one overlapping a single byte at
-  either end (refused); RESHAPE / VIEW of the ids before the reader (empty ops, accepted).
-- OPT_STEP_SGD updating in place a tensor over the ids before the reader (refused naming the
-  OPT_STEP node, whose own result is a view of the parameters) and after (accepted).
-- No reader a node (the GET_ROWS dropped from the node list: a leaf with an op, read as data):
-  a CPY over the ids in the graph is accepted and computes as ggml CPU.
-- Many readers (300 GET_ROWS, each its own ids, 300 CPY writers: first_overlap_kernel's sweep
-  rather than its pairwise loop): one writer placed before its reader among writers all after
-  theirs is refused naming it; none before: accepted.
-- Two buffer handles over one memory: buffer_from_ptr twice on one resource, the ids named
-  through one handle and a CPY writing them first through the other. BUG (fixed): accepted
-  (`_same_buffer` told buffers apart by HostBuffer object, so the CPY's bytes were never
-  compared with the ids'): the host computed with the checked ids where ggml CPU reads the
-  CPY's. Now `_same_memory` makes the wraps of one resource one memory there, and the graph is
-  refused, as the same graph in one buffer is.
-  With a writer after the reader it is still accepted and computes as ggml CPU.
-
-Every other attack above is withstood, and each accepted case equals ggml CPU.
+"""Row ids overwritten before their reader (apir.host.graph.build._check_graph_needs: only the
+writes of the nodes up to the last row-id reader count).
+Each case is a graph built with ggml's own constructors in one local CPU buffer, its tensors
+then moved (`_Built.alias`) so that nodes write over row ids; the same layout goes to the host
+through BACKEND_GRAPH_COMPUTE in a child process and is computed by ggml CPU locally. A case
+that must be refused is refused naming the node that writes first, and the host then serves
+the unedited graph; an accepted case leaves the host buffer byte for byte as ggml CPU leaves
+the local one.
+- Reader positions: writers before, between and after one or two readers of one ids tensor,
+  two ids tensors, a reader writing over its own ids; SET_ROWS, MUL_MAT_ID, GET_ROWS_BACK and
+  ADD_ID readers.
+- Views: ids a view at offset 16, writers ending exactly at or starting exactly past them
+  (accepted) or overlapping one byte (refused); RESHAPE / VIEW of the ids (accepted).
+- OPT_STEP_SGD updating in place a tensor over the ids; a reader dropped from the node list.
+- Many readers (300 GET_ROWS and 300 CPY writers: first_overlap_kernel's sweep).
+- Two buffer handles over one memory (buffer_from_ptr twice on one resource): a CPY through
+  one handle over ids named through the other is refused, as in one buffer (`_same_memory`).
 """
 
 from __future__ import annotations

@@ -1,31 +1,19 @@
-"""Attack 11: eb7a6f5, GraphWire.same_structure (a graph sent again under other tensor ids,
-matched in place in the guest's shared memory: ids moved by one constant, records_moved_kernel
-and ids_moved_kernel; else masked records and ids_link_kernel's set of ids and links), split
-with the build helper for large graphs. Each test passes on eb7a6f5 (no bug found).
-
+"""The graph cache's structure match (apir.host.graph.cache.GraphWire.same_structure: a graph
+sent again under other tensor ids, matched in place in the guest's shared memory) on hostile ids.
 - The oracle, for fixed bytes B: same_structure(B) is exactly "parse_graph(B) succeeds and
   gives the entry's graph_key" (and `matches` implies it), on shuffled DAGs using all ten src
-  slots and view_src, repeated nodes, junk after names' NULs, old ids around 1, 2**62, 2**63
-  and 2**64, rewritten as: moved by deltas at every edge of the moved path's preconditions
-  (least id to 0 and below, past 2**62 and 2**63, wrapping 2**64), zeros moved too, one id
-  at -delta, one id 0, a duplicate id, two ids swapped, random and negative ids, then on a
-  moved / random base a src in any slot (the 10th too), a view_src, a node id, a self
-  source, a duplicate, a name's NUL moved or gone, a padding byte with a src's top bit;
-  header counts changed (a node less, a tensor more), sizes one byte short, trailing bytes;
-  on one thread and split (`_BESIDE_MIN_RECORDS` = 1), and on a 4,097-record graph split at
-  2,048 with every id word around the split flipped. The kernels equal their `.py_func`
-  twins there.
+  slots and view_src, repeated nodes, junk after NULs and ids rewritten at every edge of the
+  moved path's preconditions (moves past 2**62, 2**63 and 2**64, zeros, -delta, duplicates,
+  swaps, random ids), then a src / view_src / node id / NUL / padding byte changed, header
+  counts and sizes changed; on one thread and split with the build helper, and on a
+  4,097-record graph split at 2,048. The kernels equal their `.py_func` twins there.
 - No byte past the cached graph's size is read: the graph ends at a PROT_NONE page (child).
-- Hash flooding ids_link_kernel's set without TABLE_KEY: ids in strides 2**0..2**63, x / ~x
-  pairs, x / x ^ (2**62 | 2**30) pairs, the four top-bit variants, high bits only: linear
-  probes (counted with the process's key), and the jitted kernel's time against random ids.
-- Races: a guest rewriting an id (the first one, whose value gives the delta; one in the
-  helper's half) between two values neither of which links never matches; unread bytes
-  rewritten always match. A guest that rewrites an id between a duplicate (links, not unique)
-  and a unique value (unique, does not link) got a hit from bytes no parse accepts while
-  ids_link_kernel read each id twice (the set, then the links): harmless (what runs is the
-  entry's checked graph), and closed since the kernel reads each id once, into a private
-  array. Shown deterministically with the twin and a read hook.
+- Hash flooding ids_link_kernel's set without TABLE_KEY (ids in power-of-two strides, x / ~x
+  pairs, top-bit variants, high bits only): linear probes, counted with the process's key.
+- Races: a guest rewriting an id between two values neither of which links never matches;
+  unread bytes rewritten always match; ids_link_kernel reads each id once (into a private
+  array), so an id rewritten between a duplicate and a unique value cannot pass the set with
+  one value and the links with another (shown deterministically with the twin and a read hook).
 - Bytes rewritten right after the match change nothing that runs; another context's entry is
   never served; an interrupt after `beside` queued either half of a split same_structure
   keeps the guest's memory mapped (child).
@@ -50,7 +38,7 @@ from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.host.graph import build_helper, cache as graph_cache
 from apir.host.graph.cache import graph_key, graph_wire
-from tests.host.attackkit import racing_guest
+from tests.host.hostilekit import racing_guest
 from tests.host.cachekit import GraphSession, direct_output, graph_inputs
 from tests.host.hostkit import DATA_RES, Guest
 from tests.host.largekit import chain_wire
@@ -478,9 +466,8 @@ def test_crafted_ids_do_not_flood_the_set(ggml):
     would take about 2,000 (random ids: about 0.5; `i << 32 | i`, whose halves cancel in
     `_mix`'s first fold, took up to 13 for one key in 300, and fewer per id as n grows:
     linear, not quadratic), and the kernel accepts them all and refuses them with the last
-    id a copy of the first. Counted, not timed: this attack also timed the jitted kernel on
-    60,000 ids of each pattern (1.7-3.2 ms against 2.0-2.5 ms for random ids), but a timed
-    assertion fails on a loaded machine (it did once in CI)."""
+    id a copy of the first. Counted, not timed: a timed assertion fails on a loaded machine
+    (the times are in docs/design.md, Measurements)."""
     n = 4096
     rpc = rpc_tensor_dtype(ggml.limits)
     fields = (0, rpc.fields["src"][1], rpc.fields["view_src"][1])

@@ -1,29 +1,21 @@
-"""Attack 14: 8acdc77 (load_i64_at / store_i64_at: the graph cache's in-place comparison kernels
-and record_key_kernel on word k of an int64 array, a getelementptr LLVM vectorizes),
-5503b87 (name_lens_kernel) and c14f128 (graph_compute builds an entry keyed by `link_key` only,
-found later only by `take_same`).
-
+"""The graph cache's kernels (apir.host.graph.cache: the in-place comparisons over int64 words,
+record_key_kernel, name_lens_kernel) and its entries keyed by `link_key`, on hostile bytes.
 - No byte past a graph is read: graphs ending at a PROT_NONE page (their start at 0, 8, 16 and
-  24 mod 32), the cached graph's bytes at a guard too, word runs and byte runs of every length
-  ending there at every alignment 0..7, record_key_kernel / name_lens_kernel rows and output at
-  a guard; every kernel at every start alignment 0..31 of both sides (an aligned vector load
-  LLVM wrongly assumed would fault), jitted (child process). The guard does fault.
+  24 mod 32), word and byte runs of every length ending there at every alignment, kernel rows
+  and output at a guard; every kernel at every start alignment 0..31 of both sides (an aligned
+  vector load would fault), jitted (child process). The guard does fault.
 - One flipped bit in each byte of each header word and record, at every alignment 0..7:
-  record_match_kernel, records_moved_kernel (ids moved by a delta) and ids_moved_kernel answer
-  exactly as the masks say, equal to their `.py_func` twins; same_structure equals the parse
-  oracle (parse_graph succeeds with the entry's graph_key) on every flip.
+  record_match_kernel, records_moved_kernel and ids_moved_kernel answer exactly as the masks
+  say, equal to their `.py_func` twins; same_structure equals the parse oracle on every flip.
 - name_lens_kernel against a byte scan on hostile names at every row offset.
-- graph_compute's link_key entries: two graphs with the same counts and links but other
-  records, and two with the same records but other links (x - y against y - x), live side by
-  side and each is served its own entry; hostile rewrites that parse to the entry's graph_key
-  (ids renamed or moved, junk after NULs, in padding, trailing bytes) are all hits; graphs with
-  no tensors, or tensors and no nodes; a graph refused by the checks (a miss, no entry);
-  counters and nbytes.
+- graph_compute's link_key entries: same counts and links but other records, and same records
+  but other links, live side by side, each served its own entry; hostile rewrites that parse
+  to the entry's graph_key are all hits; graphs with no tensors, or tensors and no nodes; a
+  refused graph is a miss and leaves no entry; counters and nbytes.
 - record_key_kernel's word stores at any alignment and record size 8..41.
-
-Every attack is withstood (no bug found). Mutants checked: the header loop one word short and
-records_moved_kernel one word short (the flip tests fail), _bytes_diff reading one word past n
-(the guard test faults), same_structure without ids_link_kernel (the link tests fail).
+Mutants these tests catch: the header loop or records_moved_kernel one word short (the flip
+tests), _bytes_diff reading one word past n (the guard test), same_structure without
+ids_link_kernel (the link tests).
 """
 
 from __future__ import annotations
@@ -138,7 +130,7 @@ _GUARD_CHILD = textwrap.dedent(
     import numpy as np
     from apir.codec import _kernels as K
     from apir.host.graph import cache as graph_cache
-    from tests.host.test_attack14 import _graph_bytes, _entry, _moved, KW0
+    from tests.host.test_graph_cache_kernels_hostile import _graph_bytes, _entry, _moved, KW0
 
     page = mmap.PAGESIZE
     libc = ctypes.CDLL(None)
@@ -338,7 +330,7 @@ def _parses_to(buf: bytes, key: bytes) -> bool:
 def test_same_structure_is_the_parse_on_every_flipped_byte():
     """Every byte of the graph, of it moved by a delta and of it under permuted ids flipped:
     GraphWire.same_structure accepts exactly the bytes parse_graph gives the entry's graph_key
-    (what take(graph_key) found before c14f128); matches never accepts what same_structure
+    (what a lookup by graph_key would find); matches never accepts what same_structure
     refuses."""
     raw = _graph_bytes(5, 3, 11)
     p, key, wire, links = _entry(raw)

@@ -1,42 +1,22 @@
-"""Attack 12: 1f3a89d, `_first_nul` (a name's first NUL found 8 bytes at a time with the
-zero-byte word test `(v - 0x01..01) & ~v & 0x80..80` on int64 words, then byte by byte from the
-word holding one) in parse_graph_kernel (PARSE_NAME), record_fields_kernel (the host's record
-checks), _write_tensor (the host tensor's name, copied up to its NUL) and record_key_kernel
-(graph_key / graph_wire: a name cut after its NUL). Every attack on the change is withstood:
-each test passed on 1f3a89d but one, a bug older than the change and outside the jitted code,
-since fixed: write_tensors_kernel's plain-Python twin raised OverflowError (NumPy 2 promotion
-of `base + j * stride`, j int32) on any graph with a source or a view, so its name copy could
-only be compared through int64 indices
-(test_write_tensors_twin_runs_on_the_int32_src_indices_the_host_passes).
-
-- `_first_nul` against a byte scan, jitted (compiled in a wrapper, as it is into the kernels)
-  and plain Python (the twins' helper): every 8-byte word over {00 01 7F 80 81 FE FF}^8 (7^8,
-  jitted; {00 01 80 FF}^8 in Python); 16-byte names, the first word without a NUL over
-  {01 7F 80 FF}^8, the second holding one at each byte; structured names of every length
-  0..17, 23..25, 31..33, 63..65 and 72: the first NUL at each position, each hostile byte
-  as the background, just before and just after it (0x01 after a NUL: the borrow case; 0x00
-  0x01 tails), names with none, at every alignment.
-- The parse: names of each structured family accepted exactly when they hold a NUL in the
-  field (the NUL last; only in `padding` right after; none), with the parsed copy the bytes
-  sent, jitted and twin, for max_name 1..17, 23, 24, 25, 63, 65 as well as 64; a guest
-  flipping the name's only NUL while the parse runs: every accepted copy holds it.
-- The host tensors (build_graph_parts, write_tensors_kernel jitted and twin): each name is
-  what ggml_set_name stores in a fresh tensor (the bytes up to the first NUL, the rest zero),
-  the NUL at every byte with hostile bytes and junk around it; a computed graph with hostile
-  names gives ggml CPU's answer.
-- record_fields_kernel: -1 exactly for a name without a NUL, jitted and twin.
-- graph_key and graph_wire group ~475 hostile name variants exactly by their bytes up to the
-  NUL (equal keys iff equal prefixes), with the jitted kernel and the twin; GraphWire.matches
-  agrees; record_key_kernel equals a brute-force cut at every name offset and length.
-- No byte past the name is read: a name (or record) ending at a PROT_NONE page (child), for
-  `_first_nul`, record_key_kernel, record_fields_kernel, write_tensors_kernel and the parse,
-  jitted and twin; the guard does fault on the next byte.
-
-Each test was checked against mutants of the change (the word test's top byte lost; a byte loop
-that stops at the word's end after a test with false positives; word loads past n; the parse
-checking max_name - 1 or max_name + 4 bytes; the whole field copied; one junk byte kept in the
-key; the record checks one byte short): every mutant fails at least one test, the loads past n
-only the PROT_NONE one.
+"""Tensor names from a hostile guest, through every step that reads one: `_first_nul` (the first
+NUL found 8 bytes at a time with the zero-byte word test, then byte by byte), the parse
+(PARSE_NAME), the host's record checks (record_fields_kernel), the host tensor's name
+(write_tensors_kernel) and the graph cache's key (record_key_kernel: a name cut after its NUL).
+- `_first_nul` against a byte scan, jitted and plain Python: every 8-byte word over hostile
+  bytes, 16-byte names with the NUL in the second word, structured names of every length
+  around the word boundaries with the first NUL at each position (the borrow case included).
+- The parse accepts exactly the names holding a NUL in the field, the parsed copy the bytes
+  sent, for many max_name values; a guest flipping the name's only NUL while the parse runs:
+  every accepted copy holds it.
+- The host tensors' names are what ggml_set_name stores; a graph with hostile names computes
+  ggml CPU's answer; record_fields_kernel is -1 exactly for a name without a NUL.
+- graph_key and graph_wire group hostile name variants exactly by their bytes up to the NUL;
+  GraphWire.matches agrees; record_key_kernel equals a brute-force cut at every offset.
+- No byte past the name is read (a PROT_NONE page, in a child) by any of them.
+- write_tensors_kernel's plain-Python twin runs on the int32 src indices the host passes.
+Each test fails on at least one mutant of the word test (top byte lost, loads past n, the
+field checked one byte short or long, junk kept in the key); the loads past n fail only the
+PROT_NONE one.
 """
 
 from __future__ import annotations
@@ -60,7 +40,7 @@ from apir.ggml.layout import tensor_record
 from apir.host.graph import build as hg
 from apir.host.graph import cache as graph_cache
 from apir.host.graph.cache import graph_key, graph_wire
-from tests.host.attackkit import racing_guest
+from tests.host.hostilekit import racing_guest
 from tests.host.cachekit import GraphSession, direct_output, graph_inputs
 from tests.host.hostkit import GgmlScratch
 from tests.host.largekit import chain_wire

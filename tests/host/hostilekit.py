@@ -1,4 +1,4 @@
-"""What the first-build attack tests share: a guest thread rewriting its memory while the
+"""What the host's hostile graph tests share: a guest thread rewriting its memory while the
 host reads it (`flip`, `racing_guest`), rule_group_kernel's answer from its definition
 (`groups_by_definition`), and what a build made, comparable across builds (`host_tensors`)."""
 
