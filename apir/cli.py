@@ -314,8 +314,8 @@ def run_host_vhost_user(args: argparse.Namespace) -> int:
     from apir.host.component.trace import CommandTrace, traced_context_factory
     from apir.host.vhost_user import VhostUserServer
 
-    # Imported now, not at the first CTX_CREATE: importing it (seconds on a loaded machine)
-    # would eat into the 2 s the guest gives the HandShake that follows (seen in a VM).
+    # Imported now, not at the first CTX_CREATE: importing it then would eat into the time the
+    # guest gives the HandShake that follows.
     import apir.host.component.context  # noqa: F401
 
     for path in args.socket:
@@ -641,7 +641,7 @@ def entry() -> int:
 
     What main leaves alive (numba's typing registries alone are ~110k objects) is frozen out of
     the cyclic GC: the interpreter's teardown would otherwise run full collections over all of
-    it, about 150 ms of a 1 s `apir embed` on 2 cores. Only the end of a process may do this (a
+    it, a sizeable part of a short `apir embed`. Only the end of a process may do this (a
     frozen object in a cycle is never collected; tests call main itself)."""
     status = main()
     gc.freeze()

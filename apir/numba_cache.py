@@ -3,7 +3,7 @@
 Theory of operation: Numba's `cache=True` finds a cache folder through its list of cache
 locators; its default puts the cache in `__pycache__` next to the source file (or, when that
 is read-only, in a folder named after the source's path), so every checkout, installed copy
-and tox environment compiled the kernels again (about 4 s of a first `apir embed`).
+and tox environment compiled the kernels again.
 `ApirCacheLocator`, put first in that list by `install()`, keeps the kernels of apir's own
 source files in `<apir cache>/numba/<module>-<sha256 of the source>` instead, where
 `<apir cache>` is `$APIR_CACHE_DIR`, else `$XDG_CACHE_HOME/apir`, else `~/.cache/apir` (the

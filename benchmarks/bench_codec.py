@@ -20,7 +20,7 @@
    Also the same graph again from the context's graph cache, as graph_compute finds it
    (apir.host.graph.cache.GraphCache.take_same: compared in place, no parse, then the
    re-check): under other tensor ids (as built in another ggml context), and the very same
-   bytes. Target (issue 15): each <= 0.2x a first build.
+   bytes. Target: each <= 0.2x a first build.
 
 Run: python benchmarks/bench_codec.py  (builds the C reference into ~/.cache/apir/cref on
 first use, about a minute; the C harness in about 3 s; tests/cref.py says where else).

@@ -1,4 +1,4 @@
-"""The second `apir embed` of a fresh process: the whole command's wall time (issue 15 item 6).
+"""The second `apir embed` of a fresh process: the whole command's wall time.
 
 Theory of operation: runs `python -m apir embed` on the README's three sentences in a new
 process, once untimed (it fills Python's bytecode cache and Numba's on-disk kernel cache, and
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-TARGET_S = 1.5  # issue 15 item 6: the second `apir embed` of the README's sentences, 2 cores
+TARGET_S = 1.5  # the second `apir embed` of the README's sentences, 2 cores
 SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.", "The sky is blue today."]
 REPO = Path(__file__).resolve().parent.parent
 

@@ -20,7 +20,7 @@ starting with the next of them (the first batch of a round runs faster than the 
 guest backend exists, the target is local ggml CPU too (flagged FALLBACK) and the ratios only
 show the measurement's noise. Also reports whether both outputs are byte-identical.
 
-The peer, ggml-rpc (issue 15 item 7): on ggml CPU (no --backend, or cpu), the same run also
+The peer, ggml-rpc: on ggml CPU (no --backend, or cpu), the same run also
 starts an rpc-server on loopback (--threads threads, benchmarks/rpc_peer.py) and computes the
 same batch with the same model code (apir.models.minilm) in this process on ggml-rpc's backend
 from ggml's registry (`open_local_device("rpc:127.0.0.1:PORT")`), next to apir's embedded host
@@ -64,8 +64,8 @@ import rpc_peer
 from paired_stats import median_interval
 from bench_roundtrip import _wait_for_socket
 
-RPC_TARGET = 1.0  # batch time of each apir mode over ggml-rpc's, issue 15 item 7
-# batch time through apir over local: on ggml CPU 1.05; on a GPU backend 1.10 (issue 12, for a
+RPC_TARGET = 1.0  # batch time of each apir mode over ggml-rpc's
+# batch time through apir over local: on ggml CPU 1.05; on a GPU backend 1.10 (for a
 # batch large enough that the GPU, not the call overhead, dominates)
 BATCH_TARGET = {"cpu": 1.05, "gpu": 1.10}
 

@@ -26,7 +26,7 @@ into --rounds rounds, each round starting with the next row), so the ratios hold
 this moment: measured one after the other, a row's p50 moved 11-21 us with the minute. Each
 socket host is a process of its own (a server spins after a reply only while it has one
 connection). Each p50 is printed with its ratio to the two-vCPU ping-pong (on a machine of one
-CPU, the one-vCPU one; targets of issue 15: socket host <= 2, embedded <= 1.2)
+CPU, the one-vCPU one; targets: socket host <= 2, embedded <= 1.2)
 and, when the peer runs, to ggml-rpc's (target <= 1: apir no slower than ggml-rpc). With the peer
 the whole run loads the ggml build that has ggml-rpc's client (benchmarks/rpc_peer.py); without
 that build the peer is skipped with a note on how to build it.
@@ -55,7 +55,7 @@ from apir.local.spin_policy import SAMPLE_S
 
 import rpc_peer
 
-# Targets of issue 15: p50 over the bare socket ping-pong, and over ggml-rpc's small call.
+# Targets: p50 over the bare socket ping-pong, and over ggml-rpc's small call.
 PING_PONG_TARGET = {"socket": 2.0, "embedded": 1.2}
 SETTLE_S = 1.2 * SAMPLE_S
 RPC_TARGET = 1.0

@@ -3,7 +3,7 @@ the ggml build that has ggml-rpc's client.
 
 Theory of operation: ggml-rpc (ggml/src/ggml-rpc) is what people use today to run ggml on another
 machine's hardware; apir's socket host and embedded host are measured next to it in the same run
-(issue 15, item 7). scripts/build-ggml-backends.sh builds `rpc-server` (scripts/rpc-server.c) and
+scripts/build-ggml-backends.sh builds `rpc-server` (scripts/rpc-server.c) and
 libggml-rpc from the same libggml-python sdist as apir's wheel (ggml 0.20.2), cached where
 tests/ggml_backends.py says. The wheel's ggml has no RPC backend, so a benchmark with the peer
 loads that build instead (`use_build`, before anything loads ggml): apir's hosts, the local

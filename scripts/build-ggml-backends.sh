@@ -17,7 +17,7 @@
 #   shader-cache/: a persistent MESA_SHADER_CACHE_DIR (made here: Mesa 22.3 turns its cache off
 #       when the folder is missing; cold shader compiles dominate test-backend-ops on lavapipe)
 #
-# Why the pieces (measured, ../shared/docs/vulkan-notes.md): bookworm's libvulkan-dev 1.3.239
+# Why the pieces (measured): bookworm's libvulkan-dev 1.3.239
 # predates VK_EXT_layer_settings, which ggml-vulkan uses; trixie's 1.4.309 headers work and the
 # build still links bookworm's 1.3.239 loader. They and Mesa come through a private apt
 # configuration under OUTDIR/apt (no change to the machine's sources) and `dpkg -x`. bookworm's

@@ -83,7 +83,7 @@ def ggml_env(paths: dict) -> dict:
 
 
 def lavapipe_env(paths: dict) -> dict:
-    """Environment for ggml Vulkan on Mesa's lavapipe (../shared/docs/vulkan-notes.md): only the
+    """Environment for ggml Vulkan on Mesa's lavapipe (scripts/build-ggml-backends.sh says why): only the
     unpacked Mesa 25 ICD; ggml skips CPU-type Vulkan devices unless GGML_VK_VISIBLE_DEVICES
     names them; a persistent shader cache (cold compiles dominate)."""
     cache = Path(paths["MESA_SHADER_CACHE_DIR"])

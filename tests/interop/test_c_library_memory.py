@@ -1,5 +1,5 @@
 """The C backend library behind apir's HostContext (apir.host.backend.c_library) hands out fresh
-buffers that read as zeros, like apir's own dispatcher (issue 13, class 5)."""
+buffers that read as zeros, like apir's own dispatcher."""
 
 import subprocess
 import sys

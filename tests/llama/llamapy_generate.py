@@ -1,4 +1,4 @@
-"""A Python user's generation with llama-cpp-python (issue 14 item 3), run by
+"""A Python user's generation with llama-cpp-python, run by
 tests/llama/test_python.py with the venv python of scripts/build-llama-cpp-python.sh, not with
 the project's interpreter (it imports llama_cpp, never apir):
 

@@ -1,4 +1,4 @@
-"""llama.cpp, unmodified, as apir's guest (issue 14, item 1): SmolLM2-135M-Instruct Q4_1 generates
+"""llama.cpp, unmodified, as apir's guest: SmolLM2-135M-Instruct Q4_1 generates
 the same 64 greedy tokens through apir's host (local transport, the C shim of tests/interop) as on
 local ggml CPU of the same build, and the prompt's logits agree within LOGITS_ATOL.
 

@@ -1,4 +1,4 @@
-"""The host's shape rules on ggml 0.25 (issue 14): the whole of tests/host/shapes (the cases
+"""The host's shape rules on ggml 0.25: the whole of tests/host/shapes (the cases
 of what 0.25 added, skipped elsewhere for want of their apir.ggml.features Feature, and the
 coverage check test_checked_ops.py) runs in a pytest of its own with apir's ggml pointed at the
 llama.cpp build (APIR_GGML_LIB_DIR / APIR_GGML_INCLUDE_DIR; one ggml per process), and must

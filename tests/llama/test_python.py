@@ -1,4 +1,4 @@
-"""A Python user's path (issue 14 item 3): llama-cpp-python==0.3.36 built with
+"""A Python user's path: llama-cpp-python==0.3.36 built with
 CMAKE_ARGS="-DGGML_VIRTGPU=ON" (scripts/build-llama-cpp-python.sh, its own venv), and
 `Llama(model_path=..., n_gpu_layers=-1)` generating through apir's host -- the C shim of
 tests/interop preloaded into the venv's python as its DRM device -- the same 64 greedy tokens as

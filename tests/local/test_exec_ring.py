@@ -83,9 +83,8 @@ def test_post_refuses_what_the_page_cannot_hold():
 @pytest.mark.parametrize("spin_s", [60.0, 0])  # the host polls the ring (past each post) / never (KICKs)
 def test_commands_go_through_the_ring(tmp_path, monkeypatch, spin_s):
     # spinning as on an idle machine, whatever else this one runs (apir.local.spin_policy), and
-    # for as long as the test needs: within MAX_LOCAL_SPIN_S (10 ms) a loaded machine ran the
-    # guest's next post after the host had stopped polling (up to 18 KICKs of 50 with 8 busy
-    # processes on 2 cores, where 25 failed the test)
+    # for as long as the test needs: within MAX_LOCAL_SPIN_S a loaded machine may run the
+    # guest's next post after the host has stopped polling, and the test counts KICKs
     monkeypatch.setattr(local_server, "spinning_pays", lambda: True)
     monkeypatch.setattr(local_server, "MAX_LOCAL_SPIN_S", 60.0)
     found_polling = []  # what each post found: one that found the host not polling kicks
@@ -244,8 +243,7 @@ def test_a_guest_posting_without_end_does_not_keep_the_host_from_its_socket(tmp_
     """`posted` that never stays put must not hold the connection thread in its ring loop:
     it still answers requests and sees the guest hang up (its context freed), and a second
     guest is served. The guest posts to the end, so a host held in the loop answers nothing:
-    the bounds are liveness bounds (with the host made to spin, the two requests took 2.2-2.5 s
-    on 2 cores shared with 8 busy processes)."""
+    the bounds are liveness bounds, far over what the two requests take."""
     monkeypatch.setattr(local_server, "spinning_pays", lambda: spin)
     with _server(tmp_path, None, _RepostingContext) as srv:
         s = raw(srv)

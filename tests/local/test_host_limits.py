@@ -1,4 +1,4 @@
-"""The socket host's bounds on what guests make it hold (issue 13, class 6): no descriptor per
+"""The socket host's bounds on what guests make it hold: no descriptor per
 blob, a blob count per context, a connection limit, a HELLO deadline, and an accept loop that
 outlives running out of descriptors."""
 

@@ -381,8 +381,7 @@ def test_an_idle_connection_stops_spinning(tmp_path, monkeypatch):
 
 def test_a_connection_spins_only_while_it_is_the_only_one(tmp_path, monkeypatch):
     """Polling holds the GIL between polls, so another guest's thread, woken by its request,
-    waits for the spin to end (a neighbour making a small call every 150 us raised another
-    guest's p50 1.3-2x, 2 cores). So a connection polls for its next request only while it is
+    waits for the spin to end. So a connection polls for its next request only while it is
     the server's only connection."""
     from apir.host.local import server as ls
 

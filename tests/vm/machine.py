@@ -5,7 +5,7 @@ What scripts/provision-vm.sh left in its cache (`Provisioned`): the trixie tree'
 (`qemu` wrapper), kernels/<suite>/ (a `dpkg -x` of linux-image-*, depmod'ed), busybox.
 
 The guest (`Vm`): the kernel's uncompressed vmlinux booted directly through its PVH entry
-(Debian's kernels have CONFIG_PVH=y; this skips ~15 s of xz decompression under TCG), a
+(Debian's kernels have CONFIG_PVH=y; this skips the xz decompression, slow under TCG), a
 busybox initramfs that insmods virtio_pci, 9pnet_virtio, 9p, virtio-gpu and overlay (busybox
 insmod ignores module options on the kernel command line, so /init passes them), the host's /
 as a read-only 9p root, a tmpfs overlay on /tmp, and one writable 9p work folder at its host
@@ -13,8 +13,8 @@ path. The command runs with that folder as cwd; its exit status comes back on th
 MINIVM-RC=N, then the guest powers off. TCG, not KVM: /dev/kvm on the CI machine is kvm_pvm,
 under which stock kernels hang.
 
-Why not virtme-ng: its init spends ~60 s in udev under TCG; this one reaches userspace in
-8-13 s (../shared/docs/vm-e2e.md).
+Why not virtme-ng: its init spends far longer in udev under TCG than this one takes to reach
+userspace (docs/design.md, Measurements).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""llama.cpp, unmodified, inside a VM (issue 14, item 2): tests/llama's token program
+"""llama.cpp, unmodified, inside a VM: tests/llama's token program
 (llama_tokens, on the llama-cpp-python 0.3.36 build's libllama and ggml-virtgpu) runs in the
 guest under TCG, where ggml-virtgpu opens the kernel's virtio-gpu render node
 (/dev/dri/renderD128) and offloads every layer of SmolLM2-135M-Instruct Q4_1 to apir's device
@@ -27,9 +27,9 @@ pytestmark = [pytest.mark.vm, pytest.mark.llama]
 
 # tests/llama/test_generate.py's CI prompt
 PROMPT = "The capital of France is"
-# Greedy tokens compared: 64, as tests/llama/test_generate.py does through the shim. Affordable:
-# the boot, the model's upload and 64 tokens take 15-60 s of VM time under TCG on the loaded 2-core
-# machine (the guest builds and encodes each token's graph, the host computes it; docs/llama.md).
+# Greedy tokens compared: 64, as tests/llama/test_generate.py does through the shim; affordable
+# under TCG (docs/design.md, Measurements; the guest builds and encodes each token's graph, the
+# host computes it; docs/llama.md).
 N_PREDICT = 64
 # apir host vhost-user on the guest's ggml: --venus, since ggml-virtgpu asks for the Venus capset
 # (4) unless GGML_REMOTING_USE_APIR_CAPSET is set, and llama.cpp runs here as it comes; presented

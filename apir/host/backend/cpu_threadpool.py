@@ -3,26 +3,23 @@
 Theory of operation: a CPU backend without a threadpool makes a disposable one for every
 graph (`ggml_graph_compute`: threads created, then joined), and its worker threads then meet
 at a barrier after every node cold. llama.cpp attaches a persistent pool instead
-(`ggml_threadpool_new` + `ggml_backend_cpu_set_threadpool`); measured here on SmolLM2's decode
-graph (935 nodes, 2 threads) the compute took 8.7 ms without one and 7.3 ms with one, which is
-what llama.cpp takes locally. So each context whose backend's registry offers those three
+(`ggml_threadpool_new` + `ggml_backend_cpu_set_threadpool`), and so does the host (the gain is
+in docs/design.md, Measurements): each context whose backend's registry offers those three
 functions (ggml CPU does, through `ggml_backend_reg_get_proc_address`) gets its own pool of
 the context's thread count, attached once, freed after its backend.
 
 `poll` is ggml's polling level (0-100, `struct ggml_threadpool_params.poll`): how long idle
 workers spin for the next graph before they sleep. The default here is 0: between two graphs
-the host's dispatcher thread parses and checks the next one, and spinning workers take the
-cores it needs (poll 50, ggml's default, made the cache hit 40% slower on 2 cores).
+the host's dispatcher thread parses and checks the next one, and spinning workers would take
+the cores it needs.
 
-`struct ggml_threadpool_params` starts with `bool cpumask[GGML_MAX_N_THREADS]`, so its layout
-comes from the build's header (`HeaderFacts.max_n_threads`) and is checked once against
-`ggml_threadpool_params_init`: n_threads lands where expected and nothing is written past the
-struct. A build where any of it is missing gets no pool (the disposable one, as before).
+`struct ggml_threadpool_params`'s layout comes from the build's header (its leading cpumask is
+GGML_MAX_N_THREADS long) and is checked once against `ggml_threadpool_params_init`; a build
+where any of it is missing gets no pool.
 
-An idle context keeps its pool's threads, and ggml_threadpool_new aborts the process
-(GGML_ASSERT) when the OS refuses a thread: so the pools of one process hold at most
-`max_pool_threads()` worker threads together, and a context past that bound computes with the
-disposable pool, as before.
+The pools of one process hold at most `max_pool_threads()` worker threads together (an idle
+context keeps its pool, and ggml_threadpool_new aborts when the OS refuses a thread); a context
+past that bound computes with the disposable pool.
 """
 
 from __future__ import annotations

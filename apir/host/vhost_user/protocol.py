@@ -8,7 +8,7 @@ uses the same framing with the back-end's own request numbers. `recv_message` re
 message and refuses what no well-behaved front-end sends (a wrong version, a payload larger
 than MAX_PAYLOAD, more than MAX_FDS descriptors), closing any descriptors it took.
 
-Numbers: QEMU 11.1.3 (../shared/docs/vm-e2e.md: the SHMEM protocol feature is bit 22 there).
+Numbers: QEMU 11.1.3's (the SHMEM protocol feature is bit 22 there; docs/vm.md).
 Pure codec: sockets in, tuples out; no device state.
 """
 

@@ -7,7 +7,7 @@ commands go to the `GpuDevice` (which runs SUBMIT_3D on the context's own worker
 commands are consumed. Neither thread waits for the other: a memory table change arrives while
 a RESOURCE_MAP_BLOB waits for QEMU's ack, and a graph compute runs while both go on.
 
-Negotiation (QEMU 11.1, ../shared/docs/vm-e2e.md): device features VERSION_1,
+Negotiation (QEMU 11.1, docs/vm.md): device features VERSION_1,
 PROTOCOL_FEATURES, VIRGL, RESOURCE_BLOB, CONTEXT_INIT; protocol features MQ, REPLY_ACK,
 BACKEND_REQ, CONFIG, CONFIGURE_MEM_SLOTS and SHMEM (bit 22: QEMU then asks GET_SHMEM_CONFIG,
 answered with the host-visible region's size). Two queues: control (0) and cursor (1). The

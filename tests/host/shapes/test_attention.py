@@ -398,7 +398,7 @@ def test_ssm_scan_ids_not_packed_is_refused(ggml):
 
 
 def test_flash_attn_ext_empty_sinks_are_refused(guest, ggml):
-    """sinks [H, 0] (issue 13 class 1): the kernel still reads sinks[h] for every head;
+    """sinks [H, 0]: the kernel still reads sinks[h] for every head;
     refused before the rule, by the empty-source check."""
     r = Remote(guest, ggml, Case("FLASH_ATTN_EXT", _fa(sinks=True)))
     recs = r.recs.copy()
@@ -409,7 +409,7 @@ def test_flash_attn_ext_empty_sinks_are_refused(guest, ggml):
     r.close()
 
 
-# --- C int counts and indices (issue 13 class 3; shown on the rules: the tensors are gigabytes)
+# --- C int counts and indices (shown on the rules: the tensors are gigabytes)
 def test_flash_attn_ext_query_rows_past_int_are_refused(ggml):
     """The kernel walks q's rows (N*H*S) with `int ir` and `int iq1 = ...`."""
     q = info(0, "F32", [64, 2**16, 2**15, 1])

@@ -338,7 +338,7 @@ def test_nearest_index_fits(n_dst, n_src, align, ok):
     assert _nearest_index_fits(n_dst, n_src, align) is ok
 
 
-# --- every GGML_ASSERT of these ops' CPU kernels (issue 13 class 4; tests/host/kernelkit.py) ---
+# --- every GGML_ASSERT of these ops' CPU kernels (tests/host/kernelkit.py) ---
 _WORK = Why("conv._conv_work bounds one patch by GGML_IM2COL_WORK_SIZE "
             "(test_conv.py::test_conv_2d_work_buffer_overflow_is_refused)")
 _F16_010 = Why("ggml 0.10's F16 kernel: the rule asks an F16 src0 with nb[0] 2 below 0.20 "

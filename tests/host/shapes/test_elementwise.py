@@ -282,7 +282,7 @@ def test_diag_mask_matrices_not_packed_are_refused(ggml):
 
 
 def test_soft_max_empty_sinks_are_refused(guest, ggml):
-    """sinks [ne[2], 0] (issue 13 class 1): the kernel still reads sinks[i02]; refused before
+    """sinks [ne[2], 0]: the kernel still reads sinks[i02]; refused before
     the rule, by the empty-source check."""
     r = Remote(guest, ggml, Case("SOFT_MAX", _sinks))
     recs = r.recs.copy()

@@ -304,7 +304,7 @@ def test_cont_into_another_type_is_refused(ggml):
 
 
 def test_timestep_embedding_empty_timesteps_are_refused(guest, ggml):
-    """timesteps [5, 0] (issue 13 class 1): the kernel still reads 5 floats (one per row of
+    """timesteps [5, 0]: the kernel still reads 5 floats (one per row of
     the result); refused before the rule, by the empty-source check."""
     r = Remote(guest, ggml, Case("TIMESTEP_EMBEDDING", _timestep_embedding))
     recs = r.recs.copy()
@@ -314,7 +314,7 @@ def test_timestep_embedding_empty_timesteps_are_refused(guest, ggml):
     r.close()
 
 
-# --- C int counts and indices (issue 13 class 3; shown on the rules: the tensors are gigabytes)
+# --- C int counts and indices (shown on the rules: the tensors are gigabytes)
 def test_concat_dimension_past_int_is_refused(ggml):
     """concat's loops are `for (int i3 = 0; i3 < ne3; i3++)`: ne[3] = 2^31 (2 GiB of I8)."""
     a, b = info(0, "F32", [1, 1, 1, 2**30]), info(1, "F32", [1, 1, 1, 2**30])

@@ -464,7 +464,7 @@ def test_mul_mat_aliasing_result_is_refused(guest, ggml):
     _refused(guest, ggml, Case("MUL_MAT", _mul_mat("F32", "F32")), "result elements overlap", edit)
 
 
-# --- every GGML_ASSERT of these ops' CPU kernels (issue 13 class 4; tests/host/kernelkit.py) ---
+# --- every GGML_ASSERT of these ops' CPU kernels (tests/host/kernelkit.py) ---
 _IDS = Why("row id in range: base.row_ids reads the ids before compute (test_matrix.py::test_row_ids_out_of_range)")
 
 # op -> {assert text as in the C source (whitespace collapsed): how it is covered}

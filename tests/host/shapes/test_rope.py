@@ -158,7 +158,7 @@ def test_frequency_factors_read_past_the_buffer_are_refused(guest, ggml):
 
 
 def test_empty_frequency_factors_are_refused(guest, ggml):
-    """Factors [8, 0] (issue 13 class 1): the cache still reads one factor per pair of ne[0];
+    """Factors [8, 0]: the cache still reads one factor per pair of ne[0];
     refused before the rope rule, by the empty-source check."""
     r = Remote(guest, ggml, ROPE_NEOX_FF)
     recs = r.recs.copy()

@@ -205,7 +205,7 @@ def test_fill_of_another_type_is_refused(guest, ggml):
     r.close()
 
 
-# --- every GGML_ASSERT of these ops' CPU kernels (issue 13 class 4; tests/host/kernelkit.py) ---
+# --- every GGML_ASSERT of these ops' CPU kernels (tests/host/kernelkit.py) ---
 # op -> {assert text as in the C source (whitespace collapsed): how it is covered}
 KERNEL_ASSERTS: dict[str, dict[str, Cover]] = {
     "ACC": {

@@ -16,20 +16,8 @@ gap) when that is what keeps the kernel's pointer arithmetic inside the checked 
 every tensor's extent (ne, nb) is already checked against its buffer by the caller, so what
 a rule must prove is that the kernel walks each tensor only within its own ne and nb.
 
-Row ids (GET_ROWS, SET_ROWS, MUL_MAT_ID, ADD_ID, GET_ROWS_BACK) are data, not shape: the CPU
-kernels GGML_ASSERT them in range (an abort of the host) or do not check them at all. The
-rules read them before compute from a copy (`base.row_ids`) that the kernel is then given,
-and graph.py refuses a graph in which a node writes over them (ids computed by the graph):
-their values cannot be known before compute, and no kernel is safe on every value.
-
-Empty tensors (issue 13, class 1): an empty tensor's extent is 0, so the bounds checks
-place it anywhere; before any rule, `check_node` refuses a node with elements one of whose
-sources (optional ones included) has none (`base.check_empty_sources`), unless the op's rule
-is marked `base.empty_sources_ok` (SET_ROWS), or `base.cpu_empty_sources_ok` on the CPU only
-(CONV_3D's kernel of a zero dimension). A node without elements is not
-computed, but ggml still plans its work buffer from its sources' other dimensions: graph.py
-refuses any tensor whose span (`base.span_nbytes`: its elements' bytes with each 0 taken as
-1) exceeds its buffer, and apir.host.graph.work_plan bounds the planned work buffer itself.
+Row ids are data, not shape, and empty tensors have no extent: both are checked apart from
+the shapes (`base.row_ids`, `base.check_empty_sources`); docs/security.md says how.
 
 Rules live in one module per family of ops, each with a `RULES` table; this package merges
 them into `CHECKED_OPS`.

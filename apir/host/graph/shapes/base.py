@@ -225,7 +225,7 @@ def int_rows(node: TensorInfo, n: int, what: str) -> None:
     """Refuses a row count `n` that the kernel keeps in an `int` and splits among threads
     (`const int nr = ...; const int dr = (nr + nth - 1)/nth;`) when it could wrap: a wrapped
     count makes a thread's row range negative, and the kernel then indexes before its
-    tensors (issue 13, class 3)."""
+    tensors."""
     if n > INT_ROWS_MAX:
         fail(node, f"{what} ({n}) exceed the kernel's int row count")
 
@@ -288,7 +288,7 @@ def span_nbytes(t: TensorInfo) -> int:
     prod(max(ne[i], 1)))`. For a tensor whose elements do not overlap this is at most its
     extent (so at most its buffer); it is what ggml's work-size planning and the kernels
     that size or loop by one dimension can be driven to by a tensor's *other* dimensions,
-    even when it has no elements at all (issue 13, classes 1 and 2). graph.py refuses a
+    even when it has no elements at all. graph.py refuses a
     tensor whose span exceeds its buffer's size (an empty one: the larger of that and the work
     budget; `check_span`)."""
     blocks0 = -(-max(int(t.ne[0]), 1) // t.blck_size)
@@ -458,8 +458,8 @@ def check_row_ids(
     never from `ids.snapshot` itself: a check there would be skipped on every cache hit.
 
     The least and greatest id of a copy, read one way, are found once per graph
-    (`IdReads.ranges`): one tensor of ids read by N nodes cost N passes over them before
-    compute (1,000 readers of 4M ids: 7 s)."""
+    (`IdReads.ranges`), not once per reader: one tensor of ids read by N nodes would cost N
+    passes over them before compute."""
     reads = len(ids.read_by or ())
     ranges = ids.id_reads.ranges if ids.id_reads is not None else None
     known = ranges.get((ids.index, flat)) if ranges is not None and ids.snapshot is not None else None

@@ -370,7 +370,7 @@ def _plane_stride(node, t: TensorInfo, what: str) -> None:
 
 def _pool_window(node, n: int, k: int, s: int, p: int, dim: int) -> int:
     """The pooled size of a dimension of n (ggml_calc_pool_output_size, > 0), with the
-    window's loops bounded by the data (issue 13, class 3): the kernels loop k times per
+    window's loops bounded by the data: the kernels loop k times per
     result element, with k only an op_param; |p| <= n keeps k <= n + 2p <= 3n (a window
     that is mostly padding is refused), and n + 2|p| + s within the `int`s the kernels keep
     `ox * s - p` and `ix + kx` in."""
