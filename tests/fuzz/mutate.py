@@ -15,17 +15,16 @@ An input is one of:
               new buffer is then used by the seed graph
     raw       a valid payload with its header or bytes mutated
 
-Graph mutations (one tensor record or the node list each; kinds are recorded in the input's
-meta): ne (0, 1, +-1, x2, 2^31-1, 2^31, 2^32-1, ...), a zero dimension with a huge other
-one, an empty tensor (zero elements) placed at its buffer's end, one dimension huge and another 0
-on every tensor sharing it, a tensor moved to end at
-its buffer's end (and the fence), nb (0, "negative" 2^32-x, halved, doubled, another dimension's), a consistent reshape
-(ne changed and nb recomputed, also on every tensor sharing that dimension), swapped dims,
-op_params slots (0, -1, INT32_MAX, INT32_MIN, ..., and float bits of NaN, +-inf, +-3.4e38,
-denormals), type, op (any, custom ones included), src links (another tensor, none, itself,
-an unknown id), data offset, view_src / view_offs, buffer handle, flags, an unterminated
-name, the node list (dropped, duplicated, reversed, unknown ids), the input data (row ids
-and values in the buffer image) and raw byte flips of the wire.
+Graph mutations (one record or the node list each; kinds recorded in the meta): ne (0, 1, +-1, x2,
+2^31-1, 2^31, 2^32-1, ...), a zero dimension with a huge other one, an empty tensor (zero elements)
+placed at its buffer's end, one dimension huge and another 0 on every tensor sharing it, a tensor
+moved to end at its buffer's end (and the fence), nb (0, "negative" 2^32-x, halved, doubled, another
+dimension's), a consistent reshape (ne changed and nb recomputed, also on every tensor sharing that
+dimension), swapped dims, op_params slots (0, -1, INT32_MAX, INT32_MIN, ..., and float bits of NaN,
++-inf, +-3.4e38, denormals), type, op (any, custom ones included), src links (another tensor, none,
+itself, an unknown id), data offset, view_src / view_offs, buffer handle, flags, an unterminated
+name, the node list (dropped, duplicated, reversed, unknown ids), the input data (row ids and values
+in the buffer image) and raw byte flips of the wire.
 """
 
 from __future__ import annotations
