@@ -30,26 +30,14 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_nodes(tree: ast.AST):
-    """The nodes of `tree` Python may execute: all but the bodies of `if TYPE_CHECKING:`
-    (imports there are for annotations only and never run)."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            stack.extend(node.orelse)
-            continue
-        yield node
-        stack.extend(ast.iter_child_nodes(node))
-
-
 def _apir_imports(path: Path, known: set) -> set:
-    """The apir modules `path` imports at run time, anywhere in it. `from P import X` counts
-    as importing P.X when that is a module, else P; relative imports are resolved."""
+    """The apir modules `path` imports, anywhere in it (inside functions and `if TYPE_CHECKING:`
+    too: an annotation names the module as much as a call does). `from P import X` counts as
+    importing P.X when that is a module, else P; relative imports are resolved."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
-    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -101,17 +89,69 @@ def test_no_import_cycles():
     assert _import_cycles() == []
 
 
-def test_the_cycle_check_sees_imports_inside_functions(tmp_path, monkeypatch):
-    """A cycle hidden behind an import inside a function is still a cycle."""
+def test_the_cycle_check_sees_imports_inside_functions_and_for_annotations(tmp_path, monkeypatch):
+    """A cycle hidden behind an import inside a function, or one made for annotations only, is
+    still a cycle."""
     pkg = tmp_path / "apir"
     (pkg / "x").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "x" / "__init__.py").write_text("")
     (pkg / "x" / "a.py").write_text("from apir.x import b\n")
     (pkg / "x" / "b.py").write_text("def f():\n    from apir.x.a import g\n")
-    (pkg / "x" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from apir.x import a\n")
+    (pkg / "x" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from apir.x import d\n")
+    (pkg / "x" / "d.py").write_text("from apir.x.c import f\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", pkg)
-    assert _import_cycles() == [["apir.x.a", "apir.x.b"]]
+    assert _import_cycles() == [["apir.x.a", "apir.x.b"], ["apir.x.c", "apir.x.d"]]
+
+
+# The host's packages, lowest first: each imports only those below it. The top-level modules
+# (config, errors, handles, library, resources, tensors) are the seams all of them share.
+HOST_LAYERS = ("", "graph", "backend", "component", "local", "vhost_user")
+
+
+def _host_layer(module: str):
+    """The index in HOST_LAYERS of apir.host module `module`'s package, or None for the
+    package itself (apir.host's __init__, the facade over all of them)."""
+    parts = module.split(".")[2:]
+    if not parts:
+        return None
+    return HOST_LAYERS.index(parts[0] if len(parts) > 1 or parts[0] in HOST_LAYERS else "")
+
+
+def _host_layer_breaches() -> list:
+    """(importer, imported) pairs of apir.host modules where a package imports one above it."""
+    paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    out = []
+    for name, path in sorted(paths.items()):
+        if not name.startswith("apir.host.") or _host_layer(name) is None:
+            continue
+        for dep in sorted(_apir_imports(path, set(paths))):
+            if dep.startswith("apir.host") and (_host_layer(dep) or 0) > _host_layer(name):
+                out.append((name, dep))
+    return out
+
+
+def test_host_packages_form_no_circle():
+    assert _host_layer_breaches() == []
+
+
+def test_the_host_layer_check_sees_an_upward_import(tmp_path, monkeypatch):
+    """An annotation-only import of a package above is a breach; one below, or of the shared
+    top-level modules, is not."""
+    host = tmp_path / "apir" / "host"
+    for d in ("graph", "backend"):
+        (host / d).mkdir(parents=True)
+        (host / d / "__init__.py").write_text("")
+    (tmp_path / "apir" / "__init__.py").write_text("")
+    (host / "__init__.py").write_text("from apir.host.backend import b\n")
+    (host / "errors.py").write_text("")
+    (host / "graph" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nfrom apir.host import errors\nif TYPE_CHECKING:\n"
+        "    from apir.host.backend.b import Lib\n"
+    )
+    (host / "backend" / "b.py").write_text("from apir.host.graph import a\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path / "apir")
+    assert _host_layer_breaches() == [("apir.host.graph.a", "apir.host.backend.b")]
 
 
 def _modules(package: str):

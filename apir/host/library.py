@@ -8,6 +8,10 @@ protocol, `BackendLibrary`:
     dispatch(function_id, dec, enc)  apir_backend_dispatcher(ctx_id, callbacks, cmd_type, ...)
     deinit()                         apir_backend_deinit(ctx_id)
 
+and what the component asks of it that the C seam has no symbol for: `cancel_compute(reason)`
+(the guest is gone), `forget_resource(res_id)` (a blob is being removed), `buffer_count()`
+and `commands_bounded_in_time` (a C library: no-op, None, False).
+
 `host` is the `LibraryHost` the component passes, the twin of `virgl_apir_callbacks`:
 `get_config(key)`, `get_shmem(res_id)` (a `Resource`, with its size, where the C gives a bare
 pointer), plus `ctx_id`, `guest_version` and `host_version`. `initialize` returns the C's codes: 3/4/5 for a
@@ -56,6 +60,24 @@ class BackendLibrary(Protocol):
     def dispatch(self, function_id: int, dec: Decoder, enc: Encoder) -> int: ...
 
     def deinit(self) -> None: ...
+
+    def cancel_compute(self, reason: str) -> None:
+        """Stops the graph compute in flight and refuses later ones; any thread."""
+        ...
+
+    def forget_resource(self, res_id: int) -> None:
+        """Blob `res_id` is being removed: free what wraps it."""
+        ...
+
+    def buffer_count(self) -> Optional[int]:
+        """The ggml buffers this context holds, or None when the library cannot tell."""
+        ...
+
+    @property
+    def commands_bounded_in_time(self) -> bool:
+        """Whether a bounded command (one `may_run_long` calls bounded) also ends in bounded
+        time: the backend's kernels work in host memory."""
+        ...
 
 
 class LibraryLoadError(ApirError):

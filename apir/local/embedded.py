@@ -74,13 +74,8 @@ from apir.guest.device import Blob
 from apir.guest.errors import DeviceError, IoctlError
 from apir.local.spin_policy import spinning_pays
 from apir.host.component.context import may_run_long
-from apir.host.local.kernel import (
-    ContextFactory,
-    DeferredNotification,
-    KernelContext,
-    KernelError,
-    default_context_factory,
-)
+from apir.host.component.seams import BoundedInTime, ContextFactory, DeferredNotification
+from apir.host.local.kernel import KernelContext, KernelError, default_context_factory
 
 __all__ = ["EmbeddedDevice"]
 
@@ -109,8 +104,8 @@ def _deferred_notification(kernel: KernelContext) -> Optional[Tuple[Word, int]]:
     """The reply notification (Word, value) the context deferred for the command it just
     served (`HostContext.take_notification`), or None (none deferred, or a context factory's
     context without deferral)."""
-    take = getattr(kernel.ctx, "take_notification", None)
-    return take() if take is not None else None
+    ctx = kernel.ctx
+    return ctx.take_notification() if isinstance(ctx, DeferredNotification) else None
 
 
 class EmbeddedDevice:
@@ -325,7 +320,8 @@ class EmbeddedDevice:
         failure, or when the device is closed or the host thread gone."""
         if may_run_long(command, self.kernel.capset_id):
             return False
-        if not getattr(self.kernel.ctx, "commands_bounded_in_time", True):
+        ctx = self.kernel.ctx
+        if isinstance(ctx, BoundedInTime) and not ctx.commands_bounded_in_time:
             return False  # a GPU's or ggml-rpc's copies may never end: the guest's wait has a limit
         if self._closed:  # (before the lock: a closing device may have given up on it)
             raise DeviceError("embedded: device is closed")

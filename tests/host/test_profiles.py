@@ -113,6 +113,48 @@ def test_backend_without_profile_supports_nothing_and_computes_nothing(monkeypat
         guest.close()
 
 
+def test_a_missing_profile_is_refused_on_every_graph_path(monkeypatch, ggml):
+    """One decision (apir.host.graph.seams.profile_of): a library whose profile is None is
+    refused by graph_compute, by a graph's build, by the work plan and by a cached graph's
+    re-check, whichever of them is reached first; supports_op answers false."""
+    from apir.codec.graph import parse_graph
+    from apir.host.errors import Refused
+    from apir.host.graph import build, work_plan
+    from apir.host.graph.seams import profile_of
+
+    guest = _guest_with_profile(monkeypatch, profiles.CPU)
+    lib = guest.ctx._library
+    s = GgmlScratch(ggml)
+    try:
+        data = _rows_data([3, 0, 9, 9, 1])
+        assert _compute(guest, ggml, _get_rows_graph, data)[:2] == (0, 0)  # (now cached)
+        ((_, entry),) = lib.graph_cache._entries.items()
+        graph, _, y = _get_rows_graph(ggml, s.ctx)
+        remote = RemoteGraph(guest, ggml, s.ctx, graph)
+        parsed = parse_graph(
+            remote.wire, 0, len(remote.wire), limits=ggml.limits, op_count=ggml.op_count,
+            type_valid=lib.checker.valid_types,
+        )
+        blob = inline_tensor(ggml, y)
+        lib.profile = None
+        with pytest.raises(Refused, match="no profile of ggml backend 'CPU'"):
+            profile_of(lib)
+        rc, status, _ = _compute(guest, ggml, _get_rows_graph, data)
+        assert rc != 0 and status is None
+        with build.graph_scratch(lib, parsed) as scratch, pytest.raises(Refused, match="no profile"):
+            build.build_graph_parts(lib, parsed, scratch, lib.op_enums)
+        with pytest.raises(Refused, match="no profile"):
+            work_plan.check_work_size(lib, entry.graph)
+        with pytest.raises(Refused, match="no profile"):
+            entry.recheck(lib, lib.op_enums)
+        rc, d = guest.forward(Cmd.DEVICE_SUPPORTS_OP, lambda e: e.blob(blob))
+        assert rc == 0 and d.bool() is False
+        remote.close()
+    finally:
+        s.close()
+        guest.close()
+
+
 def test_cpu_profile_supports_and_computes(monkeypatch, ggml):
     guest = _guest_with_profile(monkeypatch, profiles.CPU)
     try:

@@ -180,6 +180,12 @@ class _GpuLikeLibrary:
     def profile(self):
         return dataclasses.replace(self._inner.profile, host_addressable=False)
 
+    @property
+    def commands_bounded_in_time(self):
+        from apir.host.backend.library import PythonBackendLibrary
+
+        return PythonBackendLibrary.commands_bounded_in_time.fget(self)  # (from the profile above)
+
 
 def test_a_backend_off_host_memory_runs_every_command_on_the_host_thread(monkeypatch):
     """After LoadLibrary of a backend that is not ggml-cpu (a GPU's or ggml-rpc's copies may

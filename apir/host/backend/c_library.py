@@ -385,6 +385,21 @@ class CLibrary:
             sh.initialized = False
             log.info("ctx %d: apir_backend_deinit(%s)", ctx_id, sh.path)
 
+    # What the component asks beyond the C seam, which has no symbol for it: a compute in the
+    # C cannot be stopped, its buffers over a blob are its own to free, and it counts nothing.
+    def cancel_compute(self, reason: str) -> None:
+        pass
+
+    def forget_resource(self, res_id: int) -> None:
+        pass
+
+    def buffer_count(self) -> Optional[int]:
+        return None
+
+    @property
+    def commands_bounded_in_time(self) -> bool:
+        return False  # a library of unknown kind: its copies may wait on a device
+
 
 def c_library_factory(path: str) -> CLibrary:
     """A `library_factory` for `HostContext` (its default): every configured path is a C

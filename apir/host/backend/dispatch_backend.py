@@ -23,38 +23,33 @@ forgot the flag.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from apir.codec.graph import GraphError, ParsedGraph, parse_graph
 from apir.codec.wire import Decoder, Encoder
+from apir.host.backend.seams import HandlerLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.graph.build import BuiltGraph, build_graph_parts, graph_scratch, lib_op_enums
 from apir.host.graph.cache import GraphCache, GraphCacheEntry, GraphWire, graph_key, graph_wire, link_key
-from apir.host.graph.profiles import CPU
+from apir.host.graph.seams import profile_of
 from apir.host.tensors import Scratch
 from apir.host.graph.work_plan import check_work_size
 
-if TYPE_CHECKING:  # annotations only: backend_library imports the dispatcher, which imports this module
-    from apir.host.backend.library import PythonBackendLibrary
 
 __all__ = ["graph_compute", "prepare_graph"]
 
 
-def graph_compute(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def graph_compute(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     g, chk = lib.g, lib.checker
     res_id, size = dec.u32(), dec.size_t()
     if dec.fatal:
         raise Refused("backend_graph_compute: truncated arguments")
-    if getattr(lib, "profile", CPU) is None:
-        raise Refused(
-            f"backend_graph_compute: the host has no profile of backend {lib.backend_name!r} "
-            "(apir.host.graph.profiles): it computes no graph there"
-        )
+    profile = profile_of(lib)  # (refused where the host has no rules for the backend)
     res = lib.shmem(res_id, "backend_graph_compute")
     if size == 0 or size > res.size:
         raise Refused(f"backend_graph_compute: graph of {size} bytes in resource {res_id} ({res.size} bytes)")
     # only where the backend's compute leaves the built graph as it was (the profile says so)
-    cache = getattr(lib, "graph_cache", None) if getattr(lib, "profile", CPU).caches_graphs else None
+    cache = lib.graph_cache if profile.caches_graphs else None
     entry = _same_graph_again(lib, cache, res.memory, size)
     if entry is None:
         try:
@@ -83,7 +78,7 @@ def graph_compute(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
 
 
 def prepare_graph(
-    lib: PythonBackendLibrary, parsed: ParsedGraph, cache: Optional[GraphCache], wire: Optional[GraphWire] = None
+    lib: HandlerLibrary, parsed: ParsedGraph, cache: Optional[GraphCache], wire: Optional[GraphWire] = None
 ) -> GraphCacheEntry:
     """The checked, built host graph of `parsed`: from `cache` (an `apir.host.graph.cache`
     GraphCache, or None) when it holds the same structure and the re-check passes, else
@@ -112,9 +107,7 @@ def prepare_graph(
     return _entry(key, scratch, built, parsed)
 
 
-def _same_graph_again(
-    lib: PythonBackendLibrary, cache: Optional[GraphCache], memory, size: int
-) -> Optional[GraphCacheEntry]:
+def _same_graph_again(lib: HandlerLibrary, cache: Optional[GraphCache], memory, size: int) -> Optional[GraphCacheEntry]:
     """The cache entry whose graph the guest sent again, where the host reads: byte for byte
     or under other ids (`GraphCache.take_same`: no parse, no key), after its row ids' re-check; None when
     there is none (or the re-check asks for a rebuild). Raises Refused as the re-check does."""
@@ -122,7 +115,7 @@ def _same_graph_again(
     return _rechecked(lib, entry, lib_op_enums(lib)) if entry is not None else None
 
 
-def _rechecked(lib: PythonBackendLibrary, entry: Optional[GraphCacheEntry], enums) -> Optional[GraphCacheEntry]:
+def _rechecked(lib: HandlerLibrary, entry: Optional[GraphCacheEntry], enums) -> Optional[GraphCacheEntry]:
     """`entry` (taken from the cache) after its re-check (`GraphCacheEntry.recheck`), or None
     (closed) when the re-check asks for a rebuild; closed and re-raised when it refuses."""
     if entry is None:

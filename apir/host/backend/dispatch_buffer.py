@@ -19,32 +19,30 @@ copy is queued (apir.host.backend.transfers) and lands before the context's next
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
 
 from apir.codec.wire import Decoder, Encoder
+from apir.host.backend.seams import HandlerLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused
 from apir.host.handles import HostBuffer
 
-if TYPE_CHECKING:  # annotations only: backend_library imports the dispatcher, which imports this module
-    from apir.host.backend.library import PythonBackendLibrary
 
 __all__ = ["get_base", "set_tensor", "get_tensor", "cpy_tensor", "clear", "free_buffer"]
 
 
-def _buffer(lib: PythonBackendLibrary, dec: Decoder, what: str) -> tuple[int, HostBuffer]:
+def _buffer(lib: HandlerLibrary, dec: Decoder, what: str) -> tuple[int, HostBuffer]:
     handle = dec.handle()
     if dec.fatal:
         raise Refused(f"{what}: truncated arguments")
     return handle, lib.buffer(handle)
 
 
-def get_base(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def get_base(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     _, buf = _buffer(lib, dec, "buffer_get_base")
     enc.uintptr(buf.virtual_base)
     return BACKEND_RC_OK
 
 
-def _transfer(lib: PythonBackendLibrary, dec: Decoder, what: str, to_tensor: bool) -> None:
+def _transfer(lib: HandlerLibrary, dec: Decoder, what: str, to_tensor: bool) -> None:
     g, chk = lib.g, lib.checker
     handle, buf = _buffer(lib, dec, what)
     rec = chk.rpc_record(dec, what)
@@ -72,17 +70,17 @@ def _transfer(lib: PythonBackendLibrary, dec: Decoder, what: str, to_tensor: boo
         g.ggml_backend_tensor_get(t, res.address, offset, size)
 
 
-def set_tensor(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def set_tensor(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     _transfer(lib, dec, "buffer_set_tensor", to_tensor=True)
     return BACKEND_RC_OK
 
 
-def get_tensor(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def get_tensor(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     _transfer(lib, dec, "buffer_get_tensor", to_tensor=False)
     return BACKEND_RC_OK
 
 
-def cpy_tensor(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def cpy_tensor(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     g, chk = lib.g, lib.checker
     handle, buf = _buffer(lib, dec, "buffer_cpy_tensor")
     src_rec = chk.rpc_record(dec, "buffer_cpy_tensor src")
@@ -102,7 +100,7 @@ def cpy_tensor(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     return BACKEND_RC_OK
 
 
-def clear(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def clear(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     _, buf = _buffer(lib, dec, "buffer_clear")
     value = dec.u8()
     if dec.fatal:
@@ -111,7 +109,7 @@ def clear(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     return BACKEND_RC_OK
 
 
-def free_buffer(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def free_buffer(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     handle, _ = _buffer(lib, dec, "buffer_free_buffer")
     lib.free_buffer(handle)
     return BACKEND_RC_OK

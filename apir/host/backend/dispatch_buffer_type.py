@@ -15,50 +15,48 @@ hand out is refused (the C casts it to a pointer). Replies:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 from apir.codec.wire import Decoder, Encoder
+from apir.host.backend.seams import HandlerLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.handles import HostBufferType
 from apir.host.tensors import Scratch, decode_inline_tensor
 
-if TYPE_CHECKING:  # annotations only: backend_library imports the dispatcher, which imports this module
-    from apir.host.backend.library import PythonBackendLibrary
 
 __all__ = ["get_name", "get_alignment", "get_max_size", "is_host", "alloc_buffer", "get_alloc_size"]
 
 
-def _buft(lib: PythonBackendLibrary, dec: Decoder, what: str) -> HostBufferType:
+def _buft(lib: HandlerLibrary, dec: Decoder, what: str) -> HostBufferType:
     handle = dec.handle()
     if dec.fatal:
         raise Refused(f"{what}: truncated arguments")
     return lib.buft(handle)
 
 
-def get_name(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def get_name(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     buft = _buft(lib, dec, "buffer_type_get_name")
     enc.string(lib.g.ggml_backend_buft_name(buft.ptr))
     return BACKEND_RC_OK
 
 
-def get_alignment(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def get_alignment(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     buft = _buft(lib, dec, "buffer_type_get_alignment")
     enc.size_t(lib.g.ggml_backend_buft_get_alignment(buft.ptr))
     return BACKEND_RC_OK
 
 
-def get_max_size(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def get_max_size(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     buft = _buft(lib, dec, "buffer_type_get_max_size")
     enc.size_t(lib.g.ggml_backend_buft_get_max_size(buft.ptr))
     return BACKEND_RC_OK
 
 
-def is_host(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def is_host(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     enc.bool(False)
     return BACKEND_RC_OK
 
 
-def alloc_buffer(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def alloc_buffer(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     g = lib.g
     buft = _buft(lib, dec, "buffer_type_alloc_buffer")
     size = dec.size_t()
@@ -80,7 +78,7 @@ def alloc_buffer(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     return BACKEND_RC_OK
 
 
-def get_alloc_size(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def get_alloc_size(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     buft = _buft(lib, dec, "buffer_type_get_alloc_size")
     chk = lib.checker
     with Scratch(lib.g, 2 + chk.limits.max_src) as scratch:

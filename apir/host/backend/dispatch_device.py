@@ -27,20 +27,18 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-from typing import TYPE_CHECKING, Mapping, Optional
+from typing import Mapping, Optional
 
 from apir.codec.constants import device_props_fields, negotiated_version
 from apir.codec.wire import Decoder, Encoder
 from apir.ggml.backend_props import get_dev_props
 from apir.ggml.layout import tensor_record
+from apir.host.backend.seams import HandlerLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.graph.build import lib_op_enums, tensor_info
-from apir.host.graph.profiles import CPU
 from apir.host.graph.shapes import Rule, node_refusal
 from apir.host.tensors import Scratch, decode_inline_tensor
 
-if TYPE_CHECKING:  # annotations only: backend_library imports the dispatcher, which imports this module
-    from apir.host.backend.library import PythonBackendLibrary
 
 __all__ = [
     "get_device_count",
@@ -56,33 +54,33 @@ __all__ = [
 ]
 
 
-def get_device_count(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def get_device_count(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     enc.i32(_device_count(lib))
     return BACKEND_RC_OK
 
 
-def get_count(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def get_count(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     enc.i32(_device_count(lib))
     return BACKEND_RC_OK
 
 
-def get_name(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def get_name(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     enc.string(lib.g.ggml_backend_dev_name(lib.dev))
     return BACKEND_RC_OK
 
 
-def get_description(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def get_description(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     enc.string(lib.g.ggml_backend_dev_description(lib.dev))
     return BACKEND_RC_OK
 
 
-def get_type(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def get_type(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     # the device's own type, unless configured otherwise (apir.host.device_type)
     enc.u32(lib.g.ggml_backend_dev_type(lib.dev) if lib.device_type is None else lib.device_type)
     return BACKEND_RC_OK
 
 
-def get_memory(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def get_memory(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
     lib.g.ggml_backend_dev_memory(lib.dev, ctypes.byref(free), ctypes.byref(total))
     enc.size_t(free.value)
@@ -90,12 +88,12 @@ def get_memory(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     return BACKEND_RC_OK
 
 
-def supports_op(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def supports_op(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     chk = lib.checker
     with Scratch(lib.g, 2 + chk.limits.max_src) as scratch:
         op = decode_inline_tensor(chk, dec, scratch, "device_supports_op")
         _check_required_srcs(lib, op)
-        profile = getattr(lib, "profile", CPU)
+        profile = lib.profile  # none: no rules, so nothing is supported (graph.seams.profile_of)
         ok = (
             profile is not None
             and bool(lib.g.ggml_backend_dev_supports_op(lib.dev, op))
@@ -105,21 +103,21 @@ def supports_op(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
     return BACKEND_RC_OK
 
 
-def get_buffer_type(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def get_buffer_type(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     enc.handle(lib.buft_handle(lib.g.ggml_backend_dev_buffer_type(lib.dev), allocatable=True))
     return BACKEND_RC_OK
 
 
-def get_props(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def get_props(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     caps = get_dev_props(lib.g, lib.dev)
-    caps["buffer_from_host_ptr"] = getattr(lib, "host_ptr_buffers", caps.get("buffer_from_host_ptr", False))
+    caps["buffer_from_host_ptr"] = lib.host_ptr_buffers
     host = lib.host
     for name in device_props_fields(negotiated_version(host.guest_version, host.host_version)):
         enc.bool(caps.get(name, False))
     return BACKEND_RC_OK
 
 
-def buffer_from_ptr(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> int:
+def buffer_from_ptr(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     g = lib.g
     res_id, size, max_tensor_size = dec.u32(), dec.size_t(), dec.size_t()
     if dec.fatal:
@@ -127,10 +125,7 @@ def buffer_from_ptr(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> in
     res = lib.shmem(res_id, "device_buffer_from_ptr")
     if size == 0 or size > res.size:
         raise Refused(f"device_buffer_from_ptr: size {size} does not fit resource {res_id} ({res.size} bytes)")
-    offered = getattr(lib, "host_ptr_buffers", None)
-    if offered is None:
-        offered = get_dev_props(g, lib.dev).get("buffer_from_host_ptr", False)
-    if not offered:
+    if not lib.host_ptr_buffers:
         raise Refused("device_buffer_from_ptr: the device cannot wrap host memory")
     align = g.ggml_backend_buft_get_alignment(g.ggml_backend_dev_buffer_type(lib.dev))
     if res.address % align:
@@ -152,7 +147,7 @@ def buffer_from_ptr(lib: PythonBackendLibrary, dec: Decoder, enc: Encoder) -> in
 
 
 # --- helpers ---------------------------------------------------------------------------------
-def _device_count(lib: PythonBackendLibrary) -> int:
+def _device_count(lib: HandlerLibrary) -> int:
     """The registration's device count, as the C answers; at least 1: ggml-rpc's registration
     enumerates none (its servers' devices hang off per-server registrations), yet the host
     serves one of them."""
@@ -171,7 +166,7 @@ _REQUIRED_SRCS = {
 }
 
 
-def _rule_accepts(lib: PythonBackendLibrary, t: int, rules: Optional[Mapping[str, Rule]] = None) -> bool:
+def _rule_accepts(lib: HandlerLibrary, t: int, rules: Optional[Mapping[str, Rule]] = None) -> bool:
     """Whether the op's shape rule accepts inline tensor `t` (its twin) and the sources sent
     with it. The inline encoding stops at the first null source, so a later source (e.g.
     soft_max's sinks without a mask) is not seen here; graph_compute still checks it."""
@@ -188,7 +183,7 @@ def _rule_accepts(lib: PythonBackendLibrary, t: int, rules: Optional[Mapping[str
     return why is None
 
 
-def _check_required_srcs(lib: PythonBackendLibrary, t: int) -> None:
+def _check_required_srcs(lib: HandlerLibrary, t: int) -> None:
     """A guest that omits these sources asks about a tensor no ggml constructor builds, and
     ggml's supports_op would read through the missing pointer."""
     rec = tensor_record(t, lib.g.tensor_dtype)

@@ -15,22 +15,21 @@ flushed (apir.host.backend.transfers): any command may read, free or depend on d
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, List
+from typing import Callable, Dict, List
 
 from apir.codec.constants import APIR_BACKEND_FORWARD_INDEX_INVALID, ApirBackendCommandType as Cmd
 from apir.codec.wire import Decoder, Encoder
 from apir.host.backend import dispatch_backend, dispatch_buffer, dispatch_buffer_type, dispatch_device
+from apir.host.backend.seams import HandlerLibrary
 from apir.host.errors import BACKEND_RC_ERROR, Refused, log
 
-if TYPE_CHECKING:  # for annotations only: backend_library calls `dispatch`, so imports this module
-    from apir.host.backend.library import PythonBackendLibrary
 
 __all__ = ["dispatch", "DISPATCH_TABLE", "Handler"]
 
 # A backend function's handler: (this context's library, the arguments, the reply payload) ->
 # the function's return code (BACKEND_RC_OK, BACKEND_RC_ERROR; raising Refused is the same as
 # the latter). One per function id, in dispatch_device / _buffer_type / _buffer / _backend.
-Handler = Callable[["PythonBackendLibrary", Decoder, Encoder], int]
+Handler = Callable[[HandlerLibrary, Decoder, Encoder], int]
 
 _SET_TENSOR = int(Cmd.BUFFER_SET_TENSOR)  # the one function whose uploads may stay queued
 _BY_ID: Dict[Cmd, Handler] = {
@@ -62,7 +61,7 @@ _BY_ID: Dict[Cmd, Handler] = {
 DISPATCH_TABLE: List[Handler] = [_BY_ID[cmd] for cmd in Cmd]
 
 
-def dispatch(lib: PythonBackendLibrary, function_id: int, dec: Decoder, enc: Encoder) -> int:
+def dispatch(lib: HandlerLibrary, function_id: int, dec: Decoder, enc: Encoder) -> int:
     """`apir_backend_dispatcher`: runs backend function `function_id`; its return code."""
     if not 0 <= function_id < len(DISPATCH_TABLE):
         log.error("ctx %d: invalid backend function id %d (>= %d)", lib.ctx_id, function_id, len(DISPATCH_TABLE))

@@ -58,7 +58,7 @@ from apir.host.resources import Resource
 from apir.ggml.backend_props import get_dev_props
 from apir.ggml.backend_spec import BackendSpecError, resolve as resolve_backend
 from apir.host.graph.profiles import BackendProfile, profile_for
-from apir.host.graph.shapes.base import OpEnums
+from apir.host.graph.shapes.base import OpEnums, op_enums
 from apir.host.tensors import TensorChecker
 from apir.host.backend.transfers import DeviceTransfers
 from apir.local.spin_policy import free_cores
@@ -109,7 +109,7 @@ class PythonBackendLibrary:
         self._dev: Optional[int] = None
         self._backend: Optional[int] = None
         self._ggml_cdll: Optional[ctypes.CDLL] = None
-        self._op_enums: Optional[OpEnums] = None  # apir.host.graph.build.lib_op_enums's, once
+        self._op_enums: Optional[OpEnums] = None  # op_enums's, once
         self.profile: Optional[BackendProfile] = None  # None: a backend the host has no rules for
         self.backend_name = ""  # the ggml registration's name ("CPU", "Vulkan", "RPC", ...)
         # whether device_buffer_from_ptr wraps guest blobs (the device's buffer_from_host_ptr
@@ -178,6 +178,13 @@ class PythonBackendLibrary:
         if self._backend is None:
             raise Refused("the backend library is not initialized")
         return self._backend
+
+    @property
+    def op_enums(self) -> OpEnums:
+        """The op numbers the shape rules read, of this library's ggml (computed once)."""
+        if self._op_enums is None:
+            self._op_enums = op_enums(self.g)
+        return self._op_enums
 
     @property
     def abort(self) -> ComputeAbort:
@@ -422,6 +429,16 @@ class PythonBackendLibrary:
             self._threadpool.close()
             self._threadpool = None
         self._backend = self._dev = self.reg = None
+
+    def buffer_count(self) -> Optional[int]:
+        return len(self.buffers)
+
+    @property
+    def commands_bounded_in_time(self) -> bool:
+        """Only on a backend whose kernels work in host memory (a profile's host_addressable:
+        ggml-cpu): a GPU's or ggml-rpc's copies wait on a device or a server that may never
+        answer."""
+        return self.profile is not None and self.profile.host_addressable
 
     def forget_resource(self, res_id: int) -> None:
         """The hypervisor is removing blob `res_id`: free the buffers that wrap it."""

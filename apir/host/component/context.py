@@ -216,9 +216,8 @@ class HostContext:
             res = self._resources.pop(res_id, None)
             if res is None:
                 return
-            forget = getattr(self._library, "forget_resource", None)
-            if forget is not None:
-                forget(res_id)
+            if self._library is not None:
+                self._library.forget_resource(res_id)
             if self._last_reply_res_id == res_id:
                 self._last_reply_res_id = None
             res.release()
@@ -230,11 +229,16 @@ class HostContext:
     def cancel_compute(self, reason: str) -> None:
         """Stops the graph compute in flight, if any, and every later one (the guest gets
         GGML_STATUS_ABORTED): this context's guest is gone. Any thread, without the context's
-        lock, which the compute holds; a backend library without `cancel_compute` (a C one)
-        cannot be stopped."""
-        cancel = getattr(self._library, "cancel_compute", None)
-        if cancel is not None:
-            cancel(reason)
+        lock, which the compute holds; a C backend library's compute cannot be stopped."""
+        library = self._library
+        if library is not None:
+            library.cancel_compute(reason)
+
+    def buffer_count(self) -> Optional[int]:
+        """The ggml buffers this context's backend library holds (0 before LoadLibrary), or
+        None when the library cannot tell."""
+        library = self._library
+        return 0 if library is None else library.buffer_count()
 
     def close(self) -> None:
         """Deinitializes the backend library, freeing exactly this context's buffers, and
@@ -392,8 +396,7 @@ class HostContext:
             library.deinit()
             return base + init_rc  # the C component's encoding of a backend init failure
         self._library = library
-        profile = getattr(library, "profile", None)
-        self.commands_bounded_in_time = bool(profile is not None and profile.host_addressable)
+        self.commands_bounded_in_time = library.commands_bounded_in_time
         log.info("ctx %d: LoadLibrary: backend library loaded (%s)", self.ctx_id, path or "built-in")
         return ApirLoadLibraryReturnCode.SUCCESS
 

@@ -68,7 +68,7 @@ from apir.codec.wire import Decoder
 from apir.errors import ApirError
 from apir.ggml import load as load_ggml
 from apir.host.library import LibraryHost
-from apir.host.local.kernel import ApirContext, ContextFactory
+from apir.host.component.seams import ApirContext, ContextFactory
 
 __all__ = ["TRACE_VERSION", "CommandTrace", "traced_context_factory", "read_trace", "format_trace", "TraceError"]
 

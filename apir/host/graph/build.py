@@ -41,7 +41,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Dict, List, Mapping, NamedTuple, Optional, Sequence
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -60,14 +60,13 @@ from apir.host.graph.build_helper import beside, wait_done
 from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
 from apir.host.graph.rule_memo import check_nodes, rule_groups
-from apir.host.graph.shapes import OpEnums, TensorInfo, op_enums
+from apir.host.graph.shapes import OpEnums, TensorInfo
 from apir.host.graph.shapes.base import IdReads, check_span, copy_ids, extent
 from apir.host.graph.profiles import CPU, EMPTY_OPS, BackendProfile
+from apir.host.graph.seams import GraphLibrary, profile_of
 from apir.host.graph.work_plan import work_budget
 from apir.host.tensors import Scratch
 
-if TYPE_CHECKING:  # annotations only: the dispatcher it leads to imports this module
-    from apir.host.backend.library import PythonBackendLibrary
 
 __all__ = [
     "build_graph",
@@ -83,14 +82,14 @@ __all__ = [
 _NE_MAX = 1 << 62  # as apir.host.tensors
 
 
-def tensor_info(lib: PythonBackendLibrary, index: int, rec, address: Optional[int]) -> TensorInfo:
+def tensor_info(lib: GraphLibrary, index: int, rec, address: Optional[int]) -> TensorInfo:
     """The `TensorInfo` the shape rules see of tensor record `rec` (an rpc record or a
     `ggml_tensor`: both have type, op, ne, nb and op_params) of the dispatcher `lib`."""
     fields = (rec["type"], rec["op"], rec["ne"], rec["nb"], rec["op_params"])
     return _tensor_info(lib, index, *fields, address)
 
 
-def _tensor_info(lib: PythonBackendLibrary, index: int, type_, op, ne, nb, op_params, address) -> TensorInfo:
+def _tensor_info(lib: GraphLibrary, index: int, type_, op, ne, nb, op_params, address) -> TensorInfo:
     # (`tensor_info` from the record's fields, each as numpy holds it)
     g, chk = lib.g, lib.checker
     type_, op = int(type_), int(op)
@@ -107,18 +106,17 @@ def _tensor_info(lib: PythonBackendLibrary, index: int, type_, op, ne, nb, op_pa
     )
 
 
-def lib_op_enums(lib: PythonBackendLibrary) -> OpEnums:
-    """`op_enums` of the dispatcher's ggml, computed once per dispatcher."""
-    enums = lib._op_enums
-    if enums is None:
-        enums = lib._op_enums = op_enums(lib.g)
-    return enums
+def lib_op_enums(lib: GraphLibrary) -> OpEnums:
+    """`op_enums` of the library's ggml (the library computes them once)."""
+    return lib.op_enums
 
 
 _EMPTY_OPS = EMPTY_OPS  # ops whose nodes write nothing (ggml_op_is_empty)
 
 
-def _check_graph_needs(lib, parsed, made: List[TensorInfo], recs: _Records, profile: BackendProfile = CPU) -> None:
+def _check_graph_needs(
+    lib: GraphLibrary, parsed, made: List[TensorInfo], recs: _Records, profile: BackendProfile = CPU
+) -> None:
     """What rules asked of the whole graph: row ids they read before compute are not written
     by a node that runs before (or is) their last reader (a node's own result, or the sources
     an OPT_STEP_* updates in place): ggml CPU would then read other ids than those checked.
@@ -229,7 +227,7 @@ def _same_memory(found: List[HostBuffer]) -> np.ndarray:
     return _first_alike([("res", b.res_id) if b.res_id is not None else id(b) for b in found])
 
 
-def _check_spans(lib: PythonBackendLibrary, parsed, infos: TensorInfos, recs: _Records) -> None:
+def _check_spans(lib: GraphLibrary, parsed, infos: TensorInfos, recs: _Records) -> None:
     """Every tensor's span (`base.span_nbytes`: its elements' bytes with each 0 dimension
     taken as 1) within its buffer's size, an empty tensor's within the larger of that and the
     context's work budget (`base.check_span`, issue 13 classes 1 and 2: an empty tensor is
@@ -252,7 +250,7 @@ def _check_spans(lib: PythonBackendLibrary, parsed, infos: TensorInfos, recs: _R
         check_span(infos[i], size if 0 not in infos[i].ne else max(size, budget), f"graph tensor {i}")
 
 
-def _check_records_one_by_one(lib: PythonBackendLibrary, parsed) -> _Records:
+def _check_records_one_by_one(lib: GraphLibrary, parsed) -> _Records:
     """The per-tensor checks, in tensor order; raises the first Refused."""
     chk, recs = lib.checker, parsed.tensors
     n = len(recs)
@@ -286,7 +284,7 @@ def _check_records_one_by_one(lib: PythonBackendLibrary, parsed) -> _Records:
     return _Records(list(handles), found, inverse, np.array(offsets, dtype=np.int64), np.array(extents, dtype=np.int64))
 
 
-def _check_records(lib: PythonBackendLibrary, parsed) -> Optional[_Records]:
+def _check_records(lib: GraphLibrary, parsed) -> Optional[_Records]:
     """`_check_records_one_by_one` on whole arrays: the same checks (check_common, extent,
     check_rpc, a buffer with data, views inside their source), or None when any fails or a
     value leaves the range where int64 arithmetic is exact (the caller then runs the
@@ -351,7 +349,7 @@ class TensorInfos(Sequence[TensorInfo]):
     that was made can hold what a rule left on it (`snapshot`, `read_by`, `id_bounds`,
     `one_thread`): `made()` lists those."""
 
-    def __init__(self, lib: PythonBackendLibrary, parsed, recs: _Records, fetch: bool):
+    def __init__(self, lib: GraphLibrary, parsed, recs: _Records, fetch: bool):
         self._lib, self._t, self._recs, self._fetch = lib, parsed.tensors, recs, fetch
         # the fields tensor_info reads, as columns (a field of one record is 0.7 us to read,
         # of a column a third of that)
@@ -424,7 +422,7 @@ def _kernel_layout(tensor: np.dtype, rpc: np.dtype, max_src: int) -> Optional[tu
     return off, roff, width
 
 
-def _create_tensors(lib: PythonBackendLibrary, parsed, scratch: Scratch, recs: _Records) -> np.ndarray:
+def _create_tensors(lib: GraphLibrary, parsed, scratch: Scratch, recs: _Records) -> np.ndarray:
     """The host twins of the checked records (as `TensorChecker.host_from_rpc`, with src and
     view_src pointing at the twins); their addresses (int64) by tensor index. Written whole
     by `write_tensors_kernel` side by side in the scratch's `tensor_block`, at the offsets of
@@ -484,7 +482,7 @@ def _create_tensors(lib: PythonBackendLibrary, parsed, scratch: Scratch, recs: _
 _BESIDE_MIN_TENSORS = 2048
 
 
-def _records_then_tensors(lib: PythonBackendLibrary, parsed, scratch: Scratch, records: Future) -> Optional[tuple]:
+def _records_then_tensors(lib: GraphLibrary, parsed, scratch: Scratch, records: Future) -> Optional[tuple]:
     """The build helper's part of `build_graph_parts`: `_check_records` (its answer set on
     `records` as soon as it is known), then, when they passed, `_create_tensors` and
     `_node_graph` (both answers returned); None when they did not (the caller checks one by
@@ -502,7 +500,7 @@ def _records_then_tensors(lib: PythonBackendLibrary, parsed, scratch: Scratch, r
         return host_at, _node_graph(lib, parsed, scratch, host_at)
 
 
-def _node_graph(lib: PythonBackendLibrary, parsed, scratch: Scratch, host_at: np.ndarray) -> int:
+def _node_graph(lib: GraphLibrary, parsed, scratch: Scratch, host_at: np.ndarray) -> int:
     """A cgraph in the scratch's context with the guest's nodes (host tensors `host_at`, by
     tensor index), in its order; MemoryError when the context has no room for it."""
     g, size = lib.g, max(len(parsed.node_index), 1)
@@ -522,7 +520,7 @@ class BuiltGraph(NamedTuple):
     buffers: Dict[int, HostBuffer]  # handle -> the HostBuffer the checks saw
 
 
-def graph_scratch(lib: PythonBackendLibrary, parsed) -> Scratch:
+def graph_scratch(lib: GraphLibrary, parsed) -> Scratch:
     """A Scratch for `build_graph_parts` of `parsed`: its context has room for the cgraph,
     and for every tensor only where they are made there (a ggml layout `write_tensors_kernel`
     does not write: `_create_tensors`); otherwise they go in its tensor block, and room for
@@ -532,12 +530,12 @@ def graph_scratch(lib: PythonBackendLibrary, parsed) -> Scratch:
     return Scratch(lib.g, len(t) if in_context else 0, max(len(parsed.node_index), 1))
 
 
-def build_graph(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums: OpEnums) -> int:
+def build_graph(lib: GraphLibrary, parsed, scratch: Scratch, enums: OpEnums) -> int:
     """A host cgraph (in `scratch`) for `parsed`; raises Refused."""
     return build_graph_parts(lib, parsed, scratch, enums).graph
 
 
-def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums: OpEnums) -> BuiltGraph:
+def build_graph_parts(lib: GraphLibrary, parsed, scratch: Scratch, enums: OpEnums) -> BuiltGraph:
     """`build_graph`, returning the graph with what its checks saw; raises Refused.
 
     A graph of `_BESIDE_MIN_TENSORS` tensors or more has its record checks, host tensors and
@@ -557,7 +555,7 @@ def build_graph_parts(lib: PythonBackendLibrary, parsed, scratch: Scratch, enums
         recs = records.result() if job is not None else _check_records(lib, parsed)
         if recs is None:
             recs = _check_records_one_by_one(lib, parsed)
-        profile = getattr(lib, "profile", None) or CPU
+        profile = profile_of(lib)
         infos = TensorInfos(lib, parsed, recs, fetch=not profile.host_addressable)
         _check_spans(lib, parsed, infos, recs)
         check_nodes(infos, parsed.src_index, enums, profile.rules, groups)
@@ -594,7 +592,7 @@ def c_address(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value or 0
 
 
-def _check_device_supports(lib, parsed, host) -> None:
+def _check_device_supports(lib: GraphLibrary, parsed, host) -> None:
     """Every node that computes something passes the device's own `supports_op` (a GPU
     backend aborts on a node it has no kernel for; apir.host.graph.profiles)."""
     supports, op_names, ops = lib.g.ggml_backend_dev_supports_op, lib.g.op_names, parsed.tensors["op"]
@@ -604,7 +602,7 @@ def _check_device_supports(lib, parsed, host) -> None:
             raise Refused(f"node {j}: the device does not support {op} of this shape and types")
 
 
-def _bytes_tensor(lib, scratch: Scratch, buffer: int, data: int, n: int) -> int:
+def _bytes_tensor(lib: GraphLibrary, scratch: Scratch, buffer: int, data: int, n: int) -> int:
     """A 1-d I8 tensor over the `n` bytes at `data` of ggml buffer `buffer`, for copies
     through the backend (ggml_backend_tensor_get / _set)."""
     g = lib.g
@@ -620,7 +618,7 @@ class _Fetcher:
 
     __slots__ = ("lib", "buf", "offset")
 
-    def __init__(self, lib, buf: HostBuffer, offset: int):
+    def __init__(self, lib: GraphLibrary, buf: HostBuffer, offset: int):
         self.lib, self.buf, self.offset = lib, buf, offset
 
     def __call__(self, n: int) -> ctypes.Array:
@@ -632,12 +630,12 @@ class _Fetcher:
         return out
 
 
-def fetch_row_ids(lib, infos: List[TensorInfo]) -> List[ctypes.Array]:
+def fetch_row_ids(lib: GraphLibrary, infos: List[TensorInfo]) -> List[ctypes.Array]:
     """`shapes.base.copy_ids` of each of `infos` (the copies, in order), with the reads through
     the backend of tensors in buffers that allow it (apir.host.backend.transfers: a device buffer of
     the backend's default type) made asynchronously, one synchronize for all; every other
     tensor read as copy_ids reads it (synchronously)."""
-    transfers = getattr(lib, "transfers", None)
+    transfers = lib.transfers
     out: List[ctypes.Array] = []
     batch = []
     for k, info in enumerate(infos):
@@ -659,11 +657,10 @@ def fetch_row_ids(lib, infos: List[TensorInfo]) -> List[ctypes.Array]:
     return out
 
 
-def point_at_device_copies(lib, scratch: Scratch, snaps) -> None:
+def point_at_device_copies(lib: GraphLibrary, scratch: Scratch, snaps) -> None:
     """Where kernels read device memory: the checked row ids (`snaps`: (TensorInfo with a
     snapshot, host tensor)) copied, in one transfer, into a buffer of the device's own type
-    (the context's `ids_buffer`, kept between graphs; else one made for this graph and freed
-    with `scratch`), and each host tensor pointed at its copy (its view_src cleared:
+    (the context's `ids_buffer`, kept between graphs), and each host tensor pointed at its copy (its view_src cleared:
     ggml-vulkan addresses a view through its source). The copies are at most the bytes of
     the graph's buffers, which the context's budget charged (IdReads)."""
     if not snaps:
@@ -675,12 +672,9 @@ def point_at_device_copies(lib, scratch: Scratch, snaps) -> None:
     for info, _ in snaps:
         offsets.append(total)
         total += -(-len(info.snapshot) // align) * align
-    keep = getattr(lib, "ids_buffer", None)
-    buf = keep(total) if keep is not None else g.ggml_backend_buft_alloc_buffer(buft, total)
+    buf = lib.ids_buffer(total)
     if not buf:
         raise Refused(f"graph: no device buffer of {total} bytes for the checked row ids")
-    if keep is None:
-        scratch.buffers.append(buf)
     base = g.ggml_backend_buffer_get_base(buf)
     staging = (ctypes.c_char * total)()
     for (info, _), off in zip(snaps, offsets):

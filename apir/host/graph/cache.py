@@ -78,7 +78,7 @@ from apir.codec._kernels import (
 )
 from apir.host.graph.build_helper import beside, wait_done
 from apir.host.graph.build import TensorInfos, fetch_row_ids, point_at_device_copies
-from apir.host.graph.profiles import CPU
+from apir.host.graph.seams import GraphLibrary, profile_of
 from apir.host.graph.shapes import OpEnums, TensorInfo, check_node, node_sources
 from apir.host.graph.shapes.base import id_values
 from apir.host.tensors import Scratch
@@ -437,12 +437,12 @@ class GraphCacheEntry:
         self.nbytes += len(wire.data) - (len(self.wire.data) if self.wire is not None else 0)
         self.wire = wire
 
-    def buffers_unchanged(self, lib) -> bool:
+    def buffers_unchanged(self, lib: GraphLibrary) -> bool:
         """Whether every handle still names the same HostBuffer object."""
         get = lib.buffers.get
         return all(get(h) is buf for h, buf in self.buffers.items())
 
-    def recheck(self, lib, enums: OpEnums) -> bool:
+    def recheck(self, lib: GraphLibrary, enums: OpEnums) -> bool:
         """Copies the row ids every reader read again and checks them (`_fresh_snapshots`;
         where that does not settle it, the readers' rules run again on fresh TensorInfo
         copies), then points the host tensors at the new copies. Raises Refused as the rules
@@ -452,12 +452,12 @@ class GraphCacheEntry:
             return True
         snaps = self._fresh_snapshots(lib)
         if snaps is None:
-            fresh = self._rerun_rules(enums, getattr(lib, "profile", None) or CPU)
+            fresh = self._rerun_rules(enums, profile_of(lib))
             copied = sorted(i for i, f in fresh.items() if f.snapshot is not None)
             if copied != self.id_holders or any(fresh[i].read_by != self.infos[i].read_by for i in copied):
                 return False
             snaps = {i: snap for i in copied if (snap := fresh[i].snapshot) is not None}
-        if not (getattr(lib, "profile", None) or CPU).host_addressable:
+        if not profile_of(lib).host_addressable:
             return self._refill_device_copies(lib, snaps)
         data_at = lib.checker.tensor_dtype.fields["data"][1]
         pointers = [ctypes.c_void_p.from_address(int(self.host[i]) + data_at) for i in snaps]
@@ -471,7 +471,7 @@ class GraphCacheEntry:
         self.scratch.pinned = list(snaps.values())
         return True
 
-    def _fresh_snapshots(self, lib) -> Optional[Dict[int, ctypes.Array]]:
+    def _fresh_snapshots(self, lib: GraphLibrary) -> Optional[Dict[int, ctypes.Array]]:
         """Fresh copies of the ids the readers' rules read (tensor index -> copy), each
         checked against the bounds those reads recorded (`shapes.base.check_row_ids`: every
         id in [0, n_rows)), without running the rules: everything else they checked is a
@@ -523,15 +523,12 @@ class GraphCacheEntry:
             check_node(info(j), node_sources(self.src_rows[j].tolist(), info), enums, profile.rules)
         return fresh
 
-    def _refill_device_copies(self, lib, snaps: Dict[int, ctypes.Array]) -> bool:
+    def _refill_device_copies(self, lib: GraphLibrary, snaps: Dict[int, ctypes.Array]) -> bool:
         """Where kernels read device memory (a profile without `host_addressable`): the
         re-checked ids (`snaps`) copied into the context's device buffer again and the host
         tensors pointed there, as the build did (`apir.host.graph.build.point_at_device_copies`).
         The build's copies cannot be reused: every later graph writes its own ids into that
-        same buffer, and one that needs more frees it for a larger one. False (the caller
-        rebuilds) on a library without such a kept buffer."""
-        if getattr(lib, "ids_buffer", None) is None:
-            return False
+        same buffer, and one that needs more frees it for a larger one."""
         fresh = []
         for i, snap in snaps.items():
             info = _unread_copy(self.infos[i])
@@ -565,7 +562,7 @@ class GraphCache:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
 
-    def take(self, key: bytes, lib) -> Optional[GraphCacheEntry]:
+    def take(self, key: bytes, lib: GraphLibrary) -> Optional[GraphCacheEntry]:
         """Removes and returns the entry whose key equals `key` and whose buffers are
         unchanged, or None (an equal-keyed entry with changed buffers is freed)."""
         for slot, entry in self._entries.items():
@@ -579,7 +576,7 @@ class GraphCache:
         self.misses += 1
         return None
 
-    def take_same(self, memory, size: int, lib) -> Optional[GraphCacheEntry]:
+    def take_same(self, memory, size: int, lib: GraphLibrary) -> Optional[GraphCacheEntry]:
         """Removes and returns the entry whose graph the `size` bytes of `memory` (the guest's
         shared memory) hold again, and whose buffers are unchanged; or None. The bytes are
         compared where they lie, without parsing them, first as the very bytes of a graph
@@ -595,7 +592,7 @@ class GraphCache:
                 return self._served(slot, entry, lib)
         return None
 
-    def _served(self, slot: int, entry: GraphCacheEntry, lib) -> Optional[GraphCacheEntry]:
+    def _served(self, slot: int, entry: GraphCacheEntry, lib: GraphLibrary) -> Optional[GraphCacheEntry]:
         # `entry` (at `slot`) taken out: returned if its buffers are unchanged, else freed
         del self._entries[slot]
         if entry.buffers_unchanged(lib):

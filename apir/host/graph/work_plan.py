@@ -32,12 +32,11 @@ Errors: `Refused` when the plan exceeds the budget.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import Dict, Optional
 
 from apir.host.errors import Refused, log
+from apir.host.graph.seams import GraphLibrary, profile_of
 
-if TYPE_CHECKING:  # annotations only: the dispatcher it leads to imports this module
-    from apir.host.backend.library import PythonBackendLibrary
 
 __all__ = [
     "CONFIG_KEY_WORK_BUDGET",
@@ -58,7 +57,7 @@ def planned_work_size(g, graph: int, n_threads: int) -> int:
     return int(g.ggml_graph_plan(graph, n_threads, None).work_size)
 
 
-def work_budget(lib: PythonBackendLibrary) -> int:
+def work_budget(lib: GraphLibrary) -> int:
     """The context's work budget in bytes: config `apir.host.work_budget`, else
     `DEFAULT_WORK_BUDGET`."""
     value = lib.host.get_config(CONFIG_KEY_WORK_BUDGET)
@@ -71,15 +70,14 @@ def work_budget(lib: PythonBackendLibrary) -> int:
         return 0
 
 
-def check_work_size(lib: PythonBackendLibrary, graph: int, planned: Optional[Dict[int, int]] = None) -> int | None:
+def check_work_size(lib: GraphLibrary, graph: int, planned: Optional[Dict[int, int]] = None) -> int | None:
     """Refuses `graph` when the CPU backend of dispatcher `lib` would plan more work buffer
     for it than `work_budget(lib)` (issue 13, class 2); returns the planned size (None for a
     backend that is not the CPU's). `planned`: the sizes planned for this very host graph
     before, by thread count (a cached graph's; filled here), since the plan depends on
     nothing else. Raises Refused."""
     g = lib.g
-    profile = getattr(lib, "profile", None)
-    if (profile is not None and not profile.plans_work_buffer) or not g.ggml_backend_is_cpu(lib.backend):
+    if not profile_of(lib).plans_work_buffer or not g.ggml_backend_is_cpu(lib.backend):
         return None
     n_threads = lib.n_threads
     size = planned.get(n_threads) if planned is not None else None

@@ -15,10 +15,8 @@ import errno
 import itertools
 import logging
 import threading
-import mmap
-from typing import Callable, Optional, Protocol, Tuple, Union, runtime_checkable
+from typing import Optional, Union
 
-from apir.codec.atomics import Word
 from apir.codec.constants import CONFIG_KEY_MAX_BLOBS, CapsetApir
 from apir.local.wire import MAX_EXEC_COMMAND
 from apir.codec.virtgpu import (
@@ -32,15 +30,13 @@ from apir.codec.virtgpu import (
 )
 from apir.errors import ApirError
 from apir.host.component.context import HostContext
+from apir.host.component.seams import ApirContext, BufferCounting, Cancellable, ContextFactory
 from apir.host.config import DEFAULT_MAX_BLOBS, config_limit
 from apir.host.local.memfile import HostBlob, MemFile, MemFileFull
 
 __all__ = [
     "KernelContext",
     "KernelError",
-    "ApirContext",
-    "DeferredNotification",
-    "ContextFactory",
     "default_context_factory",
     "ggml_buffer_count",
     "GETPARAMS",
@@ -91,55 +87,14 @@ class KernelError(ApirError):
         self.err = err
 
 
-class ApirContext(Protocol):
-    """What a transport's kernel stand-in needs of an APIR context: `apir.host.component.context.
-    HostContext`, or a test's stand-in. Optional members, looked up with getattr where used:
-    `cancel_compute(reason)`, `buffer_count()`, and `DeferredNotification`'s."""
-
-    def add_resource(self, res_id: int, memory: mmap.mmap) -> None: ...
-
-    def remove_resource(self, res_id: int) -> None: ...
-
-    def submit(self, command: Union[bytes, memoryview]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-@runtime_checkable
-class DeferredNotification(Protocol):
-    """A context that can leave its reply notification store to the caller of `submit`
-    (`HostContext.defer_notification` / `take_notification`: the embedded device's host
-    thread makes the store from its doorbell spin)."""
-
-    defer_notification: bool
-
-    def take_notification(self) -> Optional[Tuple[Word, int]]: ...
-
-
-# (ctx_id, capset_id, config) -> a new context; config: the C keys (apir.codec.constants)
-ContextFactory = Callable[[int, int, Optional[dict]], ApirContext]
-
-
 def default_context_factory(ctx_id: int, capset_id: int, config: Optional[dict]) -> ApirContext:
     """A fresh `apir.host.component.context.HostContext` for context `ctx_id` on capset `capset_id`."""
     return HostContext(ctx_id, config, capset_id=capset_id)
 
 
 def ggml_buffer_count(ctx: ApirContext) -> Optional[int]:
-    """How many ggml buffers `ctx` holds, when the HostContext can tell (else None).
-
-    Uses `ctx.buffer_count()` when the HostContext has it; until then, the length of the
-    built-in dispatcher's buffer table (a stopgap that reads a private attribute)."""
-    count = getattr(ctx, "buffer_count", None)
-    if callable(count):
-        count = count()
-    elif count is None and hasattr(ctx, "_library"):
-        library = ctx._library
-        if library is None:
-            return 0  # nothing loaded yet: no buffer can exist
-        buffers = getattr(library, "buffers", None)
-        count = len(buffers) if buffers is not None else None
-    return count if isinstance(count, int) else None
+    """How many ggml buffers `ctx` holds, when it can tell (else None)."""
+    return ctx.buffer_count() if isinstance(ctx, BufferCounting) else None
 
 
 class KernelContext:
@@ -305,9 +260,8 @@ class KernelContext:
     def cancel_compute(self, reason: str) -> None:
         """Stops the context's compute in flight and refuses later ones (its guest is gone).
         Any thread: the one running the compute is busy with it."""
-        cancel = getattr(self.ctx, "cancel_compute", None)
-        if cancel is not None:
-            cancel(reason)
+        if isinstance(self.ctx, Cancellable):
+            self.ctx.cancel_compute(reason)
 
     def close(self) -> None:
         """Closes the context (freeing its ggml buffers) and every blob. Idempotent."""

@@ -71,7 +71,8 @@ from apir.local.wire import (
 from apir.codec.virtgpu import BLOB_ALIGNMENT
 from apir.host.config import DEFAULT_HELLO_TIMEOUT_S, DEFAULT_LOCAL_SPIN_S, DEFAULT_MAX_CONNECTIONS, config_limit
 from apir.host.local.hangup import HangupWatch
-from apir.host.local.kernel import ContextFactory, KernelContext, KernelError, default_context_factory
+from apir.host.component.seams import ContextFactory
+from apir.host.local.kernel import KernelContext, KernelError, default_context_factory
 from apir.host.local.memfile import HostBlob
 from apir.local.exec_ring import ExecRing
 from apir.local.socket_io import recv_message, send_message

@@ -60,7 +60,8 @@ from apir.host.config import (
     DEFAULT_VHOST_MAX_RESOURCES,
     config_limit,
 )
-from apir.host.local.kernel import CAPSET_APIR_VERSION, ApirContext, ContextFactory, ggml_buffer_count
+from apir.host.component.seams import ApirContext, Cancellable, ContextFactory
+from apir.host.local.kernel import CAPSET_APIR_VERSION, ggml_buffer_count
 from apir.host.vhost_user.backend_channel import BackendChannel, BackendError
 from apir.host.vhost_user.completion import FenceOrder, Ticket
 from apir.host.vhost_user.context_worker import ContextWorker
@@ -295,10 +296,9 @@ class GpuDevice:
         and detached from other contexts, and its HostContext closed on its worker."""
         del self.contexts[ctx.ctx_id]
         self._closing[ctx.ctx_id] = ctx
-        cancel = getattr(ctx.host, "cancel_compute", None)
-        if cancel is not None:
+        if isinstance(ctx.host, Cancellable):
             try:
-                cancel("the virtio-gpu context is destroyed")
+                ctx.host.cancel_compute("the virtio-gpu context is destroyed")
             except Exception:  # noqa: BLE001
                 log.exception("context %d: cancel_compute failed", ctx.ctx_id)
         for blob in list(self.resources.values()):

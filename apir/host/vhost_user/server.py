@@ -19,7 +19,8 @@ import time
 from typing import Optional, Tuple
 
 from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR
-from apir.host.local.kernel import ContextFactory, default_context_factory
+from apir.host.component.seams import ContextFactory
+from apir.host.local.kernel import default_context_factory
 from apir.host.vhost_user.gpu_device import DeviceCounts, GpuDevice
 from apir.host.vhost_user.memory import GuestMemory
 from apir.host.vhost_user.session import FrontendSession
