@@ -31,11 +31,13 @@ from apir import __version__
 from apir.codec.constants import (
     APIR_PROTOCOL_MAJOR,
     APIR_PROTOCOL_MINOR,
+)
+from apir.host.config import (
     CONFIG_KEY_BACKEND,
     CONFIG_KEY_GGML_LIBRARY_PATH,
     CONFIG_KEY_GGML_LIBRARY_REG,
     CONFIG_KEY_LOAD_LIBRARY_PATH,
-    ENV_GGML_LIBRARY_PATH,
+    ENV_FALLBACKS,
 )
 from apir.errors import ApirError
 from apir.socket_path import SocketPathError, check_connect, check_listen, check_syntax
@@ -104,7 +106,7 @@ def add_host_config_arguments(parser: argparse.ArgumentParser) -> None:
         "--ggml-library",
         metavar="PATH",
         help=f"ggml backend library the host loads ({CONFIG_KEY_GGML_LIBRARY_PATH}; default: "
-        f"${ENV_GGML_LIBRARY_PATH}, the C host's variable, else the CPU device of "
+        f"${ENV_FALLBACKS[CONFIG_KEY_GGML_LIBRARY_PATH]}, the C host's variable, else the CPU device of "
         "the ggml apir loads)",
     )
     group.add_argument(

@@ -35,38 +35,6 @@ __all__ = [
     "ApirBackendCommandType",
     "APIR_BACKEND_FORWARD_INDEX_INVALID",
     "CapsetApir",
-    "CONFIG_KEY_LOAD_LIBRARY_PATH",
-    "CONFIG_KEY_GGML_LIBRARY_PATH",
-    "CONFIG_KEY_GGML_LIBRARY_REG",
-    "ENV_BACKEND_LIBRARY",
-    "ENV_GGML_LIBRARY_PATH",
-    "ENV_GGML_LIBRARY_REG",
-    "ENV_USE_APIR_CAPSET",
-    "CONFIG_KEY_GRAPH_TIME_LIMIT",
-    "ENV_GRAPH_TIME_LIMIT",
-    "CONFIG_KEY_MAX_CONNECTIONS",
-    "ENV_MAX_CONNECTIONS",
-    "CONFIG_KEY_HELLO_TIMEOUT",
-    "ENV_HELLO_TIMEOUT",
-    "CONFIG_KEY_LOCAL_SPIN",
-    "ENV_LOCAL_SPIN",
-    "CONFIG_KEY_MAX_BLOBS",
-    "ENV_MAX_BLOBS",
-    "CONFIG_KEY_VHOST_MAX_CONTEXTS",
-    "ENV_VHOST_MAX_CONTEXTS",
-    "CONFIG_KEY_VHOST_MAX_RESOURCES",
-    "ENV_VHOST_MAX_RESOURCES",
-    "CONFIG_KEY_VHOST_MAX_BLOB_BYTES",
-    "ENV_VHOST_MAX_BLOB_BYTES",
-    "CONFIG_KEY_VHOST_BACKEND_TIMEOUT",
-    "ENV_VHOST_BACKEND_TIMEOUT",
-    "DEFAULT_GGML_LIBRARY_REG",
-    "CONFIG_KEY_BUFFER_BUDGET",
-    "CONFIG_KEY_MEMORY_LIMIT",
-    "CONFIG_KEY_MAX_BUFFERS",
-    "ENV_BUFFER_BUDGET",
-    "ENV_MEMORY_LIMIT",
-    "ENV_MAX_BUFFERS",
     "negotiated_version",
     "device_props_fields",
 ]
@@ -115,56 +83,6 @@ SHMEM_REPLY_SIZE = 0x4000  # 16 KiB: reply notification word + reply payload
 # Guest-side wait limits of the C (virtgpu.cpp), in seconds.
 APIR_HANDSHAKE_MAX_WAIT_S = 2.0
 APIR_LOADLIBRARY_MAX_WAIT_S = 60.0
-
-# --- configuration keys and their environment fallbacks (virglrenderer src/apir) --------------
-CONFIG_KEY_LOAD_LIBRARY_PATH = "apir.load_library.path"
-CONFIG_KEY_GGML_LIBRARY_PATH = "ggml.library.path"
-CONFIG_KEY_GGML_LIBRARY_REG = "ggml.library.reg"
-# apir's own: the ggml backend spec (apir.ggml.backend_spec) when no ggml.library.path is set
-CONFIG_KEY_BACKEND = "apir.host.backend"
-# apir's own: "1" offers buffer_from_ptr (guest blobs imported as device buffers) on a device
-# that can import host memory although its props do not say so (ggml-vulkan: external memory host)
-CONFIG_KEY_IMPORT_HOST_MEMORY = "apir.host.import_host_memory"
-ENV_BACKEND_LIBRARY = "VIRGL_APIR_BACKEND_LIBRARY"
-ENV_GGML_LIBRARY_PATH = "APIR_LLAMA_CPP_GGML_LIBRARY_PATH"
-ENV_GGML_LIBRARY_REG = "APIR_LLAMA_CPP_GGML_LIBRARY_REG"
-DEFAULT_GGML_LIBRARY_REG = "ggml_backend_init"
-# The C guest uses the APIR capset only when this is set (else Venus).
-ENV_USE_APIR_CAPSET = "GGML_REMOTING_USE_APIR_CAPSET"
-
-# --- apir's own liveness bounds (no C twin): time and descriptors one guest can take ----------
-# Defaults and parsing: apir.host.config.
-CONFIG_KEY_GRAPH_TIME_LIMIT = "apir.host.graph_time_limit_s"  # seconds one graph_compute may run
-ENV_GRAPH_TIME_LIMIT = "APIR_HOST_GRAPH_TIME_LIMIT_S"
-CONFIG_KEY_MAX_CONNECTIONS = "apir.local.max_connections"  # guests one socket host serves at once
-ENV_MAX_CONNECTIONS = "APIR_LOCAL_MAX_CONNECTIONS"
-CONFIG_KEY_HELLO_TIMEOUT = "apir.local.hello_timeout_s"  # seconds a new connection has for HELLO
-ENV_HELLO_TIMEOUT = "APIR_LOCAL_HELLO_TIMEOUT_S"
-CONFIG_KEY_MAX_BLOBS = "apir.local.max_blobs"  # blobs one context may hold at once
-ENV_MAX_BLOBS = "APIR_LOCAL_MAX_BLOBS"
-CONFIG_KEY_LOCAL_SPIN = "apir.local.spin_s"  # seconds a connection thread polls for the next request
-ENV_LOCAL_SPIN = "APIR_LOCAL_SPIN_S"
-# The vhost-user virtio-gpu device (apir.host.vhost_user): what one VM can make it hold.
-CONFIG_KEY_VHOST_MAX_CONTEXTS = "apir.vhost.max_contexts"  # virtio-gpu contexts of one VM
-ENV_VHOST_MAX_CONTEXTS = "APIR_VHOST_MAX_CONTEXTS"
-CONFIG_KEY_VHOST_MAX_RESOURCES = "apir.vhost.max_resources"  # resources (blobs) of one VM
-ENV_VHOST_MAX_RESOURCES = "APIR_VHOST_MAX_RESOURCES"
-CONFIG_KEY_VHOST_MAX_BLOB_BYTES = "apir.vhost.max_blob_bytes"  # bytes of HOST3D blobs of one VM
-ENV_VHOST_MAX_BLOB_BYTES = "APIR_VHOST_MAX_BLOB_BYTES"
-CONFIG_KEY_VHOST_BACKEND_TIMEOUT = "apir.vhost.backend_timeout_s"  # seconds QEMU has to ack SHMEM_MAP
-ENV_VHOST_BACKEND_TIMEOUT = "APIR_VHOST_BACKEND_TIMEOUT_S"
-# --- apir's own host keys (no C twin): what one guest can make the host hold -------------------
-# Values are decimal integers; apir.host.backend.budget documents each bound and its default.
-CONFIG_KEY_BUFFER_BUDGET = "apir.host.buffer_budget"  # bytes of ggml buffers per context
-ENV_BUFFER_BUDGET = "APIR_HOST_BUFFER_BUDGET"
-CONFIG_KEY_MEMORY_LIMIT = "apir.host.memory_limit"  # bytes of ggml buffers per host process
-ENV_MEMORY_LIMIT = "APIR_HOST_MEMORY_LIMIT"
-CONFIG_KEY_MAX_BUFFERS = "apir.host.max_buffers"  # ggml buffers (handles) per context
-ENV_MAX_BUFFERS = "APIR_HOST_MAX_BUFFERS"
-
-# deferred uploads / batched reads on device memory (apir.host.backend.transfers): on unless off/0
-CONFIG_KEY_ASYNC_TRANSFERS = "apir.host.async_transfers"
-ENV_ASYNC_TRANSFERS = "APIR_HOST_ASYNC_TRANSFERS"
 
 
 class ApirCommandType(enum.IntEnum):

@@ -52,7 +52,6 @@ from apir.codec.atomics import Word, spins_for
 from apir.codec.constants import (
     APIR_HANDSHAKE_MAX_WAIT_S,
     APIR_LOADLIBRARY_MAX_WAIT_S,
-    ENV_USE_APIR_CAPSET,
     SHMEM_DATA_SIZE,
     SHMEM_REPLY_SIZE,
     VENUS_COMMAND_TYPE_LENGTH,
@@ -69,6 +68,8 @@ __all__ = ["Remote", "select_capset", "DEFAULT_FORWARD_TIMEOUT_S", "COMMAND_BUFF
 
 log = logging.getLogger(__name__)
 
+# The C guest uses the APIR capset only when this is set (else Venus).
+ENV_USE_APIR_CAPSET = "GGML_REMOTING_USE_APIR_CAPSET"
 DEFAULT_FORWARD_TIMEOUT_S = 300.0  # a graph may run long; the C has no limit at all
 COMMAND_BUFFER_SIZE = 64 * 1024  # the command itself; bulk bytes go through the data window
 # A pipelined transfer's chunk: small enough that filling and draining the pipeline (one chunk

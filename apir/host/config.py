@@ -1,106 +1,161 @@
-"""apir's liveness bounds: how long a graph may run, and what one guest may hold of the socket
-host's connections and descriptors. Their keys, defaults and how a value is read.
+"""The host's configuration: every key, its environment fallback and its default, in one place.
 
-Theory of operation: each bound is a key of the C-style configuration (the dict a HostContext or
-a LocalServer is given, ``--config KEY=VALUE`` on ``apir host serve``), with an environment
-variable as fallback, like the C's keys (apir.host.component.context.CONFIG_ENV_FALLBACKS includes these):
-
-    apir.host.graph_time_limit_s  (APIR_HOST_GRAPH_TIME_LIMIT_S)  default 300 s
-        Wall time one backend_graph_compute may run before ggml's abort callback stops it (the
-        guest gets GGML_STATUS_ABORTED). 300 s is the guest's own Forward limit
-        (apir.guest.remote.DEFAULT_FORWARD_TIMEOUT_S): a graph running longer has no one
-        waiting for it. 0 disables the bound. ggml looks at the callback between nodes, so a
-        single node runs to its end (the shape rules bound one node's work).
-    apir.local.max_connections    (APIR_LOCAL_MAX_CONNECTIONS)    default 32
-        Connections one socket host serves at once (HELLO or not); more are closed at once.
-    apir.local.hello_timeout_s    (APIR_LOCAL_HELLO_TIMEOUT_S)    default 10 s
-        How long a new connection may take to send its HELLO before the host hangs up.
-    apir.local.spin_s             (APIR_LOCAL_SPIN_S)             default 200 us
-        How long a connection thread polls its socket for the guest's next request after a
-        reply, before it blocks (apir.host.local.server); only while spinning pays
-        (apir.local.spin_policy) and no other guest is connected. 0: block at once. A bound
-        on spinning, not on the guest.
-    apir.local.max_blobs          (APIR_LOCAL_MAX_BLOBS)          default 1024
-        Blobs one context may hold at once (CREATE_BLOB past it: ENOSPC). With the default
-        connection limit, at most 32,768 blob mappings: half of Linux's default
-        vm.max_map_count, so guests cannot use up the host process's mappings either.
-    apir.vhost.max_contexts       (APIR_VHOST_MAX_CONTEXTS)       default 64
-    apir.vhost.max_resources      (APIR_VHOST_MAX_RESOURCES)      default 4096
-    apir.vhost.max_blob_bytes     (APIR_VHOST_MAX_BLOB_BYTES)     default 16 GiB
-        What one VM can make the vhost-user device (apir.host.vhost_user) hold: virtio-gpu
-        contexts, resources, and bytes of HOST3D blobs (memfds) at once. Past a bound the
-        command gets VIRTIO_GPU_RESP_ERR_OUT_OF_MEMORY.
-    apir.vhost.backend_timeout_s  (APIR_VHOST_BACKEND_TIMEOUT_S)  default 10 s
-        How long the device waits for QEMU's ack of a SHMEM_MAP / SHMEM_UNMAP; past it the
-        RESOURCE_MAP_BLOB fails (VIRTIO_GPU_RESP_ERR_UNSPEC).
-
-A value that is not a number, or is negative, is logged and the default is used instead.
+Theory of operation: a key is one entry of the C-style configuration (the dict a HostContext,
+a LocalServer or a vhost-user server is given; ``--config KEY=VALUE`` on ``apir host serve``;
+virglrenderer's `virgl_apir_configure_kv`). `HostContext.get_config` and `config_limit` read
+the dict first, then the key's variable in `ENV_FALLBACKS`, then the default. Three keys are
+the C's (`apir.load_library.path`, `ggml.library.*`, with the C host's variables); the rest
+are apir's own: how the built-in backend library serves (`apir.host.*`) and the bounds on
+what one guest can take of the host (time, buffers, connections, blobs, vhost-user objects).
+Numeric bounds are read with `parse_limit`: a value that is not a non-negative number is
+logged and the default used. The module that applies a key says what it does in detail.
+None of these travel on the wire: the codec's constants are the protocol's.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping, Optional, Union
-
-from apir.codec.constants import (
-    CONFIG_KEY_GRAPH_TIME_LIMIT,
-    CONFIG_KEY_HELLO_TIMEOUT,
-    CONFIG_KEY_LOCAL_SPIN,
-    CONFIG_KEY_MAX_BLOBS,
-    CONFIG_KEY_MAX_CONNECTIONS,
-    CONFIG_KEY_VHOST_BACKEND_TIMEOUT,
-    CONFIG_KEY_VHOST_MAX_BLOB_BYTES,
-    CONFIG_KEY_VHOST_MAX_CONTEXTS,
-    CONFIG_KEY_VHOST_MAX_RESOURCES,
-    ENV_GRAPH_TIME_LIMIT,
-    ENV_HELLO_TIMEOUT,
-    ENV_LOCAL_SPIN,
-    ENV_MAX_BLOBS,
-    ENV_MAX_CONNECTIONS,
-    ENV_VHOST_BACKEND_TIMEOUT,
-    ENV_VHOST_MAX_BLOB_BYTES,
-    ENV_VHOST_MAX_CONTEXTS,
-    ENV_VHOST_MAX_RESOURCES,
-)
+from typing import Dict, Mapping, Optional, Union
 
 __all__ = [
-    "LIMIT_ENV_FALLBACKS",
+    "CONFIG_KEY_LOAD_LIBRARY_PATH",
+    "CONFIG_KEY_GGML_LIBRARY_PATH",
+    "CONFIG_KEY_GGML_LIBRARY_REG",
+    "DEFAULT_GGML_LIBRARY_REG",
+    "CONFIG_KEY_BACKEND",
+    "CONFIG_KEY_IMPORT_HOST_MEMORY",
+    "CONFIG_KEY_N_THREADS",
+    "N_THREADS_FREE",
+    "CONFIG_KEY_POLL",
+    "DEFAULT_POLL",
+    "CONFIG_KEY_DEVICE_TYPE",
+    "CONFIG_KEY_ASYNC_TRANSFERS",
+    "CONFIG_KEY_WORK_BUDGET",
+    "DEFAULT_WORK_BUDGET",
+    "CONFIG_KEY_BUFFER_BUDGET",
+    "CONFIG_KEY_MEMORY_LIMIT",
+    "CONFIG_KEY_MAX_BUFFERS",
+    "DEFAULT_MAX_BUFFERS",
+    "CONFIG_KEY_GRAPH_TIME_LIMIT",
     "DEFAULT_GRAPH_TIME_LIMIT_S",
+    "CONFIG_KEY_MAX_CONNECTIONS",
     "DEFAULT_MAX_CONNECTIONS",
+    "CONFIG_KEY_HELLO_TIMEOUT",
     "DEFAULT_HELLO_TIMEOUT_S",
+    "CONFIG_KEY_LOCAL_SPIN",
     "DEFAULT_LOCAL_SPIN_S",
+    "CONFIG_KEY_MAX_BLOBS",
     "DEFAULT_MAX_BLOBS",
+    "CONFIG_KEY_VHOST_MAX_CONTEXTS",
     "DEFAULT_VHOST_MAX_CONTEXTS",
+    "CONFIG_KEY_VHOST_MAX_RESOURCES",
     "DEFAULT_VHOST_MAX_RESOURCES",
+    "CONFIG_KEY_VHOST_MAX_BLOB_BYTES",
     "DEFAULT_VHOST_MAX_BLOB_BYTES",
+    "CONFIG_KEY_VHOST_BACKEND_TIMEOUT",
     "DEFAULT_VHOST_BACKEND_TIMEOUT_S",
+    "ENV_FALLBACKS",
     "parse_limit",
     "config_limit",
 ]
 
 log = logging.getLogger(__name__)
 
+# --- the C's keys (virglrenderer src/apir), with the C host's variables ---------------------
+CONFIG_KEY_LOAD_LIBRARY_PATH = "apir.load_library.path"  # a backend library (apir.host.library)
+CONFIG_KEY_GGML_LIBRARY_PATH = "ggml.library.path"  # the ggml backend library it serves
+CONFIG_KEY_GGML_LIBRARY_REG = "ggml.library.reg"  # that library's registration symbol
+DEFAULT_GGML_LIBRARY_REG = "ggml_backend_init"
+
+# --- the built-in backend library (apir.host.backend.library) --------------------------------
+# the ggml backend spec (apir.ggml.backend_spec: cpu, vulkan[:N], rpc:...) when no
+# ggml.library.path is set; default: the CPU device
+CONFIG_KEY_BACKEND = "apir.host.backend"
+# "1" offers buffer_from_ptr (guest blobs imported as device buffers) on a device that can
+# import host memory although its props do not say so (ggml-vulkan: external memory host)
+CONFIG_KEY_IMPORT_HOST_MEMORY = "apir.host.import_host_memory"
+# Threads of a CPU-like backend (one that offers ggml_backend_set_n_threads); default: the
+# machine's cores. ggml's own default (GGML_DEFAULT_N_THREADS = 4) oversubscribes small
+# hosts, and its spinning worker threads then slow a graph down several times. The value
+# N_THREADS_FREE: each graph on the cores other processes leave free at its start.
+CONFIG_KEY_N_THREADS = "apir.host.n_threads"
+N_THREADS_FREE = "free"
+# ggml's polling level (0-100) of the context's threadpool (apir.host.backend.cpu_threadpool):
+# how long idle worker threads spin for the next graph
+CONFIG_KEY_POLL = "apir.host.poll"
+DEFAULT_POLL = 0
+# The device type device_get_type reports (cpu, gpu, igpu, accel); default: the device's own.
+# A guest takes a remote device of type CPU for its own CPU: llama.cpp then runs everything on
+# it as "the CPU backend" and asserts that its input buffers are host memory, which a virtgpu
+# buffer is not. A host serving ggml CPU to such a guest presents it as `gpu`.
+CONFIG_KEY_DEVICE_TYPE = "apir.host.device_type"
+# deferred uploads / batched reads on device memory (apir.host.backend.transfers): on unless 0/off
+CONFIG_KEY_ASYNC_TRANSFERS = "apir.host.async_transfers"
+
+# --- what one guest can make the host hold (decimal integers) --------------------------------
+# bytes of the CPU backend's planned work buffer per graph (apir.host.graph.work_plan)
+CONFIG_KEY_WORK_BUDGET = "apir.host.work_budget"
+DEFAULT_WORK_BUDGET = 1 << 30
+# apir.host.backend.budget: bytes of ggml buffers per context and per host process (defaults:
+# shares of the device's memory), and ggml buffers (handles) per context
+CONFIG_KEY_BUFFER_BUDGET = "apir.host.buffer_budget"
+CONFIG_KEY_MEMORY_LIMIT = "apir.host.memory_limit"
+CONFIG_KEY_MAX_BUFFERS = "apir.host.max_buffers"
+DEFAULT_MAX_BUFFERS = 4096
+
+# --- liveness bounds: time and descriptors one guest can take --------------------------------
+# Wall time one backend_graph_compute may run before ggml's abort callback stops it (the guest
+# gets GGML_STATUS_ABORTED): the guest's own Forward limit (apir.guest.remote), past which no
+# one waits for it. 0 disables the bound. ggml looks between nodes: a node runs to its end.
+CONFIG_KEY_GRAPH_TIME_LIMIT = "apir.host.graph_time_limit_s"
 DEFAULT_GRAPH_TIME_LIMIT_S = 300.0
+# Connections one socket host serves at once (HELLO or not); more are closed at once.
+CONFIG_KEY_MAX_CONNECTIONS = "apir.local.max_connections"
 DEFAULT_MAX_CONNECTIONS = 32
+# Seconds a new connection may take to send its HELLO before the host hangs up.
+CONFIG_KEY_HELLO_TIMEOUT = "apir.local.hello_timeout_s"
 DEFAULT_HELLO_TIMEOUT_S = 10.0
-DEFAULT_MAX_BLOBS = 1024
+# Seconds a connection thread polls its socket for the guest's next request after a reply,
+# before it blocks (apir.host.local.server), while spinning pays (apir.local.spin_policy) and no
+# other guest is connected. 0: block at once. A bound on spinning, not on the guest.
+CONFIG_KEY_LOCAL_SPIN = "apir.local.spin_s"
 DEFAULT_LOCAL_SPIN_S = 200e-6
+# Blobs one context may hold at once (CREATE_BLOB past it: ENOSPC). With the default connection
+# limit, at most 32,768 blob mappings: half of Linux's default vm.max_map_count.
+CONFIG_KEY_MAX_BLOBS = "apir.local.max_blobs"
+DEFAULT_MAX_BLOBS = 1024
+# What one VM can make the vhost-user device (apir.host.vhost_user) hold: virtio-gpu contexts,
+# resources, and bytes of HOST3D blobs at once; past a bound, VIRTIO_GPU_RESP_ERR_OUT_OF_MEMORY.
+CONFIG_KEY_VHOST_MAX_CONTEXTS = "apir.vhost.max_contexts"
 DEFAULT_VHOST_MAX_CONTEXTS = 64
+CONFIG_KEY_VHOST_MAX_RESOURCES = "apir.vhost.max_resources"
 DEFAULT_VHOST_MAX_RESOURCES = 4096
+CONFIG_KEY_VHOST_MAX_BLOB_BYTES = "apir.vhost.max_blob_bytes"
 DEFAULT_VHOST_MAX_BLOB_BYTES = 16 << 30
+# Seconds the device waits for QEMU's ack of a SHMEM_MAP / SHMEM_UNMAP; past it the
+# RESOURCE_MAP_BLOB fails (VIRTIO_GPU_RESP_ERR_UNSPEC).
+CONFIG_KEY_VHOST_BACKEND_TIMEOUT = "apir.vhost.backend_timeout_s"
 DEFAULT_VHOST_BACKEND_TIMEOUT_S = 10.0
 
-LIMIT_ENV_FALLBACKS = {
-    CONFIG_KEY_GRAPH_TIME_LIMIT: ENV_GRAPH_TIME_LIMIT,
-    CONFIG_KEY_MAX_CONNECTIONS: ENV_MAX_CONNECTIONS,
-    CONFIG_KEY_HELLO_TIMEOUT: ENV_HELLO_TIMEOUT,
-    CONFIG_KEY_MAX_BLOBS: ENV_MAX_BLOBS,
-    CONFIG_KEY_LOCAL_SPIN: ENV_LOCAL_SPIN,
-    CONFIG_KEY_VHOST_MAX_CONTEXTS: ENV_VHOST_MAX_CONTEXTS,
-    CONFIG_KEY_VHOST_MAX_RESOURCES: ENV_VHOST_MAX_RESOURCES,
-    CONFIG_KEY_VHOST_MAX_BLOB_BYTES: ENV_VHOST_MAX_BLOB_BYTES,
-    CONFIG_KEY_VHOST_BACKEND_TIMEOUT: ENV_VHOST_BACKEND_TIMEOUT,
+# The environment variable each key falls back to when the configuration does not set it.
+ENV_FALLBACKS: Dict[str, str] = {
+    CONFIG_KEY_LOAD_LIBRARY_PATH: "VIRGL_APIR_BACKEND_LIBRARY",
+    CONFIG_KEY_GGML_LIBRARY_PATH: "APIR_LLAMA_CPP_GGML_LIBRARY_PATH",
+    CONFIG_KEY_GGML_LIBRARY_REG: "APIR_LLAMA_CPP_GGML_LIBRARY_REG",
+    CONFIG_KEY_ASYNC_TRANSFERS: "APIR_HOST_ASYNC_TRANSFERS",
+    CONFIG_KEY_BUFFER_BUDGET: "APIR_HOST_BUFFER_BUDGET",
+    CONFIG_KEY_MEMORY_LIMIT: "APIR_HOST_MEMORY_LIMIT",
+    CONFIG_KEY_MAX_BUFFERS: "APIR_HOST_MAX_BUFFERS",
+    CONFIG_KEY_GRAPH_TIME_LIMIT: "APIR_HOST_GRAPH_TIME_LIMIT_S",
+    CONFIG_KEY_MAX_CONNECTIONS: "APIR_LOCAL_MAX_CONNECTIONS",
+    CONFIG_KEY_HELLO_TIMEOUT: "APIR_LOCAL_HELLO_TIMEOUT_S",
+    CONFIG_KEY_LOCAL_SPIN: "APIR_LOCAL_SPIN_S",
+    CONFIG_KEY_MAX_BLOBS: "APIR_LOCAL_MAX_BLOBS",
+    CONFIG_KEY_VHOST_MAX_CONTEXTS: "APIR_VHOST_MAX_CONTEXTS",
+    CONFIG_KEY_VHOST_MAX_RESOURCES: "APIR_VHOST_MAX_RESOURCES",
+    CONFIG_KEY_VHOST_MAX_BLOB_BYTES: "APIR_VHOST_MAX_BLOB_BYTES",
+    CONFIG_KEY_VHOST_BACKEND_TIMEOUT: "APIR_VHOST_BACKEND_TIMEOUT_S",
 }
 
 Number = Union[int, float]
@@ -125,6 +180,6 @@ def config_limit(config: Optional[Mapping[str, str]], key: str, default: Number)
     """The bound `key` from `config` (a C-style key/value dict, may be None), else from its
     environment variable, else `default` (see `parse_limit`)."""
     value = (config or {}).get(key)
-    if value is None and key in LIMIT_ENV_FALLBACKS:
-        value = os.environ.get(LIMIT_ENV_FALLBACKS[key])
+    if value is None and key in ENV_FALLBACKS:
+        value = os.environ.get(ENV_FALLBACKS[key])
     return parse_limit(None if value is None else str(value), key, default)

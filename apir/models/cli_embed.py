@@ -190,7 +190,7 @@ def _open(args):
     an embedded host), BackendUnavailable, ValueError."""
     from apir.cli import UsageError, device_from_args, embedded_trace
     from apir.devices import device_kind
-    from apir.host.backend.library import CONFIG_KEY_N_THREADS, N_THREADS_FREE
+    from apir.host.config import CONFIG_KEY_N_THREADS, N_THREADS_FREE
     from apir.models.backends import open_backend, open_local_cpu
 
     if args.local_cpu:

@@ -17,7 +17,7 @@ from apir.codec.graph import parse_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.host import HostContext
 from apir.host.graph import build as hg
-from apir.host.backend.library import CONFIG_KEY_N_THREADS
+from apir.host.config import CONFIG_KEY_N_THREADS
 from apir.host.tensors import Scratch
 from tests.host.hostilekit import host_tensors
 from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph, cpu_compute

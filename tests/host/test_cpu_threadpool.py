@@ -6,7 +6,7 @@ import os
 import types
 
 from apir.host import HostContext
-from apir.host.backend.library import CONFIG_KEY_N_THREADS, CONFIG_KEY_POLL
+from apir.host.config import CONFIG_KEY_N_THREADS, CONFIG_KEY_POLL
 from apir.host.backend.cpu_threadpool import _params
 from tests.host.hostkit import Guest
 
@@ -87,7 +87,7 @@ def test_idle_contexts_hold_no_more_pooled_threads_than_the_bound(ggml, monkeypa
 
 _CHILD = r"""
 from apir.host import HostContext
-from apir.host.backend.library import CONFIG_KEY_N_THREADS
+from apir.host.config import CONFIG_KEY_N_THREADS
 from tests.host.hostkit import Guest
 gs = []
 for i in range(40):

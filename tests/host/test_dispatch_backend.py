@@ -151,7 +151,7 @@ def test_n_threads_free_computes_each_graph_on_the_free_cores(ggml, monkeypatch,
     again once free; unset or a number, the count never changes. ggml CPU's bytes either way."""
     from apir.host import HostContext
     from apir.host.backend import library as backend_library
-    from apir.host.backend.library import CONFIG_KEY_N_THREADS
+    from apir.host.config import CONFIG_KEY_N_THREADS
     from tests.host.hostkit import Guest
 
     monkeypatch.setattr(backend_library.os, "cpu_count", lambda: 3)

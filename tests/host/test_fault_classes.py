@@ -204,7 +204,7 @@ def test_span_of_aliasing_elements_beyond_the_buffer_is_refused(mm):
 def test_work_budget_bounds_the_planned_work_buffer(guest, mm, ggml):
     """F16 x F32 MUL_MAT: ggml plans src1 converted to F16 (2 * 64 * 16 bytes) plus a cache
     line per thread; a budget below that refuses the graph, the default computes it."""
-    from apir.host.graph.work_plan import CONFIG_KEY_WORK_BUDGET
+    from apir.host.config import CONFIG_KEY_WORK_BUDGET
 
     lib = guest.ctx._library
     assert lib.n_threads >= 1
@@ -226,7 +226,8 @@ def test_work_budget_bounds_the_planned_work_buffer(guest, mm, ggml):
 def test_planned_work_size_is_ggml_graph_plan(ggml):
     """planned_work_size reads ggml_graph_plan's struct result: 2 * 64 * 16 bytes of F16 src1
     plus a 64-byte cache line per thread (CACHE_LINE_SIZE on x86-64 and aarch64)."""
-    from apir.host.graph.work_plan import DEFAULT_WORK_BUDGET, planned_work_size
+    from apir.host.config import DEFAULT_WORK_BUDGET
+    from apir.host.graph.work_plan import planned_work_size
     from tests.host.hostkit import GgmlScratch
     from tests.host.shapekit import _graph
 

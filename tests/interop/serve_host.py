@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    from apir.codec.constants import CONFIG_KEY_MAX_BLOBS
+    from apir.host.config import CONFIG_KEY_MAX_BLOBS
     from apir.host.backend.c_library import c_library_factory
     from apir.host.component.context import HostContext
     from apir.host.local.server import LocalServer

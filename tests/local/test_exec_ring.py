@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from apir.codec.constants import CONFIG_KEY_LOCAL_SPIN
+from apir.host.config import CONFIG_KEY_LOCAL_SPIN
 from apir.local.wire import MAX_RING_COMMAND, REPLY, RING_SIZE, Op
 from apir.guest.errors import IoctlError
 from apir.guest.local import HostConnectionLost, LocalDevice

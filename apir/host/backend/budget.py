@@ -32,7 +32,12 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from apir.codec.constants import CONFIG_KEY_BUFFER_BUDGET, CONFIG_KEY_MAX_BUFFERS, CONFIG_KEY_MEMORY_LIMIT
+from apir.host.config import (
+    CONFIG_KEY_BUFFER_BUDGET,
+    CONFIG_KEY_MAX_BUFFERS,
+    CONFIG_KEY_MEMORY_LIMIT,
+    DEFAULT_MAX_BUFFERS,
+)
 
 __all__ = [
     "BufferLimits",
@@ -40,14 +45,12 @@ __all__ = [
     "HostMemory",
     "HOST_MEMORY",
     "MIN_BUFFER_CHARGE",
-    "DEFAULT_MAX_BUFFERS",
     "physical_memory",
 ]
 
 log = logging.getLogger("apir.host")
 
 MIN_BUFFER_CHARGE = 4096  # bytes: what a buffer costs at least (a page)
-DEFAULT_MAX_BUFFERS = 4096
 # Defaults as fractions of the device's total memory: one context may not take it all, and
 # all contexts together leave the host room of its own.
 _CONTEXT_SHARE = (1, 2)

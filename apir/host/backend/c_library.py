@@ -64,11 +64,11 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from apir.codec.constants import (
-    CONFIG_KEY_GGML_LIBRARY_PATH,
     ApirBackendCommandType,
     ApirBackendInitializeReturnCode,
     ApirLoadLibraryReturnCode,
 )
+from apir.host.config import CONFIG_KEY_GGML_LIBRARY_PATH
 from apir.codec.wire import Decoder, Encoder
 from apir.host.library import LibraryHost, LibraryLoadError
 

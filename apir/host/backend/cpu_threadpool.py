@@ -31,11 +31,11 @@ import resource
 import threading
 from typing import Optional, Type
 
-__all__ = ["CpuThreadpool", "DEFAULT_POLL"]
+from apir.host.config import DEFAULT_POLL
+
+__all__ = ["CpuThreadpool"]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_POLL = 0
 
 _NEW = b"ggml_threadpool_new"
 _FREE = b"ggml_threadpool_free"

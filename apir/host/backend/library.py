@@ -31,16 +31,24 @@ import os
 from typing import Callable, Dict, Optional, Tuple
 
 from apir.codec.constants import (
-    CONFIG_KEY_ASYNC_TRANSFERS,
-    CONFIG_KEY_BACKEND,
-    CONFIG_KEY_IMPORT_HOST_MEMORY,
-    CONFIG_KEY_BUFFER_BUDGET,
-    CONFIG_KEY_GRAPH_TIME_LIMIT,
-    CONFIG_KEY_GGML_LIBRARY_PATH,
-    CONFIG_KEY_GGML_LIBRARY_REG,
-    DEFAULT_GGML_LIBRARY_REG,
     ApirBackendInitializeReturnCode as InitRc,
     ApirLoadLibraryReturnCode as LoadRc,
+)
+from apir.host.config import (
+    CONFIG_KEY_ASYNC_TRANSFERS,
+    CONFIG_KEY_BACKEND,
+    CONFIG_KEY_DEVICE_TYPE,
+    CONFIG_KEY_GGML_LIBRARY_PATH,
+    CONFIG_KEY_GGML_LIBRARY_REG,
+    CONFIG_KEY_GRAPH_TIME_LIMIT,
+    CONFIG_KEY_IMPORT_HOST_MEMORY,
+    CONFIG_KEY_N_THREADS,
+    CONFIG_KEY_POLL,
+    DEFAULT_GGML_LIBRARY_REG,
+    DEFAULT_GRAPH_TIME_LIMIT_S,
+    DEFAULT_POLL,
+    N_THREADS_FREE,
+    parse_limit,
 )
 from apir.codec.wire import Decoder, Encoder
 from apir.ggml import GgmlLoadError, load as load_ggml
@@ -48,12 +56,11 @@ from apir.ggml.lib import Ggml
 from apir.host.backend import dispatcher
 from apir.host.backend.budget import BufferBudget, BufferLimits, buffer_charge
 from apir.host.backend.compute_abort import ComputeAbort
-from apir.host.backend.cpu_threadpool import DEFAULT_POLL, CpuThreadpool
+from apir.host.backend.cpu_threadpool import CpuThreadpool
 from apir.host.errors import Refused, log
 from apir.host.graph.cache import GraphCache
 from apir.host.handles import HostBuffer, HostBufferType, VirtualAddressSpace, new_tables
 from apir.host.library import LibraryHost
-from apir.host.config import DEFAULT_GRAPH_TIME_LIMIT_S, parse_limit
 from apir.host.resources import Resource
 from apir.ggml.backend_props import get_dev_props
 from apir.ggml.backend_spec import BackendSpecError, resolve as resolve_backend
@@ -63,33 +70,8 @@ from apir.host.tensors import TensorChecker
 from apir.host.backend.transfers import DeviceTransfers
 from apir.local.spin_policy import free_cores
 
-__all__ = [
-    "PythonBackendLibrary",
-    "CONFIG_KEY_BUFFER_BUDGET",
-    "CONFIG_KEY_N_THREADS",
-    "N_THREADS_FREE",
-    "CONFIG_KEY_POLL",
-    "CONFIG_KEY_DEVICE_TYPE",
-    "CONFIG_KEY_ASYNC_TRANSFERS",
-    "device_types",
-]
+__all__ = ["PythonBackendLibrary", "device_types"]
 
-# Threads of a CPU-like backend (one that offers ggml_backend_set_n_threads); default: the
-# machine's cores. ggml's own default (GGML_DEFAULT_N_THREADS = 4) oversubscribes small
-# hosts, and its spinning worker threads then slow a graph down several times. The value
-# N_THREADS_FREE: each graph on the cores other processes leave free at its start
-# (PythonBackendLibrary.set_graph_threads).
-CONFIG_KEY_N_THREADS = "apir.host.n_threads"
-N_THREADS_FREE = "free"
-# ggml's polling level (0-100) of the context's threadpool, where the backend has one
-# (apir.host.backend.cpu_threadpool): how long idle worker threads spin for the next graph; default 0.
-CONFIG_KEY_POLL = "apir.host.poll"
-# The device type device_get_type reports (cpu, gpu, igpu, accel: `enum ggml_backend_dev_type`
-# of the loaded build's ggml-backend.h); default: the served device's own. A guest takes a
-# remote device of type CPU for its own CPU: llama.cpp then runs everything on it as "the CPU
-# backend" and GGML_ASSERTs that its input buffers are host memory (llama-kv-cache.cpp), which
-# a virtgpu buffer is not. A host serving ggml CPU to such a guest presents it as `gpu`.
-CONFIG_KEY_DEVICE_TYPE = "apir.host.device_type"
 _IMPORT_PROBE_SIZE = 1 << 16  # bytes of the host-memory import probe (a multiple of any page size)
 _next_context = itertools.count()  # spreads contexts over the devices of a multi-device spec
 

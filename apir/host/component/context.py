@@ -23,7 +23,7 @@ replied through. Such replies carry `COMMAND_MALFORMED` (1), which every guest r
 failure of any of the three commands. `submit` never raises for guest input.
 
 Configuration: `get_config(key)` reads the context's key/value table (the C
-`virgl_apir_configure_kv`), then the environment variable the C falls back to.
+`virgl_apir_configure_kv`), then the key's environment variable (apir.host.config).
 """
 
 from __future__ import annotations
@@ -40,20 +40,6 @@ from apir.codec.constants import (
     APIR_PROTOCOL_MAJOR,
     APIR_PROTOCOL_MINOR,
     APIR_PROTOCOL_VERSIONS,
-    CONFIG_KEY_ASYNC_TRANSFERS,
-    CONFIG_KEY_BUFFER_BUDGET,
-    CONFIG_KEY_GGML_LIBRARY_PATH,
-    CONFIG_KEY_GGML_LIBRARY_REG,
-    CONFIG_KEY_LOAD_LIBRARY_PATH,
-    CONFIG_KEY_MAX_BUFFERS,
-    CONFIG_KEY_MEMORY_LIMIT,
-    ENV_BACKEND_LIBRARY,
-    ENV_ASYNC_TRANSFERS,
-    ENV_BUFFER_BUDGET,
-    ENV_GGML_LIBRARY_PATH,
-    ENV_GGML_LIBRARY_REG,
-    ENV_MAX_BUFFERS,
-    ENV_MEMORY_LIMIT,
     VENUS_COMMAND_TYPE_LENGTH,
     ApirBackendCommandType,
     ApirCommandType,
@@ -61,10 +47,10 @@ from apir.codec.constants import (
     ApirLoadLibraryReturnCode,
     ApirBackendInitializeReturnCode,
 )
+from apir.host.config import CONFIG_KEY_LOAD_LIBRARY_PATH, ENV_FALLBACKS
 from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS
 from apir.codec.wire import Decoder, Encoder
 from apir.host.errors import log
-from apir.host.config import LIMIT_ENV_FALLBACKS
 from apir.host.backend.c_library import c_library_factory
 from apir.host.library import BackendLibrary, LibraryLoadError
 from apir.host.resources import NOTIFICATION_SIZE, Resource
@@ -74,7 +60,7 @@ if TYPE_CHECKING:  # annotations only
 
     from apir.host.component.trace import CommandTrace
 
-__all__ = ["HostContext", "COMMAND_MALFORMED", "NOTIFICATION_SIZE", "CONFIG_ENV_FALLBACKS", "may_run_long"]
+__all__ = ["HostContext", "COMMAND_MALFORMED", "NOTIFICATION_SIZE", "may_run_long"]
 
 # The return code of a command the host could not even decode. 1 is a failure for each of
 # the three commands (HandShake expects the magic, LoadLibrary 0, Forward >= 4), and is
@@ -87,18 +73,6 @@ _HANDSHAKE = int(ApirCommandType.HANDSHAKE)
 _BOUNDED_FORWARD = frozenset(
     int(f) for f in ApirBackendCommandType if f is not ApirBackendCommandType.BACKEND_GRAPH_COMPUTE
 )
-
-CONFIG_ENV_FALLBACKS: Dict[str, str] = {
-    CONFIG_KEY_LOAD_LIBRARY_PATH: ENV_BACKEND_LIBRARY,
-    CONFIG_KEY_GGML_LIBRARY_PATH: ENV_GGML_LIBRARY_PATH,
-    CONFIG_KEY_GGML_LIBRARY_REG: ENV_GGML_LIBRARY_REG,
-    **LIMIT_ENV_FALLBACKS,  # apir's liveness bounds (apir.host.config)
-    # apir's own bounds (apir.host.backend.budget)
-    CONFIG_KEY_BUFFER_BUDGET: ENV_BUFFER_BUDGET,
-    CONFIG_KEY_MEMORY_LIMIT: ENV_MEMORY_LIMIT,
-    CONFIG_KEY_MAX_BUFFERS: ENV_MAX_BUFFERS,
-    CONFIG_KEY_ASYNC_TRANSFERS: ENV_ASYNC_TRANSFERS,  # apir.host.backend.transfers
-}
 
 
 def _apir_command_type(cmd_type: int, capset_id: int) -> int:
@@ -197,8 +171,8 @@ class HostContext:
     def get_config(self, key: str) -> Optional[str]:
         """The value of `key`: this context's configuration, else its environment fallback."""
         value = self.config.get(key)
-        if value is None and key in CONFIG_ENV_FALLBACKS:
-            value = os.environ.get(CONFIG_ENV_FALLBACKS[key])
+        if value is None and key in ENV_FALLBACKS:
+            value = os.environ.get(ENV_FALLBACKS[key])
         return value
 
     def add_resource(self, res_id: int, memory: Buffer) -> None:

@@ -16,8 +16,8 @@ within its buffer, so the plan's arithmetic cannot wrap; this bound covers what 
 work buffers sized by sums and products over several tensors, thread counts, and any op
 whose planning a rule does not model.
 
-Configuration: `apir.host.work_budget` (bytes, `CONFIG_KEY_WORK_BUDGET`), default
-`DEFAULT_WORK_BUDGET` (1 GiB). Legitimate work buffers are about the size of a graph's
+Configuration: `apir.host.work_budget` (bytes, apir.host.config `CONFIG_KEY_WORK_BUDGET`),
+default `DEFAULT_WORK_BUDGET` (1 GiB). Legitimate work buffers are about the size of a graph's
 largest source converted to another type (MUL_MAT's F32 src1 as the weights' dot type;
 CONV_TRANSPOSE_*'s copies of kernel and input; per-thread rows for the rest): far below it
 for models whose activations fit in a few hundred MiB. A value that is not a number means 0
@@ -34,20 +34,16 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
+from apir.host.config import CONFIG_KEY_WORK_BUDGET, DEFAULT_WORK_BUDGET
 from apir.host.errors import Refused, log
 from apir.host.graph.seams import GraphLibrary, profile_of
 
 
 __all__ = [
-    "CONFIG_KEY_WORK_BUDGET",
-    "DEFAULT_WORK_BUDGET",
     "check_work_size",
     "planned_work_size",
     "work_budget",
 ]
-
-CONFIG_KEY_WORK_BUDGET = "apir.host.work_budget"
-DEFAULT_WORK_BUDGET = 1 << 30
 
 
 def planned_work_size(g, graph: int, n_threads: int) -> int:

@@ -17,7 +17,8 @@ import logging
 import threading
 from typing import Optional, Union
 
-from apir.codec.constants import CONFIG_KEY_MAX_BLOBS, CapsetApir
+from apir.codec.constants import CapsetApir
+from apir.host.config import CONFIG_KEY_MAX_BLOBS
 from apir.local.wire import MAX_EXEC_COMMAND
 from apir.codec.virtgpu import (
     VIRTGPU_BLOB_FLAG_USE_MAPPABLE,

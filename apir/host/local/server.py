@@ -54,7 +54,6 @@ import threading
 import time
 from typing import Optional
 
-from apir.codec.constants import CONFIG_KEY_HELLO_TIMEOUT, CONFIG_KEY_LOCAL_SPIN, CONFIG_KEY_MAX_CONNECTIONS
 from apir.codec.atomics import spins_for
 from apir.local.wire import (
     HELLO_MAGIC,
@@ -69,7 +68,15 @@ from apir.local.wire import (
     fixed_reply,
 )
 from apir.codec.virtgpu import BLOB_ALIGNMENT
-from apir.host.config import DEFAULT_HELLO_TIMEOUT_S, DEFAULT_LOCAL_SPIN_S, DEFAULT_MAX_CONNECTIONS, config_limit
+from apir.host.config import (
+    CONFIG_KEY_HELLO_TIMEOUT,
+    CONFIG_KEY_LOCAL_SPIN,
+    CONFIG_KEY_MAX_CONNECTIONS,
+    DEFAULT_HELLO_TIMEOUT_S,
+    DEFAULT_LOCAL_SPIN_S,
+    DEFAULT_MAX_CONNECTIONS,
+    config_limit,
+)
 from apir.host.local.hangup import HangupWatch
 from apir.host.component.seams import ContextFactory
 from apir.host.local.kernel import KernelContext, KernelError, default_context_factory

@@ -34,12 +34,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
-from apir.codec.constants import (
-    CONFIG_KEY_VHOST_MAX_BLOB_BYTES,
-    CONFIG_KEY_VHOST_MAX_CONTEXTS,
-    CONFIG_KEY_VHOST_MAX_RESOURCES,
-    CapsetApir,
-)
+from apir.codec.constants import CapsetApir
 from apir.local.wire import MAX_EXEC_COMMAND
 from apir.codec.virtgpu import (
     VIRTGPU_BLOB_FLAG_USE_MAPPABLE,
@@ -55,6 +50,9 @@ from apir.codec.virtgpu import (
     VirtioGpuCtrlType as T,
 )
 from apir.host.config import (
+    CONFIG_KEY_VHOST_MAX_BLOB_BYTES,
+    CONFIG_KEY_VHOST_MAX_CONTEXTS,
+    CONFIG_KEY_VHOST_MAX_RESOURCES,
     DEFAULT_VHOST_MAX_BLOB_BYTES,
     DEFAULT_VHOST_MAX_CONTEXTS,
     DEFAULT_VHOST_MAX_RESOURCES,

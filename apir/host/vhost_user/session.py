@@ -32,8 +32,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from apir.errors import ApirError
 from apir.codec.virtgpu import VIRTIO_GPU_SHM_ID_HOST_VISIBLE, VirtioGpuCtrlType, VirtioGpuFeature
-from apir.codec.constants import CONFIG_KEY_VHOST_BACKEND_TIMEOUT
-from apir.host.config import DEFAULT_VHOST_BACKEND_TIMEOUT_S, config_limit
+from apir.host.config import (
+    CONFIG_KEY_VHOST_BACKEND_TIMEOUT,
+    DEFAULT_VHOST_BACKEND_TIMEOUT_S,
+    config_limit,
+)
 from apir.host.vhost_user.backend_channel import BackendChannel
 from apir.host.vhost_user.gpu_device import GpuDevice, Send
 from apir.host.vhost_user.gpu_wire import NO_HEADER, response
