@@ -7,9 +7,9 @@ version-dependent replies), then LoadLibrary, turning every failure code into it
 exception (apir.guest.errors). Backend functions are Forward calls whose flags carry the
 function id; they live in four mixins named after the C guest's files
 (client_device, client_buffer_type, client_buffer, client_backend =
-virtgpu-forward-{device,buffer-type,buffer,backend}.cpp) and all go through `_forward`,
-which checks the Forward return code (`forward_error`) and that the reply held every value
-the function returns (`ReplyError` otherwise).
+virtgpu-forward-{device,buffer-type,buffer,backend}.cpp) and all go through
+`ForwardCaller._call` (client_forward), which encodes and decodes them as the Forward table
+(apir.codec.forward) lists them.
 
 Thread-safe: each call holds the Remote's lock from encoding to the end of decoding.
 Nothing here knows which transport the device uses.
@@ -18,24 +18,17 @@ Nothing here knows which transport the device uses.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Tuple, cast
+from typing import Optional, Tuple, cast
 
-from apir.codec.constants import (
-    APIR_HANDSHAKE_MAGIC,
-    APIR_PROTOCOL_MAJOR,
-    APIR_PROTOCOL_MINOR,
-    ApirBackendCommandType,
-    ApirCommandType,
-    negotiated_version,
-)
-from apir.codec.records import GGML_0_20_LIMITS, GgmlLimits, ggml_tensor_dtype, rpc_tensor_dtype
+from apir.codec.constants import APIR_HANDSHAKE_MAGIC, APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR, ApirCommandType
+from apir.codec.records import GGML_0_20_LIMITS, GgmlLimits
 from apir.codec.wire import Decoder, Encoder
 from apir.guest.client_backend import BackendCalls
 from apir.guest.client_buffer import BufferCalls
 from apir.guest.client_buffer_type import BufferTypeCalls
 from apir.guest.client_device import DeviceCalls, DeviceProps
 from apir.guest.device import VirtgpuDevice
-from apir.guest.errors import HandshakeError, ReplyError, forward_error, load_library_error
+from apir.guest.errors import HandshakeError, ReplyError, load_library_error
 from apir.guest.remote import Remote
 
 __all__ = ["ApirClient", "DeviceProps"]
@@ -44,32 +37,9 @@ log = logging.getLogger(__name__)
 
 
 class ApirClient(DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
-    """The APIR client over `remote`.
-
-    `limits`: the ggml build's GGML_MAX_* (shapes rpc tensors and inline tensors; default
-    ggml 0.20.2's). `protocol`: the version we speak (and send in the HandShake).
-    `host_version` is (major, minor) once `handshake()` ran; `negotiated_version` the one
-    version-dependent replies are read in."""
-
-    def __init__(
-        self,
-        remote: Remote,
-        limits: GgmlLimits = GGML_0_20_LIMITS,
-        protocol: Tuple[int, int] = (APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR),
-    ):
-        self.remote = remote
-        self.rpc_dtype = rpc_tensor_dtype(limits)
-        self.tensor_dtype = ggml_tensor_dtype(limits)
-        self.protocol = protocol
-        self.host_version: Optional[Tuple[int, int]] = None
-
-    @property
-    def negotiated_version(self) -> Tuple[int, int]:
-        """The version both sides shape version-dependent replies by: the lower of ours and
-        the host's (apir.codec.constants.negotiated_version); ours before the HandShake."""
-        if self.host_version is None:
-            return (self.protocol[0], self.protocol[1])
-        return negotiated_version(self.protocol, self.host_version)
+    """The APIR client over `remote` (arguments: `ForwardCaller`'s). `host_version` is
+    (major, minor) once `handshake()` ran; `negotiated_version` the one version-dependent
+    replies are read in."""
 
     @classmethod
     def connect(
@@ -138,30 +108,3 @@ class ApirClient(DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
         error = load_library_error(ret)
         if error is not None:
             raise error
-
-    # --- Forward ---------------------------------------------------------------------------
-    def _forward(
-        self,
-        function: ApirBackendCommandType,
-        encode_fn: Optional[Callable[[Encoder], None]],
-        decode_fn: Optional[Callable[[Decoder], object]],
-        timeout_s: Optional[float] = None,
-        meanwhile: Optional[Callable[[], None]] = None,
-    ):
-        """One backend function call; returns decode_fn's result (None without one).
-        `meanwhile`: work done while the host runs the call (Remote.call's). Raises
-        ForwardError subclasses, ReplyError, ApirTimeout."""
-
-        def decode(ret: int, dec: Decoder):
-            error = forward_error(ret, function)
-            if error is not None:
-                raise error
-            if decode_fn is None:
-                return None
-            value = decode_fn(dec)
-            if dec.fatal:
-                raise ReplyError(f"{ApirBackendCommandType(function).c_name}: reply too short or malformed")
-            return value
-
-        _, value = self.remote.call(ApirCommandType.FORWARD, function, encode_fn, timeout_s, decode, meanwhile)
-        return value

@@ -9,12 +9,12 @@ through a temporary blob when it does not fit (as the C does), and returns the h
 from __future__ import annotations
 
 from apir.codec.constants import ApirBackendCommandType as F
-from apir.guest.client_state import ClientState
+from apir.guest.client_forward import ForwardCaller
 
 __all__ = ["BackendCalls"]
 
 
-class BackendCalls(ClientState):
+class BackendCalls(ForwardCaller):
     """Mixed into ApirClient."""
 
     def backend_graph_compute(self, graph_bytes) -> int:
@@ -28,11 +28,7 @@ class BackendCalls(ClientState):
             return self._graph_compute(blob, graph)
 
     def _graph_compute(self, blob, graph: memoryview) -> int:
-        size = graph.nbytes
+        def fill() -> None:
+            blob.memory[: graph.nbytes] = graph  # slice assignment: no lasting export of the mapping
 
-        def encode(enc):
-            blob.memory[:size] = graph  # slice assignment: no lasting export of the mapping
-            enc.u32(blob.res_id)
-            enc.size_t(size)
-
-        return self._forward(F.BACKEND_GRAPH_COMPUTE, encode, lambda dec: dec.i32())
+        return self._call(F.BACKEND_GRAPH_COMPUTE, blob.res_id, graph.nbytes, fill=fill)[0]

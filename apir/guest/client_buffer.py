@@ -21,7 +21,7 @@ from functools import partial
 import numpy as np
 
 from apir.codec.constants import ApirBackendCommandType as F
-from apir.guest.client_state import ClientState
+from apir.guest.client_forward import ForwardCaller
 from apir.guest.client_tensor import rpc_tensor_bytes
 
 __all__ = ["BufferCalls"]
@@ -42,26 +42,18 @@ def _chunks(remote, size: int):
     return windows, step, -(-size // step)
 
 
-class BufferCalls(ClientState):
+class BufferCalls(ForwardCaller):
     """Mixed into ApirClient."""
 
     def buffer_get_base(self, buffer: int) -> int:
         """`apir_buffer_get_base`: the buffer's base address on the host (only ever used
         to turn tensor addresses into offsets)."""
-        return self._forward(F.BUFFER_GET_BASE, lambda enc: enc.handle(buffer), lambda dec: dec.uintptr())
+        return self._call(F.BUFFER_GET_BASE, buffer)[0]
 
     def _chunk(self, function, buffer: int, rpc: bytes, offset: int, res_id: int, size: int, meanwhile=None) -> None:
         """One set/get_tensor call for `size` bytes at tensor byte `offset`, through window
         `res_id`; `meanwhile` runs while the host serves it."""
-
-        def encode(enc):
-            enc.handle(buffer)
-            enc.blob(rpc)
-            enc.u32(res_id)
-            enc.size_t(offset)
-            enc.size_t(size)
-
-        self._forward(function, encode, None, meanwhile=meanwhile)
+        self._call(function, buffer, rpc, res_id, offset, size, meanwhile=meanwhile)
 
     def buffer_set_tensor(self, buffer: int, rpc_tensor, offset: int, data) -> None:
         """`apir_buffer_set_tensor`: writes the bytes of `data` (any bytes-like or numpy
@@ -118,23 +110,12 @@ class BufferCalls(ClientState):
         False when the host cannot (e.g. different buffer types)."""
         src = rpc_tensor_bytes(src_rpc, self.rpc_dtype)
         dst = rpc_tensor_bytes(dst_rpc, self.rpc_dtype)
-
-        def encode(enc):
-            enc.handle(buffer)
-            enc.blob(src)
-            enc.blob(dst)
-
-        return self._forward(F.BUFFER_CPY_TENSOR, encode, lambda dec: dec.bool())
+        return self._call(F.BUFFER_CPY_TENSOR, buffer, src, dst)[0]
 
     def buffer_clear(self, buffer: int, value: int) -> None:
         """`apir_buffer_clear`: sets every byte of the buffer to `value` (0..255)."""
-
-        def encode(enc):
-            enc.handle(buffer)
-            enc.u8(value)
-
-        self._forward(F.BUFFER_CLEAR, encode, None)
+        self._call(F.BUFFER_CLEAR, buffer, value)
 
     def buffer_free_buffer(self, buffer: int) -> None:
         """`apir_buffer_free_buffer`."""
-        self._forward(F.BUFFER_FREE_BUFFER, lambda enc: enc.handle(buffer), None)
+        self._call(F.BUFFER_FREE_BUFFER, buffer)

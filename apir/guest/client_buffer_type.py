@@ -7,52 +7,39 @@ Every call starts with the buffer type's host handle (u64), as learned from
 from __future__ import annotations
 
 from apir.codec.constants import ApirBackendCommandType as F
-from apir.guest.client_state import ClientState
-from apir.guest.client_tensor import encode_ggml_tensor_inline
+from apir.guest.client_forward import ForwardCaller
+from apir.guest.client_tensor import inline_tensor_at
 
 __all__ = ["BufferTypeCalls"]
 
 
-class BufferTypeCalls(ClientState):
+class BufferTypeCalls(ForwardCaller):
     """Mixed into ApirClient."""
-
-    def _buft_call(self, function, buft: int, decode, more=None):
-        def encode(enc):
-            enc.handle(buft)
-            if more is not None:
-                more(enc)
-
-        return self._forward(function, encode, decode)
 
     def buffer_type_get_name(self, buft: int) -> str:
         """`apir_buffer_type_get_name`."""
-        return self._buft_call(F.BUFFER_TYPE_GET_NAME, buft, lambda dec: dec.string())
+        return self._call(F.BUFFER_TYPE_GET_NAME, buft)[0]
 
     def buffer_type_get_alignment(self, buft: int) -> int:
         """`apir_buffer_type_get_alignment`: bytes."""
-        return self._buft_call(F.BUFFER_TYPE_GET_ALIGNMENT, buft, lambda dec: dec.size_t())
+        return self._call(F.BUFFER_TYPE_GET_ALIGNMENT, buft)[0]
 
     def buffer_type_get_max_size(self, buft: int) -> int:
         """`apir_buffer_type_get_max_size`: bytes."""
-        return self._buft_call(F.BUFFER_TYPE_GET_MAX_SIZE, buft, lambda dec: dec.size_t())
+        return self._call(F.BUFFER_TYPE_GET_MAX_SIZE, buft)[0]
 
     def buffer_type_is_host(self, buft: int) -> bool:
         """buffer_type_is_host (deprecated in the C guest, still served; the C host answers
         false). The handle is sent although the C host does not read it."""
-        return self._buft_call(F.BUFFER_TYPE_IS_HOST, buft, lambda dec: dec.bool())
+        return self._call(F.BUFFER_TYPE_IS_HOST, buft)[0]
 
     def buffer_type_alloc_buffer(self, buft: int, size: int) -> int:
         """`apir_buffer_type_alloc_buffer`: the new buffer's host handle (0 when the host
         could not allocate `size` bytes)."""
-        return self._buft_call(F.BUFFER_TYPE_ALLOC_BUFFER, buft, lambda dec: dec.handle(), lambda enc: enc.size_t(size))
+        return self._call(F.BUFFER_TYPE_ALLOC_BUFFER, buft, size)[0]
 
     def buffer_type_get_alloc_size(self, buft: int, tensor_addr: int, buffer_handle: int = 0) -> int:
         """`apir_buffer_type_get_alloc_size`: bytes the ggml_tensor at `tensor_addr` takes
         in a buffer of this type (the tensor travels inline, see client_tensor)."""
-        dtype = self.tensor_dtype
-        return self._buft_call(
-            F.BUFFER_TYPE_GET_ALLOC_SIZE,
-            buft,
-            lambda dec: dec.size_t(),
-            lambda enc: encode_ggml_tensor_inline(enc, tensor_addr, buffer_handle, dtype),
-        )
+        op = inline_tensor_at(tensor_addr, buffer_handle, self.tensor_dtype)
+        return self._call(F.BUFFER_TYPE_GET_ALLOC_SIZE, buft, op)[0]

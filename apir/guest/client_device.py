@@ -1,10 +1,9 @@
 """The device group of backend functions (the C guest's virtgpu-forward-device.cpp).
 
-Each method is one Forward; reply layouts are the C's: counts i32, type u32, sizes and
-handles u64, booleans one u32 slot each, strings u64 size (NUL included) + bytes.
-`device_get_props` reads the layout of the negotiated version (ApirClient.negotiated_version,
-the lower of ours and the host's): 4 booleans in APIR 0.1, 5 in 0.2 (mmap_support). Reading
-the host's layout instead made a 0.1 guest of a 0.2 host read a 5th slot the host never wrote.
+Each method is one Forward, laid out as apir.codec.forward lists it. `device_get_props`
+reads the layout of the negotiated version (ForwardCaller.negotiated_version, the lower of
+ours and the host's): 4 booleans in APIR 0.1, 5 in 0.2 (mmap_support). Reading the host's
+layout instead made a 0.1 guest of a 0.2 host read a 5th slot the host never wrote.
 """
 
 from __future__ import annotations
@@ -12,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from apir.codec.constants import ApirBackendCommandType as F, device_props_fields, negotiated_version
+from apir.codec.constants import ApirBackendCommandType as F
 from apir.codec.virtgpu import blob_size
-from apir.guest.client_state import ClientState
-from apir.guest.client_tensor import encode_ggml_tensor_inline
+from apir.guest.client_forward import ForwardCaller
+from apir.guest.client_tensor import inline_tensor_at
 from apir.guest.device import Blob
 
 __all__ = ["DeviceProps", "DeviceCalls"]
@@ -33,61 +32,51 @@ class DeviceProps:
     mmap_support: Optional[bool]
 
 
-class DeviceCalls(ClientState):
-    """Mixed into ApirClient, which provides `_forward`, `remote`, `protocol`, `host_version`."""
+class DeviceCalls(ForwardCaller):
+    """Mixed into ApirClient."""
 
     def device_get_device_count(self) -> int:
         """The backend registry's device count (function 0, which the C guest never calls)."""
-        return self._forward(F.DEVICE_GET_DEVICE_COUNT, None, lambda dec: dec.i32())
+        return self._call(F.DEVICE_GET_DEVICE_COUNT)[0]
 
     def device_get_count(self) -> int:
         """`apir_device_get_count`: i32."""
-        return self._forward(F.DEVICE_GET_COUNT, None, lambda dec: dec.i32())
+        return self._call(F.DEVICE_GET_COUNT)[0]
 
     def device_get_name(self) -> str:
         """`apir_device_get_name`."""
-        return self._forward(F.DEVICE_GET_NAME, None, lambda dec: dec.string())
+        return self._call(F.DEVICE_GET_NAME)[0]
 
     def device_get_description(self) -> str:
         """`apir_device_get_description`."""
-        return self._forward(F.DEVICE_GET_DESCRIPTION, None, lambda dec: dec.string())
+        return self._call(F.DEVICE_GET_DESCRIPTION)[0]
 
     def device_get_type(self) -> int:
         """`apir_device_get_type`: an `enum ggml_backend_dev_type` value."""
-        return self._forward(F.DEVICE_GET_TYPE, None, lambda dec: dec.u32())
+        return self._call(F.DEVICE_GET_TYPE)[0]
 
     def device_get_memory(self) -> Tuple[int, int]:
         """`apir_device_get_memory`: (free, total) in bytes."""
-        return self._forward(F.DEVICE_GET_MEMORY, None, lambda dec: (dec.size_t(), dec.size_t()))
+        free, total = self._call(F.DEVICE_GET_MEMORY)
+        return free, total
 
     def device_supports_op(self, tensor_addr: int, buffer_handle: int = 0) -> bool:
         """`apir_device_supports_op`: whether the host device runs the op of the ggml_tensor
         at `tensor_addr` (sent inline with its view_src and srcs; `buffer_handle` is its
         buffer's host handle, if it has a buffer). Raises ValueError (see client_tensor)."""
-        dtype = self.tensor_dtype
-        return self._forward(
-            F.DEVICE_SUPPORTS_OP,
-            lambda enc: encode_ggml_tensor_inline(enc, tensor_addr, buffer_handle, dtype),
-            lambda dec: dec.bool(),
-        )
+        return self._call(F.DEVICE_SUPPORTS_OP, inline_tensor_at(tensor_addr, buffer_handle, self.tensor_dtype))[0]
 
     def device_get_buffer_type(self) -> int:
         """`apir_device_get_buffer_type`: the host handle of the device's buffer type."""
-        return self._forward(F.DEVICE_GET_BUFFER_TYPE, None, lambda dec: dec.handle())
+        return self._call(F.DEVICE_GET_BUFFER_TYPE)[0]
 
     def device_get_props(self) -> DeviceProps:
         """`apir_device_get_props`: 4 booleans (negotiated APIR 0.1) or 5 (0.2)."""
         if self.host_version is None:
             raise RuntimeError("device_get_props before HandShake: the reply layout depends on the negotiated version")
-        fields = device_props_fields(negotiated_version(self.protocol, self.host_version))
-
-        def decode(dec):
-            flags = [dec.bool() for _ in fields]
-            async_, host_buffer, buffer_from_host_ptr, events = flags[:4]
-            mmap_support = flags[4] if len(flags) > 4 else None
-            return DeviceProps(async_, host_buffer, buffer_from_host_ptr, events, mmap_support)
-
-        return self._forward(F.DEVICE_GET_PROPS, None, decode)
+        async_, host_buffer, buffer_from_host_ptr, events, *newer = self._call(F.DEVICE_GET_PROPS)
+        mmap_support = newer[0] if newer else None
+        return DeviceProps(async_, host_buffer, buffer_from_host_ptr, events, mmap_support)
 
     def device_buffer_from_ptr(self, size: int, max_tensor_size: int) -> Tuple[Blob, int, int]:
         """`apir_device_buffer_from_ptr`: a new shared blob of `size` bytes (rounded up to
@@ -95,14 +84,8 @@ class DeviceCalls(ClientState):
         handle, buffer type host handle); release the blob with `destroy_blob` after
         `buffer_free_buffer`. The blob is destroyed if the call fails."""
         blob = self.remote.device.create_blob(blob_size(size))
-
-        def encode(enc):
-            enc.u32(blob.res_id)
-            enc.size_t(size)
-            enc.size_t(max_tensor_size)
-
         try:
-            buffer, buft = self._forward(F.DEVICE_BUFFER_FROM_PTR, encode, lambda dec: (dec.handle(), dec.handle()))
+            buffer, buft = self._call(F.DEVICE_BUFFER_FROM_PTR, blob.res_id, size, max_tensor_size)
         except BaseException:
             self.remote.device.destroy_blob(blob)
             raise

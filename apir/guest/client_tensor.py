@@ -22,9 +22,9 @@ import ctypes
 
 import numpy as np
 
-from apir.codec.wire import Encoder
+from apir.codec.forward import InlineTensor
 
-__all__ = ["rpc_tensor_bytes", "encode_ggml_tensor_inline"]
+__all__ = ["rpc_tensor_bytes", "inline_tensor_at"]
 
 
 def rpc_tensor_bytes(rpc, dtype: np.dtype) -> bytes:
@@ -40,10 +40,10 @@ def rpc_tensor_bytes(rpc, dtype: np.dtype) -> bytes:
     return raw
 
 
-def encode_ggml_tensor_inline(enc: Encoder, tensor_addr: int, buffer_handle: int, dtype: np.dtype) -> None:
-    """Appends the tensor at `tensor_addr` (a `struct ggml_tensor *` laid out as `dtype`)
-    in the inline form; `buffer_handle` is the host handle of its buffer (sent only when
-    the tensor has one). Raises ValueError for a null address or a tensor with `extra`."""
+def inline_tensor_at(tensor_addr: int, buffer_handle: int, dtype: np.dtype) -> InlineTensor:
+    """The tensor at `tensor_addr` (a `struct ggml_tensor *` laid out as `dtype`) in the
+    inline form; `buffer_handle` is the host handle of its buffer (sent only when the tensor
+    has one). Raises ValueError for a null address or a tensor with `extra`."""
     if not tensor_addr:
         raise ValueError("null ggml_tensor address")
     size = dtype.itemsize
@@ -51,12 +51,10 @@ def encode_ggml_tensor_inline(enc: Encoder, tensor_addr: int, buffer_handle: int
     fields = np.frombuffer(raw, dtype=dtype)[0]
     if fields["extra"]:
         raise ValueError("cannot send a tensor with `extra` set")
-    enc.blob(raw)
-    if fields["buffer"]:
-        enc.handle(buffer_handle)
-    if fields["view_src"]:
-        enc.blob(ctypes.string_at(int(fields["view_src"]), size))
+    view_src = ctypes.string_at(int(fields["view_src"]), size) if fields["view_src"] else None
+    srcs = []
     for src in fields["src"]:
         if not src:
             break
-        enc.blob(ctypes.string_at(int(src), size))
+        srcs.append(ctypes.string_at(int(src), size))
+    return InlineTensor(raw, buffer_handle if fields["buffer"] else None, view_src, tuple(srcs))
