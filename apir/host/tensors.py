@@ -25,14 +25,14 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
+from apir.codec.forward import InlineTensor, TensorLayouts
 from apir.codec.records import RecordStruct, rpc_tensor_dtype
-from apir.codec.wire import Decoder
 from apir.ggml.layout import tensor_record
 from apir.ggml.lib import InitParams
 from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
 
-__all__ = ["Scratch", "TensorChecker", "RpcTensor", "decode_inline_tensor", "CUSTOM_OPS"]
+__all__ = ["Scratch", "TensorChecker", "RpcTensor", "inline_twin", "CUSTOM_OPS"]
 
 CUSTOM_OPS = ("CUSTOM", "MAP_CUSTOM1", "MAP_CUSTOM2", "MAP_CUSTOM3")
 _NE_MAX = 1 << 62  # ne fits int64 with room for products of two
@@ -149,6 +149,7 @@ class TensorChecker:
         self.limits = g.limits
         self.rpc_dtype = rpc_tensor_dtype(g.limits)
         self.tensor_dtype = g.tensor_dtype
+        self.layouts = TensorLayouts(self.rpc_dtype, self.tensor_dtype)  # what the Forward table reads
         self.type_size = {t: g.ggml_type_size(t) for t in g.type_names}
         self.blck_size = {t: g.ggml_blck_size(t) for t in g.type_names}
         self.custom_ops = {g.ops[name] for name in CUSTOM_OPS if name in g.ops}
@@ -200,13 +201,6 @@ class TensorChecker:
         return tensor_extent(self.type_size[type_], self.blck_size[type_], ne, nb)
 
     # --- rpc tensors ----------------------------------------------------------------------
-    def rpc_record(self, dec: Decoder, what: str) -> RpcTensor:
-        """One `apir_rpc_tensor` off the wire (`rpc_tensor`). Raises Refused when truncated."""
-        raw = dec.inplace(self._rpc.size)
-        if raw is None:
-            raise Refused(f"{what}: truncated apir_rpc_tensor")
-        return self.rpc_tensor(raw)
-
     def rpc_tensor(self, raw) -> RpcTensor:
         """The RpcTensor of the `apir_rpc_tensor` at the start of the bytes-like `raw` (each
         byte read once)."""
@@ -295,32 +289,18 @@ class TensorChecker:
         )
 
 
-def decode_inline_tensor(chk: TensorChecker, dec: Decoder, scratch: Scratch, what: str) -> int:
-    """Reads an inline tensor (`apir_encode_ggml_tensor_inline`) and returns its host twin.
+def inline_twin(chk: TensorChecker, inline: InlineTensor, scratch: Scratch, what: str) -> int:
+    """The host twin of an inline tensor (`apir_encode_ggml_tensor_inline`, decoded by the
+    Forward table): its buffer handle is ignored (the C guest sends garbage there, and apir
+    never needs the buffer); the twin and its view_src/src twins have no buffer and no data."""
+    dtype = chk.tensor_dtype
 
-    Wire: the 336-byte struct; a u64 buffer handle if its `buffer` is non-null (the C guest
-    sends garbage there, and apir never needs the buffer: ignored); the view_src struct if
-    `view_src` is non-null; one struct per non-null `src[i]` up to the first null (bounded by
-    GGML_MAX_SRC). The twin and its view_src/src twins have no buffer and no data."""
-    size = chk.tensor_dtype.itemsize
+    def struct_(raw: bytes) -> np.void:
+        return np.frombuffer(raw, dtype=dtype, count=1)[0]
 
-    def struct_(label: str):
-        raw = dec.inplace(size)
-        if raw is None:
-            raise Refused(f"{what}: truncated inline tensor ({label})")
-        return np.frombuffer(bytes(raw), dtype=chk.tensor_dtype, count=1)[0]
-
-    head = struct_("tensor")
-    if int(head["buffer"]):
-        dec.u64()
-    view = struct_("view_src") if int(head["view_src"]) else None
-    srcs: List[np.void] = []
-    for i in range(chk.limits.max_src):
-        if not int(head["src"][i]):
-            break
-        srcs.append(struct_(f"src[{i}]"))
-    if dec.fatal:
-        raise Refused(f"{what}: truncated inline tensor")
+    head = struct_(inline.tensor)
+    view = struct_(inline.view_src) if inline.view_src is not None else None
+    srcs: List[np.void] = [struct_(raw) for raw in inline.srcs]
 
     def twin(rec, label: str) -> int:
         ne = [int(x) for x in rec["ne"]]

@@ -1,7 +1,8 @@
 """Backend handler (C `backend-dispatched-backend.cpp`): graph_compute.
 
-Arguments: u32 res_id, size_t cgraph_size; the serialized graph is bytes [0, cgraph_size) of
-that shared-memory resource. Reply: the `enum ggml_status` (i32) of the compute. The size is
+Arguments (laid out as apir.codec.forward lists them): a shared-memory resource and a size;
+the serialized graph is bytes [0, size) of that resource. Reply: the `enum ggml_status` of
+the compute. The size is
 checked against the resource's real size (the C has a placeholder there), the graph is
 parsed and checked (`parse_graph`, `apir.host.graph.build`), ggml's planned work buffer is bounded
 by the context's work budget (`apir.host.graph.work_plan`), and only a graph that passes is
@@ -25,8 +26,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+from apir.codec.constants import ApirBackendCommandType as F
 from apir.codec.graph import GraphError, ParsedGraph, parse_graph
 from apir.codec.wire import Decoder, Encoder
+from apir.host.backend.forward import args, reply
 from apir.host.backend.seams import HandlerLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.graph.build import BuiltGraph, build_graph_parts, graph_scratch, lib_op_enums
@@ -41,9 +44,7 @@ __all__ = ["graph_compute", "prepare_graph"]
 
 def graph_compute(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     g, chk = lib.g, lib.checker
-    res_id, size = dec.u32(), dec.size_t()
-    if dec.fatal:
-        raise Refused("backend_graph_compute: truncated arguments")
+    res_id, size = args(dec, F.BACKEND_GRAPH_COMPUTE, chk, lib.host)
     profile = profile_of(lib)  # (refused where the host has no rules for the backend)
     res = lib.shmem(res_id, "backend_graph_compute")
     if size == 0 or size > res.size:
@@ -73,7 +74,7 @@ def graph_compute(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
         cache.put(entry)
     else:
         entry.close()
-    enc.i32(status)
+    reply(enc, F.BACKEND_GRAPH_COMPUTE, lib.host, status)
     return BACKEND_RC_OK
 
 

@@ -1,12 +1,12 @@
 """Buffer handlers (C `backend-dispatched-buffer.cpp`).
 
-Every handler takes a u64 buffer handle first, checked against this context's table.
-    get_base     reply uintptr: the buffer's virtual base (aligned like the real one)
-    set_tensor   apir_rpc_tensor, u32 res_id, size_t offset, size_t size: bytes [0, size) of
-                 the resource go to the tensor at `offset`
-    get_tensor   same arguments; the tensor's bytes go to [0, size) of the resource
-    cpy_tensor   apir_rpc_tensor src, dst; reply bool (whether the buffer could copy)
-    clear        u8 value (in a 4-byte slot)
+Arguments and replies are laid out as apir.codec.forward lists them. Every handler takes a
+buffer handle first, checked against this context's table.
+    get_base     the buffer's virtual base (aligned like the real one)
+    set_tensor   bytes [0, size) of the resource go to the tensor at `offset`
+    get_tensor   the tensor's bytes from `offset` go to [0, size) of the resource
+    cpy_tensor   src into dst; replies whether the buffer could copy
+    clear        every byte of the buffer set to `value`
     free_buffer  -
 Checks beyond the C: the tensor lies in its buffer and that buffer is the one named;
 `offset + size` lies in the tensor (what ggml_backend_tensor_set/get assert) and `size` in
@@ -20,35 +20,27 @@ from __future__ import annotations
 
 import ctypes
 
+from apir.codec.constants import ApirBackendCommandType as F
 from apir.codec.wire import Decoder, Encoder
+from apir.host.backend.forward import args, reply
 from apir.host.backend.seams import HandlerLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused
-from apir.host.handles import HostBuffer
 
 
 __all__ = ["get_base", "set_tensor", "get_tensor", "cpy_tensor", "clear", "free_buffer"]
 
 
-def _buffer(lib: HandlerLibrary, dec: Decoder, what: str) -> tuple[int, HostBuffer]:
-    handle = dec.handle()
-    if dec.fatal:
-        raise Refused(f"{what}: truncated arguments")
-    return handle, lib.buffer(handle)
-
-
 def get_base(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
-    _, buf = _buffer(lib, dec, "buffer_get_base")
-    enc.uintptr(buf.virtual_base)
+    (handle,) = args(dec, F.BUFFER_GET_BASE, lib.checker, lib.host)
+    reply(enc, F.BUFFER_GET_BASE, lib.host, lib.buffer(handle).virtual_base)
     return BACKEND_RC_OK
 
 
-def _transfer(lib: HandlerLibrary, dec: Decoder, what: str, to_tensor: bool) -> None:
-    g, chk = lib.g, lib.checker
-    handle, buf = _buffer(lib, dec, what)
-    rec = chk.rpc_record(dec, what)
-    res_id, offset, size = dec.u32(), dec.size_t(), dec.size_t()
-    if dec.fatal:
-        raise Refused(f"{what}: truncated arguments")
+def _transfer(lib: HandlerLibrary, dec: Decoder, function: F, to_tensor: bool) -> None:
+    g, chk, what = lib.g, lib.checker, function.c_name
+    handle, raw, res_id, offset, size = args(dec, function, chk, lib.host)
+    buf = lib.buffer(handle)
+    rec = chk.rpc_tensor(raw)
     tbuf, extent = chk.check_rpc(rec, lib.buffers, what)
     if tbuf is not buf:
         raise Refused(f"{what}: tensor's buffer is not buffer 0x{handle:x}")
@@ -71,20 +63,20 @@ def _transfer(lib: HandlerLibrary, dec: Decoder, what: str, to_tensor: bool) -> 
 
 
 def set_tensor(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
-    _transfer(lib, dec, "buffer_set_tensor", to_tensor=True)
+    _transfer(lib, dec, F.BUFFER_SET_TENSOR, to_tensor=True)
     return BACKEND_RC_OK
 
 
 def get_tensor(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
-    _transfer(lib, dec, "buffer_get_tensor", to_tensor=False)
+    _transfer(lib, dec, F.BUFFER_GET_TENSOR, to_tensor=False)
     return BACKEND_RC_OK
 
 
 def cpy_tensor(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     g, chk = lib.g, lib.checker
-    handle, buf = _buffer(lib, dec, "buffer_cpy_tensor")
-    src_rec = chk.rpc_record(dec, "buffer_cpy_tensor src")
-    dst_rec = chk.rpc_record(dec, "buffer_cpy_tensor dst")
+    handle, src_raw, dst_raw = args(dec, F.BUFFER_CPY_TENSOR, chk, lib.host)
+    buf = lib.buffer(handle)
+    src_rec, dst_rec = chk.rpc_tensor(src_raw), chk.rpc_tensor(dst_raw)
     src_buf, _ = chk.check_rpc(src_rec, lib.buffers, "buffer_cpy_tensor src")
     dst_buf, _ = chk.check_rpc(dst_rec, lib.buffers, "buffer_cpy_tensor dst")
     if src_buf is None or dst_buf is None:
@@ -96,20 +88,19 @@ def cpy_tensor(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     room = dst_buf.size - dst_rec.data
     if need > room:
         raise Refused(f"buffer_cpy_tensor: {need} source bytes, {room} bytes left in the destination buffer")
-    enc.bool(g.ggml_backend_buffer_copy_tensor(ctypes.addressof(src), ctypes.addressof(dst)))
+    copied = bool(g.ggml_backend_buffer_copy_tensor(ctypes.addressof(src), ctypes.addressof(dst)))
+    reply(enc, F.BUFFER_CPY_TENSOR, lib.host, copied)
     return BACKEND_RC_OK
 
 
 def clear(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
-    _, buf = _buffer(lib, dec, "buffer_clear")
-    value = dec.u8()
-    if dec.fatal:
-        raise Refused("buffer_clear: truncated arguments")
-    lib.g.ggml_backend_buffer_clear(buf.ptr, value)
+    handle, value = args(dec, F.BUFFER_CLEAR, lib.checker, lib.host)
+    lib.g.ggml_backend_buffer_clear(lib.buffer(handle).ptr, value)
     return BACKEND_RC_OK
 
 
 def free_buffer(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
-    handle, _ = _buffer(lib, dec, "buffer_free_buffer")
+    (handle,) = args(dec, F.BUFFER_FREE_BUFFER, lib.checker, lib.host)
+    lib.buffer(handle)  # refused when unknown
     lib.free_buffer(handle)
     return BACKEND_RC_OK

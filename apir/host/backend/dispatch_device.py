@@ -1,24 +1,18 @@
 """Device handlers (C `backend-dispatched-device.cpp`): device 0 of the loaded registration.
 
-Replies, in order (APIR wire values):
-    get_device_count, get_count  i32 device count of the registration
-    get_name, get_description    string (u64 size with NUL, bytes padded to 4)
-    get_type                     u32 enum ggml_backend_dev_type
-    get_memory                   size_t free, size_t total
-    supports_op                  bool; argument: an inline tensor (see apir.host.tensors).
-                                 True only where ggml's device says yes AND the node passes
+Arguments and replies are laid out as apir.codec.forward lists them.
+    get_device_count, get_count  the device count of the registration
+    supports_op                  True only where ggml's device says yes AND the node passes
                                  its op's shape rule (apir.host.graph.shapes) as far as it can be
                                  checked without data: what graph_compute would refuse is
                                  reported unsupported, so a guest schedules it elsewhere
                                  instead of failing at compute. False for every op on a
                                  backend the host has no profile for (apir.host.graph.profiles)
-    get_buffer_type              u64 buffer type handle (opaque id)
-    get_props                    bool async, host_buffer, buffer_from_host_ptr, events
-                                 [, mmap_support]: the layout of the version the HandShake
-                                 negotiated (apir.codec.constants.negotiated_version): 4 for
+    get_buffer_type              the buffer type handle (opaque id)
+    get_props                    the layout of the version the HandShake negotiated
+                                 (apir.codec.constants.negotiated_version): 4 booleans for
                                  an APIR 0.1 guest, 5 for 0.2
-    buffer_from_ptr              arguments u32 res_id, size_t size, size_t max_tensor_size;
-                                 reply u64 buffer handle, u64 buffer type handle; both 0
+    buffer_from_ptr              buffer handle and buffer type handle; both 0
                                  when ggml made no buffer or it does not fit the context's
                                  budget (charged its size like any buffer, apir.host.backend.budget)
 """
@@ -29,15 +23,17 @@ import ctypes
 import mmap
 from typing import Mapping, Optional
 
-from apir.codec.constants import device_props_fields, negotiated_version
+from apir.codec.constants import ApirBackendCommandType as F, negotiated_version
+from apir.codec.forward import FORWARD
 from apir.codec.wire import Decoder, Encoder
 from apir.ggml.backend_props import get_dev_props
 from apir.ggml.layout import tensor_record
+from apir.host.backend.forward import args, reply
 from apir.host.backend.seams import HandlerLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.graph.build import lib_op_enums, tensor_info
 from apir.host.graph.shapes import Rule, node_refusal
-from apir.host.tensors import Scratch, decode_inline_tensor
+from apir.host.tensors import Scratch, inline_twin
 
 
 __all__ = [
@@ -55,43 +51,44 @@ __all__ = [
 
 
 def get_device_count(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
-    enc.i32(_device_count(lib))
+    reply(enc, F.DEVICE_GET_DEVICE_COUNT, lib.host, _device_count(lib))
     return BACKEND_RC_OK
 
 
 def get_count(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
-    enc.i32(_device_count(lib))
+    reply(enc, F.DEVICE_GET_COUNT, lib.host, _device_count(lib))
     return BACKEND_RC_OK
 
 
 def get_name(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
-    enc.string(lib.g.ggml_backend_dev_name(lib.dev))
+    reply(enc, F.DEVICE_GET_NAME, lib.host, lib.g.ggml_backend_dev_name(lib.dev))
     return BACKEND_RC_OK
 
 
 def get_description(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
-    enc.string(lib.g.ggml_backend_dev_description(lib.dev))
+    reply(enc, F.DEVICE_GET_DESCRIPTION, lib.host, lib.g.ggml_backend_dev_description(lib.dev))
     return BACKEND_RC_OK
 
 
 def get_type(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     # the device's own type, unless configured otherwise (apir.host.device_type)
-    enc.u32(lib.g.ggml_backend_dev_type(lib.dev) if lib.device_type is None else lib.device_type)
+    dev_type = lib.g.ggml_backend_dev_type(lib.dev) if lib.device_type is None else lib.device_type
+    reply(enc, F.DEVICE_GET_TYPE, lib.host, dev_type)
     return BACKEND_RC_OK
 
 
 def get_memory(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
     lib.g.ggml_backend_dev_memory(lib.dev, ctypes.byref(free), ctypes.byref(total))
-    enc.size_t(free.value)
-    enc.size_t(total.value)
+    reply(enc, F.DEVICE_GET_MEMORY, lib.host, free.value, total.value)
     return BACKEND_RC_OK
 
 
 def supports_op(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     chk = lib.checker
+    (inline,) = args(dec, F.DEVICE_SUPPORTS_OP, chk, lib.host)
     with Scratch(lib.g, 2 + chk.limits.max_src) as scratch:
-        op = decode_inline_tensor(chk, dec, scratch, "device_supports_op")
+        op = inline_twin(chk, inline, scratch, "device_supports_op")
         _check_required_srcs(lib, op)
         profile = lib.profile  # none: no rules, so nothing is supported (graph.seams.profile_of)
         ok = (
@@ -99,12 +96,13 @@ def supports_op(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
             and bool(lib.g.ggml_backend_dev_supports_op(lib.dev, op))
             and _rule_accepts(lib, op, profile.rules)
         )
-        enc.bool(ok)
+        reply(enc, F.DEVICE_SUPPORTS_OP, lib.host, ok)
     return BACKEND_RC_OK
 
 
 def get_buffer_type(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
-    enc.handle(lib.buft_handle(lib.g.ggml_backend_dev_buffer_type(lib.dev), allocatable=True))
+    buft = lib.buft_handle(lib.g.ggml_backend_dev_buffer_type(lib.dev), allocatable=True)
+    reply(enc, F.DEVICE_GET_BUFFER_TYPE, lib.host, buft)
     return BACKEND_RC_OK
 
 
@@ -112,16 +110,14 @@ def get_props(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     caps = get_dev_props(lib.g, lib.dev)
     caps["buffer_from_host_ptr"] = lib.host_ptr_buffers
     host = lib.host
-    for name in device_props_fields(negotiated_version(host.guest_version, host.host_version)):
-        enc.bool(caps.get(name, False))
+    fields = FORWARD[F.DEVICE_GET_PROPS].reply_in(negotiated_version(host.guest_version, host.host_version))
+    reply(enc, F.DEVICE_GET_PROPS, host, *(caps.get(field.name, False) for field in fields))
     return BACKEND_RC_OK
 
 
 def buffer_from_ptr(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     g = lib.g
-    res_id, size, max_tensor_size = dec.u32(), dec.size_t(), dec.size_t()
-    if dec.fatal:
-        raise Refused("device_buffer_from_ptr: truncated arguments")
+    res_id, size, max_tensor_size = args(dec, F.DEVICE_BUFFER_FROM_PTR, lib.checker, lib.host)
     res = lib.shmem(res_id, "device_buffer_from_ptr")
     if size == 0 or size > res.size:
         raise Refused(f"device_buffer_from_ptr: size {size} does not fit resource {res_id} ({res.size} bytes)")
@@ -140,9 +136,8 @@ def buffer_from_ptr(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
         res_id=res_id,
     )
     log.debug("ctx %d: device_buffer_from_ptr: resource %d, %d bytes wrapped", lib.host.ctx_id, res_id, wrap)
-    enc.handle(handle)
     buf = lib.buffers.get(handle) if handle else None
-    enc.handle(buf.buft_handle if buf is not None else 0)
+    reply(enc, F.DEVICE_BUFFER_FROM_PTR, lib.host, handle, buf.buft_handle if buf is not None else 0)
     return BACKEND_RC_OK
 
 

@@ -1,0 +1,34 @@
+"""The handlers' side of the Forward table (apir.codec.forward).
+
+`args` decodes a command's arguments as the table lists them, in the version the HandShake
+negotiated; a command that ends before its last argument is refused (`Refused`: the
+function's BACKEND_RC_ERROR, as any other malformed argument). `reply` encodes the reply
+values the same way. What the values may be is each handler's own check.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+from apir.codec.constants import ApirBackendCommandType, negotiated_version
+from apir.codec.forward import FORWARD, MalformedMessage, decode_args, encode_reply
+from apir.codec.wire import Decoder, Encoder
+from apir.host.errors import Refused
+from apir.host.library import LibraryHost
+from apir.host.tensors import TensorChecker
+
+__all__ = ["args", "reply"]
+
+
+def args(dec: Decoder, function: ApirBackendCommandType, chk: TensorChecker, host: LibraryHost) -> Tuple[Any, ...]:
+    """The arguments of `function`, one value per field of the table. Raises Refused."""
+    version = negotiated_version(host.guest_version, host.host_version)
+    try:
+        return decode_args(dec, FORWARD[function], version, chk.layouts)
+    except MalformedMessage as exc:
+        raise Refused(str(exc)) from None
+
+
+def reply(enc: Encoder, function: ApirBackendCommandType, host: LibraryHost, *values: Any) -> None:
+    """Appends the reply of `function`: one value per field of the table."""
+    encode_reply(enc, FORWARD[function], negotiated_version(host.guest_version, host.host_version), values)
