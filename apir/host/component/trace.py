@@ -5,8 +5,8 @@ makes (`traced_context_factory` wraps the context factory of `apir host serve` o
 embedded host). `HostContext.submit` calls `describe(ctx, command)` before each command, while
 the guest waits, and `finish(record, (rc, reply_bytes) or None, host_seconds)` after it. A
 record keeps the 12-byte header's meaning (command type, backend function), sizes and, for
-the functions that move tensors or run a graph, their tensors' types and shapes and the
-graph's node count by op, read the way the host reads them. Tensor contents, names and
+a Forward, its arguments as the Forward table names them: numbers, tensors' types and
+shapes, the graph's node count by op. Tensor contents, names and
 addresses never reach the file. Describing never raises: a command too hostile to describe
 gets the header fields only. Writes are line-buffered and locked, so a trace read while the
 host runs, or after it is killed, ends at the last whole command.
@@ -26,14 +26,13 @@ time, "pid": N}``, then one line per command:
               returned N != 0), "no reply"
   reply_bytes the reply payload written after the notification word
   host_us     the host's time for the command, microseconds
-  and, where the function has them:
-  size                    buffer_type_alloc_buffer: the bytes asked for
-  tensor, offset, size    buffer_set_tensor / get_tensor: {"type": "F32", "ne": [4 dims],
-                          "op": name if not NONE}, the byte range within it
-  src, dst                buffer_cpy_tensor: the two tensors, as above
-  graph_bytes, nodes, tensors, ops   backend_graph_compute: the serialized graph's size, its
-                          node and tensor counts and {op name: nodes}; "graph": "invalid" or
-                          "unreadable" instead when the host could not parse it either
+  and a Forward's arguments, each under its name in the Forward table (apir.codec.forward),
+  read the way the host reads them; handles and resource ids are left out (they name
+  nothing outside the run), tensors are {"type": "F32", "ne": [4 dims], "op": name if not
+  NONE}, e.g. buffer_set_tensor's tensor, offset, size or buffer_cpy_tensor's src, dst;
+  backend_graph_compute's are graph_bytes, nodes, tensors, ops: the serialized graph's size,
+  its node and tensor counts and {op name: nodes}; "graph": "invalid" or "unreadable"
+  instead when the host could not parse it either
 
 `read_trace(path)` gives the records back and `format_trace(records)` the `apir trace` text:
 one line per command (with its arguments, short), a per-function summary (calls, errors, host
@@ -50,18 +49,22 @@ import struct
 import threading
 import time
 from collections import Counter, defaultdict
-from typing import IO, Any, Callable, Dict, List, Optional, Protocol, Tuple, Union, runtime_checkable
+from typing import IO, Any, Dict, List, Optional, Protocol, Tuple, Union, runtime_checkable
 
 import numpy as np
 
 from apir.codec.constants import (
     APIR_HANDSHAKE_MAGIC,
+    APIR_PROTOCOL_MAJOR,
+    APIR_PROTOCOL_MINOR,
     VENUS_COMMAND_TYPE_LENGTH,
     ApirBackendCommandType,
     ApirCommandType,
     ApirForwardReturnCode,
     ApirLoadLibraryReturnCode,
+    negotiated_version,
 )
+from apir.codec.forward import FORWARD, InlineTensor, Kind, TensorLayouts, decode_args
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.codec.wire import Decoder
@@ -127,7 +130,7 @@ class _GgmlFacts:
 
     def __init__(self, g: Any):
         self.limits = g.limits
-        self.rpc_dtype = rpc_tensor_dtype(g.limits)
+        self.layouts = TensorLayouts(rpc_tensor_dtype(g.limits), g.tensor_dtype)
         self.type_names = {v: k for k, v in g.types.items()}
         self.op_names = {v: k for k, v in g.ops.items()}
         self.op_count = g.op_count
@@ -137,12 +140,12 @@ class _GgmlFacts:
     def of_loaded(cls) -> "_GgmlFacts":
         return cls(load_ggml())
 
-    def tensor(self, dec: Decoder) -> Dict[str, Any]:
-        """One apir_rpc_tensor off `dec`: its type, shape and op (no name, no address)."""
-        raw = dec.inplace(self.rpc_dtype.itemsize)
-        if raw is None:
-            raise ValueError("truncated apir_rpc_tensor")
-        rec = np.frombuffer(bytes(raw), dtype=self.rpc_dtype, count=1)[0]
+    def tensor(self, value: Any) -> Dict[str, Any]:
+        """An rpc tensor's bytes or an InlineTensor: its type, shape and op (no name, no address)."""
+        if isinstance(value, InlineTensor):
+            rec = np.frombuffer(value.tensor, dtype=self.layouts.ggml_tensor, count=1)[0]
+        else:
+            rec = np.frombuffer(bytes(value), dtype=self.layouts.rpc_tensor, count=1)[0]
         return self._describe(rec)
 
     def _describe(self, rec) -> Dict[str, Any]:
@@ -172,39 +175,27 @@ class _GgmlFacts:
         return out
 
 
-def _alloc_buffer(facts: _GgmlFacts, ctx: TracedContext, dec: Decoder) -> Dict[str, Any]:
-    dec.handle()
-    return {"size": dec.size_t()}
+_NOT_TRACED = (Kind.HANDLE, Kind.RES_ID)  # ids of this run: they describe nothing
+_TENSORS = (Kind.RPC_TENSOR, Kind.INLINE_TENSOR)
+_NEWEST = (APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR)
 
 
-def _transfer(facts: _GgmlFacts, ctx: TracedContext, dec: Decoder) -> Dict[str, Any]:
-    dec.handle()
-    tensor = facts.tensor(dec)
-    dec.u32()  # the shared memory resource
-    offset, size = dec.size_t(), dec.size_t()
-    return {"tensor": tensor, "offset": offset, "size": size}
-
-
-def _cpy_tensor(facts: _GgmlFacts, ctx: TracedContext, dec: Decoder) -> Dict[str, Any]:
-    dec.handle()
-    return {"src": facts.tensor(dec), "dst": facts.tensor(dec)}
-
-
-def _graph_compute(facts: _GgmlFacts, ctx: TracedContext, dec: Decoder) -> Dict[str, Any]:
-    res_id, size = dec.u32(), dec.size_t()
-    if dec.fatal:
-        raise ValueError("truncated")
-    return facts.graph(ctx, res_id, size)
-
-
-# The functions whose arguments a record describes (apir/host/dispatch_*.py read them the same way).
-_DESCRIBED: Dict[int, Callable[[_GgmlFacts, Any, Decoder], Dict[str, Any]]] = {
-    ApirBackendCommandType.BUFFER_TYPE_ALLOC_BUFFER: _alloc_buffer,
-    ApirBackendCommandType.BUFFER_SET_TENSOR: _transfer,
-    ApirBackendCommandType.BUFFER_GET_TENSOR: _transfer,
-    ApirBackendCommandType.BUFFER_CPY_TENSOR: _cpy_tensor,
-    ApirBackendCommandType.BACKEND_GRAPH_COMPUTE: _graph_compute,
-}
+def _forward_arguments(facts: _GgmlFacts, ctx: TracedContext, function: int, dec: Decoder) -> Dict[str, Any]:
+    """The arguments of Forward `function`, named as the Forward table names them (raises
+    what decoding raises: the caller keeps the header fields only)."""
+    version = _NEWEST if isinstance(ctx, int) else negotiated_version(ctx.guest_version, ctx.host_version)
+    entry = FORWARD[function]
+    values = decode_args(dec, entry, version, facts.layouts)
+    if entry.id is ApirBackendCommandType.BACKEND_GRAPH_COMPUTE:
+        res_id, size = values
+        return facts.graph(ctx, res_id, size)  # the graph itself, in shared memory
+    out: Dict[str, Any] = {}
+    for field, value in zip(entry.args_in(version), values):
+        if field.kind in _TENSORS:
+            out[field.name] = facts.tensor(value)
+        elif field.kind not in _NOT_TRACED:
+            out[field.name] = value
+    return out
 
 
 class CommandTrace:
@@ -228,8 +219,8 @@ class CommandTrace:
     def describe(self, ctx: TracedContext, command: memoryview) -> Dict[str, Any]:
         """The record of `command` before it runs (HostContext.submit calls this first, while
         the guest waits, so a graph in shared memory is read as the host will read it):
-        start time, context, type, function and, for the functions that move tensors or run
-        a graph, their arguments' shapes and sizes. Never raises: a command too hostile to
+        start time, context, type, function and a Forward's arguments (their shapes and
+        sizes). Never raises: a command too hostile to
         describe gets the header fields only."""
         record: Dict[str, Any] = {"t": round(time.perf_counter() - self._t0, 6), "ctx": _ctx_id(ctx)}
         if len(command) < _HEADER.size:
@@ -243,9 +234,9 @@ class CommandTrace:
         if cmd_type == _FORWARD:
             record["function"] = _function_name(flags)
         record["cmd_bytes"] = len(command)
-        if cmd_type == _FORWARD and flags in _DESCRIBED:
+        if cmd_type == _FORWARD and flags in FORWARD:
             try:
-                record.update(_DESCRIBED[flags](self._ggml_facts(), ctx, Decoder(command, _HEADER.size)))
+                record.update(_forward_arguments(self._ggml_facts(), ctx, flags, Decoder(command, _HEADER.size)))
             except Exception:  # noqa: BLE001 - a trace never stops the host; the header is enough
                 pass
         return record
@@ -340,6 +331,10 @@ def _tensor_text(t: Dict[str, Any]) -> str:
     return f"{t.get('type', '?')}[{','.join(map(str, ne))}]" + (f" {t['op']}" if t.get("op") else "")
 
 
+# A record's own keys; the others are the command's arguments.
+_RECORD_KEYS = {"t", "ctx", "type", "function", "cmd_bytes", "rc", "status", "reply_bytes", "host_us"}
+
+
 def _arguments(r: Dict[str, Any]) -> str:
     """A record's described arguments, short: tensor shapes and types, sizes, graph op counts."""
     if "tensor" in r:
@@ -352,9 +347,8 @@ def _arguments(r: Dict[str, Any]) -> str:
         return f"graph of {r.get('nodes', '?')} nodes ({top}{more})"
     if "graph" in r:
         return f"graph {r['graph']} ({r.get('graph_bytes', 0)} bytes)"
-    if r.get("function") == "buffer_type_alloc_buffer" and "size" in r:
-        return f"size {r['size']}"
-    return ""
+    args = [(k, v) for k, v in r.items() if k not in _RECORD_KEYS]
+    return " ".join(f"{k} {_tensor_text(v) if isinstance(v, dict) else v}" for k, v in args)
 
 
 def format_trace(records: List[Dict[str, Any]], commands: bool = True) -> str:
