@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from apir.codec.forward import FORWARD, Kind
 from apir.conformance.host import StepResult
 from apir.conformance.vectors import Context, Session, Step, VectorFile, compare
 
@@ -34,17 +35,7 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _PARAM_SUPPORTED_CAPSET_IDS = 7
 
-_NO_ARGS = {
-    "device_get_device_count",
-    "device_get_count",
-    "device_get_name",
-    "device_get_description",
-    "device_get_type",
-    "device_get_memory",
-    "device_get_buffer_type",
-    "device_get_props",
-}
-_BUFT_ONLY = {"buffer_type_get_name", "buffer_type_get_alignment", "buffer_type_get_max_size", "buffer_type_is_host"}
+_BY_NAME = {function.name: function for function in FORWARD.values()}
 
 
 class ReplayDevice:
@@ -226,24 +217,8 @@ def _call(client, vf: VectorFile, step: Step, dev: ReplayDevice) -> Optional[str
         client.handshake()
     elif step.raw["command_type"] == "LoadLibrary":
         client.load_library()
-    elif f in _NO_ARGS:
-        getattr(client, f)()
-    elif f in _BUFT_ONLY:
-        getattr(client, f)(a("buft"))
-    elif f == "buffer_type_alloc_buffer":
-        client.buffer_type_alloc_buffer(a("buft"), a("size"))
-    elif f == "device_supports_op":
-        address, keep = _inline_tensor(vf, step, "op")
-        client.device_supports_op(address, 1)
-        del keep
-    elif f == "buffer_type_get_alloc_size":
-        address, keep = _inline_tensor(vf, step, "op")
-        client.buffer_type_get_alloc_size(a("buft"), address, 1)
-        del keep
     elif f == "device_buffer_from_ptr":
         client.device_buffer_from_ptr(a("size"), a("max_tensor_size"))
-    elif f in ("buffer_get_base", "buffer_free_buffer"):
-        getattr(client, f)(a("buffer"))
     elif f == "buffer_set_tensor":
         data = np.frombuffer(bytes.fromhex(step.raw["shmem_in"]["hex"]), dtype=np.uint8)
         client.buffer_set_tensor(a("buffer"), _rpc_bytes(vf, step, "tensor"), a("offset"), data)
@@ -252,13 +227,25 @@ def _call(client, vf: VectorFile, step: Step, dev: ReplayDevice) -> Optional[str
         client.buffer_get_tensor(a("buffer"), _rpc_bytes(vf, step, "tensor"), a("offset"), out)
         if out.tobytes() != bytes.fromhex(step.raw["shmem_out"]["hex"]):
             return "the bytes the client returned are not the shared memory's"
-    elif f == "buffer_cpy_tensor":
-        client.buffer_cpy_tensor(a("buffer"), _rpc_bytes(vf, step, "src"), _rpc_bytes(vf, step, "dst"))
-    elif f == "buffer_clear":
-        client.buffer_clear(a("buffer"), a("value"))
     elif f == "backend_graph_compute":
         graph = serialize_vector_graph(vf, bytes.fromhex(step.raw["shmem_in"]["hex"]))
         client.backend_graph_compute(graph)
+    elif f in _BY_NAME:
+        # the client method takes the table's arguments in order; an inline tensor as its
+        # address and its buffer's handle
+        args: List[Any] = []
+        keep = []
+        for field in _BY_NAME[f].args:
+            if field.kind is Kind.RPC_TENSOR:
+                args.append(_rpc_bytes(vf, step, field.name))
+            elif field.kind is Kind.INLINE_TENSOR:
+                address, structs = _inline_tensor(vf, step, field.name)
+                args += [address, 1]
+                keep.append(structs)
+            else:
+                args.append(a(field.name))
+        getattr(client, f)(*args)
+        del keep
     else:
         return f"no driver for {f}"
     return None
