@@ -3,6 +3,7 @@
 - `constants`: command types, return codes, backend function ids, capset.
 - `wire`: `Encoder` / `Decoder`, 4-byte aligned values over any buffer.
 - `records`: `apir_rpc_tensor` and `ggml_tensor` as numpy structured dtypes.
+- `forward`: the 23 backend functions' arguments and replies, the table both sides encode by.
 - `graph`: cgraph serialization (guest) and the validating parse (host). Imported on use:
   it loads Numba.
 - `copy`: bounds-checked bulk copies (Numba too).
