@@ -36,7 +36,6 @@ __all__ = [
     "APIR_BACKEND_FORWARD_INDEX_INVALID",
     "CapsetApir",
     "negotiated_version",
-    "device_props_fields",
 ]
 
 # --- HandShake ---------------------------------------------------------------------------------
@@ -46,9 +45,6 @@ APIR_PROTOCOL_0_1 = (0, 1)  # ggml 0.10.x; device_get_props carries 4 booleans
 APIR_PROTOCOL_0_2 = (0, 2)  # ggml 0.20.x; device_get_props adds mmap_support (5 booleans)
 APIR_PROTOCOL_VERSIONS = (APIR_PROTOCOL_0_1, APIR_PROTOCOL_0_2)
 APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR = APIR_PROTOCOL_0_2  # what apir speaks by default
-# device_get_props' booleans (ggml_backend_dev_caps fields), in wire order, by version.
-_DEVICE_PROPS_0_1 = ("async", "host_buffer", "buffer_from_host_ptr", "events")
-_DEVICE_PROPS_0_2 = _DEVICE_PROPS_0_1 + ("mmap_support",)
 
 
 def negotiated_version(guest: Tuple[int, int], host: Tuple[int, int]) -> Tuple[int, int]:
@@ -61,13 +57,6 @@ def negotiated_version(guest: Tuple[int, int], host: Tuple[int, int]) -> Tuple[i
     if guest_v not in APIR_PROTOCOL_VERSIONS:
         return host_v
     return min(guest_v, host_v)
-
-
-def device_props_fields(version: Tuple[int, int]) -> Tuple[str, ...]:
-    """The `ggml_backend_dev_caps` booleans of device_get_props in APIR `version`, in wire
-    order (backend-dispatched-device.cpp / virtgpu-forward-device.cpp): 4 before 0.2, 5
-    from 0.2 on (adds mmap_support)."""
-    return _DEVICE_PROPS_0_1 if tuple(version) < APIR_PROTOCOL_0_2 else _DEVICE_PROPS_0_2
 
 
 # --- capsets (virtgpu.h, include/apir_hw.h) -----------------------------------------------------

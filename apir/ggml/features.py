@@ -34,7 +34,7 @@ Version = Tuple[int, int, int]  # (major, minor, patch) of ggml_version()
 @dataclass(frozen=True)
 class Series:
     """One ggml API series: `name` "MAJOR.MINOR"; `apir_protocol` the APIR (major, minor) its
-    C guest speaks (shapes device_get_props, apir.codec.constants.device_props_fields);
+    C guest speaks (shapes device_get_props, apir.codec.forward);
     `backend_api_version` its GGML_BACKEND_API_VERSION (ggml-backend-impl.h)."""
 
     name: str

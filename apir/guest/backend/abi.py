@@ -25,7 +25,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from apir.codec.constants import device_props_fields
+from apir.codec.constants import ApirBackendCommandType
+from apir.codec.forward import FORWARD
 from apir.errors import ApirError
 from apir.ggml.errors import GgmlLoadError
 from apir.ggml.features import SERIES, parse_version, series_name
@@ -133,7 +134,8 @@ def _spec(series: str) -> _Spec:
     # booleans of the APIR version its series speaks (tests/guest_backend/test_abi.py checks
     # them against each version's header).
     s = SERIES[series]
-    return _Spec(s.backend_api_version, _IFACES[series], device_props_fields(s.apir_protocol))
+    props = FORWARD[ApirBackendCommandType.DEVICE_GET_PROPS].reply_in(s.apir_protocol)
+    return _Spec(s.backend_api_version, _IFACES[series], tuple(f.name for f in props))
 
 
 # The API series whose backend structs are declared here ("0.10", "0.20").
