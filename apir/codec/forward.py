@@ -20,13 +20,19 @@ impossible size, raises `MalformedMessage` naming the first field that did not f
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from apir.codec.constants import APIR_PROTOCOL_0_1, APIR_PROTOCOL_0_2, ApirBackendCommandType as F
+from apir.codec.constants import (
+    APIR_PROTOCOL_0_1,
+    APIR_PROTOCOL_0_2,
+    APIR_PROTOCOL_VERSIONS,
+    ApirBackendCommandType as F,
+)
 from apir.codec.records import GgmlLimits, ggml_tensor_dtype, rpc_tensor_dtype
 from apir.codec.wire import Decoder, Encoder
 from apir.errors import ApirError
@@ -74,6 +80,14 @@ class Function:
     id: F
     args: Tuple[Field, ...] = ()
     reply: Tuple[Field, ...] = ()
+    # (args, reply) in each known version, worked out once: every call looks them up
+    _known: Dict[Version, Tuple[Tuple[Field, ...], Tuple[Field, ...]]] = dataclasses.field(
+        init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        known = {v: (_in_version(self.args, v), _in_version(self.reply, v)) for v in APIR_PROTOCOL_VERSIONS}
+        object.__setattr__(self, "_known", known)
 
     @property
     def name(self) -> str:
@@ -81,10 +95,16 @@ class Function:
         return self.id.c_name
 
     def args_in(self, version: Version) -> Tuple[Field, ...]:
-        return tuple(f for f in self.args if f.since <= tuple(version))
+        known = self._known.get(version)
+        return known[0] if known is not None else _in_version(self.args, version)
 
     def reply_in(self, version: Version) -> Tuple[Field, ...]:
-        return tuple(f for f in self.reply if f.since <= tuple(version))
+        known = self._known.get(version)
+        return known[1] if known is not None else _in_version(self.reply, version)
+
+
+def _in_version(fields: Tuple[Field, ...], version: Version) -> Tuple[Field, ...]:
+    return tuple(f for f in fields if f.since <= tuple(version))
 
 
 I32, U32, U8, BOOL, SIZE = Kind.I32, Kind.U32, Kind.U8, Kind.BOOL, Kind.SIZE
@@ -198,29 +218,45 @@ def _check_count(function: Function, fields: Sequence[Field], values: Sequence[A
         raise TypeError(f"{function.name}: {len(values)} {what} given, the table has {len(fields)} ({names})")
 
 
+# The Encoder and Decoder methods of the kinds that are one value.
+_WRITE: Dict[Kind, Callable[[Encoder, Any], None]] = {
+    I32: Encoder.i32,
+    U32: Encoder.u32,
+    RES_ID: Encoder.u32,
+    U8: Encoder.u8,
+    BOOL: Encoder.bool,
+    SIZE: Encoder.u64,
+    UINTPTR: Encoder.u64,
+    HANDLE: Encoder.u64,
+    STRING: Encoder.string,
+    RPC_TENSOR: Encoder.blob,
+}
+_READ: Dict[Kind, Callable[[Decoder], Any]] = {
+    I32: Decoder.i32,
+    U32: Decoder.u32,
+    RES_ID: Decoder.u32,
+    U8: Decoder.u8,
+    BOOL: Decoder.bool,
+    SIZE: Decoder.u64,
+    UINTPTR: Decoder.u64,
+    HANDLE: Decoder.u64,
+    STRING: Decoder.string,
+}
+
+
 def _encode(enc: Encoder, kind: Kind, value: Any) -> None:
-    if kind is I32:
-        enc.i32(value)
-    elif kind is U32 or kind is RES_ID:
-        enc.u32(value)
-    elif kind is U8:
-        enc.u8(value)
-    elif kind is BOOL:
-        enc.bool(value)
-    elif kind is SIZE or kind is UINTPTR or kind is HANDLE:
-        enc.u64(value)
-    elif kind is STRING:
-        enc.string(value)
-    elif kind is RPC_TENSOR:
-        enc.blob(value)
-    else:  # INLINE_TENSOR
-        enc.blob(value.tensor)
-        if value.buffer is not None:
-            enc.u64(value.buffer)
-        if value.view_src is not None:
-            enc.blob(value.view_src)
-        for src in value.srcs:
-            enc.blob(src)
+    write = _WRITE.get(kind)
+    if write is not None:
+        write(enc, value)
+        return
+    # INLINE_TENSOR
+    enc.blob(value.tensor)
+    if value.buffer is not None:
+        enc.u64(value.buffer)
+    if value.view_src is not None:
+        enc.blob(value.view_src)
+    for src in value.srcs:
+        enc.blob(src)
 
 
 def _decode_inline(dec: Decoder, dtype: np.dtype) -> Optional[InlineTensor]:
@@ -247,18 +283,9 @@ def _decode_inline(dec: Decoder, dtype: np.dtype) -> Optional[InlineTensor]:
 
 
 def _decode(dec: Decoder, kind: Kind, layouts: Optional[TensorLayouts]) -> Any:
-    if kind is I32:
-        return dec.i32()
-    if kind is U32 or kind is RES_ID:
-        return dec.u32()
-    if kind is U8:
-        return dec.u8()
-    if kind is BOOL:
-        return dec.bool()
-    if kind is SIZE or kind is UINTPTR or kind is HANDLE:
-        return dec.u64()
-    if kind is STRING:
-        return dec.string()
+    read = _READ.get(kind)
+    if read is not None:
+        return read(dec)
     if layouts is None:
         raise TypeError("decoding a tensor needs the TensorLayouts of the ggml build")
     if kind is RPC_TENSOR:
