@@ -3,9 +3,10 @@
 Theory of operation: tensor data moves between the guest's ggml memory (raw addresses),
 the shared data window (an mmap) and numpy arrays. Every endpoint is turned into an
 (address, length) pair first; the offsets and size are checked against both lengths before
-any byte moves, so a bad request raises ValueError and leaves both sides untouched. Large
-copies run in a Numba kernel (`llvm.memmove`) with the GIL released; small ones through
-`ctypes.memmove`, whose call costs less. Overlapping regions are copied as memmove does.
+any byte moves, so a bad request raises ValueError and leaves both sides untouched. The bytes
+move by `ctypes.memmove` (C's memmove, the GIL released); with `apir.accel.enabled()`, large
+copies by its Numba twin (`llvm.memmove`, GIL released, no ctypes call to pay). Overlapping
+regions are copied as memmove does.
 
 A raw address is passed as `RawMemory(address, length)` (or any (address, length) tuple):
 the caller vouches that the whole range is its own, readable (and writable as destination).
@@ -18,12 +19,17 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from apir.codec import _kernels as K
+from apir import accel
 
 __all__ = ["RawMemory", "copy_bytes", "KERNEL_MIN_BYTES"]
 
 # Below this size the ctypes call is cheaper than dispatching to the kernel.
 KERNEL_MIN_BYTES = 1 << 16
+
+# The copy of KERNEL_MIN_BYTES or more: C's memmove, or its Numba twin where enabled.
+_bulk_memmove = ctypes.memmove
+if accel.enabled():
+    from apir.codec._kernels import memmove_kernel as _bulk_memmove
 
 
 class RawMemory(NamedTuple):
@@ -73,7 +79,7 @@ def copy_bytes(dst, src, size: Optional[int] = None, *, dst_offset: int = 0, src
         raise ValueError(f"destination range [{dst_offset}, {dst_offset + size}) past its {d_len} bytes")
     if size:
         if size >= KERNEL_MIN_BYTES:
-            K.memmove_kernel(d_addr + dst_offset, s_addr + src_offset, size)
+            _bulk_memmove(d_addr + dst_offset, s_addr + src_offset, size)
         else:
             ctypes.memmove(d_addr + dst_offset, s_addr + src_offset, size)
     del d_keep, s_keep

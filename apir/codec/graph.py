@@ -8,32 +8,31 @@ Theory of operation. The guest sends a `ggml_cgraph` as
 addresses. The tensors are every tensor reachable from the nodes through src[] and
 view_src, in depth-first post-order: for each node, src[0..GGML_MAX_SRC) first, then
 view_src, then the tensor itself, each tensor once. Each record holds ne/nb narrowed to u32,
-the buffer as the host's handle, and data as an offset from the buffer's base.
-
-`serialize_graph` walks ggml's structs in place (a Numba kernel over raw addresses, see
-`_kernels`); it needs the guest's `BufferTable` (buffer pointer -> host handle, base). Unlike
-the C it zeroes every hole and the name's tail, and it raises instead of truncating ne/nb.
+the buffer as the host's handle, and data as an offset from the buffer's base. Unlike the C,
+`serialize_graph` zeroes every hole and the name's tail, and raises instead of truncating.
 
 `parse_graph` is the host's: the bytes come from guest-writable shared memory, so it copies
 them first and then validates the copy (counts against the size, ids non-zero and unique,
 every referenced id present, type and op valid, names terminated, no cycles). It returns index
 arrays the host can build tensors from in `order` without following any guest address.
 Buffer handles, data offsets and shapes are the host's to check against its own buffers.
+
+The code here is the plain reference. With `apir.accel.enabled()` each public function runs
+its Numba twin instead (`apir.codec.graph_accel`): the same bytes, arrays and errors.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
-import struct
-import threading
-from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from apir.codec import _kernels as K
-from apir.codec.records import GGML_0_20_LIMITS, GgmlLimits, field_offset, rpc_tensor_dtype
-from apir.errors import ApirError
+from apir import accel
+from apir.codec import graph_types as T
+from apir.codec.graph_types import BufferTable, GraphError, GraphWindow, ParsedGraph, graph_size, graph_window
+from apir.codec.records import GGML_0_20_LIMITS, GgmlLimits, rpc_tensor_dtype
 
 __all__ = [
     "BufferTable",
@@ -43,108 +42,23 @@ __all__ = [
     "parse_graph",
     "rpc_tensor_from_ggml",
     "graph_size",
+    "serialize_graph_plain",
+    "rpc_tensor_from_ggml_plain",
+    "parse_graph_plain",
 ]
 
-_U32 = struct.Struct("<I")
+_U32_MAX = 0xFFFFFFFF
+_U64_MASK = 2**64 - 1
 
 
-class GraphError(ApirError, ValueError):
-    """A serialized graph is malformed or hostile; the message says what is wrong."""
+@functools.lru_cache(maxsize=1)
+def _accelerated():
+    from apir.codec import graph_accel
+
+    return graph_accel
 
 
-class BufferTable:
-    """The guest's map of its remote buffers: `ggml_backend_buffer_t` pointer (int) ->
-    (host handle u64, base address int). The C guest keeps both in the buffer's context
-    (`ggml_backend_remoting_buffer_context`); apir keeps them here for the serializer.
-
-    Thread-safe: `arrays()` returns a consistent snapshot (sorted pointers, handles, bases,
-    all int64) that stays valid while other threads register or unregister."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._entries: dict[int, Tuple[int, int]] = {}
-        self._arrays = self._build()
-
-    def _build(self):
-        ptrs = sorted(self._entries)
-        handles = np.array([self._entries[p][0] for p in ptrs], dtype=np.uint64).view(np.int64)
-        bases = np.array([self._entries[p][1] for p in ptrs], dtype=np.uint64).view(np.int64)
-        return np.array(ptrs, dtype=np.uint64).view(np.int64), handles, bases
-
-    def register(self, buffer_ptr: int, handle: int, base: int) -> None:
-        """Adds or replaces the entry of `buffer_ptr` (non-zero)."""
-        if not buffer_ptr:
-            raise ValueError("buffer pointer must be non-zero")
-        with self._lock:
-            self._entries[int(buffer_ptr)] = (int(handle), int(base))
-            self._arrays = self._build()
-
-    def unregister(self, buffer_ptr: int) -> bool:
-        """Removes `buffer_ptr`; returns whether it was registered."""
-        with self._lock:
-            if self._entries.pop(int(buffer_ptr), None) is None:
-                return False
-            self._arrays = self._build()
-            return True
-
-    def lookup(self, buffer_ptr: int) -> Optional[Tuple[int, int]]:
-        """(handle, base) of `buffer_ptr`, or None."""
-        return self._entries.get(int(buffer_ptr))
-
-    def arrays(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(pointers sorted, handles, bases) as int64 arrays, for the kernels."""
-        return self._arrays
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, buffer_ptr) -> bool:
-        return int(buffer_ptr) in self._entries
-
-
-@functools.lru_cache(maxsize=8)
-def _rpc_layout(limits: GgmlLimits):
-    """(rl, lim, rpc dtype): the kernels' apir_rpc_tensor offsets and ggml sizes."""
-    rpc = rpc_tensor_dtype(limits)
-    rl = np.array([field_offset(rpc, f) for f in K.RL_FIELDS] + [rpc.itemsize], dtype=np.int64)
-    lim = np.array([limits.max_dims, limits.max_src, limits.max_op_params // 4, limits.max_name], dtype=np.int64)
-    return rl, lim, rpc
-
-
-@functools.lru_cache(maxsize=8)
-def _layout(tensor_dtype: np.dtype, limits: GgmlLimits):
-    """(tl, rl, lim, rpc dtype): adds the ggml_tensor offsets of one ggml build."""
-    tl = np.array([field_offset(tensor_dtype, f) for f in K.TL_FIELDS], dtype=np.int64)
-    return (tl,) + _rpc_layout(limits)
-
-
-def _tensor_desc(g, addr: int) -> str:
-    try:
-        name = g.ggml_get_name(addr)
-        name = name.decode(errors="replace") if name else ""
-    except Exception:  # pragma: no cover - a build without ggml_get_name
-        name = "?"
-    return f"tensor {addr:#x} ({name!r})"
-
-
-def _serialize_error(g, code: int, info: np.ndarray) -> ValueError:
-    t = int(info[0])
-    if code == K.SER_NARROW:
-        field = "ne" if info[1] == 0 else "nb"
-        return ValueError(
-            f"{_tensor_desc(g, t)}: {field}[{int(info[2])}] = {int(info[3]) & (2**64 - 1)} does not fit the wire's u32"
-        )
-    if code == K.SER_UNKNOWN_BUFFER:
-        return ValueError(
-            f"{_tensor_desc(g, t)}: buffer {int(info[1]) & (2**64 - 1):#x} is not a registered remote buffer"
-        )
-    if code == K.SER_DATA_NO_BUFFER:
-        return ValueError(f"{_tensor_desc(g, t)}: has data {int(info[1]) & (2**64 - 1):#x} but no buffer")
-    return ValueError(f"graph serialization failed with code {code}")  # pragma: no cover
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(4, (n - 1).bit_length())
+# --- serialization (guest): ggml_cgraph in memory -> wire bytes -------------------------------
 
 
 def serialize_graph(
@@ -157,131 +71,129 @@ def serialize_graph(
     uint8 array of exactly the graph's size; every byte defined (holes zeroed).
 
     `out` (a 1-D C-contiguous writable uint8 array) is written instead of a fresh array when
-    it is at least as large as the fresh one would be and the graph fits; the result is then
-    `out[:size]`. `result.base` is the array written either way: a caller serializing graph
-    after graph passes the last one back, since malloc may map a fresh array of this size
-    afresh on every call, whose pages then fault in again (seen for a 1,000-node graph: 130
-    page faults per call, 4x the time of the call without them).
+    it is large enough; the result is then `out[:size]`. `result.base` is the array written
+    either way: a caller serializing graph after graph passes the last one back, since malloc
+    may map a fresh array of this size afresh on every call, whose pages then fault in again.
 
     Raises ValueError when a tensor's ne/nb do not fit u32, when a tensor's buffer is not in
     `buffers`, or when a tensor has data but no buffer. The cgraph and its tensors must be
     live in this process (the guest's own ggml context): they are read at raw addresses."""
-    kernel = _kernel or K.serialize_graph_kernel
-    tl, rl, lim, rpc = _layout(g.tensor_dtype, g.limits)
-    n_nodes = int(g.ggml_graph_n_nodes(cgraph_addr))
-    nodes_addr = int(g.ggml_graph_nodes(cgraph_addr) or 0)
-    ptrs, handles, bases = buffers.arrays()
-    info = np.zeros(4, dtype=np.int64)
-    guess = 2 * n_nodes + 16  # tensors per graph: nodes plus their leafs and views
-    set_cap = _pow2_at_least(guess)
-    out_size = 8 + 8 * n_nodes + rpc.itemsize * guess
     if out is not None:
         if out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous or not out.flags.writeable:
             raise ValueError("out must be a 1-D C-contiguous writable uint8 array")
-        out_size = max(out_size, len(out))
-    while True:
-        if out is None or len(out) < out_size:
-            out = np.empty(out_size, dtype=np.uint8)
-        keys = np.zeros(set_cap, dtype=np.int64)
-        stack_t = np.empty(set_cap, dtype=np.int64)
-        stack_k = np.empty(set_cap, dtype=np.int64)
-        n = kernel(
-            nodes_addr,
-            n_nodes,
-            tl,
-            rl,
-            lim,
-            ptrs,
-            handles,
-            bases,
-            out.ctypes.data,
-            out_size,
-            keys,
-            stack_t,
-            stack_k,
-            info,
-        )
-        if n >= 0:
-            return out[:n]
-        if n == K.SER_OUT_FULL:
-            out_size = 8 + 8 * n_nodes + 2 * (out_size - 8 - 8 * n_nodes)
-        elif n == K.SER_SET_FULL:
-            set_cap *= 2
+    if _kernel is not None or accel.enabled():
+        return _accelerated().serialize_graph(g, cgraph_addr, buffers, out, _kernel)
+    return serialize_graph_plain(g, cgraph_addr, buffers, out=out)
+
+
+def _read_tensor(address: int, tensor_dtype: np.dtype) -> np.void:
+    """A copy of the ggml_tensor struct at `address`, as a record of `tensor_dtype`."""
+    return np.frombuffer(ctypes.string_at(address, tensor_dtype.itemsize), dtype=tensor_dtype)[0]
+
+
+def _sources(tensor: np.void) -> List[int]:
+    """src[0..GGML_MAX_SRC), then view_src: the order `apir_add_tensor` visits them in."""
+    return [int(s) for s in tensor["src"]] + [int(tensor["view_src"])]
+
+
+def _add_tensor(root: int, tensor_dtype: np.dtype, visited: Set[int], tensors: List[Tuple[int, np.void]]) -> None:
+    """The C `apir_add_tensor`: appends to `tensors` every tensor reachable from `root` that is
+    not in `visited` yet, each after its sources, as (address, struct). The C's recursion,
+    kept on a list: a chain of sources may run deeper than Python's recursion limit."""
+    if root == 0 or root in visited:
+        return
+    visited.add(root)
+    struct = _read_tensor(root, tensor_dtype)
+    path = [(root, struct, iter(_sources(struct)))]  # the tensors being visited, innermost last
+    while path:
+        address, struct, pending = path[-1]
+        source = next((s for s in pending if s != 0 and s not in visited), 0)
+        if source:
+            visited.add(source)
+            source_struct = _read_tensor(source, tensor_dtype)
+            path.append((source, source_struct, iter(_sources(source_struct))))
         else:
-            raise _serialize_error(g, n, info)
+            path.pop()
+            tensors.append((address, struct))
+
+
+def _serialize_tensor(g, address: int, tensor: np.void, buffers: BufferTable, record: np.void) -> None:
+    """The C `apir_serialize_tensor`: fills `record` (zeroed) from the ggml_tensor `tensor`
+    (its struct) at `address`. Raises ValueError as `serialize_graph`."""
+    record["id"] = address
+    record["type"] = tensor["type"]
+    base = 0
+    buffer = int(tensor["buffer"])
+    if buffer:
+        entry = buffers.lookup(buffer)
+        if entry is None:
+            raise T.unknown_buffer_error(g, address, buffer)
+        record["buffer"], base = entry
+    for dim, (ne, nb) in enumerate(zip(tensor["ne"].tolist(), tensor["nb"].tolist())):
+        if not 0 <= ne <= _U32_MAX:
+            raise T.narrow_error(g, address, "ne", dim, ne)
+        if nb > _U32_MAX:
+            raise T.narrow_error(g, address, "nb", dim, nb)
+    record["ne"] = tensor["ne"]
+    record["nb"] = tensor["nb"]
+    record["op"] = tensor["op"]
+    record["op_params"] = tensor["op_params"]
+    record["flags"] = tensor["flags"]
+    record["src"] = tensor["src"]
+    record["view_src"] = tensor["view_src"]
+    record["view_offs"] = tensor["view_offs"]
+    data = int(tensor["data"])
+    if data:
+        if not buffer:
+            raise T.data_no_buffer_error(g, address, data)
+        data = (data - base) & _U64_MASK  # an offset from the buffer's base
+    record["data"] = data
+    # snprintf(name, GGML_MAX_NAME, "%s", tensor->name): up to the NUL, at most max - 1 bytes
+    max_name = len(record["name"])
+    name = tensor["name"].tobytes().split(b"\0", 1)[0][: max_name - 1]
+    record["name"] = np.frombuffer(name.ljust(max_name, b"\0"), dtype="S1")
+
+
+def serialize_graph_plain(g, cgraph_addr: int, buffers: BufferTable, *, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """`serialize_graph` in plain Python (`out`, when given, already checked)."""
+    n_nodes = int(g.ggml_graph_n_nodes(cgraph_addr))
+    nodes = np.frombuffer(ctypes.string_at(g.ggml_graph_nodes(cgraph_addr), 8 * n_nodes) if n_nodes else b"", "<u8")
+    visited: Set[int] = set()
+    tensors: List[Tuple[int, np.void]] = []
+    for node in nodes.tolist():
+        _add_tensor(node, g.tensor_dtype, visited, tensors)
+    records = np.zeros(len(tensors), dtype=rpc_tensor_dtype(g.limits))
+    for record, (address, tensor) in zip(records, tensors):
+        _serialize_tensor(g, address, tensor, buffers, record)
+
+    size = graph_size(n_nodes, len(tensors), g.limits)
+    if out is None or len(out) < size:
+        out = np.empty(size, dtype=np.uint8)
+    graph = out[:size]
+    graph[0:4] = np.array([n_nodes], dtype="<u4").view(np.uint8)
+    graph[4 : 4 + 8 * n_nodes] = nodes.view(np.uint8)
+    graph[4 + 8 * n_nodes : 8 + 8 * n_nodes] = np.array([len(tensors)], dtype="<u4").view(np.uint8)
+    graph[8 + 8 * n_nodes :] = records.view(np.uint8)
+    return graph
 
 
 def rpc_tensor_from_ggml(g, tensor_addr: int, buffers: BufferTable, *, _kernel=None) -> np.void:
     """The apir_rpc_tensor record of the ggml_tensor at `tensor_addr` (the C
     `apir_serialize_tensor`), holes zeroed. Raises ValueError as `serialize_graph`."""
-    kernel = _kernel or K.serialize_tensor_kernel
-    tl, rl, lim, rpc = _layout(g.tensor_dtype, g.limits)
-    ptrs, handles, bases = buffers.arrays()
-    info = np.zeros(4, dtype=np.int64)
-    out = np.empty(1, dtype=rpc)
-    err = kernel(int(tensor_addr), out.ctypes.data, tl, rl, lim, ptrs, handles, bases, info)
-    if err != 0:
-        raise _serialize_error(g, err, info)
-    return out[0]
+    if _kernel is not None or accel.enabled():
+        return _accelerated().rpc_tensor_from_ggml(g, tensor_addr, buffers, _kernel)
+    return rpc_tensor_from_ggml_plain(g, tensor_addr, buffers)
 
 
-def graph_size(n_nodes: int, n_tensors: int, limits: GgmlLimits = GGML_0_20_LIMITS) -> int:
-    """Bytes of a serialized graph with these counts."""
-    return 8 + 8 * n_nodes + rpc_tensor_dtype(limits).itemsize * n_tensors
+def rpc_tensor_from_ggml_plain(g, tensor_addr: int, buffers: BufferTable) -> np.void:
+    """`rpc_tensor_from_ggml` in plain Python."""
+    record = np.zeros(1, dtype=rpc_tensor_dtype(g.limits))
+    address = int(tensor_addr)
+    _serialize_tensor(g, address, _read_tensor(address, g.tensor_dtype), buffers, record[0])
+    return record[0]
 
 
-@dataclass(frozen=True)
-class ParsedGraph:
-    """A validated graph (host side). Every array is the host's own copy.
-
-    node_ids        u64[n_nodes]     the graph's nodes, in order (guest ids)
-    tensors         rpc[n_tensors]   the apir_rpc_tensor records (`rpc_tensor_dtype(limits)`)
-    order           int32[n_tensors] indices into `tensors`, each after its srcs and view_src
-    node_index      int32[n_nodes]   index into `tensors` of each node
-    src_index       int32[n_tensors, max_src]  index of each src, -1 where none
-    view_src_index  int32[n_tensors] index of the view source, -1 where none
-    size            bytes the graph occupies (trailing bytes after it are ignored, as the C)
-    """
-
-    node_ids: np.ndarray
-    tensors: np.ndarray
-    order: np.ndarray
-    node_index: np.ndarray
-    src_index: np.ndarray
-    view_src_index: np.ndarray
-    size: int
-
-    @property
-    def n_nodes(self) -> int:
-        return len(self.node_ids)
-
-    @property
-    def n_tensors(self) -> int:
-        return len(self.tensors)
-
-
-def _parse_error(code: int, info: np.ndarray, tensors: np.ndarray) -> GraphError:
-    i = int(info[0])
-    u = lambda v: int(v) & (2**64 - 1)  # noqa: E731 - ids travel as u64, the kernel holds int64
-    if code == K.PARSE_ZERO_ID:
-        return GraphError(f"tensor {i}: id is 0")
-    if code == K.PARSE_DUP_ID:
-        return GraphError(f"tensor {i}: id {u(info[1]):#x} appears twice")
-    if code == K.PARSE_BAD_TYPE:
-        return GraphError(f"tensor {i}: type {int(info[1])} is not a ggml type of this build")
-    if code == K.PARSE_BAD_OP:
-        return GraphError(f"tensor {i}: op {int(info[1])} is out of range")
-    if code == K.PARSE_NAME:
-        return GraphError(f"tensor {i}: name is not NUL-terminated")
-    if code == K.PARSE_UNKNOWN_SRC:
-        return GraphError(f"tensor {i}: src[{int(info[1])}] = {u(info[2]):#x} is not among the tensors")
-    if code == K.PARSE_UNKNOWN_VIEW_SRC:
-        return GraphError(f"tensor {i}: view_src {u(info[1]):#x} is not among the tensors")
-    if code == K.PARSE_UNKNOWN_NODE:
-        return GraphError(f"node {i}: id {u(info[1]):#x} is not among the tensors")
-    if code == K.PARSE_CYCLE:
-        return GraphError(f"tensor {i}: its sources form a cycle")
-    return GraphError(f"graph parse failed with code {code}")  # pragma: no cover
+# --- validating parse (host): wire bytes -> indices ------------------------------------------
 
 
 def parse_graph(
@@ -297,75 +209,113 @@ def parse_graph(
     """Validates the graph in ``buf[start:end]`` (any readable buffer; typically the guest's
     shared memory) and returns a `ParsedGraph`. The host's side of `apir_decode_ggml_cgraph`.
 
-    The bytes are checked in a private copy (the kernel copies each record just before it
-    checks it), so a guest writing to the buffer meanwhile cannot change what was checked;
-    only the bytes the graph's counts claim are copied (the counts used are written back into
-    the copy), so a small graph in a large window costs what the graph does.
-    `op_count` is GGML_OP_COUNT; `type_valid` a bool array indexed by type, False for removed
-    types (`apir.ggml.lib.Ggml.valid_types`). Raises GraphError naming the first problem found."""
-    view = memoryview(buf)
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
-    total = len(view)
-    if end is None:
-        end = total
-    if not 0 <= start <= end <= total:
-        raise GraphError(f"graph window [{start}, {end}) outside a {total}-byte buffer")
-    size = end - start
-    rpc = rpc_tensor_dtype(limits)
-    if size < 4:
-        raise GraphError(f"graph of {size} bytes: no room for n_nodes")
-    n_nodes = _U32.unpack(view[start : start + 4])[0]
-    need = 4 + 8 * n_nodes + 4
-    if need > size:
-        raise GraphError(f"n_nodes = {n_nodes} needs {need} bytes, the graph has {size}")
-    n_tensors = _U32.unpack(view[start + need - 4 : start + need])[0]
-    need += rpc.itemsize * n_tensors
-    if need > size:
-        raise GraphError(f"n_tensors = {n_tensors} needs {need} bytes, the graph has {size}")
-    guest = np.frombuffer(view, dtype=np.uint8, count=need, offset=start)
-    data = np.empty(need, dtype=np.uint8)  # (the kernel copies the graph into it)
-    rl, lim, _ = _rpc_layout(limits)
-    kernel = _kernel or K.parse_graph_kernel
-    cap = _pow2_at_least(2 * n_tensors)
+    The bytes are checked in a private copy, so a guest writing to the buffer meanwhile
+    cannot change what was checked; only the bytes the graph's counts claim are copied (the
+    counts used are written back into the copy), so a small graph in a large window costs what
+    the graph does. `op_count` is GGML_OP_COUNT; `type_valid` a bool array indexed by type,
+    False for removed types (`apir.ggml.lib.Ggml.valid_types`). Raises GraphError naming the
+    first problem found."""
+    window = graph_window(buf, start, end, limits)
+    try:
+        if _kernel is not None or accel.enabled():
+            return _accelerated().parse_graph(window, limits, op_count, type_valid, _kernel)
+        return _parse_window(window, limits, op_count, type_valid)
+    finally:
+        del window  # a kept traceback must not pin the guest's buffer (an mmap could not close)
+
+
+def parse_graph_plain(
+    buf,
+    start: int = 0,
+    end: Optional[int] = None,
+    *,
+    limits: GgmlLimits = GGML_0_20_LIMITS,
+    op_count: int,
+    type_valid: np.ndarray,
+) -> ParsedGraph:
+    """`parse_graph` in plain Python."""
+    window = graph_window(buf, start, end, limits)
+    try:
+        return _parse_window(window, limits, op_count, type_valid)
+    finally:
+        del window
+
+
+def _parse_window(window: GraphWindow, limits: GgmlLimits, op_count: int, type_valid: np.ndarray) -> ParsedGraph:
+    n_nodes, n_tensors = window.n_nodes, window.n_tensors
+    data = window.guest.copy()  # the host's private copy: everything below reads only it
+    del window
+    T.write_counts(data, n_nodes, n_tensors)
+    node_ids = data[4 : 4 + 8 * n_nodes].view("<u8").copy()
+    tensors = np.frombuffer(data, dtype=rpc_tensor_dtype(limits), count=n_tensors, offset=8 + 8 * n_nodes)
+
+    # Each record on its own: id non-zero and unique, type and op valid, name terminated.
+    index: Dict[int, int] = {}  # id -> the record's index
+    names = tensors["name"]
+    for i, (tid, type_, op) in enumerate(zip(tensors["id"].tolist(), tensors["type"].tolist(), tensors["op"].tolist())):
+        if tid == 0:
+            raise T.zero_id_error(i)
+        if tid in index:
+            raise T.dup_id_error(i, tid)
+        index[tid] = i
+        if type_ >= len(type_valid) or not type_valid[type_]:
+            raise T.bad_type_error(i, type_)
+        if op >= op_count:
+            raise T.bad_op_error(i, op)
+        if b"\0" not in names[i].tobytes():
+            raise T.name_error(i)
+
+    # Every src and view_src id among the records (a source may come after its user).
+    src_index = np.full((n_tensors, limits.max_src), -1, dtype=np.int32)
+    view_src_index = np.full(n_tensors, -1, dtype=np.int32)
+    for i, (srcs, vid) in enumerate(zip(tensors["src"].tolist(), tensors["view_src"].tolist())):
+        for slot, sid in enumerate(srcs):
+            if sid:
+                if sid not in index:
+                    raise T.unknown_src_error(i, slot, sid)
+                src_index[i, slot] = index[sid]
+        if vid:
+            if vid not in index:
+                raise T.unknown_view_src_error(i, vid)
+            view_src_index[i] = index[vid]
     node_index = np.empty(n_nodes, dtype=np.int32)
-    src_index = np.empty((n_tensors, limits.max_src), dtype=np.int32)
-    view_src_index = np.empty(n_tensors, dtype=np.int32)
-    order = np.empty(n_tensors, dtype=np.int32)
-    map_keys = np.zeros(cap, dtype=np.int64)
-    map_vals = np.empty(cap, dtype=np.int32)
-    state = np.zeros(n_tensors, dtype=np.int8)
-    stack_t = np.empty(n_tensors, dtype=np.int32)
-    stack_k = np.empty(n_tensors, dtype=np.int32)
-    info = np.zeros(4, dtype=np.int64)
-    type_valid = np.ascontiguousarray(type_valid, dtype=np.bool_)
-    tensors = np.frombuffer(data, dtype=rpc, count=n_tensors, offset=8 + 8 * n_nodes)
-    err = kernel(
-        guest.ctypes.data,
-        data.ctypes.data,
-        n_nodes,
-        n_tensors,
-        rl,
-        lim,
-        int(op_count),
-        type_valid,
-        node_index,
-        src_index,
-        view_src_index,
-        order,
-        map_keys,
-        map_vals,
-        state,
-        stack_t,
-        stack_k,
-        info,
-        K.TABLE_KEY,
-    )
-    del guest, view
-    if err != 0:
-        raise _parse_error(err, info, tensors)
-    # The guest may have rewritten a count since it was read: the copy holds the ones used.
-    _U32.pack_into(data.data, 0, n_nodes)
-    _U32.pack_into(data.data, 4 + 8 * n_nodes, n_tensors)
-    node_ids = np.frombuffer(data, dtype="<u8", count=n_nodes, offset=4).copy()
-    return ParsedGraph(node_ids, tensors, order, node_index, src_index, view_src_index, need)
+    for i, nid in enumerate(node_ids.tolist()):
+        if nid not in index:  # (0 never is)
+            raise T.unknown_node_error(i, nid)
+        node_index[i] = index[nid]
+
+    order = np.array(_sources_first(src_index, view_src_index), dtype=np.int32)
+    return ParsedGraph(node_ids, tensors, order, node_index, src_index, view_src_index, len(data))
+
+
+def _sources_first(src_index: np.ndarray, view_src_index: np.ndarray) -> List[int]:
+    """The tensors' indices, each after its srcs and view_src; GraphError on a cycle. The
+    records' own order when it already is (the C lists sources first), else a depth-first
+    post-order from each tensor in turn, sources visited in slot order, then view_src."""
+    n = len(view_src_index)
+    own = np.arange(n)[:, None]
+    if (src_index < own).all() and (view_src_index < own[:, 0]).all():  # (-1: no source)
+        return list(range(n))
+    sources = [[s for s in srcs + [v] if s >= 0] for srcs, v in zip(src_index.tolist(), view_src_index.tolist())]
+    NEW, ON_PATH, DONE = 0, 1, 2
+    state = [NEW] * n
+    order: List[int] = []
+    for root in range(n):
+        if state[root] != NEW:
+            continue
+        state[root] = ON_PATH
+        path = [(root, iter(sources[root]))]
+        while path:
+            t, pending = path[-1]
+            for s in pending:
+                if state[s] == ON_PATH:
+                    raise T.cycle_error(t)
+                if state[s] == NEW:
+                    state[s] = ON_PATH
+                    path.append((s, iter(sources[s])))
+                    break
+            else:
+                state[t] = DONE
+                order.append(t)
+                path.pop()
+    return order

@@ -1,4 +1,5 @@
-"""apir.codec.copy: every kind of endpoint, bounds checked before any byte moves."""
+"""apir.codec.copy: every kind of endpoint, bounds checked before any byte moves, on the plain
+path (ctypes.memmove) and with the Numba bulk copy."""
 
 import ctypes
 import mmap
@@ -8,7 +9,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from apir import accel
+from apir.codec import copy as codec_copy
 from apir.codec.copy import KERNEL_MIN_BYTES, RawMemory, copy_bytes
+
+
+@pytest.fixture(params=["plain", "accel"], autouse=True)
+def path(request, monkeypatch):
+    """Each test on both bulk copies (the Numba one only where apir.accel is on)."""
+    if request.param == "accel":
+        if not accel.enabled():
+            pytest.skip("apir.accel is off: the plain path only")
+        from apir.codec._kernels import memmove_kernel
+
+        monkeypatch.setattr(codec_copy, "_bulk_memmove", memmove_kernel)
+    else:
+        monkeypatch.setattr(codec_copy, "_bulk_memmove", ctypes.memmove)
+    return request.param
 
 
 def pattern(n, seed=1):

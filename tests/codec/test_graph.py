@@ -1,5 +1,6 @@
 """apir.codec.graph against the C guest's apir_serialize_graph / apir_serialize_tensor, and
-the host's validating parse on good, broken and random input."""
+the host's validating parse on good, broken and random input: each test on the plain path and
+on the Numba twin (tests/codec/test_graph_accel.py compares the two on the same inputs)."""
 
 import ctypes
 import struct
@@ -9,13 +10,23 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from apir.codec import _kernels as K
+from apir import accel
 from apir.codec.graph import BufferTable, GraphError, parse_graph, rpc_tensor_from_ggml, serialize_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.ggml import InitParams
 from apir.ggml.layout import tensor_record
 from tests.codec.graphs import LONG_NAME, build_graph
 from tests.codec.masks import graph_garbage, record_garbage
+
+
+@pytest.fixture(params=["plain", "accel"], autouse=True)
+def path(request, monkeypatch):
+    """Runs the test on the plain path, then on the Numba twin (where apir.accel is on)."""
+    if request.param == "plain":
+        monkeypatch.setattr(accel, "enabled", lambda: False)
+    elif not accel.enabled():
+        pytest.skip("apir.accel is off: the plain path only")
+    return request.param
 
 
 def c_serialize(ref, cgraph) -> bytes:
@@ -302,7 +313,7 @@ def test_parse_serialized_graph(ggml, graphs, rpc, type_valid):
 
 
 @pytest.mark.parametrize("twin", [False, True])
-def test_parse_orders_records_listed_after_their_users(ggml, graphs, rpc, type_valid, twin):
+def test_parse_orders_records_listed_after_their_users(ggml, graphs, rpc, type_valid, twin, path):
     """Records in reverse (every source after its users: legal, though not the C's order) get a
     sources-first `order` from the depth-first search, not the records' own order (which the
     parse takes as it is only when every source comes first); a self-source is a cycle."""
@@ -312,7 +323,13 @@ def test_parse_orders_records_listed_after_their_users(ggml, graphs, rpc, type_v
     head = 8 + 8 * n_nodes
     recs = np.frombuffer(raw, rpc, offset=head)
     reordered = raw[:head] + recs[::-1].tobytes()
-    kernel = K.parse_graph_kernel.py_func if twin else None
+    kernel = None
+    if twin:  # the kernel's own Python twin (`py_func`), beside the accelerated path
+        if path == "plain":
+            pytest.skip("the kernel's twin is tested with the accelerated path")
+        from apir.codec import _kernels as K
+
+        kernel = K.parse_graph_kernel.py_func
     p = parse(reordered, ggml, type_valid, _kernel=kernel)
     check_parsed(p, reordered, rpc)
     assert list(p.order) != list(range(p.n_tensors))

@@ -5,8 +5,14 @@ import ctypes
 import numpy as np
 import pytest
 
+from apir import accel
+
+if not accel.enabled():
+    pytest.skip("apir.accel is off: the kernels are not used", allow_module_level=True)
+
 from apir.codec import _kernels as K
-from apir.codec.graph import _layout, _rpc_layout, parse_graph, serialize_graph
+from apir.codec.graph import parse_graph, serialize_graph
+from apir.codec.graph_accel import _layout, _rpc_layout
 from tests.codec.graphs import build_graph
 
 
