@@ -9,7 +9,7 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -111,8 +111,7 @@ class ParsedGraph:
         return len(self.tensors)
 
 
-@dataclass(frozen=True)
-class GraphWindow:
+class GraphWindow(NamedTuple):
     """The graph's bytes in the guest's buffer and the counts read from them (`graph_window`)."""
 
     guest: np.ndarray  # uint8[size]: the graph's bytes where the guest wrote them (no copy)
