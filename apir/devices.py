@@ -143,7 +143,7 @@ def open_client(
     """`ApirClient.connect(open_device(spec, config, **device_options))`: the device, its
     Remote, HandShake and LoadLibrary done. `client_options` go to `ApirClient.connect`
     (timeouts, limits, Remote options). Raises what open_device and ApirClient.connect raise."""
-    from apir.guest.client import ApirClient  # loads the codec's Numba kernels: on use only
+    from apir.guest.client import ApirClient  # may load the codec's Numba twins: on use only
 
     device = open_device(spec, config, **(device_options or {}))
     try:

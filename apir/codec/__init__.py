@@ -4,9 +4,11 @@
 - `wire`: `Encoder` / `Decoder`, 4-byte aligned values over any buffer.
 - `records`: `apir_rpc_tensor` and `ggml_tensor` as numpy structured dtypes.
 - `forward`: the 23 backend functions' arguments and replies, the table both sides encode by.
-- `graph`: cgraph serialization (guest) and the validating parse (host). Imported on use:
-  it loads Numba.
-- `copy`: bounds-checked bulk copies (Numba too).
+- `graph`: cgraph serialization (guest) and the validating parse (host).
+- `copy`: bounds-checked bulk copies.
+- `atomics`: the reply notification word (acquire loads, release stores).
+Each is plain Python; with `apir.accel.enabled()` its Numba twin runs (`*_accel`, `_kernels`),
+loaded only then.
 """
 
 from apir.codec.constants import *  # noqa: F401,F403 - the constants are the public surface

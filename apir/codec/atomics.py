@@ -204,11 +204,12 @@ _loads_per_s: float = 0.0
 
 def spins_for(seconds: float) -> int:
     """About how many acquire loads `spin_until_nonzero_u32` makes in `seconds` (at least
-    1). The rate is measured on first use (the fastest of three spins on a zero word, about
-    1 ms each: 2**15 loads with the x86-64 pause hint, fewer on the plain path)."""
+    1). The rate is measured on first use (the fastest of three spins on a zero word: 2**15
+    loads with the x86-64 pause hint, about 1 ms; on the plain path 64, each after a
+    `time.sleep(0)`, which on Linux may nap for the timer slack, 50-100 us)."""
     global _loads_per_s
     if not _loads_per_s:
-        loads = 1 << 15 if accel.enabled() else 1 << 10
+        loads = 1 << 15 if accel.enabled() else 1 << 6
         probe = np.zeros(8, dtype=np.uint8)
         _spin_until_nonzero(probe, 0, 64)  # compiled/loaded before timing
         best = float("inf")

@@ -13,7 +13,7 @@ Theory of operation (the C `create_virtgpu` + `remote_call*`, virtgpu.cpp):
 3. A call: encode the header (command type, flags, reply res_id) and the arguments, zero
    the notification word, EXECBUFFER, wait until the host stores `return code + 1` in the
    word (release store on its side, acquire load here), then decode the reply payload.
-   The wait spins for a short, adaptive time with the GIL released (Numba, nogil: an
+   The wait spins for a short, adaptive time letting the GIL go (apir.codec.atomics: an
    embedded host in another thread keeps running; one call spins the whole time, so this
    thread does not come back for the GIL while the host needs it), then sleeps with growing intervals, and
    raises `ApirTimeout` at its limit: 2 s for HandShake, 60 s for LoadLibrary (the C's),
