@@ -2,55 +2,20 @@
 
 Theory of operation: virglrenderer's APIR component dlopens the backend library named by
 `apir.load_library.path` and calls three of its symbols. `CLibrary` does the same through
-ctypes, so apir's `HostContext` (HandShake, resources, reply word) can serve a guest with the C
-dispatcher instead of the Python one:
+ctypes, so apir's `HostContext` can serve a guest with the C dispatcher instead of the Python one:
 
     initialize(host)           apir_backend_initialize(ctx_id, &callbacks)
     dispatch(fid, dec, enc)    apir_backend_dispatcher(ctx_id, &callbacks, fid, dec_cur, dec_end,
                                                        enc_cur, enc_end, &enc_cur_after)
     deinit()                   apir_backend_deinit(ctx_id), once the last context is gone
 
-The callbacks are `virgl_apir_callbacks` (backend-virgl-apir.h): `get_config(ctx_id, key)`
-answers from the `LibraryHost` of that ctx_id (its key/value table, then the environment), and
-`get_shmem_ptr(ctx_id, res_id)` returns the address of that context's blob, or NULL.
-
-The command bytes after the 12-byte header are copied into a private buffer (the C decoder
-takes a `char *`); the C encoder writes straight into the reply resource, between the encoder's
-position and its end, and the encoder is advanced by what the C reports in `enc_cur_after`.
-
-The C library keeps its state in process globals (`reg`, `dev`, `bck`, the tracked buffer list),
-initializes once (a second `apir_backend_initialize` answers ALREADY_INITED) and its deinit
-frees the buffers of every context. So one `_Shared` object per library file holds the handle
-and the initialization result for the whole process; every context gets its own `CLibrary`
-view onto it; the C deinit runs when the last context that initialized it is closed, and the
-globals are then reset so a later context can initialize again. Calls into the library are
-serialized by one lock: nothing in the C is thread-safe.
-
-Two ggml builds in one process do not mix: libggml-virtgpu-backend.so needs `libggml-base.so.0`
-and binds to whichever copy the process loaded first, while the ggml backend library it dlopens
-(`ggml.library.path`) brings its own. Run the C library in a process whose only ggml is the C
-build's (e.g. `APIR_GGML_LIB_DIR` / `APIR_GGML_INCLUDE_DIR` pointing at a build-c-reference.sh
-output, as docs/interop.md shows). `initialize` refuses, with the C's own code
-6 + APIR_BACKEND_INITIALIZE_CANNOT_OPEN_GGML_LIBRARY, when the libggml-base the C library bound
-to is not the one beside the configured ggml library.
-
-Buffers. The C buffer_free_buffer handler and apir_backend_deinit call `buffer->iface.free_buffer`
-without the NULL check ggml's own `ggml_backend_buffer_free` has; ggml CPU's buffers made by
-`buffer_from_host_ptr` (what device_buffer_from_ptr answers, and what the C guest uses whenever
-the device reports buffer_from_host_ptr, as CPU does) have none, so the C host crashes on the
-first free of such a buffer. The adapter therefore serves buffer_free_buffer itself with the C
-library's own pieces: `apir_untrack_backend_buffer(buffer)` (the same check and bookkeeping as the
-C handler, same return codes, no reply payload) and then ggml's `ggml_backend_buffer_free`. It
-also notes the buffer handles that device_buffer_from_ptr and buffer_type_alloc_buffer return to
-each context and frees that context's leftovers when it is closed, so a context's teardown frees
-exactly its buffers (the C deinit would free every context's) and the C deinit finds none.
-A buffer buffer_type_alloc_buffer returns is cleared to zeros (`ggml_backend_buffer_clear`)
-before the reply goes out: the C hands the guest heap memory as an earlier buffer, of any
-context, left it.
-
-Unlike apir's own dispatcher the C code trusts the guest: hostile bytes can crash the host
-process. That is the C's behaviour, kept on purpose; use it for interoperability, not as a
-hardened host.
+The C keeps its state in process globals and initializes once, so one `_Shared` object per
+library file holds it for the whole process and each context gets its own `CLibrary` view onto
+it; calls into the C are serialized by one lock. The adapter serves buffer_free_buffer itself
+(the C frees without ggml's NULL check), frees a context's own buffers when it closes, and
+clears each buffer alloc_buffer returns. The C trusts the guest: hostile bytes can crash the
+host, kept on purpose (interoperability, not a hardened host). docs/interop.md gives the
+callbacks, each of these choices and why, and the one-ggml-per-process check of `initialize`.
 """
 
 from __future__ import annotations
@@ -303,7 +268,7 @@ class CLibrary:
     def dispatch(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
         """`apir_backend_dispatcher` over the decoder's remaining bytes and the encoder's room.
         Returns the C's code (0 success, 1 failure, 6 invalid function id); the encoder advances
-        by what the C wrote. buffer_free_buffer is served here (see the module docstring)."""
+        by what the C wrote. buffer_free_buffer is served here (docs/interop.md says why)."""
         sh = self._shared
         host = self._host
         if host is None or not sh.initialized:

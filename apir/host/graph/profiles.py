@@ -1,53 +1,21 @@
 """Backend profiles: what the host knows about the kernels of one ggml backend.
 
 Theory of operation: every graph a guest sends is checked before compute against what the
-kernels that will run it assume (apir.host.graph.shapes). Those facts belong to a backend: the rule
-table, the type traits the rules read (`ggml_get_type_traits_cpu`: which types a row of F32
-converts into, each type's vec_dot type), the ops ggml-cpu runs on one task, the work buffer
-ggml-cpu plans (apir.host.graph.work_plan), and whether kernels read tensor memory the host can
-address (the row-id snapshot: the CPU kernel is pointed at the checked copy). A profile names
-them for one backend. A backend without a profile is not guessed at: its device answers
-`supports_op` false and its graphs are refused, so a guest schedules nothing there, instead of
-the host borrowing the CPU's rules for kernels they were not written for.
+kernels that will run it assume (apir.host.graph.shapes). Those facts belong to a backend: the
+rule table, the type traits the rules read, the ops ggml-cpu runs on one task, the work buffer
+ggml-cpu plans (apir.host.graph.work_plan), whether kernels read tensor memory the host can
+address, whether a built graph may be reused and whether copies may be deferred. A profile
+names them for one backend, by ggml registration name:
 
-Profiles (by ggml registration name):
     CPU     ggml-cpu: the rules as written (they mirror ggml-cpu's asserts and loops).
-    Vulkan  ggml-vulkan: the CPU's rules AND the device's own supports_op, on every node at
-            graph_compute too. Why that is safe: the rules only ever narrow what is computed
-            (each re-derives the node's shape from its sources as ggml's constructor does, and
-            checks strides against the checked extents), and that is what a GPU kernel
-            assumes too: it indexes by ne/nb; ggml-vulkan's own supports_op keeps away what
-            it has no shader for (it aborts on an unsupported node). The rules are stricter
-            than Vulkan needs where they encode CPU-only limits (types without a CPU
-            from_float / vec_dot, the one-thread rule): Vulkan then refuses what it could
-            run, never the reverse. Row ids are read through the backend
-            (`ggml_backend_tensor_get`) since Vulkan buffers are device memory, and, as on the
-            CPU, the kernel reads the checked copy: it is written into a device buffer made for
-            the graph, and the node's source points there (the guest may change the original,
-            e.g. in a buffer of its own memory, between the check and the kernel).
-            No work-buffer bound: ggml-vulkan sizes its scratch from the graph itself.
-            An empty source the CPU's rules let through for a ggml-cpu kernel read not to
-            touch it (`shapes.base.cpu_empty_sources_ok`: CONV_3D's empty kernel) is refused
-            (`shapes.base.without_cpu_exemptions`): the GPU kernel was not read for it.
-            Repeated graphs reuse their built host graph (apir.host.graph.cache): ggml-vulkan's
-            graph_compute writes nothing into the host's ggml_cgraph or tensors (its per-graph
-            state lives in its backend context and is reset at every compute; the node
-            reordering of its graph_optimize runs only under ggml_backend_sched), so a hit
-            only re-uploads the re-checked row ids into the device copy.
-            Copies to and from its device buffers are asynchronous (`async_transfers`,
-            apir.host.backend.transfers): ggml-vulkan's set/get_tensor_async, read for what they
-            assert and when they read the host memory, run from pinned staging and one
-            synchronize per batch.
-    RPC     ggml-rpc (servers added by `rpc:HOST:PORT`): the same as Vulkan. The rpc-server's
-            device runs the kernels (a CPU or a GPU of the server's), the server checks each
-            tensor against its buffer itself (ggml-rpc.cpp deserialize_tensor); remote memory
-            is not host-addressable. ggml-rpc serializes the whole graph at every compute
-            (it resends only a graph with a nonzero `uid`, which the host's ggml_new_graph_custom
-            leaves 0), so a reused host graph reaches the server as a fresh build would.
-            Synchronous copies (no `async_transfers`): ggml 0.20's ggml-rpc has no async
-            copies, and 0.25's were not audited for the host.
+    Vulkan  the CPU's rules AND the device's own supports_op on every node; row ids read into a
+            device copy the kernel reads; no work-buffer bound; asynchronous copies.
+    RPC     as Vulkan, with synchronous copies.
 
-Add a backend: a profile here (and its tests); nothing else in the host changes.
+A backend without a profile is not guessed at: its device answers `supports_op` false and its
+graphs are refused. Add a backend: a profile here (and its tests); nothing else in the host
+changes. docs/security.md says why the CPU's rules are safe for GPU kernels; docs/design.md
+("Host backends") what the audit of each backend found.
 """
 
 from __future__ import annotations
@@ -83,7 +51,7 @@ class BackendProfile:
     `device_checks_nodes`: every node must also pass the device's own `supports_op` at
     graph_compute (the backend aborts on a node it has no kernel for).
     `caches_graphs`: the backend's graph_compute leaves the host's ggml_cgraph and tensors as
-    built (audited per backend, see the module docstring), so a graph of a structure the
+    built (audited per backend, docs/design.md "Host backends"), so a graph of a structure the
     context computed before reuses its built host graph (apir.host.graph.cache).
     `async_transfers`: uploads into the backend's default-type buffers are deferred and
     row-id reads batched with its set/get_tensor_async (apir.host.backend.transfers; audited per
@@ -110,8 +78,8 @@ CPU = BackendProfile(
     device_checks_nodes=False,
     caches_graphs=True,
 )
-# The one-thread rule is a CPU fact; kept for Vulkan and RPC (see the module docstring: the
-# CPU's rules only narrow).
+# The one-thread rule is a CPU fact; kept for Vulkan and RPC (the CPU's rules only narrow:
+# docs/security.md).
 # Empty-source exemptions read in ggml-cpu's kernels only (`base.cpu_empty_sources_ok`) are
 # dropped: a GPU kernel was not read for them.
 VULKAN = BackendProfile(
