@@ -4,35 +4,13 @@ Theory of operation: `CommandTrace(path)` is the `HostContext.tracer` of every c
 makes (`traced_context_factory` wraps the context factory of `apir host serve` or of an
 embedded host). `HostContext.submit` calls `describe(ctx, command)` before each command, while
 the guest waits, and `finish(record, (rc, reply_bytes) or None, host_seconds)` after it. A
-record keeps the 12-byte header's meaning (command type, backend function), sizes and, for
-a Forward, its arguments as the Forward table names them: numbers, tensors' types and
-shapes, the graph's node count by op. Tensor contents, names and
-addresses never reach the file. Describing never raises: a command too hostile to describe
-gets the header fields only. Writes are line-buffered and locked, so a trace read while the
-host runs, or after it is killed, ends at the last whole command.
-
-File format (JSON lines, TRACE_VERSION 1): a first line ``{"apir_trace": 1, "started": ISO
-time, "pid": N}``, then one line per command:
-
-  t           seconds since the trace started, when the command began
-  ctx         the context id (one per guest context)
-  type        "HandShake", "LoadLibrary", "Forward", "invalid(N)" or "truncated"
-  function    Forward's backend function (`ApirBackendCommandType.c_name`, e.g.
-              "buffer_set_tensor"), or "unknown(N)"; absent for the other types
-  cmd_bytes   the command's length (header included)
-  rc          the return code sent, as on the wire, or null when no reply could be sent
-  status      "ok", or what went wrong: the return code's name (NO_DISPATCH_FCT,
-              CANNOT_OPEN, ...), "function rc N" (a Forward whose backend function
-              returned N != 0), "no reply"
-  reply_bytes the reply payload written after the notification word
-  host_us     the host's time for the command, microseconds
-  and a Forward's arguments, each under its name in the Forward table (apir.codec.forward),
-  read the way the host reads them; handles and resource ids are left out (they name
-  nothing outside the run), tensors are {"type": "F32", "ne": [4 dims], "op": name if not
-  NONE}, e.g. buffer_set_tensor's tensor, offset, size or buffer_cpy_tensor's src, dst;
-  backend_graph_compute's are graph_bytes, nodes, tensors, ops: the serialized graph's size,
-  its node and tensor counts and {op name: nodes}; "graph": "invalid" or "unreadable"
-  instead when the host could not parse it either
+record keeps the 12-byte header's meaning (command type, backend function), sizes, the return
+code and its status, the host's time and, for a Forward, its arguments as the Forward table
+names them: numbers, tensors' types and shapes, the graph's node count by op. Tensor contents,
+names and addresses never reach the file. Describing never raises: a command too hostile to
+describe gets the header fields only. Writes are line-buffered and locked, so a trace read
+while the host runs, or after it is killed, ends at the last whole command. The file format,
+field by field: docs/design.md, "The call trace".
 
 `read_trace(path)` gives the records back and `format_trace(records)` the `apir trace` text:
 one line per command (with its arguments, short), a per-function summary (calls, errors, host
@@ -104,7 +82,7 @@ def _function_name(function_id: int) -> str:
 
 
 def _status(type_name: str, rc: Optional[int]) -> str:
-    """ "ok" or a name for what `rc` says went wrong (see the module docstring)."""
+    """ "ok" or a name for what `rc` says went wrong (docs/design.md, "The call trace")."""
     if rc is None:
         return "no reply"
     if type_name == "HandShake":
