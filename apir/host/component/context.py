@@ -8,22 +8,15 @@ reply payload 4 bytes into that resource, and then stores `return_code + 1` in i
 bytes: the notification word the guest polls.
 
     HandShake   (0)  guest major, minor -> host major, minor; returns APIR_HANDSHAKE_MAGIC.
-                     Guests 0.1 and 0.2 are accepted; the guest's version is kept so replies
-                     match it (device_get_props: 4 booleans for 0.1, 5 for 0.2).
+                     The guest's version is kept so replies match it (device_get_props).
     LoadLibrary (1)  loads the backend library (see `apir.host.library`); the C codes.
     Forward     (2)  flags = backend function id; returns 4 + the function's return code,
                      or 1 (APIR_FORWARD_NO_DISPATCH_FCT) when no library is loaded.
 
 Over the Venus capset (4) the guest adds 331 to the command type; it is subtracted here.
-
-Unlike the C component, which writes no reply (and so hangs the guest) for an unknown
-command type, a truncated header or a bad reply resource, every command gets a reply
-whenever a reply resource is known: the one the header names, else the last one this context
-replied through. Such replies carry `COMMAND_MALFORMED` (1), which every guest reads as a
-failure of any of the three commands. `submit` never raises for guest input.
-
-Configuration: `get_config(key)` reads the context's key/value table (the C
-`virgl_apir_configure_kv`), then the key's environment variable (apir.host.config).
+Unlike the C component, every command gets a reply whenever a reply resource is known, a
+malformed one `COMMAND_MALFORMED`, and `submit` never raises for guest input. docs/protocol.md
+(sections 3-5 and 9) gives each case; docs/design.md ("Host seam") the configuration lookup.
 """
 
 from __future__ import annotations

@@ -1,44 +1,21 @@
 """The local host: a Unix-socket server playing the virtio-gpu kernel driver and the hypervisor.
 
 Theory of operation: each accepted connection is one guest's opened render node and, after
-CONTEXT_INIT, one APIR context (`apir.host.component.context.HostContext`). A thread per connection reads
-requests (apir.local.wire), answers each with one reply, and owns the context's shared memory
-file (apir.host.local.memfile) through a KernelContext (apir.host.local.kernel), which plays the
-driver for that guest: CREATE_BLOB places a blob in the file and registers its host
-mapping with the context as a resource; MAP returns its offset; GEM_CLOSE removes it; EXECBUFFER
-runs the command synchronously with `HostContext.submit` (which writes the APIR reply into the
-reply blob) and then replies, so a guest waiting on the socket learns both completion and, through
-EOF, the host's death. When the connection ends for any reason (close, guest crash, protocol
-error), the context is closed and every blob of it freed.
+CONTEXT_INIT, one APIR context (`apir.host.component.context.HostContext`). A thread per
+connection reads requests (apir.local.wire), answers each with one reply, and owns the context's
+shared memory file (apir.host.local.memfile) through a KernelContext (apir.host.local.kernel),
+which plays the driver for that guest: CREATE_BLOB places a blob in the file and registers it
+with the context as a resource; EXECBUFFER runs the command with `HostContext.submit` and then
+replies, so a guest waiting on the socket learns both completion and, through EOF, the host's
+death. When the connection ends for any reason, the context is closed and its blobs freed.
 
-Every guest byte is hostile: an unknown op, a wrong length, an unknown handle or an oversized blob
-gets an errno reply; a length the stream cannot survive (over MAX_PAYLOAD) or a bad HELLO closes
-the connection. Nothing a guest sends raises out of its connection thread. STAT answers a
-connection with its own counts only (other guests' contexts, blobs and bytes are theirs),
-unless the server was made with `stat_host_wide` (tests and debugging). The socket file gets
-mode `socket_mode` (default 0600: the owner's guests only), whatever the process umask.
-
-What guests can make the host hold is bounded (apir.host.config): connections
-(`apir.local.max_connections`; the accept thread closes any beyond it at once), the time a new
-connection has to send HELLO (`apir.local.hello_timeout_s`), blobs per context
-(`apir.local.max_blobs`), and no blob holds a descriptor of its own (apir.local.shm). A guest
-that hangs up while its graph computes cancels the compute (apir.host.local.hangup). Should the
-process run out of descriptors anyway (EMFILE, ENFILE) or memory, the accept thread backs off and
-keeps accepting once there are some again: a guest that leaves gives the host back to the others.
-
-After each reply a connection thread polls its socket for up to `apir.local.spin_s` (default
-200 us, at most MAX_LOCAL_SPIN_S; apir.host.config) before it blocks in recv, while spinning
-pays (apir.local.spin_policy) and it is the server's only connection: a guest's next small
-call then costs no wake-up. An idle connection spins once, then sleeps. (The poll loop holds
-the GIL between polls, so another guest's thread, woken by its request, would wait for the
-spin to end: a neighbour's spins slowed another guest's small calls 1.3-2x.)
-
-A guest that asked for the exec ring (Op.RING; apir.local.exec_ring) posts its EXECBUFFERs in a
-page of its shared memory file: the connection thread then polls that page's `posted` word
-without a system call (and its socket every _RING_SLICE_S) under the same rules, runs a
-command posted there as an EXECBUFFER message's, and, before it handles any request, runs what
-the ring holds, so the order of commands and requests is the guest's. Not polling, it stores
-`polling` 0 and the guest sends KICK.
+Every guest byte is hostile: a bad request gets an errno reply, one the stream cannot survive
+closes the connection, and nothing a guest sends raises out of its connection thread. What
+guests can make the host hold is bounded (apir.host.config), and a guest that hangs up while
+its graph computes cancels the compute (apir.host.local.hangup). After each reply a connection
+thread polls its socket, or its exec ring (apir.local.exec_ring), for a short while before it
+blocks, while that pays. docs/local-transport.md gives the wire, each op's rules, the bounds,
+the exec ring and the polling rules, with why.
 """
 
 from __future__ import annotations
