@@ -8,20 +8,15 @@ buffer still costs the host a ggml buffer, a handle and a table entry. A charge 
 three bounds below, or the buffer is not made (the guest gets a null handle, as from a failed
 ggml allocation):
 
-    apir.host.buffer_budget  (env APIR_HOST_BUFFER_BUDGET)   bytes one context may hold.
-        Default: half the device's total memory (`ggml_backend_dev_memory`; the machine's
-        physical memory when the device reports none).
-    apir.host.memory_limit   (env APIR_HOST_MEMORY_LIMIT)    bytes all contexts of this host
-        process (one socket host, one embedded host) may hold together. Default: three
-        quarters of the device's total memory. Each context checks the process-wide total
-        against the limit it was configured with.
-    apir.host.max_buffers    (env APIR_HOST_MAX_BUFFERS)     buffers one context may hold at
-        once. Default 4096.
+    apir.host.buffer_budget  bytes one context may hold; default half the device's total memory
+    apir.host.memory_limit   bytes all contexts of this host process may hold together;
+                             default three quarters of the device's total memory
+    apir.host.max_buffers    buffers one context may hold at once; default 4096
 
-Values are decimal integers, read from the context's configuration (then the environment)
-when the backend library initializes; a value that is not a non-negative integer is logged
-and taken as 0, so a mistyped limit refuses every buffer rather than lifting the bound.
-Blob (shared-memory) bytes are bounded by the transport, not here.
+The device's total memory is `ggml_backend_dev_memory`'s, or the machine's physical memory when
+the device reports none. A value that is not a non-negative integer is logged and taken as 0, so
+a mistyped limit refuses every buffer rather than lifting the bound. Blob (shared-memory) bytes
+are bounded by the transport, not here. docs/security.md (section 2) has the rest.
 """
 
 from __future__ import annotations

@@ -4,23 +4,19 @@ Theory of operation: ggml backends that can stop a compute offer
 `ggml_backend_set_abort_callback(backend, callback, data)` through their registry's proc address
 (the CPU backend's is `ggml_backend_cpu_set_abort_callback`). ggml calls `callback(data)` from
 its compute thread after each node and, when it returns true, stops the graph there: the compute
-returns GGML_STATUS_ABORTED. The callback installed here is compiled code
-(`apir.codec.atomics.nonzero_u32_callback`) that reads one u32, the context's abort flag, without
-the GIL, so checking costs a few nanoseconds per node and never waits on Python.
+returns GGML_STATUS_ABORTED (read from the loaded ggml, `Ggml.statuses`). The callback installed
+here is compiled code (`apir.codec.atomics.nonzero_u32_callback`) that reads one u32, the
+context's abort flag, without the GIL, so checking it never waits on Python.
 
 Python sets the flag (a release store) from any thread:
-
 - the time limit: `run` arms a deadline `apir.host.graph_time_limit_s` ahead (apir.host.config;
-  default 300 s, 0 none) with one watchdog thread per process, which sets the flag of a compute
-  that reaches its deadline; `run` disarms it when the compute ends;
+  default 300 s, 0 none); one watchdog thread per process sets the flag of a compute that
+  reaches its deadline, and `run` disarms it when the compute ends;
 - `cancel(reason)`: the context is being destroyed or its guest disconnected (HostContext.close,
-  the socket host noticing a hang-up). It is final: the compute in flight stops after its current
-  node, and every later `run` returns GGML_STATUS_ABORTED without computing.
+  the socket host noticing a hang-up). It is final: the compute in flight stops after its
+  current node, and every later `run` returns GGML_STATUS_ABORTED without computing.
 
-ggml looks at the flag only between nodes, so one node runs to its end whatever happens (the
-shape rules and the work-size bound keep one node's work bounded). A backend without the proc
-address cannot be stopped: its graphs run to completion, and only `cancel`'s refusal of later
-graphs applies. GGML_STATUS_ABORTED is read from the loaded ggml (`Ggml.statuses`).
+What this cannot stop (the node running; a backend without the proc address): docs/security.md.
 """
 
 from __future__ import annotations
