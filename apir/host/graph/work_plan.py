@@ -5,29 +5,16 @@ Theory of operation: the CPU backend's `ggml_backend_cpu_graph_compute` (ggml-cp
 a size the machine cannot give throws `std::bad_alloc` through C, and the host process
 aborts (SIGABRT), taking every other guest with it. The plan is a pure function of the graph
 and the thread count, so `check_work_size` runs the same `ggml_graph_plan` on the checked
-host graph with the backend's thread count first and refuses the graph when the planned
-`work_size` exceeds the context's work budget. Only then is the graph computed. (A context
-with `apir.host.n_threads=free` may compute a graph on fewer threads than it plans with: a
-plan only grows with the count, so the bound holds, and whether a graph passes does not
-depend on the machine's load.)
+host graph with the backend's thread count first and refuses the graph (`Refused`) when the
+planned `work_size` exceeds the context's work budget. Only then is the graph computed.
 
-The rules (apir.host.graph.shapes) and `base.check_span` already keep each tensor's dimensions
-within its buffer, so the plan's arithmetic cannot wrap; this bound covers what is left:
-work buffers sized by sums and products over several tensors, thread counts, and any op
-whose planning a rule does not model.
-
-Configuration: `apir.host.work_budget` (bytes, apir.host.config `CONFIG_KEY_WORK_BUDGET`),
-default `DEFAULT_WORK_BUDGET` (1 GiB). Legitimate work buffers are about the size of a graph's
-largest source converted to another type (MUL_MAT's F32 src1 as the weights' dot type;
-CONV_TRANSPOSE_*'s copies of kernel and input; per-thread rows for the rest): far below it
-for models whose activations fit in a few hundred MiB. A value that is not a number means 0
-(every graph that plans a work buffer is refused), as for `apir.host.buffer_budget`.
-
-Backends: only a CPU backend (`ggml_backend_is_cpu`, and a backend profile that says so,
-apir.host.graph.profiles `plans_work_buffer`) plans this way; another backend (Vulkan, RPC, a
-configured `ggml.library.path`) allocates its own scratch, and no bound is applied here.
-
-Errors: `Refused` when the plan exceeds the budget.
+The budget is `apir.host.work_budget` (bytes, apir.host.config `CONFIG_KEY_WORK_BUDGET`),
+default `DEFAULT_WORK_BUDGET` (1 GiB); a value that is not a number means 0 (every graph that
+plans a work buffer is refused), as for `apir.host.buffer_budget`. Only a CPU backend
+(`ggml_backend_is_cpu`, and a profile whose `plans_work_buffer` says so) plans this way;
+another backend (Vulkan, RPC, a configured `ggml.library.path`) allocates its own scratch, and
+no bound is applied here. docs/security.md says what this bound covers beyond the shape rules,
+why the default leaves room for real models, and why a varying thread count keeps it sound.
 """
 
 from __future__ import annotations
@@ -68,7 +55,7 @@ def work_budget(lib: GraphLibrary) -> int:
 
 def check_work_size(lib: GraphLibrary, graph: int, planned: Optional[Dict[int, int]] = None) -> int | None:
     """Refuses `graph` when the CPU backend of dispatcher `lib` would plan more work buffer
-    for it than `work_budget(lib)` (issue 13, class 2); returns the planned size (None for a
+    for it than `work_budget(lib)` (its failed allocation would abort the host); returns the planned size (None for a
     backend that is not the CPU's). `planned`: the sizes planned for this very host graph
     before, by thread count (a cached graph's; filled here), since the plan depends on
     nothing else. Raises Refused."""
