@@ -55,10 +55,10 @@ def work_budget(lib: GraphLibrary) -> int:
 
 def check_work_size(lib: GraphLibrary, graph: int, planned: Optional[Dict[int, int]] = None) -> int | None:
     """Refuses `graph` when the CPU backend of dispatcher `lib` would plan more work buffer
-    for it than `work_budget(lib)` (its failed allocation would abort the host); returns the planned size (None for a
-    backend that is not the CPU's). `planned`: the sizes planned for this very host graph
-    before, by thread count (a cached graph's; filled here), since the plan depends on
-    nothing else. Raises Refused."""
+    for it than `work_budget(lib)` (its failed allocation would abort the host); returns the
+    planned size (None for a backend that is not the CPU's). `planned`: the sizes planned for
+    this very host graph before, by thread count (a cached graph's; filled here), since the
+    plan depends on nothing else. Raises Refused."""
     g = lib.g
     if not profile_of(lib).plans_work_buffer or not g.ggml_backend_is_cpu(lib.backend):
         return None
