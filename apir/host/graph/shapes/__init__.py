@@ -10,14 +10,10 @@ An op with no rule here is refused: the host computes only what it can check.
 
 Each rule takes the node and its sources as `TensorInfo` (and the build's enum sizes,
 `OpEnums`) and raises Refused. Rules are keyed by op name: an op this ggml build lacks simply
-has no rule. Where ggml only `assert`s (compiled out in release builds) the rule still
-checks, and a rule may be stricter than ggml (e.g. rows packed where ggml would accept a
-gap) when that is what keeps the kernel's pointer arithmetic inside the checked extents:
-every tensor's extent (ne, nb) is already checked against its buffer by the caller, so what
-a rule must prove is that the kernel walks each tensor only within its own ne and nb.
-
-Row ids are data, not shape, and empty tensors have no extent: both are checked apart from
-the shapes (`base.row_ids`, `base.check_empty_sources`); docs/security.md says how.
+has no rule. Every tensor's extent is checked against its buffer first, so a rule proves that
+the kernel walks each tensor only within its own ne and nb; row ids and empty tensors are
+checked apart from the shapes (`base.row_ids`, `base.check_empty_sources`). docs/security.md
+says how, and when a rule is stricter than ggml.
 
 Rules live in one module per family of ops, each with a `RULES` table; this package merges
 them into `CHECKED_OPS`.
