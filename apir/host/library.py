@@ -1,8 +1,7 @@
 """What LoadLibrary loads: the backend library protocol and how the component picks one.
 
 Theory of operation: virglrenderer's APIR component dlopens a backend library
-(`apir.load_library.path`) and calls three symbols of it. apir mirrors that seam as a small
-protocol, `BackendLibrary`:
+(`apir.load_library.path`) and calls three symbols of it; apir mirrors that seam as `BackendLibrary`:
 
     initialize(host) -> int          apir_backend_initialize(ctx_id, callbacks)
     dispatch(function_id, dec, enc)  apir_backend_dispatcher(ctx_id, callbacks, cmd_type, ...)
@@ -10,22 +9,14 @@ protocol, `BackendLibrary`:
 
 and what the component asks of it that the C seam has no symbol for: `cancel_compute(reason)`
 (the guest is gone), `forget_resource(res_id)` (a blob is being removed), `buffer_count()`
-and `commands_bounded_in_time` (a C library: no-op, None, False).
-
-`host` is the `LibraryHost` the component passes, the twin of `virgl_apir_callbacks`:
-`get_config(key)`, `get_shmem(res_id)` (a `Resource`, with its size, where the C gives a bare
-pointer), plus `ctx_id`, `guest_version` and `host_version`. `initialize` returns the C's codes: 3/4/5 for a
-missing configuration, an unopenable library or a missing symbol, and 6 + n for the ggml
-dispatcher's own `APIR_BACKEND_INITIALIZE_*` code n (so 6 is success, like 0).
-
-With no backend library configured, the built-in Python dispatcher
-(`apir.host.backend.library.PythonBackendLibrary`) is used. A configured path goes to the
-`library_factory` the `HostContext` was given; the default one
-(`apir.host.backend.c_library.c_library_factory`) opens it as a C backend library
-(`libggml-virtgpu-backend.so`) through `apir.host.backend.c_library.CLibrary`, so `apir host serve
---backend-library PATH` serves it from configuration alone. That adapter refuses to initialize
-(6 + APIR_BACKEND_INITIALIZE_CANNOT_OPEN_GGML_LIBRARY) when the C library bound to another
-ggml build's libggml-base than the configured ggml library's (docs/interop.md).
+and `commands_bounded_in_time` (a C library: no-op, None, False). `host` is the `LibraryHost`
+the component passes, the twin of `virgl_apir_callbacks`: `get_config(key)`, `get_shmem(res_id)`
+(a `Resource`, with its size, where the C gives a bare pointer), `ctx_id`, `guest_version`,
+`host_version`. `initialize` returns the C's codes: 3/4/5 for a missing configuration, an
+unopenable library or a missing symbol, 6 + n for the ggml dispatcher's own code n (6 is
+success, like 0). Without a configured library the built-in `apir.host.backend.library.
+PythonBackendLibrary` serves; a configured path goes to the `HostContext`'s `library_factory`,
+by default the C adapter (apir.host.backend.c_library; docs/interop.md).
 """
 
 from __future__ import annotations

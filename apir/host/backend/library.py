@@ -3,23 +3,20 @@
 Theory of operation: the twin of ggml's `libggml-virtgpu-backend.so` (`backend.cpp`,
 `backend-dispatched.cpp`), as a `BackendLibrary`. `initialize` picks the ggml backend: with
 `ggml.library.path` configured, that shared library's registration symbol (`ggml.library.reg`,
-default `ggml_backend_init`) and its device 0, like the C; else with `apir.host.backend`
-(`apir host serve --backend`), the device that spec names in the loaded ggml's registry
-(apir.ggml.backend_spec: `cpu`, `vulkan[:N]`, `rpc:HOST:PORT[,...]`; the contexts of a host
-on several rpc servers are spread over their devices in turn); else the CPU device
-(`ggml_backend_dev_by_type(CPU)`). That device serves every command; one `ggml_backend_t` runs
-the graphs. The backend's profile (apir.host.graph.profiles, by registration name) holds the rules
-its graphs are checked with; a backend without one computes nothing.
+default `ggml_backend_init`) and its device 0, like the C; else the device `apir.host.backend`
+names in the loaded ggml's registry (apir.ggml.backend_spec; a host on several rpc servers
+spreads its contexts over their devices in turn); else the CPU device. That device serves every
+command; one `ggml_backend_t` runs the graphs, checked with the rules of the backend's profile
+(apir.host.graph.profiles; a backend without one computes nothing).
 
 Unlike the C, whose buffer list is process-wide, everything a guest can name lives in this
 object, one per context: buffer types and buffers by opaque id (`apir.host.handles`), each
-buffer with its virtual base. `deinit` frees exactly these buffers. Every buffer is charged to
-the context's budget and the process's memory limit (apir.host.backend.budget), and a buffer ggml
-allocates is cleared to zeros before the guest can read it. Graphs run under the context's
-abort flag (apir.host.backend.compute_abort): a time limit per graph, and `cancel_compute` when the
-context is being destroyed or its guest left. On a profile with `async_transfers` the context's
-uploads into device buffers are deferred and flushed before any other command
-(apir.host.backend.transfers, `transfers`); its buffers are freed only after a flush.
+buffer with its virtual base; `deinit` frees exactly these buffers. Every buffer is charged to
+the budgets (apir.host.backend.budget), and a buffer ggml allocates is cleared to zeros before
+the guest can read it. Graphs run under the context's abort flag (apir.host.backend.
+compute_abort). On a profile with `async_transfers` uploads into device buffers are deferred
+and flushed before any other command (apir.host.backend.transfers); buffers are freed only
+after a flush. docs/design.md ("Host backends") has the whole picture.
 """
 
 from __future__ import annotations
@@ -354,10 +351,9 @@ class PythonBackendLibrary:
         """With `apir.host.n_threads` N_THREADS_FREE, sets the next graph's threads: no more
         than the cores other processes' runnable threads leave free now
         (apir.local.spin_policy.free_cores). ggml's workers meet at a spinning barrier after
-        every node, so one sharing its core holds up the rest until it runs again: on a busy
-        2-core machine all-MiniLM-L6-v2's graph of 3 sentences took 0.27 s (median) on 2
-        threads and 0.08 s on 1. Opt-in (`apir embed` asks for it): a few ops' bytes depend
-        on the count (CROSS_ENTROPY_LOSS sums per thread), MiniLM's do not."""
+        every node, so one sharing its core holds up the rest until it runs again (docs/design.md,
+        Measurements). Opt-in (`apir embed` asks for it): a few ops' bytes depend on the count
+        (CROSS_ENTROPY_LOSS sums per thread), MiniLM's do not."""
         if self._free_threads is None or self.n_threads == 1:
             return
         n = min(self.n_threads, free_cores())
