@@ -11,15 +11,11 @@ the context's thread count, attached once, freed after its backend.
 `poll` is ggml's polling level (0-100, `struct ggml_threadpool_params.poll`): how long idle
 workers spin for the next graph before they sleep. The default here is 0: between two graphs
 the host's dispatcher thread parses and checks the next one, and spinning workers would take
-the cores it needs.
-
-`struct ggml_threadpool_params`'s layout comes from the build's header (its leading cpumask is
-GGML_MAX_N_THREADS long) and is checked once against `ggml_threadpool_params_init`; a build
-where any of it is missing gets no pool.
-
-The pools of one process hold at most `max_pool_threads()` worker threads together (an idle
-context keeps its pool, and ggml_threadpool_new aborts when the OS refuses a thread); a context
-past that bound computes with the disposable pool.
+the cores it needs. `struct ggml_threadpool_params`'s layout comes from the build's header (its
+leading cpumask is GGML_MAX_N_THREADS long) and is checked once against
+`ggml_threadpool_params_init`; a build where any of it is missing gets no pool. The pools of
+one process hold at most `max_pool_threads()` worker threads together; a context past that
+bound computes with the disposable pool (docs/security.md, section 2, says why).
 """
 
 from __future__ import annotations

@@ -8,20 +8,14 @@ context_worker): SUBMIT_3D, and registering or dropping a blob with that HostCon
 there in order, so a long graph compute stalls neither the queue nor another context.
 Fenced responses leave in fence order (apir.host.vhost_user.completion).
 
-Blobs: a HOST3D blob is a memfd of its own (page-rounded, sealed against resizing), mapped here and registered with
-the HostContext of the context that created it and of every context it is attached to;
-RESOURCE_MAP_BLOB maps the memfd into the host-visible shared memory region at the offset the
-guest kernel chose (SHMEM_MAP on the back-end channel). A GUEST blob is guest pages, checked
-against the memory table (no HostContext uses them: APIR blobs are HOST3D). A blob's memory is
-freed once it is unreferenced (RESOURCE_UNREF) or its creating context is destroyed, and no
-HostContext holds it any more. CTX_DESTROY cancels the context's compute, closes its
-HostContext (freeing its ggml buffers) and frees the blobs it created; the blob's record stays
-as a tombstone (no memory) so the guest's later UNMAP_BLOB / UNREF still succeed. `close`
-does the same for every context: the front-end is gone.
-
-Every field of a command is the guest's: unknown ids, short bodies, sizes and offsets out of
-range, unknown flags get a VIRTIO_GPU_RESP_ERR_* response, and the next command is served.
-What one VM may hold is bounded (apir.host.config: apir.vhost.*).
+Blobs: a HOST3D blob is a memfd of its own, registered with the HostContexts of the contexts
+that hold it; RESOURCE_MAP_BLOB maps it into the host-visible shared memory region at the
+offset the guest kernel chose (SHMEM_MAP on the back-end channel). A GUEST blob is guest
+pages, checked against the memory table. CTX_DESTROY cancels the context's compute, closes its
+HostContext and frees the blobs it created, leaving tombstones; `close` does the same for every
+context: the front-end is gone. Every field of a command is the guest's: a bad one gets a
+VIRTIO_GPU_RESP_ERR_* response, and the next command is served. What one VM may hold is
+bounded (apir.host.config: apir.vhost.*). docs/vm.md ("What the device does") has the details.
 """
 
 from __future__ import annotations

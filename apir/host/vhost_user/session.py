@@ -7,17 +7,12 @@ commands go to the `GpuDevice` (which runs SUBMIT_3D on the context's own worker
 commands are consumed. Neither thread waits for the other: a memory table change arrives while
 a RESOURCE_MAP_BLOB waits for QEMU's ack, and a graph compute runs while both go on.
 
-Negotiation (QEMU 11.1, docs/vm.md): device features VERSION_1,
-PROTOCOL_FEATURES, VIRGL, RESOURCE_BLOB, CONTEXT_INIT; protocol features MQ, REPLY_ACK,
-BACKEND_REQ, CONFIG, CONFIGURE_MEM_SLOTS and SHMEM (bit 22: QEMU then asks GET_SHMEM_CONFIG,
-answered with the host-visible region's size). Two queues: control (0) and cursor (1). The
-config space is `struct virtio_gpu_config` (16 bytes: 1 scanout, the capset count).
-
-A message the back-end cannot carry out (a bad ring index, a region that does not map, a
-payload of the wrong size) is refused with a non-zero REPLY_ACK status where the front-end
-asked for one, and logged; a broken framing ends the session. When the session ends for any
-reason (QEMU quits, the VM is killed, a protocol error) every context, blob and mapping of
-that VM is freed (`GpuDevice.close`).
+Negotiation follows QEMU 11.1 (features and protocol features: docs/vm.md, "What the device
+does"); two queues, control (0) and cursor (1). A message the back-end cannot carry out is
+refused with a non-zero REPLY_ACK status where the front-end asked for one, and logged; a
+broken framing ends the session. When the session ends for any reason (QEMU quits, the VM is
+killed, a protocol error) every context, blob and mapping of that VM is freed
+(`GpuDevice.close`).
 """
 
 from __future__ import annotations
