@@ -2,24 +2,21 @@
 
 Theory of operation: a device is named by a spec, ``SCHEME`` or ``SCHEME:ARGUMENT``, and opened
 by `open_device(spec)`, so "which device" means the same for the `apir` CLI, the models, the
-benchmarks and the tests. The schemes apir knows:
+benchmarks and the tests. The schemes apir knows, with their kind (the short name `apir info`
+and `apir embed` report as the transport):
 
-=================  ======================================================  =========
-spec               device                                                  kind
-=================  ======================================================  =========
-``embedded``       a host in this process, on a thread of its own          embedded
-                   (apir.local.embedded.EmbeddedDevice); the default: works
-                   on a fresh machine with no VM and no server
-``unix:PATH``      an apir host process serving the Unix socket PATH       socket
-                   (`apir host serve`; apir.guest.local.LocalDevice)
-``drm:NODE``       a virtio-gpu render node, e.g. /dev/dri/renderD128      drm
-                   (apir.guest.drm.DrmDevice); ``drm`` alone: the first one
-=================  ======================================================  =========
+    embedded    (kind embedded) a host in this process, on a thread of its own
+                (apir.local.embedded.EmbeddedDevice); the default: works on a fresh machine
+                with no VM and no server
+    unix:PATH   (kind socket) an apir host process serving the Unix socket PATH
+                (`apir host serve`; apir.guest.local.LocalDevice)
+    drm:NODE    (kind drm) a virtio-gpu render node, e.g. /dev/dri/renderD128
+                (apir.guest.drm.DrmDevice); ``drm`` alone: the first one
 
-The "kind" is the short name `apir info` and `apir embed` report as the transport. A new device
-(vhost-user, ...) is one module implementing `apir.guest.device.VirtgpuDevice` plus one
-`register_device` call, below or in its own module. This module is outside apir.guest because
-the embedded device runs the host: it is where the halves meet.
+A new device (vhost-user, ...) is one module implementing `apir.guest.device.VirtgpuDevice`
+plus one `register_device` call, below or in its own module (docs/design.md, "Adding a
+device"). This module is outside apir.guest because the embedded device runs the host: it is
+where the halves meet.
 """
 
 from __future__ import annotations

@@ -3,21 +3,18 @@
 Theory of operation: ggml registers every backend it was built with (`ggml_backend_reg_*`,
 ggml-backend-reg.cpp): a registration ("CPU", "Vulkan", "RPC", ...) has devices, and a device
 makes backends and buffer types. So choosing a backend needs no per-backend code: a name finds
-the registration (`ggml_backend_reg_by_name`, case-insensitive), an index its device. The one
-exception is ggml-rpc, whose registration enumerates no devices: its servers are added with
-the function the registration hands out by name (`ggml_backend_reg_get_proc_address(reg,
-"ggml_backend_rpc_add_server")`), each becoming a registration with the server's devices.
+the registration (`ggml_backend_reg_by_name`, case-insensitive), an index its device. ggml-rpc's
+registration enumerates no devices: its servers are added with the function it hands out by
+name (`ggml_backend_rpc_add_server`), each becoming a registration with the server's devices.
 
 Specs (`apir host serve --backend SPEC`, config key `apir.host.backend`):
     cpu                           ggml's CPU device (`ggml_backend_dev_by_type(CPU)`)
     NAME[:N]                      device N (default 0) of registration NAME: vulkan, vulkan:1,...
     rpc:HOST:PORT[,HOST:PORT...]  ggml-rpc servers, every device of each, in order
-A path to a ggml backend library is not a spec: it goes to `ggml.library.path` (the C host's
-key, apir.host.backend.library), which dlopens it and calls its registration symbol.
-
-ggml-rpc aborts its client process (GGML_ABORT, "Remote RPC server crashed") when a server does
-not answer, also while adding one: `resolve` first connects to each server itself and refuses
-one it cannot reach.
+A path to a ggml backend library is not a spec: it goes to `ggml.library.path`
+(apir.host.backend.library). ggml-rpc aborts its client process when a server does not answer,
+also while adding one, so `resolve` first connects to each server itself and refuses one it
+cannot reach (docs/design.md, "Host backends").
 
 Errors: `BackendSpecError` (a bad spec, an unknown registration or device, an unreachable server).
 """

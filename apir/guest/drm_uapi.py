@@ -7,15 +7,10 @@ request number is computed from its structure type by `_IOWR` / `_IOW` (the kern
 a number cannot drift from the structure. Tests compile a C program against the kernel header
 and compare sizes, offsets and numbers with these.
 
-EXECBUFFER has two layouts: kernels before syncobj support (6.1 LTS among them) declare a
-40-byte `drm_virtgpu_execbuffer` ending in `ring_idx` + `pad`; newer kernels replace `pad` with
-`syncobj_stride` and append the in/out syncobj arrays (64 bytes). The DRM core dispatches on
-the command number alone and copies min(user size, kernel size) bytes, zero-filling the rest, so either number works on
-either kernel; `apir.guest.drm` still tries the newer one first and keeps whichever the
-kernel accepts.
-
-The `_IOC` encoding is the generic one (x86-64, ARM64, RISC-V); alpha, mips, powerpc and
-sparc use another and are not supported.
+EXECBUFFER has two layouts, the 40-byte one of kernels before syncobj support (6.1 LTS) and
+the 64-byte one of newer kernels; either number works on either kernel, and `apir.guest.drm`
+keeps whichever the kernel accepts. The `_IOC` encoding is the generic one (x86-64, ARM64,
+RISC-V); other architectures are not supported. docs/protocol.md (section 1) says why both.
 
 The values these structures carry (params, flags, capsets) are apir.codec.virtgpu's, shared
 with every other device. No I/O happens here.

@@ -162,7 +162,8 @@ class TensorChecker:
             self.type_size_arr[t], self.blck_size_arr[t] = self.type_size[t], self.blck_size[t]
         self.custom_op_mask = np.zeros(max(g.op_count, 1), dtype=bool)
         self.custom_op_mask[list(self.custom_ops)] = True
-        # Single records go through struct, not numpy: ~1 us a field less (RecordStruct).
+        # Single records go through struct, not numpy, whose field access is far slower
+        # (RecordStruct; docs/design.md, Measurements).
         self._rpc = RecordStruct(self.rpc_dtype)
         self._rpc_fields = tuple(self._rpc.slots[f] for f in RpcTensor._fields)
         self._tensor = RecordStruct(self.tensor_dtype)

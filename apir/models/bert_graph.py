@@ -3,24 +3,20 @@
 Theory of operation: `build_graph` only creates tensors and ops in a no_alloc ggml context; it
 touches no data and no backend, so the same graph runs on any ggml backend (local CPU, or the
 host's device through APIR). The caller allocates it (ggml_gallocr), fills the inputs, computes.
-
-Layout: ggml's ne0 is the innermost (fastest) dimension, the reverse of numpy's shape, so a
-PyTorch linear weight (out_features, in_features) is a ggml [in, out] tensor and
-`ggml_mul_mat(W, x)` with x [in, n] gives [out, n] = (x @ W.T) in numpy terms. With H the
-hidden size, T the padded sentence length and B the number of sentences:
+ggml's ne0 is the innermost (fastest) dimension, the reverse of numpy's shape: a PyTorch linear
+weight (out_features, in_features) is a ggml [in, out] tensor and `ggml_mul_mat(W, x)` with
+x [in, n] gives [out, n] = (x @ W.T). H the hidden size, T the padded length, B the sentences:
 
     inputs   ids, type_ids  I32 [T*B]       token ids and token-type ids, sentence-major
              pos            I32 [T]         0 .. T-1
-             kq_mask        F32 [T, T, 1, B] 0 for a real key token, -inf for a padded one;
-                                            added to the scores before the softmax
+             kq_mask        F32 [T, T, 1, B] 0 for a real key token, -inf for a padded one
              pool           F32 [T, 1, B]   mask / (number of real tokens): mean-pool weights
     embed    x = LayerNorm(word[ids] + type[type_ids] + position[pos])        [H, T, B]
     layer    (6x, post-LN) a = softmax(Q K^T / sqrt(d) + mask) V, per head of d = H / heads
              x = LayerNorm(x + a Wo + bo); x = LayerNorm(x + GELU(x Wi + bi) Wo2 + bo2)
+             GELU is ggml_gelu_erf (the exact erf form, BERT's "gelu"), not ggml_gelu's tanh approximation
     pool     p = sum_t x[:, t, b] * pool[t, b] (a mul_mat over t)             [H, B]
     output   p / max(||p||, 1e-12)    (ggml_l2_norm, like torch.nn.functional.normalize)
-
-GELU is ggml_gelu_erf (the exact erf form, BERT's "gelu"), not ggml_gelu's tanh approximation.
 """
 
 from __future__ import annotations
