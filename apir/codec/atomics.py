@@ -204,9 +204,9 @@ _loads_per_s: float = 0.0
 
 def spins_for(seconds: float) -> int:
     """About how many acquire loads `spin_until_nonzero_u32` makes in `seconds` (at least
-    1). The rate is measured on first use (the fastest of three spins on a zero word: 2**15
-    loads with the x86-64 pause hint, about 1 ms; on the plain path 64, each after a
-    `time.sleep(0)`, which on Linux may nap for the timer slack, 50-100 us)."""
+    1). The rate is measured on first use: the fastest of three spins on a zero word, each of
+    2**15 loads with the x86-64 pause hint, or on the plain path of 64 loads, few because
+    each follows a `time.sleep(0)`, which on Linux may nap for the timer slack."""
     global _loads_per_s
     if not _loads_per_s:
         loads = 1 << 15 if accel.enabled() else 1 << 6

@@ -8,7 +8,7 @@ the GIL released, so an embedded host serving from another thread of the same pr
 running while the guest spins; a spin makes all its loads in one call.
 
 `nonzero_u32_callback()` is a C function ``bool f(void *word)`` compiled by Numba: ggml's abort
-callback, called after every node, then costs a few nanoseconds and never takes the GIL.
+callback, called after every node, is then one acquire load and never takes the GIL.
 
 Each function takes a 1-d uint8 array and a byte offset, checked by `apir.codec.atomics`.
 """

@@ -4,21 +4,19 @@ Theory of operation. The guest sends a `ggml_cgraph` as
 
     u32 n_nodes | u64 node ids[n_nodes] | u32 n_tensors | apir_rpc_tensor[n_tensors]
 
-(the C `apir_serialize_graph`, apir_cs_ggml-rpc-front.cpp). Ids are the guest's tensor
-addresses. The tensors are every tensor reachable from the nodes through src[] and
-view_src, in depth-first post-order: for each node, src[0..GGML_MAX_SRC) first, then
-view_src, then the tensor itself, each tensor once. Each record holds ne/nb narrowed to u32,
-the buffer as the host's handle, and data as an offset from the buffer's base. Unlike the C,
-`serialize_graph` zeroes every hole and the name's tail, and raises instead of truncating.
+(the C `apir_serialize_graph`, apir_cs_ggml-rpc-front.cpp; docs/protocol.md section 7). Ids
+are the guest's tensor addresses; the tensors are every tensor reachable from the nodes through
+src[] and view_src in depth-first post-order (for each node src[0..GGML_MAX_SRC), view_src,
+then the tensor itself, each once). Unlike the C, `serialize_graph` zeroes every hole and the
+name's tail, and raises instead of truncating.
 
-`parse_graph` is the host's: the bytes come from guest-writable shared memory, so it copies
-them first and then validates the copy (counts against the size, ids non-zero and unique,
-every referenced id present, type and op valid, names terminated, no cycles). It returns index
-arrays the host can build tensors from in `order` without following any guest address.
-Buffer handles, data offsets and shapes are the host's to check against its own buffers.
-
-The code here is the plain reference. With `apir.accel.enabled()` each public function runs
-its Numba twin instead (`apir.codec.graph_accel`): the same bytes, arrays and errors.
+`parse_graph` is the host's: it copies the bytes out of guest-writable shared memory, then
+validates the copy (counts against the size, ids non-zero and unique, every referenced id
+present, type and op valid, names terminated, no cycles) and returns index arrays the host
+builds tensors from in `order` without following any guest address; buffer handles, data
+offsets and shapes are the host's to check against its own buffers. This is the plain
+reference; with `apir.accel.enabled()` each public function runs its Numba twin
+(`apir.codec.graph_accel`): the same bytes, arrays and errors.
 """
 
 from __future__ import annotations

@@ -5,20 +5,10 @@ dtype with the C offsets spelled out (padding holes included), built from ggml's
 constants. The defaults are ggml 0.20.2's; `apir.ggml.layout` checks them against the loaded
 libggml at start-up, and callers pass `GgmlLimits` read from another build where it differs.
 
-`apir_rpc_tensor` (backend/shared/apir_cs_rpc.h), 304 bytes with the defaults:
-
-    off  size  field                       off  size  field
-      0     8  id (sender's address)        124    4  flags
-      8     4  type                         128   80  src[10] (ids)
-     12     4  (hole, not zeroed by C)      208    8  view_src (id)
-     16     8  buffer (host handle)         216    8  view_offs
-     24    16  ne[4]  u32 (narrowed)        224    8  data (offset from buffer base)
-     40    16  nb[4]  u32 (narrowed)        232   64  name
-     56     4  op                           296    4  padding
-     60    64  op_params[16] i32            300    4  (tail hole)
-
-`ggml_tensor` (ggml.h), 336 bytes: the same fields at their own offsets with ne/nb 64-bit,
-pointers for buffer/src/view_src/data, then `extra` and 8 bytes of padding.
+`apir_rpc_tensor` (backend/shared/apir_cs_rpc.h) is 304 bytes with the defaults; `ggml_tensor`
+(ggml.h) 336, the same fields at their own offsets with ne/nb 64-bit, pointers for
+buffer/src/view_src/data, then `extra` and 8 bytes of padding. docs/protocol.md section 6 gives
+both layouts field by field, holes included.
 """
 
 from __future__ import annotations
@@ -76,7 +66,7 @@ def _build(fields, total_align: int = 8) -> np.dtype:
 @functools.lru_cache(maxsize=8)
 def rpc_tensor_dtype(limits: GgmlLimits = GGML_0_20_LIMITS) -> np.dtype:
     """`struct apir_rpc_tensor` for ggml built with `limits` (304 bytes for 0.20.2). One
-    dtype per `limits` (cached: building it took 10-14 us of each parse_graph)."""
+    dtype per `limits`, cached: every parse_graph asks for it."""
     return _build(
         [
             ("id", "<u8", 1, 8),
@@ -153,8 +143,8 @@ _STRUCT_CODES = {"<u4": "I", "<i4": "i", "<u8": "Q", "<i8": "q"}
 
 class RecordStruct:
     """A `struct.Struct` laid out like the structured `dtype` (one of the two above), for a
-    record read or written whole by Python code, where a numpy record's field access costs
-    about a microsecond a field: `unpack_from` gives a flat tuple, `pack_into` takes one.
+    record read or written whole by Python code, where a numpy record's field access is the
+    slower (docs/design.md, Measurements): `unpack_from` gives a flat tuple, `pack_into` takes one.
 
     `slots[name]` is the field's place in that tuple: an index (a scalar; a name's bytes, one
     `bytes` of the whole array) or a slice (an array field, one item an element). Holes and
