@@ -1,26 +1,22 @@
 """`LocalDevice`: the virtgpu device interface over the local transport's Unix socket.
 
 Theory of operation: connecting to an apir host process (`apir host serve --socket PATH`) is
-opening a render node: the HELLO reply brings the context's shared memory file (SCM_RIGHTS), and
-every device call is one request and one reply (apir.local.wire's messages, sent and received
-by apir.local.socket_io; docs/local-transport.md).
-`create_blob` is CREATE_BLOB + MAP + ``mmap(fd, size, offset)``, exactly as a DRM guest maps a
-blob, so the host and the guest share the blob's pages and no bulk data crosses the socket.
+opening a render node: the HELLO reply brings the context's shared memory file (SCM_RIGHTS),
+and every device call is one request and one reply (apir.local.wire's messages, sent and
+received by apir.local.socket_io; docs/local-transport.md). `create_blob` is CREATE_BLOB + MAP
++ ``mmap(fd, size, offset)``, as a DRM guest maps a blob: no bulk data crosses the socket.
 
-`execbuffer` sends the command and then waits, up to `exec_wait_s`, for the host's EXECBUFFER reply,
-which the host sends once the command has run: the reply notification word is then already set,
-and a host that dies mid-call shows up at once as `HostConnectionLost` instead of as a timeout.
-When the command runs longer, execbuffer returns and the caller's wait on the notification word
-(apir.guest.remote) takes over with its own timeout; that wait calls `watch` between its looks at
-the word, which polls the socket, so a host that dies later in the call is still seen at once
-(EOF or a hang-up), and a late reply is read as soon as it comes. Every other socket read is
-bounded by `io_timeout_s`, so the guest never hangs forever.
+`execbuffer` waits up to `exec_wait_s` for the host's EXECBUFFER reply, sent once the command
+has run, so the notification word is then set and a host that dies mid-call is
+`HostConnectionLost` at once, not a timeout. A longer command is left to the caller's wait on
+the word (apir.guest.remote), which calls `watch` between looks: it polls the socket, so a host
+that dies later is still seen at once and a late reply is read when it comes. Every other
+socket read is bounded by `io_timeout_s`: the guest never hangs.
 
-At its first EXECBUFFER the device asks for the exec ring (Op.RING; apir.local.exec_ring): from
-then on a command that fits goes through that page of the shared file, with no message while
-the host polls it (a KICK when it does not), and execbuffer waits on the ring's `done` word, a
-spin and then sleeps that watch the socket as above. A host without the ring (ENOSYS), a
-command longer than the page, or `exec_ring=False` keeps the EXECBUFFER message.
+From the first EXECBUFFER on, a command that fits goes through the exec ring (Op.RING;
+apir.local.exec_ring) with no message while the host polls (a KICK when it does not), and
+execbuffer waits on the ring's `done` word, spinning and then sleeping in `watch`. A host
+without the ring (ENOSYS), a longer command or `exec_ring=False` keeps the EXECBUFFER message.
 """
 
 from __future__ import annotations

@@ -3,22 +3,20 @@
 Theory of operation: a socket message each way costs a small call two wake-ups and a handful
 of system calls, more than the rest of the call. The exec ring carries the command through the
 context's shared memory file instead, one command at a time, with notification suppression as
-in a virtqueue (virtio 1.2, 2.7.10: the device sets VRING_USED_F_NO_NOTIFY while it polls):
+in a virtqueue (docs/local-transport.md, "The exec ring"):
 
-- the guest writes the EXECBUFFER request payload and the command bytes, then stores the
-  command's sequence number in `posted` (release), and reads `polling` after a full fence;
-  when the host is not polling (0), it kicks: a KICK message on the socket;
-- the host, while it polls (`polling` 1), spins on `posted` without a system call; it copies
-  the command out (the guest could change the page under it), runs it as an EXECBUFFER
-  message's, stores the errno in `err` and then the sequence number in `done` (release);
-- before the host blocks on the socket it stores `polling` 0 and reads `posted` after a full
-  fence, so a command posted meanwhile is either seen there or kicked (one of the two fenced
-  store-then-load pairs sees the other side's store).
+- the guest writes the request payload and the command, stores the command's sequence number
+  in `posted` (release), then reads `polling` after a full fence and KICKs on the socket if 0;
+- the host, while it polls (`polling` 1), spins on `posted` without a system call, copies the
+  command out (the guest could change the page under it), runs it as an EXECBUFFER message's,
+  and stores the errno in `err` and then the sequence number in `done` (release);
+- before it blocks, the host stores `polling` 0 and reads `posted` after a full fence: one of
+  the two fenced store-then-load pairs sees the other side's store, so no command is missed.
 
-The layout (byte offsets and size) is apir.local.wire's RING_*. Both sides use this
-class on their own mapping of the page: the host (apir.host.local.server) and `LocalDevice`
-(apir.guest.local). The guest trusts nothing here beyond its own words; the host reads the
-guest's words once each and bounds the command by MAX_RING_COMMAND.
+The layout is apir.local.wire's RING_*; the host (apir.host.local.server) and `LocalDevice`
+(apir.guest.local) each use this class on their own mapping. The guest trusts nothing here
+beyond its own words; the host reads each guest word once and bounds the command by
+MAX_RING_COMMAND.
 """
 
 from __future__ import annotations

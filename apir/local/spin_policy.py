@@ -1,13 +1,11 @@
 """Whether a thread waiting for another should spin now, or block.
 
-Theory of operation: spinning on a word (apir.codec.atomics) answers in about a microsecond
-when the thread it waits for has a core of its own; blocking costs a wake-up, which on an idle
-virtual machine is tens of microseconds (the vCPU halted and must be woken: a bare socket
-ping-pong took 37-44 us there, against 10 us on the same machine while busy). But when the
-machine has more runnable threads than cores, a spinner burns the core the other thread needs
-and is itself preempted, and round trips grew from 15-21 us to 250-430 us (p50, 2 cores, load
-15), while the same embedded host without spinning answered in 22 us: the scheduler runs a
-thread woken from a block soon, and one that spun its slice late.
+Theory of operation: spinning on a word (apir.codec.atomics) answers at once when the thread it
+waits for has a core of its own, where blocking costs a wake-up, long on an idle virtual
+machine (the vCPU halted and must be woken). But when the machine has more runnable threads
+than cores, a spinner burns the core the other thread needs and is itself preempted: the
+scheduler runs a thread woken from a block soon, and one that spun its slice late, so round
+trips grow many times over (docs/design.md, Measurements).
 
 `spinning_pays()` tells them apart from the kernel's count of runnable threads
 (/proc/loadavg's fourth field, an instantaneous count, ours included), sampled at most every
@@ -79,7 +77,8 @@ def own_runnable_threads() -> int:
 
 def free_cores() -> int:
     """This process's cores less the other processes' runnable threads now, at least 1; all
-    of them where the counts are not readable. (About 70 us a call.)"""
+    of them where the counts are not readable. It reads a file per thread of this process:
+    ask once per graph, not per node."""
     running, own = runnable_threads(), own_runnable_threads()
     if running < 0 or own < 0:
         return _cores
