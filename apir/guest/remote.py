@@ -1,39 +1,22 @@
 """`Remote`: one APIR context on a virtgpu device, and the remote call over it.
 
-Theory of operation (the C `create_virtgpu` + `remote_call*`, virtgpu.cpp):
+Theory of operation (the C `create_virtgpu` + `remote_call*`, virtgpu.cpp; docs/design.md,
+"Guest: remote call and client"): the context is made on the APIR capset when the device
+offers it, else on Venus, every command type + 331 (`select_capset`; docs/protocol.md section
+3). Two host-visible blobs are made at start and kept: the reply blob, whose first u32 is the
+reply notification word, and the data window (`data_size`) for tensor bytes and graphs.
 
-1. Capset: APIR (10) when the device offers it (GETPARAM SUPPORTED_CAPSET_IDs), else Venus
-   (4), over which every command type is sent plus 331 (the Venus->APIR transition in
-   virglrenderer). `GGML_REMOTING_USE_APIR_CAPSET` in the environment, or
-   `use_apir_capset=True`, forces APIR as in the C. The capset is read (GET_CAPS) and the
-   context created with one ring and no fence events (CONTEXT_INIT).
-2. Shared memory: two host-visible blobs made at start and kept: the reply blob (16 KiB;
-   its first u32 is the reply notification word, the reply payload follows) and the data
-   window (24 MiB + 192 KiB by default, `data_size` to change it) for tensor bytes and graphs.
-3. A call: encode the header (command type, flags, reply res_id) and the arguments, zero
-   the notification word, EXECBUFFER, wait until the host stores `return code + 1` in the
-   word (release store on its side, acquire load here), then decode the reply payload.
-   The wait spins for a short, adaptive time letting the GIL go (apir.codec.atomics: an
-   embedded host in another thread keeps running; one call spins the whole time, so this
-   thread does not come back for the GIL while the host needs it), then sleeps with growing intervals, and
-   raises `ApirTimeout` at its limit: 2 s for HandShake, 60 s for LoadLibrary (the C's),
-   `forward_timeout_s` for Forward (the C waits forever there). A device with a transport
-   that can die under a call (a socket host, an embedded host thread) offers `watch(s)`,
-   which the wait calls instead of sleeping: it raises `DeviceError` at once when the host is
-   gone, so a dead host is an error within milliseconds, not at the call's limit.
-4. One lock (re-entrant) covers header, data window, submission, wait and the decoding of
-   the reply, so concurrent callers never interleave on the shared blobs.
-5. Overlap (tensor transfers): `call(..., meanwhile=fn)` submits without waiting for the
-   command to run (a device's `execbuffer_nowait`, where its execbuffer would wait), runs
-   `fn` (the guest's copy of the next chunk), then waits on the notification word as usual:
-   still one command in flight and one reply per command, checked before the next is sent.
-   For the next chunk to have somewhere to go, `transfer_windows` adds a second window of
-   `transfer_chunk` bytes (a blob made on first use and kept; the host reads and writes a
-   transfer at the start of the blob it names, so the data window cannot be split in two).
+A call encodes the header and the arguments, zeroes the word, sends EXECBUFFER, waits until the
+host stores `return code + 1` there (release; acquire loads here) and decodes the reply. The
+wait spins a short, adaptive time letting the GIL go (an embedded host in another thread keeps
+running), then sleeps, or waits in the device's `watch`, which raises at once when the host is
+gone; `ApirTimeout` at its limit. One re-entrant lock covers the call, so concurrent callers
+never interleave on the shared blobs. `call(..., meanwhile=fn)` submits without waiting for the
+command to run and runs `fn` (a transfer's copy of its next chunk) before the wait: still one
+command in flight and one reply each, checked before the next is sent.
 
-A late reply after a timeout can still land in the reply blob; the next call zeroes the
-word first, but a reply arriving during that next call would be taken for its own. A host
-that misses a deadline should be treated as lost.
+A late reply after a timeout can still land in the reply blob, and one arriving during the next
+call would be taken for its own: a host that misses a deadline should be treated as lost.
 """
 
 from __future__ import annotations
@@ -74,18 +57,16 @@ DEFAULT_FORWARD_TIMEOUT_S = 300.0  # a graph may run long; the C has no limit at
 COMMAND_BUFFER_SIZE = 64 * 1024  # the command itself; bulk bytes go through the data window
 # A pipelined transfer's chunk: small enough that filling and draining the pipeline (one chunk
 # copied alone at each end) is cheap and the two windows stay in the last-level cache, large
-# enough that a call's round trip is small next to its copy: each chunk's call, reply and next
-# submit leave the host's copy idle ~0.1-0.2 ms: 8 MiB gave 50-63% of memcpy on this 2-core
-# machine against 48-58% for 4 MiB, alternated (a C pipeline of two threads and no calls
-# reaches 67-83% here at any chunk size from 64 KiB to 8 MiB).
+# enough that a call's round trip, during which the host's copy waits, is small next to its
+# copy (docs/design.md, Measurements).
 TRANSFER_CHUNK = 8 << 20
 
 # Wait tuning: spin at least _SPIN_MIN_S, at most _SPIN_MAX_S (twice the recent reply
 # latency when that fits), in one call (then chunks of _SPIN_CHUNK acquire loads should the
 # load rate have been overestimated); then sleep from _SLEEP_MIN_S doubling to _SLEEP_MAX_S,
 # or to _WOKEN_SLEEP_MAX_S on a device whose `watch` returns once the host is done
-# (`watch_wakes`, apir.guest.device.WatchedDevice): there looks a millisecond apart took 6% of
-# a core while a MiniLM batch computed on the host's two threads, this machine's two cores.
+# (`watch_wakes`, apir.guest.device.WatchedDevice): looking every millisecond through a long
+# compute takes a share of the core the host's threads need (docs/design.md, Measurements).
 _COMMAND_HEADER = struct.Struct("<iiI")  # command type, flags, reply res_id (remote_call_prepare)
 _SPIN_MIN_S = 20e-6
 _SPIN_MAX_S = 500e-6

@@ -1,25 +1,21 @@
 """Backend handler (C `backend-dispatched-backend.cpp`): graph_compute.
 
 Arguments (laid out as apir.codec.forward lists them): a shared-memory resource and a size;
-the serialized graph is bytes [0, size) of that resource. Reply: the `enum ggml_status` of
-the compute. The size is
-checked against the resource's real size (the C has a placeholder there), the graph is
-parsed and checked (`parse_graph`, `apir.host.graph.build`), ggml's planned work buffer is bounded
-by the context's work budget (`apir.host.graph.work_plan`), and only a graph that passes is
-computed (on a backend without a profile, apir.host.graph.profiles, none is); one that does not
-is refused (BACKEND_RC_ERROR, no status). On a profile with `caches_graphs` (CPU, Vulkan,
-RPC) a graph whose structure the context computed before reuses that built graph after the
-re-checks `apir.host.graph.cache` describes: a graph built before, sent again with the same
-bytes or under other tensor ids, is matched where it lies, before any parse
-(`GraphCache.take_same`), else the parsed graph's key is looked up (`prepare_graph`). The compute runs under the
-context's abort flag: past `apir.host.graph_time_limit_s`, or once the context is being
-destroyed, it stops and the status is GGML_STATUS_ABORTED.
+the serialized graph is bytes [0, size) of that resource. Reply: the `enum ggml_status` of the
+compute. The size is checked against the resource's real size (the C has a placeholder there),
+the graph is parsed and checked (`parse_graph`, `apir.host.graph.build`), ggml's planned work
+buffer is bounded by the context's work budget (`apir.host.graph.work_plan`), and only a graph
+that passes is computed (on a backend without a profile, apir.host.graph.profiles, none is);
+one that does not is refused (BACKEND_RC_ERROR, no status). Where the profile `caches_graphs`
+(CPU, Vulkan, RPC), a graph the context built before is reused after the re-checks
+`apir.host.graph.cache` describes: found where it lies, sent again byte for byte or under
+other ids (`GraphCache.take_same`, no parse), else by the parsed graph's key (`prepare_graph`).
+The compute runs under the context's abort flag: past `apir.host.graph_time_limit_s`, or once
+the context is being destroyed, it stops with GGML_STATUS_ABORTED.
 
-Nodes without GGML_TENSOR_FLAG_COMPUTE are skipped by ggml (ggml_build_forward_select leaves
-the branches it does not select without it), so such a graph is computed as ggml computes it;
-a graph in which no node has the flag computes nothing and reports SUCCESS, as on the C host:
-that is logged as a warning (once per built graph), since it is almost always a guest that
-forgot the flag.
+Nodes without GGML_TENSOR_FLAG_COMPUTE are skipped, as ggml skips them (docs/protocol.md
+section 7); a graph in which no node has it computes nothing and reports SUCCESS, as on the C
+host, with a warning (once per built graph): it is almost always a guest that forgot the flag.
 """
 
 from __future__ import annotations
