@@ -2,55 +2,20 @@
 
 Theory of operation: the same kernel-plus-hypervisor stand-in as the socket server
 (apir.host.local.kernel.KernelContext, one HostContext and one shared memory file) runs in this
-process. A thread of its own, the "host thread", serves every device call as a job handed to it
-through a `queue.SimpleQueue`, with one exception: inline runs (below). Calls other than
-execbuffer wait for their job (bounded by `io_timeout_s`).
+process. A "host thread" of its own serves device calls as jobs handed over through a
+`queue.SimpleQueue`; calls other than execbuffer wait for their job (up to `io_timeout_s`).
+Blobs need no fd: the guest's `Blob.memory` is the host's own mapping. This is the default
+device, spec ``embedded`` (apir.devices.open_device).
 
-Inline runs: a waited-for execbuffer (`exec_wait_s` > 0, the default) of a command whose host
-run time its own payload bounds runs it synchronously in the caller's thread, the way
-virglrenderer runs a context's submit_cmd inside virgl_renderer_submit_cmd: `HostContext.submit`,
-then the reply notification stored (release), then execbuffer returns, and the caller's wait on
-the reply word finds it set. Which commands those are, `apir.host.component.context.may_run_long` reads
-from the header: all but LoadLibrary (dlopen and backend init) and Forward backend_graph_compute
-(a graph can run for minutes, or hang in a broken backend); a header it cannot read counts as
-long. So do all commands of a context whose backend is not ggml-cpu
-(`HostContext.commands_bounded_in_time`): a GPU's or ggml-rpc's copies wait on a device or a
-server that may never answer. The long ones still go to the host thread, so the guest's wait on
-the reply word keeps its timeout and `close` can still cancel a compute
-(`KernelContext.cancel_compute`). An inline run skips the hand-over between threads, which on a
-2-core VM was about 30 of the 42-54 us of a device_get_type round trip (GIL hand-overs,
-wake-ups). Mutual exclusion and order: an inline run happens only while no job is queued or
-running, under the device's lock, which every job's queueing takes too, so no job can be queued
-meanwhile. The jobs queued and the jobs the host
-thread has finished are counted: the first under the lock, the second by the host thread alone,
-in a word it stores (release) after a job's reply notification, so an inline run never comes
-before an earlier command's reply store, nor overtakes a command queued before it (it goes to the
-host thread then, behind the others). An idle host thread is blocked on its queue: an inline run
-does not wake it.
-
-Host-thread jobs: execbuffer_nowait, an execbuffer with `exec_wait_s` 0 and the long commands
-return once the command is queued, as the ioctl returns once submitted (the long ones after
-waiting up to `exec_wait_s` for it): the caller then waits on the reply notification word
-(apir.guest.remote), which the host thread stores when `submit` is done.
-
-The hand-off avoids thread wake-ups and waits for the GIL (a thread that finds the GIL held
-sleeps until it is handed over, several microseconds). After each job the host thread spins for
-`host_spin_s` without the GIL on a doorbell word, which the guest rings (release store) after
-queueing a job; only when the spin ends unrung does it block on the queue (a put wakes it). A
-job is always queued before its ring, so a ring is a hint and no job is lost. The HostContext
-defers its reply notification (`defer_notification`): the host thread stores it (release) and
-then the count of finished jobs in the same call without the GIL that spins on the doorbell, so
-a guest woken by the reply finds the GIL free. For a waited-for job it makes those two stores
-at once, then releases the job's lock, and stores a "done" word from that call instead. A
-waited-for execbuffer on the host thread rings and spins on the done word in one such call
-(then blocks on the job's lock after `host_spin_s`); one that returns at once rings 2, and the
-host thread waits `_SETTLE_S` more before taking the GIL, while the guest gets to its own spin
-on the reply word. Neither side spins while the machine has more runnable threads than cores
-(`apir.local.spin_policy`): spinners then only slow each other down, and blocking waits answer
-sooner.
-
-Blobs need no fd: the guest's `Blob.memory` is the host's own mapping of the blob's range.
-This is the default device, spec ``embedded`` (apir.devices.open_device).
+Inline runs: a waited-for execbuffer of a command whose host run time is bounded (its header,
+`apir.host.component.context.may_run_long`, and a ggml-cpu backend,
+`HostContext.commands_bounded_in_time`) runs in the caller's thread, as virglrenderer runs
+submit_cmd inside virgl_renderer_submit_cmd, with no hand-over between threads; only under the
+device's lock while no job is queued or running, so commands keep their order. The others run
+on the host thread, so the guest's wait keeps its timeout and `close` can cancel a compute.
+The host thread spins without the GIL on a doorbell word the guest rings, and stores deferred
+reply notifications from that spin; nobody spins on a busy machine (apir.local.spin_policy).
+docs/local-transport.md, "Embedded mode", gives the words, their stores and their order.
 """
 
 from __future__ import annotations
@@ -168,7 +133,7 @@ class EmbeddedDevice:
         try:
             self._host_loop()
         finally:
-            self._host_gone = True  # (a plain flag: is_alive costs an inline run 0.3 us)
+            self._host_gone = True  # a plain flag: is_alive would cost every inline run a call
 
     def _host_loop(self) -> None:
         jobs, kernel = self._jobs, self.kernel
