@@ -27,6 +27,9 @@ from numba.core import caching, config
 __all__ = ["ApirCacheLocator", "cache_root", "install"]
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent) + os.sep
+# The codec's primitives, which kernels of other modules compile in: Numba's index checks only
+# the kernel's own file, so its cache key covers this file's source too.
+_PRIMITIVES = os.path.join(_PACKAGE_DIR, "codec", "_kernels.py")
 
 
 def cache_root() -> Path:
@@ -44,8 +47,11 @@ class ApirCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLoca
     def __init__(self, py_func, py_file):
         self._py_file = py_file
         self._lineno = py_func.__code__.co_firstlineno
-        with open(py_file, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()[:24]
+        sha = hashlib.sha256()
+        for path in dict.fromkeys((str(Path(py_file).resolve()), _PRIMITIVES)):
+            with open(path, "rb") as f:
+                sha.update(f.read())
+        digest = sha.hexdigest()[:24]
         self._cache_path = str(cache_root() / f"{Path(py_file).stem}-{digest}")
 
     def get_cache_path(self):

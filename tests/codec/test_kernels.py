@@ -11,6 +11,7 @@ if not accel.enabled():
     pytest.skip("apir.accel is off: the kernels are not used", allow_module_level=True)
 
 from apir.codec import _kernels as K
+from apir.host.graph import kernels as HK
 from apir.codec.graph import parse_graph, serialize_graph
 from apir.codec.graph_accel import _layout, _rpc_layout
 from tests.codec.graphs import build_graph
@@ -50,7 +51,7 @@ def test_word_loads_at_any_alignment_jit_vs_python():
 
     @K.jit
     def bytes_diff(a, b, n):
-        return K._bytes_diff(a, b, n)
+        return HK._bytes_diff(a, b, n)
 
     raw = np.random.default_rng(7).integers(0, 256, 64, dtype=np.uint8)
     for off in range(8):
@@ -179,7 +180,7 @@ def test_record_key_kernel_vs_python():
     want = rows & mask
     want[0, 7:10] = 0
     want[1, 5:10] = 0
-    for fn in (K.record_key_kernel, K.record_key_kernel.py_func):
+    for fn in (HK.record_key_kernel, HK.record_key_kernel.py_func):
         out = np.full(rows.size, 0xEE, np.uint8)
         assert fn(rows, mask, 4, 6, out) == 0
         assert out.tobytes() == want.tobytes()
@@ -200,12 +201,12 @@ def test_names_cut_at_their_first_nul_in_any_byte_of_a_word():
     want = rows.copy()
     for p in range(64):
         want[p, 8 + p + 1 :] = 0  # row 64: no NUL, kept whole
-    for fn in (K.record_key_kernel, K.record_key_kernel.py_func):
+    for fn in (HK.record_key_kernel, HK.record_key_kernel.py_func):
         out = np.full(rows.size, 0xEE, np.uint8)
         assert fn(rows, mask, 8, 64, out) == 0
         assert out.reshape(rows.shape).tolist() == want.tolist()
     # name_lens_kernel (GraphWire's compared name bytes): the NUL's position, 63 without one
-    for fn in (K.name_lens_kernel, K.name_lens_kernel.py_func):
+    for fn in (HK.name_lens_kernel, HK.name_lens_kernel.py_func):
         lens = np.full(65, -5, np.int64)
         assert fn(rows, 8, 64, lens) == 0
         assert lens.tolist() == list(range(64)) + [63]
@@ -224,7 +225,7 @@ def test_record_match_kernel_vs_python():
     head = np.arange(7, 15, dtype=np.uint8)
     old = np.empty(8 + rows.size, np.uint8)
     old[:8] = head
-    K.record_key_kernel(rows, mask, 8, 12, old[8:])
+    HK.record_key_kernel(rows, mask, 8, 12, old[8:])
     words = mask.copy()
     words[8:20] = 0
     words = words.view(np.int64)
@@ -235,7 +236,7 @@ def test_record_match_kernel_vs_python():
         new[:8] = head
         new[8 : 8 + rows.size] = rows.reshape(-1)
         new[-2:] = [1, 2]  # trailing bytes
-        for fn in (K.record_match_kernel, K.record_match_kernel.py_func):
+        for fn in (HK.record_match_kernel, HK.record_match_kernel.py_func):
             def match(b, size=None):
                 size = b.size if size is None else size
                 return fn(b.ctypes.data, size, old.ctypes.data, old.size, 8, 24, words, 8, name_lens)

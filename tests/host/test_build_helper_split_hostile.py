@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from apir.codec import _kernels as K
-from apir.codec._kernels import TABLE_KEY, group_sizes_kernel, rule_group_kernel
+from apir.host.graph import kernels as K
+from apir.host.graph.kernels import TABLE_KEY, group_sizes_kernel, rule_group_kernel
 from apir.codec.graph import parse_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.host.graph import build_helper, cache as graph_cache

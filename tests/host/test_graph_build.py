@@ -299,7 +299,7 @@ def test_infos_equal_tensor_info(setup):
 def test_record_kernels_twins_agree(setup, monkeypatch):
     """The jitted record checks and their plain-Python twins (`.py_func`) decide alike and
     fill the same arrays, on the real graph and on lying variants of it."""
-    from apir.codec import _kernels as K
+    from apir.host.graph import kernels as K
 
     lib, wire, other = setup
     rng = np.random.default_rng(3)

@@ -18,7 +18,8 @@ import time
 import numpy as np
 import pytest
 
-from apir.codec import _kernels as K
+from apir.host.graph import kernels as K
+from apir.codec import _kernels as CK
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.host.graph import build as hg
@@ -123,7 +124,7 @@ def test_parse_guessed_ids_match_a_reference(guest, twin):
     lib = guest.ctx._library
     rpc = rpc_tensor_dtype(lib.g.limits)
     S = lib.g.limits.max_src
-    kernel = K.parse_graph_kernel.py_func if twin else None
+    kernel = CK.parse_graph_kernel.py_func if twin else None
     rng = np.random.default_rng(29)
     seen = {"valid": 0, "invalid": 0}
     for _ in range(150 if twin else 1500):

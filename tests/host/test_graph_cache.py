@@ -323,7 +323,7 @@ def test_same_structure_tries_moved_ids_before_the_full_check(session, ggml, mon
 def test_structure_kernels_vs_python(session, ggml):
     """The kernels of `GraphWire.same_structure` and their Python twins give the same answer
     on the graph under other ids with bytes flipped here and there (ids and links included)."""
-    from apir.codec import _kernels as K
+    from apir.host.graph import kernels as K
 
     kw = dict(limits=ggml.limits, op_count=ggml.op_count, type_valid=ggml.valid_types)
     parsed = parse_graph(session.wire, **kw)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from apir.codec import _kernels as K
+from apir.host.graph import kernels as K
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
@@ -128,7 +128,7 @@ _GUARD_CHILD = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     import numba
     import numpy as np
-    from apir.codec import _kernels as K
+    from apir.host.graph import kernels as K
     from apir.host.graph import cache as graph_cache
     from tests.host.test_graph_cache_kernels_hostile import _graph_bytes, _entry, _moved, KW0
 

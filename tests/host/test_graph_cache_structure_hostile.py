@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from apir.codec import _kernels as K
+from apir.host.graph import kernels as K
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype

@@ -33,7 +33,8 @@ import numba
 import numpy as np
 import pytest
 
-from apir.codec import _kernels as K
+from apir.host.graph import kernels as K
+from apir.codec import _kernels as CK
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import GgmlLimits, ggml_tensor_dtype, rpc_tensor_dtype
 from apir.ggml.layout import tensor_record
@@ -152,7 +153,7 @@ def test_first_nul_twin_on_every_word_of_hostile_bytes():
     got = np.array([K._first_nul(base + 8 * i, 8) for i in range(len(words))])
     assert np.array_equal(got, _byte_scan(words))
     values = words.view("<i8").ravel().tolist()
-    test = [bool((v - K._ONES) & ~v & K._HIGHS) for v in values]
+    test = [bool((v - CK._ONES) & ~v & CK._HIGHS) for v in values]
     assert test == (words == 0).any(axis=1).tolist()
     assert min(values) == -(1 << 63) and sum(test) == 4**8 - 3**8
 
@@ -204,7 +205,7 @@ def test_first_nul_agrees_with_copy_name():
     @numba.njit
     def copy_all(src, stride, n, m, dst):
         for i in range(m):
-            K._copy_name(src + i * stride, dst + i * n, n)
+            CK._copy_name(src + i * stride, dst + i * n, n)
 
     for n in (64, 13):
         names = np.ascontiguousarray(_names_cached(n))
@@ -215,7 +216,7 @@ def test_first_nul_agrees_with_copy_name():
         assert np.array_equal(dst, want), n
         dst = np.zeros_like(names)
         for i in range(0, len(names), 11):
-            K._copy_name(names.ctypes.data + i * n, dst.ctypes.data + i * n, n)
+            CK._copy_name(names.ctypes.data + i * n, dst.ctypes.data + i * n, n)
         assert np.array_equal(dst[::11], want[::11]), n
 
 
@@ -249,7 +250,7 @@ def test_parse_accepts_exactly_the_names_with_a_nul(ggml, twin):
     is accepted and parsed to the bytes sent, padding 0xFF or 0; every one without (13,830, the
     twin every 9th), alone in the field or followed by a 0 in `padding`, is refused as
     tensor 1 of a three-record graph: "tensor 1: name is not NUL-terminated"."""
-    kernel = K.parse_graph_kernel.py_func if twin else None
+    kernel = CK.parse_graph_kernel.py_func if twin else None
     names = _names_cached(64)
     nul = (names == 0).any(axis=1)
     ok, bad = names[nul], names[~nul]
@@ -281,12 +282,12 @@ def test_parse_names_of_other_lengths(ggml, max_name):
     p = parse_graph(_names_wire(ggml, ok, limits, 0xFF), **_kw(ggml, limits))
     assert np.array_equal(_parsed_names(p), ok)
     q = parse_graph(_names_wire(ggml, ok[::13], limits, 0xFF), **_kw(ggml, limits),
-                    _kernel=K.parse_graph_kernel.py_func)
+                    _kernel=CK.parse_graph_kernel.py_func)
     assert np.array_equal(_parsed_names(q), ok[::13])
     bad = names[~nul]
     for i, name in enumerate(bad[:: max(1, len(bad) // 150)]):
         wire = _names_wire(ggml, np.concatenate([ok[:1], name[None]]), limits, 0)
-        for kernel in (None, K.parse_graph_kernel.py_func) if i % 10 == 0 else (None,):
+        for kernel in (None, CK.parse_graph_kernel.py_func) if i % 10 == 0 else (None,):
             with pytest.raises(GraphError, match=r"^tensor 1: name is not NUL-terminated$"):
                 parse_graph(wire, **_kw(ggml, limits), _kernel=kernel)
     assert len(ok) == max_name * 6 * 6 * 7 * 4 and len(bad) == max_name * 216 + 6
@@ -548,7 +549,8 @@ _GUARD_CHILD = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     import numba
     import numpy as np
-    from apir.codec import _kernels as K
+    from apir.host.graph import kernels as K
+    from apir.codec import _kernels as CK
     from apir.codec.graph import GraphError, parse_graph
     from apir.codec.records import GgmlLimits, ggml_tensor_dtype, rpc_tensor_dtype
     from apir.host.graph import build as hg
@@ -636,7 +638,7 @@ _GUARD_CHILD = textwrap.dedent(
             raw = struct.pack("<IQI", 1, 32, 2) + recs.tobytes()
             at = page - len(raw)
             mm[at:page] = raw
-            for kern in (None, K.parse_graph_kernel.py_func):
+            for kern in (None, CK.parse_graph_kernel.py_func):
                 view = memoryview(mm)[at:page]
                 try:
                     p = parse_graph(view, limits=lim, op_count=100, type_valid=np.ones(40, bool), _kernel=kern)

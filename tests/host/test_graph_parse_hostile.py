@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from apir.codec import _kernels as K
+from apir.host.graph import kernels as K
+from apir.codec import _kernels as CK
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.host.graph import cache as graph_cache
@@ -118,7 +119,7 @@ def _outcome(raw, g, kernel):
 @pytest.mark.parametrize("twin", [False, True])
 def test_parse_kernel_answers_as_its_parent(ggml, tmp_path_factory, twin):
     parent = _parent_kernel(tmp_path_factory)
-    kernel = K.parse_graph_kernel.py_func if twin else K.parse_graph_kernel
+    kernel = CK.parse_graph_kernel.py_func if twin else CK.parse_graph_kernel
     if twin:
         parent = parent.py_func
     rng = np.random.default_rng(81)

@@ -10,7 +10,7 @@ same message, and leave the same row-id state on the infos.
 import numpy as np
 import pytest
 
-from apir.codec._kernels import TABLE_KEY, group_sizes_kernel, rule_group_kernel
+from apir.host.graph.kernels import TABLE_KEY, group_sizes_kernel, rule_group_kernel
 from apir.codec.graph import parse_graph
 from apir.host.graph import build as hg
 from apir.host.graph import rule_memo

@@ -292,7 +292,7 @@ def test_a_later_layer_whose_data_lies_elsewhere_is_refused(layers, lie, monkeyp
 def test_group_kernel_matches_its_definition(twin):
     """Few distinct records and sources, so that many tensors share a probe chain in the
     kernel's table and only its exact comparisons tell groups apart (the hash never decides)."""
-    from apir.codec._kernels import TABLE_KEY, rule_group_kernel
+    from apir.host.graph.kernels import TABLE_KEY, rule_group_kernel
 
     kernel = rule_group_kernel.py_func if twin else rule_group_kernel
     rng = np.random.default_rng(7)
@@ -326,7 +326,7 @@ def test_group_kernel_matches_its_definition_on_repeated_layers(twin):
     """Layers that repeat (what the kernel tries first: the tensor after the one found like
     the tensor before), each tensor of a layer now and then unlike its twin in the layer
     before by a masked word, a source, or a source's slot: the groups are the definition's."""
-    from apir.codec._kernels import TABLE_KEY, rule_group_kernel
+    from apir.host.graph.kernels import TABLE_KEY, rule_group_kernel
 
     kernel = rule_group_kernel.py_func if twin else rule_group_kernel
     rng = np.random.default_rng(17)
@@ -369,7 +369,8 @@ def test_hash_tables_spread_keys_that_differ_only_in_high_bits():
     nb[1], op_params[0]: any graph of such tensors, no crafting needed) share one probe chain
     and each insert compares against all before it (quadratic). The multiplier is drawn per
     process (`TABLE_KEY`), so a guest cannot aim keys at one chain either."""
-    from apir.codec import _kernels as K
+    from apir.host.graph import kernels as K
+    from apir.codec import _kernels as CK
     from apir.codec.records import rpc_tensor_dtype
     from apir.host.graph import rule_memo
 
@@ -396,9 +397,9 @@ def test_hash_tables_spread_keys_that_differ_only_in_high_bits():
     handles = [(j + 1) << 40 for j in range(n)]
     assert _slots([K._mix(0, as_i64(h), K.TABLE_KEY) for h in handles], cap) > n // 2
     # tensor ids (parse_graph_kernel's map): ones the fixed Fibonacci slot put all in slot 0
-    inverse = pow(K._GOLDEN % (1 << 64), -1, 1 << 64)
+    inverse = pow(CK._GOLDEN % (1 << 64), -1, 1 << 64)
     ids = [as_i64((j + 1) * inverse % (1 << 64)) for j in range(n)]
-    assert _slots([K._slot(i, cap - 1) for i in ids], cap) == 1  # (what parse hashed before)
+    assert _slots([CK._slot(i, cap - 1) for i in ids], cap) == 1  # (what parse hashed before)
     assert _slots([K._mix(0, i, K.TABLE_KEY) for i in ids], cap) > n // 2
 
 
@@ -411,7 +412,8 @@ def test_hash_tables_keep_guest_words_apart_whatever_the_key():
     unless the secret key makes them."""
     import itertools
 
-    from apir.codec import _kernels as K
+    from apir.host.graph import kernels as K
+    from apir.codec import _kernels as CK
     from apir.codec.records import rpc_tensor_dtype
     from apir.host.graph import rule_memo
 
@@ -445,7 +447,8 @@ def test_rule_group_hash_keeps_swapped_words_and_halves_apart():
     slot: with a seed per position and per half they collide only by the seeds' chance."""
     import itertools
 
-    from apir.codec import _kernels as K
+    from apir.host.graph import kernels as K
+    from apir.codec import _kernels as CK
     from apir.codec.records import rpc_tensor_dtype
     from apir.host.graph import rule_memo
 
@@ -483,7 +486,7 @@ def test_first_overlap_kernel_matches_its_definition(twin, direct_max):
     """_check_graph_needs' sweep (`first_overlap_kernel`) against every pair compared: the
     least position of a write whose bytes overlap each query's in the same buffer, empty
     ranges included (one overlaps a range that strictly contains its offset)."""
-    from apir.codec._kernels import first_overlap_kernel
+    from apir.host.graph.kernels import first_overlap_kernel
 
     kernel = first_overlap_kernel.py_func if twin else first_overlap_kernel
     rng = np.random.default_rng(13)

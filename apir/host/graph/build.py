@@ -45,7 +45,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from apir.codec._kernels import (
+from apir.host.graph.kernels import (
     TABLE_KEY,
     add_nodes_kernel,
     first_overlap_kernel,
@@ -289,7 +289,7 @@ def _check_records(lib: GraphLibrary, parsed) -> Optional[_Records]:
     check_rpc, a buffer with data, views inside their source), or None when any fails or a
     value leaves the range where int64 arithmetic is exact (the caller then runs the
     per-tensor checks, which refuse or accept exactly). Two Numba passes
-    (`apir.codec._kernels.record_fields_kernel`, `record_bounds_kernel`) around the look-up
+    (`apir.host.graph.kernels.record_fields_kernel`, `record_bounds_kernel`) around the look-up
     of each buffer handle."""
     chk, t = lib.checker, parsed.tensors
     n = len(t)

@@ -62,7 +62,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from apir.codec._kernels import (
+from apir.host.graph.kernels import (
     ID_MOVED_MAX,
     MOVED_DIFFERENT,
     MOVED_IDS_DIFFER,
@@ -118,7 +118,7 @@ def _key_mask(rpc: np.dtype, ids: bool = False) -> np.ndarray:
 def graph_key(parsed) -> bytes:
     """The structure of a parsed graph as bytes: its records' bytes with `id`, `src`,
     `view_src`, `padding`, the holes between fields (`_key_mask`) and each name's bytes after
-    its first NUL zeroed (`apir.codec._kernels.record_key_kernel`), then its node, src and
+    its first NUL zeroed (`apir.host.graph.kernels.record_key_kernel`), then its node, src and
     view_src index arrays (which say what those ids linked). Two graphs with equal keys differ
     at most in the guest's names for their tensors and in bytes the host never reads.
 
@@ -187,7 +187,7 @@ class GraphWire:
 
     def matches(self, memory, size: int) -> bool:
         """Whether the first `size` bytes of `memory` hold this graph
-        (apir.codec._kernels.record_match_kernel). Bytes that equal the cached ones whole
+        (apir.host.graph.kernels.record_match_kernel). Bytes that equal the cached ones whole
         (memcmp: a decode step's very graph, whose padding and names' tails are zero as the
         cache keeps them) match without the masked comparison, which decides otherwise. The
         records of a graph of `_BESIDE_MIN_RECORDS` or more are compared in two parts, the

@@ -6,7 +6,7 @@ so the first build of a large graph was dominated by running the same rules on t
 inputs. `rule_groups` groups the graph's tensors whose rules would see equal inputs: the same
 type, op, ne, nb and op_params (the only fields of a record that reach a `TensorInfo` apart
 from where its data lies), the same of each source, and the same pattern of absent sources,
-sources equal to the node and sources listed twice (`apir.codec._kernels.rule_group_kernel`,
+sources equal to the node and sources listed twice (`apir.host.graph.kernels.rule_group_kernel`,
 exact comparisons). The first tensor of a group, its representative, is checked with its
 `TensorInfo`s behind `Sealed` proxies, which let a rule read only those fields (and the
 methods computed from them). A rule is a deterministic function of what it reads, so when the
@@ -31,7 +31,7 @@ from typing import Dict, Mapping, Optional, Sequence
 
 import numpy as np
 
-from apir.codec._kernels import TABLE_KEY, group_sizes_kernel, rule_group_kernel
+from apir.host.graph.kernels import TABLE_KEY, group_sizes_kernel, rule_group_kernel
 from apir.errors import ApirError
 from apir.host.graph.shapes import OpEnums, TensorInfo, check_node, node_sources
 
