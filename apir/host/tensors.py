@@ -20,7 +20,6 @@ own `ggml_nbytes`, or a contiguous first row when `nb[0]` is smaller than an ele
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -63,9 +62,6 @@ class Scratch:
         self.pinned: list[ctypes.Array] = []  # memory the context's tensors point into, kept until close
         self._tensors: Optional[np.ndarray] = None  # tensor_block's memory, kept until close
         self.buffers: list[int] = []  # ggml buffers made for this scratch's tensors, freed on close
-        # held by another thread while it writes the scratch (apir.host.graph.build's build helper):
-        # close() waits for it, and that thread writes nothing once `closed`
-        self.writing = threading.Lock()
         size = g.ggml_tensor_overhead() * (n_tensors + 1) + 1024
         if graph_size:
             size += g.ggml_graph_overhead_custom(graph_size, False)
@@ -106,18 +102,15 @@ class Scratch:
         return self.ctx is None
 
     def close(self) -> None:
-        """Frees the context, its tensor block and buffers, once no other thread writes them
-        (`writing`; an interrupt of that wait leaves them allocated: a leak, never a write
-        into freed memory)."""
-        with self.writing:
-            for buf in self.buffers:
-                self.g.ggml_backend_buffer_free(buf)
-            self.buffers = []
-            if self.ctx:
-                self.g.ggml_free(self.ctx)
-                self.ctx = None
-            self.pinned = []
-            self._tensors = None
+        """Frees the context, its tensor block and buffers."""
+        for buf in self.buffers:
+            self.g.ggml_backend_buffer_free(buf)
+        self.buffers = []
+        if self.ctx:
+            self.g.ggml_free(self.ctx)
+            self.ctx = None
+        self.pinned = []
+        self._tensors = None
 
     def __enter__(self) -> "Scratch":
         return self

@@ -19,3 +19,16 @@ def guest(ggml):
     g = Guest()
     yield g
     g.close()
+
+
+@pytest.fixture(params=["accel", "plain"])
+def host_path(request, monkeypatch):
+    """Runs a test on the host's accelerated path (Numba kernels) and on its plain one
+    (apir.accel.enabled() False, as with APIR_ACCEL=0)."""
+    from apir import accel
+
+    if request.param == "accel" and not accel.enabled():
+        pytest.skip("the kernels are off in this process (APIR_ACCEL=0 or no Numba)")
+    if request.param == "plain":
+        monkeypatch.setattr(accel, "enabled", lambda: False)
+    return request.param

@@ -16,7 +16,9 @@ import struct
 from typing import Callable, Optional
 
 import numpy as np
+import pytest
 
+from apir import accel
 from apir.codec.constants import ApirBackendCommandType as Cmd, ApirCommandType
 from apir.codec.graph import BufferTable, rpc_tensor_from_ggml, serialize_graph
 from apir.codec.records import rpc_tensor_dtype
@@ -26,6 +28,9 @@ from apir.ggml.lib import InitParams
 from apir.host import HostContext
 
 REPLY_RES, DATA_RES = 1, 2
+
+# A test of the host's accelerated path itself (its kernels, or what only they do).
+needs_kernels = pytest.mark.skipif(not accel.enabled(), reason="the host's kernels are off (APIR_ACCEL=0 or no Numba)")
 
 
 class Guest:

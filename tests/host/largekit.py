@@ -1,9 +1,8 @@
-"""What the build helper's hostile tests (test_build_helper_hostile.py,
-test_build_helper_split_hostile.py, and the child processes they start) share: a guest graph of 2,200 tensors (over
-apir.host.graph.build._BESIDE_MIN_TENSORS, so that its first build has the build helper take part)
-laid out for a hostkit Guest with ggml CPU's answer (`LargeRemote`), a build's outcome
-comparable across builds (`build_outcome`: the refusal, or the host tensors it made), and the
-wire of a long chain of nodes (`chain_wire`: a same-bytes match split with the helper)."""
+"""What the large-graph tests (test_build_helper_hostile.py, test_build_helper_split_hostile.py,
+test_graph_cache_structure_hostile.py) share: a
+guest graph of 2,200 tensors laid out for a hostkit Guest with ggml CPU's answer
+(`LargeRemote`), a build's outcome comparable across builds and paths (`build_outcome`: the
+refusal, or the host tensors it made), and the wire of a long chain of nodes (`chain_wire`)."""
 
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ __all__ = [
     "chain_wire",
 ]
 
-LAYERS = 540  # 4 tensors a layer (5 every 20th): 2,200 tensors, over _BESIDE_MIN_TENSORS
+LAYERS = 540  # 4 tensors a layer (5 every 20th): 2,200 tensors
 
 
 def layers_graph(g, ctx, layers: int = LAYERS, seed: int = 0):
@@ -127,18 +126,24 @@ def graph_scratch(lib, parsed) -> Scratch:
 
 
 def block_tensors(lib, built) -> bytes:
-    """hostilekit.host_tensors of a build, at once: the tensors of one block side by side (as
-    write_tensors_kernel makes them) read as one array, their src and view_src as indices, the
-    data of row ids (a new copy each build) zeroed; per tensor where not one block."""
+    """hostilekit.host_tensors of a build, at once: the tensors read as one array (side by side
+    in one block as write_tensors_kernel makes them, else gathered one by one), their src and
+    view_src as indices, the data of row ids (a new copy each build) zeroed."""
     dtype, host = lib.checker.tensor_dtype, built.host
     copied = [info.index for info in built.infos.made() if info.snapshot is not None]
     n = len(host)
-    if n == 0 or not (np.diff(host) == dtype.itemsize).all():
-        return repr(host_tensors(dtype, host, set(copied))).encode()
-    block = np.frombuffer((ctypes.c_char * (n * dtype.itemsize)).from_address(int(host[0])), dtype).copy()
+    if n == 0:
+        return b""
+    size = dtype.itemsize
+    if (np.diff(host) == size).all():
+        block = np.frombuffer((ctypes.c_char * (n * size)).from_address(int(host[0])), dtype).copy()
+    else:  # (made one by one in a ggml_context)
+        block = np.concatenate([np.frombuffer((ctypes.c_char * size).from_address(a), dtype) for a in host.tolist()])
+    order = np.argsort(host)
     for name in ("src", "view_src"):
         p = block[name].astype(np.int64)
-        block[name] = np.where(p != 0, (p - int(host[0])) // dtype.itemsize, -1).astype(np.uint64)
+        at = order[np.clip(np.searchsorted(host[order], p), 0, n - 1)]
+        block[name] = np.where(p != 0, at, -1).astype(np.uint64)
     block["data"][copied] = 0
     # (the fields only: a copy of a dtype with holes leaves the holes as they were, anything)
     fields = ("type", "ne", "nb", "op", "op_params", "flags", "name", "buffer", "data", "view_offs", "src", "view_src",

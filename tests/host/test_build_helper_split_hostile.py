@@ -1,33 +1,20 @@
-"""Work split with the build helper (apir.host.graph.build_helper) on hostile graphs: a large
-graph's byte match (GraphWire.matches, records [n // 2, n) on the helper), the scratch's
-`writing` lock, and the rule groups the split build uses (rule_group_kernel, group_sizes_kernel).
+"""rule_group_kernel's guess (the tensor after the last one matched, tried before
+the hash), GraphWire.matches of a large graph, and check_nodes' group sizes
+(group_sizes_kernel).
+
 - rule_group_kernel and its Python twin against the definition (hostilekit.groups_by_definition)
   on adversarial graphs: guesses equal in the masked words but not in their sources (a source
   of another class, itself, a slot repeated, a source after its tensor, a difference only in
   the last slot), with the process's key and the worst key 1; its answer is idempotent (what
   check_nodes' fast path relies on), and its comparisons stay linear in the tensors on
   crafted graphs (a count, not a time).
-- GraphWire.matches of a 4,097-record graph (split at record 2,048): every byte of the
-  records around the split and at both ends, the header, shorter sizes, trailing bytes, other
-  alignments, a mismatch in either half only; the same answers with the helper off; a guest
-  rewriting a read byte between two wrong values while it is compared never matches.
-- An interrupt (SIGINT's KeyboardInterrupt) after `beside` queued the helper's half and
-  before `matches` stored the job leaves `matches` at once while the job still holds the
-  guest's memory: the blob's release is refused and the helper never reads unmapped memory
-  (checked in a child, where such a read is a SIGSEGV).
-- A build whose caller is interrupted after `beside` queued its job: the job writes nothing
-  into the scratch prepare_graph freed.
+- GraphWire.matches of a 4,097-record graph, on the accelerated and the plain path: every
+  byte of the records in the middle and at both ends, the header, shorter sizes, trailing
+  bytes, other alignments, a mismatch in either half only; a guest rewriting a read byte
+  between two wrong values while it is compared never matches.
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-import textwrap
-import threading
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,15 +23,10 @@ from apir.host.graph import kernels as K
 from apir.host.graph.kernels import TABLE_KEY, group_sizes_kernel, rule_group_kernel
 from apir.codec.graph import parse_graph
 from apir.codec.records import rpc_tensor_dtype
-from apir.host.graph import build_helper, cache as graph_cache
-from apir.host.graph import build as hg
 from apir.host.graph.cache import graph_wire
 from tests.host.hostilekit import groups_by_definition, racing_guest
 from tests.host.largekit import chain_wire
 
-_ROOT = Path(__file__).resolve().parents[2]
-
-needs_two_cpus = pytest.mark.skipif(build_helper.helper_cpus() < 2, reason="one CPU: no build helper")
 
 
 # --- rule_group_kernel's guess against the definition ----------------------------------------
@@ -262,7 +244,7 @@ def test_group_sizes_of_the_kernels_answer_leave_no_tensor_unchecked():
 # --- GraphWire.matches in two parts -----------------------------------------------------------
 
 
-_N = 4097  # records: over _BESIDE_MIN_RECORDS, odd (the helper compares [2048, 4097))
+_N = 4097  # records: odd, past the 2,048 at which the match was once split in two
 
 
 def _read_offsets(rpc, name_len_r):
@@ -285,28 +267,12 @@ def large(ggml):
     return raw, graph_wire(parsed), rpc_tensor_dtype(ggml.limits)
 
 
-@needs_two_cpus
-@pytest.mark.parametrize("helper", [True, False], ids=["split", "one-thread"])
-def test_every_byte_around_the_split_is_in_the_match(large, helper, monkeypatch):
-    """A 4,097-record graph's match (records [2048, 4097) compared on the helper): each byte
-    of the header's ends and of records 0, 1, 2047, 2048, 2049 and 4096 flipped: a mismatch
-    exactly where the host reads; the graph at 8 alignments and with trailing bytes matches,
-    one byte short does not; the same answers with the helper off."""
+def test_every_byte_of_a_large_graph_is_in_the_match(large, host_path):
+    """A 4,097-record graph's match: each byte of the header's ends and of records 0, 1,
+    2047, 2048, 2049 and 4096 flipped: a mismatch exactly where the host reads; the graph at
+    8 alignments and with trailing bytes matches, one byte short does not."""
     raw, wire, rpc = large
-    monkeypatch.setattr(build_helper, "enabled", helper)
-    parts = []
-    kernel = graph_cache._match_part
-
-    def spy(*args):
-        parts.append((args[-2], args[-1], threading.current_thread().name))
-        return kernel(*args)
-
-    monkeypatch.setattr(graph_cache, "_match_part", spy)
     assert wire.matches(raw, len(raw))
-    if helper:
-        assert parts == [(_N // 2, _N, parts[0][2])] and parts[0][2].startswith("apir-build-helper"), parts
-    else:
-        assert parts == []
     for shift in range(8):
         buf = bytearray(shift) + raw + bytes(8)
         assert wire.matches(memoryview(buf)[shift:], len(raw))
@@ -329,35 +295,20 @@ def test_every_byte_around_the_split_is_in_the_match(large, helper, monkeypatch)
     assert wire.matches(mem, len(mem))
 
 
-@needs_two_cpus
-def test_a_mismatch_in_one_half_only_and_the_helper_done_before_the_answer(large, monkeypatch):
-    """A read byte changed in the caller's half only, or in the helper's only: no match;
-    either way `matches` answers only once the helper's comparison is done (it reads the
-    guest's memory), however early the caller's half knew."""
+def test_a_mismatch_in_one_half_only(large, host_path):
+    """A read byte changed in the first half of the records only, or in the second only: no
+    match."""
     raw, wire, rpc = large
-    kernel = graph_cache._match_part
-    done = []
-
-    def slow(*args):  # (the helper busy with another build first)
-        time.sleep(0.15)
-        out = kernel(*args)
-        done.append(out)
-        return out
-
-    monkeypatch.setattr(graph_cache, "_match_part", slow)
     type_at = rpc.fields["type"][1]
-    for r, want_helper in ((5, True), (_N - 5, False), (_N // 2 - 1, True), (_N // 2, False)):
+    for r in (5, _N - 5, _N // 2 - 1, _N // 2):
         mem = bytearray(raw)
         mem[wire.head + r * rpc.itemsize + type_at] ^= 0x04
-        done.clear()
         assert not wire.matches(mem, len(mem)), r
-        assert done == [want_helper], (r, done)
 
 
-@needs_two_cpus
-def test_a_guest_rewriting_read_bytes_with_wrong_values_never_matches(large):
-    """While the graph is compared, a guest rewrites a byte the host reads, in the helper's
-    half, in the caller's, or both, between two values neither of which is the graph's: no
+def test_a_guest_rewriting_read_bytes_with_wrong_values_never_matches(large, host_path):
+    """While the graph is compared, a guest rewrites a byte the host reads, in the second
+    half, in the first, or both, between two values neither of which is the graph's: no
     read ever sees the graph, so no match; bytes the host does not read (padding, after a
     name's NUL), rewritten in both halves: every match."""
     raw, wire, rpc = large
@@ -372,8 +323,8 @@ def test_a_guest_rewriting_read_bytes_with_wrong_values_never_matches(large):
         return (at(r, o), v ^ 0x10, v ^ 0x20)
 
     cases = {
-        "helper's half": ([flips(_N - 2, op_at), flips(_N // 2, op_at)], False),
-        "caller's half": ([flips(1, op_at), flips(_N // 2 - 1, op_at)], False),
+        "second half": ([flips(_N - 2, op_at), flips(_N // 2, op_at)], False),
+        "first half": ([flips(1, op_at), flips(_N // 2 - 1, op_at)], False),
         "both": ([flips(3, op_at), flips(_N - 3, name_at)], False),
         "unread": ([flips(2, pad_at), flips(_N - 1, pad_at), flips(_N // 2, name_at + 20)], True),
     }
@@ -381,117 +332,3 @@ def test_a_guest_rewriting_read_bytes_with_wrong_values_never_matches(large):
         with racing_guest(raw, spec) as mem:
             seen = {wire.matches(mem, len(raw)) for _ in range(150)}
         assert seen == {want}, name
-
-
-_INTERRUPTED_MATCH_CHILD = textwrap.dedent(
-    """
-    import mmap, sys, threading, time
-    sys.path.insert(0, sys.argv[1])
-    import apir.ggml
-    from apir.codec.graph import parse_graph
-    from apir.host.graph import cache as graph_cache
-    from apir.host.graph.cache import graph_wire
-    from tests.host.largekit import chain_wire
-    g = apir.ggml.load()
-    raw = chain_wire(g, 4097)
-    wire = graph_wire(parse_graph(raw, limits=g.limits, op_count=g.op_count, type_valid=g.valid_types))
-    mm = mmap.mmap(-1, len(raw))  # the guest's blob, as the embedder maps it
-    mm[:] = raw
-    blob = memoryview(mm)  # (the host's Resource.memory)
-    assert wire.matches(blob, len(raw))
-    beside, kernel = graph_cache.beside, graph_cache._match_part
-    unmapped, ran = threading.Event(), threading.Event()
-
-    def late(*args):  # the helper busy with another guest's build until the blob is gone
-        unmapped.wait(3)
-        try:
-            return kernel(*args)
-        finally:
-            ran.set()
-
-    def interrupted(*args):
-        beside(*args)  # (queued)
-        raise KeyboardInterrupt  # the handler of a SIGINT that came as beside returned
-
-    graph_cache.beside, graph_cache._match_part = interrupted, late
-    try:
-        wire.matches(blob, len(raw))
-    except KeyboardInterrupt:
-        pass
-    print("helper done when matches left:", ran.is_set(), flush=True)
-    try:
-        blob.release()  # the command failed; remove_resource (Resource.release) ...
-        mm.close()  # ... and the embedder unmaps the blob
-        print("unmapped", flush=True)
-    except BufferError:  # (what the helper reads is pinned while it runs)
-        print("pinned", flush=True)
-    unmapped.set()
-    assert ran.wait(10)
-    print("OK", flush=True)
-    """
-)
-
-
-@needs_two_cpus
-def test_an_interrupt_after_beside_queued_the_match_keeps_the_guests_memory_mapped():
-    """A KeyboardInterrupt (SIGINT: Ctrl-C in a notebook's embedded host; CPython runs the
-    handler at the eval-breaker check that ends a CALL, so after `pool.submit` queued the job
-    inside `beside`, or after `beside` returned and before `job` is stored) leaves
-    `GraphWire.matches` at once, while the helper has records [n // 2, n) of the guest's blob
-    still to compare, behind another guest's build. The job holds the arrays it reads, so the
-    blob's release is refused while it runs, and the helper reads mapped memory. (Its job held
-    raw addresses only: the blob was released and unmapped, and the host died of SIGSEGV, in a
-    child process here.) A correct host either waits for the helper before `matches` leaves,
-    or keeps what the helper reads alive while it runs."""
-    env = dict(os.environ, PYTHONPATH=str(_ROOT))
-    res = subprocess.run([sys.executable, "-c", _INTERRUPTED_MATCH_CHILD, str(_ROOT)], env=env, cwd=_ROOT,
-                         capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0 and res.stdout.strip().endswith("OK"), (res.returncode, res.stdout, res.stderr[-2000:])
-
-
-# --- the build's job when its caller was interrupted ------------------------------------------
-
-
-@needs_two_cpus
-def test_an_interrupt_after_beside_queued_a_build_writes_nothing_into_the_freed_scratch(ggml, monkeypatch):
-    """build_graph_parts has the window of the match above: a KeyboardInterrupt after `beside`
-    queued the helper's part and before `job` is stored leaves the caller without waiting,
-    and prepare_graph frees the scratch as it unwinds. The helper's part, run after that,
-    reads only what its job holds (the parsed graph, the library's buffer table) and finds
-    the scratch closed: it makes no host tensor and no cgraph (ggml_new_tensor or
-    write_tensors_kernel into a freed ggml_context). The next build on the helper is whole."""
-    from apir.host.backend import dispatch_backend
-    from tests.host.largekit import LargeRemote, build_outcome, one_thread_guest, parse
-
-    guest = one_thread_guest()
-    remote = LargeRemote(guest, ggml)
-    try:
-        lib = guest.ctx._library
-        parsed = parse(lib, remote.wire)
-        want = build_outcome(lib, parsed)
-        jobs, scratches, made, gate = [], [], [], threading.Event()
-        real_beside, check, make, new_scratch = hg.beside, hg._check_records, hg._create_tensors, hg.graph_scratch
-
-        def interrupted(*args):
-            jobs.append(real_beside(*args))
-            raise KeyboardInterrupt
-
-        def late_check(*args):  # (on the helper: runs once the caller has left)
-            gate.wait(30)
-            return check(*args)
-
-        monkeypatch.setattr(hg, "beside", interrupted)
-        monkeypatch.setattr(hg, "_check_records", late_check)
-        monkeypatch.setattr(hg, "_create_tensors", lambda *a: made.append(threading.current_thread().name) or make(*a))
-        monkeypatch.setattr(dispatch_backend, "graph_scratch",
-                            lambda *a: scratches.append(new_scratch(*a)) or scratches[-1])
-        with pytest.raises(KeyboardInterrupt):
-            dispatch_backend.prepare_graph(lib, parsed, None)
-        assert len(jobs) == 1 and jobs[0] is not None and scratches[0].closed
-        gate.set()
-        assert jobs[0].result(timeout=60) is None and made == []
-        monkeypatch.undo()
-        assert build_outcome(lib, parse(lib, remote.wire)) == want and want[0] == "built"
-    finally:
-        remote.close()
-        guest.close()

@@ -14,12 +14,14 @@ import dataclasses
 import numpy as np
 import pytest
 
+from apir import accel
 from apir.codec.graph import parse_graph
 from apir.host.graph import build as hg
 from apir.host.errors import Refused
 from apir.host.graph.shapes.base import IdReads
 from apir.host.tensors import Scratch
-from tests.host.hostkit import GgmlScratch, RemoteGraph
+from tests.host.attackkit import host_tensors
+from tests.host.hostkit import GgmlScratch, RemoteGraph, add_chain, needs_kernels
 
 
 def _graph(g, ctx):
@@ -76,6 +78,7 @@ def _same(a, b):
     assert np.array_equal(a.offsets, b.offsets) and np.array_equal(a.extents, b.extents)
 
 
+@needs_kernels
 def test_real_graph_takes_the_fast_path(setup):
     lib, wire, _ = setup
     parsed = _parse(lib, wire)
@@ -117,6 +120,7 @@ def _lie(rng, lib, t, other):
     return f"tensor {i} {field}"
 
 
+@needs_kernels
 def test_array_checks_accept_only_what_the_per_tensor_checks_accept(setup):
     lib, wire, other = setup
     rng = np.random.default_rng(11)
@@ -136,6 +140,7 @@ def test_array_checks_accept_only_what_the_per_tensor_checks_accept(setup):
     assert counts["only per-tensor accepts"] > 0, counts
 
 
+@needs_kernels
 def test_empty_tensor_with_huge_strides_falls_back_and_is_accepted(setup):
     """ne[1] = 0 makes the extent 0 whatever the strides; the array checks' int64 bound
     declines ne[0] * nb[0] near 2**64 and leave it to the exact per-tensor arithmetic."""
@@ -150,6 +155,7 @@ def test_empty_tensor_with_huge_strides_falls_back_and_is_accepted(setup):
     assert _one_by_one(lib, parsed).extents[leaf] == 0
 
 
+@needs_kernels
 def test_span_suspects_hold_every_tensor_over_its_buffer(setup):
     """The record kernel's span suspects (`_Records.suspects`, which _check_spans checks
     exactly) include every tensor whose exact span (`base.span_nbytes`) exceeds its buffer,
@@ -222,11 +228,13 @@ def _as_indices(lib, addrs, data_map=None):
     return out
 
 
-@pytest.mark.parametrize("bulk", [True, False])
+@pytest.mark.parametrize("bulk", [True, False, "plain"])
 def test_host_tensors_equal_the_one_by_one_twins(setup, monkeypatch, bulk):
     lib, wire, _ = setup
     if not bulk:  # the tensor-by-tensor writes taken when ggml's layout is not the kernel's
         monkeypatch.setattr(hg, "_kernel_layout", lambda tensor, rpc, max_src: None)
+    if bulk == "plain":  # the same writes, on the plain path
+        monkeypatch.setattr(accel, "enabled", lambda: False)
     parsed = _parse(lib, wire)
     n = len(parsed.tensors)
     # what a twin must not take over: view_offs of a tensor that is no view, bytes after a
@@ -237,7 +245,7 @@ def test_host_tensors_equal_the_one_by_one_twins(setup, monkeypatch, bulk):
     with Scratch(lib.g, n, n) as ref, Scratch(lib.g, n, n) as new:
         ref_host = _reference_twins(lib, parsed, ref)
         expect = _as_indices(lib, ref_host)
-        graph = hg.build_graph(lib, parsed, new, hg.lib_op_enums(lib))
+        graph = hg.build_graph_parts(lib, parsed, new, hg.lib_op_enums(lib)).graph
         nodes = [int(lib.g.ggml_graph_node(graph, k)) for k in range(lib.g.ggml_graph_n_nodes(graph))]
         host = [0] * n
         for k, j in enumerate(parsed.node_index.tolist()):
@@ -296,6 +304,7 @@ def test_infos_equal_tensor_info(setup):
         got[len(got)]
 
 
+@needs_kernels
 def test_record_kernels_twins_agree(setup, monkeypatch):
     """The jitted record checks and their plain-Python twins (`.py_func`) decide alike and
     fill the same arrays, on the real graph and on lying variants of it."""
@@ -332,7 +341,7 @@ def test_record_kernels_twins_agree(setup, monkeypatch):
                 assert all(np.array_equal(x, y) for x, y in zip(arrays_a, arrays_b))
 
 
-@pytest.mark.parametrize("bulk", [True, False])
+@pytest.mark.parametrize("bulk", [True, False, "plain"])
 def test_graph_scratch_counts_each_tensor_once(setup, monkeypatch, bulk):
     """graph_scratch's context has room for the tensors only where they are made there (the
     ggml_new_tensor path); else they live in its tensor block, and `size` (the graph cache's
@@ -342,6 +351,11 @@ def test_graph_scratch_counts_each_tensor_once(setup, monkeypatch, bulk):
     lib, wire, _ = setup
     if not bulk:
         monkeypatch.setattr(hg, "_kernel_layout", lambda tensor, rpc, max_src: None)
+    if bulk == "plain":
+        monkeypatch.setattr(accel, "enabled", lambda: False)
+        bulk = False
+    elif bulk and not accel.enabled():
+        pytest.skip("the tensor block is the kernels'")
     g = lib.g
     parsed = _parse(lib, wire)
     n, nodes = len(parsed.tensors), len(parsed.node_index)
@@ -354,3 +368,62 @@ def test_graph_scratch_counts_each_tensor_once(setup, monkeypatch, bulk):
             assert entry.scratch.size == graph + n * g.ggml_tensor_overhead()
     finally:
         entry.close()
+
+
+# --- a large graph's build ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def chain(guest, ggml):
+    """(lib, wire) of a graph of 2,101 tensors (2,100 ADD nodes)."""
+    s = GgmlScratch(ggml, 3000)  # (room for the tensors, and for a cgraph of 4,096 nodes)
+    remote = RemoteGraph(guest, ggml, s.ctx, add_chain(ggml, s.ctx, 2100, 4096))
+    yield guest.ctx._library, remote.wire
+    remote.close()
+    s.close()
+
+
+def _made(lib, parsed):
+    """The host tensors build_graph_parts makes of `parsed` (attackkit.host_tensors)."""
+    with Scratch(lib.g, len(parsed.tensors), max(len(parsed.node_index), 1)) as scratch:
+        built = hg.build_graph_parts(lib, parsed, scratch, hg.lib_op_enums(lib))
+        return host_tensors(lib.checker.tensor_dtype, built.host)
+
+
+def test_a_large_graph_is_built_alike_on_either_path(chain, monkeypatch):
+    lib, wire = chain
+    fast = _made(lib, _parse(lib, wire))
+    monkeypatch.setattr(accel, "enabled", lambda: False)
+    plain = _made(lib, _parse(lib, wire))
+    assert fast == plain
+    assert len(plain) == 2101 and plain[-1][4][:2] == (2099, 0)  # the last ADD: the one before, and x
+
+
+@pytest.mark.parametrize("where", ["_check_records", "_create_tensors"])
+def test_an_error_of_a_build_step_is_raised_to_the_caller(chain, where, monkeypatch):
+    lib, wire = chain
+    if where == "_check_records" and not accel.enabled():
+        pytest.skip("the array record checks run only with the kernels")
+
+    def fail(*args):
+        raise MemoryError(f"no room in {where}")
+
+    monkeypatch.setattr(hg, where, fail)
+    parsed = _parse(lib, wire)
+    with Scratch(lib.g, len(parsed.tensors), len(parsed.node_index)) as scratch:
+        with pytest.raises(MemoryError, match=where):
+            hg.build_graph_parts(lib, parsed, scratch, hg.lib_op_enums(lib))
+    monkeypatch.undo()
+    assert len(_made(lib, _parse(lib, wire))) == 2101  # the next build is whole
+
+
+def test_a_record_is_refused_before_any_node(chain, host_path):
+    """The rules see the record checks' answer: a record refused before any node, on either
+    path."""
+    lib, wire = chain
+    parsed = _parse(lib, wire)
+    parsed.tensors["data"][5] = np.iinfo(np.uint64).max - 3  # tensor 5's data far past its buffer
+    parsed.tensors["ne"][len(parsed.tensors) - 1, 0] = 7  # and a node refused by its rule
+    with Scratch(lib.g, len(parsed.tensors), len(parsed.node_index)) as scratch:
+        with pytest.raises(Refused, match="graph tensor 5"):
+            hg.build_graph_parts(lib, parsed, scratch, hg.lib_op_enums(lib))

@@ -12,7 +12,7 @@ from apir.codec.records import rpc_tensor_dtype
 from apir.host.graph import cache as graph_cache
 from apir.host.graph.cache import GraphCache, GraphCacheEntry, graph_key, graph_wire
 from tests.host.cachekit import N_ROWS, GraphSession, direct_output, graph_inputs
-from tests.host.hostkit import DATA_RES, Guest
+from tests.host.hostkit import DATA_RES, Guest, needs_kernels
 
 @pytest.fixture
 def session(guest, ggml):
@@ -237,14 +237,10 @@ def test_every_byte_of_the_graph_is_in_the_key_or_refused(session, ggml):
     assert sorted(set(same)) == sorted(unread)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one-thread", "split"])
-def test_every_byte_the_host_reads_is_in_the_wire_match(session, ggml, split, monkeypatch):
+def test_every_byte_the_host_reads_is_in_the_wire_match(session, ggml, host_path):
     """`GraphWire.matches` (the same graph sent again, compared without parsing): flipping
     any byte the host reads, ids included, is a mismatch; flipping an unread byte is not.
-    `split`: the records compared in two parts, the second on the build helper thread (as
-    a large graph's are), whatever the graph's size."""
-    if split:
-        monkeypatch.setattr(graph_cache, "_BESIDE_MIN_RECORDS", 1)
+    On the accelerated and the plain path."""
     kw = dict(limits=ggml.limits, op_count=ggml.op_count, type_valid=ggml.valid_types)
     wire = graph_wire(parse_graph(session.wire, **kw))
     assert wire.matches(session.wire, len(session.wire))
@@ -261,16 +257,13 @@ def test_every_byte_the_host_reads_is_in_the_wire_match(session, ggml, split, mo
     assert sorted(set(same)) == sorted(unread)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one-thread", "split"])
 @pytest.mark.parametrize("ids", ["moved", "permuted", "high"])
-def test_same_structure_is_exactly_an_equal_key(session, ggml, ids, split, monkeypatch):
+def test_same_structure_is_exactly_an_equal_key(session, ggml, ids, host_path):
     """`GraphWire.same_structure` accepts a graph exactly when parsing it gives the cached
     graph's key: for the graph under other ids (moved by one constant, given out in another
     order, or moved past 2**62, where only the full check of links applies), and for each of
-    those with any one byte flipped (ids and links included), the two always agree.
-    `split`: half the records compared on the build helper thread, whatever the size."""
-    if split:
-        monkeypatch.setattr(graph_cache, "_BESIDE_MIN_RECORDS", 1)
+    those with any one byte flipped (ids and links included), the two always agree. On the
+    accelerated and the plain path."""
     kw = dict(limits=ggml.limits, op_count=ggml.op_count, type_valid=ggml.valid_types)
     parsed = parse_graph(session.wire, **kw)
     key, wire = graph_key(parsed), graph_wire(parsed)
@@ -294,6 +287,7 @@ def test_same_structure_is_exactly_an_equal_key(session, ggml, ids, split, monke
     assert agreed > 0  # (the unread bytes, and ids no tensor links)
 
 
+@needs_kernels
 def test_same_structure_tries_moved_ids_before_the_full_check(session, ggml, monkeypatch):
     """Ids moved by one constant (a ggml context at another address) are matched without the
     full check of links and its hash set (`ids_link_kernel`); ids in another order need it,

@@ -128,8 +128,8 @@ _GUARD_CHILD = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     import numba
     import numpy as np
+    from apir import accel
     from apir.host.graph import kernels as K
-    from apir.host.graph import cache as graph_cache
     from tests.host.test_graph_cache_kernels_hostile import _graph_bytes, _entry, _moved, KW0
 
     page = mmap.PAGESIZE
@@ -167,8 +167,9 @@ _GUARD_CHILD = textwrap.dedent(
                         (_moved(raw, 8), False, True), (_moved(raw, -8), False, True)]
             last = len(raw) - wire.record_size + 24  # ne[0] of the last record: differs
             variants.append((raw[:last] + bytes([raw[last] ^ 0x40]) + raw[last + 1 :], False, False))
-            for split in (10**9, 1):
-                graph_cache._BESIDE_MIN_RECORDS = split
+            enabled = accel.enabled
+            for plain in (False, True):  # (the accelerated path, then the plain one)
+                accel.enabled = (lambda: False) if plain else enabled
                 for bytes_, m_want, s_want in variants:
                     new[at:nguard] = bytes_
                     view = memoryview(new)[at:nguard]
@@ -178,7 +179,7 @@ _GUARD_CHILD = textwrap.dedent(
                     assert wire.same_structure(view[:-1], len(raw) - 1, links) is False
                     view.release()
                     done += 1
-            graph_cache._BESIDE_MIN_RECORDS = 2048
+            accel.enabled = enabled
             # the kernels, both sides at their guards
             old[oguard - len(raw) : oguard] = wire.data
             a, b = nbase + at, obase + oguard - len(raw)

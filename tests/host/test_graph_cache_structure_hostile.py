@@ -5,8 +5,8 @@ sent again under other tensor ids, matched in place in the guest's shared memory
   slots and view_src, repeated nodes, junk after NULs and ids rewritten at every edge of the
   moved path's preconditions (moves past 2**62, 2**63 and 2**64, zeros, -delta, duplicates,
   swaps, random ids), then a src / view_src / node id / NUL / padding byte changed, header
-  counts and sizes changed; on one thread and split with the build helper, and on a
-  4,097-record graph split at 2,048. The kernels equal their `.py_func` twins there.
+  counts and sizes changed; on the accelerated and the plain path, and on a
+  4,097-record graph. The kernels equal their `.py_func` twins there.
 - No byte past the cached graph's size is read: the graph ends at a PROT_NONE page (child).
 - Hash flooding ids_link_kernel's set without TABLE_KEY (ids in power-of-two strides, x / ~x
   pairs, top-bit variants, high bits only): linear probes, counted with the process's key.
@@ -15,14 +15,12 @@ sent again under other tensor ids, matched in place in the guest's shared memory
   array), so an id rewritten between a duplicate and a unique value cannot pass the set with
   one value and the links with another (shown deterministically with the twin and a read hook).
 - Bytes rewritten right after the match change nothing that runs; another context's entry is
-  never served; an interrupt after `beside` queued either half of a split same_structure
-  keeps the guest's memory mapped (child).
+  never served.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import struct
 import subprocess
 import sys
@@ -36,7 +34,7 @@ from apir.host.graph import kernels as K
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
-from apir.host.graph import build_helper, cache as graph_cache
+from apir.host.graph import cache as graph_cache
 from apir.host.graph.cache import graph_key, graph_wire
 from tests.host.hostilekit import racing_guest
 from tests.host.cachekit import GraphSession, direct_output, graph_inputs
@@ -45,8 +43,6 @@ from tests.host.largekit import chain_wire
 
 ROOT = Path(__file__).resolve().parents[2]
 U64 = 1 << 64
-
-needs_two_cpus = pytest.mark.skipif(build_helper.helper_cpus() < 2, reason="one CPU: no build helper")
 
 
 def _kw(g):
@@ -215,14 +211,11 @@ ID_BASES = {
 # --- the oracle -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one-thread", "split"])
-def test_same_structure_is_exactly_the_parse_on_hostile_ids(ggml, split, monkeypatch):
+def test_same_structure_is_exactly_the_parse_on_hostile_ids(ggml, host_path):
     """For every rewrite (module docstring) of graphs of 2-40 tensors under each id base:
     same_structure equals "the parse succeeds with the entry's key", with trailing bytes too,
     and one byte short never matches; `matches` never accepts what the parse does not. Both
     answers occur often (the rewrites reach both sides)."""
-    if split:
-        monkeypatch.setattr(graph_cache, "_BESIDE_MIN_RECORDS", 1)
     answers = {True: 0, False: 0}
     wrong = []
     for seed in range(14):
@@ -288,9 +281,8 @@ def _flip_word(buf: bytearray, at: int, bit: int) -> None:
     buf[at + bit // 8] ^= 1 << (bit % 8)
 
 
-@needs_two_cpus
-def test_a_large_graph_under_other_ids_split_at_2048(ggml):
-    """A 4,097-record chain (records [2048, 4097) on the helper) moved by 2**33 and under
+def test_a_large_graph_under_other_ids(ggml, host_path):
+    """A 4,097-record chain moved by 2**33 and under
     random ids: each id word (id, src[0], src[9], view_src) of records 0, 2047, 2048, 2049 and
     4096 and the node ids around them flipped in a low and a high bit: same_structure equals
     the parse's verdict each time."""
@@ -332,7 +324,7 @@ _GUARD_CHILD = textwrap.dedent(
     import apir.ggml
     from apir.codec.graph import parse_graph
     from apir.codec.records import rpc_tensor_dtype
-    from apir.host.graph import cache as graph_cache
+    from apir import accel
     from apir.host.graph.cache import graph_wire
     g = apir.ggml.load()
     rpc = rpc_tensor_dtype(g.limits)
@@ -352,8 +344,9 @@ _GUARD_CHILD = textwrap.dedent(
         return raw[:4] + nodes.tobytes() + raw[4 + 8 * nn : 8 + 8 * nn] + recs.tobytes()
 
     answers = []
-    for split in (False, True):
-        graph_cache._BESIDE_MIN_RECORDS = 1 if split else 2048
+    for plain in (False, True):  # (the accelerated path, then the plain one)
+        if plain:
+            accel.enabled = lambda: False
         for n, name_len in ((1, 63), (3, 10), (5, 62)):
             recs = np.zeros(n, rpc)
             recs["id"] = np.arange(1, n + 1) * 16
@@ -396,7 +389,7 @@ _GUARD_CHILD = textwrap.dedent(
 
 def test_same_structure_reads_nothing_past_the_guests_bytes(ggml):
     """A graph (the same, moved, under random ids, or wrong only in its last record) ending
-    exactly at a PROT_NONE page, on one thread and split: matched or refused without a fault;
+    exactly at a PROT_NONE page, on the accelerated and the plain path: matched or refused without a fault;
     a graph one or eight bytes short is refused. The guard does fault on the next byte."""
     res = subprocess.run([sys.executable, "-c", _GUARD_CHILD, str(ROOT)], capture_output=True, text=True, timeout=240)
     assert res.returncode == 0 and res.stdout.strip() == "OK 18", (res.returncode, res.stdout, res.stderr[-3000:])
@@ -505,18 +498,14 @@ def _racing(buf: bytes, at: int, a: int, b: int):
     return buf[:at] + va + buf[at + 8 :], [(at + q, va[q], vb[q]) for q in range(8) if va[q] != vb[q]]
 
 
-@needs_two_cpus
-@pytest.mark.parametrize("split", [False, True], ids=["one-thread", "split"])
-def test_a_guest_rewriting_ids_between_wrong_values_never_matches(ggml, chain, split, monkeypatch):
+def test_a_guest_rewriting_ids_between_wrong_values_never_matches(ggml, chain, host_path):
     """While same_structure runs, a guest rewrites an id between two values neither of which
     links the tensors: the first tensor's id (from which the delta is derived, read again by
-    the kernels) of the moved graph, between two other deltas; an id in the helper's half of
-    the graph under random ids, between two unused ids; a src there between two wrong ids.
+    the kernels) of the moved graph, between two other deltas; an id late in the graph under
+    random ids, between two unused ids; a src there between two wrong ids.
     Every byte of each value's rewrite is a wrong value too (they differ from the right one
     in a byte not rewritten). No match, ever. Padding and a name's tail rewritten: always a
     match."""
-    if split:
-        monkeypatch.setattr(graph_cache, "_BESIDE_MIN_RECORDS", 1)
     wire, links, rpc, n = chain["wire"], chain["links"], chain["rpc"], chain["n"]
     head, size = wire.head, rpc.itemsize
     id_at, src_at = rpc.fields["id"][1], rpc.fields["src"][1]
@@ -710,90 +699,3 @@ def test_another_contexts_entry_is_never_served(ggml):
         sa.close()
         ga.close()
         gb.close()
-
-
-# --- an interrupt during the split ------------------------------------------------------------
-
-
-_INTERRUPTED_CHILD = textwrap.dedent(
-    """
-    import mmap, struct, sys, threading
-    sys.path.insert(0, sys.argv[1])
-    import numpy as np
-    import apir.ggml
-    from apir.codec.graph import parse_graph
-    from apir.codec.records import rpc_tensor_dtype
-    from apir.host.graph import cache as graph_cache
-    from apir.host.graph.cache import graph_wire
-    from tests.host.largekit import chain_wire
-    g = apir.ggml.load()
-    rpc = rpc_tensor_dtype(g.limits)
-    raw = chain_wire(g, 4097)
-    p = parse_graph(raw, limits=g.limits, op_count=g.op_count, type_valid=g.valid_types)
-    wire, links = graph_wire(p), (p.node_index, p.src_index, p.view_src_index)
-
-    def rename(f):
-        nn = struct.unpack_from("<I", raw)[0]
-        nodes = np.frombuffer(raw, "<u8", nn, 4).copy()
-        recs = np.frombuffer(raw, rpc, offset=8 + 8 * nn).copy()
-        for k in ("id", "src", "view_src"):
-            recs[k] = np.where(recs[k] != 0, f(recs[k]), 0)
-        return raw[:4] + f(nodes).tobytes() + raw[4 + 8 * nn : 8 + 8 * nn] + recs.tobytes()
-
-    graphs = {"_moved_part": rename(lambda x: x + np.uint64(1 << 40)),
-              "_match_part": rename(lambda x: x * np.uint64(3) | np.uint64(1 << 62))}
-    real_beside = graph_cache.beside
-    for part, other in graphs.items():
-        mm = mmap.mmap(-1, len(other))
-        mm[:] = other
-        blob = memoryview(mm)
-        assert wire.same_structure(blob, len(other), links)
-        kernel = getattr(graph_cache, part)
-        unmapped, ran = threading.Event(), threading.Event()
-
-        def late(*args, kernel=kernel, unmapped=unmapped, ran=ran):
-            unmapped.wait(3)
-            try:
-                return kernel(*args)
-            finally:
-                ran.set()
-
-        def interrupted(fn, *args, part=part):
-            job = real_beside(fn, *args)
-            if fn.__name__ == "late":
-                raise KeyboardInterrupt  # a SIGINT's handler, as beside returned
-            return job
-
-        graph_cache.beside = interrupted
-        setattr(graph_cache, part, late)
-        try:
-            wire.same_structure(blob, len(other), links)
-            print(part, "no interrupt", flush=True)
-        except KeyboardInterrupt:
-            pass
-        try:
-            blob.release()
-            mm.close()
-            print(part, "unmapped", flush=True)
-        except BufferError:
-            print(part, "pinned", flush=True)
-        unmapped.set()
-        assert ran.wait(20)
-        graph_cache.beside = real_beside
-        setattr(graph_cache, part, kernel)
-    print("OK", flush=True)
-    """
-)
-
-
-@needs_two_cpus
-def test_an_interrupt_in_either_split_of_same_structure_keeps_the_guests_memory_mapped():
-    """A KeyboardInterrupt right after `beside` queued the helper's half of a 4,097-record
-    same_structure (the moved path's `_moved_part`, the full check's `_match_part`) leaves it
-    at once while the helper still has the guest's blob to read: the blob's release is refused
-    while the job runs (pinned), and the helper reads mapped memory (no SIGSEGV)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-c", _INTERRUPTED_CHILD, str(ROOT)], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, (res.returncode, res.stdout, res.stderr[-2000:])
-    assert res.stdout.split() == ["_moved_part", "pinned", "_match_part", "pinned", "OK"], res.stdout

@@ -26,11 +26,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from apir.host.graph import kernels as K
 from apir.codec import _kernels as CK
 from apir.codec.graph import GraphError, parse_graph
 from apir.codec.records import rpc_tensor_dtype
-from apir.host.graph import cache as graph_cache
 from apir.host.graph.cache import _key_mask, graph_key, graph_wire
 from tests.host.hostilekit import racing_guest
 
@@ -237,10 +235,7 @@ def _brute_key(p, rpc):
             p.view_src_index.tobytes())
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one-thread", "split"])
-def test_wire_match_and_key_by_definition(ggml, split, monkeypatch):
-    if split:  # the records compared in two parts, the second on the build helper thread
-        monkeypatch.setattr(graph_cache, "_BESIDE_MIN_RECORDS", 1)
+def test_wire_match_and_key_by_definition(ggml, host_path):
     rpc = rpc_tensor_dtype(ggml.limits)
     name_at, name_len = rpc.fields["name"][1], rpc.fields["name"][0].itemsize
     unread = np.flatnonzero(_key_mask(rpc, ids=True) == 0)

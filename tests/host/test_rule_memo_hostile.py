@@ -4,15 +4,14 @@
   MemoryError (the dispatcher's error reply), never ggml's abort: ggml_new_tensor_1d
   GGML_ASSERTs a full context and ggml_new_graph_custom dereferences its NULL object, so
   the room is checked before ggml is called (in a child process).
-- Grouped rules decide as checking every tensor on its own, on a graph whose rules read what
-  `Sealed` hides: ROPE's frequency factors (`room`), OPT_STEP's in-place result (`address`),
-  SET_ROWS of F16 into F32 (sets `one_thread`), GET_ROWS (row ids), under lies in every field
-  a guest writes, sources and views rewired, nodes swapped, and a second handle of the same
-  buffer: the same refusal (message, node, rule), the same row-id state on every info, the
-  same cache entry (readers, id holders, id checks), and the same host tensors, the grouped
-  build's made on the build helper thread.
-- rule_group_kernel and the hash tables keyed by guest words against their definitions;
-  first_overlap_kernel and the graph's needs against comparing every pair; row-id copies.
+- Grouped rules (apir.host.graph.rule_memo) decide as checking every tensor on its own, on a graph
+  whose rules read what `Sealed` hides: ROPE's frequency factors (`room`), OPT_STEP's
+  in-place result (`address`), SET_ROWS of F16 into F32 (sets `one_thread`), GET_ROWS (row
+  ids), under lies in every field a guest writes, sources and views rewired, nodes swapped,
+  and a second handle of the same buffer: the same refusal (message, node, rule), the same
+  row-id state on every info, the same cache entry (readers, id holders, id checks), and the
+  same host tensors, the grouped build's written by the kernels, the other's made one by one
+  on the plain path (apir.accel off).
 """
 
 import subprocess
@@ -23,13 +22,13 @@ import numpy as np
 import pytest
 
 from apir.codec.graph import parse_graph
-from apir.host.graph import build_helper
+from apir import accel
 from apir.host.graph import build as hg
 from apir.host.errors import Refused
 from apir.host.graph.cache import GraphCacheEntry
 from apir.host.tensors import Scratch
 from tests.host.hostilekit import groups_by_definition, host_tensors
-from tests.host.hostkit import GgmlScratch, RemoteGraph
+from tests.host.hostkit import GgmlScratch, RemoteGraph, needs_kernels
 
 _ROOT = Path(__file__).resolve().parents[2]
 
@@ -160,15 +159,12 @@ def _parse(lib, wire):
 def _build(lib, parsed, grouped, monkeypatch):
     """What build_graph_parts decided and left: the refusal (message, node, rule) or None,
     each info's row-id state (None: untouched) and the cache entry's facts, and the host
-    tensors it made. `grouped`: rules once per group, the record checks and host tensors on
-    the build helper thread (apir.host.graph.build_helper, whatever the graph's size); else every
-    tensor's rule, all on this thread."""
+    tensors it made. `grouped`: rules once per group, on the accelerated path; else every
+    tensor's rule, on the plain path (apir.accel off)."""
     monkeypatch.undo()
-    if grouped:
-        monkeypatch.setattr(hg, "_BESIDE_MIN_TENSORS", 0)
-    else:
+    if not grouped:
         monkeypatch.setattr(hg, "rule_groups", lambda p: np.arange(len(p.tensors), dtype=np.int32))
-        monkeypatch.setattr(build_helper, "enabled", False)
+        monkeypatch.setattr(accel, "enabled", lambda: False)
     n = len(parsed.tensors)
     with Scratch(lib.g, n, max(len(parsed.node_index), 1)) as scratch:
         try:
@@ -536,6 +532,7 @@ def _needs_by_pairs(lib, parsed, made, recs):
     return None
 
 
+@needs_kernels
 @pytest.mark.parametrize("direct_pairs", [0, 1 << 30], ids=["sweep", "pairs"])
 @pytest.mark.parametrize("layers", ["a"], indirect=True)
 def test_graph_needs_decide_as_comparing_every_pair(layers, direct_pairs, monkeypatch):

@@ -1,37 +1,21 @@
 """The host-side graph builder: a checked `ggml_cgraph` from a parsed wire graph.
 
-Theory of operation: `apir.codec.graph.parse_graph` has already checked the wire's counts, ids,
-types, ops, names and acyclicity. Here a node listed twice is refused, every tensor record is
-checked against this context (`TensorChecker.check_rpc`: a known buffer, data + extent inside
-it, no custom op), each view against its source (same buffer, `data == source data + view_offs`,
-its extent inside the source's), every tensor of the graph must have data (a kernel writes
-through it), its span (its elements' bytes with each dimension of 0 taken as 1,
-`base.check_span`) must fit its buffer (an empty tensor's other dimensions, or elements aliased
-through strides of 0, would otherwise size ggml's work buffer and kernel loops far beyond any
-memory), and each node's shape goes through `apir.host.graph.shapes.check_node` (once per group of
-tensors whose rules see equal inputs, apir.host.graph.rule_memo: a model's layers repeat), then what rules ask
-of the whole graph (`_check_graph_needs`: row ids read before compute are written by no node
-before they are read; kernels safe only on one thread are in a one-thread graph). Only then are
-the host tensors made (no data allocated: `data` points into the checked buffers; row ids
-pointed at the copy their rule checked), and the nodes added to a graph, in the scratch's
-`ggml_context`, in the guest's node order.
+Theory of operation: `apir.codec.graph.parse_graph` has checked the wire's counts, ids, types,
+ops, names and acyclicity. Here a node listed twice is refused; every tensor record is checked
+against this context (`TensorChecker.check_rpc`: a known buffer with data, data + extent inside
+it, no custom op), each view against its source (same buffer, data = source data + view_offs,
+extent inside the source's), each span within its buffer (`base.check_span`: an empty or
+aliased tensor would size ggml's work buffers far beyond any memory); each node's shape goes
+through `shapes.check_node`, once per group of equal inputs (apir.host.graph.rule_memo), then
+what rules ask of the whole graph (`_check_graph_needs`). Only then are the host tensors made
+(`data` pointing into the checked buffers, row ids at the copy their rule checked) and the
+nodes added in the guest's order, in the scratch's `ggml_context`.
 
-Speed: a MiniLM batch has ~330 tensors and a large LLM graph over 10,000, so nothing here
-runs Python per tensor. The record checks run on the parsed graph's arrays at once
-(`_check_records`); when that finds any problem, or values too large for its int64
-arithmetic, the per-tensor checks (`_check_records_one_by_one`, `TensorChecker.check_rpc`:
-exact Python integers) run instead and raise the same `Refused` as always, so the vectorized
-path never decides a refusal, only an acceptance the per-tensor path would make too. A
-tensor's `TensorInfo` is made only when a rule or check asks for it (`TensorInfos`), and a
-rule runs once per group of equal inputs (apir.host.graph.rule_memo). The host tensors are
-written whole by a Numba kernel, side by side in one block the scratch owns, at the offsets
-of the layout `apir.ggml.layout.check_layout` checked at load (`_create_tensors`: ggml reads
-a graph's tensors through their pointers only; if that layout is not the one the kernel
-writes, they are made by ggml_new_tensor_1d in the scratch's context and written field by
-field through numpy). The graph's nodes are added by a kernel that calls ggml through its
-function's address. On a host with a second CPU, a graph of thousands of tensors has its
-record checks and host tensors made on the build helper thread (apir.host.graph.build_helper)
-while this thread groups and runs the shape rules (`build_graph_parts`).
+Two paths, one answer (apir.accel): the plain one checks each record on its own
+(`_check_records_one_by_one`), makes each host tensor with ggml_new_tensor_1d and walks the
+nodes for writes over row ids (`_first_writes_plain`). The accelerated one runs these steps in
+Numba kernels on whole arrays (apir.host.graph.kernels: a large graph has 10,000 tensors) and
+leaves every refusal to the per-record checks, which it runs on any doubt.
 
 Errors: `Refused` (with the tensor or node index) for anything the checks reject.
 """
@@ -40,23 +24,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from concurrent.futures import Future
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from apir.host.graph.kernels import (
-    TABLE_KEY,
-    add_nodes_kernel,
-    first_overlap_kernel,
-    graph_writes_kernel,
-    new_tensors_kernel,
-    record_bounds_kernel,
-    record_fields_kernel,
-    write_tensors_kernel,
-)
+from apir import accel
 from apir.ggml.layout import tensor_record
-from apir.host.graph.build_helper import beside, wait_done
 from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
 from apir.host.graph.rule_memo import check_nodes, rule_groups
@@ -67,9 +40,18 @@ from apir.host.graph.seams import GraphLibrary, profile_of
 from apir.host.graph.work_plan import work_budget
 from apir.host.tensors import Scratch
 
+if accel.enabled():  # (the plain path imports no Numba)
+    from apir.host.graph.kernels import (
+        TABLE_KEY,
+        add_nodes_kernel,
+        first_overlap_kernel,
+        graph_writes_kernel,
+        record_bounds_kernel,
+        record_fields_kernel,
+        write_tensors_kernel,
+    )
 
 __all__ = [
-    "build_graph",
     "graph_scratch",
     "build_graph_parts",
     "BuiltGraph",
@@ -121,11 +103,9 @@ def _check_graph_needs(
     by a node that runs before (or is) their last reader (a node's own result, or the sources
     an OPT_STEP_* updates in place): ggml CPU would then read other ids than those checked.
     A write after the last reader is fine (ggml's allocator reuses a consumed input's memory),
-    and the kernels read the checked copy anyway (TensorInfo.snapshot). The first write over
-    each ids tensor's bytes comes from one sweep over all of them (`first_overlap_kernel`:
-    comparing each ids tensor with each write is quadratic in a graph of many readers). And a
-    kernel that is only safe on one thread is in a graph that the CPU runs on one thread (the
-    profile's `one_task_ops`)."""
+    and the kernels read the checked copy anyway (TensorInfo.snapshot). And a kernel that is
+    only safe on one thread is in a graph that the CPU runs on one thread (the profile's
+    `one_task_ops`)."""
     op_names, ops = lib.g.op_names, parsed.tensors["op"]
     nodes = parsed.node_index.astype(np.int64)
     one_thread = [info for info in made if info.one_thread]
@@ -146,19 +126,13 @@ def _check_graph_needs(
     at = np.full(len(parsed.tensors), -1, np.int64)
     at[nodes] = np.arange(len(nodes))
     until = np.array([max((int(at[j]) for j in info.read_by or ()), default=-1) for info in read], np.int64)
-    # the writes in graph order (graph_writes_kernel): each node that writes, and the sources
-    # an OPT_STEP_* updates in place; only those up to the last reader can come before one
-    # (an embedding's GET_ROWS is node 0: one node's writes, not the whole graph's)
+    # only the nodes up to the last reader can write before one (an embedding's GET_ROWS is
+    # node 0: one node's writes, not the whole graph's)
     before = nodes[: int(until.max()) + 1]
-    empty, opt_step = _write_ops(lib.g)
     buf = _same_memory(recs.found)[recs.inverse]  # per tensor: its memory, as one number
-    space = np.empty((4, len(before) * (1 + parsed.src_index.shape[1])), np.int64)
-    m = graph_writes_kernel(before, ops, empty, opt_step, parsed.src_index, buf, recs.offsets, recs.extents, *space)
-    w = [a[:m] for a in space]  # buffer, lo, hi, position
     q_t = np.array([info.index for info in read], np.int64)
-    first = np.empty(len(read), np.int64)  # per ids tensor: the first write over its bytes
-    q = (buf[q_t], recs.offsets[q_t], recs.offsets[q_t] + recs.extents[q_t])
-    first_overlap_kernel(*w, *q, first, _DIRECT_PAIRS)
+    first_writes = _first_writes if accel.enabled() else _first_writes_plain
+    first = first_writes(lib.g, before, ops, parsed.src_index, buf, recs, q_t)
     hit = np.flatnonzero((first >= 0) & (first <= until))
     if len(hit):
         k = int(hit[0])  # (`read` is in tensor order: the first ids tensor so overwritten)
@@ -177,7 +151,44 @@ def _write_ops(g) -> tuple:
     return empty, np.array([name.startswith("OPT_STEP") for name in names], np.bool_)
 
 
-# Up to this many (write, ids tensor) pairs first_overlap_kernel compares one by one (~60 us)
+def _first_writes_plain(g, nodes, ops, src_index, buf, recs: _Records, q_t: np.ndarray) -> np.ndarray:
+    """Per tensor of `q_t`: the position in `nodes` of the first node that writes over its
+    bytes (in the same memory, `buf`), -1 where none does. A node writes itself unless its op
+    writes nothing, and the sources an OPT_STEP_* op updates in place; an empty range
+    overlaps one that strictly contains its offset."""
+    empty, opt_step = _write_ops(g)
+    offsets, extents = recs.offsets.tolist(), recs.extents.tolist()
+    reads = [(int(buf[t]), offsets[t], offsets[t] + extents[t]) for t in q_t.tolist()]
+    first = np.full(len(reads), -1, np.int64)
+    for p, j in enumerate(nodes.tolist()):
+        op = int(ops[j])
+        if empty[op]:
+            continue
+        written = [j] + ([s for s in src_index[j].tolist() if s >= 0] if opt_step[op] else [])
+        for t in written:
+            memory, lo, hi = int(buf[t]), offsets[t], offsets[t] + extents[t]
+            for k, (b, q_lo, q_hi) in enumerate(reads):
+                if first[k] < 0 and b == memory and lo < q_hi and q_lo < hi:
+                    first[k] = p
+    return first
+
+
+def _first_writes(g, nodes, ops, src_index, buf, recs: _Records, q_t: np.ndarray) -> np.ndarray:
+    """`_first_writes_plain` in two kernels: the writes in graph order, then one sweep over
+    them for all the tensors at once (comparing each with each write is quadratic in a graph
+    of many readers)."""
+    empty, opt_step = _write_ops(g)
+    space = np.empty((4, len(nodes) * (1 + src_index.shape[1])), np.int64)
+    m = graph_writes_kernel(nodes, ops, empty, opt_step, src_index, buf, recs.offsets, recs.extents, *space)
+    w = [a[:m] for a in space]  # buffer, lo, hi, position
+    first = np.empty(len(q_t), np.int64)
+    q = (buf[q_t], recs.offsets[q_t], recs.offsets[q_t] + recs.extents[q_t])
+    first_overlap_kernel(*w, *q, first, _DIRECT_PAIRS)
+    return first
+
+
+# Up to this many (write, ids tensor) pairs first_overlap_kernel compares one by one (the
+# sweep's sorts would cost more)
 _DIRECT_PAIRS = 1 << 16
 
 
@@ -230,7 +241,7 @@ def _same_memory(found: List[HostBuffer]) -> np.ndarray:
 def _check_spans(lib: GraphLibrary, parsed, infos: TensorInfos, recs: _Records) -> None:
     """Every tensor's span (`base.span_nbytes`: its elements' bytes with each 0 dimension
     taken as 1) within its buffer's size, an empty tensor's within the larger of that and the
-    context's work budget (`base.check_span`, issue 13 classes 1 and 2: an empty tensor is
+    context's work budget (`base.check_span`: an empty tensor is
     never read, but ggml plans work buffers from its other dimensions). Estimated in float for
     the whole graph; the few tensors near or over their buffer are then checked exactly."""
     t = parsed.tensors
@@ -251,7 +262,9 @@ def _check_spans(lib: GraphLibrary, parsed, infos: TensorInfos, recs: _Records) 
 
 
 def _check_records_one_by_one(lib: GraphLibrary, parsed) -> _Records:
-    """The per-tensor checks, in tensor order; raises the first Refused."""
+    """The per-tensor checks, in tensor order: each record against this context
+    (`TensorChecker.check_rpc`), in a buffer with data, and each view in its source's buffer
+    at its source's data + view_offs, inside its source's extent. Raises the first Refused."""
     chk, recs = lib.checker, parsed.tensors
     n = len(recs)
     bufs: list = [None] * n
@@ -288,9 +301,9 @@ def _check_records(lib: GraphLibrary, parsed) -> Optional[_Records]:
     """`_check_records_one_by_one` on whole arrays: the same checks (check_common, extent,
     check_rpc, a buffer with data, views inside their source), or None when any fails or a
     value leaves the range where int64 arithmetic is exact (the caller then runs the
-    per-tensor checks, which refuse or accept exactly). Two Numba passes
+    per-tensor checks, which refuse or accept exactly). Two kernels
     (`apir.host.graph.kernels.record_fields_kernel`, `record_bounds_kernel`) around the look-up
-    of each buffer handle."""
+    of each buffer handle; they also find the tensors whose span may not fit (`suspects`)."""
     chk, t = lib.checker, parsed.tensors
     n = len(t)
     if n == 0:
@@ -351,8 +364,7 @@ class TensorInfos(Sequence[TensorInfo]):
 
     def __init__(self, lib: GraphLibrary, parsed, recs: _Records, fetch: bool):
         self._lib, self._t, self._recs, self._fetch = lib, parsed.tensors, recs, fetch
-        # the fields tensor_info reads, as columns (a field of one record is 0.7 us to read,
-        # of a column a third of that)
+        # the fields tensor_info reads, as columns (read faster than a record's fields)
         self._columns = tuple(self._t[f] for f in ("type", "op", "ne", "nb", "op_params"))
         self._made: Dict[int, TensorInfo] = {}
         # the row ids its rules copy: at most the bytes of its buffers (each once)
@@ -401,8 +413,8 @@ def _entries(dt: np.dtype) -> tuple:
 def _kernel_layout(tensor: np.dtype, rpc: np.dtype, max_src: int) -> Optional[tuple]:
     """write_tensors_kernel's (`off`, `roff`, `width`) for ggml's tensor layout `tensor` and
     the records' `rpc`, or None when a field is not of the width the kernel reads or writes
-    (the caller then writes field by field). Once per layout (16 us of dtype walking, which
-    graph_scratch and _create_tensors both ask for on every build); the arrays read-only."""
+    (the caller then writes field by field). Once per layout (graph_scratch and
+    _create_tensors both ask on every build); the arrays read-only."""
     f: Mapping[str, tuple] = tensor.fields or {}
     r: Mapping[str, tuple] = rpc.fields or {}
     if any(name not in r for name in _READ) or any(name not in f for name in _WRITTEN):
@@ -424,11 +436,11 @@ def _kernel_layout(tensor: np.dtype, rpc: np.dtype, max_src: int) -> Optional[tu
 
 def _create_tensors(lib: GraphLibrary, parsed, scratch: Scratch, recs: _Records) -> np.ndarray:
     """The host twins of the checked records (as `TensorChecker.host_from_rpc`, with src and
-    view_src pointing at the twins); their addresses (int64) by tensor index. Written whole
-    by `write_tensors_kernel` side by side in the scratch's `tensor_block`, at the offsets of
-    the layout `apir.ggml.layout.check_layout` checked at load; where that layout is not the
-    one the kernel writes, created in sources-first order by ggml_new_tensor_1d in the
-    scratch's context (`new_tensors_kernel`) and written field by field through numpy."""
+    view_src pointing at the twins); their addresses (int64) by tensor index. Created in
+    sources-first order by ggml_new_tensor_1d in the scratch's context and written field by
+    field through numpy; where the kernels run and ggml's tensor layout is the one they
+    write (`_kernel_layout`), written whole by `write_tensors_kernel` side by side in the
+    scratch's `tensor_block` instead (10,000 ggml calls would cost more)."""
     g, chk, t = lib.g, lib.checker, parsed.tensors
     n = len(t)
     type_ = t["type"].astype(np.int64)
@@ -437,7 +449,7 @@ def _create_tensors(lib: GraphLibrary, parsed, scratch: Scratch, recs: _Records)
     v = np.ascontiguousarray(parsed.view_src_index, np.int32)
     buffers = np.array([b.ptr for b in recs.found], np.int64)
     bases = np.array([b.base for b in recs.found], np.int64)
-    layout = _kernel_layout(chk.tensor_dtype, t.dtype, src.shape[1])
+    layout = _kernel_layout(chk.tensor_dtype, t.dtype, src.shape[1]) if accel.enabled() else None
     if layout is not None:
         off, roff, width = layout
         stride = chk.tensor_dtype.itemsize  # sizeof(struct ggml_tensor), as check_layout found
@@ -449,9 +461,10 @@ def _create_tensors(lib: GraphLibrary, parsed, scratch: Scratch, recs: _Records)
     order = parsed.order.astype(np.int64)
     blocks = np.asarray(chk.blck_size_arr, np.int64)[type_]
     scratch.check_room(n)  # (ggml aborts on a full context: its NULL below is never seen)
-    new_tensor = c_address(g.ggml_new_tensor_1d)
-    if new_tensors_kernel(new_tensor, scratch.ctx, order, type_, blocks, host) < 0:
-        raise MemoryError("scratch ggml_context full")
+    for i in order.tolist():  # (each one's ne[0]: a whole block; every field is written below)
+        host[i] = g.ggml_new_tensor_1d(scratch.ctx, int(type_[i]), int(blocks[i])) or 0
+        if not host[i]:
+            raise MemoryError("scratch ggml_context full")
     # Every field as host_from_rpc writes it, tensor by tensor in creation order.
     names = t["name"].view(np.uint8)[order]
     # ggml_set_name on a fresh (zeroed) name: the bytes up to the first NUL, zeros after (the
@@ -477,36 +490,17 @@ def _create_tensors(lib: GraphLibrary, parsed, scratch: Scratch, recs: _Records)
     return host
 
 
-# Graphs with fewer tensors are built on one thread: the helper's wake-up (~0.1 ms) would cost
-# more than the kernels it runs (a MiniLM batch: 330 tensors, 30 us of them).
-_BESIDE_MIN_TENSORS = 2048
-
-
-def _records_then_tensors(lib: GraphLibrary, parsed, scratch: Scratch, records: Future) -> Optional[tuple]:
-    """The build helper's part of `build_graph_parts`: `_check_records` (its answer set on
-    `records` as soon as it is known), then, when they passed, `_create_tensors` and
-    `_node_graph` (both answers returned); None when they did not (the caller checks one by
-    one, then makes them)."""
-    try:
-        recs = _check_records(lib, parsed)
-    except BaseException as e:
-        records.set_exception(e)
-        raise
-    records.set_result(recs)
-    with scratch.writing:
-        if recs is None or scratch.closed:  # (closed: the caller left without waiting)
-            return None
-        host_at = _create_tensors(lib, parsed, scratch, recs)
-        return host_at, _node_graph(lib, parsed, scratch, host_at)
-
-
 def _node_graph(lib: GraphLibrary, parsed, scratch: Scratch, host_at: np.ndarray) -> int:
     """A cgraph in the scratch's context with the guest's nodes (host tensors `host_at`, by
     tensor index), in its order; MemoryError when the context has no room for it."""
     g, size = lib.g, max(len(parsed.node_index), 1)
     scratch.check_room(0, size)
     graph = g.ggml_new_graph_custom(scratch.ctx, size, False)
-    add_nodes_kernel(c_address(g.ggml_graph_add_node), graph, parsed.node_index.astype(np.int64), host_at)
+    if accel.enabled():  # (one ggml call a node, from a kernel)
+        add_nodes_kernel(c_address(g.ggml_graph_add_node), graph, parsed.node_index.astype(np.int64), host_at)
+    else:
+        for j in parsed.node_index.tolist():
+            g.ggml_graph_add_node(graph, int(host_at[j]))
     return graph
 
 
@@ -526,50 +520,28 @@ def graph_scratch(lib: GraphLibrary, parsed) -> Scratch:
     does not write: `_create_tensors`); otherwise they go in its tensor block, and room for
     them in the context would count twice in `Scratch.size` (the graph cache's budget)."""
     t = parsed.tensors
-    in_context = _kernel_layout(lib.checker.tensor_dtype, t.dtype, parsed.src_index.shape[1]) is None
+    layout = _kernel_layout(lib.checker.tensor_dtype, t.dtype, parsed.src_index.shape[1]) if accel.enabled() else None
+    in_context = layout is None
     return Scratch(lib.g, len(t) if in_context else 0, max(len(parsed.node_index), 1))
 
 
-def build_graph(lib: GraphLibrary, parsed, scratch: Scratch, enums: OpEnums) -> int:
-    """A host cgraph (in `scratch`) for `parsed`; raises Refused."""
-    return build_graph_parts(lib, parsed, scratch, enums).graph
-
-
 def build_graph_parts(lib: GraphLibrary, parsed, scratch: Scratch, enums: OpEnums) -> BuiltGraph:
-    """`build_graph`, returning the graph with what its checks saw; raises Refused.
-
-    A graph of `_BESIDE_MIN_TENSORS` tensors or more has its record checks, host tensors and
-    the nodes' cgraph made on the build helper thread (apir.host.graph.build_helper) while this
-    thread groups the tensors for the shape rules and runs them; the rules wait for the
-    record checks, as they do without it, so a graph is refused for the same reason either
-    way. The helper writes only the scratch (its tensor block, the cgraph), and this returns
-    (or raises) only after it is done."""
+    """A host cgraph (in `scratch`) for `parsed`, with what its checks saw; raises Refused.
+    Every check runs before the first host tensor is made."""
     if len(parsed.node_index) and np.bincount(parsed.node_index).max() > 1:
         raise Refused("graph: a node is listed twice")
-    records: Future = Future()
-    job = None
-    try:
-        if len(parsed.tensors) >= _BESIDE_MIN_TENSORS:
-            job = beside(_records_then_tensors, lib, parsed, scratch, records)
-        groups = rule_groups(parsed)
-        recs = records.result() if job is not None else _check_records(lib, parsed)
-        if recs is None:
-            recs = _check_records_one_by_one(lib, parsed)
-        profile = profile_of(lib)
-        infos = TensorInfos(lib, parsed, recs, fetch=not profile.host_addressable)
-        _check_spans(lib, parsed, infos, recs)
-        check_nodes(infos, parsed.src_index, enums, profile.rules, groups)
-        made = infos.made()
-        _check_graph_needs(lib, parsed, made, recs, profile)
-        made_beside = job.result() if job is not None else None
-    finally:
-        if job is not None:
-            wait_done(job)  # (it writes into the scratch, which the caller may free next)
-    if made_beside is None:  # (no helper, or the records were checked one by one)
-        host_at = _create_tensors(lib, parsed, scratch, recs)  # int64 per tensor
-        graph = _node_graph(lib, parsed, scratch, host_at)
-    else:
-        host_at, graph = made_beside
+    groups = rule_groups(parsed)
+    recs = _check_records(lib, parsed) if accel.enabled() else None
+    if recs is None:  # (the plain path, or a record the kernels left to the exact checks)
+        recs = _check_records_one_by_one(lib, parsed)
+    profile = profile_of(lib)
+    infos = TensorInfos(lib, parsed, recs, fetch=not profile.host_addressable)
+    _check_spans(lib, parsed, infos, recs)
+    check_nodes(infos, parsed.src_index, enums, profile.rules, groups)
+    made = infos.made()
+    _check_graph_needs(lib, parsed, made, recs, profile)
+    host_at = _create_tensors(lib, parsed, scratch, recs)  # int64 per tensor
+    graph = _node_graph(lib, parsed, scratch, host_at)
 
     # row ids: the kernel reads the copy the rule checked (the guest may write the original,
     # e.g. in a buffer of its memory, between the check and the kernel)

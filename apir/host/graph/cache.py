@@ -1,55 +1,22 @@
 """Repeated graphs: a context's checked, built host graphs, reused when a graph comes again.
 
-Theory of operation: a guest decoding tokens, or embedding batch after batch, sends a graph
-of the same structure for every step; parsing, checking and building it again costs far more
-than computing a small one. After a graph passed every check and was built (`apir.host.graph.build`),
-its `GraphCacheEntry` keeps the host `ggml_context` it lives in, keyed by the graph's
-structure (`graph_key`): every byte of the validated private copy that the host reads, except
-the guest's tensor ids, which only link tensors and are replaced by the links they make (node,
-src and view_src indices). A name is read up to its first NUL only. A graph finds its entry
-in one of two ways:
+Theory of operation: a guest decoding tokens or embedding batches sends a graph of the same
+structure every step, and checking and building it again costs more than computing a small
+one. A built graph's `GraphCacheEntry` keeps its host `ggml_context`, keyed by the graph's
+structure (`graph_key`: every byte the host reads but the guest's tensor ids, replaced by the
+links they make; names up to their first NUL). `take_same` finds an entry before any parse by
+comparing the guest's bytes in place with those the host read of the entry's graph: the same
+ids (`GraphWire.matches`), or other ids that link the same tensors (`same_structure`); `take`
+looks up a parsed graph's key. An entry is served only while every buffer handle it names
+still maps to the very `HostBuffer` its checks saw and the row ids its rules read pass again
+on fresh copies (against the bounds they recorded, else by running the readers' rules); what
+runs is the entry's checked graph, whatever the guest writes meanwhile. Anything else drops
+the entry, and the graph is checked in full. The in-place comparisons are Numba kernels, or on
+the plain path (apir.accel) numpy over a private copy of the guest's bytes.
 
-- `take_same`, before any parse: the guest's bytes, where they lie in its shared memory, match
-  the bytes the host read of the graph that built the entry (`graph_wire`; the unread bytes
-  not compared): with the same ids (`GraphWire.matches`: a decode step sends exactly the
-  graph of the step before), or with other ids that link the same tensors
-  (`GraphWire.same_structure`: the same graph built in another ggml context, as apir's own
-  guest backend builds MiniLM's batches in two contexts in turn). Either has this entry's
-  key, so this serves them without a parse or a key. Nothing read there is used afterwards:
-  what runs is the entry's graph, checked when built, whatever the guest writes meanwhile (a
-  guest racing its own bytes only changes which of its checked graphs runs);
-- `take`, after the parse (a caller that parses without looking in place first): its key is
-  byte-for-byte equal to the entry's (the whole key is compared, no hash decides).
-
-`take_same` finds an entry exactly when `take` would (`GraphWire.same_structure` accepts what
-parses to the entry's key), so graph_compute, which looks in place first, neither makes nor
-looks up a whole key for a graph it then builds: its entry keeps the counts and index arrays
-alone (`link_key`), which `take_same` reads, and its wire.
-
-Either way it is served only when
-
-- every buffer handle it names still maps to the very `HostBuffer` object the checks saw
-  (identity: a freed and reallocated buffer never matches; the entry holds the object so its
-  identity cannot be reused), and
-- the row ids that rules read before compute (the only guest memory a rule reads,
-  `shapes.base.check_row_ids`) pass again on fresh copies of that memory: each read recorded
-  its bound (every id in [0, n_rows)), and the fresh copy is checked against the least of
-  them without running the rules (where a bound is missing or an id is out of range, the
-  readers' rules run again and say which). The host tensors are pointed at the new copies
-  (where kernels read device memory: the new copies are uploaded into the context's device
-  buffer for row ids again, as the build does, since any later graph overwrites or replaces
-  that buffer).
-
-Everything else the checks used is a function of those bytes and those buffers, or is checked
-again on every compute anyway (the work-size bound, remembered per entry and thread count). A
-key that differs anywhere, a buffer that changed, or a refusal in the re-check drops the
-entry; the graph then goes through the full checks as if never seen.
-
-Bounds: per context (`PythonBackendLibrary.graph_cache`), at most `max_entries` entries and
-`max_bytes` bytes of keys, wires, host contexts, parsed records and row-id copies, least
-recently used evicted first. An entry in use is taken out of the cache (`take`, `take_same`)
-and put back after the compute (`put`), so two threads never share one. `drop_buffer` frees
-the entries naming a buffer being freed; `clear` all.
+Bounds: per context, at most `max_entries` entries and `max_bytes` bytes (keys, wires, host
+contexts, records, row-id copies), least recently used evicted first. An entry in use is out of
+the cache (`take`, `take_same`) until `put`; `drop_buffer` frees those naming a freed buffer.
 """
 
 from __future__ import annotations
@@ -62,26 +29,28 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from apir.host.graph.kernels import (
-    ID_MOVED_MAX,
-    MOVED_DIFFERENT,
-    MOVED_IDS_DIFFER,
-    MOVED_SAME,
-    TABLE_KEY,
-    ids_link_kernel,
-    ids_moved_kernel,
-    name_lens_kernel,
-    record_key_kernel,
-    record_match_kernel,
-    records_match_kernel,
-    records_moved_kernel,
-)
-from apir.host.graph.build_helper import beside, wait_done
+from apir import accel
 from apir.host.graph.build import TensorInfos, fetch_row_ids, point_at_device_copies
 from apir.host.graph.seams import GraphLibrary, profile_of
 from apir.host.graph.shapes import OpEnums, TensorInfo, check_node, node_sources
 from apir.host.graph.shapes.base import id_values
 from apir.host.tensors import Scratch
+
+if accel.enabled():  # (the plain path imports no Numba)
+    from apir.host.graph.kernels import (
+        ID_MOVED_MAX,
+        MOVED_DIFFERENT,
+        MOVED_IDS_DIFFER,
+        MOVED_SAME,
+        TABLE_KEY,
+        ids_link_kernel,
+        ids_moved_kernel,
+        name_lens_kernel,
+        record_key_kernel,
+        record_match_kernel,
+        records_match_kernel,
+        records_moved_kernel,
+    )
 
 __all__ = [
     "GraphCache",
@@ -131,8 +100,8 @@ def graph_key(parsed) -> bytes:
 def link_key(parsed) -> bytes:
     """`graph_key` without the records' bytes: the counts and the node, src and view_src index
     arrays alone. The key of an entry that only `GraphCache.take_same` looks for (its
-    `GraphCacheEntry.links`), where a whole key would cost a masked copy of every record (0.3
-    ms and 3.4 MB on a 10k-node graph) that nothing compares."""
+    `GraphCacheEntry.links`), where a whole key would cost a masked copy of every record that
+    nothing compares."""
     return _key(parsed, records=False)
 
 
@@ -149,7 +118,7 @@ def _key(parsed, records: bool) -> bytes:
     out = np.empty(at + sum(a.size for a in links), np.uint8)
     out[:16].view(np.int64)[:] = (len(t), len(parsed.node_index))
     if records:
-        record_key_kernel(rows, _key_mask(t.dtype), name_at, name_dtype.itemsize, out[16:at])
+        _record_key(rows, _key_mask(t.dtype), name_at, name_dtype.itemsize, out[16:at])
     for a in links:
         out[at : at + a.size] = a
         at += a.size
@@ -186,42 +155,36 @@ class GraphWire:
         return self.word_mask.size * 8 == self.record_size and self.link_mask.size * 8 == self.record_size
 
     def matches(self, memory, size: int) -> bool:
-        """Whether the first `size` bytes of `memory` hold this graph
-        (apir.host.graph.kernels.record_match_kernel). Bytes that equal the cached ones whole
-        (memcmp: a decode step's very graph, whose padding and names' tails are zero as the
-        cache keeps them) match without the masked comparison, which decides otherwise. The
-        records of a graph of `_BESIDE_MIN_RECORDS` or more are compared in two parts, the
-        second on the build helper thread (apir.host.graph.build_helper). bench_codec's 10k-node
-        graph is 3.4 MB to compare: the masked comparison took 0.37 ms on one thread, memcmp
-        0.25 ms."""
+        """Whether the first `size` bytes of `memory` hold this graph: the header, and in
+        each record the bytes under `word_mask` and its name up to and including the NUL at
+        `name_lens` (`_records_match_plain`, or apir.host.graph.kernels.record_match_kernel after a
+        memcmp: a decode step's very graph, whose padding and names' tails are zero as the
+        cache keeps them, is equal whole)."""
         first = min(16, len(self.data))  # the node count and first node id: most misses, no kernel call
         if len(self.data) > size or bytes(memory[:first]) != self.data[:first].tobytes():
             return False
         if not self.compares:
             return False  # (records of a size the kernel does not compare: graph_wire)
+        if not accel.enabled():
+            new = _read_once(memory, len(self.data))
+            same_header = new[: self.head].tobytes() == self.data[: self.head].tobytes()
+            return same_header and _records_match_plain(self, new, self.word_mask)
         view = np.frombuffer(memory, np.uint8, count=size)  # (held through the call: its address is read)
         old = self.data
         tail = (self.head, self.record_size, self.word_mask, self.name_at, self.name_lens)
-
-        def here(part: int) -> bool:  # the header and records [0, part)
-            at = self.head + part * self.record_size
-            return _memcmp(view.ctypes.data, old.ctypes.data, at) == 0 or bool(
-                record_match_kernel(view.ctypes.data, size, old.ctypes.data, at, *tail)
-            )
-
-        return all(_compare(view, old, tail, here, _match_part))
+        if _memcmp(view.ctypes.data, old.ctypes.data, old.size) == 0:
+            return True
+        return bool(record_match_kernel(view.ctypes.data, size, old.ctypes.data, old.size, *tail))
 
     def same_structure(self, memory, size: int, links: Tuple[np.ndarray, np.ndarray, np.ndarray]) -> bool:
         """Whether the first `size` bytes of `memory` hold a graph that parse_graph would
         give this graph's `graph_key`, its ids aside: the same counts, the same records
         (`link_mask`, names up to their NUL), and ids that link the tensors as `links`, this
-        graph's (node_index, src_index, view_src_index), say. A guest that built the same
-        graph in another ggml context sends it so. Its ids are first tried as this graph's
-        moved by one constant (a context at another address: `records_moved_kernel`); unless
-        that finds bytes outside the ids that differ, they are then checked in full
-        (`ids_link_kernel`: unique, non-zero, each reference the id of the tensor its index
-        names). Compared as `matches` compares: the second half of a large graph's records on
-        the helper."""
+        graph's (node_index, src_index, view_src_index), say (`_ids_link_plain`: unique,
+        non-zero, each reference the id of the tensor its index names). A guest that built
+        the same graph in another ggml context sends it so. The kernels first try its ids as
+        this graph's moved by one constant (a context at another address:
+        `records_moved_kernel`), which settles most graphs in one pass."""
         n_nodes = (self.head - 8) // 8
         if len(self.data) > size or not self.compares or len(links[0]) != n_nodes:
             return False
@@ -229,88 +192,96 @@ class GraphWire:
             return False  # (no tensors; n_nodes)
         if bytes(memory[self.head - 4 : self.head]) != self.data[self.head - 4 : self.head].tobytes():
             return False  # (n_tensors)
+        if not accel.enabled():
+            new = _read_once(memory, len(self.data))
+            return _records_match_plain(self, new, self.link_mask) and _ids_link_plain(self, new, links)
         view = np.frombuffer(memory, np.uint8, count=size)  # (held through the call: its address is read)
         old = self.data
+        n = (old.size - self.head) // self.record_size
         id_at = self.head + 8 * int(self.id_words[0])
         delta = int(view[id_at : id_at + 8].view("<i8")[0]) - int(old[id_at : id_at + 8].view("<i8")[0])
         low, high = self.id_range
         if abs(delta) < ID_MOVED_MAX and 0 < low and high < ID_MOVED_MAX and low + delta > 0:
-            moved = (
-                self.head,
-                self.record_size,
-                self.word_mask,
-                self.link_mask,
-                self.moves,
-                self.name_at,
-                self.name_lens,
-                delta,
-            )
-
-            def here_moved(part: int) -> int:  # node ids, records [0, part)
-                if not ids_moved_kernel(view.ctypes.data + 4, old.ctypes.data + 4, n_nodes, delta):
-                    return MOVED_IDS_DIFFER
-                return int(records_moved_kernel(view.ctypes.data, old.ctypes.data, *moved, 0, part))
-
-            answers = _compare(view, old, moved, here_moved, _moved_part)
-            if MOVED_DIFFERENT in answers:
+            answer = MOVED_IDS_DIFFER
+            if ids_moved_kernel(view.ctypes.data + 4, old.ctypes.data + 4, n_nodes, delta):
+                moved = (self.word_mask, self.link_mask, self.moves, self.name_at, self.name_lens, delta, 0, n)
+                answer = records_moved_kernel(view.ctypes.data, old.ctypes.data, self.head, self.record_size, *moved)
+            if answer == MOVED_DIFFERENT:
                 return False  # (bytes outside the ids differ: no other ids make it the same)
-            if answers == (MOVED_SAME, MOVED_SAME):
+            if answer == MOVED_SAME:
                 return True
-        linked = (self.head, self.record_size, self.link_mask, self.name_at, self.name_lens)
-
-        def here_linked(part: int) -> bool:  # records [0, part)
-            return bool(records_match_kernel(view.ctypes.data, old.ctypes.data, *linked, 0, part))
-
-        if not all(_compare(view, old, linked, here_linked, _match_part)):
+        linked = (self.head, self.record_size, self.link_mask, self.name_at, self.name_lens, 0, n)
+        if not records_match_kernel(view.ctypes.data, old.ctypes.data, *linked):
             return False
         fields = [8 * int(self.id_words[k]) for k in (0, 1, -1)]  # id, src, view_src
         return bool(ids_link_kernel(view.ctypes.data, self.head, self.record_size, *fields, *links, TABLE_KEY))
 
 
-def _compare(view: np.ndarray, old: np.ndarray, tail: tuple, here, part_fn) -> tuple:
-    # GraphWire's comparisons: the answers of `here(part)`, on the caller, and of
-    # `part_fn(view, old, tail, part, n)` (records [part, n)), on the build helper, for a
-    # graph of _BESIDE_MIN_RECORDS records or more; (here's, here's) where all ran here
-    head, size = tail[0], tail[1]
-    n = (old.size - head) // size
-    part = n // 2 if n >= _BESIDE_MIN_RECORDS else n
-    job = None
-    try:
-        if part < n:
-            job = beside(part_fn, view, old, tail, part, n)
-            if job is None:  # (no helper: all here)
-                part = n
-        first = here(part)
-        return first, (job.result() if job is not None else first)
-    finally:
-        if job is not None:
-            wait_done(job)  # (it reads `view` and `old`)
+def _read_once(memory, n: int) -> np.ndarray:
+    """A private copy of the first `n` bytes of `memory`: the guest may write its memory
+    meanwhile, and each byte is then read once."""
+    return np.frombuffer(memory, np.uint8, count=n).copy()
 
 
-def _moved_part(view: np.ndarray, old: np.ndarray, tail: tuple, lo: int, hi: int) -> int:
-    # records [lo, hi) of GraphWire.same_structure's moved ids, on the helper (as _match_part)
-    return int(records_moved_kernel(view.ctypes.data, old.ctypes.data, *tail, lo, hi))
+def _records(wire: GraphWire, data: np.ndarray) -> np.ndarray:
+    """The records of graph bytes `data` laid out as `wire`'s, as int64 words (n x words)."""
+    return data[wire.head :].view(np.int64).reshape(-1, wire.record_size // 8)
 
 
-def _match_part(view: np.ndarray, old: np.ndarray, tail: tuple, lo: int, hi: int) -> bool:
-    # records [lo, hi) of GraphWire's comparisons, on the helper: the arrays held through the
-    # call (an interrupt between queueing this and the caller's wait leaves the caller without
-    # waiting: the guest's memory then stays mapped while it is read, its release refused).
-    # Equal bytes imply equal masked bytes, whatever the mask.
-    head, size = tail[0], tail[1]
-    start = head + lo * size
-    if _memcmp(view.ctypes.data + start, old.ctypes.data + start, (hi - lo) * size) == 0:
-        return True
-    return bool(records_match_kernel(view.ctypes.data, old.ctypes.data, *tail, lo, hi))
+def _records_match_plain(wire: GraphWire, new: np.ndarray, word_mask: np.ndarray) -> bool:
+    """Whether the records of graph bytes `new` (as long as `wire.data`) hold `wire`'s under
+    `word_mask` (int64 per word of a record), each name up to and including its NUL."""
+    old = wire.data
+    if ((_records(wire, new) ^ _records(wire, old)) & word_mask).any():
+        return False
+    n, longest = len(wire.name_lens), int(wire.name_lens.max(initial=0))
+    names = [a[wire.head :].reshape(n, -1)[:, wire.name_at : wire.name_at + longest + 1] for a in (new, old)]
+    compared = np.arange(longest + 1) <= wire.name_lens[:, None]  # each name's bytes up to its NUL
+    return not ((names[0] != names[1]) & compared).any()
+
+
+def _ids_link_plain(wire: GraphWire, new: np.ndarray, links: Tuple[np.ndarray, np.ndarray, np.ndarray]) -> bool:
+    """Whether the ids of graph bytes `new` link its tensors as `links` (node_index,
+    src_index, view_src_index; -1 for none) say: every tensor id non-zero and unique, each
+    node id the id of the tensor its index names, each src and view_src 0 where the index is
+    -1, else the id of that tensor. Exactly then parse_graph finds these index arrays."""
+    node_index, src_index, view_src_index = links
+    words = _records(wire, new)
+    ids = words[:, wire.id_words[0]]
+    if (ids == 0).any() or len(np.unique(ids)) != len(ids):
+        return False
+    node_ids = new[4 : 4 + 8 * len(node_index)].view("<i8")
+    if not np.array_equal(node_ids, ids[node_index]):
+        return False
+    refs = np.concatenate([src_index, view_src_index[:, None]], axis=1)  # src slots, then view_src
+    want = np.where(refs < 0, 0, ids[refs])
+    return bool(np.array_equal(words[:, wire.id_words[1:]], want))
+
+
+def _record_key(rows: np.ndarray, mask: np.ndarray, name_at: int, name_len: int, out: np.ndarray) -> None:
+    """`out` = the records `rows` (n x record size, uint8) with each byte ANDed with `mask`
+    and the bytes of each name after its first NUL zeroed (a name without a NUL kept whole);
+    `record_key_kernel` where the kernels run."""
+    if accel.enabled():
+        record_key_kernel(rows, mask, name_at, name_len, out)
+        return
+    key = (rows & mask).reshape(len(rows), -1)
+    names = rows[:, name_at : name_at + name_len]
+    key[:, name_at : name_at + name_len][np.cumsum(names == 0, axis=1) > 0] = 0
+    out[:] = key.reshape(-1)
+
+
+def _name_lens_plain(names: np.ndarray) -> np.ndarray:
+    """Per name (a row of `names`): the bytes before its first NUL, or its length - 1 when it
+    has none (compared whole, the NUL's slot included)."""
+    nul = names == 0
+    return np.where(nul.any(axis=1), nul.argmax(axis=1), names.shape[1] - 1)
 
 
 # libc's memcmp (the GIL released while it runs, as for any ctypes call)
 _memcmp = ctypes.CDLL(None).memcmp
 _memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 _memcmp.restype = ctypes.c_int
-
-# Graphs of fewer records are compared on one thread (the helper's wake-up would cost more)
-_BESIDE_MIN_RECORDS = 2048
 
 
 def graph_wire(parsed) -> GraphWire:
@@ -330,11 +301,14 @@ def graph_wire(parsed) -> GraphWire:
     rows = np.ascontiguousarray(t).view(np.uint8).reshape(len(t), size)
     name_at, name_len = t.dtype.fields["name"][1], t.dtype.fields["name"][0].itemsize
     mask = _key_mask(t.dtype, ids=True)
-    record_key_kernel(rows, mask, name_at, name_len, out[head:])
+    _record_key(rows, mask, name_at, name_len, out[head:])
     # bytes before each name's first NUL (a name without one, which the checks refuse, is
     # compared whole)
     name_lens = np.empty(len(t), np.int64)
-    name_lens_kernel(rows, name_at, name_len, name_lens)
+    if accel.enabled():
+        name_lens_kernel(rows, name_at, name_len, name_lens)
+    else:
+        name_lens[:] = _name_lens_plain(rows[:, name_at : name_at + name_len])
     outside, links = mask.copy(), _key_mask(t.dtype).copy()  # (the cached masks stay as they are)
     # the name is compared apart, up to its NUL
     outside[name_at : name_at + name_len] = links[name_at : name_at + name_len] = 0
@@ -347,7 +321,7 @@ def graph_wire(parsed) -> GraphWire:
     moves[id_words] = -1
     ids = t["id"].view(np.int64)
     id_range = (int(ids.min()), int(ids.max())) if len(ids) else (0, 0)
-    out.flags.writeable = False  # (kept as made: a bytes copy cost 0.3 ms and 3.4 MB more on a 10k-node graph)
+    out.flags.writeable = False  # (kept as made: a bytes copy would double its memory)
     return GraphWire(
         out,
         head,
@@ -365,7 +339,7 @@ def graph_wire(parsed) -> GraphWire:
 def _unread_copy(info: TensorInfo) -> TensorInfo:
     """`info` as before any rule read its data (no snapshot, no readers, not one-thread-only).
     A shallow copy of its fields, as dataclasses.replace makes, without re-running __init__
-    (4x the time, for every tensor a re-check touches on every hit)."""
+    (which costs more, for every tensor a re-check touches on every hit)."""
     new = object.__new__(TensorInfo)
     new.__dict__.update(info.__dict__)
     new.snapshot, new.read_by, new.id_bounds, new.one_thread = None, None, None, False

@@ -406,8 +406,7 @@ def rule_group_kernel(words, keep, mask, src_index, out_rep, key):
     or one tensor twice (`src_index`, int32[n, max_src]). Exact comparisons decide; hashes
     (keyed by `key`: TABLE_KEY) only find candidates, once the tensor after the last one
     matched is not alike (a guess that costs one comparison when wrong, and saves the hash
-    and the probe on each tensor of a model's repeated layers: 0.70 against 0.40 ms on a
-    10k-node graph). Returns the number of groups."""
+    and the probe on each tensor of a model's repeated layers). Returns the number of groups."""
     n = words.shape[0]
     slots = src_index.shape[1]
     cap = 16
@@ -486,7 +485,8 @@ def group_sizes_kernel(rep, out_reps, out_sizes):
     """For `rep` (int32[n]: rule_group_kernel's answer, each tensor's representative, which
     is at or before it): `out_reps` (int32[n]) starts with the representatives in index
     order, and `out_sizes[r]` (int32[n], zeroed by the caller) = the members of r's group.
-    Returns the number of groups. (numpy's `rep == arange` and bincount: 60 us a 10k graph.)"""
+    Returns the number of groups (rule_memo.check_nodes' plain path: numpy's `rep == arange`
+    and bincount)."""
     groups = 0
     for i in range(rep.shape[0]):
         r = rep[i]

@@ -1,25 +1,20 @@
 """Each shape rule run once per distinct set of inputs in a graph being built.
 
 Theory of operation: a transformer's graph repeats one layer's nodes for every layer (a
-10,000-node graph may hold 30 distinct nodes), and `check_node` costs microseconds in Python,
-so the first build of a large graph was dominated by running the same rules on the same
-inputs. `rule_groups` groups the graph's tensors whose rules would see equal inputs: the same
-type, op, ne, nb and op_params (the only fields of a record that reach a `TensorInfo` apart
-from where its data lies), the same of each source, and the same pattern of absent sources,
-sources equal to the node and sources listed twice (`apir.host.graph.kernels.rule_group_kernel`,
-exact comparisons). The first tensor of a group, its representative, is checked with its
-`TensorInfo`s behind `Sealed` proxies, which let a rule read only those fields (and the
-methods computed from them). A rule is a deterministic function of what it reads, so when the
-representative passes without touching anything else, every member of its group passes
-too, and they are not checked again.
+10,000-node graph may hold 30 distinct nodes), and `check_node` costs microseconds in Python.
+`rule_groups` groups the tensors whose rules would see equal inputs: the same type, op, ne, nb
+and op_params (all a `TensorInfo` holds but where its data lies), the same of each source, and
+the same pattern of absent sources, sources equal to the node and sources listed twice (exact
+comparisons: `_groups_plain`, or its kernel `apir.host.graph.kernels.rule_group_kernel`). A
+group's first tensor is checked with its `TensorInfo`s behind `Sealed` proxies, which let a
+rule read only those fields; a rule being a function of what it reads, when it passes without
+touching anything else every member of its group passes too, unchecked.
 
-Anything else a rule touches makes the group impure, and then each of its members is checked
-on its own, as without this module: reading `index`, `address` or `room` (where its data lies:
-OPT_STEP's in-place result, ROPE's frequency factors read past their extent), the row ids
-(`snapshot`, `fetch`, `read_by`, `id_bounds`: GET_ROWS, SET_ROWS, MUL_MAT_ID, ...), or setting
-any attribute (`one_thread`). So does any exception from the sealed run, a refusal included:
-the representative is then checked again unsealed, which raises the refusal with its own
-message (the sealed proxy hides `index`, which every message names).
+Anything else a rule touches makes the group impure, and each member is checked on its own:
+`index`, `address` or `room` (where its data lies), the row ids (`snapshot`, `fetch`,
+`read_by`, `id_bounds`), or setting any attribute (`one_thread`). So does any exception of the
+sealed run, a refusal included: the representative is checked again unsealed, which raises the
+refusal with its own message (the sealed proxy hides `index`, which every message names).
 
 Errors: what `check_node` raises, for the first refused tensor in index order.
 """
@@ -31,9 +26,12 @@ from typing import Dict, Mapping, Optional, Sequence
 
 import numpy as np
 
-from apir.host.graph.kernels import TABLE_KEY, group_sizes_kernel, rule_group_kernel
+from apir import accel
 from apir.errors import ApirError
 from apir.host.graph.shapes import OpEnums, TensorInfo, check_node, node_sources
+
+if accel.enabled():  # (the plain path imports no Numba)
+    from apir.host.graph.kernels import TABLE_KEY, group_sizes_kernel, rule_group_kernel
 
 __all__ = ["rule_groups", "check_nodes", "Sealed", "Impure"]
 
@@ -100,10 +98,31 @@ def rule_groups(parsed) -> np.ndarray:
     mask = _mask(t.dtype)
     if n == 0 or mask is None:
         return rep
+    src = np.ascontiguousarray(parsed.src_index, np.int32)
+    if not accel.enabled():
+        return _groups_plain(np.ascontiguousarray(t).view(np.int64).reshape(n, -1) & mask, src)
     words = np.ascontiguousarray(t).view(np.int64).reshape(n, -1)  # (in place: no copy)
     keep = np.flatnonzero(mask)  # the words holding compared bytes (14 of 38 in ggml 0.20)
-    src = np.ascontiguousarray(parsed.src_index, np.int32)
     rule_group_kernel(words, keep, mask[keep], src, rep, TABLE_KEY)
+    return rep
+
+
+def _groups_plain(compared: np.ndarray, src_index: np.ndarray) -> np.ndarray:
+    """`rule_groups` of the records' compared bytes (`compared`: one row per tensor) and
+    their sources (`src_index`). A tensor's class is the first tensor with its compared
+    bytes; its group, the first tensor of its class whose source slots hold the same: none
+    (-1), the tensor itself (-2), the source of an earlier slot (that slot), or a source of
+    the same class."""
+    first_of_class: Dict[bytes, int] = {}
+    cls = [first_of_class.setdefault(row.tobytes(), i) for i, row in enumerate(compared)]
+    first_of_group: Dict[tuple, int] = {}
+    rep = np.empty(len(cls), np.int32)
+    for i, srcs in enumerate(src_index.tolist()):
+        slots = []
+        for s in srcs:
+            code = -1 if s < 0 else -2 if s == i else srcs.index(s)
+            slots.append((code, cls[s] if code >= 0 else -1))
+        rep[i] = first_of_group.setdefault((cls[i], tuple(slots)), i)
     return rep
 
 
@@ -136,8 +155,12 @@ def check_nodes(
     n = len(infos)
     if groups is None:
         groups = np.arange(n, dtype=np.int32)
-    reps, sizes = np.empty(n, np.int32), np.zeros(n, np.int32)
-    reps = reps[: group_sizes_kernel(groups, reps, sizes)]
+    if accel.enabled():
+        reps, sizes = np.empty(n, np.int32), np.zeros(n, np.int32)
+        reps = reps[: group_sizes_kernel(groups, reps, sizes)]
+    else:  # the representatives (each the first of its group), and each group's size
+        reps = np.flatnonzero(groups == np.arange(n)).astype(np.int32)
+        sizes = np.bincount(groups, minlength=n).astype(np.int32)
     shared = reps[sizes[reps] > 1]
     impure = [
         i
