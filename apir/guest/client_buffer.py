@@ -21,6 +21,7 @@ from functools import partial
 import numpy as np
 
 from apir.codec.constants import ApirBackendCommandType as F
+from apir.codec.copy import copy_bytes
 from apir.guest.client_forward import ForwardCaller
 from apir.guest.client_tensor import rpc_tensor_bytes
 
@@ -67,8 +68,8 @@ class BufferCalls(ForwardCaller):
             overlap = len(windows) > 1
 
             def fill(k: int) -> None:  # chunk k into its window
-                part = src[k * step : (k + 1) * step]
-                windows[k % len(windows)][1][: part.size] = part
+                size = min(step, src.size - k * step)
+                copy_bytes(windows[k % len(windows)][1], src, size, src_offset=k * step)
 
             for k in range(n):
                 if k == 0 or not overlap:
@@ -92,8 +93,8 @@ class BufferCalls(ForwardCaller):
             overlap = len(windows) > 1
 
             def drain(k: int) -> None:  # chunk k out of its window, once its reply was checked
-                part = dst[k * step : (k + 1) * step]
-                part[:] = windows[k % len(windows)][1][: part.size]
+                size = min(step, dst.size - k * step)
+                copy_bytes(dst, windows[k % len(windows)][1], size, dst_offset=k * step)
 
             for k in range(n):
                 then = partial(drain, k - 1) if overlap and k > 0 else None

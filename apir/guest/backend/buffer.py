@@ -13,8 +13,8 @@ Two kinds, chosen at allocation like the C:
   `buffer_set_tensor` / `buffer_get_tensor` through the client's data window.
 - guest-mapped (`device_buffer_from_ptr`, when the host offers buffer_from_host_ptr): the
   buffer is a shared blob mapped here too, so the base is the mapping's address and tensor
-  data is copied in and out with memmove, zero-copy for the host. apir checks each copy
-  against the mapping's bounds (the C trusts ggml's asserts).
+  data is copied in and out with `apir.codec.copy.copy_bytes`, zero-copy for the host, which
+  checks each copy against the mapping's bounds (the C trusts ggml's asserts).
 
 `clear`, `cpy_tensor` and `free_buffer` are remote calls for both kinds. `cpy_tensor`
 answers false (ggml then copies through the guest) when the source is not one of this
@@ -28,6 +28,8 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from typing import Optional
+
+from apir.codec.copy import RawMemory, copy_bytes
 
 __all__ = ["RemoteBuffer", "alloc_buffer", "build_buffer_iface", "memory_address", "tensor_field"]
 
@@ -109,6 +111,16 @@ def _checked_span(g, rb: RemoteBuffer, tensor: int, offset: int, size: int) -> i
     return addr
 
 
+def _copy_in_mapping(g, rb: RemoteBuffer, tensor: int, offset: int, data: int, size: int, to_tensor: bool) -> None:
+    """`size` bytes between `data` and byte `offset` of the tensor's data in `rb`'s mapping
+    (into the tensor where `to_tensor`): copy_bytes checks the range lies in the mapping."""
+    mapping, at = RawMemory(rb.base, rb.size), tensor_field(g, tensor, "data") + offset - rb.base
+    if to_tensor:
+        copy_bytes(mapping, RawMemory(data or 0, size), size, dst_offset=at)
+    else:
+        copy_bytes(RawMemory(data or 0, size), mapping, size, src_offset=at)
+
+
 def build_buffer_iface(owner):
     """The `ggml_backend_buffer_i` shared by all of `owner`'s buffers."""
     from apir.codec.graph import rpc_tensor_from_ggml
@@ -128,14 +140,14 @@ def build_buffer_iface(owner):
     def set_tensor(buf, tensor, data, offset, size):
         rb = owner.buffer(buf)
         if rb.is_from_ptr:
-            ctypes.memmove(_checked_span(g, rb, tensor, offset, size), data, size)
+            _copy_in_mapping(g, rb, tensor, offset, data, size, to_tensor=True)
         else:
             owner.client.buffer_set_tensor(rb.host_handle, rpc(tensor), offset, _bytes_at(data, size))
 
     def get_tensor(buf, tensor, data, offset, size):
         rb = owner.buffer(buf)
         if rb.is_from_ptr:
-            ctypes.memmove(data, _checked_span(g, rb, tensor, offset, size), size)
+            _copy_in_mapping(g, rb, tensor, offset, data, size, to_tensor=False)
         else:
             owner.client.buffer_get_tensor(rb.host_handle, rpc(tensor), offset, _bytes_at(data, size))
 

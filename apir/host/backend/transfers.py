@@ -64,6 +64,7 @@ from __future__ import annotations
 import ctypes
 from typing import List, Optional, Sequence, Tuple
 
+from apir.codec.copy import RawMemory, copy_bytes
 from apir.host.handles import HostBuffer
 
 __all__ = ["DeviceTransfers", "DEFAULT_STAGING_BYTES"]
@@ -104,9 +105,9 @@ class DeviceTransfers:
             return False
         if self._used + size > self.capacity:
             self.flush()
-        at = self._stage()[1] + self._used
-        ctypes.memmove(at, src, size)
-        self.g.ggml_backend_tensor_set_async(self.backend, tensor, at, offset, size)
+        staging = self._stage()[1]
+        copy_bytes(RawMemory(staging, self.capacity), RawMemory(src, size), size, dst_offset=self._used)
+        self.g.ggml_backend_tensor_set_async(self.backend, tensor, staging + self._used, offset, size)
         self._used += -(-size // _ALIGN) * _ALIGN
         self.pending += 1
         return True
@@ -155,9 +156,9 @@ class DeviceTransfers:
         if not batch:
             return
         self._synchronize()
-        base = self._stage()[1]
+        staging = RawMemory(self._stage()[1], self.capacity)
         for k, at, n in batch:
-            ctypes.memmove(out[k], base + at, n)
+            copy_bytes(out[k], staging, n, src_offset=at)
 
     def _synchronize(self) -> None:
         self.g.ggml_backend_synchronize(self.backend)

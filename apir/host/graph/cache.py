@@ -30,6 +30,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from apir import accel
+from apir.codec.copy import RawMemory, copy_bytes
 from apir.host.graph.build import TensorInfos, fetch_row_ids, point_at_device_copies
 from apir.host.graph.seams import GraphLibrary, profile_of
 from apir.host.graph.shapes import OpEnums, TensorInfo, check_node, node_sources
@@ -469,7 +470,7 @@ class GraphCacheEntry:
                 assert snap is not None  # (not fetched: it has one)
                 # the copy the host tensor reads, refilled in place: the entry is this thread's
                 # alone until `put`, and the graph that read it last has finished
-                ctypes.memmove(snap, info.address, len(snap))
+                copy_bytes(snap, RawMemory(info.address, len(snap)))
             for flat, n_rows in least:
                 seen = self._id_views.get((i, flat))
                 if seen is not None and seen[0] is snap:

@@ -10,6 +10,7 @@ from typing import Callable, Dict, FrozenSet, List, NoReturn, Optional, Sequence
 
 import numpy as np
 
+from apir.codec.copy import RawMemory, copy_bytes
 from apir.ggml.features import Feature
 from apir.ggml.lib import Ggml
 from apir.host.errors import Refused
@@ -433,7 +434,7 @@ def copy_ids(ids: TensorInfo) -> ctypes.Array:
         return ids.fetch(size)
     assert ids.address, "row ids without data"
     out = ctypes.create_string_buffer(size)
-    ctypes.memmove(out, ids.address, size)
+    copy_bytes(out, RawMemory(ids.address, size))
     return out
 
 
