@@ -2,25 +2,22 @@
 of `ggml_backend_remoting_buffer_type_alloc_buffer`.
 
 Theory of operation: a buffer lives on the host, named by the host's handle (u64). ggml owns
-the `ggml_backend_buffer` struct (made by `ggml_backend_buffer_init`, deleted by
-`ggml_backend_buffer_free` after our `free_buffer`); apir keeps a `RemoteBuffer` per struct
-address and registers (address, handle, base) in the backend's `BufferTable`, which the
-graph serializer uses to turn `tensor->buffer` into a handle and `tensor->data` into an offset.
-
-Two kinds, chosen at allocation like the C:
+the `ggml_backend_buffer` struct; apir keeps a `RemoteBuffer` per struct address and registers
+(address, handle, base) in the backend's `BufferTable`, which the graph serializer uses to turn
+`tensor->buffer` into a handle and `tensor->data` into an offset. Two kinds, chosen at
+allocation like the C:
 - host-only (`buffer_type_alloc_buffer`): the base is the host's address, asked once with
-  `buffer_get_base` and only ever used to compute offsets; tensor data moves with
-  `buffer_set_tensor` / `buffer_get_tensor` through the client's data window.
-- guest-mapped (`device_buffer_from_ptr`, when the host offers buffer_from_host_ptr): the
-  buffer is a shared blob mapped here too, so the base is the mapping's address and tensor
-  data is copied in and out with `apir.codec.copy.copy_bytes`, zero-copy for the host, which
-  checks each copy against the mapping's bounds (the C trusts ggml's asserts).
+  `buffer_get_base` and only used for offsets; tensor data moves with `buffer_set_tensor` /
+  `buffer_get_tensor` through the client's data window.
+- guest-mapped (`device_buffer_from_ptr`, when the host offers buffer_from_host_ptr): a shared
+  blob mapped here too, so the base is the mapping's address and tensor data is copied in and
+  out with `apir.codec.copy.copy_bytes`, which checks each copy against the mapping's bounds
+  (the C trusts ggml's asserts); zero-copy for the host.
 
-`clear`, `cpy_tensor` and `free_buffer` are remote calls for both kinds. `cpy_tensor`
-answers false (ggml then copies through the guest) when the source is not one of this
-backend's buffers, where the C would send the host a handle it does not know.
-`memset_tensor`, NULL in the C (ggml_backend_tensor_memset then asserts), is filled here:
-a memset in the mapping, or a `buffer_set_tensor` of repeated bytes.
+`clear`, `cpy_tensor` and `free_buffer` are remote calls for both kinds. `cpy_tensor` answers
+false (ggml then copies through the guest) when the source is not one of this backend's
+buffers. `memset_tensor`, NULL in the C, is filled here: a memset in the mapping, or a
+`buffer_set_tensor` of repeated bytes.
 """
 
 from __future__ import annotations

@@ -1,62 +1,24 @@
 """A context's asynchronous copies to and from device memory: deferred uploads, batched reads.
 
-Theory of operation: on a backend whose buffers are device memory (ggml-vulkan), every
-synchronous `ggml_backend_tensor_set` / `_get` records a copy, submits it and waits for its
-fence; a decoding guest sends about 14 small `buffer_set_tensor` per token, and a cached
-graph's hit reads 3-4 row-id tensors back, each paying that round trip. Where the backend's
-profile says its async copies were read (`BackendProfile.async_transfers`, apir.host.graph.profiles),
-a `DeviceTransfers` per context turns them into one fence per batch:
+Theory of operation: on a backend whose buffers are device memory (ggml-vulkan), each
+synchronous `ggml_backend_tensor_set` / `_get` waits for its own fence. Where the backend's
+profile allows async copies (`BackendProfile.async_transfers`), a `DeviceTransfers` per context
+turns them into one fence per batch (docs/design.md, "Deferred uploads and batched reads"):
 
-- **Deferred uploads** (`upload`): `buffer_set_tensor` into a device buffer copies the guest's
-  bytes at once into this context's staging memory (the guest may overwrite its data window as
-  soon as the reply is sent) and queues `ggml_backend_tensor_set_async` from there. Nothing
-  else of the guest is read later; the command's checks and its error come before, as for a
+- `upload`: a `buffer_set_tensor` into a device buffer copies the guest's bytes at once into
+  this context's staging (the guest may reuse its window once the reply is sent) and queues
+  `ggml_backend_tensor_set_async` from there; its checks and its error come before, as for a
   synchronous set.
-- **Flush** (`flush`): `ggml_backend_synchronize`, after which every queued copy is in device
-  memory and the staging is free again. The dispatcher flushes at the start of every backend
-  command other than `buffer_set_tensor` (graph_compute, get/cpy_tensor, clear, free_buffer,
-  get_base, device queries...), and a set that is not deferred flushes first: whatever could
-  read or free device memory, or depends on it, sees the uploads in the order the guest sent
-  them. The context's buffers are freed (free_buffer, a removed resource, deinit) only after a
-  flush.
-  The flush is needed even where ggml-vulkan orders its own work: its graph_compute
-  GGML_ASSERTs that no copy is pending in its compute context when GGML_VK_PERF_LOGGER is set,
-  and with a dedicated transfer queue (AMD dGPUs) an async get is not ordered after an async
-  set queued before it (the get's submission waits only on transfers submitted already).
-- **Bound**: the staging is `capacity` bytes (DEFAULT_STAGING_BYTES, made on first use and kept
-  until `close`); an upload that does not fit behind the queued ones flushes first, and one
-  larger than the whole staging goes the synchronous way. A guest cannot make the host hold
-  more. (Not charged to the context's buffer budget: a fixed amount per context, like its
-  row-ids device buffer.)
-- **Batched reads** (`read`): the row ids a cached graph re-checks (apir.host.graph.cache) are
-  read with `ggml_backend_tensor_get_async` into the staging and one synchronize per
-  staging-full, then copied out.
+- `flush`: `ggml_backend_synchronize`. The dispatcher flushes before every backend command but
+  `buffer_set_tensor`, a set that is not deferred flushes first, and buffers are freed only
+  after one: whatever reads, frees or depends on device memory sees the uploads in order.
+- Bound: the staging is `capacity` bytes; an upload that does not fit behind the queued ones
+  flushes first, one larger than the staging is synchronous. A guest cannot make it hold more.
+- `read`: the row ids a cached graph re-checks, read async into the staging, one synchronize
+  per staging-full, then copied out.
 
-Which copies qualify (`eligible`): only a buffer ggml allocated (not one wrapping guest memory,
-`buffer_from_ptr`: the guest reads that memory itself) whose type is the backend's default
-buffer type (`ggml_backend_buffer_get_type(buf) == ggml_backend_get_default_buffer_type(backend)`).
-ggml-vulkan's set/get_tensor_async GGML_ASSERT a buffer of its default or its host buffer type
-and abort the process on any other (ggml 0.20.2's and 0.25's ggml-vulkan.cpp,
-ggml_backend_vk_set_tensor_2d_async / _get_); ggml-backend.cpp's own asserts (tensor
-allocated, offset + size within ggml_nbytes) are the checks apir.host.backend.dispatch_buffer makes
-before. Everything else keeps the synchronous path.
-
-Why staging of the device's host buffer type: ggml-vulkan copies asynchronously only from and
-to pinned memory (`ggml_vk_host_get` finds it among the device's pinned allocations; the copy
-then reads the staging at execution time, so it stays untouched until the flush). From any
-other memory its "async" set memcpys into its own staging and synchronizes at once (correct,
-no faster). The staging is `ggml_backend_dev_host_buffer_type(dev)`'s (ggml-vulkan: pinned,
-registered on Vulkan device 0), else plain host memory (ggml CPU has no host buffer type; its
-backend has no async copies: ggml_backend_tensor_set_async then synchronizes and copies at
-once, ggml-backend.cpp).
-
-When it pays: where a device buffer is not host-visible, every synchronous set or get waits for
-a fence, and batching them saves all but one. Where ggml-vulkan could map the buffer
-(host-visible device memory: lavapipe, a GPU with resizable BAR), its synchronous set is a
-plain memcpy with no fence, and deferring costs one copy more and a fence per batch (MiniLM's
-weight upload on lavapipe: 1.0-1.5 GB/s deferred, 1.4-2.4 synchronous). ggml does not say
-which memory a buffer got, so config `apir.host.async_transfers=off` turns the deferral off
-per host (apir.host.backend.library).
+Only a buffer ggml allocated, of the backend's default type, qualifies (`eligible`):
+ggml-vulkan's async copies abort the process on any other type.
 """
 
 from __future__ import annotations
