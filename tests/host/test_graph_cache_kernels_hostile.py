@@ -553,9 +553,10 @@ def test_every_rewrite_with_the_entrys_graph_key_is_a_hit(session, ggml):
     _check_nbytes(cache)
 
 
-def test_graphs_without_tensors_or_nodes(session, ggml):
+def test_graphs_without_tensors_or_nodes(session, ggml, host_path):
     """A graph with no tensors (8 bytes; with trailing bytes), and the session's tensors with no
-    node: each built once, then hits; one node more is another entry; counts add up."""
+    node: each built once, then hits; one node more is another entry; counts add up. On the
+    accelerated and the plain path."""
     cache = session.cache
     empty = struct.pack("<II", 0, 0)
     _, recs = session.records()

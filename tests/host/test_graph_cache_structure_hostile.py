@@ -38,7 +38,7 @@ from apir.host.graph import cache as graph_cache
 from apir.host.graph.cache import graph_key, graph_wire
 from tests.host.hostilekit import racing_guest
 from tests.host.cachekit import GraphSession, direct_output, graph_inputs
-from tests.host.hostkit import DATA_RES, Guest
+from tests.host.hostkit import DATA_RES, Guest, needs_kernels
 from tests.host.largekit import chain_wire
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -631,6 +631,7 @@ def test_bytes_rewritten_right_after_the_match_change_nothing_that_runs(session,
     assert session.compute(hostile)[0] != 0 and parses == [1]
 
 
+@needs_kernels
 def test_a_hit_from_bytes_no_parse_accepts_computes_the_entrys_graph(session, ggml, monkeypatch):
     """Were an in-place match ever to accept bytes no parse accepts (as the link check did
     for a racing guest while it read each id twice: test_ids_are_read_once_by_the_link_check),

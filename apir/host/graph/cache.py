@@ -236,7 +236,9 @@ def _records_match_plain(wire: GraphWire, new: np.ndarray, word_mask: np.ndarray
     if ((_records(wire, new) ^ _records(wire, old)) & word_mask).any():
         return False
     n, longest = len(wire.name_lens), int(wire.name_lens.max(initial=0))
-    names = [a[wire.head :].reshape(n, -1)[:, wire.name_at : wire.name_at + longest + 1] for a in (new, old)]
+    names = [
+        a[wire.head :].reshape(n, wire.record_size)[:, wire.name_at : wire.name_at + longest + 1] for a in (new, old)
+    ]
     compared = np.arange(longest + 1) <= wire.name_lens[:, None]  # each name's bytes up to its NUL
     return not ((names[0] != names[1]) & compared).any()
 
@@ -266,7 +268,7 @@ def _record_key(rows: np.ndarray, mask: np.ndarray, name_at: int, name_len: int,
     if accel.enabled():
         record_key_kernel(rows, mask, name_at, name_len, out)
         return
-    key = (rows & mask).reshape(len(rows), -1)
+    key = rows & mask
     names = rows[:, name_at : name_at + name_len]
     key[:, name_at : name_at + name_len][np.cumsum(names == 0, axis=1) > 0] = 0
     out[:] = key.reshape(-1)
