@@ -1,5 +1,6 @@
 """apir.accel: with Numba and llvmlite impossible to import, the codec, the guest and the host
-still import (the plain path), a graph serializes and parses, and Numba stays unloaded."""
+still import (the plain path), a graph serializes and parses, `apir info` runs, a graph
+computes guest -> host to ggml CPU's bytes, and Numba stays unloaded."""
 
 import os
 import subprocess
@@ -50,9 +51,15 @@ def run_blocked(code: str) -> subprocess.CompletedProcess:
         "apir.local.embedded",
         "apir.local.exec_ring",
         "apir.host.backend.compute_abort",
-        pytest.param("apir.host.backend.dispatcher", marks=pytest.mark.xfail(
-            reason="host-only kernels (apir/host/graph) still import Numba: moved by the plain-host branch",
-            strict=True)),
+        "apir.host",
+        "apir.host.backend.dispatcher",
+        "apir.host.backend.library",
+        "apir.host.graph.build",
+        "apir.host.graph.cache",
+        "apir.host.local.server",
+        "apir.host.vhost_user.server",
+        "apir.devices",
+        "apir.cli",
     ],
 )
 def test_imports_without_numba(module):
@@ -100,3 +107,67 @@ def test_switch_off_by_environment():
     res = run(code, APIR_ACCEL="0")
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["False", "False"]
+
+
+def test_apir_info_runs_without_numba():
+    """`apir info` (guest -> embedded host on ggml CPU: HandShake, LoadLibrary, device calls)."""
+    res = run_blocked(
+        """
+        from apir.cli import entry
+        sys.argv = ["apir", "info"]
+        try:
+            entry()
+        except SystemExit as exc:
+            assert not exc.code, exc.code
+        assert "numba" not in sys.modules and "llvmlite" not in sys.modules, "Numba was loaded"
+        """
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "guest 0.2, host 0.2" in res.stdout and "buffer type:        CPU" in res.stdout, res.stdout
+
+
+def test_graph_computes_through_apir_without_numba():
+    """A graph placed in remote buffers and computed by the embedded host equals ggml CPU's
+    local result, byte for byte, with Numba blocked on both halves."""
+    res = run_blocked(
+        """
+        import numpy as np
+        import apir.ggml
+        from apir.ggml.lib import InitParams
+        from apir.guest.backend import ApirBackend, tensor_get, tensor_set
+        from apir.guest.client import ApirClient
+        from apir.local.embedded import EmbeddedDevice
+
+        g = apir.ggml.load()
+        f32 = g.types["F32"]
+        rng = np.random.default_rng(5)
+        xa, xb = rng.standard_normal((2, 3, 8), dtype=np.float32), rng.standard_normal((3, 8), dtype=np.float32)
+
+        def run(buft, compute):
+            ctx = g.ggml_init(InitParams(16 * g.ggml_tensor_overhead() + g.ggml_graph_overhead(), None, True))
+            a, b = g.ggml_new_tensor_3d(ctx, f32, 8, 3, 2), g.ggml_new_tensor_2d(ctx, f32, 8, 3)
+            out = g.ggml_soft_max(ctx, g.ggml_mul(ctx, g.ggml_add(ctx, a, b), a))
+            gf = g.ggml_new_graph(ctx)
+            g.ggml_build_forward_expand(gf, out)
+            buf = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
+            tensor_set(g, a, xa)
+            tensor_set(g, b, xb)
+            compute(gf)
+            result = tensor_get(g, out)
+            g.ggml_backend_buffer_free(buf)
+            g.ggml_free(ctx)
+            return result
+
+        cpu = g.ggml_backend_cpu_init()
+        local = run(g.ggml_backend_cpu_buffer_type(), lambda gf: g.ggml_backend_graph_compute(cpu, gf))
+        g.ggml_backend_free(cpu)
+        client = ApirClient.connect(EmbeddedDevice())
+        with ApirBackend(client, g) as backend:
+            remote = run(backend.buffer_type, backend.graph_compute)
+        client.close()
+        assert remote.shape == (2, 3, 8) and np.isfinite(local).all()
+        assert remote.tobytes() == local.tobytes()
+        assert "numba" not in sys.modules and "llvmlite" not in sys.modules, "Numba was loaded"
+        """
+    )
+    assert res.returncode == 0, res.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""What the large-graph tests (test_build_helper_hostile.py, test_build_helper_split_hostile.py,
+"""What the large-graph tests (test_graph_build_large_hostile.py, test_rule_groups_hostile.py,
 test_graph_cache_structure_hostile.py) share: a
 guest graph of 2,200 tensors laid out for a hostkit Guest with ggml CPU's answer
 (`LargeRemote`), a build's outcome comparable across builds and paths (`build_outcome`: the
