@@ -20,7 +20,7 @@ from apir.host.graph import build as hg
 from apir.host.errors import Refused
 from apir.host.graph.shapes.base import IdReads
 from apir.host.tensors import Scratch
-from tests.host.attackkit import host_tensors
+from tests.host.hostilekit import host_tensors
 from tests.host.hostkit import GgmlScratch, RemoteGraph, add_chain, needs_kernels
 
 
