@@ -384,7 +384,7 @@ def chain(guest, ggml):
 
 
 def _made(lib, parsed):
-    """The host tensors build_graph_parts makes of `parsed` (attackkit.host_tensors)."""
+    """The host tensors build_graph_parts makes of `parsed` (hostilekit.host_tensors)."""
     with Scratch(lib.g, len(parsed.tensors), max(len(parsed.node_index), 1)) as scratch:
         built = hg.build_graph_parts(lib, parsed, scratch, hg.lib_op_enums(lib))
         return host_tensors(lib.checker.tensor_dtype, built.host)
