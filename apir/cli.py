@@ -48,6 +48,7 @@ __all__ = [
     "build_parser",
     "SUBCOMMAND_MODULES",
     "host_config_from_args",
+    "known_config_keys",
     "add_host_config_arguments",
     "add_device_arguments",
     "device_from_args",
@@ -122,18 +123,32 @@ def add_host_config_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         action="append",
         default=[],
-        help="any other HostContext configuration key (repeatable)",
+        help="any other HostContext configuration key (repeatable; an unknown key is refused, the known ones named)",
     )
+
+
+def known_config_keys() -> list:
+    """The HostContext configuration keys `--config` accepts, sorted: every CONFIG_KEY_*
+    constant of the modules that read one."""
+    from apir.codec import constants
+    from apir.host.backend import library
+    from apir.host.graph import work_plan
+
+    modules = (constants, library, work_plan)
+    return sorted({getattr(m, name) for m in modules for name in dir(m) if name.startswith("CONFIG_KEY_")})
 
 
 def host_config_from_args(args: argparse.Namespace) -> Optional[dict]:
     """The HostContext config dict from add_host_config_arguments' options (None if empty).
-    Raises UsageError for a --config without '='."""
+    Raises UsageError for a --config without '=' or of a key no part of the host reads."""
     config: dict = {}
+    known = known_config_keys() if args.config else []
     for item in args.config:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise UsageError(f"--config expects KEY=VALUE, got {item!r}")
+        if key not in known:
+            raise UsageError(f"--config {key}: not a host configuration key (known: {', '.join(known)})")
         config[key] = value
     backend = getattr(args, "backend", None)
     if backend:

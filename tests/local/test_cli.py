@@ -98,6 +98,14 @@ def test_exit_codes_usage_2_runtime_1():
     assert _error(run_cli("info", "--ggml-library", "/nonexistent/libggml-x.so"), 1).startswith("apir: error: ")
 
 
+def test_an_unknown_config_key_is_refused_with_the_known_ones_named():
+    for command in (["info"], ["host", "serve", "--socket", "/tmp/never-made.sock"]):
+        line = _error(run_cli(*command, "--config", "apir.host.bogus=1"), 2)
+        assert line.startswith("apir: error: --config apir.host.bogus: not a host configuration key (known: "), line
+        for key in ("apir.host.n_threads", "apir.local.max_connections", "ggml.library.path", "apir.host.work_budget"):
+            assert key in line
+
+
 def test_a_host_refuses_a_backend_it_cannot_serve_before_serving(tmp_path):
     # Each used to start and say "serving"; the first guest then got a LoadLibrary error code.
     sock = str(tmp_path / "apir.sock")
@@ -155,7 +163,7 @@ def test_human_size():
 def test_subcommands_come_from_modules():
     parser = build_parser()
     args = parser.parse_args(["host", "serve", "--socket", "/tmp/x", "--ggml-reg", "r",
-                              "--config", "k=v", "--log-level", "debug"])
+                              "--config", "apir.host.poll=5", "--log-level", "debug"])
     from apir.cli import host_config_from_args
-    assert host_config_from_args(args) == {"k": "v", "ggml.library.reg": "r"}
+    assert host_config_from_args(args) == {"apir.host.poll": "5", "ggml.library.reg": "r"}
     assert args.log_level == "debug" and callable(args.run)
