@@ -92,6 +92,13 @@ def node_arg(value: str) -> str:
     return value
 
 
+def threads_arg(value: str) -> str:
+    """argparse `type` of a host's --threads: a count of at least 1, or "free"."""
+    if value != "free" and not (value.isdigit() and int(value) >= 1):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a thread count (a number of at least 1, or free)")
+    return value
+
+
 # --- shared options --------------------------------------------------------------------------
 def add_host_config_arguments(parser: argparse.ArgumentParser) -> None:
     """The HostContext configuration options (for `host serve` and an embedded host)."""
@@ -117,6 +124,14 @@ def add_host_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--backend-library", metavar="PATH", help=f"APIR backend library ({CONFIG_KEY_LOAD_LIBRARY_PATH})"
+    )
+    group.add_argument(
+        "--threads",
+        metavar="N",
+        type=threads_arg,
+        help="threads of a CPU backend (apir.host.n_threads): a count, or free: each graph on the cores "
+        "other processes leave free as it starts, faster where guests share the host's cores; "
+        "default: all the machine's cores",
     )
     group.add_argument(
         "--config",
@@ -150,6 +165,10 @@ def host_config_from_args(args: argparse.Namespace) -> Optional[dict]:
         if key not in known:
             raise UsageError(f"--config {key}: not a host configuration key (known: {', '.join(known)})")
         config[key] = value
+    if getattr(args, "threads", None):
+        from apir.host.backend.library import CONFIG_KEY_N_THREADS
+
+        config[CONFIG_KEY_N_THREADS] = args.threads
     backend = getattr(args, "backend", None)
     if backend:
         # a path is a library (the C host's key); anything else a registry spec

@@ -106,6 +106,25 @@ def test_an_unknown_config_key_is_refused_with_the_known_ones_named():
             assert key in line
 
 
+@pytest.mark.parametrize("argv,threads", [((), os.cpu_count()), (("--threads", "3"), 3), (("--threads", "free"), os.cpu_count())])
+def test_host_serve_computes_on_the_machines_cores_or_threads(tmp_path, argv, threads):
+    """The thread count the host applied to a guest's context (its log line): every core by
+    default, --threads N or free (apir.host.n_threads) when given."""
+    host = HostProcess(tmp_path / "apir.sock", *argv)
+    try:
+        assert run_cli("info", "--socket", host.path).returncode == 0
+    finally:
+        host.stop()
+    assert f"ctx 1: computing on {threads} threads" in host.log()
+    assert ("each graph on the free ones" in host.log()) == ("free" in argv)
+
+
+def test_threads_must_be_a_count_or_free():
+    for value in ("0", "-1", "many"):
+        assert f"argument --threads: {value!r} is not a thread count" in _error(
+            run_cli("host", "serve", "--socket", "/tmp/never-made.sock", "--threads", value), 2)
+
+
 def test_a_host_refuses_a_backend_it_cannot_serve_before_serving(tmp_path):
     # Each used to start and say "serving"; the first guest then got a LoadLibrary error code.
     sock = str(tmp_path / "apir.sock")

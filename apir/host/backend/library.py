@@ -336,6 +336,8 @@ class PythonBackendLibrary:
         self.n_threads = self._threads_now = max(1, n_threads)
         if value == N_THREADS_FREE:
             self._free_threads = set_n_threads
+        free = " (each graph on the free ones among them)" if value == N_THREADS_FREE else ""
+        log.info("ctx %d: computing on %d threads%s", host.ctx_id, self.n_threads, free)
         set_n_threads(self.backend, self.n_threads)
         value = host.get_config(CONFIG_KEY_POLL)
         try:
