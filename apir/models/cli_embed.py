@@ -25,8 +25,10 @@ runs it alone.
 from __future__ import annotations
 
 import argparse
+import errno
 import io
 import json
+import os
 import sys
 import time
 from typing import IO, List, Optional
@@ -253,12 +255,39 @@ def _check_usage(args: argparse.Namespace, sentences: List[str]) -> str:
     return fmt
 
 
+def _check_output(args: argparse.Namespace) -> None:
+    """-o before any work: an OSError naming the path where it could not be written; a _Usage
+    where it names an -f input (it would be overwritten)."""
+    path = args.output
+    if not path:
+        return
+    for name in args.file:
+        if name != "-" and os.path.exists(name) and os.path.exists(path) and os.path.samefile(name, path):
+            raise _Usage(f"-o {path} is the input file -f {name}; give another output file")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise OSError(errno.ENOENT, f"its folder {folder} {what}", path)
+    if os.path.isdir(path):
+        raise OSError(errno.EISDIR, "is a folder", path)
+    target = path if os.path.exists(path) else folder
+    if not os.access(target, os.W_OK):
+        read_only = os.statvfs(target).f_flag & os.ST_RDONLY
+        why = "on a read-only file system" if read_only else f"{'its folder is' if target == folder else 'is'} not writable"
+        raise OSError(errno.EACCES, f"cannot write there ({why})", path)
+
+
 def _run(args: argparse.Namespace, assets) -> int:
     from apir.cli import UsageError
     from apir.models.assets import ModelNotInstalled, load_assets
     from apir.models.backends import BackendUnavailable
     from apir.models.minilm import MiniLM, MiniLMError
 
+    try:
+        _check_output(args)
+    except OSError as exc:
+        print(f"apir: error: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return EXIT_ERROR
     try:
         sentences = read_sentences(args.sentences, args.file, sys.stdin)
     except OSError as exc:

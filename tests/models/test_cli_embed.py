@@ -214,3 +214,27 @@ def test_the_embedded_host_computes_on_the_free_cores_or_threads(capsys, minilm,
     assert configs == [{"apir.host.n_threads": threads}]
     assert doc["backend"]["transport"] == "embedded" and doc["backend"]["through_apir"] is True
     assert np.array_equal(np.array(doc["embeddings"], np.float32), minilm.embed(SENTENCES))
+
+
+def test_output_is_checked_before_any_work(capsys, minilm, monkeypatch, tmp_path):
+    """-o that cannot be written fails at once, naming the path (it used to fail after the
+    compute); -o naming an -f input is refused instead of overwriting it."""
+    monkeypatch.setattr(cli_embed, "_open", lambda args: pytest.fail("a backend was opened"))
+    missing = tmp_path / "no" / "out.jsonl"
+    assert cli_embed.run(_args("--local-cpu", "-o", str(missing), "x"), assets=minilm.assets) == 1
+    assert capsys.readouterr().err == f"apir: error: {missing}: its folder {missing.parent} does not exist\n"
+    assert cli_embed.run(_args("--local-cpu", "-o", str(tmp_path), "x"), assets=minilm.assets) == 1
+    assert capsys.readouterr().err == f"apir: error: {tmp_path}: is a folder\n"
+    listing = tmp_path / "s.txt"
+    listing.write_text("one\ntwo\n")
+    same = tmp_path / "." / "s.txt"
+    assert cli_embed.run(_args("--local-cpu", "-f", str(listing), "-o", str(same)), assets=minilm.assets) == 2
+    assert capsys.readouterr().err == f"apir: error: -o {same} is the input file -f {listing}; give another output file\n"
+    assert listing.read_text() == "one\ntwo\n"
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    real_access = cli_embed.os.access
+    monkeypatch.setattr(cli_embed.os, "access", lambda p, mode: p != str(read_only) and real_access(p, mode))
+    out = read_only / "out.npy"
+    assert cli_embed.run(_args("--local-cpu", "--format", "npy", "-o", str(out), "x"), assets=minilm.assets) == 1
+    assert capsys.readouterr().err == f"apir: error: {out}: cannot write there (its folder is not writable)\n"
