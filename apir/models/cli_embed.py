@@ -35,6 +35,8 @@ from typing import IO, List, Optional
 
 import numpy as np
 
+from apir.errors import ApirError
+
 __all__ = ["add_parser", "run", "main", "read_sentences", "DEFAULT_SHOWN", "SIMILARITY_AUTO_MAX", "FORMATS"]
 
 DEFAULT_SHOWN = 8  # values of each embedding printed in the table
@@ -79,6 +81,11 @@ def _configure(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="FILE",
         help="read sentences from FILE, one per line, blank lines skipped (- is stdin; repeatable)",
+    )
+    p.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="leave out (with a warning) input lines that are not UTF-8; by default the first one is an error",
     )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--socket", metavar="PATH", type=socket_arg, help="a local APIR host's Unix socket")
@@ -127,28 +134,55 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
 
 # --- input -------------------------------------------------------------------------------------
-def read_sentences(arguments: List[str], files: List[str], stdin: IO[str]) -> List[str]:
+class InputError(ApirError, ValueError):
+    """A line of the input that is not UTF-8 (the message names the file and line)."""
+
+
+def read_sentences(
+    arguments: List[str], files: List[str], stdin: IO[str], skip_bad_lines: bool = False, warn=None
+) -> List[str]:
     """The sentences, in order: each argument (`-`: stdin's lines), then each file's lines
     (`-`: stdin). Lines lose their line end and are skipped when blank; arguments are kept as
-    given. Stdin is read once. Raises OSError (naming the file)."""
+    given. Stdin is read once (as bytes where it has them). A line that is not UTF-8 raises
+    InputError naming its file and line, or with `skip_bad_lines` is left out, `warn(message)`
+    told. Raises OSError (naming the file)."""
     out: List[str] = []
     stdin_lines: Optional[List[str]] = None
+
+    def decoded(where: str, raw: List[bytes], numbered: bool = True) -> List[str]:
+        lines = []
+        for number, line in enumerate(raw, 1):
+            try:
+                lines.append(line.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                place = f"{where} line {number}" if numbered else where
+                bad = f"{place}: not UTF-8 (its byte {exc.start + 1} is {line[exc.start]:#04x})"
+                if not skip_bad_lines:
+                    raise InputError(f"{bad}; --skip-bad-lines leaves such lines out") from None
+                if warn:
+                    warn(f"{bad}: skipped")
+        return lines
 
     def lines_of(name: str) -> List[str]:
         nonlocal stdin_lines
         if name == "-":
             if stdin_lines is None:
-                stdin_lines = stdin.read().splitlines()
+                binary = getattr(stdin, "buffer", None)
+                if binary is not None:
+                    stdin_lines = decoded("stdin", binary.read().splitlines())
+                else:  # an already decoded stream
+                    stdin_lines = decoded("stdin", [t.encode("utf-8", "surrogateescape") for t in stdin.read().splitlines()])
                 return stdin_lines
             return []
-        with open(name, encoding="utf-8") as fh:
-            return fh.read().splitlines()
+        with open(name, "rb") as fh:
+            return decoded(name, fh.read().splitlines())
 
-    for arg in arguments:
+    for number, arg in enumerate(arguments, 1):
         if arg == "-":
             out.extend(line for line in lines_of("-") if line.strip())
         else:
-            out.append(arg)
+            # (an argument that is not UTF-8 reaches Python as lone surrogates)
+            out.extend(decoded(f"argument {number}", [arg.encode("utf-8", "surrogateescape")], False))
     for name in files:
         out.extend(line for line in lines_of(name) if line.strip())
     return out
@@ -289,9 +323,12 @@ def _run(args: argparse.Namespace, assets) -> int:
         print(f"apir: error: {exc.filename}: {exc.strerror}", file=sys.stderr)
         return EXIT_ERROR
     try:
-        sentences = read_sentences(args.sentences, args.file, sys.stdin)
+        sentences = read_sentences(args.sentences, args.file, sys.stdin, args.skip_bad_lines, _warn)
     except OSError as exc:
         print(f"apir: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except InputError as exc:
+        print(f"apir: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     fmt = _check_usage(args, sentences)
     for i, sentence in enumerate(sentences):

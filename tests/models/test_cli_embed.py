@@ -238,3 +238,28 @@ def test_output_is_checked_before_any_work(capsys, minilm, monkeypatch, tmp_path
     out = read_only / "out.npy"
     assert cli_embed.run(_args("--local-cpu", "--format", "npy", "-o", str(out), "x"), assets=minilm.assets) == 1
     assert capsys.readouterr().err == f"apir: error: {out}: cannot write there (its folder is not writable)\n"
+
+
+def test_input_that_is_not_utf8_names_file_and_line_or_is_skipped(capsys, minilm, monkeypatch, tmp_path):
+    """A Latin-1 file or stdin: an error naming the file and line, nothing computed (it was a
+    codec error without either, or tokenizers' "TextEncodeInput must be Union[...]" from
+    stdin); --skip-bad-lines leaves the line out with a warning and embeds the rest."""
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(b"A man is eating food.\ncaf\xe9\nThe sky is blue today.\n")
+    opened = []
+    real_open = cli_embed._open
+    monkeypatch.setattr(cli_embed, "_open", lambda args: opened.append(1) or real_open(args))
+    assert cli_embed.run(_args("--local-cpu", "-f", str(latin1)), assets=minilm.assets) == 1
+    assert capsys.readouterr().err == (
+        f"apir: error: {latin1} line 2: not UTF-8 (its byte 4 is 0xe9); --skip-bad-lines leaves such lines out\n")
+    stdin = io.TextIOWrapper(io.BytesIO(b"caf\xe9\n"), encoding="utf-8", errors="surrogateescape")
+    monkeypatch.setattr("sys.stdin", stdin)
+    assert cli_embed.run(_args("--local-cpu", "-"), assets=minilm.assets) == 1
+    assert capsys.readouterr().err.startswith("apir: error: stdin line 1: not UTF-8 (its byte 4 is 0xe9)")
+    assert opened == []
+    args = _args("--local-cpu", "--skip-bad-lines", "--format", "jsonl", "-f", str(latin1))
+    assert cli_embed.run(args, assets=minilm.assets) == 0
+    captured = capsys.readouterr()
+    assert captured.err == f"apir: warning: {latin1} line 2: not UTF-8 (its byte 4 is 0xe9): skipped\n"
+    rows = [json.loads(line) for line in captured.out.splitlines()]
+    assert [r["sentence"] for r in rows] == ["A man is eating food.", "The sky is blue today."]
