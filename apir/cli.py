@@ -645,9 +645,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    """`parser.parse_args`, but an unknown option is reported with the usage of the command
+    it was given to (`apir embed --model x`), not the top-level one."""
+    _mark_subparsers(parser)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
+def _mark_subparsers(parser: argparse.ArgumentParser) -> None:
+    """Each (nested) subcommand's parser as its own default `_parser` (the innermost wins)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.set_defaults(_parser=sub)
+                _mark_subparsers(sub)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     level = getattr(args, "log_level", None) or os.environ.get(ENV_LOG_LEVEL) or "warning"
     if level.lower() not in _LOG_LEVELS:
         print(f"apir: error: ${ENV_LOG_LEVEL}={level!r}: expected one of {', '.join(_LOG_LEVELS)}", file=sys.stderr)

@@ -125,6 +125,16 @@ def test_threads_must_be_a_count_or_free():
             run_cli("host", "serve", "--socket", "/tmp/never-made.sock", "--threads", value), 2)
 
 
+def test_an_unknown_option_gets_its_commands_usage():
+    """`apir embed --model foo x`: embed's usage and error, not the top-level usage."""
+    r = run_cli("embed", "--model", "foo", "x")
+    assert r.returncode == 2
+    assert r.stderr.startswith("usage: apir embed ") and r.stderr.strip().endswith(
+        "apir embed: error: unrecognized arguments: --model"), r.stderr
+    r = run_cli("host", "serve", "--socket", "/tmp/never-made.sock", "--bogus")
+    assert r.stderr.startswith("usage: apir host serve ") and "unrecognized arguments: --bogus" in r.stderr
+
+
 def test_a_host_refuses_a_backend_it_cannot_serve_before_serving(tmp_path):
     # Each used to start and say "serving"; the first guest then got a LoadLibrary error code.
     sock = str(tmp_path / "apir.sock")
