@@ -100,7 +100,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
         help="output: table (default), json (one object), jsonl (one line per sentence), "
         "npy (NumPy file of the embeddings)",
     )
-    p.add_argument("--json", action="store_const", dest="format", const="json", help="the same as --format json")
+    p.add_argument("--json", action="store_true", help="the same as --format json")
     p.add_argument("-o", "--output", metavar="FILE", help="write the output to FILE instead of stdout")
     sim = p.add_mutually_exclusive_group()
     sim.add_argument(
@@ -275,8 +275,13 @@ def run(args: argparse.Namespace, assets=None) -> int:
 
 
 def _check_usage(args: argparse.Namespace, sentences: List[str]) -> str:
-    fmt = args.format or "table"
+    if args.json and args.format not in (None, "json"):
+        raise _Usage(f"--json and --format {args.format} contradict each other: give one")
+    fmt = "json" if args.json else args.format or "table"
     if not sentences:
+        read = ["stdin" if name == "-" else name for name in args.file + [a for a in args.sentences if a == "-"]]
+        if read:
+            raise _Usage(f"nothing to embed: {', '.join(dict.fromkeys(read))} had no line that is not blank")
         raise _Usage("nothing to embed: give sentences as arguments, - for stdin, or -f FILE")
     if args.batch_size < 1:
         raise _Usage(f"--batch-size {args.batch_size}: must be at least 1")

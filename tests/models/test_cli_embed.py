@@ -263,3 +263,17 @@ def test_input_that_is_not_utf8_names_file_and_line_or_is_skipped(capsys, minilm
     assert captured.err == f"apir: warning: {latin1} line 2: not UTF-8 (its byte 4 is 0xe9): skipped\n"
     rows = [json.loads(line) for line in captured.out.splitlines()]
     assert [r["sentence"] for r in rows] == ["A man is eating food.", "The sky is blue today."]
+
+
+def test_json_and_another_format_contradict(capsys, minilm):
+    assert cli_embed.run(_args("--local-cpu", "--json", "--format", "jsonl", "x"), assets=minilm.assets) == 2
+    assert capsys.readouterr().err == "apir: error: --json and --format jsonl contradict each other: give one\n"
+    assert cli_embed.run(_args("--local-cpu", "--json", "--format", "json", "x"), assets=minilm.assets) == 0
+    assert json.loads(capsys.readouterr().out)["sentences"] == ["x"]
+
+
+def test_an_empty_input_file_is_named(capsys, minilm, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    assert cli_embed.run(_args("--local-cpu", "-f", str(empty)), assets=minilm.assets) == 2
+    assert capsys.readouterr().err == f"apir: error: nothing to embed: {empty} had no line that is not blank\n"
