@@ -13,13 +13,13 @@ the sentences in padded, masked batches and writes them in the `--format` asked 
   npy    the (n, 384) float32 matrix as a NumPy .npy file (`-o FILE`, not to a terminal).
 
 Embeddings are unit-length, so cosine = dot product. Warnings go to stderr: a sentence longer
-than the model's 256 tokens (its end is cut off), an empty sentence. Progress bars (weight
-upload, batches) go to stderr when it is a terminal.
+than the model's 256 tokens (its end is cut off), an empty sentence. Progress bars go to stderr
+when it is a terminal. jsonl is written as it is computed; Ctrl-C stops after the window of
+batches in progress (WINDOW_BATCHES) and writes the sentences done (a prefix), in any format.
 
 Exit status (apir.cli's convention): 0, 1 when the model package, the backend or the compute
-fails, 2 for bad usage (nothing to embed, .npy to a terminal). `add_parser(subparsers)`
-registers the subcommand; `run(args)` returns the status; `python -m apir.models.cli_embed`
-runs it alone.
+fails, 2 for bad usage, 130 Ctrl-C. `add_parser(subparsers)` registers the subcommand;
+`run(args)` returns the status; `python -m apir.models.cli_embed` runs it alone.
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ import errno
 import io
 import json
 import os
+import signal
 import sys
+import threading
 import time
-from typing import IO, List, Optional
+from typing import IO, Any, List, Optional
 
 import numpy as np
 
@@ -42,7 +44,7 @@ __all__ = ["add_parser", "run", "main", "read_sentences", "DEFAULT_SHOWN", "SIMI
 DEFAULT_SHOWN = 8  # values of each embedding printed in the table
 SIMILARITY_AUTO_MAX = 10  # the cosine matrix is shown unasked up to this many sentences
 FORMATS = ("table", "json", "jsonl", "npy")
-EXIT_ERROR, EXIT_USAGE = 1, 2  # apir.cli's convention
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130  # apir.cli's convention
 
 
 class _Usage(Exception):
@@ -171,7 +173,8 @@ def read_sentences(
                 if binary is not None:
                     stdin_lines = decoded("stdin", binary.read().splitlines())
                 else:  # an already decoded stream
-                    stdin_lines = decoded("stdin", [t.encode("utf-8", "surrogateescape") for t in stdin.read().splitlines()])
+                    raw = [text.encode("utf-8", "surrogateescape") for text in stdin.read().splitlines()]
+                    stdin_lines = decoded("stdin", raw)
                 return stdin_lines
             return []
         with open(name, "rb") as fh:
@@ -251,17 +254,69 @@ def _open(args):
         raise
 
 
-def _embed(model, sentences: List[str], batch_size: int, progress) -> np.ndarray:
-    """`model.embed`, batch by batch, so that `progress(done, total)` can follow it."""
+# Sentences are embedded in windows of this many batches, in input order (within one, sorted
+# by length: less padding), so that a prefix of the input is done after each window: jsonl
+# streams it, and Ctrl-C keeps it.
+WINDOW_BATCHES = 4
+
+
+def _embed(model, sentences: List[str], batch_size: int, progress, stop=None, on_rows=None) -> np.ndarray:
+    """`model.embed`, batch by batch, so that `progress(done, total)` can follow it; window by
+    window (WINDOW_BATCHES), `on_rows(start, end)` told of each finished one, and none begun
+    once `stop()` is true. Returns the embeddings of the sentences done (a prefix)."""
+    from apir.models.assets import TokenBatch
+
     tokens = model.tokenize(sentences)
     out = np.empty((len(sentences), model.config.hidden_size), np.float32)
-    done = 0
-    for idx, batch in model.batches(tokens, batch_size):
-        out[idx] = model.embed_tokens(batch)
-        done += len(idx)
-        if progress:
-            progress(done, len(sentences))
-    return out
+    done = end = 0
+    window = batch_size * WINDOW_BATCHES
+    for start in range(0, len(sentences), window):
+        if stop is not None and stop():
+            break
+        end = min(len(sentences), start + window)
+        part = TokenBatch(tokens.ids[start:end], tokens.type_ids[start:end], tokens.mask[start:end])
+        for idx, batch in model.batches(part, batch_size):
+            out[start + idx] = model.embed_tokens(batch)
+            done += len(idx)
+            if progress:
+                progress(done, len(sentences))
+        if on_rows:
+            on_rows(start, end, out)
+    return out[:end]
+
+
+class _Interrupt:
+    """While entered, Ctrl-C (SIGINT) only asks the embedding to stop after the window in
+    progress: a KeyboardInterrupt inside ggml's compute (a callback of the APIR backend) would
+    fail the graph and lose every result. A second Ctrl-C interrupts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None  # the SIGINT handler before, while entered
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.requested = True
+        signal.signal(signal.SIGINT, self._previous)
+
+    def __enter__(self) -> "_Interrupt":
+        previous = signal.getsignal(signal.SIGINT)
+        # (not where SIGINT is ignored, as for a background job, nor off the main thread)
+        if previous is not signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def _jsonl_rows(out, start: int, end: int, sentences, emb, n_tokens, truncated) -> None:
+    for i in range(start, end):
+        row = {"index": i, "sentence": sentences[i], "n_tokens": n_tokens[i], "truncated": truncated[i]}
+        row["embedding"] = [float(v) for v in emb[i]]
+        json.dump(row, out)
+        out.write("\n")
+    out.flush()
 
 
 def run(args: argparse.Namespace, assets=None) -> int:
@@ -312,16 +367,12 @@ def _check_output(args: argparse.Namespace) -> None:
     target = path if os.path.exists(path) else folder
     if not os.access(target, os.W_OK):
         read_only = os.statvfs(target).f_flag & os.ST_RDONLY
-        why = "on a read-only file system" if read_only else f"{'its folder is' if target == folder else 'is'} not writable"
+        which = "its folder is" if target == folder else "is"
+        why = "on a read-only file system" if read_only else f"{which} not writable"
         raise OSError(errno.EACCES, f"cannot write there ({why})", path)
 
 
 def _run(args: argparse.Namespace, assets) -> int:
-    from apir.cli import UsageError
-    from apir.models.assets import ModelNotInstalled, load_assets
-    from apir.models.backends import BackendUnavailable
-    from apir.models.minilm import MiniLM, MiniLMError
-
     try:
         _check_output(args)
     except OSError as exc:
@@ -339,6 +390,16 @@ def _run(args: argparse.Namespace, assets) -> int:
     for i, sentence in enumerate(sentences):
         if not sentence.strip():
             _warn(f"{_label(i, sentence)} is empty: its embedding is that of [CLS] [SEP] alone")
+    with _Interrupt() as interrupt:  # from here on, Ctrl-C keeps what is done
+        return _compute(args, fmt, sentences, assets, interrupt)
+
+
+def _compute(args: argparse.Namespace, fmt: str, sentences: List[str], assets, interrupt: "_Interrupt") -> int:
+    from apir.cli import UsageError
+    from apir.models.assets import ModelNotInstalled, load_assets
+    from apir.models.backends import BackendUnavailable
+    from apir.models.minilm import MiniLM, MiniLMError
+
     try:
         assets = assets or load_assets()
         opened, trace = _open(args)
@@ -357,13 +418,21 @@ def _run(args: argparse.Namespace, assets) -> int:
     upload_bar = _ProgressBar(sys.stderr, "upload weights", "MB", 1e6, "{:.1f}") if tty else None
     n_batches = -(-len(sentences) // args.batch_size)
     embed_bar = _ProgressBar(sys.stderr, "embed", "sentences") if tty and n_batches > 1 else None
+    n_tokens = assets.tokenizer.encode(sentences).lengths.tolist()
+    truncated = assets.tokenizer.truncated(sentences)
+    # jsonl is written as it is computed (what Ctrl-C leaves is kept); the others at the end
+    stream = (open(args.output, "w", encoding="utf-8") if args.output else sys.stdout) if fmt == "jsonl" else None
+
+    def on_rows(start: int, end: int, emb: np.ndarray) -> None:
+        if stream is not None:
+            _jsonl_rows(stream, start, end, sentences, emb, n_tokens, truncated)
+
     try:
         t0 = time.perf_counter()
         with MiniLM(backend=opened.backend, buft=opened.buft, assets=assets, progress=upload_bar) as model:
             t1 = time.perf_counter()
-            emb = _embed(model, sentences, args.batch_size, embed_bar)
+            emb = _embed(model, sentences, args.batch_size, embed_bar, lambda: interrupt.requested, on_rows)
             t2 = time.perf_counter()
-            n_tokens = model.tokenize(sentences).lengths.tolist()
             upload = (model.upload_bytes, model.upload_seconds)
     except (MiniLMError, ValueError) as exc:
         print(f"apir: error: {exc}", file=sys.stderr)
@@ -372,16 +441,24 @@ def _run(args: argparse.Namespace, assets) -> int:
         opened.close()
         if trace:
             trace.close()
-    truncated = assets.tokenizer.truncated(sentences)
-    show_sim = args.similarity if args.similarity is not None else len(sentences) <= SIMILARITY_AUTO_MAX
+        if stream is not None and stream is not sys.stdout:
+            stream.close()
+    total, done = len(sentences), len(emb)
+    sentences, n_tokens, truncated = sentences[:done], n_tokens[:done], truncated[:done]
+    show_sim = args.similarity if args.similarity is not None else done <= SIMILARITY_AUTO_MAX
     cosine = emb @ emb.T if show_sim else None
     try:
-        _write(args, fmt, sentences, emb, cosine, n_tokens, truncated, opened, assets, upload, (t1 - t0, t2 - t1))
+        if fmt != "jsonl" and done:
+            _write(args, fmt, sentences, emb, cosine, n_tokens, truncated, opened, assets, upload, (t1 - t0, t2 - t1))
     except BrokenPipeError:
         raise  # stdout's reader went away (`apir embed ... | head`): apir.cli.main ends quietly
     except OSError as exc:
         print(f"apir: error: {exc.filename or args.output}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_ERROR
+    if done < total:
+        kept = f"the first {done} of {total} sentences embedded, written to {args.output or 'stdout'}"
+        print(f"apir: interrupted: {kept if done else 'before any sentence was embedded'}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
 
 
@@ -403,20 +480,7 @@ def _write(args, fmt, sentences, emb, cosine, n_tokens, truncated, opened, asset
         return
     out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     try:
-        if fmt == "jsonl":
-            for i, sentence in enumerate(sentences):
-                json.dump(
-                    {
-                        "index": i,
-                        "sentence": sentence,
-                        "n_tokens": n_tokens[i],
-                        "truncated": truncated[i],
-                        "embedding": [float(v) for v in emb[i]],
-                    },
-                    out,
-                )
-                out.write("\n")
-        elif fmt == "json":
+        if fmt == "json":
             doc = {
                 "model": "sentence-transformers/all-MiniLM-L6-v2",
                 "model_path": str(assets.path),

@@ -277,3 +277,54 @@ def test_an_empty_input_file_is_named(capsys, minilm, tmp_path):
     empty.write_text("\n  \n")
     assert cli_embed.run(_args("--local-cpu", "-f", str(empty)), assets=minilm.assets) == 2
     assert capsys.readouterr().err == f"apir: error: nothing to embed: {empty} had no line that is not blank\n"
+
+
+def test_ctrl_c_exits_130_and_keeps_the_streamed_jsonl(minilm, tmp_path):
+    """SIGINT once the first rows are out: exit 130, every row written so far complete and in
+    order, one line on stderr saying how many; no KeyboardInterrupt nor a failed graph_compute
+    (it used to exit 1 with both, and leave no file)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    sentences = [f"sentence number {i} about many things" for i in range(3000)]
+    listing = tmp_path / "s.txt"
+    listing.write_text("".join(s + "\n" for s in sentences))
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "apir", "embed", "--no-progress", "--batch-size", "8", "--format", "jsonl",
+           "-f", str(listing), "-o", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while proc.poll() is None and not (out.exists() and b"\n" in out.read_bytes()):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 0 < len(rows) < len(sentences)
+    assert proc.returncode == 130, err
+    assert err == f"apir: interrupted: the first {len(rows)} of {len(sentences)} sentences embedded, written to {out}\n"
+    assert [r["index"] for r in rows] == list(range(len(rows)))
+    assert [r["sentence"] for r in rows] == sentences[: len(rows)]
+    np.testing.assert_allclose(rows[-1]["embedding"], minilm.embed([sentences[len(rows) - 1]])[0], atol=1e-5)
+
+
+def test_ctrl_c_keeps_the_windows_done_in_every_format(capsys, minilm, monkeypatch, tmp_path):
+    """Interrupted after its first window, `--format npy -o` holds that window's embeddings."""
+    real_embed = cli_embed._embed
+
+    def interrupted_after_one_window(model, sentences, batch_size, progress, stop, on_rows):
+        windows = []
+        return real_embed(model, sentences, batch_size, progress, lambda: bool(windows),
+                          lambda *window: (windows.append(window), on_rows(*window)))
+
+    monkeypatch.setattr(cli_embed, "_embed", interrupted_after_one_window)
+    sentences = [f"sentence {i}" for i in range(20)]
+    out = tmp_path / "emb.npy"
+    args = _args("--local-cpu", "--batch-size", "2", "--format", "npy", "-o", str(out), *sentences)
+    assert cli_embed.run(args, assets=minilm.assets) == 130
+    done = 2 * cli_embed.WINDOW_BATCHES
+    assert capsys.readouterr().err == f"apir: interrupted: the first {done} of 20 sentences embedded, written to {out}\n"
+    assert np.array_equal(np.load(out), minilm.embed(sentences[:done], batch_size=2))
