@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Generates conformance/*.json, the APIR conformance vectors, from ggml's C implementation.
+"""Generates apir/conformance/data/*.json, the APIR conformance vectors, from ggml's C implementation.
 
-    scripts/make-conformance-vectors.py [--version 0.20|0.10 ...] [--out conformance/]
+    scripts/make-conformance-vectors.py [--version 0.20|0.10 ...] [--out apir/conformance/data/]
 
 For each C reference build (tests/cref.py: APIR 0.2 / ggml 0.20.2 and APIR 0.1 / ggml 0.10.1):
 
@@ -16,7 +16,7 @@ For each C reference build (tests/cref.py: APIR 0.2 / ggml 0.20.2 and APIR 0.1 /
    once with the Venus capset (a short session);
 3. annotates every command and reply field by field (scripts/conformance/annotate.py: offset,
    size, field, the C encode helper, value, and the comparison rule where the bytes are
-   uninitialised or run-dependent) and writes conformance/apir-<apir>-ggml-<ggml>.json.
+   uninitialised or run-dependent) and writes apir/conformance/data/apir-<apir>-ggml-<ggml>.json.
 
 apir's own encoder is not involved: the bytes are the C's. HandShake and LoadLibrary replies come
 from apir's APIR component (the part virglrenderer plays; no C build of it exists here), and the
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--version", action="append", choices=sorted(GGML_VERSIONS),
                     help="C reference to capture (repeatable; default both)")
-    ap.add_argument("--out", default=str(REPO / "conformance"))
+    ap.add_argument("--out", default=str(REPO / "apir" / "conformance" / "data"))
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

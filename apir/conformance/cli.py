@@ -1,4 +1,4 @@
-"""`apir conformance`: checks a host and apir's guest encoder against conformance/*.json.
+"""`apir conformance`: checks a host and apir's guest encoder against its vectors (data/*.json).
 
     apir conformance [--vectors PATH ...] [--host-only | --guest-only] [-v]
                      [--socket PATH | host configuration options (--backend-library ...)]
@@ -34,7 +34,7 @@ def add_parser(subparsers, parents=()) -> argparse.ArgumentParser:
         "--vectors",
         action="append",
         metavar="PATH",
-        help="vector file or folder (repeatable; default the checkout's conformance/)",
+        help="vector file or folder (repeatable; default the ones shipped in apir/conformance/data/)",
     )
     which = p.add_mutually_exclusive_group()
     which.add_argument("--host-only", action="store_true", help="check the host only")

@@ -1,4 +1,4 @@
-"""The conformance vectors (conformance/*.json) and their comparison rules.
+"""The conformance vectors (apir/conformance/data/*.json) and their comparison rules.
 
 Theory of operation: a vector file holds, per APIR version, sessions of steps captured from
 ggml's C guest and C host library (scripts/make-conformance-vectors.py). Every command, reply
@@ -41,8 +41,8 @@ VECTOR_FORMAT = "apir-conformance/1"
 
 
 def default_vector_dir() -> Path:
-    """`conformance/` beside the apir package (a source checkout)."""
-    return Path(__file__).resolve().parents[2] / "conformance"
+    """apir/conformance/data/, shipped with the package (a wheel has them too)."""
+    return Path(__file__).resolve().parent / "data"
 
 
 @dataclass

@@ -1,10 +1,11 @@
-"""The conformance vectors (conformance/*.json, captured from ggml's C guest and C host
+"""The conformance vectors (apir/conformance/data/*.json, captured from ggml's C guest and C host
 library) against apir's host, apir's guest encoder and the C host library; and the runner's
 rules, which must catch a difference."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -180,6 +181,34 @@ def test_cli_exit_status(tmp_path):
                          check=False, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert run.returncode == 1
     assert "FAIL apir-0.1-ggml-0.10.1.json apir-capset device_get_count: reply count: 1, expected 2" in run.stdout
+
+
+def test_the_vectors_ship_with_the_package(tmp_path):
+    """`apir conformance` from an installed wheel: the vectors are package data (pyproject's
+    package-data), found beside the package. The wheel is stood in for by what it holds, the
+    package's modules and that data, run outside the clone (from a wheel the runner looked
+    for .../site-packages/conformance)."""
+    import shutil
+
+    tomllib = pytest.importorskip("tomllib")
+    package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    site = tmp_path / "site-packages"
+    for source in (REPO / "apir").rglob("*.py"):
+        target = site / source.relative_to(REPO)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source, target)
+    for package, patterns in package_data.items():
+        folder = REPO.joinpath(*package.split("."))
+        for pattern in patterns:
+            for source in folder.glob(pattern):
+                target = site / source.relative_to(REPO)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(source, target)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    run = subprocess.run([sys.executable, "-m", "apir", "conformance", "--guest-only"], env=env,
+                         check=False, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "guest: apir's encoder: 92 passed, 0 failed, 22 skipped" in run.stdout
 
 
 # --- the C host library, and the vectors against a fresh capture ---------------------------------
