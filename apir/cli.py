@@ -207,7 +207,31 @@ def check_host_backend(config: Optional[dict]) -> None:
         else:
             backend_spec.resolve(load(), spec)
     except backend_spec.BackendSpecError as exc:
-        raise UsageError(f"--backend {spec}: {exc}") from exc
+        raise UsageError(f"--backend {spec}: {exc}{missing_backend_hint(spec)}") from exc
+
+
+def missing_backend_hint(spec: str) -> str:
+    """What to do about a --backend the loaded ggml cannot serve ("" when there is no advice):
+    a build without that backend names the build that has it; a backend without the device, the
+    driver it needs."""
+    from apir.ggml import backend_spec, load
+
+    try:
+        parsed = backend_spec.parse_spec(spec)
+    except backend_spec.BackendSpecError:
+        return ""
+    if parsed.kind != "reg":
+        return ""
+    g = load()
+    if not g.ggml_backend_reg_by_name(parsed.name.encode()):
+        return (
+            f"; the ggml build apir loaded ({g.lib_dir}) has no {parsed.name} device: "
+            "scripts/build-ggml-backends.sh builds one with Vulkan and RPC, selected with "
+            'APIR_GGML_LIB_DIR (README.md, "Which device the host computes on")'
+        )
+    if parsed.name.lower() == "vulkan":
+        return "; no Vulkan device the driver shows: is a Vulkan driver (ICD) installed? (`vulkaninfo --summary`)"
+    return ""
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
@@ -462,6 +486,12 @@ def run_info(args: argparse.Namespace) -> int:
 
     spec, config = device_from_args(args)
     device = parse_spec(spec)
+    if device.kind == "embedded" and config and config.get(CONFIG_KEY_BACKEND):
+        # what LoadLibrary would answer with a code alone; a runtime error, as that one
+        try:
+            check_host_backend({CONFIG_KEY_BACKEND: config[CONFIG_KEY_BACKEND]})
+        except UsageError as exc:
+            raise ApirError(str(exc)) from exc
     trace, device_options = embedded_trace(args, spec)
     if args.socket:
         check_connect(args.socket)

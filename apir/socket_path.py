@@ -62,6 +62,10 @@ def check_listen(path: str) -> None:
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
+        if not os.access(folder, os.W_OK | os.X_OK):
+            read_only = os.statvfs(folder).f_flag & os.ST_RDONLY
+            why = "is on a read-only file system" if read_only else "is not writable by this user"
+            raise SocketPathError(f"{path}: cannot create a socket there: its folder {folder} {why}") from None
         return
     if not stat.S_ISSOCK(mode):
         raise SocketPathError(f"{path}: exists and is not a socket ({_kind(mode)}); not replacing it")

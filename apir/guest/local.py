@@ -173,9 +173,9 @@ class LocalDevice:
             if self._broken != _HOST_GONE:
                 raise
             raise HostConnectionLost(
-                f"{self.node}: the apir host closed the connection before "
-                "answering HELLO (it may be at its connection limit, "
-                "apir.local.max_connections: see its log)"
+                f"{self.node}: the host closed the connection before answering HELLO: either no "
+                "`apir host serve` socket (a `host vhost-user` socket is for QEMU: inside its VM, "
+                "use --drm) or a host at its connection limit (apir.local.max_connections: see its log)"
             ) from exc
         except BaseException:
             sock.close()

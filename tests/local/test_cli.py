@@ -135,6 +135,49 @@ def test_an_unknown_option_gets_its_commands_usage():
     assert r.stderr.startswith("usage: apir host serve ") and "unrecognized arguments: --bogus" in r.stderr
 
 
+def test_a_read_only_socket_folder_is_named_with_its_cause(tmp_path, capsys, monkeypatch):
+    """`host serve --socket /ro/apir.sock` said only "[Errno 30] Read-only file system"."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: str(p) != str(folder) and real_access(p, mode))
+    sock = folder / "apir.sock"
+    from apir.socket_path import SocketPathError, check_listen
+
+    with pytest.raises(SocketPathError):  # (checked first: a host that started would serve on)
+        check_listen(str(sock))
+    for command in (["host", "serve"], ["host", "vhost-user"]):
+        assert main([*command, "--socket", str(sock)]) == 1
+        assert capsys.readouterr().err == (
+            f"apir: error: {sock}: cannot create a socket there: its folder {folder} is not writable by this user\n")
+
+
+def test_info_on_a_vhost_user_socket_says_what_it_is(tmp_path):
+    """It blamed the host's connection limit alone."""
+    sock = tmp_path / "vgpu.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "apir.cli", "host", "vhost-user", "--socket", str(sock)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "virtio-gpu vhost-user device on" in proc.stderr.readline()
+        line = _error(run_cli("info", "--socket", str(sock)), 1)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert line == (f"apir: error: local:{sock}: the host closed the connection before answering HELLO: either "
+                    "no `apir host serve` socket (a `host vhost-user` socket is for QEMU: inside its VM, use --drm) "
+                    "or a host at its connection limit (apir.local.max_connections: see its log)")
+
+
+def test_a_backend_the_build_lacks_says_which_build_has_it():
+    """`apir info --backend vulkan:0` without a Vulkan build said "code 20 ... (NO_DEVICE)"."""
+    g = apir.ggml.load()
+    if g.ggml_backend_reg_by_name(b"Vulkan"):
+        pytest.skip("this ggml build has Vulkan")
+    line = _error(run_cli("info", "--backend", "vulkan:0"), 1)
+    assert line.startswith("apir: error: --backend vulkan:0: 'vulkan:0': this ggml has no backend 'vulkan' (it has ")
+    assert f"; the ggml build apir loaded ({g.lib_dir}) has no vulkan device: scripts/build-ggml-backends.sh" in line
+
+
 def test_a_host_refuses_a_backend_it_cannot_serve_before_serving(tmp_path):
     # Each used to start and say "serving"; the first guest then got a LoadLibrary error code.
     sock = str(tmp_path / "apir.sock")
