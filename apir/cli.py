@@ -702,6 +702,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"apir: error: ${ENV_LOG_LEVEL}={level!r}: expected one of {', '.join(_LOG_LEVELS)}", file=sys.stderr)
         return EXIT_USAGE
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _announce_compiles()
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
@@ -719,6 +720,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log.debug("failed", exc_info=True)
         print(f"apir: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _announce_compiles() -> None:
+    """A line on stderr when apir's Numba kernels compile (a cold cache: seconds of silence
+    otherwise); nothing once they are cached."""
+    try:
+        from apir import numba_cache
+    except ImportError:  # (no Numba: nothing compiles)
+        return
+
+    def notice() -> None:
+        where = numba_cache.cache_root()
+        print(f"apir: compiling kernels on first use (a one-time wait; cached in {where})", file=sys.stderr, flush=True)
+
+    numba_cache.announce_first_compile(notice)
 
 
 def entry() -> int:

@@ -14,6 +14,7 @@ the CPU and the source's hash, so a stale entry is never loaded.
 
 `NUMBA_CACHE_DIR` set (Numba's own setting) wins: the locator then steps aside. A cache
 folder that cannot be created or written also makes it step aside (Numba's defaults apply).
+`announce_first_compile` lets the `apir` command say so when a cold cache makes it compile.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Callable
 
-from numba.core import caching, config
+from numba.core import caching, config, event
 
-__all__ = ["ApirCacheLocator", "cache_root", "install"]
+__all__ = ["ApirCacheLocator", "cache_root", "install", "announce_first_compile"]
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent) + os.sep
 # The codec's primitives, which kernels of other modules compile in: Numba's index checks only
@@ -70,3 +72,23 @@ def install() -> None:
     classes = caching.CacheImpl._locator_classes
     if ApirCacheLocator not in classes:
         classes.insert(0, ApirCacheLocator)
+
+
+def announce_first_compile(notice: Callable[[], None]) -> None:
+    """Calls `notice()` once, as the first of apir's kernels starts compiling: Numba found no
+    compiled code for it in the cache (a loaded one raises no compile event)."""
+
+    class FirstCompile(event.Listener):
+        told = False
+
+        def on_start(self, ev) -> None:
+            py_func = getattr(ev.data.get("dispatcher"), "py_func", None)
+            path = getattr(getattr(py_func, "__code__", None), "co_filename", "")
+            if not self.told and os.path.abspath(path).startswith(_PACKAGE_DIR):
+                self.told = True
+                notice()
+
+        def on_end(self, ev) -> None:
+            pass
+
+    event.register("numba:compile", FirstCompile())

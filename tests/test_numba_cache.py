@@ -56,3 +56,17 @@ def test_only_apir_sources_use_it(tmp_path):
         return 1
 
     assert ApirCacheLocator.from_function(f, str(tmp_path / "elsewhere.py")) is None
+
+
+def test_the_apir_command_says_once_that_kernels_compile(tmp_path):
+    """A cold cache: one line on stderr while the kernels compile (a first run used to be
+    silent for seconds); a warm one: nothing."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    env.update(APIR_CACHE_DIR=str(tmp_path), PYTHONPATH=root)
+    notice = f"apir: compiling kernels on first use (a one-time wait; cached in {tmp_path / 'numba'})"
+    runs = [subprocess.run([sys.executable, "-m", "apir", "info"], env=env, capture_output=True, text=True,
+                           timeout=600) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr + runs[1].stderr
+    assert runs[0].stderr.splitlines() == [notice]
+    assert runs[1].stderr == ""
