@@ -178,6 +178,21 @@ def test_a_backend_the_build_lacks_says_which_build_has_it():
     assert f"; the ggml build apir loaded ({g.lib_dir}) has no vulkan device: scripts/build-ggml-backends.sh" in line
 
 
+def test_python_m_apir_beside_a_clone_named_apir_says_so(tmp_path):
+    """In a clone's parent folder, the clone (a folder named apir, no __init__.py) is the
+    namespace package `apir` that hides an editable install's: a one-line message, not an
+    ImportError traceback. (Stood in for: the package's __main__ run with that `apir`.)"""
+    clone = tmp_path / "apir"
+    clone.mkdir()
+    main_py = os.path.join(os.path.dirname(apir.__file__), "__main__.py")
+    code = ("import runpy, sys, types; ns = types.ModuleType('apir'); ns.__path__ = [sys.argv[1]]; "
+            "sys.modules['apir'] = ns; runpy.run_path(sys.argv[2], run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code, str(clone), main_py], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert (r.returncode, r.stderr) == (1, f"python -m apir: the folder {clone} hides the apir package (run it "
+                                           "from inside the clone, or use the `apir` command)\n")
+
+
 def test_a_host_refuses_a_backend_it_cannot_serve_before_serving(tmp_path):
     # Each used to start and say "serving"; the first guest then got a LoadLibrary error code.
     sock = str(tmp_path / "apir.sock")
