@@ -37,6 +37,7 @@ from apir.host.config import (
     CONFIG_KEY_GGML_LIBRARY_PATH,
     CONFIG_KEY_GGML_LIBRARY_REG,
     CONFIG_KEY_LOAD_LIBRARY_PATH,
+    CONFIG_KEY_N_THREADS,
     ENV_FALLBACKS,
 )
 from apir.errors import ApirError
@@ -143,14 +144,11 @@ def add_host_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def known_config_keys() -> list:
-    """The HostContext configuration keys `--config` accepts, sorted: every CONFIG_KEY_*
-    constant of the modules that read one."""
-    from apir.codec import constants
-    from apir.host.backend import library
-    from apir.host.graph import work_plan
+    """The HostContext configuration keys `--config` accepts, sorted: every CONFIG_KEY_* of
+    apir.host.config, where all of them are."""
+    from apir.host import config
 
-    modules = (constants, library, work_plan)
-    return sorted({getattr(m, name) for m in modules for name in dir(m) if name.startswith("CONFIG_KEY_")})
+    return sorted(getattr(config, name) for name in dir(config) if name.startswith("CONFIG_KEY_"))
 
 
 def host_config_from_args(args: argparse.Namespace) -> Optional[dict]:
@@ -166,8 +164,6 @@ def host_config_from_args(args: argparse.Namespace) -> Optional[dict]:
             raise UsageError(f"--config {key}: not a host configuration key (known: {', '.join(known)})")
         config[key] = value
     if getattr(args, "threads", None):
-        from apir.host.backend.library import CONFIG_KEY_N_THREADS
-
         config[CONFIG_KEY_N_THREADS] = args.threads
     backend = getattr(args, "backend", None)
     if backend:
