@@ -34,7 +34,7 @@
 #    ziglang==0.16.0 and passes its folder with -isystem. Set
 #    APIR_CREF_VIRTGPU_DRM_INCLUDE=/dir (a dir holding drm/virtgpu_drm.h) to use another.
 #
-# Environment knobs (docs/environment.md; the names before issue 16, in brackets, still work
+# Environment knobs (docs/environment.md; the older names, in brackets, still work
 # with a warning):
 #   APIR_CREF_BACKEND_DL=ON  [GGML_BACKEND_DL] build backends as dlopen()ed modules (into
 #                       BUILD/bin) instead of linking them into libggml.so (default OFF,

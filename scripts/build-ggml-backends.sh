@@ -2,7 +2,7 @@
 # scripts/build-ggml-backends.sh SDIST OUTDIR
 #
 # ggml with its Vulkan and RPC backends, for apir's host on a GPU or on ggml-rpc servers
-# (issue 12), built from the same PyPI sdist as the C reference (libggml-python 0.20.2.post1,
+# built from the same PyPI sdist as the C reference (libggml-python 0.20.2.post1,
 # ggml 0.20.2): so it is the very ggml ABI apir's wheel has. tests/ggml_backends.py calls it
 # with OUTDIR = <cache>/ggml-backends/<sdist version> and a file lock; by hand:
 #   scripts/build-ggml-backends.sh ~/.cache/apir/cref/sdist/libggml_python-0.20.2.post1.tar.gz \

@@ -2,7 +2,7 @@
 # scripts/build-llama-cpp-python.sh SDIST OUTDIR
 #
 # llama-cpp-python==0.3.36 built from its sdist the way a Python user builds it for a VM's
-# virtio-gpu (issue 14 item 3): CMAKE_ARGS="-DGGML_VIRTGPU=ON" and pip, installed into a venv
+# virtio-gpu: CMAKE_ARGS="-DGGML_VIRTGPU=ON" and pip, installed into a venv
 # of its own (OUTDIR/venv; never the system python). The wheel vendors its own llama.cpp and
 # ggml 0.25 (llama_cpp/lib: libllama, libggml-base, libggml-cpu, libggml, libggml-virtgpu).
 #

@@ -2,7 +2,7 @@
 # scripts/build-llama-cpp.sh SDIST OUTDIR
 #
 # llama.cpp with ggml 0.25 from the llama-cpp-python==0.3.36 sdist (vendor/llama.cpp), built
-# once for three uses (issue 14):
+# once for three uses:
 #   * the host's ggml 0.25 (CPU): libggml-base.so, libggml-cpu.so, libggml.so in BUILD/bin,
 #     headers in ggml/include -- apir loads them through APIR_GGML_LIB_DIR / APIR_GGML_INCLUDE_DIR;
 #   * the guest: libllama.so and the tools (llama-simple, llama-completion, llama-bench,
@@ -26,7 +26,7 @@
 # Knobs: APIR_LLAMA_JOBS=N (default 2), APIR_LLAMA_TARGETS="t1 t2" (default: all below),
 #        APIR_CREF_VIRTGPU_DRM_INCLUDE=/dir, APIR_CREF_ZIGLANG_VERSION (as build-c-reference.sh).
 #
-# Vulkan variant (issue 14 item 5 on a GPU): APIR_LLAMA_VULKAN_INCLUDE=DIR (a folder holding
+# Vulkan variant (llama.cpp on a GPU host): APIR_LLAMA_VULKAN_INCLUDE=DIR (a folder holding
 # vulkan/vulkan.h, 1.3.290 or newer: build-ggml-backends.sh's <cache>/vulkan-headers/usr/include)
 # builds the same tree a second time into OUTDIR/build-vulkan with GGML_VULKAN=ON as well
 # (needs glslc and spirv-headers, as build-ggml-backends.sh): libggml-vulkan.so for the host's

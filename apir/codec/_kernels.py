@@ -1,12 +1,10 @@
 """Every Numba kernel of the codec, behind one JIT helper.
 
 Theory of operation: the hot paths (serializing a ggml_cgraph straight out of ggml's structs,
-validating a graph the guest sent, bulk copies) work on raw memory. Four tiny typed loads and
-three stores (`load_u8/u32/i32/i64`, `store_u8/u32/i64`, all alignment 1, addresses as int64;
-`load_i64_at` / `store_i64_at` read and write word k of an int64 array at an address, for loops
-LLVM may vectorize)
-and three block operations (`memmove`, `memcopy`, `memzero`) are plain Python functions over
-ctypes; inside jitted code a `numba.extending.overload` swaps each for an `intrinsic` that
+validating a graph the guest sent, bulk copies) work on raw memory. Typed loads and stores
+(`load_u8/u32/i32/i64`, `store_u8/u32/i64`, `load_i64_at` / `store_i64_at`: alignment 1,
+addresses as int64) and three block operations (`memmove`, `memcopy`, `memzero`) are plain
+Python functions over ctypes; inside jitted code a `numba.extending.overload` swaps each for an `intrinsic` that
 emits an LLVM `inttoptr` + load/store (or llvm.memmove/memcpy/memset). So every kernel here is
 also a working plain-Python function: `kernel.py_func` is its twin, and tests compare the two.
 
@@ -17,9 +15,8 @@ Rules kept throughout (docs/numba-notes.md says why):
 - kernels return error codes instead of raising, with details in a small `info` array.
 
 Nothing here checks addresses: the callers pass only memory they own (the guest its own ggml
-context; the host a private copy of the guest's bytes). A bad address crashes the process.
-The host's own kernels (graph-cache matching, rule grouping, record checks, writing host
-tensors) live in apir.host.graph.kernels and build on the primitives here.
+context; the host a private copy of the guest's bytes). The host's own kernels live in
+apir.host.graph.kernels, built on these primitives.
 """
 
 from __future__ import annotations

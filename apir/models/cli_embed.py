@@ -12,14 +12,11 @@ the sentences in padded, masked batches and writes them in the `--format` asked 
   jsonl  one JSON object per sentence: index, sentence, n_tokens, truncated, embedding;
   npy    the (n, 384) float32 matrix as a NumPy .npy file (`-o FILE`, not to a terminal).
 
-Embeddings are unit-length, so cosine = dot product. Warnings go to stderr: a sentence longer
-than the model's 256 tokens (its end is cut off), an empty sentence. Progress bars go to stderr
-when it is a terminal. jsonl is written as it is computed; Ctrl-C stops after the window of
-batches in progress (WINDOW_BATCHES) and writes the sentences done (a prefix), in any format.
-
-Exit status (apir.cli's convention): 0, 1 when the model package, the backend or the compute
-fails, 2 for bad usage, 130 Ctrl-C. `add_parser(subparsers)` registers the subcommand;
-`run(args)` returns the status; `python -m apir.models.cli_embed` runs it alone.
+Embeddings are unit-length, so cosine = dot product. Warnings (a sentence cut at the model's
+256 tokens, an empty one) and progress bars go to stderr. jsonl is written as it is computed;
+Ctrl-C stops after the batches in progress (WINDOW_BATCHES) and writes the sentences done.
+Exit status (apir.cli's convention): 0, 1 when the model, the backend or the compute fails,
+2 for bad usage, 130 Ctrl-C. `add_parser(subparsers)` registers the subcommand; `run(args)`.
 """
 
 from __future__ import annotations

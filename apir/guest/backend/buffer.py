@@ -14,9 +14,8 @@ allocation like the C:
   out with `apir.codec.copy.copy_bytes`, which checks each copy against the mapping's bounds
   (the C trusts ggml's asserts); zero-copy for the host.
 
-`clear`, `cpy_tensor` and `free_buffer` are remote calls for both kinds. `cpy_tensor` answers
-false (ggml then copies through the guest) when the source is not one of this backend's
-buffers. `memset_tensor`, NULL in the C, is filled here: a memset in the mapping, or a
+`cpy_tensor` answers false (ggml then copies through the guest) when the source is not one of
+this backend's buffers. `memset_tensor`, NULL in the C, is a memset in the mapping or a
 `buffer_set_tensor` of repeated bytes.
 """
 

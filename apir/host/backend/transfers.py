@@ -15,10 +15,8 @@ turns them into one fence per batch (docs/design.md, "Deferred uploads and batch
 - Bound: the staging is `capacity` bytes; an upload that does not fit behind the queued ones
   flushes first, one larger than the staging is synchronous. A guest cannot make it hold more.
 - `read`: the row ids a cached graph re-checks, read async into the staging, one synchronize
-  per staging-full, then copied out.
-
-Only a buffer ggml allocated, of the backend's default type, qualifies (`eligible`):
-ggml-vulkan's async copies abort the process on any other type.
+  per staging-full. Only a buffer ggml allocated, of the backend's default type, qualifies
+  (`eligible`): ggml-vulkan's async copies abort the process on any other type.
 """
 
 from __future__ import annotations
