@@ -254,3 +254,69 @@ def test_written_tensors_are_the_ones_ggml_new_tensor_made(guest, ggml, order, m
             scratch.close()
         remote.close()
         s.close()
+
+
+# --- the plain path's work under many row-id readers ------------------------------------------
+
+
+def python_lines(fn, *args):
+    """(fn(*args), the lines of Python it ran in apir's modules): work counted, not timed."""
+    import sys
+    from pathlib import Path
+
+    import apir
+
+    root = str(Path(apir.__file__).parent)
+    count = 0
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        if event == "line":
+            count += 1
+        return tracer
+
+    def calls(frame, event, arg):
+        return tracer if frame.f_code.co_filename.startswith(root) else None
+
+    sys.settrace(calls)
+    try:
+        result = fn(*args)
+    finally:
+        sys.settrace(None)
+    return result, count
+
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_plain_first_writes_with_many_readers_is_not_quadratic(ggml, overwrite):
+    """A guest's graph of many GET_ROWS nodes with their own ids tensors: the plain path's
+    search for writes over row ids grows as n log n with n (comparing every ids tensor with
+    every write grows as n squared: 16 times the lines for 4 times the readers), and finds
+    what its definition finds."""
+    g = ggml
+    get_rows, none = g.ops["GET_ROWS"], g.ops["NONE"]
+
+    def case(n):
+        ops = np.full(2 * n, none, np.int32)
+        ops[n:] = get_rows
+        src = np.full((2 * n, g.limits.max_src), -1, np.int32)
+        src[n:, 0] = 2 * n - 1  # (a table: any tensor)
+        src[n:, 1] = np.arange(n)
+        offsets = np.arange(2 * n, dtype=np.int64) * 64  # ids, then results, 64 bytes apart
+        extents = np.full(2 * n, 64, np.int64)
+        want = np.full(n, -1, np.int64)
+        if overwrite:  # every 7th node writes over the ids of the reader 3 places on
+            for p in range(0, n - 3, 7):
+                offsets[n + p], extents[n + p] = offsets[p + 3] + 8, 16
+            want[3 : n : 7][: len(range(0, n - 3, 7))] = np.arange(0, n - 3, 7)
+        recs = hg._Records([], [], np.zeros(2 * n, np.int64), offsets, extents)
+        args = (g, np.arange(n, 2 * n, dtype=np.int64), ops, src, np.zeros(2 * n, np.int64), recs)
+        return args + (np.arange(n, dtype=np.int64),), want
+
+    lines = []
+    for n in (500, 2000):
+        args, want = case(n)
+        got, count = python_lines(hg._first_writes_plain, *args)
+        assert np.array_equal(got, want)
+        lines.append(count)
+    assert lines[1] < 6 * lines[0], lines

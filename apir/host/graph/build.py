@@ -33,6 +33,7 @@ from apir.codec.copy import copy_bytes
 from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
+from apir.host.graph.overlap import first_overlap
 from apir.host.graph.rule_memo import check_nodes, rule_groups
 from apir.host.graph.shapes import OpEnums, TensorInfo
 from apir.host.graph.shapes.base import IdReads, check_span, copy_ids, extent
@@ -156,22 +157,26 @@ def _first_writes_plain(g, nodes, ops, src_index, buf, recs: _Records, q_t: np.n
     """Per tensor of `q_t`: the position in `nodes` of the first node that writes over its
     bytes (in the same memory, `buf`), -1 where none does. A node writes itself unless its op
     writes nothing, and the sources an OPT_STEP_* op updates in place; an empty range
-    overlaps one that strictly contains its offset."""
+    overlaps one that strictly contains its offset. The writes in graph order, then one sweep
+    over them for all the tensors at once (apir.host.graph.overlap: a guest's graph of many
+    readers makes comparing each with each write quadratic)."""
     empty, opt_step = _write_ops(g)
     offsets, extents = recs.offsets.tolist(), recs.extents.tolist()
-    reads = [(int(buf[t]), offsets[t], offsets[t] + extents[t]) for t in q_t.tolist()]
-    first = np.full(len(reads), -1, np.int64)
+    written: List[int] = []  # tensors written, and the position of the node writing each
+    at: List[int] = []
     for p, j in enumerate(nodes.tolist()):
         op = int(ops[j])
         if empty[op]:
             continue
-        written = [j] + ([s for s in src_index[j].tolist() if s >= 0] if opt_step[op] else [])
-        for t in written:
-            memory, lo, hi = int(buf[t]), offsets[t], offsets[t] + extents[t]
-            for k, (b, q_lo, q_hi) in enumerate(reads):
-                if first[k] < 0 and b == memory and lo < q_hi and q_lo < hi:
-                    first[k] = p
-    return first
+        for t in [j] + ([s for s in src_index[j].tolist() if s >= 0] if opt_step[op] else []):
+            written.append(t)
+            at.append(p)
+    w_lo = [offsets[t] for t in written]
+    w_hi = [offsets[t] + extents[t] for t in written]
+    q = q_t.tolist()
+    q_lo = [offsets[t] for t in q]
+    q_hi = [offsets[t] + extents[t] for t in q]
+    return first_overlap(buf[written], w_lo, w_hi, at, buf[q_t], q_lo, q_hi)
 
 
 def _first_writes(g, nodes, ops, src_index, buf, recs: _Records, q_t: np.ndarray) -> np.ndarray:
