@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 
+from apir import accel
 from apir.host.graph import kernels as K
 from apir.codec import _kernels as CK
 from apir.codec.graph import GraphError, parse_graph
@@ -292,7 +293,7 @@ def test_plain_first_writes_with_many_readers_is_not_quadratic(ggml, overwrite):
     """A guest's graph of many GET_ROWS nodes with their own ids tensors: the plain path's
     search for writes over row ids grows as n log n with n (comparing every ids tensor with
     every write grows as n squared: 16 times the lines for 4 times the readers), and finds
-    what its definition finds."""
+    what its definition finds, as the kernels do."""
     g = ggml
     get_rows, none = g.ops["GET_ROWS"], g.ops["NONE"]
 
@@ -318,5 +319,35 @@ def test_plain_first_writes_with_many_readers_is_not_quadratic(ggml, overwrite):
         args, want = case(n)
         got, count = python_lines(hg._first_writes_plain, *args)
         assert np.array_equal(got, want)
+        if accel.enabled():  # (the kernels' answer on the same graph)
+            assert np.array_equal(hg._first_writes(*args), want)
         lines.append(count)
     assert lines[1] < 6 * lines[0], lines
+
+
+@pytest.mark.skipif(not accel.enabled(), reason="the host's kernels are off (APIR_ACCEL=0 or no Numba)")
+@pytest.mark.parametrize("direct_pairs", [0, 1 << 30], ids=["sweep", "pairs"])
+def test_plain_first_writes_match_the_kernels(ggml, direct_pairs, monkeypatch):
+    """_first_writes_plain and _first_writes on the same random graphs: nodes of ops that
+    write (ADD, GET_ROWS), that write nothing (VIEW, RESHAPE) and that update their sources
+    in place (OPT_STEP_*), sources anywhere, tensors in three memories at short offsets,
+    empty ranges among them."""
+    g = ggml
+    monkeypatch.setattr(hg, "_DIRECT_PAIRS", direct_pairs)
+    steps = [o for o in ("OPT_STEP_ADAMW", "OPT_STEP_SGD") if o in g.ops]
+    names = ["ADD", "GET_ROWS", "VIEW", "RESHAPE", "NONE"] + steps
+    op_set = np.array([g.ops[o] for o in names], np.int32)
+    rng = np.random.default_rng(41)
+    for trial in range(300):
+        n = int(rng.integers(1, 60))
+        ops = rng.choice(op_set, n).astype(np.int32)
+        src = rng.integers(-1, n, (n, g.limits.max_src)).astype(np.int32)
+        src[rng.random((n, g.limits.max_src)) < 0.6] = -1
+        nodes = rng.permutation(n)[: int(rng.integers(0, n + 1))].astype(np.int64)
+        offsets = rng.integers(0, 64, n).astype(np.int64)
+        extents = (rng.integers(0, 12, n) * (rng.random(n) < 0.85)).astype(np.int64)
+        recs = hg._Records([], [], np.zeros(n, np.int64), offsets, extents)
+        buf = rng.integers(0, 3, n).astype(np.int64)
+        q_t = np.sort(rng.permutation(n)[: int(rng.integers(1, n + 1))]).astype(np.int64)
+        args = (g, nodes, ops, src, buf, recs, q_t)
+        assert np.array_equal(hg._first_writes_plain(*args), hg._first_writes(*args)), trial
