@@ -1,6 +1,6 @@
 """The first write over each range of row ids, in plain Python: a sort and a sweep.
 
-`first_overlap(writes, queries)`: per query range, the least position of a write whose bytes
+`first_overlap`: per query range of bytes, the least position of a write whose bytes
 overlap it in the same memory, -1 where none does. Comparing every query with every write is
 quadratic, and a guest chooses both counts (a graph of many GET_ROWS nodes, each with its own
 ids tensor), so per memory the writes enter in order of their start while it is below the
