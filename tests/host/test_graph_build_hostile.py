@@ -260,7 +260,7 @@ def test_written_tensors_are_the_ones_ggml_new_tensor_made(guest, ggml, order, m
 # --- the plain path's work under many row-id readers ------------------------------------------
 
 
-def python_lines(fn, *args):
+def _python_lines(fn, *args):
     """(fn(*args), the lines of Python it ran in apir's modules): work counted, not timed."""
     import sys
     from pathlib import Path
@@ -279,13 +279,13 @@ def python_lines(fn, *args):
     def calls(frame, event, arg):
         return tracer if frame.f_code.co_filename.startswith(root) else None
 
+    previous = sys.gettrace()  # (a debugger's or coverage's, put back after)
     sys.settrace(calls)
     try:
         result = fn(*args)
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     return result, count
-
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
@@ -317,7 +317,7 @@ def test_plain_first_writes_with_many_readers_is_not_quadratic(ggml, overwrite):
     lines = []
     for n in (500, 2000):
         args, want = case(n)
-        got, count = python_lines(hg._first_writes_plain, *args)
+        got, count = _python_lines(hg._first_writes_plain, *args)
         assert np.array_equal(got, want)
         if accel.enabled():  # (the kernels' answer on the same graph)
             assert np.array_equal(hg._first_writes(*args), want)
