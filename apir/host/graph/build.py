@@ -12,12 +12,11 @@ what rules ask of the whole graph (`_check_graph_needs`). Only then are the host
 nodes added in the guest's order, in the scratch's `ggml_context`.
 
 Two paths, one answer (apir.accel): the plain one checks each record on its own
-(`_check_records_one_by_one`), makes each host tensor with ggml_new_tensor_1d and walks the
-nodes for writes over row ids (`_first_writes_plain`). The accelerated one runs these steps in
+(`_check_records_one_by_one`), makes each host tensor with ggml_new_tensor_1d and sweeps the
+nodes' writes for writes over row ids (`_first_writes_plain`). The accelerated one runs these steps in
 Numba kernels on whole arrays (apir.host.graph.kernels: a large graph has 10,000 tensors) and
-leaves every refusal to the per-record checks, which it runs on any doubt.
-
-Errors: `Refused` (with the tensor or node index) for anything the checks reject.
+leaves every refusal to the per-record checks, which it runs on any doubt. Errors: `Refused`
+(with the tensor or node index) for anything the checks reject.
 """
 
 from __future__ import annotations
