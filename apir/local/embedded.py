@@ -24,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple, cast
 
 import numpy as np
 
@@ -39,7 +39,7 @@ from apir.guest.device import Blob
 from apir.guest.errors import DeviceError, IoctlError
 from apir.local.spin_policy import spinning_pays
 from apir.host.component.context import may_run_long
-from apir.host.component.seams import BoundedInTime, ContextFactory, DeferredNotification
+from apir.host.component.seams import BoundedInTime, ContextFactory, DeferredNotification, conforms
 from apir.host.local.kernel import KernelContext, KernelError, default_context_factory
 
 __all__ = ["EmbeddedDevice"]
@@ -70,7 +70,7 @@ def _deferred_notification(kernel: KernelContext) -> Optional[Tuple[Word, int]]:
     served (`HostContext.take_notification`), or None (none deferred, or a context factory's
     context without deferral)."""
     ctx = kernel.ctx
-    return ctx.take_notification() if isinstance(ctx, DeferredNotification) else None
+    return cast(DeferredNotification, ctx).take_notification() if conforms(ctx, DeferredNotification) else None
 
 
 class EmbeddedDevice:
@@ -286,7 +286,7 @@ class EmbeddedDevice:
         if may_run_long(command, self.kernel.capset_id):
             return False
         ctx = self.kernel.ctx
-        if isinstance(ctx, BoundedInTime) and not ctx.commands_bounded_in_time:
+        if conforms(ctx, BoundedInTime) and not cast(BoundedInTime, ctx).commands_bounded_in_time:
             return False  # a GPU's or ggml-rpc's copies may never end: the guest's wait has a limit
         if self._closed:  # (before the lock: a closing device may have given up on it)
             raise DeviceError("embedded: device is closed")

@@ -5,7 +5,7 @@ apir.host.vhost_user) makes one context per guest context through a `ContextFact
 drives it through `ApirContext`: blobs in (`add_resource`), EXECBUFFER payloads through
 `submit`, `close` at the end. `apir.host.component.context.HostContext` is the context; a
 test's stand-in may implement only `ApirContext`. The optional parts, each a protocol a
-transport checks with isinstance before it uses them: `Cancellable` (stop a compute in flight
+transport checks (isinstance; `conforms` on a hot path) before it uses them: `Cancellable` (stop a compute in flight
 when the guest is gone), `BufferCounting` (ggml buffers held, for the server's counts),
 `BoundedInTime` (whether bounded commands also end in bounded time on this backend) and
 `DeferredNotification` (the embedded device stores the reply notification itself).
@@ -17,7 +17,7 @@ without importing what they describe.
 from __future__ import annotations
 
 import mmap
-from typing import Callable, Optional, Protocol, Tuple, Union, runtime_checkable
+from typing import Any, Callable, Dict, Optional, Protocol, Tuple, Union, runtime_checkable
 
 from apir.codec.atomics import Word
 
@@ -28,6 +28,7 @@ __all__ = [
     "Cancellable",
     "ContextFactory",
     "DeferredNotification",
+    "conforms",
 ]
 
 
@@ -80,3 +81,19 @@ class DeferredNotification(Protocol):
 
 # (ctx_id, capset_id, config) -> a new context; config: the host's keys (apir.host.config)
 ContextFactory = Callable[[int, int, Optional[dict]], ApirContext]
+
+
+_CONFORMS: Dict[Tuple[type, Any], bool] = {}
+
+
+def conforms(ctx: object, protocol: Any) -> bool:
+    """`isinstance(ctx, protocol)` for the protocols above, answered once per class of
+    context: a protocol's isinstance walks its members on every call (tens of microseconds,
+    more than a small command costs), and the embedded device asks on every command. A class
+    conforms or not as a whole: its instances set the same attributes. (Where mypy must see the
+    narrowed type, the caller casts.)"""
+    key = (type(ctx), protocol)
+    answer = _CONFORMS.get(key)
+    if answer is None:
+        answer = _CONFORMS[key] = isinstance(ctx, protocol)
+    return answer
