@@ -9,6 +9,7 @@ an enum or a family of #defines, so logs and exceptions can print the C name.
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from typing import Tuple
 
@@ -53,7 +54,13 @@ def negotiated_version(guest: Tuple[int, int], host: Tuple[int, int]) -> Tuple[i
     built for (the C guest of ggml 0.10 reads 4 device_get_props booleans, of 0.20 five) and a
     host that knows the guest's version answers in it; an older host writes its own, shorter
     layout. A guest version the host does not know is answered in the host's version."""
-    guest_v, host_v = (int(guest[0]), int(guest[1])), (int(host[0]), int(host[1]))  # lists too
+    return _negotiated(tuple(guest), tuple(host))  # (lists too)
+
+
+@functools.lru_cache(maxsize=64)
+def _negotiated(guest: Tuple[int, ...], host: Tuple[int, ...]) -> Tuple[int, int]:
+    # (once per pair of versions: both sides ask on every Forward)
+    guest_v, host_v = (int(guest[0]), int(guest[1])), (int(host[0]), int(host[1]))
     if guest_v not in APIR_PROTOCOL_VERSIONS:
         return host_v
     return min(guest_v, host_v)
