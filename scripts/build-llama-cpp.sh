@@ -10,7 +10,7 @@
 #   * the local reference: the same binaries without the shim -- ggml-virtgpu then finds no
 #     DRM device and llama.cpp runs on ggml CPU, same build, same kernels.
 # Also builds libggml-virtgpu-backend.so (the C host library) for comparison runs.
-# Writes OUTDIR/build/paths.env naming everything. tests/llama_build.py downloads the sdist
+# Writes OUTDIR/build/paths.env naming everything. tests/llama/build.py downloads the sdist
 # (pip download --no-binary :all:, PyPI only) and calls this with OUTDIR =
 # <cache>/llama-cpp/0.3.36 under a file lock.
 #

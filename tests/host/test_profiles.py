@@ -3,7 +3,7 @@ no graph; a profile whose kernels do not read host memory (Vulkan's, RPC's) read
 through the backend, refuses them in guest memory and asks the device about every node.
 
 The non-host-addressable paths run here on ggml CPU with such a profile substituted, so they
-are tested without a GPU; tests/system/test_vulkan.py runs them on ggml Vulkan itself."""
+are tested without a GPU; tests/backends/test_vulkan.py runs them on ggml Vulkan itself."""
 
 import dataclasses
 import mmap

@@ -1,6 +1,6 @@
 // llama_tokens: greedy generation with llama.cpp's public API (llama.h), printing the token ids
 // and writing the prompt's logits, so two runs (through apir's host, and on local ggml CPU)
-// can be compared token for token and logit for logit. Built by tests/llama/programs.py
+// can be compared token for token and logit for logit. Built by tests/llama/runner.py
 // against the unmodified libllama of scripts/build-llama-cpp.sh. Same steps as llama.cpp's
 // examples/simple/simple.cpp (tokenize, one prompt batch, greedy sampler, one token per decode),
 // plus logits for every prompt position.
