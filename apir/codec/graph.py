@@ -213,11 +213,11 @@ def parse_graph(
     the graph does. `op_count` is GGML_OP_COUNT; `type_valid` a bool array indexed by type,
     False for removed types (`apir.ggml.lib.Ggml.valid_types`). Raises GraphError naming the
     first problem found."""
+    if _kernel is None and not accel.enabled():
+        return parse_graph_plain(buf, start, end, limits=limits, op_count=op_count, type_valid=type_valid)
     window = graph_window(buf, start, end, limits)
     try:
-        if _kernel is not None or accel.enabled():
-            return _accelerated().parse_graph(window, limits, op_count, type_valid, _kernel)
-        return _parse_window(window, limits, op_count, type_valid)
+        return _accelerated().parse_graph(window, limits, op_count, type_valid, _kernel)
     finally:
         del window  # a kept traceback must not pin the guest's buffer (an mmap could not close)
 
