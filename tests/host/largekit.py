@@ -18,7 +18,6 @@ from apir.host import HostContext
 from apir.host.graph import build as hg
 from apir.host.config import CONFIG_KEY_N_THREADS
 from apir.host.tensors import Scratch
-from tests.host.hostilekit import host_tensors
 from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph, cpu_compute
 
 __all__ = [
@@ -155,7 +154,7 @@ def build_outcome(lib, parsed):
     """("built", host tensors) or (error type name, message) of build_graph_parts."""
     with graph_scratch(lib, parsed) as scratch:
         try:
-            built = hg.build_graph_parts(lib, parsed, scratch, hg.lib_op_enums(lib))
+            built = hg.build_graph_parts(lib, parsed, scratch, lib.op_enums)
         except Exception as exc:  # noqa: BLE001 - compared across builds
             return type(exc).__name__, str(exc)
         return "built", block_tensors(lib, built)

@@ -286,7 +286,7 @@ def rule_check(guest, r, recs, t=None) -> Optional[Refused]:
     device_supports_op sees them, without data (row ids are not read) and without the
     graph-level checks (extents, spans) that would refuse first through the host. For rules
     whose bound needs a tensor larger than a test can allocate."""
-    from apir.host.graph.build import lib_op_enums, tensor_info
+    from apir.host.graph.build import tensor_info
     from apir.host.graph.shapes import check_node
 
     lib = guest.ctx._library
@@ -297,7 +297,7 @@ def rule_check(guest, r, recs, t=None) -> Optional[Refused]:
     while src and not src[-1]:
         src.pop()
     try:
-        check_node(info[node], [info[ids[v]] if v else None for v in src], lib_op_enums(lib))
+        check_node(info[node], [info[ids[v]] if v else None for v in src], lib.op_enums)
     except Refused as exc:
         return exc
     return None

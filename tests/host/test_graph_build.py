@@ -245,7 +245,7 @@ def test_host_tensors_equal_the_one_by_one_twins(setup, monkeypatch, bulk):
     with Scratch(lib.g, n, n) as ref, Scratch(lib.g, n, n) as new:
         ref_host = _reference_twins(lib, parsed, ref)
         expect = _as_indices(lib, ref_host)
-        graph = hg.build_graph_parts(lib, parsed, new, hg.lib_op_enums(lib)).graph
+        graph = hg.build_graph_parts(lib, parsed, new, lib.op_enums).graph
         nodes = [int(lib.g.ggml_graph_node(graph, k)) for k in range(lib.g.ggml_graph_n_nodes(graph))]
         host = [0] * n
         for k, j in enumerate(parsed.node_index.tolist()):
@@ -386,7 +386,7 @@ def chain(guest, ggml):
 def _made(lib, parsed):
     """The host tensors build_graph_parts makes of `parsed` (hostilekit.host_tensors)."""
     with Scratch(lib.g, len(parsed.tensors), max(len(parsed.node_index), 1)) as scratch:
-        built = hg.build_graph_parts(lib, parsed, scratch, hg.lib_op_enums(lib))
+        built = hg.build_graph_parts(lib, parsed, scratch, lib.op_enums)
         return host_tensors(lib.checker.tensor_dtype, built.host)
 
 
@@ -412,7 +412,7 @@ def test_an_error_of_a_build_step_is_raised_to_the_caller(chain, where, monkeypa
     parsed = _parse(lib, wire)
     with Scratch(lib.g, len(parsed.tensors), len(parsed.node_index)) as scratch:
         with pytest.raises(MemoryError, match=where):
-            hg.build_graph_parts(lib, parsed, scratch, hg.lib_op_enums(lib))
+            hg.build_graph_parts(lib, parsed, scratch, lib.op_enums)
     monkeypatch.undo()
     assert len(_made(lib, _parse(lib, wire))) == 2101  # the next build is whole
 
@@ -426,4 +426,4 @@ def test_a_record_is_refused_before_any_node(chain, host_path):
     parsed.tensors["ne"][len(parsed.tensors) - 1, 0] = 7  # and a node refused by its rule
     with Scratch(lib.g, len(parsed.tensors), len(parsed.node_index)) as scratch:
         with pytest.raises(Refused, match="graph tensor 5"):
-            hg.build_graph_parts(lib, parsed, scratch, hg.lib_op_enums(lib))
+            hg.build_graph_parts(lib, parsed, scratch, lib.op_enums)

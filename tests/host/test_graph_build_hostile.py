@@ -238,7 +238,7 @@ def test_written_tensors_are_the_ones_ggml_new_tensor_made(guest, ggml, order, m
                 monkeypatch.setattr(hg, "_kernel_layout", lambda *a: None)
             p = _parse(lib, wire)
             scratch = Scratch(g, len(p.tensors), len(p.node_index))
-            built = hg.build_graph_parts(lib, p, scratch, hg.lib_op_enums(lib))
+            built = hg.build_graph_parts(lib, p, scratch, lib.op_enums)
             index = {int(h): i for i, h in enumerate(built.host)}
             structs = []
             for h in built.host.tolist():

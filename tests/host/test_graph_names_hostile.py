@@ -392,7 +392,7 @@ def test_host_tensor_names_are_what_ggml_set_name_stores(session, ggml, monkeypa
         parsed = parse_graph(session.wire_with(r), limits=lib.g.limits, op_count=lib.g.op_count,
                              type_valid=lib.checker.valid_types)
         with hg.graph_scratch(lib, parsed) as scratch:
-            built = hg.build_graph_parts(lib, parsed, scratch, hg.lib_op_enums(lib))
+            built = hg.build_graph_parts(lib, parsed, scratch, lib.op_enums)
             got = [tensor_record(int(a), dtype)["name"].tobytes() for a in built.host]
             rest = []
             for a in built.host:

@@ -15,7 +15,6 @@ from apir.codec.graph import parse_graph
 from apir.host.graph import build as hg
 from apir.host.graph import rule_memo
 from apir.host.errors import Refused
-from apir.host.graph.build import lib_op_enums
 from apir.host.graph.rule_memo import Impure, Sealed, rule_groups
 from apir.host.graph.shapes import TensorInfo
 from apir.host.tensors import Scratch
@@ -75,7 +74,7 @@ def _build(lib, parsed, grouped: bool, monkeypatch):
         monkeypatch.setattr(hg, "rule_groups", lambda p: np.arange(len(p.tensors), dtype=np.int32))
     with Scratch(lib.g, len(parsed.tensors), max(len(parsed.node_index), 1)) as scratch:
         try:
-            built = hg.build_graph_parts(lib, parsed, scratch, lib_op_enums(lib))
+            built = hg.build_graph_parts(lib, parsed, scratch, lib.op_enums)
         except Refused as exc:
             return str(exc), None
         state = [

@@ -54,7 +54,7 @@ def parsed():
 
 def build(scratch, p):
     try:
-        hg.build_graph_parts(lib, p, scratch, hg.lib_op_enums(lib))
+        hg.build_graph_parts(lib, p, scratch, lib.op_enums)
         print("built", flush=True)
     except MemoryError as exc:
         print("MemoryError", exc, flush=True)
@@ -168,7 +168,7 @@ def _build(lib, parsed, grouped, monkeypatch):
     n = len(parsed.tensors)
     with Scratch(lib.g, n, max(len(parsed.node_index), 1)) as scratch:
         try:
-            built = hg.build_graph_parts(lib, parsed, scratch, hg.lib_op_enums(lib))
+            built = hg.build_graph_parts(lib, parsed, scratch, lib.op_enums)
         except Refused as exc:
             return (str(exc), exc.node, exc.rule), None, None, None
         made = {info.index: info for info in built.infos.made()}
@@ -409,7 +409,6 @@ def test_hash_tables_keep_guest_words_apart_whatever_the_key():
     import itertools
 
     from apir.host.graph import kernels as K
-    from apir.codec import _kernels as CK
     from apir.codec.records import rpc_tensor_dtype
     from apir.host.graph import rule_memo
 
@@ -444,7 +443,6 @@ def test_rule_group_hash_keeps_swapped_words_and_halves_apart():
     import itertools
 
     from apir.host.graph import kernels as K
-    from apir.codec import _kernels as CK
     from apir.codec.records import rpc_tensor_dtype
     from apir.host.graph import rule_memo
 
@@ -571,7 +569,7 @@ def test_graph_needs_decide_as_comparing_every_pair(layers, direct_pairs, monkey
             recs = hg._check_records(lib, parsed) or hg._check_records_one_by_one(lib, parsed)
             infos = hg.TensorInfos(lib, parsed, recs, fetch=False)
             hg._check_spans(lib, parsed, infos, recs)
-            check_nodes(infos, parsed.src_index, hg.lib_op_enums(lib), None, hg.rule_groups(parsed))
+            check_nodes(infos, parsed.src_index, lib.op_enums, None, hg.rule_groups(parsed))
         except Refused:
             continue
         made = infos.made()
@@ -620,7 +618,7 @@ def test_row_id_copies_of_a_graph_stay_within_its_buffers(guest, ggml):
             parsed = _parse(lib, remote.wire)
             with Scratch(ggml, len(parsed.tensors), len(parsed.node_index)) as scratch:
                 try:
-                    built = hg.build_graph_parts(lib, parsed, scratch, hg.lib_op_enums(lib))
+                    built = hg.build_graph_parts(lib, parsed, scratch, lib.op_enums)
                 except Refused as exc:
                     assert refused, exc
                     assert "row ids" in str(exc) and exc.op == "SET_ROWS"
@@ -667,7 +665,7 @@ def test_row_ids_many_nodes_read_are_read_once(guest, ggml, monkeypatch):
             reads.clear()
             with Scratch(ggml, len(parsed.tensors), len(parsed.node_index)) as scratch:
                 try:
-                    built = hg.build_graph_parts(lib, parsed, scratch, hg.lib_op_enums(lib))
+                    built = hg.build_graph_parts(lib, parsed, scratch, lib.op_enums)
                 except Refused as exc:
                     assert refused_by is not None and exc.op == "SET_ROWS", exc
                     assert int(parsed.tensors["ne"][exc.node][1]) in refused_by  # (a view of its rows)

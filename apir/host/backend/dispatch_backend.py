@@ -28,7 +28,7 @@ from apir.codec.wire import Decoder, Encoder
 from apir.host.backend.forward import args, reply
 from apir.host.backend.seams import HandlerLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused, log
-from apir.host.graph.build import BuiltGraph, build_graph_parts, graph_scratch, lib_op_enums
+from apir.host.graph.build import BuiltGraph, build_graph_parts, graph_scratch
 from apir.host.graph.cache import GraphCache, GraphCacheEntry, GraphWire, graph_key, graph_wire, link_key
 from apir.host.graph.seams import profile_of
 from apir.host.tensors import Scratch
@@ -85,7 +85,7 @@ def prepare_graph(
     graph's key, so no key is made or looked up, and the entry keeps the counts and index
     arrays alone (`link_key`: what `take_same` reads). Raises Refused; the caller owns the
     entry (put it back or close it)."""
-    enums = lib_op_enums(lib)
+    enums = lib.op_enums
     if cache is not None and wire is not None and wire.compares:
         key = link_key(parsed)
         cache.misses += 1  # (take_same found none: the miss `take` would have counted)
@@ -109,7 +109,7 @@ def _same_graph_again(lib: HandlerLibrary, cache: Optional[GraphCache], memory, 
     or under other ids (`GraphCache.take_same`: no parse, no key), after its row ids' re-check; None when
     there is none (or the re-check asks for a rebuild). Raises Refused as the re-check does."""
     entry = cache.take_same(memory, size, lib) if cache is not None else None
-    return _rechecked(lib, entry, lib_op_enums(lib)) if entry is not None else None
+    return _rechecked(lib, entry, lib.op_enums) if entry is not None else None
 
 
 def _rechecked(lib: HandlerLibrary, entry: Optional[GraphCacheEntry], enums) -> Optional[GraphCacheEntry]:

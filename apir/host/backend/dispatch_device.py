@@ -31,7 +31,7 @@ from apir.ggml.layout import tensor_record
 from apir.host.backend.forward import args, reply
 from apir.host.backend.seams import HandlerLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused, log
-from apir.host.graph.build import lib_op_enums, tensor_info
+from apir.host.graph.build import tensor_info
 from apir.host.graph.shapes import Rule, node_refusal
 from apir.host.tensors import Scratch, inline_twin
 
@@ -172,7 +172,7 @@ def _rule_accepts(lib: HandlerLibrary, t: int, rules: Optional[Mapping[str, Rule
         if not p:
             break
         srcs.append(tensor_info(lib, i + 1, tensor_record(p, dtype), None))
-    why = node_refusal(tensor_info(lib, 0, rec, None), srcs, lib_op_enums(lib), rules)
+    why = node_refusal(tensor_info(lib, 0, rec, None), srcs, lib.op_enums, rules)
     if why is not None:
         log.debug("ctx %d: device_supports_op: false, %s", lib.host.ctx_id, why)
     return why is None

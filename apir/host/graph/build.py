@@ -57,7 +57,6 @@ __all__ = [
     "build_graph_parts",
     "BuiltGraph",
     "tensor_info",
-    "lib_op_enums",
     "point_at_device_copies",
     "fetch_row_ids",
 ]
@@ -87,11 +86,6 @@ def _tensor_info(lib: GraphLibrary, index: int, type_, op, ne, nb, op_params, ad
         blck_size=chk.blck_size[type_],
         address=address,
     )
-
-
-def lib_op_enums(lib: GraphLibrary) -> OpEnums:
-    """`op_enums` of the library's ggml (the library computes them once)."""
-    return lib.op_enums
 
 
 _EMPTY_OPS = EMPTY_OPS  # ops whose nodes write nothing (ggml_op_is_empty)
@@ -558,7 +552,7 @@ def build_graph_parts(lib: GraphLibrary, parsed, scratch: Scratch, enums: OpEnum
             tensor_record(int(host_at[info.index]), lib.checker.tensor_dtype)["data"] = ctypes.addressof(snapshot)
             scratch.pinned.append(snapshot)
     else:
-        point_at_device_copies(lib, scratch, [(info, int(host_at[info.index])) for info in readers])
+        point_at_device_copies(lib, [(info, int(host_at[info.index])) for info in readers])
     if profile.device_checks_nodes:
         _check_device_supports(lib, parsed, host_at.tolist())
     return BuiltGraph(graph, host_at, infos, parsed.src_index, dict(zip(recs.handles, recs.found)))
@@ -634,7 +628,7 @@ def fetch_row_ids(lib: GraphLibrary, infos: List[TensorInfo]) -> List[ctypes.Arr
     return out
 
 
-def point_at_device_copies(lib: GraphLibrary, scratch: Scratch, snaps) -> None:
+def point_at_device_copies(lib: GraphLibrary, snaps) -> None:
     """Where kernels read device memory: the checked row ids (`snaps`: (TensorInfo with a
     snapshot, host tensor)) copied, in one transfer, into a buffer of the device's own type
     (the context's `ids_buffer`, kept between graphs), and each host tensor pointed at its copy (its view_src cleared:

@@ -511,7 +511,7 @@ class GraphCacheEntry:
             info = _unread_copy(self.infos[i])
             info.snapshot = snap
             fresh.append((info, int(self.host[i])))
-        point_at_device_copies(lib, self.scratch, fresh)
+        point_at_device_copies(lib, fresh)
         for i, snap in snaps.items():
             self.infos[i].snapshot = snap
         return True
