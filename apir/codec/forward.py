@@ -41,6 +41,7 @@ __all__ = [
     "Kind",
     "Field",
     "Function",
+    "Layout",
     "FORWARD",
     "InlineTensor",
     "TensorLayouts",
@@ -75,41 +76,190 @@ class Field:
     since: Version = APIR_PROTOCOL_0_1  # the first APIR version that carries it
 
 
+I32, U32, U8, BOOL, SIZE = Kind.I32, Kind.U32, Kind.U8, Kind.BOOL, Kind.SIZE
+UINTPTR, HANDLE, RES_ID, STRING = Kind.UINTPTR, Kind.HANDLE, Kind.RES_ID, Kind.STRING
+RPC_TENSOR, INLINE_TENSOR = Kind.RPC_TENSOR, Kind.INLINE_TENSOR
+
+
+@dataclass(frozen=True)
+class InlineTensor:
+    """An inline ggml_tensor as it travels (`apir_encode_ggml_tensor_inline`): the sender's
+    struct; its buffer's host handle, sent only when the struct's `buffer` is set; the
+    view_src struct when `view_src` is set; one struct per `src[i]` up to the first null.
+    Pointers inside the structs are the sender's: they only say which parts follow."""
+
+    tensor: bytes
+    buffer: Optional[int] = None
+    view_src: Optional[bytes] = None
+    srcs: Tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class TensorLayouts:
+    """The two structs that travel whole, as the ggml build both sides run lays them out."""
+
+    rpc_tensor: np.dtype
+    ggml_tensor: np.dtype
+
+    @classmethod
+    def of(cls, limits: GgmlLimits) -> "TensorLayouts":
+        return cls(rpc_tensor_dtype(limits), ggml_tensor_dtype(limits))
+
+
+class MalformedMessage(ApirError, ValueError):
+    """A command's arguments or a reply that end before their last field, or a reply string
+    whose size is 0 or too large."""
+
+
+def _write_inline(enc: Encoder, value: InlineTensor) -> None:
+    enc.blob(value.tensor)
+    if value.buffer is not None:
+        enc.u64(value.buffer)
+    if value.view_src is not None:
+        enc.blob(value.view_src)
+    for src in value.srcs:
+        enc.blob(src)
+
+
+def _read_rpc_tensor(dec: Decoder, layouts: TensorLayouts) -> Optional[memoryview]:
+    return dec.inplace(layouts.rpc_tensor.itemsize)  # a view: read it before the buffer changes
+
+
+def _read_inline(dec: Decoder, layouts: TensorLayouts) -> Optional[InlineTensor]:
+    """The parts the struct's pointers announce; None when the message ends first."""
+    size = layouts.ggml_tensor.itemsize
+    head = dec.inplace(size)
+    if head is None:
+        return None
+    tensor = bytes(head)
+    rec = np.frombuffer(tensor, dtype=layouts.ggml_tensor, count=1)[0]
+    buffer = dec.u64() if int(rec["buffer"]) else None
+    view_src = dec.inplace(size) if int(rec["view_src"]) else None
+    srcs = []
+    for pointer in rec["src"]:
+        if not int(pointer):
+            break
+        src = dec.inplace(size)
+        if src is None:
+            return None
+        srcs.append(bytes(src))
+    if dec.fatal:
+        return None
+    return InlineTensor(tensor, buffer, bytes(view_src) if view_src is not None else None, tuple(srcs))
+
+
+# How each kind is written and read: Encoder and Decoder methods for the kinds that are one
+# value; the tensor readers also take the TensorLayouts of the ggml build.
+_WRITE: Dict[Kind, Callable[[Encoder, Any], None]] = {
+    I32: Encoder.i32,
+    U32: Encoder.u32,
+    RES_ID: Encoder.u32,
+    U8: Encoder.u8,
+    BOOL: Encoder.bool,
+    SIZE: Encoder.u64,
+    UINTPTR: Encoder.u64,
+    HANDLE: Encoder.u64,
+    STRING: Encoder.string,
+    RPC_TENSOR: Encoder.blob,
+    INLINE_TENSOR: _write_inline,
+}
+_READ: Dict[Kind, Callable[[Decoder], Any]] = {
+    I32: Decoder.i32,
+    U32: Decoder.u32,
+    RES_ID: Decoder.u32,
+    U8: Decoder.u8,
+    BOOL: Decoder.bool,
+    SIZE: Decoder.u64,
+    UINTPTR: Decoder.u64,
+    HANDLE: Decoder.u64,
+    STRING: Decoder.string,
+}
+_READ_TENSOR: Dict[Kind, Callable[[Decoder, TensorLayouts], Any]] = {
+    RPC_TENSOR: _read_rpc_tensor,
+    INLINE_TENSOR: _read_inline,
+}
+
+
+class Layout:
+    """One function's arguments or its reply in one APIR version: the fields in wire order,
+    with the Encoder/Decoder step of each looked up once, when the table is made."""
+
+    __slots__ = ("function", "fields", "_what", "_ends", "_writes", "_reads")
+
+    def __init__(self, function: str, fields: Tuple[Field, ...], what: str, ends: str):
+        self.function = function
+        self.fields = fields
+        self._what = what  # "arguments", "reply values": for a wrong count
+        self._ends = ends  # "arguments end", "reply ends": for a short message
+        self._writes = tuple(_WRITE[f.kind] for f in fields)
+        # (field, reader, whether the reader takes the TensorLayouts)
+        self._reads: Tuple[Tuple[Field, Callable[..., Any], bool], ...] = tuple(
+            (f, _READ_TENSOR[f.kind], True) if f.kind in _READ_TENSOR else (f, _READ[f.kind], False) for f in fields
+        )
+
+    def encode(self, enc: Encoder, values: Sequence[Any]) -> None:
+        """Appends `values`, one per field, in order."""
+        if len(values) != len(self._writes):
+            names = ", ".join(f.name for f in self.fields) or "none"
+            raise TypeError(
+                f"{self.function}: {len(values)} {self._what} given, the table has {len(self.fields)} ({names})"
+            )
+        for write, value in zip(self._writes, values):
+            write(enc, value)
+
+    def decode(self, dec: Decoder, layouts: Optional[TensorLayouts] = None) -> Tuple[Any, ...]:
+        """One value per field: ints, bools, str, a memoryview over an rpc_tensor's bytes, an
+        InlineTensor. Raises MalformedMessage naming the first field that did not fit."""
+        values = []
+        for field, read, takes_layouts in self._reads:
+            if not takes_layouts:
+                values.append(read(dec))
+            elif layouts is None:
+                raise TypeError("decoding a tensor needs the TensorLayouts of the ggml build")
+            else:
+                values.append(read(dec, layouts))
+            if dec.fatal:
+                raise MalformedMessage(f"{self.function}: {self._ends} before {field.name!r}")
+        return tuple(values)
+
+
 @dataclass(frozen=True)
 class Function:
     id: F
     args: Tuple[Field, ...] = ()
     reply: Tuple[Field, ...] = ()
-    # (args, reply) in each known version, worked out once: every call looks them up
-    _known: Dict[Version, Tuple[Tuple[Field, ...], Tuple[Field, ...]]] = dataclasses.field(
-        init=False, repr=False, compare=False
-    )
+    # (args, reply) Layouts in each known version, worked out once: every call looks them up
+    _known: Dict[Version, Tuple[Layout, Layout]] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        known = {v: (_in_version(self.args, v), _in_version(self.reply, v)) for v in APIR_PROTOCOL_VERSIONS}
-        object.__setattr__(self, "_known", known)
+        object.__setattr__(self, "_known", {v: self._layouts(v) for v in APIR_PROTOCOL_VERSIONS})
 
     @property
     def name(self) -> str:
         """The C's name, e.g. "buffer_get_tensor"."""
         return self.id.c_name
 
-    def args_in(self, version: Version) -> Tuple[Field, ...]:
+    def layouts(self, version: Version) -> Tuple[Layout, Layout]:
+        """(arguments, reply) of this function in APIR `version`."""
         known = self._known.get(version)
-        return known[0] if known is not None else _in_version(self.args, version)
+        return known if known is not None else self._layouts(version)
+
+    def args_in(self, version: Version) -> Tuple[Field, ...]:
+        return self.layouts(version)[0].fields
 
     def reply_in(self, version: Version) -> Tuple[Field, ...]:
-        known = self._known.get(version)
-        return known[1] if known is not None else _in_version(self.reply, version)
+        return self.layouts(version)[1].fields
+
+    def _layouts(self, version: Version) -> Tuple[Layout, Layout]:
+        return (
+            Layout(self.name, _in_version(self.args, version), "arguments", "arguments end"),
+            Layout(self.name, _in_version(self.reply, version), "reply values", "reply ends"),
+        )
 
 
 def _in_version(fields: Tuple[Field, ...], version: Version) -> Tuple[Field, ...]:
     return tuple(f for f in fields if f.since <= tuple(version))
 
-
-I32, U32, U8, BOOL, SIZE = Kind.I32, Kind.U32, Kind.U8, Kind.BOOL, Kind.SIZE
-UINTPTR, HANDLE, RES_ID, STRING = Kind.UINTPTR, Kind.HANDLE, Kind.RES_ID, Kind.STRING
-RPC_TENSOR, INLINE_TENSOR = Kind.RPC_TENSOR, Kind.INLINE_TENSOR
 
 _TRANSFER = (
     Field("buffer", HANDLE),
@@ -182,151 +332,24 @@ _TABLE = (
 FORWARD: Dict[int, Function] = {int(f.id): f for f in _TABLE}
 
 
-@dataclass(frozen=True)
-class InlineTensor:
-    """An inline ggml_tensor as it travels (`apir_encode_ggml_tensor_inline`): the sender's
-    struct; its buffer's host handle, sent only when the struct's `buffer` is set; the
-    view_src struct when `view_src` is set; one struct per `src[i]` up to the first null.
-    Pointers inside the structs are the sender's: they only say which parts follow."""
-
-    tensor: bytes
-    buffer: Optional[int] = None
-    view_src: Optional[bytes] = None
-    srcs: Tuple[bytes, ...] = ()
-
-
-@dataclass(frozen=True)
-class TensorLayouts:
-    """The two structs that travel whole, as the ggml build both sides run lays them out."""
-
-    rpc_tensor: np.dtype
-    ggml_tensor: np.dtype
-
-    @classmethod
-    def of(cls, limits: GgmlLimits) -> "TensorLayouts":
-        return cls(rpc_tensor_dtype(limits), ggml_tensor_dtype(limits))
-
-
-class MalformedMessage(ApirError, ValueError):
-    """A command's arguments or a reply that end before their last field, or a reply string
-    whose size is 0 or too large."""
-
-
-def _check_count(function: Function, fields: Sequence[Field], values: Sequence[Any], what: str) -> None:
-    if len(values) != len(fields):
-        names = ", ".join(f.name for f in fields) or "none"
-        raise TypeError(f"{function.name}: {len(values)} {what} given, the table has {len(fields)} ({names})")
-
-
-# The Encoder and Decoder methods of the kinds that are one value.
-_WRITE: Dict[Kind, Callable[[Encoder, Any], None]] = {
-    I32: Encoder.i32,
-    U32: Encoder.u32,
-    RES_ID: Encoder.u32,
-    U8: Encoder.u8,
-    BOOL: Encoder.bool,
-    SIZE: Encoder.u64,
-    UINTPTR: Encoder.u64,
-    HANDLE: Encoder.u64,
-    STRING: Encoder.string,
-    RPC_TENSOR: Encoder.blob,
-}
-_READ: Dict[Kind, Callable[[Decoder], Any]] = {
-    I32: Decoder.i32,
-    U32: Decoder.u32,
-    RES_ID: Decoder.u32,
-    U8: Decoder.u8,
-    BOOL: Decoder.bool,
-    SIZE: Decoder.u64,
-    UINTPTR: Decoder.u64,
-    HANDLE: Decoder.u64,
-    STRING: Decoder.string,
-}
-
-
-def _encode(enc: Encoder, kind: Kind, value: Any) -> None:
-    write = _WRITE.get(kind)
-    if write is not None:
-        write(enc, value)
-        return
-    # INLINE_TENSOR
-    enc.blob(value.tensor)
-    if value.buffer is not None:
-        enc.u64(value.buffer)
-    if value.view_src is not None:
-        enc.blob(value.view_src)
-    for src in value.srcs:
-        enc.blob(src)
-
-
-def _decode_inline(dec: Decoder, dtype: np.dtype) -> Optional[InlineTensor]:
-    """The parts the struct's pointers announce; None when the message ends first."""
-    size = dtype.itemsize
-    head = dec.inplace(size)
-    if head is None:
-        return None
-    tensor = bytes(head)
-    rec = np.frombuffer(tensor, dtype=dtype, count=1)[0]
-    buffer = dec.u64() if int(rec["buffer"]) else None
-    view_src = dec.inplace(size) if int(rec["view_src"]) else None
-    srcs = []
-    for pointer in rec["src"]:
-        if not int(pointer):
-            break
-        src = dec.inplace(size)
-        if src is None:
-            return None
-        srcs.append(bytes(src))
-    if dec.fatal:
-        return None
-    return InlineTensor(tensor, buffer, bytes(view_src) if view_src is not None else None, tuple(srcs))
-
-
-def _decode(dec: Decoder, kind: Kind, layouts: Optional[TensorLayouts]) -> Any:
-    read = _READ.get(kind)
-    if read is not None:
-        return read(dec)
-    if layouts is None:
-        raise TypeError("decoding a tensor needs the TensorLayouts of the ggml build")
-    if kind is RPC_TENSOR:
-        return dec.inplace(layouts.rpc_tensor.itemsize)  # a view: read it before the buffer changes
-    return _decode_inline(dec, layouts.ggml_tensor)
-
-
-def _decode_fields(dec: Decoder, function: Function, fields: Sequence[Field], layouts, what: str) -> Tuple[Any, ...]:
-    values = []
-    for field in fields:
-        values.append(_decode(dec, field.kind, layouts))
-        if dec.fatal:
-            raise MalformedMessage(f"{function.name}: {what} before {field.name!r}")
-    return tuple(values)
-
-
 def encode_args(enc: Encoder, function: Function, version: Version, args: Sequence[Any]) -> None:
     """Appends `args`, one value per argument of `function` in APIR `version`, in order."""
-    fields = function.args_in(version)
-    _check_count(function, fields, args, "arguments")
-    for field, value in zip(fields, args):
-        _encode(enc, field.kind, value)
+    function.layouts(version)[0].encode(enc, args)
 
 
 def decode_args(
     dec: Decoder, function: Function, version: Version, layouts: Optional[TensorLayouts] = None
 ) -> Tuple[Any, ...]:
-    """The arguments of `function` in APIR `version`, one value per field: ints, bools, a
-    memoryview over the rpc_tensor's bytes, an InlineTensor. `layouts` is needed by the
-    functions that carry tensors. Raises MalformedMessage."""
-    return _decode_fields(dec, function, function.args_in(version), layouts, "arguments end")
+    """The arguments of `function` in APIR `version`, one value per field (`Layout.decode`).
+    `layouts` is needed by the functions that carry tensors. Raises MalformedMessage."""
+    return function.layouts(version)[0].decode(dec, layouts)
 
 
 def encode_reply(enc: Encoder, function: Function, version: Version, values: Sequence[Any]) -> None:
     """Appends the reply of `function` in APIR `version`: one value per field, in order."""
-    fields = function.reply_in(version)
-    _check_count(function, fields, values, "reply values")
-    for field, value in zip(fields, values):
-        _encode(enc, field.kind, value)
+    function.layouts(version)[1].encode(enc, values)
 
 
 def decode_reply(dec: Decoder, function: Function, version: Version) -> Tuple[Any, ...]:
     """The reply of `function` in APIR `version`, one value per field. Raises MalformedMessage."""
-    return _decode_fields(dec, function, function.reply_in(version), None, "reply ends")
+    return function.layouts(version)[1].decode(dec)

@@ -3,8 +3,7 @@
 `ForwardCaller` holds what every backend function needs: the `Remote`, the record layouts
 of the ggml build, our protocol version and the host's. `_call(function, *args)` encodes the
 arguments and decodes the reply as `apir.codec.forward.FORWARD` lists them for the
-negotiated version; `_forward` is the call beneath it, with the caller's own encode and
-decode functions. Both check the Forward return code (`forward_error`) and that the reply
+negotiated version; it checks the Forward return code (`forward_error`) and that the reply
 held every value the function returns (`ReplyError` otherwise).
 """
 
@@ -17,13 +16,17 @@ from apir.codec.constants import (
     APIR_PROTOCOL_MINOR,
     ApirBackendCommandType,
     ApirCommandType,
+    ApirForwardReturnCode,
     negotiated_version,
 )
-from apir.codec.forward import FORWARD, MalformedMessage, TensorLayouts, decode_reply, encode_args
+from apir.codec.forward import FORWARD, MalformedMessage, TensorLayouts
 from apir.codec.records import GGML_0_20_LIMITS, GgmlLimits
 from apir.codec.wire import Decoder, Encoder
 from apir.guest.errors import ReplyError, forward_error
 from apir.guest.remote import Remote
+
+_FORWARD = int(ApirCommandType.FORWARD)
+_SUCCESS = int(ApirForwardReturnCode.BASE_INDEX)  # a Forward return code: the function ran
 
 __all__ = ["ForwardCaller"]
 
@@ -43,16 +46,28 @@ class ForwardCaller:
         self.layouts = TensorLayouts.of(limits)
         self.rpc_dtype = self.layouts.rpc_tensor
         self.tensor_dtype = self.layouts.ggml_tensor
-        self.protocol = protocol
-        self.host_version: Optional[Tuple[int, int]] = None
+        self._protocol = (protocol[0], protocol[1])
+        self.host_version = None
+
+    @property
+    def protocol(self) -> Tuple[int, int]:
+        return self._protocol
+
+    @property
+    def host_version(self) -> Optional[Tuple[int, int]]:
+        return self._host_version
+
+    @host_version.setter
+    def host_version(self, version: Optional[Tuple[int, int]]) -> None:
+        self._host_version = version
+        # worked out here, once, rather than on every call
+        self._version = self._protocol if version is None else negotiated_version(self._protocol, version)
 
     @property
     def negotiated_version(self) -> Tuple[int, int]:
         """The version both sides shape version-dependent replies by: the lower of ours and
         the host's (apir.codec.constants.negotiated_version); ours before the HandShake."""
-        if self.host_version is None:
-            return (self.protocol[0], self.protocol[1])
-        return negotiated_version(self.protocol, self.host_version)
+        return self._version
 
     def _call(
         self,
@@ -63,45 +78,26 @@ class ForwardCaller:
     ) -> Tuple[Any, ...]:
         """Backend function `function` with `args` (one per argument in the table); its reply
         values, in the table's order. `fill()` writes the shared memory the call names, under
-        the Remote's lock, before the arguments are encoded. Raises what `_forward` raises."""
-        entry = FORWARD[function]
-        version = self.negotiated_version
+        the Remote's lock, before the arguments are encoded. `meanwhile`: work done while the
+        host runs the call (Remote.call's). Raises the Forward return code's ForwardError
+        (`forward_error`), ReplyError when the reply lacks a value, and what Remote.call
+        raises (ApirTimeout, DeviceError)."""
+        args_layout, reply_layout = FORWARD[function].layouts(self._version)
 
         def encode(enc: Encoder) -> None:
             if fill is not None:
                 fill()
-            encode_args(enc, entry, version, args)
+            args_layout.encode(enc, args)
 
-        def decode(dec: Decoder) -> Tuple[Any, ...]:
+        def decode(ret: int, dec: Decoder) -> Tuple[Any, ...]:
+            if ret != _SUCCESS:
+                error = forward_error(ret, function)
+                if error is not None:
+                    raise error
             try:
-                return decode_reply(dec, entry, version)
+                return reply_layout.decode(dec)
             except MalformedMessage as exc:
                 raise ReplyError(f"{exc} (reply too short or malformed)") from None
 
-        return self._forward(function, encode, decode, meanwhile=meanwhile)
-
-    def _forward(
-        self,
-        function: ApirBackendCommandType,
-        encode_fn: Optional[Callable[[Encoder], None]],
-        decode_fn: Optional[Callable[[Decoder], Any]],
-        timeout_s: Optional[float] = None,
-        meanwhile: Optional[Callable[[], None]] = None,
-    ) -> Any:
-        """One backend function call; returns decode_fn's result (None without one). `meanwhile`: work done
-        while the host runs the call (Remote.call's). Raises ForwardError subclasses,
-        ReplyError, ApirTimeout."""
-
-        def decode(ret: int, dec: Decoder):
-            error = forward_error(ret, function)
-            if error is not None:
-                raise error
-            if decode_fn is None:
-                return None
-            value = decode_fn(dec)
-            if dec.fatal:
-                raise ReplyError(f"{ApirBackendCommandType(function).c_name}: reply too short or malformed")
-            return value
-
-        _, value = self.remote.call(ApirCommandType.FORWARD, function, encode_fn, timeout_s, decode, meanwhile)
-        return value
+        _, values = self.remote.call(_FORWARD, function, encode, None, decode, meanwhile)
+        return values  # type: ignore[return-value]  # (decode's result)

@@ -39,7 +39,7 @@ from apir.guest.device import Blob
 from apir.guest.errors import DeviceError, IoctlError
 from apir.local.spin_policy import spinning_pays
 from apir.host.component.context import may_run_long
-from apir.host.component.seams import BoundedInTime, ContextFactory, DeferredNotification, conforms
+from apir.host.component.seams import ApirContext, BoundedInTime, ContextFactory, DeferredNotification, conforms
 from apir.host.local.kernel import KernelContext, KernelError, default_context_factory
 
 __all__ = ["EmbeddedDevice"]
@@ -65,12 +65,23 @@ class _Job:
         self.error: Optional[BaseException] = None
 
 
-def _deferred_notification(kernel: KernelContext) -> Optional[Tuple[Word, int]]:
-    """The reply notification (Word, value) the context deferred for the command it just
-    served (`HostContext.take_notification`), or None (none deferred, or a context factory's
-    context without deferral)."""
-    ctx = kernel.ctx
-    return cast(DeferredNotification, ctx).take_notification() if conforms(ctx, DeferredNotification) else None
+class _ContextSeams:
+    """What the device asks of the kernel's context on every command, worked out once per
+    context: `bounded`, the context as BoundedInTime if it is one; `deferring`, as
+    DeferredNotification if it is one."""
+
+    __slots__ = ("ctx", "bounded", "deferring")
+
+    def __init__(self, ctx: Optional[ApirContext]):
+        self.ctx = ctx
+        self.bounded = cast(BoundedInTime, ctx) if conforms(ctx, BoundedInTime) else None
+        self.deferring = cast(DeferredNotification, ctx) if conforms(ctx, DeferredNotification) else None
+
+    def take_notification(self) -> Optional[Tuple[Word, int]]:
+        """The reply notification (Word, value) the context deferred for the command it just
+        served (`HostContext.take_notification`), or None (none deferred, or a context
+        factory's context without deferral)."""
+        return self.deferring.take_notification() if self.deferring is not None else None
 
 
 class EmbeddedDevice:
@@ -122,6 +133,7 @@ class EmbeddedDevice:
         # taken to queue a job and for an inline run: none is queued while one runs
         self._lock = threading.Lock()
         self.kernel = KernelContext("embedded", config, context_factory, max_bytes)
+        self._seams = _ContextSeams(None)  # of the kernel's context: see `_context_seams`
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._blobs: dict[int, Blob] = {}  # by bo_handle: the blobs not destroyed yet
         self._closed = False
@@ -161,7 +173,7 @@ class EmbeddedDevice:
                     else:
                         log.exception("embedded host: job failed")
             if job.fn == kernel.submit:  # (bound methods: equal, not identical)
-                note = _deferred_notification(kernel)
+                note = self._context_seams().take_notification()
                 if note is not None:
                     pending.append(note)
                 note = None  # its Word pins the reply mapping: a later GEM_CLOSE must unmap it
@@ -266,6 +278,12 @@ class EmbeddedDevice:
                 return False
         return True
 
+    def _context_seams(self) -> _ContextSeams:
+        seams = self._seams
+        if seams.ctx is not self.kernel.ctx:  # (a new context, or the first)
+            seams = self._seams = _ContextSeams(self.kernel.ctx)
+        return seams
+
     def _take_lock(self, request: str) -> None:
         """Takes the device's lock, which an inline run in another thread holds for the run's
         length, bounded by no one (a backend call that hangs): DeviceError after
@@ -285,8 +303,8 @@ class EmbeddedDevice:
         failure, or when the device is closed or the host thread gone."""
         if may_run_long(command, self.kernel.capset_id):
             return False
-        ctx = self.kernel.ctx
-        if conforms(ctx, BoundedInTime) and not cast(BoundedInTime, ctx).commands_bounded_in_time:
+        seams = self._context_seams()
+        if seams.bounded is not None and not seams.bounded.commands_bounded_in_time:
             return False  # a GPU's or ggml-rpc's copies may never end: the guest's wait has a limit
         if self._closed:  # (before the lock: a closing device may have given up on it)
             raise DeviceError("embedded: device is closed")
@@ -306,7 +324,7 @@ class EmbeddedDevice:
                     kernel.submit(command)
                 except Exception as exc:  # its reply notification, if any, is still stored
                     error = exc
-                note = _deferred_notification(kernel)
+                note = seams.take_notification()
                 if note is not None:
                     note[0].store_release(note[1])
                 note = None  # its Word pins the reply mapping: a later GEM_CLOSE must unmap it

@@ -351,7 +351,7 @@ def test_meanwhile_that_raises_still_waits_for_the_reply(host):
             raise ValueError("copy failed")
 
         with pytest.raises(ValueError, match="copy failed"):
-            client._forward(F.DEVICE_GET_COUNT, None, lambda dec: dec.u32(), meanwhile=boom)
+            client._call(F.DEVICE_GET_COUNT, meanwhile=boom)
         assert device.pending is None  # the command ran (the wait took its reply) ...
         assert client.device_get_count() == 1  # ... and the next call gets its own
     finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Tuple
 
 from apir.codec.constants import ApirBackendCommandType, negotiated_version
-from apir.codec.forward import FORWARD, MalformedMessage, decode_args, encode_reply
+from apir.codec.forward import FORWARD, MalformedMessage
 from apir.codec.wire import Decoder, Encoder
 from apir.host.errors import Refused
 from apir.host.library import LibraryHost
@@ -22,13 +22,13 @@ __all__ = ["args", "reply"]
 
 def args(dec: Decoder, function: ApirBackendCommandType, chk: TensorChecker, host: LibraryHost) -> Tuple[Any, ...]:
     """The arguments of `function`, one value per field of the table. Raises Refused."""
-    version = negotiated_version(host.guest_version, host.host_version)
+    layout = FORWARD[function].layouts(negotiated_version(host.guest_version, host.host_version))[0]
     try:
-        return decode_args(dec, FORWARD[function], version, chk.layouts)
+        return layout.decode(dec, chk.layouts)
     except MalformedMessage as exc:
         raise Refused(str(exc)) from None
 
 
 def reply(enc: Encoder, function: ApirBackendCommandType, host: LibraryHost, *values: Any) -> None:
     """Appends the reply of `function`: one value per field of the table."""
-    encode_reply(enc, FORWARD[function], negotiated_version(host.guest_version, host.host_version), values)
+    FORWARD[function].layouts(negotiated_version(host.guest_version, host.host_version))[1].encode(enc, values)
