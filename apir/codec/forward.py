@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
@@ -32,6 +34,7 @@ from apir.codec.constants import (
     APIR_PROTOCOL_0_2,
     APIR_PROTOCOL_VERSIONS,
     ApirBackendCommandType as F,
+    negotiated_version,
 )
 from apir.codec.records import GgmlLimits, ggml_tensor_dtype, rpc_tensor_dtype
 from apir.codec.wire import Decoder, Encoder
@@ -43,6 +46,7 @@ __all__ = [
     "Function",
     "Layout",
     "FORWARD",
+    "layouts_between",
     "InlineTensor",
     "TensorLayouts",
     "MalformedMessage",
@@ -180,11 +184,29 @@ _READ_TENSOR: Dict[Kind, Callable[[Decoder, TensorLayouts], Any]] = {
 }
 
 
+# The kinds of a fixed size, as `struct` formats of their bytes on the wire (u8 and bool: the
+# value in the first byte of a 4-byte slot; the C reads that byte alone).
+_FIXED: Dict[Kind, str] = {
+    I32: "i",
+    U32: "I",
+    RES_ID: "I",
+    U8: "B3x",
+    BOOL: "?3x",
+    SIZE: "Q",
+    UINTPTR: "Q",
+    HANDLE: "Q",
+}
+
+
 class Layout:
     """One function's arguments or its reply in one APIR version: the fields in wire order,
-    with the Encoder/Decoder step of each looked up once, when the table is made."""
+    with the Encoder/Decoder step of each looked up once, when the table is made. When every
+    field has a fixed size (most functions), they are also read as one `struct.Struct`, in one
+    step: the same values as field by field (tests/codec/test_forward.py holds them equal).
+    Writing stays field by field: the Encoder cuts each value to its field as the C's cast
+    does, where a struct would refuse it."""
 
-    __slots__ = ("function", "fields", "_what", "_ends", "_writes", "_reads")
+    __slots__ = ("function", "fields", "_what", "_ends", "_writes", "_reads", "_struct", "_offsets")
 
     def __init__(self, function: str, fields: Tuple[Field, ...], what: str, ends: str):
         self.function = function
@@ -196,6 +218,12 @@ class Layout:
         self._reads: Tuple[Tuple[Field, Callable[..., Any], bool], ...] = tuple(
             (f, _READ_TENSOR[f.kind], True) if f.kind in _READ_TENSOR else (f, _READ[f.kind], False) for f in fields
         )
+        self._struct: Optional[struct.Struct] = None
+        self._offsets: Tuple[int, ...] = ()  # where each field of the struct ends
+        if all(f.kind in _FIXED for f in fields):
+            formats = [_FIXED[f.kind] for f in fields]
+            self._struct = struct.Struct("<" + "".join(formats))
+            self._offsets = tuple(struct.calcsize("<" + "".join(formats[: i + 1])) for i in range(len(formats)))
 
     def encode(self, enc: Encoder, values: Sequence[Any]) -> None:
         """Appends `values`, one per field, in order."""
@@ -204,23 +232,31 @@ class Layout:
             raise TypeError(
                 f"{self.function}: {len(values)} {self._what} given, the table has {len(self.fields)} ({names})"
             )
-        for write, value in zip(self._writes, values):
-            write(enc, value)
+        i = 0  # (an index, not zip or enumerate: their iterator costs more than a small call)
+        for write in self._writes:
+            write(enc, values[i])
+            i += 1
 
     def decode(self, dec: Decoder, layouts: Optional[TensorLayouts] = None) -> Tuple[Any, ...]:
         """One value per field: ints, bools, str, a memoryview over an rpc_tensor's bytes, an
         InlineTensor. Raises MalformedMessage naming the first field that did not fit."""
-        values = []
+        if self._struct is not None:
+            values = dec.unpack(self._struct)
+            if values is None:
+                short = next(f for f, end in zip(self.fields, self._offsets) if end > dec.remaining)
+                raise MalformedMessage(f"{self.function}: {self._ends} before {short.name!r}")
+            return values
+        decoded = []
         for field, read, takes_layouts in self._reads:
             if not takes_layouts:
-                values.append(read(dec))
+                decoded.append(read(dec))
             elif layouts is None:
                 raise TypeError("decoding a tensor needs the TensorLayouts of the ggml build")
             else:
-                values.append(read(dec, layouts))
+                decoded.append(read(dec, layouts))
             if dec.fatal:
                 raise MalformedMessage(f"{self.function}: {self._ends} before {field.name!r}")
-        return tuple(values)
+        return tuple(decoded)
 
 
 @dataclass(frozen=True)
@@ -330,6 +366,15 @@ _TABLE = (
 
 # By function id (an ApirBackendCommandType, or the int of one).
 FORWARD: Dict[int, Function] = {int(f.id): f for f in _TABLE}
+
+
+@functools.lru_cache(maxsize=64)
+def layouts_between(guest: Version, host: Version) -> Dict[int, Tuple[Layout, Layout]]:
+    """Every function's (arguments, reply) Layouts, by function id, in the version a guest
+    speaking `guest` and a host speaking `host` negotiate (`negotiated_version`). Both sides
+    ask on every call: the answer is kept per pair of versions."""
+    version = negotiated_version(guest, host)
+    return {fid: f.layouts(version) for fid, f in FORWARD.items()}
 
 
 def encode_args(enc: Encoder, function: Function, version: Version, args: Sequence[Any]) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import builtins
 import struct
-from typing import Optional
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -136,6 +136,12 @@ class Decoder:
 
     def i32_array(self, count: int) -> np.ndarray:
         return self._array("<i4", count)
+
+    def unpack(self, st: struct.Struct) -> Optional[Tuple[Any, ...]]:
+        """Several values at once in the layout `st` (what as many scalar reads would return,
+        in one step: `Encoder.pack`'s twin); None, `fatal` set, when they are not all there."""
+        off = self._take(st.size)
+        return None if off < 0 else st.unpack_from(self.buf, off)
 
     def inplace(self, size: int) -> Optional[memoryview]:
         """The next `size` bytes as a view (`apir_decoder_use_inplace`), None on overrun.

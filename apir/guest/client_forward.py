@@ -19,7 +19,7 @@ from apir.codec.constants import (
     ApirForwardReturnCode,
     negotiated_version,
 )
-from apir.codec.forward import FORWARD, MalformedMessage, TensorLayouts
+from apir.codec.forward import MalformedMessage, TensorLayouts, layouts_between
 from apir.codec.records import GGML_0_20_LIMITS, GgmlLimits
 from apir.codec.wire import Decoder, Encoder
 from apir.guest.errors import ReplyError, forward_error
@@ -62,6 +62,7 @@ class ForwardCaller:
         self._host_version = version
         # worked out here, once, rather than on every call
         self._version = self._protocol if version is None else negotiated_version(self._protocol, version)
+        self._layouts = layouts_between(self._protocol, self._protocol if version is None else version)
 
     @property
     def negotiated_version(self) -> Tuple[int, int]:
@@ -82,7 +83,7 @@ class ForwardCaller:
         host runs the call (Remote.call's). Raises the Forward return code's ForwardError
         (`forward_error`), ReplyError when the reply lacks a value, and what Remote.call
         raises (ApirTimeout, DeviceError)."""
-        args_layout, reply_layout = FORWARD[function].layouts(self._version)
+        args_layout, reply_layout = self._layouts[function]
 
         def encode(enc: Encoder) -> None:
             if fill is not None:

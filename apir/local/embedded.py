@@ -303,7 +303,9 @@ class EmbeddedDevice:
         failure, or when the device is closed or the host thread gone."""
         if may_run_long(command, self.kernel.capset_id):
             return False
-        seams = self._context_seams()
+        seams = self._seams
+        if seams.ctx is not self.kernel.ctx:
+            seams = self._context_seams()
         if seams.bounded is not None and not seams.bounded.commands_bounded_in_time:
             return False  # a GPU's or ggml-rpc's copies may never end: the guest's wait has a limit
         if self._closed:  # (before the lock: a closing device may have given up on it)
@@ -324,7 +326,7 @@ class EmbeddedDevice:
                     kernel.submit(command)
                 except Exception as exc:  # its reply notification, if any, is still stored
                     error = exc
-                note = seams.take_notification()
+                note = seams.deferring.take_notification() if seams.deferring is not None else None
                 if note is not None:
                     note[0].store_release(note[1])
                 note = None  # its Word pins the reply mapping: a later GEM_CLOSE must unmap it

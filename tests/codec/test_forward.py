@@ -5,6 +5,7 @@ its reply decodes and encodes the same way."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from apir.codec.constants import APIR_PROTOCOL_0_1, APIR_PROTOCOL_0_2, ApirBackendCommandType
@@ -179,3 +180,46 @@ def test_encoding_checks_the_number_of_values():
     clear = FORWARD[ApirBackendCommandType.BUFFER_CLEAR]
     with pytest.raises(TypeError, match=r"buffer_clear: 1 arguments given, the table has 2 \(buffer, value\)"):
         encode_args(Encoder(bytearray(64)), clear, APIR_PROTOCOL_0_2, [1])
+
+
+_SCALAR_READS = {
+    Kind.I32: Decoder.i32,
+    Kind.U32: Decoder.u32,
+    Kind.RES_ID: Decoder.u32,
+    Kind.U8: Decoder.u8,
+    Kind.BOOL: Decoder.bool,
+    Kind.SIZE: Decoder.u64,
+    Kind.UINTPTR: Decoder.u64,
+    Kind.HANDLE: Decoder.u64,
+}
+
+
+def test_fixed_size_layouts_decode_as_field_by_field_reads():
+    # the Layouts read all-fixed-size functions as one struct: the values, and the field a short
+    # message is refused at, must be those of one Decoder read per field, on any bytes
+    rng = np.random.default_rng(7)
+    checked = 0
+    for function in FORWARD.values():
+        for version in (APIR_PROTOCOL_0_1, APIR_PROTOCOL_0_2):
+            for layout in function.layouts(version):
+                if not layout.fields or any(f.kind not in _SCALAR_READS for f in layout.fields):
+                    continue
+                for _ in range(20):
+                    raw = rng.integers(0, 256, 8 * len(layout.fields) + 8, dtype=np.uint8).tobytes()
+                    for size in range(len(raw) + 1):
+                        want_dec, short = Decoder(raw, 0, size), None
+                        want = []
+                        for field in layout.fields:
+                            want.append(_SCALAR_READS[field.kind](want_dec))
+                            if want_dec.fatal:
+                                short = field.name
+                                break
+                        dec = Decoder(raw, 0, size)
+                        if short is None:
+                            assert layout.decode(dec) == tuple(want)
+                            assert dec.pos == want_dec.pos
+                        else:
+                            with pytest.raises(MalformedMessage, match=f"before '{short}'"):
+                                layout.decode(dec)
+                checked += 1
+    assert checked >= 20

@@ -2,6 +2,7 @@
 byte; the C and our decoder on the same (also truncated, oversized and random) bytes."""
 
 import ctypes
+import struct
 
 import numpy as np
 import pytest
@@ -245,3 +246,11 @@ def test_decoder_reset_starts_over_and_clears_fatal():
     dec.reset()
     assert not dec.fatal and dec.pos == 4
     assert dec.u32() == 7
+
+
+def test_unpack_reads_a_struct_or_sets_fatal():
+    st = struct.Struct("<IQ")
+    buf = struct.pack("<IQ", 7, 2**40) + b"\1\2"
+    dec = Decoder(buf)
+    assert dec.unpack(st) == (7, 2**40) and dec.pos == 12 and not dec.fatal
+    assert dec.unpack(st) is None and dec.fatal and dec.pos == 12  # two bytes left: nothing read

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Tuple
 
-from apir.codec.constants import ApirBackendCommandType, negotiated_version
-from apir.codec.forward import FORWARD, MalformedMessage
+from apir.codec.constants import ApirBackendCommandType
+from apir.codec.forward import MalformedMessage, layouts_between
 from apir.codec.wire import Decoder, Encoder
 from apir.host.errors import Refused
 from apir.host.library import LibraryHost
@@ -22,13 +22,12 @@ __all__ = ["args", "reply"]
 
 def args(dec: Decoder, function: ApirBackendCommandType, chk: TensorChecker, host: LibraryHost) -> Tuple[Any, ...]:
     """The arguments of `function`, one value per field of the table. Raises Refused."""
-    layout = FORWARD[function].layouts(negotiated_version(host.guest_version, host.host_version))[0]
     try:
-        return layout.decode(dec, chk.layouts)
+        return layouts_between(host.guest_version, host.host_version)[function][0].decode(dec, chk.layouts)
     except MalformedMessage as exc:
         raise Refused(str(exc)) from None
 
 
 def reply(enc: Encoder, function: ApirBackendCommandType, host: LibraryHost, *values: Any) -> None:
     """Appends the reply of `function`: one value per field of the table."""
-    FORWARD[function].layouts(negotiated_version(host.guest_version, host.host_version))[1].encode(enc, values)
+    layouts_between(host.guest_version, host.host_version)[function][1].encode(enc, values)
