@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_SPEC",
     "register_device",
     "parse_spec",
+    "accepted_forms",
     "device_spec",
     "device_kind",
     "open_device",
@@ -101,13 +102,18 @@ def parse_spec(spec: Optional[str] = None) -> DeviceSpec:
     argument: Optional[str] = after if sep else None
     scheme = _SCHEMES.get(name)
     if scheme is None:
-        known = ", ".join(s.scheme + (":PATH" if s.argument else "") for s in _SCHEMES.values())
-        raise ValueError(f"unknown device {text!r} (known: {known})")
+        raise ValueError(f"unknown device {text!r} (known: {accepted_forms()})")
     if scheme.argument and not argument:
-        raise ValueError(f"device {text!r}: {name} needs a path ({name}:PATH)")
+        raise ValueError(f"device {text!r}: {name} needs a path ({name}:PATH; known: {accepted_forms()})")
     if scheme.argument is False and sep:
-        raise ValueError(f"device {text!r}: {name} takes no argument")
+        raise ValueError(f"device {text!r}: {name} takes no argument (known: {accepted_forms()})")
     return DeviceSpec(scheme, argument or None, text)
+
+
+def accepted_forms() -> str:
+    """The registered specs for people: ``embedded, unix:PATH, drm[:PATH]``."""
+    forms = {True: ":PATH", None: "[:PATH]", False: ""}
+    return ", ".join(s.scheme + forms[s.argument] for s in _SCHEMES.values())
 
 
 def device_spec(socket: Optional[str] = None, drm: Optional[str] = None) -> Optional[str]:

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from apir.errors import ApirError
 from apir.ggml import load as load_ggml
 
-__all__ = ["OpenedBackend", "BackendUnavailable", "open_backend", "open_local_cpu", "open_local_device"]
+if TYPE_CHECKING:
+    from apir.guest.backend import ApirBackend
+
+__all__ = ["OpenedBackend", "BackendUnavailable", "open_apir", "open_backend", "open_local_cpu", "open_local_device"]
 
 
 class BackendUnavailable(ApirError, RuntimeError):
@@ -35,6 +38,8 @@ class OpenedBackend:
     transport:   "embedded", "socket", "drm" (through APIR), "local-cpu" or "local" (no APIR).
     description: one line for people: device name and where it runs.
     fallback:    True when APIR was the default choice but local ggml CPU stands in for it.
+    apir:        the guest backend object when through APIR (its devices, client, host
+                 version, graph_compute raising apir errors); None otherwise.
     """
 
     backend: int
@@ -42,6 +47,7 @@ class OpenedBackend:
     transport: str
     description: str
     fallback: bool = False
+    apir: Optional["ApirBackend"] = None
     _close: Optional[Callable[[], None]] = field(default=None, repr=False)
 
     @property
@@ -117,7 +123,7 @@ def open_local_device(spec: str, n_threads: Optional[int] = None) -> OpenedBacke
     )
 
 
-def _open_apir(
+def open_apir(
     device: Optional[str], config: Optional[dict] = None, device_options: Optional[dict] = None
 ) -> OpenedBackend:
     """The APIR guest backend (apir.guest.backend) over the device `device` names (an
@@ -147,7 +153,9 @@ def _open_apir(
         apir_backend.close()
         client.close()
 
-    return OpenedBackend(apir_backend.backend, apir_backend.buffer_type, transport, description, _close=close)
+    return OpenedBackend(
+        apir_backend.backend, apir_backend.buffer_type, transport, description, apir=apir_backend, _close=close
+    )
 
 
 def open_backend(
@@ -164,7 +172,7 @@ def open_backend(
     the APIR backend is missing and `allow_fallback`, ggml's local CPU backend is returned
     flagged `fallback=True`. Raises ValueError (a bad spec), BackendUnavailable."""
     try:
-        return _open_apir(device, config, device_options)
+        return open_apir(device, config, device_options)
     except BackendUnavailable as exc:
         if device is not None or not allow_fallback:
             raise

@@ -7,7 +7,7 @@ from apir.models import backends as B
 
 def _apir_missing():
     try:
-        B._open_apir(None, None).close()
+        B.open_apir(None, None).close()
     except B.BackendUnavailable:
         return True
     return False
