@@ -146,8 +146,25 @@ def _host_config(spec: str, kind: str, backend: Optional[str], config: Optional[
         if key not in known:
             raise DeviceError(f"config key {key!r}: not a host configuration key (known: {', '.join(known)})")
     if backend:
+        _check_backend(backend)
         out[host_config.CONFIG_KEY_BACKEND] = backend
     return out
+
+
+def _check_backend(spec: str) -> None:
+    """Refuses, before the host starts, a ggml backend the loaded build cannot serve, saying
+    what is missing (the build, a driver, a device: docs/gpu.md)."""
+    from apir.ggml import backend_spec, load
+
+    try:
+        parsed = backend_spec.parse_spec(spec)
+        if parsed.kind == "rpc":  # only probe: resolving adds the servers to this process's registry
+            for endpoint in parsed.endpoints:
+                backend_spec.check_reachable(endpoint)
+        else:
+            backend_spec.resolve(load(), spec)
+    except backend_spec.BackendSpecError as exc:
+        raise DeviceError(f"backend {spec!r}: {exc}{backend_spec.missing_backend_hint(load(), spec)}") from None
 
 
 def open(  # apir.open, as gzip.open: the module's entry point (no use of the builtin here)
@@ -162,9 +179,10 @@ def open(  # apir.open, as gzip.open: the module's entry point (no use of the bu
     config:  other embedded-host configuration keys (apir.host.config), e.g.
              ``{"apir.host.n_threads": "2"}``.
 
-    Raises DeviceError (a bad device string, an unknown key, backend/config for a host that
-    is not embedded) and apir.models.backends.BackendUnavailable (the device or its host
-    cannot be reached; the message says why).
+    Raises DeviceError (a bad device string; an unknown key; a backend the loaded ggml cannot
+    serve, naming what is missing; backend/config for a host that is not embedded) and
+    apir.models.backends.BackendUnavailable (the device or its host cannot be reached; the
+    message says why).
     """
     from apir.devices import parse_spec
     from apir.models.backends import open_apir

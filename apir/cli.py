@@ -208,26 +208,10 @@ def check_host_backend(config: Optional[dict]) -> None:
 
 def missing_backend_hint(spec: str) -> str:
     """What to do about a --backend the loaded ggml cannot serve ("" when there is no advice):
-    a build without that backend names the build that has it; a backend without the device, the
-    driver it needs."""
+    apir.ggml.backend_spec.missing_backend_hint on the loaded build."""
     from apir.ggml import backend_spec, load
 
-    try:
-        parsed = backend_spec.parse_spec(spec)
-    except backend_spec.BackendSpecError:
-        return ""
-    if parsed.kind != "reg":
-        return ""
-    g = load()
-    if not g.ggml_backend_reg_by_name(parsed.name.encode()):
-        return (
-            f"; the ggml build apir loaded ({g.lib_dir}) has no {parsed.name} device: "
-            "scripts/build-ggml-backends.sh builds one with Vulkan and RPC, selected with "
-            'APIR_GGML_LIB_DIR (README.md, "Which device the host computes on")'
-        )
-    if parsed.name.lower() == "vulkan":
-        return "; no Vulkan device the driver shows: is a Vulkan driver (ICD) installed? (`vulkaninfo --summary`)"
-    return ""
+    return backend_spec.missing_backend_hint(load(), spec)
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:

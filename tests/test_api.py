@@ -91,6 +91,17 @@ def test_host_options_only_for_an_embedded_host_and_known_keys():
         apir.open("embedded", config={"apir.host.bogus": "1"})
 
 
+def test_a_backend_the_build_cannot_serve_is_refused_naming_what_is_missing():
+    import apir.ggml
+
+    with pytest.raises(apir.DeviceError, match=r"backend 'nosuch': 'nosuch': this ggml has no backend 'nosuch'"):
+        apir.open("embedded", backend="nosuch")
+    if apir.ggml.load().ggml_backend_reg_by_name(b"Vulkan"):
+        return
+    with pytest.raises(apir.DeviceError, match=r"no vulkan device: scripts/build-ggml-backends.sh .*docs/gpu.md"):
+        apir.open("embedded", backend="vulkan:0")
+
+
 @pytest.mark.parametrize("spec", ["unix:/nonexistent/apir.sock", "drm:/nonexistent/renderD128"])
 def test_an_unreachable_device_raises_not_falls_back(spec):
     with pytest.raises(BackendUnavailable, match="cannot open the APIR"):

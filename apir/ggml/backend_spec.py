@@ -16,19 +16,24 @@ A path to a ggml backend library is not a spec: it goes to `ggml.library.path`
 also while adding one, so `resolve` first connects to each server itself and refuses one it
 cannot reach (docs/design.md, "Host backends").
 
+A registration can be missing although its code is in the build: ggml-vulkan registers nothing
+when the Vulkan loader finds no driver. `backend_library(name)` tells the two apart (the
+build's `libggml-NAME.so`, loaded with libggml) so an error can name the cause.
+
 Errors: `BackendSpecError` (a bad spec, an unknown registration or device, an unreachable server).
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from apir.errors import ApirError
 from apir.ggml.lib import Ggml
 
-__all__ = ["BackendSpecError", "BackendChoice", "parse_spec", "resolve"]
+__all__ = ["BackendSpecError", "BackendChoice", "backend_library", "missing_backend_hint", "parse_spec", "resolve"]
 RPC_CONNECT_TIMEOUT_S = 5.0
 
 
@@ -135,3 +140,55 @@ def _resolve_rpc(g: Ggml, spec: str, reg: int, endpoints: Tuple[str, ...]) -> Ba
     if not devices:
         raise BackendSpecError(f"{spec!r}: the servers offer no device")
     return BackendChoice(spec, devices, regs)
+
+
+def backend_library(name: str, maps: str = "/proc/self/maps") -> Optional[str]:
+    """The path of the ggml backend library of registration `name` (``libggml-vulkan.so...``
+    for "Vulkan") that this process has loaded, or None: whether the loaded ggml has that
+    backend's code, whatever its registry says. `maps`: the process's memory map file."""
+    prefix = f"libggml-{name.lower()}.so"
+    try:
+        with open(maps) as f:
+            for line in f:
+                fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+                if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith(prefix):
+                    return fields[5].strip()
+    except OSError:
+        pass
+    return None
+
+
+def missing_backend_hint(g: Ggml, spec: str) -> str:
+    """What to do about a spec build `g` cannot serve, to append to its error ("" when there is
+    no advice): a build without that backend names the build that has it; ggml-vulkan without a
+    driver or a device names what is missing (docs/gpu.md)."""
+    try:
+        parsed = parse_spec(spec)
+    except BackendSpecError:
+        return ""
+    if parsed.kind != "reg":
+        return ""
+    vulkan = parsed.name.lower() == "vulkan"
+    reg = g.ggml_backend_reg_by_name(parsed.name.encode())
+    if not reg:
+        library = backend_library(parsed.name)
+        if library and vulkan:
+            return (
+                f"; the ggml build apir loaded has ggml-vulkan ({library}), but the Vulkan loader found no "
+                "driver: install the GPU's Vulkan driver (ICD) or point VK_ICD_FILENAMES at its JSON file; "
+                "`vulkaninfo --summary` lists what the loader sees (docs/gpu.md)"
+            )
+        if library:
+            return f"; the ggml build apir loaded has {library}, but it registered no {parsed.name} backend"
+        return (
+            f"; the ggml build apir loaded ({g.lib_dir}) has no {parsed.name} device: "
+            "scripts/build-ggml-backends.sh builds one with Vulkan and RPC, selected with "
+            'APIR_GGML_LIB_DIR (README.md, "Which device the host computes on"; docs/gpu.md)'
+        )
+    if vulkan and g.ggml_backend_reg_dev_count(reg) == 0:
+        return (
+            "; the Vulkan driver shows ggml-vulkan no device it takes: none, or only CPU ones (llvmpipe), which "
+            "ggml-vulkan skips unless GGML_VK_VISIBLE_DEVICES names them; `vulkaninfo --summary` lists the "
+            "devices (docs/gpu.md)"
+        )
+    return ""

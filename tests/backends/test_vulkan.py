@@ -123,3 +123,26 @@ def test_deferred_uploads_land_before_every_command_that_sees_them(vk, tmp_path)
     assert (synchronous["tensor_set_async"], synchronous["tensor_get_async"]) == (0, 0)
     fences = {k: c["synchronize"] + c["tensor_set"] + c["tensor_get"] for k, c in report["step_counts"].items()}
     assert fences["deferred"] < fences["synchronous"], fences
+
+
+def test_info_without_a_driver_or_a_device_names_what_is_missing(vk):
+    """`apir info --backend vulkan:0` on the Vulkan build with no Vulkan driver said the build had
+    no Vulkan (and to build one); now it names the driver, VK_ICD_FILENAMES and docs/gpu.md. With
+    lavapipe only, which ggml-vulkan skips unless named: GGML_VK_VISIBLE_DEVICES."""
+    def info(**env):
+        full = {**base_env(vk, True), **env}
+        return subprocess.run([sys.executable, "-m", "apir", "info", "--backend", "vulkan:0"], env=full, cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+
+    none = info(VK_ICD_FILENAMES="/nonexistent/icd.json", VK_DRIVER_FILES="/nonexistent/icd.json")
+    assert none.returncode == 1, none.stderr
+    assert "this ggml has no backend 'vulkan'" in none.stderr and "/libggml-vulkan.so" in none.stderr
+    assert "the Vulkan loader found no driver: install the GPU's Vulkan driver (ICD) or point VK_ICD_FILENAMES" \
+        in none.stderr and "(docs/gpu.md)" in none.stderr
+    assert "scripts/build-ggml-backends.sh builds one" not in none.stderr
+    skipped = info(GGML_VK_VISIBLE_DEVICES="")
+    assert skipped.returncode == 1, skipped.stderr
+    assert "backend vulkan has 0 device(s); " in skipped.stderr and "GGML_VK_VISIBLE_DEVICES names them" in skipped.stderr
+    seen = info()
+    assert seen.returncode == 0, seen.stderr
+    assert "served by:          Vulkan0 (llvmpipe" in seen.stdout
