@@ -1,7 +1,9 @@
 """Workloads built on a ggml backend: all-MiniLM-L6-v2 sentence embeddings.
 
 `MiniLM(backend, buft).embed(sentences)` and the one-shot `embed(sentences)` return a
-(n_sentences, 384) float32 array of unit-length embeddings; see `apir.models.minilm`.
+(n_sentences, 384) float32 array of unit-length embeddings; see `apir.models.minilm`. The
+one-shot `embed` runs on the backend given (default: local ggml CPU); `apir.embed` is the same
+through APIR.
 """
 
 from apir.models.assets import INSTALL_COMMAND, ModelNotInstalled

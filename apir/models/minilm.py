@@ -251,7 +251,8 @@ def embed(
     sentences: Sequence[str], backend: Optional[int] = None, buft: Optional[int] = None, batch_size: int = 32
 ) -> np.ndarray:
     """One-shot `MiniLM(backend, buft).embed(sentences)`: (n_sentences, 384) float32, unit rows.
-    backend None = ggml's CPU backend in this process. Loads and uploads the weights each call;
-    keep a `MiniLM` for repeated use."""
+    backend None = ggml's CPU backend in this process, not through APIR (`apir.embed` runs this
+    on an APIR device). Loads and uploads the weights each call; keep a `MiniLM` for repeated
+    use."""
     with MiniLM(backend=backend, buft=buft) as model:
         return model.embed(sentences, batch_size=batch_size)
