@@ -55,6 +55,21 @@ __all__ = [
     "DEFAULT_VHOST_MAX_BLOB_BYTES",
     "CONFIG_KEY_VHOST_BACKEND_TIMEOUT",
     "DEFAULT_VHOST_BACKEND_TIMEOUT_S",
+    "CONFIG_KEY_VHOST_MESSAGE_TIMEOUT",
+    "DEFAULT_VHOST_MESSAGE_TIMEOUT_S",
+    "CONFIG_KEY_VHOST_MAX_FDS",
+    "CONFIG_KEY_VHOST_PROCESS_MAX_FDS",
+    "CONFIG_KEY_VHOST_PROCESS_MAX_BLOB_BYTES",
+    "CONFIG_KEY_VHOST_MAX_MEM_REGIONS",
+    "DEFAULT_VHOST_MAX_MEM_REGIONS",
+    "CONFIG_KEY_VHOST_PROCESS_MAX_MEM_REGIONS",
+    "DEFAULT_VHOST_PROCESS_MAX_MEM_REGIONS",
+    "CONFIG_KEY_VHOST_MAX_MEM_BYTES",
+    "DEFAULT_VHOST_MAX_MEM_BYTES",
+    "CONFIG_KEY_VHOST_PROCESS_MAX_MEM_BYTES",
+    "DEFAULT_VHOST_PROCESS_MAX_MEM_BYTES",
+    "CONFIG_KEY_PEER",
+    "CONFIG_KEY_PEER_MEMORY_LIMIT",
     "ENV_FALLBACKS",
     "parse_limit",
     "config_limit",
@@ -103,6 +118,14 @@ CONFIG_KEY_BUFFER_BUDGET = "apir.host.buffer_budget"
 CONFIG_KEY_MEMORY_LIMIT = "apir.host.memory_limit"
 CONFIG_KEY_MAX_BUFFERS = "apir.host.max_buffers"
 DEFAULT_MAX_BUFFERS = 4096
+# bytes of ggml buffers all contexts of one peer hold together (default: half the device's
+# total memory, what one context may hold), so that one guest's several contexts cannot take
+# the whole process pool (apir.host.memory_limit) from the others
+CONFIG_KEY_PEER_MEMORY_LIMIT = "apir.host.peer_memory_limit"
+# Who a context belongs to: the transport sets it in the configuration it creates a context
+# with (a VM's vhost-user front-end, a socket host's peer); contexts of one peer share its
+# bounds. Unset: the context is a peer of its own. Never read from the environment.
+CONFIG_KEY_PEER = "apir.host.peer"
 
 # --- liveness bounds: time and descriptors one guest can take --------------------------------
 # Wall time one backend_graph_compute may run before ggml's abort callback stops it (the guest
@@ -137,6 +160,31 @@ DEFAULT_VHOST_MAX_BLOB_BYTES = 16 << 30
 # RESOURCE_MAP_BLOB fails (VIRTIO_GPU_RESP_ERR_UNSPEC).
 CONFIG_KEY_VHOST_BACKEND_TIMEOUT = "apir.vhost.backend_timeout_s"
 DEFAULT_VHOST_BACKEND_TIMEOUT_S = 10.0
+# Seconds a front-end has to finish a message once its first byte came (header, payload and
+# descriptors): a deadline for the whole message, not a timeout per recv; past it the
+# session ends. Waiting for the next message is not bounded (an idle VM sends none).
+CONFIG_KEY_VHOST_MESSAGE_TIMEOUT = "apir.vhost.message_timeout_s"
+DEFAULT_VHOST_MESSAGE_TIMEOUT_S = 10.0
+# Descriptors the vhost-user devices hold (HOST3D blobs' memfds and the mappings' copies,
+# guest memory regions read through a descriptor): per VM and for all VMs of the process
+# together. Defaults: a quarter and a half of RLIMIT_NOFILE's soft limit at start
+# (apir.host.vhost_user.process_limits), the rest left to sockets, eventfds and libraries.
+CONFIG_KEY_VHOST_MAX_FDS = "apir.vhost.max_fds"
+CONFIG_KEY_VHOST_PROCESS_MAX_FDS = "apir.vhost.process_max_fds"
+# Bytes of HOST3D blobs all VMs of the process hold together; default: physical memory.
+CONFIG_KEY_VHOST_PROCESS_MAX_BLOB_BYTES = "apir.vhost.process_max_blob_bytes"
+# A front-end's memory table (SET_MEM_TABLE / ADD_MEM_REG): regions and their bytes, per VM
+# and for all VMs together. A region is mapped (address space) or read through a descriptor;
+# sparse memfds cost no memory, so the bytes bound address space, not RAM. Past one: that
+# front-end's message refused (REPLY_ACK status), logged.
+CONFIG_KEY_VHOST_MAX_MEM_REGIONS = "apir.vhost.max_mem_regions"
+DEFAULT_VHOST_MAX_MEM_REGIONS = 509  # VHOST_USER_MAX_RAM_SLOTS, what GET_MAX_MEM_SLOTS answers
+CONFIG_KEY_VHOST_PROCESS_MAX_MEM_REGIONS = "apir.vhost.process_max_mem_regions"
+DEFAULT_VHOST_PROCESS_MAX_MEM_REGIONS = 4096
+CONFIG_KEY_VHOST_MAX_MEM_BYTES = "apir.vhost.max_mem_bytes"
+DEFAULT_VHOST_MAX_MEM_BYTES = 1 << 40  # 1 TiB
+CONFIG_KEY_VHOST_PROCESS_MAX_MEM_BYTES = "apir.vhost.process_max_mem_bytes"
+DEFAULT_VHOST_PROCESS_MAX_MEM_BYTES = 16 << 40  # 16 TiB of x86-64's 128 TiB of user addresses
 
 # The environment variable each key falls back to when the configuration does not set it.
 ENV_FALLBACKS: Dict[str, str] = {
@@ -156,6 +204,15 @@ ENV_FALLBACKS: Dict[str, str] = {
     CONFIG_KEY_VHOST_MAX_RESOURCES: "APIR_VHOST_MAX_RESOURCES",
     CONFIG_KEY_VHOST_MAX_BLOB_BYTES: "APIR_VHOST_MAX_BLOB_BYTES",
     CONFIG_KEY_VHOST_BACKEND_TIMEOUT: "APIR_VHOST_BACKEND_TIMEOUT_S",
+    CONFIG_KEY_VHOST_MESSAGE_TIMEOUT: "APIR_VHOST_MESSAGE_TIMEOUT_S",
+    CONFIG_KEY_VHOST_MAX_FDS: "APIR_VHOST_MAX_FDS",
+    CONFIG_KEY_VHOST_PROCESS_MAX_FDS: "APIR_VHOST_PROCESS_MAX_FDS",
+    CONFIG_KEY_VHOST_PROCESS_MAX_BLOB_BYTES: "APIR_VHOST_PROCESS_MAX_BLOB_BYTES",
+    CONFIG_KEY_VHOST_MAX_MEM_REGIONS: "APIR_VHOST_MAX_MEM_REGIONS",
+    CONFIG_KEY_VHOST_PROCESS_MAX_MEM_REGIONS: "APIR_VHOST_PROCESS_MAX_MEM_REGIONS",
+    CONFIG_KEY_VHOST_MAX_MEM_BYTES: "APIR_VHOST_MAX_MEM_BYTES",
+    CONFIG_KEY_VHOST_PROCESS_MAX_MEM_BYTES: "APIR_VHOST_PROCESS_MAX_MEM_BYTES",
+    CONFIG_KEY_PEER_MEMORY_LIMIT: "APIR_HOST_PEER_MEMORY_LIMIT",
 }
 
 Number = Union[int, float]

@@ -7,7 +7,7 @@ import pytest
 from apir.codec.constants import CapsetApir
 from apir.codec.virtgpu import VirtioGpuCtrlType as T
 
-from .conftest import SHM_SIZE, wait_for
+from .conftest import SHM_SIZE, BusyContext, wait_for
 from .frontend import FakeFrontend, hdr, resp_type
 from .gpu import GUEST, create_blob, ctx_create, ctx_destroy, map_blob, res_cmd
 
@@ -304,3 +304,43 @@ def test_a_pause_keeps_the_guests_state(fe, server):
     assert resp_type(fe.command(ctx_create(1))) == T.RESP_ERR_INVALID_CONTEXT_ID  # still there
     assert resp_type(fe.command(res_cmd(T.CMD_RESOURCE_UNREF, 1))) == OK
     assert server.counts().contexts == 1
+
+
+def test_contexts_of_one_vm_are_one_peer_and_vms_are_not(make_server):
+    """The host's per-peer bounds (apir.host.peer) see a VM's contexts as one guest."""
+    seen = []
+
+    def factory(ctx_id, capset_id, config):
+        seen.append(config.get("apir.host.peer"))
+        return BusyContext()
+
+    a = FakeFrontend.connect(make_server("a.sock", context_factory=factory).path)
+    b = FakeFrontend.connect(make_server("b.sock", context_factory=factory).path)
+    try:
+        for fe in (a, a, b):
+            assert resp_type(fe.command(ctx_create(len(seen) + 1))) == OK
+    finally:
+        a.close()
+        b.close()
+    assert seen[0] == seen[1] != seen[2] and seen[0].endswith("a.sock") and seen[2].endswith("b.sock")
+
+
+def test_a_context_whose_thread_cannot_start_is_refused_and_closed(fe, server, monkeypatch):
+    from apir.host.vhost_user import gpu_device
+
+    closed = []
+
+    class NoThread:
+        def __init__(self, name):
+            raise RuntimeError("can't start new thread")
+
+    class Host(BusyContext):
+        def close(self):
+            closed.append(True)
+
+    server.session.device.context_factory = lambda *a: Host()
+    monkeypatch.setattr(gpu_device, "ContextWorker", NoThread)
+    assert resp_type(fe.command(ctx_create(1))) == T.RESP_ERR_OUT_OF_MEMORY
+    assert closed == [True] and server.counts().contexts == 0
+    monkeypatch.undo()
+    assert resp_type(fe.command(ctx_create(1))) == OK

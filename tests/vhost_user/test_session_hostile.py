@@ -17,7 +17,10 @@ crossing contexts and VMs. The device serves on after each (docs/security.md say
 """
 
 import os
+import socket
 import struct
+import threading
+import time
 
 import pytest
 
@@ -326,3 +329,82 @@ def test_fences_on_a_context_destroyed_mid_compute_are_all_answered_in_order(bus
     assert order == [2 * s for s in slots]
     assert srv.counts().contexts == 0
     served(fe)
+
+
+# --- deadlines: a message begun must end in time ---------------------------------------------
+def _trickle(path: str, data: bytes, stop: threading.Event) -> socket.socket:
+    """A front-end sending `data` a byte every 50 ms until `stop` (or the device hangs up)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+
+    def run():
+        for b in data:
+            if stop.wait(0.05):
+                return
+            try:
+                sock.send(bytes([b]))
+            except OSError:
+                return
+
+    threading.Thread(target=run, daemon=True).start()
+    return sock
+
+
+@pytest.mark.parametrize("what", ["header", "payload"])
+def test_a_message_trickled_a_byte_at_a_time_has_a_deadline(make_server, what):
+    """Each byte comes well within any per-recv timeout; the message as a whole does not come
+    within apir.vhost.message_timeout_s, and the session ends, freeing the socket's slot."""
+    server = make_server(config={"apir.vhost.message_timeout_s": "0.5"})
+    header = vu.HEADER.pack(vu.Request.SET_FEATURES, vu.FLAG_VERSION, 8 if what == "header" else 4096)
+    data = header if what == "header" else header + bytes(4096)
+    stop = threading.Event()
+    sock = _trickle(server.path, data[:-1] if what == "header" else data, stop)
+    try:
+        wait_for(lambda: server.sessions_served == 1, timeout=30, what="the trickling front-end dropped")
+    finally:
+        stop.set()
+        sock.close()
+    fe = FakeFrontend.connect(server.path)  # the next front-end is served
+    try:
+        assert resp_type(fe.command(hdr(T.CMD_GET_DISPLAY_INFO), 24 + 16 * 24)) == T.RESP_OK_DISPLAY_INFO
+    finally:
+        fe.close()
+
+
+def test_an_idle_front_end_is_not_dropped(make_server):
+    """The deadline starts at a message's first byte: a VM with nothing to say keeps its session."""
+    server = make_server(config={"apir.vhost.message_timeout_s": "0.2"})
+    fe = FakeFrontend.connect(server.path)
+    try:
+        time.sleep(0.5)
+        assert server.sessions_served == 0
+        assert resp_type(fe.command(hdr(T.CMD_GET_DISPLAY_INFO), 24 + 16 * 24)) == T.RESP_OK_DISPLAY_INFO
+    finally:
+        fe.close()
+
+
+def test_a_front_end_that_never_reads_its_replies_is_dropped(make_server):
+    """Requests that each have a reply, sent without reading one: once the socket's buffers
+    are full the device's send would wait for good; it waits apir.vhost.message_timeout_s."""
+    server = make_server(config={"apir.vhost.message_timeout_s": "0.5"})
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(server.path)
+    sock.settimeout(0.2)
+    stop = threading.Event()
+    request = vu.HEADER.pack(vu.Request.GET_FEATURES, vu.FLAG_VERSION, 0)
+
+    def flood():
+        while not stop.is_set():
+            try:
+                sock.send(request * 64)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+
+    threading.Thread(target=flood, daemon=True).start()
+    try:
+        wait_for(lambda: server.sessions_served == 1, timeout=60, what="the front-end that never reads dropped")
+    finally:
+        stop.set()
+        sock.close()

@@ -4,18 +4,19 @@ Theory of operation: the front-end hands over one end of a socket pair with SET_
 (protocol feature BACKEND_REQ). The device sends VHOST_USER_BACKEND_SHMEM_MAP with a blob's
 memfd to map it into the VIRTIO shared memory region at the offset the guest chose, and
 SHMEM_UNMAP to take it out again; both ask for QEMU's ack (NEED_REPLY, REPLY_ACK): a u64, 0 for
-success. Requests go one at a time (a lock), and the wait for the ack is bounded (`timeout_s`):
-QEMU acks from its main loop, and a front-end that never answers fails the request rather than
-the device. The front-end channel is served on another thread meanwhile, so QEMU may send its
-memory table changes (ADD_MEM_REG) before it acks.
+success. Requests go one at a time (a lock), and the wait for the ack has a deadline
+(`timeout_s` for the whole answer, however it is trickled): QEMU acks from its main loop, and a
+front-end that never answers fails the request rather than the device. The front-end channel
+is served on another thread meanwhile, so QEMU may send its memory table changes
+(ADD_MEM_REG) before it acks.
 """
 
 from __future__ import annotations
 
 import logging
-import select
 import socket
 import threading
+import time
 from typing import Optional
 
 from apir.errors import ApirError
@@ -28,6 +29,7 @@ from apir.host.vhost_user.protocol import (
     ProtocolError,
     recv_message,
     send_message,
+    set_send_timeout,
 )
 
 __all__ = ["BackendChannel", "BackendError", "SHMEM_MAP_RW"]
@@ -45,6 +47,7 @@ class BackendChannel:
     """The channel socket (owned: `close` closes it)."""
 
     def __init__(self, sock: socket.socket, timeout_s: float):
+        set_send_timeout(sock, timeout_s)  # QEMU not reading the channel fails the request too
         self.sock = sock
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
@@ -66,16 +69,10 @@ class BackendChannel:
                 raise BackendError("the back-end channel failed earlier")
             try:
                 send_message(self.sock, request, FLAG_NEED_REPLY, payload, () if fd is None else (fd,))
-                poller = select.poll()  # not select: the socket may be numbered past FD_SETSIZE
-                poller.register(self.sock, select.POLLIN)
-                ready = poller.poll(self.timeout_s * 1000)
-                if not ready:
-                    # A late ack would be taken for the next request's: the channel is done.
-                    self._broken = True
-                    raise BackendError(f"no ack to back-end request {request} within {self.timeout_s} s")
-                reply = recv_message(self.sock)
+                reply = recv_message(self.sock, deadline=time.monotonic() + self.timeout_s)
                 reply.close_fds()
             except (OSError, ProtocolError) as exc:
+                # A late ack would be taken for the next request's: the channel is done.
                 self._broken = True
                 raise BackendError(f"back-end request {request}: {exc}") from None
             if reply.request != request or not reply.flags & FLAG_REPLY or len(reply.payload) < U64.size:

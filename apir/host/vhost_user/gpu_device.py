@@ -15,7 +15,11 @@ pages, checked against the memory table. CTX_DESTROY cancels the context's compu
 HostContext and frees the blobs it created, leaving tombstones; `close` does the same for every
 context: the front-end is gone. Every field of a command is the guest's: a bad one gets a
 VIRTIO_GPU_RESP_ERR_* response, and the next command is served. What one VM may hold is
-bounded (apir.host.config: apir.vhost.*). docs/vm.md ("What the device does") has the details.
+bounded, and so is what all VMs of the process hold together (apir.host.vhost_user.
+process_limits: descriptors, blob bytes; apir.host.config: apir.vhost.*); a blob keeps only the
+descriptors it needs (its memfd while it can be mapped). Contexts of one device are one peer
+(`peer`: apir.host.peer), sharing the host's per-peer bounds. docs/vm.md ("What the device
+does") has the details.
 """
 
 from __future__ import annotations
@@ -44,10 +48,9 @@ from apir.codec.virtgpu import (
     VirtioGpuCtrlType as T,
 )
 from apir.host.config import (
-    CONFIG_KEY_VHOST_MAX_BLOB_BYTES,
+    CONFIG_KEY_PEER,
     CONFIG_KEY_VHOST_MAX_CONTEXTS,
     CONFIG_KEY_VHOST_MAX_RESOURCES,
-    DEFAULT_VHOST_MAX_BLOB_BYTES,
     DEFAULT_VHOST_MAX_CONTEXTS,
     DEFAULT_VHOST_MAX_RESOURCES,
     config_limit,
@@ -78,6 +81,8 @@ from apir.host.vhost_user.gpu_wire import (
     unpack_body,
 )
 from apir.host.vhost_user.memory import GuestMemory
+from apir.host.vhost_user.process_limits import BLOB_BYTES, FDS, MMAP_HOLDS_FD, map_fd
+from apir.host.vhost_user.protocol import close_quietly
 
 __all__ = ["GpuDevice", "DeviceCounts", "CAPSET_MAX_VERSION", "MAX_GUEST_ENTRIES", "DISPLAY_SIZE"]
 
@@ -101,7 +106,9 @@ Send = Callable[[bytes], None]
 
 @dataclass
 class _Blob:
-    """One resource. `fd`/`mm`: a HOST3D blob's memfd and mapping (None once freed);
+    """One resource. `mm`: a HOST3D blob's mapping (None once freed), `fd` its memfd while it
+    can be mapped into the host-visible region (a blob without USE_MAPPABLE keeps none),
+    `charge` what both hold of the front-end's share;
     `entries`: a GUEST blob's pages; `attached`: contexts it is attached to; `hosts`: contexts
     whose HostContext holds it or will (a job posted); `doomed`: its memory goes once no
     HostContext can hold it."""
@@ -118,6 +125,7 @@ class _Blob:
     hosts: Dict[int, int] = field(default_factory=dict)  # ctx_id -> registrations posted, not undone
     mapped_at: Optional[int] = None
     doomed: bool = False
+    charge: Dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -144,7 +152,9 @@ class DeviceCounts:
 class GpuDevice:
     """The virtio-gpu state of one front-end. `memory`: its memory table (GUEST blobs);
     `capsets`: the capset ids offered, in GET_CAPSET_INFO order; `shm_size`: bytes of the
-    host-visible region; `backend`: the back-end channel, once the front-end gave one."""
+    host-visible region; `backend`: the back-end channel, once the front-end gave one;
+    `peer`: who its contexts belong to (apir.host.peer; default: this device alone). Blobs
+    are charged to `memory.share`, the front-end's bounds."""
 
     def __init__(
         self,
@@ -153,8 +163,10 @@ class GpuDevice:
         config: Optional[dict] = None,
         capsets: Tuple[int, ...] = (VIRTGPU_DRM_CAPSET_APIR,),
         shm_size: int = 0,
+        peer: Optional[str] = None,
     ):
         self.memory = memory
+        self.peer = peer if peer is not None else f"vhost-user-device-{id(self):x}"
         self.context_factory = context_factory
         self.config = config
         self.capsets = capsets
@@ -162,12 +174,10 @@ class GpuDevice:
         self.backend: Optional[BackendChannel] = None
         self.max_contexts = int(config_limit(config, CONFIG_KEY_VHOST_MAX_CONTEXTS, DEFAULT_VHOST_MAX_CONTEXTS))
         self.max_resources = int(config_limit(config, CONFIG_KEY_VHOST_MAX_RESOURCES, DEFAULT_VHOST_MAX_RESOURCES))
-        self.max_blob_bytes = int(config_limit(config, CONFIG_KEY_VHOST_MAX_BLOB_BYTES, DEFAULT_VHOST_MAX_BLOB_BYTES))
         self.contexts: Dict[int, _Context] = {}
         self.resources: Dict[int, _Blob] = {}
         self._closing: Dict[int, _Context] = {}  # destroyed, HostContext not closed yet
         self._dying: List[_Blob] = []  # unreferenced, memory held by a HostContext still
-        self._blob_bytes = 0
         self._lock = threading.RLock()  # the tables; never held while a HostContext runs
         self._fences = FenceOrder()
         self.closed = False
@@ -264,12 +274,18 @@ class GpuDevice:
                 raise GpuError(
                     T.RESP_ERR_OUT_OF_MEMORY, f"{self.max_contexts} contexts already ({CONFIG_KEY_VHOST_MAX_CONTEXTS})"
                 )
+            config = dict(self.config or {})
+            config.setdefault(CONFIG_KEY_PEER, self.peer)
             try:
-                host = self.context_factory(hdr.ctx_id, capset_id, self.config)
+                host = self.context_factory(hdr.ctx_id, capset_id, config)
             except Exception as exc:
                 log.exception("context %d: creation failed", hdr.ctx_id)
                 raise GpuError(T.RESP_ERR_UNSPEC, f"context creation failed: {exc}") from None
-            worker = ContextWorker(f"apir-vgpu-ctx-{hdr.ctx_id}")
+            try:
+                worker = ContextWorker(f"apir-vgpu-ctx-{hdr.ctx_id}")
+            except RuntimeError as exc:  # no thread to be had (RLIMIT_NPROC, memory): this VM's error
+                _close_quietly(host, hdr.ctx_id)
+                raise GpuError(T.RESP_ERR_OUT_OF_MEMORY, f"context {hdr.ctx_id}: no thread: {exc}") from None
             self.contexts[hdr.ctx_id] = _Context(hdr.ctx_id, capset_id, name, host, worker)
         log.info("context %d created (capset %d, %r)", hdr.ctx_id, capset_id, name)
         return response(hdr, T.RESP_OK_NODATA)
@@ -301,10 +317,7 @@ class GpuDevice:
         ctx.worker.post(lambda: self._close_host(ctx))
 
     def _close_host(self, ctx: _Context) -> None:
-        try:
-            ctx.host.close()
-        except Exception:  # noqa: BLE001
-            log.exception("context %d: close failed", ctx.ctx_id)
+        _close_quietly(ctx.host, ctx.ctx_id)
         with self._lock:
             self._closing.pop(ctx.ctx_id, None)
             for blob in list(self.resources.values()) + list(self._dying):
@@ -359,16 +372,16 @@ class GpuDevice:
 
     def _maybe_free(self, blob: _Blob) -> None:
         """Frees a doomed blob's memory once no HostContext holds it (lock held)."""
-        if not blob.doomed or blob.hosts or blob.fd is None:
+        if not blob.doomed or blob.hosts or blob.mm is None:
             return
-        if blob.mm is not None:
-            try:
-                blob.mm.close()
-            except BufferError:  # a view still alive: the collector unmaps it later
-                log.error("blob %d: memory still in use; left to the collector", blob.res_id)
-        os.close(blob.fd)
+        try:
+            blob.mm.close()
+        except BufferError:  # a view still alive: the collector unmaps it later
+            log.error("blob %d: memory still in use; left to the collector", blob.res_id)
+        close_quietly(blob.fd)
         blob.fd, blob.mm = None, None
-        self._blob_bytes -= _page_round(blob.size)
+        self.memory.share.give(blob.charge)
+        blob.charge = {}
         if blob in self._dying:
             self._dying.remove(blob)
 
@@ -404,25 +417,29 @@ class GpuDevice:
         if nr_entries or blob_id:
             raise GpuError(T.RESP_ERR_INVALID_PARAMETER, f"HOST3D blob with {nr_entries} entries, blob_id {blob_id}")
         rounded = _page_round(size)
-        if rounded > self.max_blob_bytes - self._blob_bytes:
-            raise GpuError(
-                T.RESP_ERR_OUT_OF_MEMORY,
-                f"{size} bytes over the blob limit ({self._blob_bytes} of {self.max_blob_bytes} held)",
-            )
-        fd = -1
+        # The memfd is kept only while SHMEM_MAP may need it; the mapping's own copy (before
+        # Python 3.13) lives as long as the mapping.
+        keep_fd = bool(flags & VIRTGPU_BLOB_FLAG_USE_MAPPABLE)
+        charge = {FDS: int(keep_fd) + int(MMAP_HOLDS_FD), BLOB_BYTES: rounded}
+        why = self.memory.share.take(charge)
+        if why is not None:
+            raise GpuError(T.RESP_ERR_OUT_OF_MEMORY, f"blob {res_id} of {size} bytes: {why}")
+        fd: Optional[int] = None
         try:
             fd = os.memfd_create(f"apir-vgpu-blob-{res_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(fd, rounded)
             # SHMEM_MAP gives this file to the front-end: sealed, it cannot truncate it under
             # the HostContext (a host access past the end would be SIGBUS, the host process gone).
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            mm = mmap.mmap(fd, rounded)
+            mm = map_fd(fd, rounded)
         except (OSError, OverflowError, ValueError) as exc:
-            if fd >= 0:
-                os.close(fd)
+            close_quietly(fd)
+            self.memory.share.give(charge)
             raise GpuError(T.RESP_ERR_OUT_OF_MEMORY, f"blob of {size} bytes: {exc}") from None
-        blob = _Blob(res_id, VIRTGPU_BLOB_MEM_HOST3D, flags, size, ctx.ctx_id, fd=fd, mm=mm)
-        self._blob_bytes += rounded
+        if not keep_fd:
+            close_quietly(fd)
+            fd = None
+        blob = _Blob(res_id, VIRTGPU_BLOB_MEM_HOST3D, flags, size, ctx.ctx_id, fd=fd, mm=mm, charge=charge)
         self._register(ctx, blob)
         return blob
 
@@ -476,7 +493,7 @@ class GpuDevice:
             self._shmem_unmap(blob)
         with self._lock:
             blob.doomed = True
-            if blob.fd is not None:
+            if blob.mm is not None:
                 self._dying.append(blob)
             self._detach_everywhere(blob)
         return response(hdr, T.RESP_OK_NODATA)
@@ -563,7 +580,7 @@ class GpuDevice:
         with self._lock:
             c = DeviceCounts(contexts=len(self.contexts), closing_contexts=len(self._closing))
             for blob in list(self.resources.values()) + self._dying:
-                if blob.fd is not None:
+                if blob.mm is not None:
                     c.blobs += 1
                     c.blob_bytes += _page_round(blob.size)
             for ctx in self.contexts.values():
@@ -602,7 +619,7 @@ class GpuDevice:
             for blob in list(self.resources.values()):
                 blob.doomed = True
                 blob.mapped_at = None  # QEMU drops the region's mappings with the device
-                if blob.fd is not None:
+                if blob.mm is not None:
                     self._dying.append(blob)
                 self._detach_everywhere(blob)
             self.resources.clear()
@@ -612,6 +629,13 @@ class GpuDevice:
         for worker in workers:
             if not worker.join(timeout_s):
                 log.error("%s still running after %s s: its memory stays until it ends", worker.name, timeout_s)
+
+
+def _close_quietly(host: ApirContext, ctx_id: int) -> None:
+    try:
+        host.close()
+    except Exception:  # noqa: BLE001
+        log.exception("context %d: close failed", ctx_id)
 
 
 def _check_backlog(ctx: _Context) -> None:

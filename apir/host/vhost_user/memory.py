@@ -16,6 +16,10 @@ against shrinking (QEMU's memory-backend-memfd, seal=on by default) is mapped; a
 regular file is read and written with pread / pwrite on a descriptor of its own, where a
 truncated range is a short read (GuestMemoryError), not a fault. A file that takes no
 pwrite (hugetlbfs) must be sealed; anything else (a pipe, a device) is refused.
+
+What the regions hold (their count, bytes of address space, descriptors) is charged to the
+front-end's `Share` before a region is made (apir.host.vhost_user.process_limits): a table
+past its bounds is refused, however sparse its files.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ import mmap
 import os
 import stat
 import threading
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
 
 from apir.errors import ApirError
+from apir.host.vhost_user.process_limits import FDS, MEM_BYTES, MEM_REGIONS, MMAP_HOLDS_FD, Share, map_fd
 from apir.host.vhost_user.protocol import close_quietly
 
 __all__ = ["GuestMemory", "GuestMemoryError", "Region", "MAX_MEM_SLOTS"]
@@ -49,7 +54,8 @@ class GuestMemoryError(ApirError, ValueError):
 class Region:
     """One memory table entry: guest `gpa`, `size` bytes, QEMU's `uva`. Either mapped (`mm`,
     whose byte `delta` is guest byte `gpa`) or, for a file that can shrink under us, reached
-    through `fd` (its own descriptor), where guest byte `gpa` is file byte `delta`."""
+    through `fd` (its own descriptor), where guest byte `gpa` is file byte `delta`. `charge`:
+    what it holds of `share`, given back by `close`."""
 
     gpa: int
     size: int
@@ -57,6 +63,8 @@ class Region:
     mm: Optional[mmap.mmap]
     delta: int
     fd: Optional[int] = None
+    share: Optional[Share] = None
+    charge: Dict[str, int] = field(default_factory=dict)
 
     def read(self, off: int, n: int) -> bytes:
         """n bytes at offset `off` of the mapping or file. Raises GuestMemoryError."""
@@ -91,12 +99,14 @@ class Region:
     def close(self) -> None:
         close_quietly(self.fd)
         self.fd = None
-        if self.mm is None:
-            return
-        try:
-            self.mm.close()
-        except BufferError:  # an export still alive (should not happen: only copies go out)
-            log.error("guest memory region gpa=%#x still exported; left to the collector", self.gpa)
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # an export still alive (should not happen: only copies go out)
+                log.error("guest memory region gpa=%#x still exported; left to the collector", self.gpa)
+        if self.share is not None and self.charge:
+            self.share.give(self.charge)
+            self.charge = {}
 
 
 def _shrink_sealed(fd: int) -> bool:
@@ -107,27 +117,41 @@ def _shrink_sealed(fd: int) -> bool:
 
 
 class GuestMemory:
-    """The memory table of one front-end. Thread-safe."""
+    """The memory table of one front-end, charged to `share` (its bounds). Thread-safe."""
 
-    def __init__(self, max_regions: int = MAX_MEM_SLOTS):
-        self.max_regions = max_regions
+    def __init__(self, share: Optional[Share] = None):
+        self.share = share if share is not None else Share()
         self._regions: List[Region] = []
         self._lock = threading.Lock()
 
     # --- the table --------------------------------------------------------------------------
-    @staticmethod
-    def map_region(fd: int, gpa: int, size: int, uva: int, mmap_offset: int) -> Region:
-        """Maps `size` bytes at `mmap_offset` of `fd` (the caller closes fd). Raises
-        GuestMemoryError for an empty or wrapping region or one mmap cannot express, OSError
-        or ValueError (past the file's end) when mmap fails."""
+    def map_region(self, fd: int, gpa: int, size: int, uva: int, mmap_offset: int) -> Region:
+        """Maps `size` bytes at `mmap_offset` of `fd` (the caller closes fd), charged to the
+        share first. Raises GuestMemoryError for an empty or wrapping region, one mmap cannot
+        express or one past the share's bounds, OSError or ValueError (past the file's end)
+        when mmap fails."""
         if size <= 0 or gpa + size > _ADDR_LIMIT or uva + size > _ADDR_LIMIT or mmap_offset + size > _ADDR_LIMIT:
             raise GuestMemoryError(f"bad memory region gpa={gpa:#x} size={size:#x} offset={mmap_offset:#x}")
-        if not _shrink_sealed(fd):
-            return GuestMemory._file_region(fd, gpa, size, uva, mmap_offset)
+        sealed = _shrink_sealed(fd)
+        charge = {MEM_REGIONS: 1, MEM_BYTES: size, FDS: 1 if not sealed or MMAP_HOLDS_FD else 0}
+        why = self.share.take(charge)
+        if why is not None:
+            raise GuestMemoryError(f"memory region gpa={gpa:#x} size={size:#x}: {why}")
+        try:
+            make = self._mapped if sealed else self._file_region
+            region = make(fd, gpa, size, uva, mmap_offset)
+        except BaseException:
+            self.share.give(charge)
+            raise
+        region.share, region.charge = self.share, charge
+        return region
+
+    @staticmethod
+    def _mapped(fd: int, gpa: int, size: int, uva: int, mmap_offset: int) -> Region:
         start = mmap_offset - mmap_offset % _PAGE
         delta = mmap_offset - start
         try:
-            mm = mmap.mmap(fd, size + delta, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+            mm = map_fd(fd, size + delta, start)
         except OverflowError:  # a length over ssize_t or an offset over off_t: refused, not a crash
             raise GuestMemoryError(f"memory region size={size:#x} offset={mmap_offset:#x} cannot be mapped") from None
         return Region(gpa, size, uva, mm, delta)
@@ -194,9 +218,12 @@ class GuestMemory:
         for r in old:
             r.close()
 
+    @property
+    def max_regions(self) -> int:
+        """The regions this front-end may hold (what GET_MAX_MEM_SLOTS answers)."""
+        return min(MAX_MEM_SLOTS, self.share.own[MEM_REGIONS])
+
     def _check(self, regions: List[Region]) -> None:
-        if len(regions) > self.max_regions:
-            raise GuestMemoryError(f"{len(regions)} memory regions (at most {self.max_regions})")
         ordered = sorted(regions, key=lambda r: r.gpa)
         for a, b in zip(ordered, ordered[1:]):
             if a.gpa + a.size > b.gpa:

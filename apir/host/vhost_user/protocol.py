@@ -6,7 +6,11 @@ payload, and file descriptors as SCM_RIGHTS ancillary data of the header's first
 `vhost_user_write`, docs/interop/vhost-user.rst). The back-end channel (SET_BACKEND_REQ_FD)
 uses the same framing with the back-end's own request numbers. `recv_message` reads one
 message and refuses what no well-behaved front-end sends (a wrong version, a payload larger
-than MAX_PAYLOAD, more than MAX_FDS descriptors), closing any descriptors it took.
+than MAX_PAYLOAD, more than MAX_FDS descriptors), closing any descriptors it took. Its waits
+have deadlines, not per-recv timeouts: a message begun must be complete within
+`message_timeout_s` of its first byte, and a whole read can be bounded by `deadline` (a reply
+awaited), so a peer trickling bytes holds nothing longer than that; `set_send_timeout` bounds
+a send to a peer that does not read.
 
 Numbers: QEMU 11.1.3's (the SHMEM protocol feature is bit 22 there; docs/vm.md).
 Pure codec: sockets in, tuples out; no device state.
@@ -16,8 +20,10 @@ from __future__ import annotations
 
 import enum
 import os
+import select
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -44,6 +50,7 @@ __all__ = [
     "recv_message",
     "send_message",
     "close_quietly",
+    "set_send_timeout",
     "MEMORY_REGION",
     "VRING_STATE",
     "VRING_ADDR",
@@ -170,9 +177,32 @@ def close_quietly(fd: Optional[int]) -> None:
         pass
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def set_send_timeout(sock: socket.socket, seconds: float) -> None:
+    """A send that cannot go on for `seconds` (the peer reads nothing) fails with an OSError
+    instead of blocking for good (SO_SNDTIMEO; receives are left as they are)."""
+    whole = int(seconds)
+    tv = struct.pack("@ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def _wait_readable(sock: socket.socket, deadline: Optional[float]) -> None:
+    """Returns once `sock` has bytes (or EOF) to read; ProtocolError past `deadline`."""
+    if deadline is None:
+        return
+    poller = select.poll()  # not select: the socket may be numbered past FD_SETSIZE
+    poller.register(sock, select.POLLIN)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ProtocolError("the peer did not complete its message in time")
+        if poller.poll(left * 1000):
+            return
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
     data = bytearray()
     while len(data) < n:
+        _wait_readable(sock, deadline)
         chunk = sock.recv(n - len(data))
         if not chunk:
             raise PeerClosed("peer closed the socket mid-message")
@@ -180,12 +210,20 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
-def recv_message(sock: socket.socket) -> Message:
+def recv_message(
+    sock: socket.socket, message_timeout_s: Optional[float] = None, deadline: Optional[float] = None
+) -> Message:
     """Reads one message. Raises PeerClosed at EOF, ProtocolError for a bad header (wrong
     version bits, payload over MAX_PAYLOAD, more than MAX_FDS descriptors, truncated
-    ancillary data); descriptors of a refused message are closed."""
+    ancillary data) or a deadline passed: the whole read's `deadline` (time.monotonic), or
+    `message_timeout_s` after the message's first byte. Descriptors of a refused message are
+    closed."""
     fds: List[int] = []
+    _wait_readable(sock, deadline)
     data, anc, msg_flags, _ = sock.recvmsg(HEADER.size, socket.CMSG_SPACE(MAX_FDS * 4))
+    if message_timeout_s is not None:
+        rest = time.monotonic() + message_timeout_s
+        deadline = rest if deadline is None else min(deadline, rest)
     for level, kind, cdata in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             usable = len(cdata) - len(cdata) % 4
@@ -196,13 +234,13 @@ def recv_message(sock: socket.socket) -> Message:
         if msg_flags & socket.MSG_CTRUNC:
             raise ProtocolError(f"more than {MAX_FDS} descriptors in one message")
         if len(data) < HEADER.size:
-            data += _recv_exact(sock, HEADER.size - len(data))
+            data += _recv_exact(sock, HEADER.size - len(data), deadline)
         request, flags, size = HEADER.unpack(data)
         if flags & _VERSION_MASK != FLAG_VERSION:
             raise ProtocolError(f"request {request}: protocol version {flags & _VERSION_MASK}, expected 1")
         if size > MAX_PAYLOAD:
             raise ProtocolError(f"request {request}: payload of {size} bytes (at most {MAX_PAYLOAD})")
-        payload = _recv_exact(sock, size) if size else b""
+        payload = _recv_exact(sock, size, deadline) if size else b""
     except BaseException:
         for fd in fds:
             close_quietly(fd)

@@ -5,7 +5,10 @@ default 0600, whatever the umask). Its thread accepts a front-end and serves it 
 `FrontendSession` until it goes away (the VM stopped, was killed, or QEMU reconnects), then
 accepts the next: one VM per socket, as vhost-user has it. Everything that VM held is freed
 when its session ends. Several servers (one socket each) can share a process: one host for
-paired VMs.
+paired VMs; what they hold together is bounded (apir.host.vhost_user.process_limits), and each
+VM is a peer of its own (apir.host.peer: the socket's path) for the host's per-peer bounds.
+Whatever fails in accepting or setting up one front-end (EMFILE, a thread that cannot start)
+is logged and that connection closed; the listener goes on.
 """
 
 from __future__ import annotations
@@ -73,7 +76,9 @@ class VhostUserServer:
         )
 
     def make_device(self, memory: GuestMemory) -> GpuDevice:
-        return GpuDevice(memory, self.context_factory, self.config, self.capsets, self.shm_size)
+        return GpuDevice(
+            memory, self.context_factory, self.config, self.capsets, self.shm_size, peer=f"vhost-user:{self.path}"
+        )
 
     def serve_forever(self) -> None:
         while not self._closed:
@@ -86,14 +91,28 @@ class VhostUserServer:
                 log.error("%s: accept failed: %s", self.path, exc)
                 time.sleep(_ACCEPT_BACKOFF_S)
                 continue
-            session = FrontendSession(sock, self.make_device, self.config, name=f"vhost-user {self.path}")
-            with self._lock:
-                if self._closed:
-                    session.close()
-                    return
-                self.session = session
-            log.info("%s: front-end connected", self.path)
+            try:
+                self._serve(sock)
+            except Exception:  # noqa: BLE001 - one front-end's set-up failing must not end the listener
+                log.exception("%s: front-end dropped: its session could not be set up", self.path)
+                _close_socket(sock)
+                with self._lock:
+                    self.session = None
+                time.sleep(_ACCEPT_BACKOFF_S)
+
+    def _serve(self, sock: socket.socket) -> None:
+        """Serves one front-end until it goes away. Raises when its session cannot be made
+        (the socket is then the caller's to close)."""
+        session = FrontendSession(sock, self.make_device, self.config, name=f"vhost-user {self.path}")
+        with self._lock:
+            if self._closed:
+                session.close()
+                return
+            self.session = session
+        log.info("%s: front-end connected", self.path)
+        try:
             session.run()
+        finally:
             with self._lock:
                 self.session = None
                 self.sessions_served += 1
@@ -133,6 +152,13 @@ class VhostUserServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _close_socket(sock: socket.socket) -> None:
+    try:
+        sock.close()
+    except OSError:
+        pass
 
 
 def _remove_stale_socket(path: str) -> None:

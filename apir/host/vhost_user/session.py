@@ -29,13 +29,15 @@ from apir.errors import ApirError
 from apir.codec.virtgpu import VIRTIO_GPU_SHM_ID_HOST_VISIBLE, VirtioGpuCtrlType, VirtioGpuFeature
 from apir.host.config import (
     CONFIG_KEY_VHOST_BACKEND_TIMEOUT,
+    CONFIG_KEY_VHOST_MESSAGE_TIMEOUT,
     DEFAULT_VHOST_BACKEND_TIMEOUT_S,
+    DEFAULT_VHOST_MESSAGE_TIMEOUT_S,
     config_limit,
 )
 from apir.host.vhost_user.backend_channel import BackendChannel
 from apir.host.vhost_user.gpu_device import GpuDevice, Send
 from apir.host.vhost_user.gpu_wire import NO_HEADER, response
-from apir.host.vhost_user.memory import MAX_MEM_SLOTS, GuestMemory, GuestMemoryError
+from apir.host.vhost_user.memory import GuestMemory, GuestMemoryError
 from apir.host.vhost_user.protocol import (
     CONFIG_HEADER,
     F_PROTOCOL_FEATURES,
@@ -56,7 +58,9 @@ from apir.host.vhost_user.protocol import (
     close_quietly,
     recv_message,
     send_message,
+    set_send_timeout,
 )
+from apir.host.vhost_user.process_limits import Share
 from apir.host.vhost_user.virtqueue import Chain, QueueError, Virtqueue
 
 __all__ = ["FrontendSession", "DEVICE_FEATURES", "PROTOCOL_FEATURES", "NUM_QUEUES", "CONFIG_SIZE"]
@@ -110,7 +114,7 @@ class FrontendSession:
     ):
         self.sock = sock
         self.name = name
-        self.memory = GuestMemory()
+        self.memory = GuestMemory(Share(config))
         self.device = device_factory(self.memory)
         self.queues = [
             Virtqueue(CONTROL_QUEUE, self.memory, MAX_CONTROL_CHAIN),
@@ -119,6 +123,11 @@ class FrontendSession:
         self.backend_timeout_s = float(
             config_limit(config, CONFIG_KEY_VHOST_BACKEND_TIMEOUT, DEFAULT_VHOST_BACKEND_TIMEOUT_S)
         )
+        self.message_timeout_s = float(
+            config_limit(config, CONFIG_KEY_VHOST_MESSAGE_TIMEOUT, DEFAULT_VHOST_MESSAGE_TIMEOUT_S)
+        )
+        # a front-end that stops reading our replies ends its session, not the thread serving it
+        set_send_timeout(sock, self.message_timeout_s)
         self.features = 0
         self.protocol_features = 0
         self.shmem_config_sent = False
@@ -134,7 +143,7 @@ class FrontendSession:
             Request.GET_PROTOCOL_FEATURES: lambda m: U64.pack(PROTOCOL_FEATURES),
             Request.SET_PROTOCOL_FEATURES: self._set_protocol_features,
             Request.GET_QUEUE_NUM: lambda m: U64.pack(NUM_QUEUES),
-            Request.GET_MAX_MEM_SLOTS: lambda m: U64.pack(MAX_MEM_SLOTS),
+            Request.GET_MAX_MEM_SLOTS: lambda m: U64.pack(self.memory.max_regions),
             Request.SET_MEM_TABLE: self._set_mem_table,
             Request.ADD_MEM_REG: self._add_mem_reg,
             Request.REM_MEM_REG: self._rem_mem_reg,
@@ -167,10 +176,10 @@ class FrontendSession:
     def run(self) -> None:
         """Serves the front-end until it closes the socket or breaks the protocol; then
         tears everything down. Never raises for front-end or guest input."""
-        self._queue_thread.start()
         try:
+            self._queue_thread.start()
             while True:
-                msg = recv_message(self.sock)
+                msg = recv_message(self.sock, self.message_timeout_s)
                 try:
                     self._dispatch(msg)
                 finally:
@@ -274,7 +283,7 @@ class FrontendSession:
         try:
             for i in range(count):
                 gpa, size, uva, offset = MEMORY_REGION.unpack_from(msg.payload, 8 + i * MEMORY_REGION.size)
-                regions.append(GuestMemory.map_region(msg.fds[i], gpa, size, uva, offset))
+                regions.append(self.memory.map_region(msg.fds[i], gpa, size, uva, offset))
         except BaseException:
             for r in regions:
                 r.close()
@@ -293,7 +302,7 @@ class FrontendSession:
         if fd is None:
             raise _Refused("ADD_MEM_REG without a descriptor")
         try:
-            region = GuestMemory.map_region(fd, gpa, size, uva, offset)
+            region = self.memory.map_region(fd, gpa, size, uva, offset)
         finally:
             close_quietly(fd)
         self.memory.add(region)
