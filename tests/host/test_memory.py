@@ -80,9 +80,10 @@ def host_memory():
     """The process-wide pool, checked to be back where it started after the test."""
     from apir.host.backend.budget import HOST_MEMORY
 
-    before = HOST_MEMORY.used
+    before, peers = HOST_MEMORY.used, dict(HOST_MEMORY.by_peer)
     yield HOST_MEMORY
     assert HOST_MEMORY.used == before, "a closed context left bytes charged"
+    assert HOST_MEMORY.by_peer == peers, "a closed context left bytes charged to its peer"
 
 
 def test_default_context_budget_is_well_below_the_device_memory(ggml, host_memory):
@@ -95,6 +96,8 @@ def test_default_context_budget_is_well_below_the_device_memory(ggml, host_memor
     assert limits.context_bytes == total.value // 2
     assert limits.host_bytes == total.value * 3 // 4
     assert limits.max_buffers == 4096
+    assert limits.peer is None  # no peer named: a peer of its own
+    assert limits.peer_bytes == total.value // 2
     # a buffer of the whole device memory, which the old default (the device total) allowed
     assert _alloc(g, total.value // 2 + 4096) == 0
     _serves(g)
@@ -111,6 +114,28 @@ def test_host_wide_limit_is_shared_by_contexts(ggml, host_memory):
     assert _alloc(b, 400 << 10)
     a.close()  # a's bytes go back to the host
     assert _alloc(b, 600 << 10)
+    b.close()
+
+
+def test_two_contexts_of_one_peer_share_its_limit(ggml, host_memory):
+    """A guest's second context does not double its share of the process's pool: the other
+    peers keep theirs."""
+    limits = {
+        "apir.host.buffer_budget": str(1 << 20),
+        "apir.host.peer_memory_limit": str(1 << 20),
+        "apir.host.memory_limit": str(host_memory.used + (3 << 20)),
+    }
+    a1, a2 = (Guest(HostContext(60 + i, dict(limits, **{"apir.host.peer": "vm-a"}))) for i in range(2))
+    b = Guest(HostContext(62, dict(limits, **{"apir.host.peer": "vm-b"})))
+    assert _alloc(a1, 600 << 10)
+    assert _alloc(a2, 600 << 10) == 0  # within a2's own budget, over vm-a's
+    _serves(a2)
+    assert _alloc(a2, 300 << 10)
+    assert _alloc(b, 900 << 10)  # vm-b is not starved by vm-a's two contexts
+    assert (host_memory.by_peer["vm-a"], host_memory.by_peer["vm-b"]) == (900 << 10, 900 << 10)
+    a1.close()  # its bytes go back to its peer
+    assert _alloc(a2, 600 << 10)
+    a2.close()
     b.close()
 
 

@@ -5,13 +5,20 @@ it or device_buffer_from_ptr wrapped a blob in it, is charged when it is made an
 it is freed (free_buffer, a removed blob, the context's close). The charge is the buffer's size
 but at least `MIN_BUFFER_CHARGE` bytes (and at least the buffer type's alignment): a size-0
 buffer still costs the host a ggml buffer, a handle and a table entry. A charge must fit all
-three bounds below, or the buffer is not made (the guest gets a null handle, as from a failed
+bounds below, or the buffer is not made (the guest gets a null handle, as from a failed
 ggml allocation):
 
-    apir.host.buffer_budget  bytes one context may hold; default half the device's total memory
-    apir.host.memory_limit   bytes all contexts of this host process may hold together;
-                             default three quarters of the device's total memory
-    apir.host.max_buffers    buffers one context may hold at once; default 4096
+    apir.host.buffer_budget       bytes one context may hold; default half the device's total
+                                  memory
+    apir.host.peer_memory_limit   bytes all contexts of one peer (apir.host.peer: a VM, a
+                                  socket host's client) may hold together; default half the
+                                  device's total memory, so a guest's second context shares
+                                  its first one's half and the others keep a quarter at least
+    apir.host.memory_limit        bytes all contexts of this host process may hold together;
+                                  default three quarters of the device's total memory
+    apir.host.max_buffers         buffers one context may hold at once; default 4096
+
+A context whose configuration names no peer is a peer of its own (its budget bounds it).
 
 The device's total memory is `ggml_backend_dev_memory`'s, or the machine's physical memory when
 the device reports none. A value that is not a non-negative integer is logged and taken as 0, so
@@ -25,12 +32,14 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 from apir.host.config import (
     CONFIG_KEY_BUFFER_BUDGET,
     CONFIG_KEY_MAX_BUFFERS,
     CONFIG_KEY_MEMORY_LIMIT,
+    CONFIG_KEY_PEER,
+    CONFIG_KEY_PEER_MEMORY_LIMIT,
     DEFAULT_MAX_BUFFERS,
 )
 
@@ -49,6 +58,7 @@ MIN_BUFFER_CHARGE = 4096  # bytes: what a buffer costs at least (a page)
 # Defaults as fractions of the device's total memory: one context may not take it all, and
 # all contexts together leave the host room of its own.
 _CONTEXT_SHARE = (1, 2)
+_PEER_SHARE = (1, 2)
 _HOST_SHARE = (3, 4)
 
 
@@ -61,24 +71,43 @@ def physical_memory() -> int:
 
 
 class HostMemory:
-    """Bytes of ggml buffers held by every context of this process. Thread-safe: contexts of
-    the socket host run on their own threads."""
+    """Bytes of ggml buffers held by every context of this process (`used`) and by each
+    peer's contexts (`by_peer`). Thread-safe: contexts run on threads of their own."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self.used = 0
+        self.by_peer: Dict[str, int] = {}
 
-    def take(self, nbytes: int, limit: int) -> bool:
-        """Adds `nbytes` if the total stays within `limit`; whether it did."""
+    def take(self, nbytes: int, limit: int, peer: Optional[str] = None, peer_limit: int = 0) -> Optional[str]:
+        """Adds `nbytes` if the process's total stays within `limit` and, for a `peer`, that
+        peer's within `peer_limit`; None, or why not (nothing added)."""
         with self._lock:
+            held = self.by_peer.get(peer, 0) if peer is not None else 0
+            if peer is not None and held + nbytes > peer_limit:
+                return (
+                    f"{nbytes} more bytes over the peer's limit ({CONFIG_KEY_PEER_MEMORY_LIMIT}): "
+                    f"{held} of {peer_limit} held by its contexts"
+                )
             if self.used + nbytes > limit:
-                return False
+                return (
+                    f"{nbytes} more bytes over the host's limit ({CONFIG_KEY_MEMORY_LIMIT}): "
+                    f"{self.used} of {limit} held by all contexts"
+                )
             self.used += nbytes
-            return True
+            if peer is not None:
+                self.by_peer[peer] = held + nbytes
+            return None
 
-    def give(self, nbytes: int) -> None:
+    def give(self, nbytes: int, peer: Optional[str] = None) -> None:
         with self._lock:
             self.used -= nbytes
+            if peer is not None:
+                left = self.by_peer.get(peer, 0) - nbytes
+                if left > 0:
+                    self.by_peer[peer] = left
+                else:
+                    self.by_peer.pop(peer, None)
 
 
 HOST_MEMORY = HostMemory()  # the one pool of this process
@@ -86,11 +115,14 @@ HOST_MEMORY = HostMemory()  # the one pool of this process
 
 @dataclass(frozen=True)
 class BufferLimits:
-    """`context_bytes`, `host_bytes`: byte bounds; `max_buffers`: buffers per context."""
+    """`context_bytes`, `host_bytes`, `peer_bytes`: byte bounds; `max_buffers`: buffers per
+    context; `peer`: the context's peer (None: a peer of its own, bounded as a context)."""
 
     context_bytes: int
     host_bytes: int
     max_buffers: int
+    peer: Optional[str] = None
+    peer_bytes: int = 0
 
     @classmethod
     def from_config(
@@ -117,6 +149,8 @@ class BufferLimits:
             read(CONFIG_KEY_BUFFER_BUDGET, total * _CONTEXT_SHARE[0] // _CONTEXT_SHARE[1]),
             read(CONFIG_KEY_MEMORY_LIMIT, total * _HOST_SHARE[0] // _HOST_SHARE[1]),
             read(CONFIG_KEY_MAX_BUFFERS, DEFAULT_MAX_BUFFERS),
+            get_config(CONFIG_KEY_PEER) or None,
+            read(CONFIG_KEY_PEER_MEMORY_LIMIT, total * _PEER_SHARE[0] // _PEER_SHARE[1]),
         )
 
 
@@ -147,11 +181,9 @@ class BufferBudget:
                 f"{charge} more bytes over the context's budget ({CONFIG_KEY_BUFFER_BUDGET}): "
                 f"{self.bytes} of {lim.context_bytes} held"
             )
-        if not self.host.take(charge, lim.host_bytes):
-            return (
-                f"{charge} more bytes over the host's limit ({CONFIG_KEY_MEMORY_LIMIT}): "
-                f"{self.host.used} of {lim.host_bytes} held by all contexts"
-            )
+        why = self.host.take(charge, lim.host_bytes, lim.peer, lim.peer_bytes)
+        if why is not None:
+            return why
         self.bytes += charge
         self.buffers += 1
         return None
@@ -161,8 +193,9 @@ class BufferBudget:
         lim = self.limits
         if self.bytes + extra > lim.context_bytes:
             return f"{extra} more bytes over the context's budget ({CONFIG_KEY_BUFFER_BUDGET})"
-        if not self.host.take(extra, lim.host_bytes):
-            return f"{extra} more bytes over the host's limit ({CONFIG_KEY_MEMORY_LIMIT})"
+        why = self.host.take(extra, lim.host_bytes, lim.peer, lim.peer_bytes)
+        if why is not None:
+            return why
         self.bytes += extra
         return None
 
@@ -170,4 +203,4 @@ class BufferBudget:
         """Refunds one buffer that cost `charge` bytes."""
         self.bytes -= charge
         self.buffers -= 1
-        self.host.give(charge)
+        self.host.give(charge, self.limits.peer)
