@@ -42,7 +42,6 @@ __all__ = [
     "ggml_buffer_count",
     "GETPARAMS",
     "CAPSET_APIR_VERSION",
-    "next_res_id",
     "next_ctx_id",
 ]
 
@@ -64,15 +63,10 @@ GETPARAMS: dict[int, int] = {
 }
 CAPSETS = (VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS)
 
-# Resource and context ids are unique per host process, as in virtio-gpu.
+# Context ids are unique per host process (the guest never sees them: logs only). Resource ids
+# are the guest's names, drawn per KernelContext: one guest learns nothing of another's blobs.
 _lock = threading.Lock()
-_res_ids = itertools.count(1)
 _ctx_ids = itertools.count(1)
-
-
-def next_res_id() -> int:
-    with _lock:
-        return next(_res_ids)
 
 
 def next_ctx_id() -> int:
@@ -124,6 +118,7 @@ class KernelContext:
         self.blobs: dict[int, tuple[int, HostBlob]] = {}  # bo_handle -> (res_id, blob)
         self.max_blobs = config_limit(config, CONFIG_KEY_MAX_BLOBS, DEFAULT_MAX_BLOBS)
         self._bo_handles = itertools.count(1)
+        self._res_ids = itertools.count(1)
         self.closed = False
 
     # --- queries ---------------------------------------------------------------------------
@@ -178,7 +173,7 @@ class KernelContext:
                 errno.ENOSPC, f"the context holds {len(self.blobs)} blobs, its limit ({CONFIG_KEY_MAX_BLOBS})"
             )
         blob = self.allocate(size)
-        res_id = next_res_id()
+        res_id = next(self._res_ids)
         try:
             self.ctx.add_resource(res_id, blob.memory)
         except Exception as exc:
