@@ -133,3 +133,32 @@ def test_contexts_under_a_thread_limit_do_not_abort_the_host(ggml):
         pytest.skip(f"uid {uid} cannot import apir from here: {probe.stderr[-300:]}")
     p = run(_CHILD, nproc=60)
     assert p.returncode == 0 and "held" in p.stdout, p.stderr[-2000:]
+
+
+_CHILD_AS = """
+import resource
+from apir.host import HostContext
+from apir.host.config import CONFIG_KEY_N_THREADS
+from tests.host.hostkit import Guest
+
+warm = Guest(HostContext(1, {CONFIG_KEY_N_THREADS: "1"}))  # everything loaded and first used
+with open("/proc/self/statm") as f:
+    size = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (size + (96 << 20), resource.RLIM_INFINITY))
+g = Guest(HostContext(2, {CONFIG_KEY_N_THREADS: "64"}))  # 64 stacks of 8 MiB: no room
+print("threads", g.ctx._library.n_threads, flush=True)
+"""
+
+
+def test_a_context_with_no_room_for_its_threads_does_not_abort_the_host(ggml):
+    """With the address space nearly spent (RLIMIT_AS just above what the process maps),
+    LoadLibrary of a 64-thread context: ggml_threadpool_new's GGML_ASSERT on pthread_create
+    aborted the process; the host checks first and computes on one thread."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root, APIR_HOST_MAX_POOL_THREADS="1000")  # the pool is tried
+    p = subprocess.run([sys.executable, "-c", _CHILD_AS], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "threads 1" in p.stdout

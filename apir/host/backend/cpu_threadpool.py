@@ -16,12 +16,15 @@ leading cpumask is GGML_MAX_N_THREADS long) and is checked once against
 `ggml_threadpool_params_init`; a build where any of it is missing gets no pool. The pools of
 one process hold at most `max_pool_threads()` worker threads together; a context past that
 bound computes with the disposable pool (docs/security.md, section 2, says why).
+`threads_fit(n)` asks, before ggml is asked, whether n threads' stacks can be mapped now:
+ggml GGML_ASSERTs (aborts the process) when pthread_create fails.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import os
 import resource
 import threading
@@ -29,7 +32,7 @@ from typing import Optional, Type
 
 from apir.host.config import DEFAULT_POLL
 
-__all__ = ["CpuThreadpool"]
+__all__ = ["CpuThreadpool", "threads_fit"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,31 @@ def max_pool_threads() -> int:
     if soft != resource.RLIM_INFINITY:
         limit = min(limit, soft // 2)
     return limit
+
+
+def _thread_stack_size() -> int:
+    """The stack glibc maps for a thread made without attributes, as ggml makes them."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_STACK)
+    return 8 << 20 if soft == resource.RLIM_INFINITY or soft <= 0 else soft
+
+
+def threads_fit(n: int) -> bool:
+    """Whether `n` more threads' stacks can be mapped now (address space, RLIMIT_AS, commit
+    limit): a mapping of that size is made and dropped. ggml_threadpool_new and a graph's
+    disposable pool GGML_ASSERT that each pthread_create succeeds."""
+    if n <= 0:
+        return True
+    try:
+        probe = mmap.mmap(
+            -1,
+            n * _thread_stack_size(),
+            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        )
+    except (OSError, ValueError, OverflowError):
+        return False
+    probe.close()
+    return True
 
 
 def pooled_threads() -> int:

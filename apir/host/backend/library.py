@@ -53,7 +53,7 @@ from apir.ggml.lib import Ggml
 from apir.host.backend import dispatcher
 from apir.host.backend.budget import BufferBudget, BufferLimits, buffer_charge
 from apir.host.backend.compute_abort import ComputeAbort
-from apir.host.backend.cpu_threadpool import CpuThreadpool
+from apir.host.backend.cpu_threadpool import CpuThreadpool, threads_fit
 from apir.host.errors import Refused, log
 from apir.host.graph.cache import GraphCache
 from apir.host.handles import HostBuffer, HostBufferType, VirtualAddressSpace, new_tables
@@ -334,6 +334,9 @@ class PythonBackendLibrary:
             n_threads = os.cpu_count() or 1
         set_n_threads = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int)(fn_ptr)
         self.n_threads = self._threads_now = max(1, n_threads)
+        if not threads_fit(self.n_threads - 1):  # ggml would abort the host on pthread_create
+            log.error("ctx %d: no room for %d threads' stacks: computing on 1", host.ctx_id, self.n_threads)
+            self.n_threads = self._threads_now = 1
         if value == N_THREADS_FREE:
             self._free_threads = set_n_threads
         free = " (each graph on the free ones among them)" if value == N_THREADS_FREE else ""
