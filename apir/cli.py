@@ -265,6 +265,20 @@ def embedded_trace(args: argparse.Namespace, spec: Optional[str]):
     return trace, {"context_factory": traced_context_factory(default_context_factory, trace)}
 
 
+def raise_open_files_limit() -> None:
+    """The soft RLIMIT_NOFILE up to the hard one, as a server that holds descriptors for many
+    guests does: the host's descriptor bounds per guest and in all are shares of the soft
+    limit (apir.host.config), and Debian's default soft limit, 1024, would leave a VM 256."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:  # (a container may refuse it: the soft limit stays)
+            logging.getLogger("apir").warning("could not raise the open files limit to %s: %s", hard, exc)
+
+
 def stop_on_signals() -> threading.Event:
     """An event that SIGTERM and SIGINT set: a host command serves until it is set."""
     stop = threading.Event()
@@ -287,6 +301,7 @@ def run_host_serve(args: argparse.Namespace) -> int:
     check_listen(args.socket)
     config = host_config_from_args(args)
     check_host_backend(config)
+    raise_open_files_limit()
     trace = CommandTrace(args.trace) if args.trace else None
     factory = traced_context_factory(default_context_factory, trace) if trace else default_context_factory
     try:
@@ -364,6 +379,7 @@ def run_host_vhost_user(args: argparse.Namespace) -> int:
         raise UsageError(f"--shm-size {args.shm_size} is not a multiple of the page size")
     config = host_config_from_args(args)
     check_host_backend(config)
+    raise_open_files_limit()
     capsets = (VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS) if args.venus else (VIRTGPU_DRM_CAPSET_APIR,)
     trace = CommandTrace(args.trace) if args.trace else None
     factory = traced_context_factory(default_context_factory, trace) if trace else default_context_factory

@@ -254,3 +254,23 @@ def test_subcommands_come_from_modules():
     from apir.cli import host_config_from_args
     assert host_config_from_args(args) == {"apir.host.poll": "5", "ggml.library.reg": "r"}
     assert args.log_level == "debug" and callable(args.run)
+
+
+def test_host_commands_raise_the_open_files_limit_to_the_hard_one():
+    import resource
+    import subprocess
+    import sys
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard <= 256:
+        pytest.skip(f"the hard open files limit is {hard}")
+    code = (
+        "import resource; from apir.cli import raise_open_files_limit; raise_open_files_limit(); "
+        "print(*resource.getrlimit(resource.RLIMIT_NOFILE))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)),
+        capture_output=True, text=True, check=True,
+    )
+    assert run.stdout.split() == [str(hard), str(hard)]
