@@ -309,7 +309,7 @@ def run_host_serve(args: argparse.Namespace) -> int:
             args.socket,
             config=config,
             context_factory=factory,
-            max_context_bytes=args.max_context_mib << 20,
+            max_context_bytes=None if args.max_context_mib is None else args.max_context_mib << 20,
             socket_mode=args.socket_mode,
             stat_host_wide=args.stat_host_wide,
         )
@@ -565,9 +565,9 @@ def add_parser(subparsers, parents) -> None:
     serve.add_argument(
         "--max-context-mib",
         type=int,
-        default=1 << 16,
+        default=None,
         metavar="MIB",
-        help="shared memory limit of one guest context (default %(default)s MiB)",
+        help="shared memory limit of one guest context (default: apir.local.max_context_bytes, 65536 MiB)",
     )
     serve.add_argument(
         "--socket-mode",

@@ -41,8 +41,19 @@ __all__ = [
     "DEFAULT_GRAPH_TIME_LIMIT_S",
     "CONFIG_KEY_MAX_CONNECTIONS",
     "DEFAULT_MAX_CONNECTIONS",
+    "CONFIG_KEY_MAX_CONNECTIONS_PER_PEER",
+    "DEFAULT_MAX_CONNECTIONS_PER_PEER",
     "CONFIG_KEY_HELLO_TIMEOUT",
     "DEFAULT_HELLO_TIMEOUT_S",
+    "CONFIG_KEY_MESSAGE_TIMEOUT",
+    "DEFAULT_MESSAGE_TIMEOUT_S",
+    "CONFIG_KEY_MAX_CONTEXT_BYTES",
+    "DEFAULT_MAX_CONTEXT_BYTES",
+    "CONFIG_KEY_MAX_PEER_BYTES",
+    "PEER_BYTES_SHARE",
+    "CONFIG_KEY_MAX_HOST_BYTES",
+    "HOST_BYTES_SHARE",
+    "CONFIG_KEY_PEER",
     "CONFIG_KEY_LOCAL_SPIN",
     "DEFAULT_LOCAL_SPIN_S",
     "CONFIG_KEY_MAX_BLOBS",
@@ -133,12 +144,36 @@ CONFIG_KEY_PEER = "apir.host.peer"
 # one waits for it. 0 disables the bound. ggml looks between nodes: a node runs to its end.
 CONFIG_KEY_GRAPH_TIME_LIMIT = "apir.host.graph_time_limit_s"
 DEFAULT_GRAPH_TIME_LIMIT_S = 300.0
-# Connections one socket host serves at once (HELLO or not); more are closed at once.
+# Connections one socket host serves at once (HELLO or not), and of those, connections of one
+# peer (a user id: apir.host.local.peers); more are closed at once. The socket file's default
+# mode (0600) lets one user connect: the per-peer bound is then that user's number of guests.
 CONFIG_KEY_MAX_CONNECTIONS = "apir.local.max_connections"
 DEFAULT_MAX_CONNECTIONS = 32
-# Seconds a new connection may take to send its HELLO before the host hangs up.
+CONFIG_KEY_MAX_CONNECTIONS_PER_PEER = "apir.local.max_connections_per_peer"
+DEFAULT_MAX_CONNECTIONS_PER_PEER = 16
+# Seconds a new connection may take to send its whole HELLO before the host hangs up (a
+# deadline, not a bound on each read: a HELLO trickled a byte at a time is cut off too).
 CONFIG_KEY_HELLO_TIMEOUT = "apir.local.hello_timeout_s"
 DEFAULT_HELLO_TIMEOUT_S = 10.0
+# Seconds a guest may take to send the rest of a message once its first bytes are in, and to
+# take a reply the host could not send at once; past it the host hangs up. Between messages
+# a guest may idle as long as it likes.
+CONFIG_KEY_MESSAGE_TIMEOUT = "apir.local.message_timeout_s"
+DEFAULT_MESSAGE_TIMEOUT_S = 10.0
+# Bytes of shared memory files (the socket host's blob memory: apir.host.local.memfile) one
+# context, one peer and the whole socket host hold; a file's size counts (it never shrinks).
+# Past a bound, CREATE_BLOB (and RING) get ENOMEM. Per peer and in all the defaults are shares
+# (numerator, denominator) of the machine's physical memory: one peer, with several contexts,
+# cannot take it all, and all of them together leave the host room of its own.
+CONFIG_KEY_MAX_CONTEXT_BYTES = "apir.local.max_context_bytes"
+DEFAULT_MAX_CONTEXT_BYTES = 1 << 36
+CONFIG_KEY_MAX_PEER_BYTES = "apir.local.max_peer_bytes"
+PEER_BYTES_SHARE = (1, 2)
+CONFIG_KEY_MAX_HOST_BYTES = "apir.local.max_host_bytes"
+HOST_BYTES_SHARE = (3, 4)
+# Set by a transport in the configuration it gives each context, never by the operator: who
+# the context belongs to (the socket host: "uid:N"), for bounds kept per peer.
+CONFIG_KEY_PEER = "apir.host.peer"
 # Seconds a connection thread polls its socket for the guest's next request after a reply,
 # before it blocks (apir.host.local.server), while spinning pays (apir.local.spin_policy) and no
 # other guest is connected. 0: block at once. A bound on spinning, not on the guest.
@@ -197,7 +232,12 @@ ENV_FALLBACKS: Dict[str, str] = {
     CONFIG_KEY_MAX_BUFFERS: "APIR_HOST_MAX_BUFFERS",
     CONFIG_KEY_GRAPH_TIME_LIMIT: "APIR_HOST_GRAPH_TIME_LIMIT_S",
     CONFIG_KEY_MAX_CONNECTIONS: "APIR_LOCAL_MAX_CONNECTIONS",
+    CONFIG_KEY_MAX_CONNECTIONS_PER_PEER: "APIR_LOCAL_MAX_CONNECTIONS_PER_PEER",
     CONFIG_KEY_HELLO_TIMEOUT: "APIR_LOCAL_HELLO_TIMEOUT_S",
+    CONFIG_KEY_MESSAGE_TIMEOUT: "APIR_LOCAL_MESSAGE_TIMEOUT_S",
+    CONFIG_KEY_MAX_CONTEXT_BYTES: "APIR_LOCAL_MAX_CONTEXT_BYTES",
+    CONFIG_KEY_MAX_PEER_BYTES: "APIR_LOCAL_MAX_PEER_BYTES",
+    CONFIG_KEY_MAX_HOST_BYTES: "APIR_LOCAL_MAX_HOST_BYTES",
     CONFIG_KEY_LOCAL_SPIN: "APIR_LOCAL_SPIN_S",
     CONFIG_KEY_MAX_BLOBS: "APIR_LOCAL_MAX_BLOBS",
     CONFIG_KEY_VHOST_MAX_CONTEXTS: "APIR_VHOST_MAX_CONTEXTS",

@@ -44,6 +44,7 @@ __all__ = [
     "Header",
     "WireError",
     "ConnectionClosed",
+    "DeadlineExceeded",
     "pack_message",
     "unpack_header",
     "fixed_reply",
@@ -136,6 +137,10 @@ class WireError(ApirError):
 
 class ConnectionClosed(WireError):
     """The peer closed the connection (or died) before a whole message arrived."""
+
+
+class DeadlineExceeded(WireError):
+    """The peer did not send (or take) a whole message by the deadline it was given."""
 
 
 def pack_message(op: int, seq: int, payload: bytes = b"", err: int = 0) -> bytes:

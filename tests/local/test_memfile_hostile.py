@@ -149,3 +149,20 @@ def test_descriptors_on_requests_are_dropped(server, tmp_path):
     assert fds_on([str(sent)]) == []  # the host closed each copy it received
     s.close()
     os.close(fd)
+
+
+def test_a_refused_append_keeps_the_trailing_hole():
+    """An append past the limit absorbed the free range at the file's end before it was
+    refused: that range was lost for good (here the next fitting blob was refused too)."""
+    from apir.host.local.memfile import MemFile, MemFileFull
+
+    k = 16384
+    mf = MemFile("t", limit=3 * k)
+    try:
+        mf.allocate(k)
+        mf.free(mf.allocate(k))  # a hole at [k, 2k), the file's end
+        with pytest.raises(MemFileFull):
+            mf.allocate(3 * k)
+        assert mf.allocate(2 * k).offset == k
+    finally:
+        mf.close()

@@ -42,15 +42,18 @@ class HangupWatch:
         self._closed = False
 
     def watch(self, fd: int, conn: _Watched) -> None:
-        """Watches socket `fd` of `conn` until `forget(fd)` (before the socket is closed)."""
+        """Watches socket `fd` of `conn` until `forget(fd)` (before the socket is closed).
+        Raises (RuntimeError: no thread; OSError: epoll_ctl) with nothing watched, and the
+        next call tries again."""
         with self._lock:
             if self._closed:
                 return
-            self._watched[fd] = conn
-            self._epoll.register(fd, _EVENTS)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="apir-local-hangup", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="apir-local-hangup", daemon=True)
+                thread.start()
+                self._thread = thread  # only once it runs: a thread that never started watches nothing
+            self._epoll.register(fd, _EVENTS)
+            self._watched[fd] = conn
 
     def forget(self, fd: int) -> None:
         with self._lock:

@@ -33,7 +33,7 @@ from apir.errors import ApirError
 from apir.host.component.context import HostContext
 from apir.host.component.seams import ApirContext, BufferCounting, Cancellable, ContextFactory
 from apir.host.config import DEFAULT_MAX_BLOBS, config_limit
-from apir.host.local.memfile import HostBlob, MemFile, MemFileFull
+from apir.host.local.memfile import HostBlob, MemFile, MemFileFull, Share
 
 __all__ = [
     "KernelContext",
@@ -95,9 +95,11 @@ def ggml_buffer_count(ctx: ApirContext) -> Optional[int]:
 class KernelContext:
     """One guest's render node: its shared memory file, blobs and (after CONTEXT_INIT) context.
 
-    `config` goes to the context factory; `max_bytes` bounds the shared memory file. Not
-    thread-safe: one caller at a time (the connection thread, or the embedded host thread
-    behind the device's lock).
+    `config` goes to the context factory; `max_bytes` bounds the shared memory file, whose
+    growth is also charged to `share` (apir.host.local.memfile) if given. Raises OSError
+    (EMFILE, ENFILE, ENOMEM) when no shared memory file can be made. Not thread-safe: one
+    caller at a time (the connection thread, or the embedded host thread behind the device's
+    lock).
     """
 
     def __init__(
@@ -106,11 +108,12 @@ class KernelContext:
         config: Optional[dict] = None,
         context_factory: ContextFactory = default_context_factory,
         max_bytes: int = 1 << 36,
+        share: Optional[Share] = None,
     ):
         self.name = name
         self.config = config
         self.context_factory = context_factory
-        self.memfile = MemFile(name, limit=max_bytes)
+        self.memfile = MemFile(name, limit=max_bytes, share=share)
         self.ctx: Optional[ApirContext] = None
         self.ctx_id = 0
         self.capset_id = 0

@@ -8,6 +8,9 @@ blob, handed to the HostContext as the resource's memory, holding no descriptor 
 apir.local.shm); the guest maps the same range with ``mmap(fd, size, offset)``. A freed blob's
 pages are returned to the system (MADV_REMOVE) and its range is reused.
 
+Its size is charged, as it grows, to the share of the peer it serves (apir.host.local.peers:
+bounded per peer and in all), and given back when it is closed.
+
 The file is sealed against shrinking (F_SEAL_SHRINK): the guest holds the fd, and a guest that
 truncated it would make the host's mappings fault (SIGBUS) instead of failing cleanly.
 """
@@ -20,6 +23,7 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass
+from typing import Optional, Protocol
 
 from apir.codec.virtgpu import BLOB_ALIGNMENT
 from apir.errors import ApirError
@@ -43,6 +47,14 @@ class HostBlob:
     memory: mmap.mmap
 
 
+class Share(Protocol):
+    """What a file's growth is charged to: `take` gives None or why not (nothing charged)."""
+
+    def take(self, nbytes: int) -> Optional[str]: ...
+
+    def give(self, nbytes: int) -> None: ...
+
+
 def align_up(value: int, alignment: int = BLOB_ALIGNMENT) -> int:
     return (value + alignment - 1) // alignment * alignment
 
@@ -50,14 +62,20 @@ def align_up(value: int, alignment: int = BLOB_ALIGNMENT) -> int:
 class MemFile:
     """A sealed memfd holding the blobs of one context.
 
-    `limit` bounds the file size in bytes (the sum of live blob ranges plus holes).
-    Thread-safe: one lock around the range bookkeeping.
+    `limit` bounds the file size in bytes (the sum of live blob ranges plus holes); `share`,
+    if given, is charged the file's size too. Thread-safe: one lock around the range
+    bookkeeping.
     """
 
-    def __init__(self, name: str = "apir-context", limit: int = 1 << 36):
+    def __init__(self, name: str = "apir-context", limit: int = 1 << 36, share: Optional[Share] = None):
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        try:
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.limit = limit
+        self.share = share
         self.file_size = 0
         self._free: list[tuple[int, int]] = []  # (offset, size), sorted, coalesced
         self._live: dict[int, HostBlob] = {}  # offset -> blob
@@ -81,15 +99,25 @@ class MemFile:
                 else:
                     self._free[i] = (off + size, free_size - size)
                 return off
-        # No hole fits: append at the end; a trailing hole is absorbed into the new range.
-        off = self.file_size
-        if self._free and self._free[-1][0] + self._free[-1][1] == self.file_size:
-            off = self._free.pop()[0]
+        # No hole fits: append at the end; a trailing hole is absorbed into the new range
+        # (taken off the free list only once the file has grown).
+        tail = bool(self._free) and self._free[-1][0] + self._free[-1][1] == self.file_size
+        off = self._free[-1][0] if tail else self.file_size
         if off + size > self.limit:
             raise MemFileFull(f"{size} more bytes would exceed the context's {self.limit}-byte limit")
-        if off + size > self.file_size:
+        grow = off + size - self.file_size
+        why = self.share.take(grow) if self.share is not None else None
+        if why is not None:
+            raise MemFileFull(f"{size} more bytes refused: {why}")
+        try:
             os.ftruncate(self.fd, off + size)  # the seal forbids shrinking, not growing
-            self.file_size = off + size
+        except BaseException:
+            if self.share is not None:
+                self.share.give(grow)
+            raise
+        self.file_size = off + size
+        if tail:
+            self._free.pop()
         return off
 
     def _give_range(self, off: int, size: int) -> None:
@@ -148,3 +176,5 @@ class MemFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+            if self.share is not None:
+                self.share.give(self.file_size)

@@ -29,7 +29,7 @@ import socket
 import stat
 import threading
 import time
-from typing import Optional
+from typing import Callable, Hashable, Optional
 
 from apir.codec.atomics import spins_for
 from apir.local.wire import (
@@ -40,21 +40,35 @@ from apir.local.wire import (
     RING_SIZE,
     WIRE_VERSION,
     ConnectionClosed,
+    DeadlineExceeded,
     Op,
     WireError,
     fixed_reply,
 )
 from apir.codec.virtgpu import BLOB_ALIGNMENT
+from apir.host.backend.budget import physical_memory
 from apir.host.config import (
     CONFIG_KEY_HELLO_TIMEOUT,
     CONFIG_KEY_LOCAL_SPIN,
     CONFIG_KEY_MAX_CONNECTIONS,
+    CONFIG_KEY_MAX_CONNECTIONS_PER_PEER,
+    CONFIG_KEY_MAX_CONTEXT_BYTES,
+    CONFIG_KEY_MAX_HOST_BYTES,
+    CONFIG_KEY_MAX_PEER_BYTES,
+    CONFIG_KEY_MESSAGE_TIMEOUT,
+    CONFIG_KEY_PEER,
     DEFAULT_HELLO_TIMEOUT_S,
     DEFAULT_LOCAL_SPIN_S,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_PEER,
+    DEFAULT_MAX_CONTEXT_BYTES,
+    DEFAULT_MESSAGE_TIMEOUT_S,
+    HOST_BYTES_SHARE,
+    PEER_BYTES_SHARE,
     config_limit,
 )
 from apir.host.local.hangup import HangupWatch
+from apir.host.local.peers import PeerLimits, PeerShare, peer_uid
 from apir.host.component.seams import ContextFactory
 from apir.host.local.kernel import KernelContext, KernelError, default_context_factory
 from apir.host.local.memfile import HostBlob
@@ -102,12 +116,15 @@ MAX_LOCAL_SPIN_S = 0.01
 
 
 class _Connection:
-    """One guest: its socket and its KernelContext (created on a valid HELLO)."""
+    """One guest: its socket, its peer (apir.host.local.peers) and its KernelContext (created
+    on a valid HELLO)."""
 
-    def __init__(self, server: "LocalServer", sock: socket.socket, conn_id: int):
+    def __init__(self, server: "LocalServer", sock: socket.socket, conn_id: int, peer: Hashable):
         self.server = server
         self.sock = sock
         self.conn_id = conn_id
+        self.peer = peer
+        self.accepted = time.monotonic()  # the HELLO deadline runs from here
         self.kernel: Optional[KernelContext] = None
         # the exec ring, once the guest asked for it (Op.RING): its page, its views, and the
         # sequence number of the newest command taken from it
@@ -123,6 +140,8 @@ class _Connection:
             # (a reset: the guest closed with a reply still unread, as after a KICK or an
             # EXECBUFFER it did not wait for; an ordinary end)
             log.info("guest %d disconnected", self.conn_id)
+        except DeadlineExceeded as exc:
+            log.info("guest %d: connection dropped: %s", self.conn_id, exc)
         except (WireError, OSError) as exc:
             log.warning("guest %d: connection dropped: %s", self.conn_id, exc)
         except Exception:  # a host bug must not take the whole server down
@@ -131,23 +150,27 @@ class _Connection:
             self.cleanup()
 
     def _serve(self) -> None:
-        hello_timeout_s = self.server.hello_timeout_s
-        self.sock.settimeout(hello_timeout_s or None)  # an idle connection must not stay forever
-        header, payload, fds = recv_message(self.sock)
+        srv = self.server
+        # deadlines, not timeouts per read: a peer trickling bytes must not hold the slot
+        hello_timeout_s, rest_s = srv.hello_timeout_s, srv.message_timeout_s or None
+        self.sock.setblocking(True)
+        hello_deadline = self.accepted + hello_timeout_s if hello_timeout_s else None
+        header, payload, fds = recv_message(self.sock, deadline=hello_deadline)
         _close_fds(fds)  # a guest has no business sending fds
-        self.sock.settimeout(None)  # past HELLO: a guest may idle as long as it likes
         if header.op != Op.HELLO or len(payload) != REQUEST[Op.HELLO].size:
             raise WireError(f"expected HELLO, got op {header.op} with {len(payload)} bytes")
         magic, version = REQUEST[Op.HELLO].unpack(payload)
         if magic != HELLO_MAGIC or version != WIRE_VERSION:
-            send_message(self.sock, Op.HELLO, header.seq, err=errno.EPROTONOSUPPORT)
+            send_message(self.sock, Op.HELLO, header.seq, err=errno.EPROTONOSUPPORT, timeout_s=rest_s)
             raise WireError(f"bad HELLO (magic {magic:#x}, wire version {version})")
-        srv = self.server
-        kernel = KernelContext(f"guest-{self.conn_id}", srv.config, srv.context_factory, srv.max_context_bytes)
-        self.kernel = kernel
+        try:
+            kernel = self._set_up()
+        except KernelError as exc:  # the host is out of something: this guest's error only
+            log.warning("guest %d: refused (%s): %s", self.conn_id, errno.errorcode.get(exc.err, exc.err), exc)
+            send_message(self.sock, Op.HELLO, header.seq, err=exc.err, timeout_s=rest_s)
+            return
         reply = fixed_reply(Op.HELLO).pack(HELLO_MAGIC, WIRE_VERSION, BLOB_ALIGNMENT, 0)
-        send_message(self.sock, Op.HELLO, header.seq, reply, fds=(kernel.memfile.fd,))
-        srv.hangups.watch(self.sock.fileno(), self)  # a hang-up mid-EXECBUFFER cancels it
+        send_message(self.sock, Op.HELLO, header.seq, reply, fds=(kernel.memfile.fd,), timeout_s=rest_s)
         log.info("guest %d connected", self.conn_id)
 
         poller = select.poll()
@@ -157,7 +180,7 @@ class _Connection:
                 self._poll_ring(kernel, poller)
             else:
                 self._poll_for_request(poller)
-            header, payload, fds = recv_message(self.sock)
+            header, payload, fds = recv_message(self.sock, rest_s=rest_s)
             _close_fds(fds)
             if self.ring is not None:
                 self._run_ring(kernel)  # posted before this request was sent: runs first
@@ -172,7 +195,31 @@ class _Connection:
                     exc,
                 )
                 body, err = b"", exc.err
-            send_message(self.sock, header.op, header.seq, body, err=err)
+            send_message(self.sock, header.op, header.seq, body, err=err, timeout_s=rest_s)
+
+    def _set_up(self) -> KernelContext:
+        """The guest's KernelContext, its socket watched for a hang-up (which cancels a compute
+        in flight). KernelError with the errno when the host cannot (no descriptor for the
+        shared memory file, no memory, no thread for the watch)."""
+        srv = self.server
+        config = dict(srv.config or {})
+        config[CONFIG_KEY_PEER] = f"uid:{self.peer}"  # whose context: for bounds per peer
+        try:
+            self.kernel = KernelContext(
+                f"guest-{self.conn_id}",
+                config,
+                srv.context_factory,
+                srv.max_context_bytes,
+                share=PeerShare(srv.limits, self.peer),
+            )
+            srv.hangups.watch(self.sock.fileno(), self)
+        except OSError as exc:
+            raise KernelError(exc.errno or errno.ENOMEM, f"setting up the connection: {exc}") from None
+        except MemoryError:
+            raise KernelError(errno.ENOMEM, "setting up the connection: out of memory") from None
+        except RuntimeError as exc:  # threading: "can't start new thread"
+            raise KernelError(errno.EAGAIN, f"setting up the connection: {exc}") from None
+        return self.kernel
 
     def _poll_for_request(self, poller: select.poll) -> None:
         """Polls the socket (`poller`) for up to the server's `spin_s` while spinning pays
@@ -388,11 +435,13 @@ class LocalServer:
     """Serves guests on a Unix socket at `path`, one HostContext per connection.
 
     `config` is the HostContext configuration (the C keys: ``ggml.library.path``,
-    ``ggml.library.reg``, ...); it also holds the server's own bounds, `apir.local.max_connections`
-    and `apir.local.hello_timeout_s` (apir.host.config; environment fallbacks, defaults 32 and
-    10 s). `context_factory(ctx_id, capset_id, config)` builds a context (default:
-    `apir.host.component.context.HostContext`). `max_context_bytes` bounds one context's shared memory
-    file. `socket_mode`: the socket file's permission bits (default 0600; set after
+    ``ggml.library.reg``, ...); it also holds the server's own bounds, ``apir.local.*``
+    (apir.host.config: connections and shared memory per peer and in all, the HELLO and
+    message deadlines). `context_factory(ctx_id, capset_id, config)` builds a context (default:
+    `apir.host.component.context.HostContext`; its config names the peer: apir.host.peer).
+    `max_context_bytes` bounds one context's shared memory file (default: the configuration's
+    apir.local.max_context_bytes). `peer_id(sock)`: who connected (default: the user id,
+    apir.host.local.peers). `socket_mode`: the socket file's permission bits (default 0600; set after
     binding, which happens under umask 0177, so the file is never more open than asked).
     `stat_host_wide`: STAT answers with counts over every connection instead of the asking
     connection's own (off by default: they tell one guest about the others; for tests and
@@ -404,19 +453,31 @@ class LocalServer:
         path: str,
         config: Optional[dict] = None,
         context_factory: ContextFactory = default_context_factory,
-        max_context_bytes: int = 1 << 36,
+        max_context_bytes: Optional[int] = None,
         *,
         socket_mode: int = DEFAULT_SOCKET_MODE,
         stat_host_wide: bool = False,
+        peer_id: Callable[[socket.socket], Hashable] = peer_uid,
     ):
         if not 0 <= socket_mode <= 0o777:
             raise ValueError(f"socket mode {socket_mode:#o} is not a permission mode")
         self.path = os.fspath(path)
         self.config = config
         self.context_factory = context_factory
+        if max_context_bytes is None:
+            max_context_bytes = int(config_limit(config, CONFIG_KEY_MAX_CONTEXT_BYTES, DEFAULT_MAX_CONTEXT_BYTES))
         self.max_context_bytes = max_context_bytes
-        self.max_connections = config_limit(config, CONFIG_KEY_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS)
+        self.peer_id = peer_id
+        memory = physical_memory() or DEFAULT_MAX_CONTEXT_BYTES
+        self.max_connections = int(config_limit(config, CONFIG_KEY_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS))
+        self.limits = PeerLimits(
+            self.max_connections,
+            int(config_limit(config, CONFIG_KEY_MAX_CONNECTIONS_PER_PEER, DEFAULT_MAX_CONNECTIONS_PER_PEER)),
+            int(config_limit(config, CONFIG_KEY_MAX_HOST_BYTES, memory * HOST_BYTES_SHARE[0] // HOST_BYTES_SHARE[1])),
+            int(config_limit(config, CONFIG_KEY_MAX_PEER_BYTES, memory * PEER_BYTES_SHARE[0] // PEER_BYTES_SHARE[1])),
+        )
         self.hello_timeout_s = config_limit(config, CONFIG_KEY_HELLO_TIMEOUT, DEFAULT_HELLO_TIMEOUT_S)
+        self.message_timeout_s = config_limit(config, CONFIG_KEY_MESSAGE_TIMEOUT, DEFAULT_MESSAGE_TIMEOUT_S)
         self.spin_s = min(float(config_limit(config, CONFIG_KEY_LOCAL_SPIN, DEFAULT_LOCAL_SPIN_S)), MAX_LOCAL_SPIN_S)
         self._stopping = threading.Event()  # set by close(): the accept thread's back-off ends
         self.hangups = HangupWatch()
@@ -460,8 +521,12 @@ class LocalServer:
 
     # --- stats ---------------------------------------------------------------------------
     def _forget(self, conn: _Connection) -> None:
+        """Drops `conn` and its slot (once, whoever calls)."""
         with self._lock:
+            if conn not in self._conns:
+                return
             self._conns.discard(conn)
+        self.limits.leave(conn.peer)
 
     def stats(self) -> ServerStats:
         """Counts over the live connections (a guest's blobs vanish from it once it is gone)."""
@@ -474,22 +539,24 @@ class LocalServer:
 
     # --- serving -------------------------------------------------------------------------
     def serve_forever(self) -> None:
-        """Accept guests until close(); each gets its own thread, up to `max_connections`.
+        """Accept guests until close(); each gets its own thread, within the connection bounds.
 
-        accept() failing never ends the loop: out of descriptors (EMFILE, ENFILE) or memory,
-        it backs off (from _ACCEPT_BACKOFF_MIN_S doubling to _ACCEPT_BACKOFF_MAX_S) and tries
-        again, so guests connect again once the ones holding the descriptors are gone."""
+        Nothing ends the loop but close(): accept() failing (out of descriptors, EMFILE or
+        ENFILE, or memory) backs off (from _ACCEPT_BACKOFF_MIN_S doubling to
+        _ACCEPT_BACKOFF_MAX_S) and tries again, so guests connect again once the ones holding
+        the descriptors are gone; a failure in setting up one connection is that connection's
+        (closed, logged)."""
         backoff_s = _ACCEPT_BACKOFF_MIN_S
         while not self._closed:
             try:
                 sock, _ = self.sock.accept()
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - the listener must outlive any failure
                 if self._closed:
                     return
                 self._refusals.log(
                     logging.ERROR,
                     "accept failed (%s, %s): retrying in %g s",
-                    errno.errorcode.get(exc.errno or 0, "?"),
+                    errno.errorcode.get(getattr(exc, "errno", None) or 0, type(exc).__name__),
                     exc,
                     backoff_s,
                 )
@@ -498,28 +565,43 @@ class LocalServer:
                 backoff_s = min(2 * backoff_s, _ACCEPT_BACKOFF_MAX_S)
                 continue
             backoff_s = _ACCEPT_BACKOFF_MIN_S
-            self._admit(sock)
+            try:
+                self._admit(sock)
+            except Exception as exc:  # noqa: BLE001 - one connection's failure, not the listener's
+                self._refusals.log(logging.ERROR, "a new connection could not be set up: %r", exc)
+                sock.close()
 
     def _admit(self, sock: socket.socket) -> None:
-        """Serves `sock` on a thread of its own, or closes it when the server is full or closed."""
+        """Serves `sock` on a thread of its own, or closes it when the server, or its peer's
+        share of it, is full, or the server is closed."""
+        peer = self.peer_id(sock)
         with self._lock:
-            full = len(self._conns) >= self.max_connections
-            if self._closed or full:
+            if self._closed:
                 sock.close()
-                if full:
-                    self._refusals.log(
-                        logging.WARNING,
-                        "%d guests connected, the limit (%s): new connections closed",
-                        len(self._conns),
-                        CONFIG_KEY_MAX_CONNECTIONS,
-                    )
                 return
-            conn = _Connection(self, sock, next(self._conn_ids))
-            self._conns.add(conn)
+            full = self.limits.admit(peer)
+            if full is None:
+                try:
+                    conn = _Connection(self, sock, next(self._conn_ids), peer)
+                except BaseException:
+                    self.limits.leave(peer)
+                    raise
+                self._conns.add(conn)
+        if full is not None:
+            sock.close()
+            self._refusals.log(
+                logging.WARNING,
+                "a connection of peer %s closed: %s (%s, %s)",
+                peer,
+                full,
+                CONFIG_KEY_MAX_CONNECTIONS,
+                CONFIG_KEY_MAX_CONNECTIONS_PER_PEER,
+            )
+            return
         try:
             conn.thread.start()
-        except RuntimeError as exc:  # no thread to be had: the process is out of something
-            self._refusals.log(logging.ERROR, "cannot start a connection thread: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - no thread to be had: the process is out of something
+            self._refusals.log(logging.ERROR, "cannot start a connection thread: %r", exc)
             sock.close()
             self._forget(conn)
 
