@@ -109,3 +109,76 @@ def test_cursor_queue_commands_are_consumed(fe):
     fe.kick_queue(1)
     assert fe.wait_used(1, 1) == 0
     still_served(fe)
+
+
+class _Memory:
+    """Guest memory as a bytearray (what Virtqueue uses of GuestMemory)."""
+
+    def __init__(self, size=0x4000):
+        self.buf = bytearray(size)
+
+    def read(self, gpa, n):
+        return bytes(self.buf[gpa : gpa + n])
+
+    def write(self, gpa, data):
+        self.buf[gpa : gpa + len(data)] = data
+
+    def read_into(self, gpa, out, pos, n):
+        out[pos : pos + n] = self.buf[gpa : gpa + n]
+
+
+def _ring(num=8):
+    from apir.host.vhost_user.virtqueue import Virtqueue
+
+    mem = _Memory()
+    vq = Virtqueue(0, mem, 1 << 20)
+    vq.set_num(num)
+    vq.set_addresses(desc=0, used=0x1000, avail=0x800)
+    vq.set_kick(None)
+    mem.write(16 * 3, struct.pack("<QIHH", 0x2000, 24, 0, 0))  # descriptor 3: one readable buffer
+    return vq, mem
+
+
+def _make_available(mem, *heads):
+    idx = struct.unpack_from("<H", mem.buf, 0x802)[0]
+    for head in heads:
+        struct.pack_into("<H", mem.buf, 0x804 + 2 * (idx % 8), head)
+        idx += 1
+    struct.pack_into("<H", mem.buf, 0x802, idx)
+
+
+def test_a_chain_made_available_again_while_in_flight_is_refused_not_queued_again():
+    """A guest re-posting one fenced chain behind a long compute made the device pop it (and
+    queue a job and a fenced response) again and again: memory grew without bound. A head is
+    in flight from pop to push; made available again meanwhile, it is an error."""
+    from apir.host.vhost_user.virtqueue import QueueError
+
+    vq, mem = _ring()
+    _make_available(mem, 3, 3, 3)
+    chain = vq.pop()
+    assert chain.head == 3
+    with pytest.raises(QueueError, match="in flight"):
+        vq.pop()
+    assert vq.pop() is None  # the ring is broken: nothing more is popped until it is set up again
+    assert vq.push(chain, 0)  # the chain in flight still completes
+
+
+def test_a_chain_used_may_be_made_available_again():
+    vq, mem = _ring()
+    for _ in range(20):  # more than the ring's size: heads are reused as a driver does
+        _make_available(mem, 3)
+        chain = vq.pop()
+        assert chain.head == 3
+        assert vq.push(chain, 0)
+    assert vq.pop() is None
+
+
+def test_a_restarted_ring_forgets_the_chains_in_flight_before():
+    vq, mem = _ring()
+    _make_available(mem, 3)
+    stale = vq.pop()
+    vq.stop()
+    vq.set_kick(None)  # the ring restarts: chains popped before are dropped on push
+    _make_available(mem, 3)
+    assert vq.pop().head == 3
+    assert not vq.push(stale, 0)

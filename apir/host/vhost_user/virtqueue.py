@@ -5,10 +5,12 @@ ring and bumps avail.idx; the front-end writes 8 bytes to the kick eventfd. The 
 heads (`pop`), reads the chain's device-readable buffers (the request) and writes its
 device-writable ones (the response), then puts (head, bytes written) in the used ring
 (`push`) and writes the call eventfd. The ring lives in guest memory, so everything read from
-it is hostile: `pop` refuses (`QueueError`) an avail index more than `num` ahead, a head or
-next index >= num, a chain longer than num (a loop), an indirect descriptor (the feature is
-not offered), a readable descriptor after a writable one, or buffers past `max_request`
-bytes. Every byte goes through `GuestMemory`, which refuses ranges outside guest memory.
+it is hostile: `pop` refuses (`QueueError`) an avail index more than `num` ahead, a head made
+available again while it is in flight (popped, not yet pushed: re-posted, it would be queued
+again each time behind a long command), a head or next index >= num, a chain longer than
+num (a loop), an indirect descriptor (the feature is not offered), a readable descriptor
+after a writable one, or buffers past `max_request` bytes. Every byte goes through
+`GuestMemory`, which refuses ranges outside guest memory.
 
 The used index is the device's own count (`used_idx`), read from guest memory once when the
 ring starts: the guest cannot make the device write used elements anywhere but the ring.
@@ -23,7 +25,7 @@ import os
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Optional, Set, Tuple
 
 from apir.errors import ApirError
 from apir.host.vhost_user.memory import GuestMemory, GuestMemoryError
@@ -92,6 +94,7 @@ class Virtqueue:
         self.broken = False  # a bad ring: no more processing until it is set up again
         self.base_at_stop: Optional[int] = None  # what the last GET_VRING_BASE answered
         self.generation = 0
+        self.in_flight: Set[int] = set()  # heads popped in this generation, not pushed yet
         self.lock = threading.Lock()
 
     # --- set-up (front-end messages) ---------------------------------------------------------
@@ -122,6 +125,7 @@ class Virtqueue:
                 self.retired_kicks.append(self.kick_fd)
             self.kick_fd = fd
             self.generation += 1
+            self.in_flight.clear()
             self.broken = False
             self.base_at_stop = None
             self.started = self.addresses_set and self.num > 0
@@ -152,6 +156,7 @@ class Virtqueue:
         with self.lock:
             self.started = False
             self.generation += 1
+            self.in_flight.clear()
             if self.kick_fd is not None:
                 self.retired_kicks.append(self.kick_fd)
             self.kick_fd = None
@@ -204,6 +209,10 @@ class Virtqueue:
             except GuestMemoryError as exc:
                 self.broken = True
                 raise QueueError(f"queue {self.index}: avail ring unreadable: {exc}") from None
+            if head in self.in_flight:
+                self.broken = True
+                raise QueueError(f"queue {self.index}: chain {head} made available again while in flight")
+            self.in_flight.add(head)
             self.last_avail = (self.last_avail + 1) & 0xFFFF
             chain = Chain(head, generation=self.generation)
             self._walk(chain)
@@ -273,6 +282,7 @@ class Virtqueue:
             if chain.generation != self.generation or not self.started:
                 log.info("queue %d: chain %d of a stopped ring dropped", self.index, chain.head)
                 return False
+            self.in_flight.discard(chain.head)
             slot = self.used_idx % self.num
             try:
                 self.memory.write(self.used + 4 + 8 * slot, _USED_ELEM.pack(chain.head, written))
