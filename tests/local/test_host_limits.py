@@ -124,7 +124,7 @@ import os, resource, sys, time
 import apir.host.component.context  # imported now: lazy imports need descriptors the test takes away
 from apir.host.local.server import LocalServer
 
-srv = LocalServer(sys.argv[1], config={"apir.local.max_connections": "1000",
+srv = LocalServer(sys.argv[1], config={"apir.local.max_connections": "1000", "apir.local.max_connections_per_peer": "1000",
                                        "apir.local.hello_timeout_s": "600"}).start()
 spare = int(sys.argv[2])
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
