@@ -175,7 +175,8 @@ class LocalDevice:
             raise HostConnectionLost(
                 f"{self.node}: the host closed the connection before answering HELLO: either no "
                 "`apir host serve` socket (a `host vhost-user` socket is for QEMU: inside its VM, "
-                "use --drm) or a host at its connection limit (apir.local.max_connections: see its log)"
+                "use --drm) or a host at its connection limit (apir.local.max_connections, or "
+                "apir.local.max_connections_per_peer for this user: see its log)"
             ) from exc
         except BaseException:
             sock.close()

@@ -51,7 +51,12 @@ def send_message(
     data = pack_message(op, seq, payload, err)
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
     if timeout_s is not None:
-        _send_by(sock, data, anc, timeout_s)
+        try:
+            sent = sock.sendmsg([data], anc, socket.MSG_DONTWAIT) if anc else sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            _send_rest(sock, memoryview(data)[sent:], [] if sent else anc, timeout_s)
         return
     if anc:
         sent = sock.sendmsg([data], anc)
@@ -61,15 +66,14 @@ def send_message(
         sock.sendall(data)
 
 
-def _send_by(sock: socket.socket, data: bytes, anc: list, timeout_s: float) -> None:
-    view = memoryview(data)
-    deadline: Optional[float] = None
+def _send_rest(sock: socket.socket, view: memoryview, anc: list, timeout_s: float) -> None:
+    """Sends what is left of a message (`anc` with its first byte, if none went yet), waiting
+    for the peer to take it until `timeout_s` from now."""
+    deadline = time.monotonic() + timeout_s
     while view:
         try:
             sent = sock.sendmsg([view], anc, socket.MSG_DONTWAIT) if anc else sock.send(view, socket.MSG_DONTWAIT)
         except BlockingIOError:
-            if deadline is None:
-                deadline = time.monotonic() + timeout_s
             _wait(sock, select.POLLOUT, deadline, "take a reply")
             continue
         anc = []  # gone with the first byte sent

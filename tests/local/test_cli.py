@@ -165,7 +165,8 @@ def test_info_on_a_vhost_user_socket_says_what_it_is(tmp_path):
         proc.wait(30)
     assert line == (f"apir: error: local:{sock}: the host closed the connection before answering HELLO: either "
                     "no `apir host serve` socket (a `host vhost-user` socket is for QEMU: inside its VM, use --drm) "
-                    "or a host at its connection limit (apir.local.max_connections: see its log)")
+                    "or a host at its connection limit (apir.local.max_connections, or "
+                    "apir.local.max_connections_per_peer for this user: see its log)")
 
 
 def test_a_backend_the_build_lacks_says_which_build_has_it():

@@ -155,7 +155,7 @@ class _Connection:
         hello_timeout_s, rest_s = srv.hello_timeout_s, srv.message_timeout_s or None
         self.sock.setblocking(True)
         hello_deadline = self.accepted + hello_timeout_s if hello_timeout_s else None
-        header, payload, fds = recv_message(self.sock, deadline=hello_deadline)
+        header, payload, fds = recv_message(self.sock, deadline=hello_deadline, rest_s=rest_s)
         _close_fds(fds)  # a guest has no business sending fds
         if header.op != Op.HELLO or len(payload) != REQUEST[Op.HELLO].size:
             raise WireError(f"expected HELLO, got op {header.op} with {len(payload)} bytes")
