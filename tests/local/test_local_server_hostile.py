@@ -12,6 +12,7 @@ import time
 import pytest
 
 import apir.host.local.memfile as memfile_mod
+from apir.guest.errors import IoctlError
 from apir.guest.local import LocalDevice
 from apir.host.config import CONFIG_KEY_PEER
 from apir.host.local.peers import peer_uid
@@ -186,6 +187,15 @@ def test_no_shared_memory_file_is_an_errno_to_that_guest_only(make_server, monke
     assert closed_by_host(s)
     s.close()
     assert wait_for(lambda: len(srv._conns) == 0)
+    served(srv)
+
+
+def test_a_guest_refused_for_want_of_descriptors_gets_a_clear_error(make_server, monkeypatch):
+    srv = make_server()
+    fail_once(monkeypatch, memfile_mod.os, "memfd_create", OSError(errno.EMFILE, "Too many open files"))
+    with pytest.raises(IoctlError, match="Too many open files") as info:
+        LocalDevice(srv.path)
+    assert info.value.errno == errno.EMFILE
     served(srv)
 
 
