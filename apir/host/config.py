@@ -53,7 +53,6 @@ __all__ = [
     "PEER_BYTES_SHARE",
     "CONFIG_KEY_MAX_HOST_BYTES",
     "HOST_BYTES_SHARE",
-    "CONFIG_KEY_PEER",
     "CONFIG_KEY_LOCAL_SPIN",
     "DEFAULT_LOCAL_SPIN_S",
     "CONFIG_KEY_MAX_BLOBS",
@@ -171,9 +170,6 @@ CONFIG_KEY_MAX_PEER_BYTES = "apir.local.max_peer_bytes"
 PEER_BYTES_SHARE = (1, 2)
 CONFIG_KEY_MAX_HOST_BYTES = "apir.local.max_host_bytes"
 HOST_BYTES_SHARE = (3, 4)
-# Set by a transport in the configuration it gives each context, never by the operator: who
-# the context belongs to (the socket host: "uid:N"), for bounds kept per peer.
-CONFIG_KEY_PEER = "apir.host.peer"
 # Seconds a connection thread polls its socket for the guest's next request after a reply,
 # before it blocks (apir.host.local.server), while spinning pays (apir.local.spin_policy) and no
 # other guest is connected. 0: block at once. A bound on spinning, not on the guest.
