@@ -13,7 +13,7 @@ nodes added in the guest's order, in the scratch's `ggml_context`.
 
 Two paths, one answer (apir.accel): the plain one checks each record on its own
 (`_check_records_one_by_one`), makes each host tensor with ggml_new_tensor_1d and sweeps the
-nodes' writes for writes over row ids (`_first_writes_plain`). The accelerated one runs these steps in
+nodes' writes for writes over row ids (`_graph_writes_plain`). The accelerated one runs these steps in
 Numba kernels on whole arrays (apir.host.graph.kernels: a large graph has 10,000 tensors) and
 leaves every refusal to the per-record checks, which it runs on any doubt. Errors: `Refused`
 (with the tensor or node index) for anything the checks reject.
@@ -32,6 +32,7 @@ from apir.codec.copy import copy_bytes
 from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
+from apir.host.graph.computed_ids import check_computed_reads, computed_by
 from apir.host.graph.overlap import first_overlap
 from apir.host.graph.rule_memo import check_nodes, rule_groups
 from apir.host.graph.shapes import OpEnums, TensorInfo
@@ -98,7 +99,10 @@ def _check_graph_needs(
     by a node that runs before (or is) their last reader (a node's own result, or the sources
     an OPT_STEP_* updates in place): ggml CPU would then read other ids than those checked.
     A write after the last reader is fine (ggml's allocator reuses a consumed input's memory),
-    and the kernels read the checked copy anyway (TensorInfo.snapshot). And a kernel that is
+    and the kernels read the checked copy anyway (TensorInfo.snapshot), as long as no node
+    writes through the tensor given that copy (`_check_copies_unwritten`). Row ids the graph
+    computes in range (apir.host.graph.computed_ids) were not read: nothing but their writer
+    writes them before their readers (`check_computed_reads`). And a kernel that is
     only safe on one thread is in a graph that the CPU runs on one thread (the profile's
     `one_task_ops`)."""
     op_names, ops = lib.g.op_names, parsed.tensors["op"]
@@ -114,20 +118,34 @@ def _check_graph_needs(
             )
             raise Refused(f"node {who.index}: {why}", node=who.index, op=who.op_name, reason=why, rule=_GRAPH_NEEDS)
     read = [info for info in made if info.snapshot is not None]
-    if not read:
+    computed = [info for info in made if info.read_computed_by]
+    if not read and not computed:
         return
+    for info in computed:
+        if info.snapshot is not None:  # (one host tensor: it cannot both hold the copy and be computed)
+            j, r = (info.read_by or [info.index])[0], (info.read_computed_by or [info.index])[0]
+            why = f"row ids read before compute by node {j} and computed by the graph for node {r}"
+            op = op_names[int(ops[j])]
+            raise Refused(f"graph tensor {info.index}: {why}", node=j, op=op, reason=why, rule=_GRAPH_NEEDS)
     # each reader's position (-1: a reader that is not a node, e.g. a leaf, reads nothing at
     # compute), the last per ids tensor
     at = np.full(len(parsed.tensors), -1, np.int64)
     at[nodes] = np.arange(len(nodes))
     until = np.array([max((int(at[j]) for j in info.read_by or ()), default=-1) for info in read], np.int64)
+    computed_at = [int(at[j]) for info in computed for j in info.read_computed_by or ()]
+    last = max([int(until.max()) if len(until) else -1] + computed_at)
     # only the nodes up to the last reader can write before one (an embedding's GET_ROWS is
     # node 0: one node's writes, not the whole graph's)
-    before = nodes[: int(until.max()) + 1]
+    before = nodes[: last + 1]
     buf = _same_memory(recs.found)[recs.inverse]  # per tensor: its memory, as one number
+    graph_writes = _graph_writes if accel.enabled() else _graph_writes_plain
+    writes = graph_writes(lib.g, before, ops, parsed.src_index, buf, recs)
+    check_computed_reads(computed, at, nodes, writes, buf, recs, lambda j: op_names[int(ops[j])])
+    if not read:
+        return
     q_t = np.array([info.index for info in read], np.int64)
-    first_writes = _first_writes if accel.enabled() else _first_writes_plain
-    first = first_writes(lib.g, before, ops, parsed.src_index, buf, recs, q_t)
+    first_overlap_of = _first_overlap if accel.enabled() else _first_overlap_plain
+    first = first_overlap_of(writes, buf, recs, q_t)
     hit = np.flatnonzero((first >= 0) & (first <= until))
     if len(hit):
         k = int(hit[0])  # (`read` is in tensor order: the first ids tensor so overwritten)
@@ -135,6 +153,41 @@ def _check_graph_needs(
         op = op_names[int(ops[j])]
         why = f"row ids read before compute, but node {j} ({op}) writes over them before they are read"
         raise Refused(f"graph tensor {i}: {why}", node=j, op=op, reason=why, rule=_GRAPH_NEEDS)
+    _check_copies_unwritten(lib, parsed, nodes, read, profile)
+
+
+def _check_copies_unwritten(lib: GraphLibrary, parsed, nodes: np.ndarray, read: List[TensorInfo], profile) -> None:
+    """Refuses a node writing through a host tensor that the build points at the checked copy
+    of its row ids (`read`): itself or, where a backend addresses views through their source
+    (a profile without `host_addressable`: ggml-vulkan), a view of it. Its result would land
+    in the copy and the guest's tensor keep what it held, where ggml writes the tensor (a write
+    before the last reader is refused anyway; this is one after it)."""
+    g, ops = lib.g, parsed.tensors["op"]
+    empty, opt_step = _write_ops(g)
+    node_ops = ops[nodes].astype(np.int64)
+    written = [nodes[~empty[node_ops]]]  # (each node writes itself, unless its op writes nothing)
+    writer = list(written)
+    steps = nodes[opt_step[node_ops]]
+    if len(steps):  # (OPT_STEP_* updates its sources in place)
+        srcs = parsed.src_index[steps]
+        written.append(srcs[srcs >= 0].astype(np.int64))
+        writer.append(np.repeat(steps, (srcs >= 0).sum(axis=1)))
+    w, by = np.concatenate(written), np.concatenate(writer)
+    copied = np.zeros(len(parsed.tensors), np.bool_)
+    copied[[info.index for info in read]] = True
+    through = copied[w]
+    if not profile.host_addressable:
+        v = parsed.view_src_index[w].astype(np.int64)
+        through |= (v >= 0) & copied[np.maximum(v, 0)]
+    hit = np.flatnonzero(through)
+    if len(hit):
+        t, j = int(w[hit[0]]), int(by[hit[0]])
+        op = g.op_names[int(ops[j])]
+        why = (
+            f"row ids read before compute are written by node {j} ({op}) after their readers, "
+            f"through the tensor given the checked copy"
+        )
+        raise Refused(f"graph tensor {t}: {why}", node=j, op=op, reason=why, rule=_GRAPH_NEEDS)
 
 
 @functools.lru_cache(maxsize=8)
@@ -146,13 +199,10 @@ def _write_ops(g) -> tuple:
     return empty, np.array([name.startswith("OPT_STEP") for name in names], np.bool_)
 
 
-def _first_writes_plain(g, nodes, ops, src_index, buf, recs: _Records, q_t: np.ndarray) -> np.ndarray:
-    """Per tensor of `q_t`: the position in `nodes` of the first node that writes over its
-    bytes (in the same memory, `buf`), -1 where none does. A node writes itself unless its op
-    writes nothing, and the sources an OPT_STEP_* op updates in place; an empty range
-    overlaps one that strictly contains its offset. The writes in graph order, then one sweep
-    over them for all the tensors at once (apir.host.graph.overlap: a guest's graph of many
-    readers makes comparing each with each write quadratic)."""
+def _graph_writes_plain(g, nodes, ops, src_index, buf, recs: _Records) -> tuple:
+    """(memory, lo, hi, position) int64 arrays of every write of `nodes`, in graph order: a
+    node writes itself unless its op writes nothing (ggml_op_is_empty), and an OPT_STEP_* op
+    the sources it updates in place; `buf` per tensor its memory, its bytes from `recs`."""
     empty, opt_step = _write_ops(g)
     offsets, extents = recs.offsets.tolist(), recs.extents.tolist()
     written: List[int] = []  # tensors written, and the position of the node writing each
@@ -164,26 +214,46 @@ def _first_writes_plain(g, nodes, ops, src_index, buf, recs: _Records, q_t: np.n
         for t in [j] + ([s for s in src_index[j].tolist() if s >= 0] if opt_step[op] else []):
             written.append(t)
             at.append(p)
-    w_lo = [offsets[t] for t in written]
-    w_hi = [offsets[t] + extents[t] for t in written]
-    q = q_t.tolist()
-    q_lo = [offsets[t] for t in q]
-    q_hi = [offsets[t] + extents[t] for t in q]
-    return first_overlap(buf[written], w_lo, w_hi, at, buf[q_t], q_lo, q_hi)
+    w_lo = np.array([offsets[t] for t in written], np.int64)
+    w_hi = np.array([offsets[t] + extents[t] for t in written], np.int64)
+    return np.asarray(buf[written], np.int64), w_lo, w_hi, np.array(at, np.int64)
 
 
-def _first_writes(g, nodes, ops, src_index, buf, recs: _Records, q_t: np.ndarray) -> np.ndarray:
-    """`_first_writes_plain` in two kernels: the writes in graph order, then one sweep over
-    them for all the tensors at once (comparing each with each write is quadratic in a graph
-    of many readers)."""
+def _first_overlap_plain(writes: tuple, buf, recs: _Records, q_t: np.ndarray) -> np.ndarray:
+    """Per tensor of `q_t`: the position of the first of `writes` (`_graph_writes_plain`) over
+    its bytes, in its memory, -1 where none is; an empty range overlaps one that strictly
+    contains its offset. One sweep for all the tensors at once (apir.host.graph.overlap: a
+    guest's graph of many readers makes comparing each with each write quadratic)."""
+    q_lo, q_hi = recs.offsets[q_t], recs.offsets[q_t] + recs.extents[q_t]
+    w_buf, w_lo, w_hi, w_pos = writes
+    return first_overlap(w_buf, w_lo, w_hi, w_pos, buf[q_t], q_lo, q_hi)
+
+
+def _graph_writes(g, nodes, ops, src_index, buf, recs: _Records) -> tuple:
+    """`_graph_writes_plain` in a kernel."""
     empty, opt_step = _write_ops(g)
     space = np.empty((4, len(nodes) * (1 + src_index.shape[1])), np.int64)
     m = graph_writes_kernel(nodes, ops, empty, opt_step, src_index, buf, recs.offsets, recs.extents, *space)
-    w = [a[:m] for a in space]  # buffer, lo, hi, position
+    return tuple(a[:m] for a in space)  # buffer, lo, hi, position
+
+
+def _first_overlap(writes: tuple, buf, recs: _Records, q_t: np.ndarray) -> np.ndarray:
+    """`_first_overlap_plain` in a kernel."""
     first = np.empty(len(q_t), np.int64)
     q = (buf[q_t], recs.offsets[q_t], recs.offsets[q_t] + recs.extents[q_t])
-    first_overlap_kernel(*w, *q, first, _DIRECT_PAIRS)
+    first_overlap_kernel(*writes, *q, first, _DIRECT_PAIRS)
     return first
+
+
+def _first_writes_plain(g, nodes, ops, src_index, buf, recs: _Records, q_t: np.ndarray) -> np.ndarray:
+    """Per tensor of `q_t`: the position in `nodes` of the first node that writes over its
+    bytes (in the same memory, `buf`), -1 where none does."""
+    return _first_overlap_plain(_graph_writes_plain(g, nodes, ops, src_index, buf, recs), buf, recs, q_t)
+
+
+def _first_writes(g, nodes, ops, src_index, buf, recs: _Records, q_t: np.ndarray) -> np.ndarray:
+    """`_first_writes_plain` in two kernels."""
+    return _first_overlap(_graph_writes(g, nodes, ops, src_index, buf, recs), buf, recs, q_t)
 
 
 # Up to this many (write, ids tensor) pairs first_overlap_kernel compares one by one (the
@@ -363,6 +433,7 @@ class TensorInfos(Sequence[TensorInfo]):
 
     def __init__(self, lib: GraphLibrary, parsed, recs: _Records, fetch: bool):
         self._lib, self._t, self._recs, self._fetch = lib, parsed.tensors, recs, fetch
+        self._parsed = parsed
         # the fields tensor_info reads, as columns (read faster than a record's fields)
         self._columns = tuple(self._t[f] for f in ("type", "op", "ne", "nb", "op_params"))
         self._made: Dict[int, TensorInfo] = {}
@@ -383,6 +454,7 @@ class TensorInfos(Sequence[TensorInfo]):
             info = _tensor_info(self._lib, i, type_[i], op[i], ne[i], nb[i], params[i], buf.base + offset)
             info.room = buf.size - offset  # bytes to the end of its buffer (TensorInfo.room)
             info.id_reads = self._id_reads
+            info.computed_by = computed_by(self._lib.g, self._parsed, recs, i)
             if self._fetch:
                 info.fetch = _Fetcher(self._lib, buf, offset)
             self._made[i] = info

@@ -346,6 +346,7 @@ def _unread_copy(info: TensorInfo) -> TensorInfo:
     new = object.__new__(TensorInfo)
     new.__dict__.update(info.__dict__)
     new.snapshot, new.read_by, new.id_bounds, new.one_thread = None, None, None, False
+    new.read_computed_by = None
     new.id_reads = None  # (the build bounded these very copies: the same tensors, the same extents)
     return new
 

@@ -302,13 +302,24 @@ def test_row_ids_out_of_range_on_a_cache_hit(guest, ggml, op, build, ids_at, bad
         r.close()
 
 
-def test_row_ids_computed_by_the_graph_are_refused(guest, ggml):
-    """Ids the graph computes (here argsort's) cannot be read before compute: refused."""
+def _get_rows_of_argsort(columns):
     def build(g, ctx):
-        a, x = _in(g, ctx, "F32", 8, 6), _in(g, ctx, "F32", 6)
+        a, x = _in(g, ctx, "F32", 8, 6), _in(g, ctx, "F32", columns)
         return g.ggml_get_rows(ctx, a, g.ggml_argsort(ctx, x, 0)), [a, x]
 
-    r = Remote(guest, ggml, Case("GET_ROWS", build))
+    return Case("GET_ROWS", build)
+
+
+def test_row_ids_computed_in_range_by_the_graph_compute_like_cpu(guest, ggml):
+    """Ids the graph computes in range whatever its inputs (argsort of 6 columns, for 6 rows:
+    apir.host.graph.computed_ids): not read before compute, and the result is ggml CPU's."""
+    assert_matches_ggml_cpu(guest, ggml, _get_rows_of_argsort(6))
+
+
+def test_row_ids_computed_by_the_graph_out_of_range_are_refused(guest, ggml):
+    """Ids the graph computes that may leave the range (argsort of 7 columns, for 6 rows)
+    cannot be read before compute: refused."""
+    r = Remote(guest, ggml, _get_rows_of_argsort(7))
     got = refusal(r, serves_next=False)
     # refused for the values found there before compute (GET_ROWS' rule), or else by the
     # graph's check of what the rules read, naming the argsort node that writes them

@@ -176,6 +176,12 @@ class TensorInfo:
     # bounded nor remembered (device_supports_op; a cached graph re-checking the copies its
     # build made)
     id_reads: Optional[IdReads] = None
+    # (writer, bound): every element is one that node `writer` of the graph computes, an id in
+    # [0, bound) whatever its inputs (apir.host.graph.computed_ids); None: not known so
+    computed_by: Optional[Tuple[int, int]] = None
+    # graph indices of the nodes whose rules took its ids as `computed_by` bounds them, unread:
+    # the graph build checks that no other write reaches them between writer and reader
+    read_computed_by: Optional[List[int]] = None
 
     def nelements(self) -> int:
         return math.prod(map(int, self.ne))  # exact (Python ints); np.prod(dtype=object) is ~20x slower
@@ -461,6 +467,8 @@ def check_row_ids(
     The least and greatest id of a copy, read one way, are found once per graph
     (`IdReads.ranges`), not once per reader: one tensor of ids read by N nodes would cost N
     passes over them before compute."""
+    if _computed_within(node, ids, n_rows, types, flat):
+        return
     reads = len(ids.read_by or ())
     ranges = ids.id_reads.ranges if ids.id_reads is not None else None
     known = ranges.get((ids.index, flat)) if ranges is not None and ids.snapshot is not None else None
@@ -473,6 +481,27 @@ def check_row_ids(
         fail(node, f"{what} out of [0, {n_rows})")
     if len(ids.read_by or ()) > reads:
         ids.id_bounds = (ids.id_bounds or []) + [(flat, n_rows)]
+
+
+def _computed_within(node: TensorInfo, ids: TensorInfo, n_rows: int, types, flat: bool) -> bool:
+    """Whether the graph computes ids in [0, n_rows) by construction (`ids.computed_by`, not
+    yet read before compute: a tensor is either read or computed for all its readers): then
+    nothing is read, and the read is recorded in `read_computed_by` for the graph's check
+    that no other write reaches them before this reader (apir.host.graph.computed_ids)."""
+    made = ids.computed_by
+    if made is None or made[1] > n_rows or ids.snapshot is not None or ids.type_name not in types:
+        return False
+    if ids.address == 0:
+        fail(node, "row ids have no data")
+    n = ids.nelements()
+    itemsize = np.dtype(_ID_DTYPES[ids.type_name]).itemsize
+    if flat and n * itemsize > extent(ids):
+        fail(node, f"{n} packed row ids reach past ids' extent (nb {ids.nb})")
+    if not flat and ids.nb[0] < itemsize and ids.ne[0] > 1:
+        fail(node, f"row ids overlap (nb {ids.nb})")
+    if n:
+        ids.read_computed_by = (ids.read_computed_by or []) + [node.index]
+    return True
 
 
 def int_counted(node: TensorInfo, srcs: Sequence[Optional[TensorInfo]]) -> None:
