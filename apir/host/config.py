@@ -80,6 +80,8 @@ __all__ = [
     "DEFAULT_VHOST_PROCESS_MAX_MEM_BYTES",
     "CONFIG_KEY_PEER",
     "CONFIG_KEY_PEER_MEMORY_LIMIT",
+    "CONFIG_KEY_GRAPH_CHUNK_NODES",
+    "DEFAULT_GRAPH_CHUNK_NODES",
     "ENV_FALLBACKS",
     "parse_limit",
     "config_limit",
@@ -143,6 +145,12 @@ CONFIG_KEY_PEER = "apir.host.peer"
 # one waits for it. 0 disables the bound. ggml looks between nodes: a node runs to its end.
 CONFIG_KEY_GRAPH_TIME_LIMIT = "apir.host.graph_time_limit_s"
 DEFAULT_GRAPH_TIME_LIMIT_S = 300.0
+# Nodes per cgraph where the backend has no abort callback (ggml-vulkan, ggml-rpc): the graph is
+# computed in ranges of this many nodes, the time limit and cancellation checked between them
+# (apir.host.backend.compute_abort; the cost: benchmarks/bench_compute_chunks.py). 0: whole
+# graphs, with no time limit nor cancellation on such a backend.
+CONFIG_KEY_GRAPH_CHUNK_NODES = "apir.host.graph_chunk_nodes"
+DEFAULT_GRAPH_CHUNK_NODES = 256
 # Connections one socket host serves at once (HELLO or not), and of those, connections of one
 # peer (a user id: apir.host.local.peers); more are closed at once. The socket file's default
 # mode (0600) lets one user connect: the per-peer bound is then that user's number of guests.
@@ -227,6 +235,7 @@ ENV_FALLBACKS: Dict[str, str] = {
     CONFIG_KEY_MEMORY_LIMIT: "APIR_HOST_MEMORY_LIMIT",
     CONFIG_KEY_MAX_BUFFERS: "APIR_HOST_MAX_BUFFERS",
     CONFIG_KEY_GRAPH_TIME_LIMIT: "APIR_HOST_GRAPH_TIME_LIMIT_S",
+    CONFIG_KEY_GRAPH_CHUNK_NODES: "APIR_HOST_GRAPH_CHUNK_NODES",
     CONFIG_KEY_MAX_CONNECTIONS: "APIR_LOCAL_MAX_CONNECTIONS",
     CONFIG_KEY_MAX_CONNECTIONS_PER_PEER: "APIR_LOCAL_MAX_CONNECTIONS_PER_PEER",
     CONFIG_KEY_HELLO_TIMEOUT: "APIR_LOCAL_HELLO_TIMEOUT_S",

@@ -3,7 +3,10 @@
 The graph is a chain of N_NODES in-place ADDs of a broadcast 1.0 to a zeroed 16 MiB tensor: its
 final value counts the nodes that ran (N_NODES when it ran to the end, several seconds), so a
 test sees from the bytes, not from a clock, that ggml stopped it early. ggml looks at its abort
-callback between nodes: at least the first node always runs."""
+callback between nodes: at least the first node always runs. Each test runs twice
+(`bound_by`): with ggml CPU's abort callback, and as on a backend without one (ggml-vulkan,
+ggml-rpc: the proc address not found), where the host computes the graph in ranges of nodes
+and looks at the flag between them (apir.host.backend.compute_abort.compute_graph)."""
 
 import socket
 import struct
@@ -83,7 +86,26 @@ class ChainOnHost:
         self.scratch.close()
 
 
-def test_a_graph_over_its_time_limit_is_aborted_and_the_next_one_runs(ggml):
+CHUNK_NODES = 64
+
+
+@pytest.fixture(params=["callback", "ranges"])
+def bound_by(request, monkeypatch):
+    """How the host stops a graph: ggml's abort callback, or ranges of CHUNK_NODES nodes."""
+    if request.param == "ranges":
+        import apir.host.backend.compute_abort as compute_abort
+
+        monkeypatch.setattr(compute_abort, "SET_ABORT_CALLBACK", b"apir_test_no_such_proc")
+        monkeypatch.setenv("APIR_HOST_GRAPH_CHUNK_NODES", str(CHUNK_NODES))
+    return request.param
+
+
+def _stopped_at(bound_by, nodes):
+    """Whether `nodes` that ran is where `bound_by` stops a graph: between nodes, or ranges."""
+    return 1 <= nodes < N_NODES and (bound_by == "callback" or nodes % CHUNK_NODES == 0)
+
+
+def test_a_graph_over_its_time_limit_is_aborted_and_the_next_one_runs(ggml, bound_by):
     aborted = ggml.statuses["ABORTED"]
     # a limit the 3-node graph below (48 MiB of ADDs) fits in even on a loaded machine, and the
     # 2000-node chain, seconds of compute, still overruns
@@ -92,7 +114,8 @@ def test_a_graph_over_its_time_limit_is_aborted_and_the_next_one_runs(ggml):
     try:
         status, nodes = chain.compute()
         assert status == aborted
-        assert 1 <= nodes < N_NODES  # stopped between two nodes, well before the end
+        assert _stopped_at(bound_by, nodes), nodes  # stopped between two nodes, well before the end
+        assert guest.ctx._library.abort.chunked == (bound_by == "ranges")
         # the limit is per graph: a graph within it runs to its end on the same context
         short = ChainOnHost(guest, ggml, n_nodes=3)
         assert short.compute() == (ggml.statuses["SUCCESS"], 3)
@@ -102,13 +125,13 @@ def test_a_graph_over_its_time_limit_is_aborted_and_the_next_one_runs(ggml):
         guest.close()
 
 
-def test_the_time_limit_is_configured_by_the_environment_too(ggml, monkeypatch):
+def test_the_time_limit_is_configured_by_the_environment_too(ggml, monkeypatch, bound_by):
     monkeypatch.setenv("APIR_HOST_GRAPH_TIME_LIMIT_S", "0.2")
     guest = Guest(HostContext(7), data_size=1 << 20)
     chain = ChainOnHost(guest, ggml)
     try:
         status, nodes = chain.compute()
-        assert (status, nodes < N_NODES) == (ggml.statuses["ABORTED"], True)
+        assert (status, _stopped_at(bound_by, nodes)) == (ggml.statuses["ABORTED"], True)
     finally:
         chain.close()
         guest.close()
@@ -129,7 +152,7 @@ def compute_started(ggml, monkeypatch):
     return started
 
 
-def test_closing_the_context_cancels_its_compute(ggml, compute_started):
+def test_closing_the_context_cancels_its_compute(ggml, compute_started, bound_by):
     guest = Guest(HostContext(7, {"apir.host.graph_time_limit_s": "0"}), data_size=1 << 20)
     chain = ChainOnHost(guest, ggml)
     outcome = {}
@@ -178,7 +201,7 @@ class _RecordingContext(HostContext):
                 _RecordingContext.threads.append(threading.current_thread().name)
 
 
-def test_a_guest_hanging_up_cancels_its_compute_on_the_socket_host(ggml, tmp_path, compute_started):
+def test_a_guest_hanging_up_cancels_its_compute_on_the_socket_host(ggml, tmp_path, compute_started, bound_by):
     _RecordingContext.statuses = []
     config = {"apir.host.graph_time_limit_s": "0"}  # only the hang-up may stop it
     with LocalServer(str(tmp_path / "s.sock"), config=config, context_factory=_RecordingContext).start() as srv:
@@ -210,7 +233,7 @@ def test_a_guest_hanging_up_cancels_its_compute_on_the_socket_host(ggml, tmp_pat
 
 
 @pytest.mark.parametrize("exec_wait_s", [0.0, 1.0])
-def test_closing_an_embedded_device_cancels_its_compute(ggml, compute_started, exec_wait_s):
+def test_closing_an_embedded_device_cancels_its_compute(ggml, compute_started, exec_wait_s, bound_by):
     """Whether execbuffer returns at once or waits (where bounded commands run in the caller's
     thread), the graph computes on the host thread, and closing the device stops it."""
     from apir.local.embedded import EmbeddedDevice

@@ -16,7 +16,10 @@ Python sets the flag (a release store) from any thread:
   the socket host noticing a hang-up). It is final: the compute in flight stops after its
   current node, and every later `run` returns GGML_STATUS_ABORTED without computing.
 
-What this cannot stop (the node running; a backend without the proc address): docs/security.md.
+A backend without the proc address (ggml-vulkan, ggml-rpc) is given the graph in ranges of
+`chunk_nodes` nodes (`compute_graph`, apir.host.graph.chunks), the flag looked at between
+them: the same bound, a range rather than a node late. What this cannot stop (the node or range
+running; chunk_nodes 0 on such a backend): docs/security.md.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import logging
 import math
 import threading
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 
@@ -45,13 +48,18 @@ class ComputeAbort:
     """One context's abort flag, installed as `backend`'s abort callback when `reg` offers one.
 
     `g`: the loaded Ggml; `reg`, `backend`: the ggml registry and backend the context computes
-    with; `time_limit_s`: the wall-time bound of one graph (0: none). `installed` says whether
-    ggml will look at the flag."""
+    with; `time_limit_s`: the wall-time bound of one graph (0: none); `chunk_nodes`: nodes per
+    range where the backend has no abort callback (0: whole graphs, unbounded). `installed`
+    says whether ggml will look at the flag, `chunked` whether `compute_graph` does instead."""
 
-    def __init__(self, g, reg: int, backend: int, time_limit_s: float, name: str = "context") -> None:
+    def __init__(
+        self, g, reg: int, backend: int, time_limit_s: float, name: str = "context", chunk_nodes: int = 0
+    ) -> None:
+        self.g = g
         self.name = name
         self.time_limit_s = time_limit_s
         self.aborted_status = g.statuses["ABORTED"]
+        self.success_status = g.statuses["SUCCESS"]
         self._flag_memory = np.zeros(1, dtype=np.uint32)  # ggml reads it through `data`
         self._flag = Word(self._flag_memory.view(np.uint8), 0)
         self._cancelled: Optional[str] = None  # why, once cancel() was called
@@ -62,12 +70,26 @@ class ComputeAbort:
             set_abort = _SET_ABORT_CALLBACK_T(fn_ptr)
             set_abort(backend, nonzero_u32_callback(), self._flag_memory.ctypes.data)
             self.installed = True
-        else:
+        self.chunk_nodes = 0 if self.installed else chunk_nodes
+        if self.chunk_nodes:
+            log.info(
+                "%s: ggml backend %s has no abort callback: graphs computed in ranges of %d nodes, "
+                "the time limit and cancellation checked between them",
+                name,
+                g.ggml_backend_reg_name(reg).decode(),
+                self.chunk_nodes,
+            )
+        elif not self.installed:
             log.warning(
                 "%s: ggml backend %s has no abort callback: graphs run to completion (no time limit, no cancellation)",
                 name,
                 g.ggml_backend_reg_name(reg).decode(),
             )
+
+    @property
+    def chunked(self) -> bool:
+        """Whether graphs are computed in ranges of nodes (no abort callback)."""
+        return self.chunk_nodes > 0
 
     @property
     def cancelled(self) -> Optional[str]:
@@ -85,7 +107,7 @@ class ComputeAbort:
         self._flag.store_release(0)
         if self._cancelled is not None:  # a cancel() between the check and the store
             self._flag.store_release(1)
-        armed = self.installed and 0 < self.time_limit_s < math.inf
+        armed = (self.installed or self.chunked) and 0 < self.time_limit_s < math.inf
         if armed:
             _WATCHDOG.arm(self, time.monotonic() + self.time_limit_s)
         try:
@@ -99,6 +121,24 @@ class ComputeAbort:
             )
             log.warning("%s: graph compute stopped: %s", self.name, why)
         return status
+
+    def compute_graph(self, backend: int, graph: int, chunks: Callable[[int], Sequence[int]]) -> int:
+        """ggml_backend_graph_compute of `graph` under `run`: whole, or, where the backend has
+        no abort callback, as `chunks(chunk_nodes)` (the graph's nodes as consecutive cgraphs,
+        apir.host.graph.chunks) one after the other, the flag looked at before each."""
+        if not self.chunked:
+            return self.run(self.g.ggml_backend_graph_compute, backend, graph)
+        return self.run(self._compute_ranges, backend, chunks(self.chunk_nodes))
+
+    def _compute_ranges(self, backend: int, graphs: Sequence[int]) -> int:
+        compute = self.g.ggml_backend_graph_compute
+        for graph in graphs:
+            if self._flag.load_acquire():
+                return self.aborted_status
+            status = compute(backend, graph)
+            if status != self.success_status:
+                return status
+        return self.success_status
 
     def cancel(self, reason: str) -> None:
         """Stops the compute in flight (after its current node) and every later one. Any

@@ -11,7 +11,8 @@ one that does not is refused (BACKEND_RC_ERROR, no status). Where the profile `c
 `apir.host.graph.cache` describes: found where it lies, sent again byte for byte or under
 other ids (`GraphCache.take_same`, no parse), else by the parsed graph's key (`prepare_graph`).
 The compute runs under the context's abort flag: past `apir.host.graph_time_limit_s`, or once
-the context is being destroyed, it stops with GGML_STATUS_ABORTED.
+the context is being destroyed, it stops with GGML_STATUS_ABORTED (between nodes, or, on a
+backend without an abort callback, between ranges of `apir.host.graph_chunk_nodes` nodes).
 
 Nodes without GGML_TENSOR_FLAG_COMPUTE are skipped, as ggml skips them (docs/protocol.md
 section 7); a graph in which no node has it computes nothing and reports SUCCESS, as on the C
@@ -61,7 +62,7 @@ def graph_compute(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
         check_work_size(lib, entry.graph, entry.planned)  # before the CPU backend allocates its work buffer
         lib.set_graph_threads()  # no more than the work-size bound planned with
         # under the context's time limit and cancellation (apir.host.backend.compute_abort)
-        status = lib.abort.run(g.ggml_backend_graph_compute, lib.backend, entry.graph)
+        status = lib.abort.compute_graph(lib.backend, entry.graph, lambda n: entry.chunks(g, n))
         g.ggml_backend_synchronize(lib.backend)
     except BaseException:
         entry.close()

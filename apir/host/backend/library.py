@@ -37,11 +37,13 @@ from apir.host.config import (
     CONFIG_KEY_DEVICE_TYPE,
     CONFIG_KEY_GGML_LIBRARY_PATH,
     CONFIG_KEY_GGML_LIBRARY_REG,
+    CONFIG_KEY_GRAPH_CHUNK_NODES,
     CONFIG_KEY_GRAPH_TIME_LIMIT,
     CONFIG_KEY_IMPORT_HOST_MEMORY,
     CONFIG_KEY_N_THREADS,
     CONFIG_KEY_POLL,
     DEFAULT_GGML_LIBRARY_REG,
+    DEFAULT_GRAPH_CHUNK_NODES,
     DEFAULT_GRAPH_TIME_LIMIT_S,
     DEFAULT_POLL,
     N_THREADS_FREE,
@@ -265,7 +267,12 @@ class PythonBackendLibrary:
         time_limit_s = parse_limit(
             host.get_config(CONFIG_KEY_GRAPH_TIME_LIMIT), CONFIG_KEY_GRAPH_TIME_LIMIT, DEFAULT_GRAPH_TIME_LIMIT_S
         )
-        self._abort = ComputeAbort(g, reg, backend, time_limit_s, name=f"ctx {host.ctx_id}")
+        chunk_nodes = parse_limit(
+            host.get_config(CONFIG_KEY_GRAPH_CHUNK_NODES), CONFIG_KEY_GRAPH_CHUNK_NODES, DEFAULT_GRAPH_CHUNK_NODES
+        )
+        self._abort = ComputeAbort(
+            g, reg, backend, time_limit_s, name=f"ctx {host.ctx_id}", chunk_nodes=int(chunk_nodes)
+        )
         self._checker = TensorChecker(g)
         # config apir.host.async_transfers (env APIR_HOST_ASYNC_TRANSFERS) = 0 / off: every
         # copy synchronous. Where the device's buffers are host-visible (ggml-vulkan maps them

@@ -32,6 +32,7 @@ import numpy as np
 from apir import accel
 from apir.codec.copy import RawMemory, copy_bytes
 from apir.host.graph.build import TensorInfos, fetch_row_ids, point_at_device_copies
+from apir.host.graph.chunks import GraphChunks
 from apir.host.graph.seams import GraphLibrary, profile_of
 from apir.host.graph.shapes import OpEnums, TensorInfo, check_node, node_sources
 from apir.host.graph.shapes.base import id_values
@@ -396,6 +397,7 @@ class GraphCacheEntry:
         # (tensor index, flat) -> (snapshot, its ids as read): a snapshot refilled in place is
         # read through the same view on every hit (`_fresh_snapshots`)
         self._id_views: Dict[tuple, tuple] = {}
+        self._chunks: Optional[Tuple[int, GraphChunks]] = None  # (chunk_nodes, its chunks)
 
     @functools.cached_property
     def links(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -517,7 +519,22 @@ class GraphCacheEntry:
             self.infos[i].snapshot = snap
         return True
 
+    def chunks(self, g, chunk_nodes: int) -> List[int]:
+        """The graph's nodes as cgraphs of at most `chunk_nodes` nodes, in order
+        (apir.host.graph.chunks), made once per entry and size; their memory counts in `nbytes`."""
+        made = self._chunks
+        if made is None or made[0] != chunk_nodes:
+            if made is not None:
+                self.nbytes -= made[1].nbytes
+                made[1].close()
+            made = self._chunks = (chunk_nodes, GraphChunks(g, self.graph, chunk_nodes))
+            self.nbytes += made[1].nbytes
+        return made[1].graphs
+
     def close(self) -> None:
+        if self._chunks is not None:
+            self._chunks[1].close()
+            self._chunks = None
         self.scratch.close()
 
 
