@@ -131,3 +131,23 @@ def check_graph_cache_report(report: dict) -> None:
     assert (report["hits"], report["misses"]) == (3, 3), report
     assert report["refused_rc"] != 0
     assert report["after_refusal"] == [0, 0, True]
+
+
+def check_compute_bound_report(report: dict) -> None:
+    """tests/backends/compute_bound_run.py on a backend without an abort callback: ranges of
+    nodes compute the whole graph's logits byte for byte; a graph over its time limit stops
+    with GGML_STATUS_ABORTED at a range's end and the context computes the next graph; a guest
+    hanging up mid-compute stops its graph and its context goes."""
+    aborted, success = report["statuses"]["ABORTED"], report["statuses"]["SUCCESS"]
+    whole, ranges = report["exact"]["whole"], report["exact"]["ranges"]
+    assert (whole["chunked"], ranges["chunked"]) == (False, True)
+    assert (whole["status"], whole["rc"], ranges["status"], ranges["rc"]) == (success, 0, success, 0)
+    assert len(set(bytes.fromhex(whole["logits"]))) > 16
+    assert ranges["logits"] == whole["logits"]
+    limit = report["time_limit"]
+    assert limit["chunked"] and limit["status"] == aborted, limit
+    assert 0 < limit["nodes"] < 6000 and limit["nodes"] % 64 == 0, limit  # (compute_bound_run's N_NODES, CHUNK)
+    assert limit["next"] == [success, 3], limit
+    hang = report["hang_up"]
+    assert hang["started"] and hang["contexts_left"] == 0, hang
+    assert hang["statuses"] == [aborted], hang

@@ -13,6 +13,7 @@ import pytest
 from tests.backends.conftest import (
     REPO,
     base_env,
+    check_compute_bound_report,
     check_graph_cache_report,
     graph_cache_run,
     host_serve,
@@ -107,3 +108,16 @@ def test_repeated_graph_hits_the_cache_with_the_rechecked_row_ids(backends_build
         server.close()
     assert report["backend"].startswith("RPC")
     check_graph_cache_report(report)
+
+
+def test_the_time_limit_and_a_hang_up_stop_a_graph_on_rpc(backends_build, tmp_path):
+    """ggml-rpc has no abort callback: as on Vulkan, the host computes in ranges of nodes
+    (tests/backends/compute_bound_run.py against one loopback rpc-server)."""
+    port = free_port()
+    server = rpc_server(backends_build, port, tmp_path / "rpc.log")
+    try:
+        report = graph_cache_run(backends_build, f"rpc:127.0.0.1:{port}", tmp_path / "report.json", False,
+                                 script="compute_bound_run")
+    finally:
+        server.close()
+    check_compute_bound_report(report)

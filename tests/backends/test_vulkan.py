@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 
 from tests import prereq
-from tests.backends.conftest import REPO, base_env, check_graph_cache_report, graph_cache_run, host_serve, minilm
+from tests.backends.conftest import (
+    REPO,
+    base_env,
+    check_compute_bound_report,
+    check_graph_cache_report,
+    graph_cache_run,
+    host_serve,
+    minilm,
+)
 
 pytestmark = pytest.mark.vulkan
 
@@ -146,3 +154,13 @@ def test_info_without_a_driver_or_a_device_names_what_is_missing(vk):
     seen = info()
     assert seen.returncode == 0, seen.stderr
     assert "served by:          Vulkan0 (llvmpipe" in seen.stdout
+
+
+def test_the_time_limit_and_a_hang_up_stop_a_graph_on_vulkan(vk, tmp_path):
+    """ggml-vulkan has no abort callback: the host computes in ranges of nodes and looks at
+    the abort flag between them (apir.host.backend.compute_abort): a long graph on lavapipe
+    stops at its time limit (GGML_STATUS_ABORTED) and the context serves the next; a guest
+    hanging up mid-compute stops it; ranges compute the whole graph's bytes
+    (tests/backends/compute_bound_run.py)."""
+    report = graph_cache_run(vk, "vulkan:0", tmp_path / "report.json", True, script="compute_bound_run")
+    check_compute_bound_report(report)
