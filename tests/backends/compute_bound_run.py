@@ -11,7 +11,9 @@ and in ranges of 7 nodes on two contexts, the logits compared byte for byte; a c
 N_NODES in-place ADDs (its result counts the nodes that ran) over a 0.5 s limit, stopped
 with GGML_STATUS_ABORTED at a range's end, then a 3-node chain on the same context run to
 its end; the chain on a socket host (apir.host.local) whose guest hangs up mid-compute:
-stopped (the status the host's context recorded). OUT.json: each scenario's figures.
+stopped (the status the host's context recorded). And row ids the graph computes
+(apir.host.graph.computed_ids): MUL_MAT_ID and GET_ROWS of a TOP_K's expert ids, whose
+result must be ggml CPU's (computed in this process). OUT.json: each scenario's figures.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def main(argv=None) -> int:
 
     g = apir.ggml.load()
     report: dict = {"statuses": {k: g.statuses[k] for k in ("SUCCESS", "ABORTED")}}
-    for scenario in (exact, time_limit, hang_up):
+    for scenario in (exact, time_limit, hang_up, computed_ids):
         t0 = time.monotonic()
         report.update(scenario(g, args.backend))
         print(f"{scenario.__name__}: {time.monotonic() - t0:.1f} s", file=sys.stderr)
@@ -222,6 +224,56 @@ def hang_up(g, backend: str) -> dict:
     g.ggml_backend_graph_compute = compute
     out["statuses"] = statuses
     return {"hang_up": out}
+
+
+def computed_ids(g, backend: str) -> dict:
+    """A MoE layer's routing: ids = TOP_K(probs, 2) of 6 experts, then MUL_MAT_ID of the
+    experts' weights and GET_ROWS of the probabilities by those ids; through the host on
+    `backend`, and on ggml CPU here."""
+    from tests.host.hostkit import GgmlScratch, RemoteGraph, cpu_compute
+
+    def build(ctx):
+        f32 = g.types["F32"]
+        experts = g.ggml_new_tensor_3d(ctx, f32, 16, 4, 6)
+        x = g.ggml_new_tensor_3d(ctx, f32, 16, 1, 3)  # 3 tokens
+        probs = g.ggml_new_tensor_2d(ctx, f32, 6, 3)
+        ids = g.ggml_top_k(ctx, probs, 2)  # [2, 3]
+        mm = g.ggml_mul_mat_id(ctx, experts, x, ids)  # [4, 2, 3]
+        w = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, probs, 1, 6, 3), ids)  # [1, 2, 3]
+        out = g.ggml_mul(ctx, mm, w)
+        for t in (experts, x, probs):
+            g.ggml_set_input(t)
+        g.ggml_set_output(out)
+        graph = g.ggml_new_graph(ctx)
+        g.ggml_build_forward_expand(graph, out)
+        return graph, out, [experts, x, probs]
+
+    rng = np.random.default_rng(4)
+    data = [rng.standard_normal(n).astype(np.float32).tobytes() for n in (384, 48)]
+    data.append(np.stack([rng.permutation(6) for _ in range(3)]).astype(np.float32).tobytes())  # (no ties)
+    s = GgmlScratch(g, 64)
+    graph, out, inputs = build(s.ctx)
+    want = cpu_compute(g, s.ctx, graph, zip(inputs, data), out)
+    s.close()
+    guest = _guest(backend)
+    s = GgmlScratch(g, 64)
+    graph, out, inputs = build(s.ctx)
+    remote = RemoteGraph(guest, g, s.ctx, graph)
+    for t, d in zip(inputs, data):
+        assert guest.set_tensor(remote.handle, remote.rpc(t), d) == 0
+    status = _compute(guest, remote.wire)
+    rc, got = guest.get_tensor(remote.handle, remote.rpc(out), g.ggml_nbytes(out))
+    # (TOP_K's order is not ggml's contract: ggml-cpu swaps its first two, ggml-vulkan does
+    # not; each token's expert slots compared as a set, ordered by their first value)
+    def slots(b):
+        rows = np.frombuffer(b, np.float32).reshape(3, 2, 4)
+        return np.stack([r[np.argsort(r[:, 0])] for r in rows])
+
+    diff = float(np.abs(slots(got) - slots(want)).max())
+    remote.close()
+    s.close()
+    guest.close()
+    return {"computed_ids": {"status": status, "rc": rc, "max_abs_diff": diff, "nonzero": any(want)}}
 
 
 if __name__ == "__main__":

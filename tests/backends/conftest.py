@@ -137,7 +137,8 @@ def check_compute_bound_report(report: dict) -> None:
     """tests/backends/compute_bound_run.py on a backend without an abort callback: ranges of
     nodes compute the whole graph's logits byte for byte; a graph over its time limit stops
     with GGML_STATUS_ABORTED at a range's end and the context computes the next graph; a guest
-    hanging up mid-compute stops its graph and its context goes."""
+    hanging up mid-compute stops its graph and its context goes; expert ids a TOP_K of the
+    graph computes route MUL_MAT_ID and GET_ROWS as on ggml CPU."""
     aborted, success = report["statuses"]["ABORTED"], report["statuses"]["SUCCESS"]
     whole, ranges = report["exact"]["whole"], report["exact"]["ranges"]
     assert (whole["chunked"], ranges["chunked"]) == (False, True)
@@ -151,3 +152,6 @@ def check_compute_bound_report(report: dict) -> None:
     hang = report["hang_up"]
     assert hang["started"] and hang["contexts_left"] == 0, hang
     assert hang["statuses"] == [aborted], hang
+    ids = report["computed_ids"]  # (MUL_MAT_ID in another order of sums: within float rounding)
+    assert (ids["status"], ids["rc"], ids["nonzero"]) == (success, 0, True), ids
+    assert ids["max_abs_diff"] < 1e-4, ids

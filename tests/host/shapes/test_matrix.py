@@ -316,6 +316,35 @@ def test_row_ids_computed_in_range_by_the_graph_compute_like_cpu(guest, ggml):
     assert_matches_ggml_cpu(guest, ggml, _get_rows_of_argsort(6))
 
 
+def test_row_ids_computed_in_range_on_a_cached_graph_follow_each_input(guest, ggml):
+    """The same graph again (a graph-cache hit: nothing of its ids to re-check), with the
+    argsort's input changed: each result is ggml CPU's for that input."""
+    from tests.host.hostkit import GgmlScratch, cpu_compute
+    from tests.host.shapekit import _graph
+
+    case = _get_rows_of_argsort(6)
+    r = Remote(guest, ggml, case)
+    cache = guest.ctx._library.graph_cache
+    try:
+        a, x = r.inputs
+        table = np.random.default_rng(5).standard_normal(48).astype(np.float32).tobytes()
+        assert guest.set_tensor(r.remote.handle, r.remote.rpc(a), table) == 0
+        for k, order in enumerate(([5, 0, 3, 1, 4, 2], [0, 1, 2, 3, 4, 5], [2, 4, 1, 5, 3, 0])):
+            xs = np.empty(6, np.float32)
+            xs[order] = np.arange(6)  # (argsort gives `order`)
+            assert guest.set_tensor(r.remote.handle, r.remote.rpc(x), xs.tobytes()) == 0
+            rc, dec = r.compute()
+            assert rc == 0 and dec.i32() == 0
+            s = GgmlScratch(ggml)
+            graph, out, inputs = _graph(ggml, s.ctx, case)
+            want = cpu_compute(ggml, s.ctx, graph, zip(inputs, [table, xs.tobytes()]), out)
+            s.close()
+            assert r.result() == want == np.frombuffer(table, np.float32).reshape(6, 8)[order].tobytes()
+            assert cache.hits == k
+    finally:
+        r.close()
+
+
 def test_row_ids_computed_by_the_graph_out_of_range_are_refused(guest, ggml):
     """Ids the graph computes that may leave the range (argsort of 7 columns, for 6 rows)
     cannot be read before compute: refused."""
