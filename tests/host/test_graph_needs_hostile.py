@@ -340,7 +340,7 @@ def _computed_ids(op: str, order: str = "natural", reader: str = "get_rows", bou
     `reader` out of 6 rows (GET_ROWS, MUL_MAT_ID's experts, SET_ROWS); `order`: "natural"
     (writer, reader), "view" (the reader reads a view of the result), "reader_first" (the
     reader listed before its writer: it reads the guest's stale ids), "cpy_between" (a CPY
-    over the ids between the two)."""
+    over the ids between the two), "not_computed" (the writer without GGML_TENSOR_FLAG_COMPUTE)."""
 
     def build(g, ctx):
         x, new = _in(g, ctx, "F32", bound, 2), _in(g, ctx, "I32", 2)
@@ -368,6 +368,10 @@ def _computed_ids(op: str, order: str = "natural", reader: str = "get_rows", bou
             named["cpy"] = g.ggml_cpy(ctx, new, g.ggml_view_1d(ctx, t, 2, 0))
             steps = [t, named["cpy"], rd, out]
         gr = _graph(g, ctx, *steps)
+        if order == "not_computed":  # (ggml skips the writer: the ids would be the buffer's)
+            tensor_record(t, g.tensor_dtype)["flags"] &= ~g.tensor_flags["COMPUTE"]
+            n = int(np.prod(tensor_record(t, g.tensor_dtype)["ne"]))
+            data.append((t, lambda rng: np.zeros(n, np.int32)))
         if order == "reader_first":
             _swap_nodes(g, gr, t, rd)
             n = int(np.prod(tensor_record(t, g.tensor_dtype)["ne"]))
@@ -388,6 +392,9 @@ CASES = {
     "argsort_cpy_between": Case(_computed_ids("ARGSORT", "cpy_between"), "cpy", rule=COMPUTED),
     "top_k_cpy_between": Case(_computed_ids("TOP_K", "cpy_between", "mul_mat_id"), "cpy", rule=COMPUTED),
     "argsort_after_reader": Case(_computed_ids("ARGSORT", "reader_first"), "rd", rule=COMPUTED),
+    # a writer ggml skips: the ids are read before compute (in range here, so the graph is
+    # refused for the writer listed before the reader, though it writes nothing)
+    "argsort_not_computed": Case(_computed_ids("ARGSORT", "not_computed"), "writer"),
     # in a guest resource: the guest may write them during compute, so they are read (and refused)
     "argsort_in_guest_memory": Case(_computed_ids("ARGSORT", "view"), "writer", wraps=True),
     # read before compute (ids up to 7 for 6 rows), then written through the copy's tensor

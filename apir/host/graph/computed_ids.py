@@ -6,12 +6,12 @@ ARGSORT or TOP_K, then GET_ROWS / MUL_MAT_ID) are not there yet. Some ops comput
 range whatever their inputs: `ID_WRITERS`, whose result is I32 ids in [0, src0.ne[0]) on every
 backend's kernels (ggml-cpu's argsort sorts 0..ne00-1, its top_k partially sorts them;
 ggml-vulkan's bitonic sorts write the first ncols of a permutation). A tensor that is such a
-node, or a view of one, each element on an element of it, in memory the guest cannot write
-during compute (a buffer the host allocated, not a guest resource), holds such ids
-(`computed_by`). A rule whose bound that is takes them unread (`shapes.base.check_row_ids`);
-then `check_computed_reads` holds the graph to it: the writer runs before the reader, and no
-other write reaches those bytes from the writer through the reader (the reader's own
-included). Anything else is refused. The same code runs on both paths (apir.accel).
+node (flagged to compute), or a view of one, each element on an element of it, in memory the
+guest cannot write during compute (a buffer the host allocated, not a guest resource), holds
+such ids (`computed_by`). A rule whose bound that is takes them unread
+(`shapes.base.check_row_ids`); then `check_computed_reads` holds the graph to it: the writer
+runs before the reader, and no other write reaches those bytes from the writer through the
+reader (the reader's own included). Anything else is refused. The same code runs on both paths (apir.accel).
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ def computed_by(g, parsed, recs, i: int) -> Optional[Tuple[int, int]]:
     w = i if v < 0 else v  # (a view's source: ggml makes every view's view_src the root)
     if g.op_names.get(int(t["op"][w])) not in ID_WRITERS:
         return None
+    compute = g.tensor_flags.get("COMPUTE", 0)
+    if compute and not int(t["flags"][w]) & compute:
+        return None  # (ggml skips a node without GGML_TENSOR_FLAG_COMPUTE: it would write nothing)
     if recs.found[int(recs.inverse[i])].res_id is not None:
         return None  # (guest memory: the guest may write it while the graph computes)
     i32 = g.types.get("I32")
