@@ -11,7 +11,8 @@ guest cannot write during compute (a buffer the host allocated, not a guest reso
 such ids (`computed_by`). A rule whose bound that is takes them unread
 (`shapes.base.check_row_ids`); then `check_computed_reads` holds the graph to it: the writer
 runs before the reader, and no other write reaches those bytes from the writer through the
-reader (the reader's own included). Anything else is refused. The same code runs on both paths (apir.accel).
+reader (the reader's own included). Anything else is refused. The same code runs on both
+paths (apir.accel).
 """
 
 from __future__ import annotations

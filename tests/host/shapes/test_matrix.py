@@ -302,12 +302,25 @@ def test_row_ids_out_of_range_on_a_cache_hit(guest, ggml, op, build, ids_at, bad
         r.close()
 
 
-def _get_rows_of_argsort(columns):
+def _get_rows_of_argsort(columns, rows=None, data=None):
     def build(g, ctx):
-        a, x = _in(g, ctx, "F32", 8, 6), _in(g, ctx, "F32", columns)
+        a, x = _in(g, ctx, "F32", 8, rows or columns), _in(g, ctx, "F32", columns)
         return g.ggml_get_rows(ctx, a, g.ggml_argsort(ctx, x, 0)), [a, x]
 
-    return Case("GET_ROWS", build)
+    return Case("GET_ROWS", build, data=data)
+
+
+def _with_nans(n, rng):
+    x = rng.standard_normal(n).astype(np.float32)
+    x[rng.random(n) < 0.4] = np.nan
+    return x
+
+
+def test_row_ids_argsorted_from_nans_stay_in_range(guest, ggml):
+    """ggml-cpu's argsort is std::sort with `<`, which NaN makes no strict weak order: the
+    bound relied on (a permutation of 0..ne00-1) held on NaN-laden rows (long ones: past
+    std::sort's insertion-sort threshold), and the result is ggml CPU's."""
+    assert_matches_ggml_cpu(guest, ggml, _get_rows_of_argsort(300, data={1: _with_nans}))
 
 
 def test_row_ids_computed_in_range_by_the_graph_compute_like_cpu(guest, ggml):
@@ -348,7 +361,7 @@ def test_row_ids_computed_in_range_on_a_cached_graph_follow_each_input(guest, gg
 def test_row_ids_computed_by_the_graph_out_of_range_are_refused(guest, ggml):
     """Ids the graph computes that may leave the range (argsort of 7 columns, for 6 rows)
     cannot be read before compute: refused."""
-    r = Remote(guest, ggml, _get_rows_of_argsort(7))
+    r = Remote(guest, ggml, _get_rows_of_argsort(7, rows=6))
     got = refusal(r, serves_next=False)
     # refused for the values found there before compute (GET_ROWS' rule), or else by the
     # graph's check of what the rules read, naming the argsort node that writes them
