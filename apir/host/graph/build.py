@@ -32,7 +32,7 @@ from apir.codec.copy import copy_bytes
 from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
-from apir.host.graph.computed_ids import check_computed_reads, computed_by
+from apir.host.graph.computed_ids import candidates, check_computed_reads, computed_by
 from apir.host.graph.overlap import first_overlap
 from apir.host.graph.rule_memo import check_nodes, rule_groups
 from apir.host.graph.shapes import OpEnums, TensorInfo
@@ -434,6 +434,7 @@ class TensorInfos(Sequence[TensorInfo]):
     def __init__(self, lib: GraphLibrary, parsed, recs: _Records, fetch: bool):
         self._lib, self._t, self._recs, self._fetch = lib, parsed.tensors, recs, fetch
         self._parsed = parsed
+        self._computed = candidates(lib.g, parsed)  # (bool per tensor: see computed_by)
         # the fields tensor_info reads, as columns (read faster than a record's fields)
         self._columns = tuple(self._t[f] for f in ("type", "op", "ne", "nb", "op_params"))
         self._made: Dict[int, TensorInfo] = {}
@@ -454,7 +455,8 @@ class TensorInfos(Sequence[TensorInfo]):
             info = _tensor_info(self._lib, i, type_[i], op[i], ne[i], nb[i], params[i], buf.base + offset)
             info.room = buf.size - offset  # bytes to the end of its buffer (TensorInfo.room)
             info.id_reads = self._id_reads
-            info.computed_by = computed_by(self._lib.g, self._parsed, recs, i)
+            if self._computed[i]:
+                info.computed_by = computed_by(self._lib.g, self._parsed, recs, i)
             if self._fetch:
                 info.fetch = _Fetcher(self._lib, buf, offset)
             self._made[i] = info

@@ -17,6 +17,7 @@ paths (apir.accel).
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -24,7 +25,7 @@ import numpy as np
 from apir.host.errors import Refused
 from apir.host.graph.shapes import TensorInfo
 
-__all__ = ["ID_WRITERS", "computed_by", "check_computed_reads", "WINDOW_WORK"]
+__all__ = ["ID_WRITERS", "candidates", "computed_by", "check_computed_reads", "WINDOW_WORK"]
 
 ID_WRITERS = frozenset(("ARGSORT", "TOP_K"))
 
@@ -34,6 +35,21 @@ ID_WRITERS = frozenset(("ARGSORT", "TOP_K"))
 WINDOW_WORK = 1 << 22
 
 _I32 = 4
+
+
+@functools.lru_cache(maxsize=8)
+def _writer_ops(g) -> np.ndarray:
+    """bool per op of build `g`: the ID_WRITERS."""
+    return np.array([g.op_names.get(o, "") in ID_WRITERS for o in range(g.op_count)], np.bool_)
+
+
+def candidates(g, parsed) -> np.ndarray:
+    """bool per tensor of `parsed`: itself, or its view source, of an ID_WRITERS op (the only
+    tensors `computed_by` may answer for; one pass, so that the others cost nothing)."""
+    t = parsed.tensors
+    v = parsed.view_src_index.astype(np.int64)
+    root = np.where(v >= 0, v, np.arange(len(t), dtype=np.int64))
+    return _writer_ops(g)[t["op"].astype(np.int64)][root]
 
 
 def computed_by(g, parsed, recs, i: int) -> Optional[Tuple[int, int]]:
