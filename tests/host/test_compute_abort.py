@@ -269,3 +269,29 @@ def test_closing_an_embedded_device_cancels_its_compute(ggml, compute_started, e
     assert outcome.get("status") == ggml.statuses["ABORTED"] or "closed" in str(outcome.get("error")), outcome
     remote.close()
     scratch.close()
+
+
+def test_a_watchdog_that_could_not_start_is_started_again(monkeypatch):
+    from apir.host.backend import compute_abort
+
+    watchdog = compute_abort._Watchdog()
+    real_start, calls = threading.Thread.start, []
+
+    def start_once_failing(thread):
+        calls.append(thread.name)
+        if len(calls) == 1:
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_once_failing)
+    expired = threading.Event()
+
+    class Abort:
+        def _expire(self):
+            expired.set()
+
+    with pytest.raises(RuntimeError):
+        watchdog.arm(Abort(), 0.0)
+    assert not watchdog._deadlines  # the failed arm left no deadline behind
+    watchdog.arm(Abort(), 0.0)  # a deadline already past: the new thread expires it at once
+    assert expired.wait(BOUND_S) and len(calls) == 2

@@ -169,10 +169,12 @@ class _Watchdog:
 
     def arm(self, abort: ComputeAbort, deadline: float) -> None:
         with self._cond:
-            self._deadlines[abort] = deadline
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="apir-compute-watchdog", daemon=True)
-                self._thread.start()
+                # kept only once it runs: a thread that failed to start is tried again next time
+                thread = threading.Thread(target=self._run, name="apir-compute-watchdog", daemon=True)
+                thread.start()
+                self._thread = thread
+            self._deadlines[abort] = deadline
             if deadline < self._wake_at:
                 self._wake_at = deadline
                 self._cond.notify()
