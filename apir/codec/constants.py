@@ -35,6 +35,10 @@ __all__ = [
     "ApirBackendInitializeReturnCode",
     "ApirBackendCommandType",
     "APIR_BACKEND_FORWARD_INDEX_INVALID",
+    "ApirExtensionCommandType",
+    "ApirExtension",
+    "APIR_EXTENSIONS_ALL",
+    "APIR_BACKEND_GRAPH_UNKNOWN",
     "CapsetApir",
     "negotiated_version",
 ]
@@ -178,6 +182,36 @@ class ApirBackendCommandType(enum.IntEnum):
 
 
 assert len(ApirBackendCommandType) == 23  # APIR_BACKEND_DISPATCH_TABLE_COUNT
+
+
+# --- extensions beyond APIR 0.2 (docs/protocol.md, "Extensions") ----------------------------
+class ApirExtensionCommandType(enum.IntEnum):
+    """Forward function ids of the extensions: far above the 0.2 table, so an APIR 0.2 host
+    answers them APIR_BACKEND_FORWARD_INDEX_INVALID and a later upstream function id does not
+    collide with them. Only EXT_QUERY may be sent before the extensions were agreed."""
+
+    EXT_QUERY = 0x100
+    DEVICE_SELECT = 0x101
+    GRAPH_COMPUTE_KEEP = 0x102
+    GRAPH_RECOMPUTE = 0x103
+
+    @property
+    def c_name(self) -> str:
+        return self.name.lower()
+
+
+class ApirExtension(enum.IntFlag):
+    """The bits of EXT_QUERY's masks."""
+
+    DEVICES = 1 << 0  # several host devices: DEVICE_SELECT, handles and graphs name their device
+    GRAPH_REPLAY = 1 << 1  # GRAPH_COMPUTE_KEEP / GRAPH_RECOMPUTE
+
+
+APIR_EXTENSIONS_ALL = int(ApirExtension.DEVICES | ApirExtension.GRAPH_REPLAY)
+
+# GRAPH_RECOMPUTE's function return code (Forward: 4 + 7 = 11) when the host holds no graph of
+# that id (never kept, evicted, or its buffers freed): the guest sends the graph again.
+APIR_BACKEND_GRAPH_UNKNOWN = 7
 
 
 class CapsetApir:

@@ -1,4 +1,4 @@
-"""The 23 Forward functions: what each command carries and what its reply carries.
+"""The 23 Forward functions of APIR 0.2 and the extensions' four: what each command and reply carries.
 
 Theory of operation: `FORWARD` holds one `Function` per `ApirBackendCommandType` id, with its
 arguments and its reply as named, typed `Field`s in wire order, and the first APIR version
@@ -25,7 +25,7 @@ import enum
 import functools
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -34,6 +34,7 @@ from apir.codec.constants import (
     APIR_PROTOCOL_0_2,
     APIR_PROTOCOL_VERSIONS,
     ApirBackendCommandType as F,
+    ApirExtensionCommandType as X,
     negotiated_version,
 )
 from apir.codec.records import GgmlLimits, ggml_tensor_dtype, rpc_tensor_dtype
@@ -261,7 +262,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class Function:
-    id: F
+    id: Union[F, X]
     args: Tuple[Field, ...] = ()
     reply: Tuple[Field, ...] = ()
     # (args, reply) Layouts in each known version, worked out once: every call looks them up
@@ -364,8 +365,25 @@ _TABLE = (
     ),
 )
 
-# By function id (an ApirBackendCommandType, or the int of one).
-FORWARD: Dict[int, Function] = {int(f.id): f for f in _TABLE}
+# The extensions (docs/protocol.md, "Extensions"): sent only once EXT_QUERY agreed on them,
+# EXT_QUERY itself only by a guest that has them.
+_EXTENSIONS = (
+    Function(
+        X.EXT_QUERY,
+        args=(Field("guest_extensions", U32),),  # ApirExtension bits the guest has
+        reply=(Field("extensions", U32), Field("device_count", U32)),  # both have; devices served
+    ),
+    Function(X.DEVICE_SELECT, args=(Field("device", U32),)),
+    Function(
+        X.GRAPH_COMPUTE_KEEP,
+        args=(Field("graph_id", SIZE), Field("shmem_res_id", RES_ID), Field("size", SIZE)),
+        reply=(Field("status", I32),),
+    ),
+    Function(X.GRAPH_RECOMPUTE, args=(Field("graph_id", SIZE),), reply=(Field("status", I32),)),
+)
+
+# By function id (an ApirBackendCommandType or ApirExtensionCommandType, or the int of one).
+FORWARD: Dict[int, Function] = {int(f.id): f for f in _TABLE + _EXTENSIONS}
 
 
 @functools.lru_cache(maxsize=64)

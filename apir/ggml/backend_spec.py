@@ -11,6 +11,8 @@ Specs (`apir host serve --backend SPEC`, config key `apir.host.backend`):
     cpu                           ggml's CPU device (`ggml_backend_dev_by_type(CPU)`)
     NAME[:N]                      device N (default 0) of registration NAME: vulkan, vulkan:1,...
     rpc:HOST:PORT[,HOST:PORT...]  ggml-rpc servers, every device of each, in order
+    SPEC,SPEC[,...]               several devices (`split_specs`): the first serves every guest,
+                                  all of them a guest with the devices extension
 A path to a ggml backend library is not a spec: it goes to `ggml.library.path`
 (apir.host.backend.library). ggml-rpc aborts its client process when a server does not answer,
 also while adding one, so `resolve` first connects to each server itself and refuses one it
@@ -33,7 +35,15 @@ from typing import List, Optional, Tuple
 from apir.errors import ApirError
 from apir.ggml.lib import Ggml
 
-__all__ = ["BackendSpecError", "BackendChoice", "backend_library", "missing_backend_hint", "parse_spec", "resolve"]
+__all__ = [
+    "BackendSpecError",
+    "BackendChoice",
+    "backend_library",
+    "missing_backend_hint",
+    "parse_spec",
+    "split_specs",
+    "resolve",
+]
 RPC_CONNECT_TIMEOUT_S = 5.0
 
 
@@ -83,6 +93,17 @@ def parse_spec(spec: str) -> ParsedSpec:
             raise BackendSpecError(f"{spec!r}: expected NAME[:DEVICE_INDEX]")
         index = int(rest)
     return ParsedSpec("reg", head, index=index)
+
+
+def split_specs(spec: str) -> List[str]:
+    """The device specs of a comma-separated list ("cpu,vulkan:0": the devices a host serves
+    to a guest with the devices extension); an rpc spec takes every item after it (its
+    servers are comma-separated too)."""
+    items = [item.strip() for item in spec.split(",")]
+    for i, item in enumerate(items):
+        if item.lower().startswith("rpc:"):
+            return items[:i] + [",".join(items[i:])]
+    return items
 
 
 def _endpoint_ok(endpoint: str) -> bool:

@@ -9,7 +9,8 @@ function id; they live in four mixins named after the C guest's files
 (client_device, client_buffer_type, client_buffer, client_backend =
 virtgpu-forward-{device,buffer-type,buffer,backend}.cpp) and all go through
 `ForwardCaller._call` (client_forward), which encodes and decodes them as the Forward table
-(apir.codec.forward) lists them.
+(apir.codec.forward) lists them. The extensions beyond APIR 0.2 (client_extensions) are
+asked for after LoadLibrary, unless turned off.
 
 Thread-safe: each call holds the Remote's lock from encoding to the end of decoding.
 Nothing here knows which transport the device uses.
@@ -27,6 +28,7 @@ from apir.guest.client_backend import BackendCalls
 from apir.guest.client_buffer import BufferCalls
 from apir.guest.client_buffer_type import BufferTypeCalls
 from apir.guest.client_device import DeviceCalls, DeviceProps
+from apir.guest.client_extensions import ExtensionCalls, default_extensions
 from apir.guest.device import VirtgpuDevice
 from apir.guest.errors import HandshakeError, ReplyError, load_library_error
 from apir.guest.remote import Remote
@@ -36,7 +38,7 @@ __all__ = ["ApirClient", "DeviceProps"]
 log = logging.getLogger(__name__)
 
 
-class ApirClient(DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
+class ApirClient(ExtensionCalls, DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
     """The APIR client over `remote` (arguments: `ForwardCaller`'s). `host_version` is
     (major, minor) once `handshake()` ran; `negotiated_version` the one version-dependent
     replies are read in."""
@@ -50,15 +52,21 @@ class ApirClient(DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
         handshake_timeout_s: Optional[float] = None,
         load_library_timeout_s: Optional[float] = None,
         protocol: Tuple[int, int] = (APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR),
+        extensions: Optional[int] = None,
         **remote_options,
     ) -> "ApirClient":
         """Remote(device, **remote_options) + HandShake (as APIR `protocol`) + LoadLibrary
-        (the C `create_virtgpu`). The device is closed again if any step fails."""
+        (the C `create_virtgpu`), then EXT_QUERY for `extensions` (ApirExtension bits;
+        default `default_extensions()`; 0 sends nothing beyond APIR 0.2). The device is
+        closed again if any step fails."""
         remote = Remote(device, **remote_options)
         try:
             client = cls(remote, limits, protocol)
             client.handshake(handshake_timeout_s)
             client.load_library(load_library_timeout_s)
+            wanted = default_extensions() if extensions is None else extensions
+            if wanted:
+                client.negotiate_extensions(wanted)
         except BaseException:
             remote.close()
             raise

@@ -31,6 +31,11 @@ __all__ = [
     "DEFAULT_POLL",
     "CONFIG_KEY_DEVICE_TYPE",
     "CONFIG_KEY_ASYNC_TRANSFERS",
+    "CONFIG_KEY_EXTENSIONS",
+    "CONFIG_KEY_USE_COUNTS",
+    "CONFIG_KEY_KEPT_GRAPH_BYTES",
+    "DEFAULT_KEPT_GRAPH_BYTES",
+    "MAX_KEPT_GRAPHS",
     "CONFIG_KEY_WORK_BUDGET",
     "DEFAULT_WORK_BUDGET",
     "CONFIG_KEY_BUFFER_BUDGET",
@@ -120,7 +125,18 @@ CONFIG_KEY_DEVICE_TYPE = "apir.host.device_type"
 # deferred uploads / batched reads on device memory (apir.host.backend.transfers): on unless 0/off
 CONFIG_KEY_ASYNC_TRANSFERS = "apir.host.async_transfers"
 
+# The extensions beyond APIR 0.2 (apir.host.backend.extensions, docs/protocol.md "Extensions"):
+# offered to a guest that asks unless 0 / off; off, the host answers every byte as APIR 0.2's
+CONFIG_KEY_EXTENSIONS = "apir.host.extensions"
+# Use counts in each built graph (apir.ggml.cgraph), so backends fuse ops as they do locally:
+# on unless 0 / off
+CONFIG_KEY_USE_COUNTS = "apir.host.use_counts"
+
 # --- what one guest can make the host hold (decimal integers) --------------------------------
+# bytes of the graphs a context keeps for graph replay (GRAPH_COMPUTE_KEEP), and how many
+CONFIG_KEY_KEPT_GRAPH_BYTES = "apir.host.kept_graph_bytes"
+DEFAULT_KEPT_GRAPH_BYTES = 64 << 20
+MAX_KEPT_GRAPHS = 16
 # bytes of the CPU backend's planned work buffer per graph (apir.host.graph.work_plan)
 CONFIG_KEY_WORK_BUDGET = "apir.host.work_budget"
 DEFAULT_WORK_BUDGET = 1 << 30
@@ -231,6 +247,9 @@ ENV_FALLBACKS: Dict[str, str] = {
     CONFIG_KEY_GGML_LIBRARY_PATH: "APIR_LLAMA_CPP_GGML_LIBRARY_PATH",
     CONFIG_KEY_GGML_LIBRARY_REG: "APIR_LLAMA_CPP_GGML_LIBRARY_REG",
     CONFIG_KEY_ASYNC_TRANSFERS: "APIR_HOST_ASYNC_TRANSFERS",
+    CONFIG_KEY_EXTENSIONS: "APIR_HOST_EXTENSIONS",
+    CONFIG_KEY_USE_COUNTS: "APIR_HOST_USE_COUNTS",
+    CONFIG_KEY_KEPT_GRAPH_BYTES: "APIR_HOST_KEPT_GRAPH_BYTES",
     CONFIG_KEY_BUFFER_BUDGET: "APIR_HOST_BUFFER_BUDGET",
     CONFIG_KEY_MEMORY_LIMIT: "APIR_HOST_MEMORY_LIMIT",
     CONFIG_KEY_MAX_BUFFERS: "APIR_HOST_MAX_BUFFERS",

@@ -38,6 +38,10 @@ class HandleTable(Generic[T]):
         self._counter = counter
         self._items: Dict[int, T] = {}
 
+    def sibling(self) -> "HandleTable[T]":
+        """An empty table drawing ids from the same counter (another device of the context)."""
+        return HandleTable(self._counter)
+
     def add(self, item: T) -> int:
         handle = self._counter.next()
         self._items[handle] = item

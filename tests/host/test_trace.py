@@ -130,7 +130,8 @@ def test_embed_trace_records_the_graph_compute(tmp_path, capsys, monkeypatch):
     path = tmp_path / "embed.jsonl"
     assert main(["embed", "--trace", str(path), "--json", "one sentence", "two"]) == 0
     records = read_trace(str(path))
-    computes = [r for r in records if r.get("function") == "backend_graph_compute"]
+    # (graph_compute_keep: apir's guest and host agree on graph replay by default)
+    computes = [r for r in records if r.get("function") in ("backend_graph_compute", "graph_compute_keep")]
     assert len(computes) == 1 and computes[0]["status"] == "ok"  # one batch of 2
     graph = computes[0]
     # MiniLM's 6 layers x (Q, K, V, out, 2 FFN, KQ, KQV) matrix products, + 1 for the mean

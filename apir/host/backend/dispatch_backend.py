@@ -36,22 +36,35 @@ from apir.host.tensors import Scratch
 from apir.host.graph.work_plan import check_work_size
 
 
-__all__ = ["graph_compute", "prepare_graph"]
+__all__ = ["graph_compute", "compute_graph", "graph_bytes", "prepare_graph"]
 
 
 def graph_compute(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
-    g, chk = lib.g, lib.checker
-    res_id, size = args(dec, F.BACKEND_GRAPH_COMPUTE, chk, lib.host)
-    profile = profile_of(lib)  # (refused where the host has no rules for the backend)
+    res_id, size = args(dec, F.BACKEND_GRAPH_COMPUTE, lib.checker, lib.host)
+    reply(enc, F.BACKEND_GRAPH_COMPUTE, lib.host, compute_graph(lib, graph_bytes(lib, res_id, size), size))
+    return BACKEND_RC_OK
+
+
+def graph_bytes(lib: HandlerLibrary, res_id: int, size: int) -> memoryview:
+    """The memory of resource `res_id`, whose bytes [0, size) hold a serialized graph.
+    Raises Refused."""
     res = lib.shmem(res_id, "backend_graph_compute")
     if size == 0 or size > res.size:
         raise Refused(f"backend_graph_compute: graph of {size} bytes in resource {res_id} ({res.size} bytes)")
+    return res.memory
+
+
+def compute_graph(lib: HandlerLibrary, memory, size: int) -> int:
+    """Checks, builds (or finds in the graph cache) and computes the serialized graph in bytes
+    [0, size) of `memory`; its `ggml_status`. Raises Refused."""
+    g, chk = lib.g, lib.checker
+    profile = profile_of(lib)  # (refused where the host has no rules for the backend)
     # only where the backend's compute leaves the built graph as it was (the profile says so)
     cache = lib.graph_cache if profile.caches_graphs else None
-    entry = _same_graph_again(lib, cache, res.memory, size)
+    entry = _same_graph_again(lib, cache, memory, size)
     if entry is None:
         try:
-            parsed = parse_graph(res.memory, 0, size, limits=g.limits, op_count=g.op_count, type_valid=chk.valid_types)
+            parsed = parse_graph(memory, 0, size, limits=g.limits, op_count=g.op_count, type_valid=chk.valid_types)
         except GraphError as exc:
             raise Refused(f"backend_graph_compute: {exc}") from None
         wire = graph_wire(parsed) if cache is not None else None
@@ -71,8 +84,7 @@ def graph_compute(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
         cache.put(entry)
     else:
         entry.close()
-    reply(enc, F.BACKEND_GRAPH_COMPUTE, lib.host, status)
-    return BACKEND_RC_OK
+    return status
 
 
 def prepare_graph(

@@ -58,7 +58,7 @@ from apir.host.backend.compute_abort import ComputeAbort
 from apir.host.backend.cpu_threadpool import CpuThreadpool, threads_fit
 from apir.host.errors import Refused, log
 from apir.host.graph.cache import GraphCache
-from apir.host.handles import HostBuffer, HostBufferType, VirtualAddressSpace, new_tables
+from apir.host.handles import HandleTable, HostBuffer, HostBufferType, VirtualAddressSpace, new_tables
 from apir.host.library import LibraryHost
 from apir.host.resources import Resource
 from apir.ggml.backend_props import get_dev_props
@@ -78,7 +78,10 @@ _next_context = itertools.count()  # spreads contexts over the devices of a mult
 class PythonBackendLibrary:
     """A `BackendLibrary` running the 23 backend functions in Python over ggml."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: Optional[int] = None, shared_with: Optional["PythonBackendLibrary"] = None) -> None:
+        # the ggml_backend_dev_t to serve instead of the one configuration names (a device of
+        # a context's device set, apir.host.backend.extensions)
+        self._fixed_dev = device
         # set by initialize; read through the properties below, which refuse before it
         self._host: Optional[LibraryHost] = None
         self._g: Optional[Ggml] = None
@@ -102,8 +105,10 @@ class PythonBackendLibrary:
         # deferred uploads and batched reads of device memory (apir.host.backend.transfers), on a
         # profile with async_transfers; None: every copy synchronous
         self.transfers: Optional[DeviceTransfers] = None
-        self.bufts, self.buffers = new_tables()
-        self.vspace = VirtualAddressSpace()
+        # one id counter and address space with `shared_with`: handles and bases name one
+        # device's buffer among all of a context's devices
+        self.bufts, self.buffers = new_tables() if shared_with is None else shared_with.new_tables()
+        self.vspace = VirtualAddressSpace() if shared_with is None else shared_with.vspace
         self._abort: Optional[ComputeAbort] = None  # graph time limit and cancellation
         # threads the backend computes with (0: never set, ggml's default), at most with
         # N_THREADS_FREE; the work-size bound plans with this count (apir.host.graph.work_plan),
@@ -196,7 +201,10 @@ class PythonBackendLibrary:
         path = host.get_config(CONFIG_KEY_GGML_LIBRARY_PATH)
         spec = host.get_config(CONFIG_KEY_BACKEND)
         dev = None
-        if path is None and spec:
+        if self._fixed_dev is not None:
+            dev = self._fixed_dev
+            reg = g.ggml_backend_dev_backend_reg(dev)
+        elif path is None and spec:
             try:
                 choice = resolve_backend(g, spec)
             except BackendSpecError as exc:
@@ -438,6 +446,10 @@ class PythonBackendLibrary:
                 self.free_buffer(handle)
 
     # --- tables -----------------------------------------------------------------------------
+    def new_tables(self) -> Tuple[HandleTable[HostBufferType], HandleTable[HostBuffer]]:
+        """Buffer-type and buffer tables drawing ids from this library's counter."""
+        return self.bufts.sibling(), self.buffers.sibling()
+
     def buft_handle(self, ptr: int, allocatable: bool) -> int:
         """The id of buffer type `ptr` in this context, registering it on first use."""
         for handle, buft in self.bufts.items():

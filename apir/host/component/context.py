@@ -103,9 +103,9 @@ def may_run_long(command: Buffer, capset_id: int) -> bool:
 
 def _builtin_library() -> BackendLibrary:
     # on first use: it imports the dispatcher, the shape rules and the codec's Numba kernels
-    from apir.host.backend.library import PythonBackendLibrary
+    from apir.host.backend.extensions import ExtendedLibrary
 
-    return PythonBackendLibrary()
+    return ExtendedLibrary()
 
 
 class HostContext:

@@ -37,6 +37,7 @@ from apir.codec.constants import (
     APIR_PROTOCOL_MINOR,
     VENUS_COMMAND_TYPE_LENGTH,
     ApirBackendCommandType,
+    ApirExtensionCommandType,
     ApirCommandType,
     ApirForwardReturnCode,
     ApirLoadLibraryReturnCode,
@@ -75,10 +76,8 @@ def _type_name(cmd_type: int) -> str:
 
 
 def _function_name(function_id: int) -> str:
-    try:
-        return ApirBackendCommandType(function_id).c_name
-    except ValueError:
-        return f"unknown({function_id})"
+    entry = FORWARD.get(function_id)
+    return entry.name if entry is not None else f"unknown({function_id})"
 
 
 def _status(type_name: str, rc: Optional[int]) -> str:
@@ -167,6 +166,9 @@ def _forward_arguments(facts: _GgmlFacts, ctx: TracedContext, function: int, dec
     if entry.id is ApirBackendCommandType.BACKEND_GRAPH_COMPUTE:
         res_id, size = values
         return facts.graph(ctx, res_id, size)  # the graph itself, in shared memory
+    if entry.id is ApirExtensionCommandType.GRAPH_COMPUTE_KEEP:
+        graph_id, res_id, size = values
+        return dict(facts.graph(ctx, res_id, size), graph_id=graph_id)
     out: Dict[str, Any] = {}
     for field, value in zip(entry.args_in(version), values):
         if field.kind in _TENSORS:

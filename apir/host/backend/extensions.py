@@ -1,0 +1,283 @@
+"""The extensions beyond APIR 0.2 (docs/protocol.md, "Extensions"): a context's device set.
+
+Theory of operation: `ExtendedLibrary` is the built-in `BackendLibrary`: the
+`PythonBackendLibrary` of device 0, holding one more per further device the host serves
+(`apir.host.backend` "cpu,vulkan:0": one per item, apir.ggml.backend_spec.split_specs), all
+sharing one handle counter and address space, so a buffer or buffer-type handle names its
+device. Until a guest agrees on extensions with
+EXT_QUERY, every command goes to device 0 and every byte is APIR 0.2's; an extension function
+is then answered APIR_BACKEND_FORWARD_INDEX_INVALID, as a 0.2 host answers it (and always
+with `apir.host.extensions=off`). With the devices extension agreed, device functions (0-9)
+go to the device DEVICE_SELECT chose, buffer-type and buffer functions (10-21) to the device
+owning the handle they name first, a graph to the device of its first record's buffer (the
+device's own parse refuses a handle of another). With graph replay, GRAPH_COMPUTE_KEEP keeps
+a copy of the graph's bytes under the guest's id, GRAPH_RECOMPUTE computes it again (bounded:
+MAX_KEPT_GRAPHS and `apir.host.kept_graph_bytes` per context, least recently used evicted;
+an unknown id answers APIR_BACKEND_GRAPH_UNKNOWN and the guest sends the graph).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from apir.codec.constants import (
+    APIR_BACKEND_GRAPH_UNKNOWN,
+    APIR_EXTENSIONS_ALL,
+    ApirBackendCommandType as F,
+    ApirExtension,
+    ApirExtensionCommandType as X,
+    ApirLoadLibraryReturnCode as LoadRc,
+)
+from apir.codec.records import rpc_tensor_dtype
+from apir.codec.wire import Decoder, Encoder
+from apir.host.backend.dispatch_backend import compute_graph, graph_bytes
+from apir.host.backend.forward import args, reply
+from apir.host.backend.library import PythonBackendLibrary
+from apir.host.config import (
+    CONFIG_KEY_BACKEND,
+    CONFIG_KEY_EXTENSIONS,
+    CONFIG_KEY_GGML_LIBRARY_PATH,
+    CONFIG_KEY_KEPT_GRAPH_BYTES,
+    DEFAULT_KEPT_GRAPH_BYTES,
+    MAX_KEPT_GRAPHS,
+    parse_limit,
+)
+from apir.host.errors import BACKEND_RC_ERROR, BACKEND_RC_OK, Refused, log
+from apir.host.library import LibraryHost
+
+__all__ = ["ExtendedLibrary"]
+
+_N_FUNCTIONS = len(F)
+_DEVICE_FUNCTIONS = range(int(F.DEVICE_GET_DEVICE_COUNT), int(F.DEVICE_BUFFER_FROM_PTR) + 1)
+_HANDLE_FUNCTIONS = range(int(F.BUFFER_TYPE_GET_NAME), int(F.BUFFER_FREE_BUFFER) + 1)
+_GRAPH_COMPUTE = int(F.BACKEND_GRAPH_COMPUTE)
+
+
+def _off(value: Optional[str]) -> bool:
+    return (value or "").lower() in ("0", "off", "false", "no")
+
+
+class ExtendedLibrary(PythonBackendLibrary):
+    """Device 0's library, with the context's other devices (`devices`, this one first) and
+    the extensions' state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.devices: List[PythonBackendLibrary] = [self]
+        self.offered = 0  # ApirExtension bits this host offers (0: APIR 0.2 only)
+        self.agreed = 0  # bits EXT_QUERY agreed on
+        self.selected = 0  # DEVICE_SELECT's device
+        self._kept: "collections.OrderedDict[int, Tuple[int, np.ndarray]]" = collections.OrderedDict()
+        self._kept_bytes = 0
+        self._kept_limit = DEFAULT_KEPT_GRAPH_BYTES
+        self._spec = ""
+        self._handlers: Dict[int, Callable[[Decoder, Encoder], int]] = {
+            int(X.EXT_QUERY): self._ext_query,
+            int(X.DEVICE_SELECT): self._device_select,
+            int(X.GRAPH_COMPUTE_KEEP): self._graph_compute_keep,
+            int(X.GRAPH_RECOMPUTE): self._graph_recompute,
+        }
+
+    # --- BackendLibrary -------------------------------------------------------------------
+    def initialize(self, host: LibraryHost) -> int:
+        self.offered = 0 if _off(host.get_config(CONFIG_KEY_EXTENSIONS)) else APIR_EXTENSIONS_ALL
+        self._kept_limit = parse_limit(
+            host.get_config(CONFIG_KEY_KEPT_GRAPH_BYTES), CONFIG_KEY_KEPT_GRAPH_BYTES, DEFAULT_KEPT_GRAPH_BYTES
+        )
+        devs = self._device_set(host)
+        if devs is None:  # one device, chosen as configured
+            return super().initialize(host)
+        if isinstance(devs, int):
+            return devs
+        self._fixed_dev = devs[0]
+        self.devices = [self] + [PythonBackendLibrary(d, shared_with=self) for d in devs[1:]]
+        for i, lib in enumerate(self.devices):
+            rc = super().initialize(host) if lib is self else lib.initialize(host)
+            if rc != LoadRc.INIT_BASE_INDEX:
+                log.error("ctx %d: device %d of %r failed to initialize (%d)", host.ctx_id, i, self._spec, rc)
+                return rc
+        return LoadRc.INIT_BASE_INDEX
+
+    def _device_set(self, host: LibraryHost):
+        """The ggml devices of a several-device `apir.host.backend`; None for one device; an
+        initialize code when the spec names nothing."""
+        from apir.ggml import GgmlLoadError, load as load_ggml
+        from apir.ggml.backend_spec import BackendSpecError, resolve, split_specs
+
+        self._spec = spec = host.get_config(CONFIG_KEY_BACKEND) or ""
+        if host.get_config(CONFIG_KEY_GGML_LIBRARY_PATH) is not None or len(split_specs(spec)) < 2:
+            return None
+        try:
+            g = load_ggml()
+            return [dev for item in split_specs(spec) for dev in resolve(g, item).devices]
+        except (GgmlLoadError, BackendSpecError) as exc:
+            from apir.codec.constants import ApirBackendInitializeReturnCode as InitRc
+
+            log.error("ctx %d: backend %r: %s", host.ctx_id, spec, exc)
+            return LoadRc.INIT_BASE_INDEX + InitRc.NO_DEVICE
+
+    def dispatch(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
+        if 0 <= function_id < _N_FUNCTIONS:
+            lib = self._route(function_id, dec)
+            if lib is not self:
+                return lib.dispatch(function_id, dec, enc)
+        handler = self._handlers.get(function_id)
+        if handler is None or not self._may_call(function_id):
+            return super().dispatch(function_id, dec, enc)  # (out of range: INDEX_INVALID, logged)
+        name = X(function_id).c_name
+        try:
+            for lib in self.devices:  # any command may depend on device memory
+                lib.flush_transfers()
+            return handler(dec, enc)
+        except Refused as exc:
+            log.warning("ctx %d: %s refused: %s", self.ctx_id, name, exc, extra={"refusal": exc})
+        except Exception:  # noqa: BLE001 - a host bug is this command's failure, not the host's
+            log.exception("ctx %d: %s failed", self.ctx_id, name)
+        return BACKEND_RC_ERROR
+
+    def _may_call(self, function_id: int) -> bool:
+        if not self.offered:
+            return False
+        if function_id == X.EXT_QUERY:
+            return True
+        bit = ApirExtension.DEVICES if function_id == X.DEVICE_SELECT else ApirExtension.GRAPH_REPLAY
+        return bool(self.agreed & bit)
+
+    def deinit(self) -> None:
+        self._kept.clear()
+        self._kept_bytes = 0
+        for lib in self.devices[1:]:
+            lib.deinit()
+        super().deinit()
+
+    def cancel_compute(self, reason: str) -> None:
+        for lib in self.devices[1:]:
+            lib.cancel_compute(reason)
+        super().cancel_compute(reason)
+
+    def forget_resource(self, res_id: int) -> None:
+        for lib in self.devices[1:]:
+            lib.forget_resource(res_id)
+        super().forget_resource(res_id)
+
+    def buffer_count(self) -> Optional[int]:
+        return sum(len(lib.buffers) for lib in self.devices)
+
+    @property
+    def commands_bounded_in_time(self) -> bool:
+        own = super().commands_bounded_in_time
+        return own and all(lib.commands_bounded_in_time for lib in self.devices[1:])
+
+    # --- routing -------------------------------------------------------------------------------
+    def _route(self, function_id: int, dec: Decoder) -> PythonBackendLibrary:
+        """The device a 0.2 function runs on (see the module docstring)."""
+        devices = self.devices
+        if len(devices) == 1 or not self.agreed & ApirExtension.DEVICES:
+            return devices[0]
+        selected = devices[self.selected]
+        if function_id in _DEVICE_FUNCTIONS:
+            return selected
+        peek = Decoder(dec.buf, dec.pos, dec.end)
+        if function_id in _HANDLE_FUNCTIONS:
+            handle = peek.u64()
+        else:  # backend_graph_compute: its res_id and size, then the graph
+            res_id, size = peek.u32(), peek.u64()
+            handle = 0 if peek.fatal else self._graph_buffer(res_id, size)
+        if not peek.fatal:
+            for lib in devices:
+                if handle in lib.buffers or handle in lib.bufts:
+                    return lib
+        return selected
+
+    def _graph_buffer(self, res_id: int, size: int, memory=None) -> int:
+        """The buffer handle of the first record of the serialized graph in bytes [0, size) of
+        resource `res_id` (or `memory`) that has one; 0 when none or unreadable (the device's
+        own parse then refuses what is wrong)."""
+        if memory is None:
+            res = self.host.get_shmem(res_id)
+            if res is None or not 0 < size <= res.size:
+                return 0
+            memory = res.memory
+        data = np.frombuffer(memory, dtype=np.uint8, count=size)
+        if size < 4:
+            return 0
+        n_nodes = int(data[:4].view(np.uint32)[0])
+        at = 4 + 8 * n_nodes
+        if at + 4 > size:
+            return 0
+        n_tensors = int(data[at : at + 4].view(np.uint32)[0])
+        dtype = rpc_tensor_dtype(self.g.limits)
+        n_tensors = min(n_tensors, (size - at - 4) // dtype.itemsize)
+        records = np.frombuffer(memory, dtype=dtype, count=n_tensors, offset=at + 4)
+        buffers = records["buffer"][records["buffer"] != 0]
+        return int(buffers[0]) if len(buffers) else 0
+
+    # --- the extension functions -----------------------------------------------------------
+    def _ext_query(self, dec: Decoder, enc: Encoder) -> int:
+        (guest,) = args(dec, X.EXT_QUERY, self.checker, self.host)
+        self.agreed = guest & self.offered
+        if not self.agreed & ApirExtension.DEVICES:
+            self.selected = 0
+        if not self.agreed & ApirExtension.GRAPH_REPLAY:
+            self._kept.clear()
+            self._kept_bytes = 0
+        count = len(self.devices) if self.agreed & ApirExtension.DEVICES else 1
+        log.info("ctx %d: extensions 0x%x agreed (guest 0x%x), %d device(s)", self.ctx_id, self.agreed, guest, count)
+        reply(enc, X.EXT_QUERY, self.host, self.agreed, count)
+        return BACKEND_RC_OK
+
+    def _device_select(self, dec: Decoder, enc: Encoder) -> int:
+        (device,) = args(dec, X.DEVICE_SELECT, self.checker, self.host)
+        if device >= len(self.devices):
+            raise Refused(f"device_select: device {device} of {len(self.devices)}")
+        self.selected = device
+        return BACKEND_RC_OK
+
+    def _graph_compute_keep(self, dec: Decoder, enc: Encoder) -> int:
+        graph_id, res_id, size = args(dec, X.GRAPH_COMPUTE_KEEP, self.checker, self.host)
+        self._forget(graph_id)
+        # the copy is both what computes now and what is kept: the guest's later writes to
+        # its memory change neither
+        copy = np.array(np.frombuffer(graph_bytes(self, res_id, size), dtype=np.uint8, count=size))
+        device = self._graph_device(copy, size)
+        status = compute_graph(self.devices[device], copy, size)
+        if size <= self._kept_limit:
+            while self._kept and (len(self._kept) >= MAX_KEPT_GRAPHS or self._kept_bytes + size > self._kept_limit):
+                self._forget(next(iter(self._kept)))
+            self._kept[graph_id] = (device, copy)
+            self._kept_bytes += size
+        reply(enc, X.GRAPH_COMPUTE_KEEP, self.host, status)
+        return BACKEND_RC_OK
+
+    def _graph_recompute(self, dec: Decoder, enc: Encoder) -> int:
+        (graph_id,) = args(dec, X.GRAPH_RECOMPUTE, self.checker, self.host)
+        kept = self._kept.get(graph_id)
+        if kept is None:
+            return APIR_BACKEND_GRAPH_UNKNOWN
+        self._kept.move_to_end(graph_id)
+        device, copy = kept
+        try:
+            status = compute_graph(self.devices[device], copy, len(copy))
+        except Refused:
+            self._forget(graph_id)  # (say, a buffer of it freed since): not replayed again
+            raise
+        reply(enc, X.GRAPH_RECOMPUTE, self.host, status)
+        return BACKEND_RC_OK
+
+    def _graph_device(self, memory, size: int) -> int:
+        if len(self.devices) == 1 or not self.agreed & ApirExtension.DEVICES:
+            return 0
+        handle = self._graph_buffer(0, size, memory)
+        for i, lib in enumerate(self.devices):
+            if handle in lib.buffers:
+                return i
+        return self.selected
+
+    def _forget(self, graph_id: int) -> None:
+        kept = self._kept.pop(graph_id, None)
+        if kept is not None:
+            self._kept_bytes -= len(kept[1])
+
