@@ -41,6 +41,7 @@ from apir.host.config import (
     CONFIG_KEY_GRAPH_TIME_LIMIT,
     CONFIG_KEY_IMPORT_HOST_MEMORY,
     CONFIG_KEY_N_THREADS,
+    CONFIG_KEY_USE_COUNTS,
     CONFIG_KEY_POLL,
     DEFAULT_GGML_LIBRARY_REG,
     DEFAULT_GRAPH_CHUNK_NODES,
@@ -123,6 +124,9 @@ class PythonBackendLibrary:
         # enum ggml_backend_dev_type value device_get_type reports instead of the device's own
         # (config apir.host.device_type), or None
         self.device_type: Optional[int] = None
+        # whether built graphs carry use counts (apir.ggml.cgraph), so the backend fuses ops as
+        # it does locally (config apir.host.use_counts)
+        self.use_counts = False
 
     # --- what initialize set ---------------------------------------------------------------
     @property
@@ -282,6 +286,7 @@ class PythonBackendLibrary:
             g, reg, backend, time_limit_s, name=f"ctx {host.ctx_id}", chunk_nodes=int(chunk_nodes)
         )
         self._checker = TensorChecker(g)
+        self.use_counts = (host.get_config(CONFIG_KEY_USE_COUNTS) or "").lower() not in ("0", "off", "false", "no")
         # config apir.host.async_transfers (env APIR_HOST_ASYNC_TRANSFERS) = 0 / off: every
         # copy synchronous. Where the device's buffers are host-visible (ggml-vulkan maps them
         # where it can: lavapipe, resizable BAR) a synchronous set is a plain memcpy and the

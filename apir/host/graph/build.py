@@ -29,6 +29,7 @@ import numpy as np
 
 from apir import accel
 from apir.codec.copy import copy_bytes
+from apir.ggml.cgraph import fill_use_counts
 from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
@@ -574,6 +575,8 @@ def _node_graph(lib: GraphLibrary, parsed, scratch: Scratch, host_at: np.ndarray
     else:
         for j in parsed.node_index.tolist():
             g.ggml_graph_add_node(graph, int(host_at[j]))
+    if getattr(lib, "use_counts", False):  # (a library without the setting: none, as before)
+        fill_use_counts(g, graph, host_at, parsed.node_index, parsed.src_index)
     return graph
 
 
