@@ -1,0 +1,66 @@
+"""apir.ggml.cgraph: a graph the host builds node by node carries the use counts ggml's own
+graph building gives the same graph (so backends fuse as they do locally), and none under
+apir.host.use_counts=off; the slots it picks are found by ggml's own lookup."""
+
+import numpy as np
+import pytest
+
+from apir.codec.constants import ApirBackendCommandType as Cmd
+from apir.ggml.cgraph import CgraphLayout, _insert, _use_count
+from apir.host import HostContext
+from tests.host.hostkit import DATA_RES, Guest, GgmlScratch, RemoteGraph
+
+
+def _graph(g, ctx):
+    """rms_norm -> mul -> rms_norm -> mul -> add: twice the RMS_NORM + MUL pair ggml-cpu
+    fuses where the norm has one use."""
+    f32 = g.types["F32"]
+    x = g.ggml_new_tensor_2d(ctx, f32, 16, 2)
+    w = g.ggml_new_tensor_1d(ctx, f32, 16)
+    n = g.ggml_rms_norm(ctx, x, 1e-6)
+    y = g.ggml_mul(ctx, n, w)
+    m = g.ggml_rms_norm(ctx, y, 1e-6)
+    z = g.ggml_add(ctx, g.ggml_mul(ctx, m, w), x)
+    gf = g.ggml_new_graph(ctx)
+    g.ggml_build_forward_expand(gf, z)
+    return gf
+
+
+@pytest.mark.parametrize("config", [{}, {"apir.host.use_counts": "off"}], ids=["on", "off"])
+def test_host_graphs_carry_ggmls_use_counts(ggml, config):
+    g = ggml
+    assert CgraphLayout.of(g) is not None
+    guest = Guest(HostContext(7, config))
+    s = GgmlScratch(g)
+    try:
+        gf = _graph(g, s.ctx)
+        n = g.ggml_graph_n_nodes(gf)
+        local = [_use_count(gf, g.ggml_graph_node(gf, i)) for i in range(n)]
+        assert local == [1, 1, 1, 1, 0]
+        remote = RemoteGraph(guest, g, s.ctx, gf)
+        guest.data[: len(remote.wire)] = remote.wire
+        rc, dec = guest.forward(Cmd.BACKEND_GRAPH_COMPUTE, lambda e: (e.u32(DATA_RES), e.size_t(len(remote.wire))))
+        assert (rc, dec.i32()) == (0, 0)
+        (entry,) = guest.ctx._library.graph_cache._entries.values()
+        built = [_use_count(entry.graph, g.ggml_graph_node(entry.graph, i)) for i in range(n)]
+        assert built == (local if not config else [0] * n)
+        remote.close()
+    finally:
+        s.close()
+        guest.close()
+
+
+def test_insert_places_every_key_where_linear_probing_finds_it():
+    rng = np.random.default_rng(3)
+    size = 67
+    # clustered keys: many share a home slot
+    keys = np.unique((rng.integers(0, 8, 60) * size + rng.integers(0, 5, 60)).astype(np.uint64) << np.uint64(4))
+    slots = _insert(keys, size)
+    assert len(set(slots.tolist())) == len(keys)
+    taken = np.zeros(size, dtype=bool)
+    taken[slots] = True
+    for key, slot in zip(keys.tolist(), slots.tolist()):
+        i = (key >> 4) % size
+        while i != slot:  # every slot between home and its own is taken (ggml_hash_find's walk)
+            assert taken[i]
+            i = (i + 1) % size

@@ -1,0 +1,148 @@
+"""apir.host.backend.extensions: EXT_QUERY's bytes as docs/protocol.md's example gives them,
+a host with the extensions off answering as APIR 0.2, a 0.2 guest of a two-device host served
+by device 0 alone, device routing by handle, and graph replay computing new inputs."""
+
+import numpy as np
+
+from apir.codec.constants import (
+    APIR_BACKEND_FORWARD_INDEX_INVALID,
+    APIR_BACKEND_GRAPH_UNKNOWN,
+    ApirBackendCommandType as Cmd,
+    ApirCommandType,
+    ApirExtensionCommandType as X,
+)
+from apir.guest.client import ApirClient
+from apir.host import HostContext
+from apir.local.embedded import EmbeddedDevice
+from tests.host.hostkit import DATA_RES, REPLY_RES, Guest, GgmlScratch, RemoteGraph, add_chain
+
+TWO_CPUS = {"apir.host.backend": "cpu,cpu"}
+
+
+def _query(guest: Guest, wanted: int = 3):
+    rc, dec = guest.command(ApirCommandType.FORWARD, int(X.EXT_QUERY), lambda e: e.u32(wanted))
+    return rc, (dec.u32(), dec.u32())
+
+
+def test_ext_query_bytes_are_the_spec_example():
+    """docs/protocol.md, Extensions, "EXT_QUERY byte by byte": the command and the reply of a
+    host serving two devices."""
+    g = Guest(HostContext(7, TWO_CPUS))
+    try:
+        command = bytes.fromhex("02000000" "00010000" "01000000" "03000000")
+        assert REPLY_RES == 1
+        assert g.raw(command) == 4
+        assert bytes(g.reply[:12]) == bytes.fromhex("05000000" "03000000" "02000000")
+    finally:
+        g.close()
+
+
+def test_the_guest_sends_the_spec_example():
+    sent = []
+    client = ApirClient.connect(EmbeddedDevice(config=TWO_CPUS), extensions=0)
+    try:
+        device = client.remote.device
+        execbuffer = device.execbuffer
+
+        def record(payload, ring_idx=0):
+            sent.append(bytes(payload))
+            return execbuffer(payload, ring_idx)
+
+        device.execbuffer = record
+        assert client.negotiate_extensions(3) == 3 and client.device_count == 2
+        reply_res = client.remote.reply.res_id
+    finally:
+        client.close()
+    assert sent == [bytes.fromhex("02000000" "00010000") + reply_res.to_bytes(4, "little") + bytes.fromhex("03000000")]
+
+
+def test_a_host_with_extensions_off_answers_as_apir_0_2():
+    g = Guest(HostContext(7, {"apir.host.extensions": "off", **TWO_CPUS}))
+    try:
+        rc, _ = _query(g)
+        assert rc == 4 + APIR_BACKEND_FORWARD_INDEX_INVALID
+        rc, _ = g.forward(X.DEVICE_SELECT, lambda e: e.u32(1))
+        assert rc == APIR_BACKEND_FORWARD_INDEX_INVALID
+    finally:
+        g.close()
+    client = ApirClient.connect(EmbeddedDevice(config={"apir.host.extensions": "off"}))
+    try:
+        assert client.extensions == 0 and client.device_count == 1
+        assert client.device_get_name() == "CPU"
+    finally:
+        client.close()
+
+
+def test_a_0_2_guest_of_a_two_device_host_is_served_by_device_0():
+    g = Guest(HostContext(7, TWO_CPUS))
+    try:
+        lib = g.ctx._library
+        assert len(lib.devices) == 2
+        rc, dec = g.forward(Cmd.DEVICE_GET_COUNT)
+        assert (rc, dec.i32()) == (0, 1)
+        handle = g.alloc(4096)
+        assert handle in lib.devices[0].buffers and not len(lib.devices[1].buffers)
+    finally:
+        g.close()
+
+
+def test_handles_name_their_device():
+    g = Guest(HostContext(7, TWO_CPUS))
+    try:
+        assert _query(g) == (4, (3, 2))
+        lib = g.ctx._library
+        first = g.alloc(4096)  # device 0: selected at first
+        assert g.forward(X.DEVICE_SELECT, lambda e: e.u32(1))[0] == 0
+        second = g.alloc(4096)
+        assert first in lib.devices[0].buffers and second in lib.devices[1].buffers
+        assert g.forward(X.DEVICE_SELECT, lambda e: e.u32(0))[0] == 0
+        # a buffer function finds device 1's buffer whatever is selected
+        assert g.base(second) != g.base(first)
+        assert g.forward(Cmd.BUFFER_FREE_BUFFER, lambda e: e.handle(second))[0] == 0
+        assert not len(lib.devices[1].buffers)
+    finally:
+        g.close()
+
+
+def _keep(g: Guest, graph_id: int, wire: bytes):
+    g.data[: len(wire)] = wire
+    rc, dec = g.forward(X.GRAPH_COMPUTE_KEEP, lambda e: (e.size_t(graph_id), e.u32(DATA_RES), e.size_t(len(wire))))
+    return rc, dec.i32() if rc == 0 else None
+
+
+def _recompute(g: Guest, graph_id: int):
+    rc, dec = g.forward(X.GRAPH_RECOMPUTE, lambda e: e.size_t(graph_id))
+    return rc, dec.i32() if rc == 0 else None
+
+
+def test_graph_replay_computes_the_new_inputs(ggml):
+    g = Guest(HostContext(7))
+    s = GgmlScratch(ggml)
+    try:
+        assert _query(g)[1][0] == 3
+        graph = add_chain(ggml, s.ctx, 3)
+        remote = RemoteGraph(g, ggml, s.ctx, graph)
+        y = ggml.ggml_graph_node(graph, ggml.ggml_graph_n_nodes(graph) - 1)
+        leaf = _leaf(ggml, graph)
+        outs = []
+        for k, value in enumerate((1.0, 2.5)):
+            data = np.full(32, value, dtype=np.float32).tobytes()
+            assert g.set_tensor(remote.handle, remote.rpc(leaf), data) == 0
+            rc, status = _keep(g, 9, remote.wire) if k == 0 else _recompute(g, 9)
+            assert (rc, status) == (0, 0)
+            outs.append(g.get_tensor(remote.handle, remote.rpc(y), ggml.ggml_nbytes(y))[1])
+        assert np.frombuffer(outs[0], dtype=np.float32).tolist() == [4.0] * 32
+        assert np.frombuffer(outs[1], dtype=np.float32).tolist() == [10.0] * 32
+        assert _recompute(g, 10) == (APIR_BACKEND_GRAPH_UNKNOWN, None)
+        remote.close()
+    finally:
+        s.close()
+        g.close()
+
+
+def _leaf(ggml, graph):
+    """add_chain's input x: the first node's first source."""
+    from apir.ggml.layout import tensor_record
+
+    return int(tensor_record(ggml.ggml_graph_node(graph, 0), ggml.tensor_dtype)["src"][0])
+

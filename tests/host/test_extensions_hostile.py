@@ -1,0 +1,115 @@
+"""apir.host.backend.extensions against hostile guests: extension functions before EXT_QUERY
+agreed on them, devices out of range, truncated arguments, a graph mixing two devices'
+buffers, graphs kept beyond the per-context bounds."""
+
+import pytest
+
+from apir.codec.constants import (
+    APIR_BACKEND_FORWARD_INDEX_INVALID,
+    APIR_BACKEND_GRAPH_UNKNOWN,
+    ApirCommandType,
+    ApirExtensionCommandType as X,
+)
+from apir.host import HostContext
+from apir.host.config import MAX_KEPT_GRAPHS
+from tests.host.hostkit import DATA_RES, Guest, GgmlScratch, RemoteGraph, add_chain
+
+TWO_CPUS = {"apir.host.backend": "cpu,cpu"}
+ERROR = 1
+
+
+def _query(g: Guest, wanted: int = 3) -> int:
+    rc, _ = g.command(ApirCommandType.FORWARD, int(X.EXT_QUERY), lambda e: e.u32(wanted))
+    return rc
+
+
+@pytest.mark.parametrize("function", [X.DEVICE_SELECT, X.GRAPH_COMPUTE_KEEP, X.GRAPH_RECOMPUTE])
+def test_extension_functions_before_agreement_are_unknown_functions(function):
+    g = Guest(HostContext(7, TWO_CPUS))
+    try:
+        assert g.forward(function, lambda e: (e.u64(0), e.u64(0), e.u64(0)))[0] == APIR_BACKEND_FORWARD_INDEX_INVALID
+        assert _query(g, 1) == 4  # devices only: replay stays unknown
+        if function is not X.DEVICE_SELECT:
+            assert g.forward(function, lambda e: e.u64(0))[0] == APIR_BACKEND_FORWARD_INDEX_INVALID
+    finally:
+        g.close()
+
+
+def test_bad_selections_and_truncated_arguments_are_refused():
+    g = Guest(HostContext(7, TWO_CPUS))
+    try:
+        assert _query(g) == 4
+        assert g.forward(X.DEVICE_SELECT, lambda e: e.u32(2))[0] == ERROR
+        assert g.forward(X.DEVICE_SELECT, lambda e: e.u32(0xFFFFFFFF))[0] == ERROR
+        assert g.forward(X.DEVICE_SELECT)[0] == ERROR  # no argument
+        assert g.command(ApirCommandType.FORWARD, int(X.EXT_QUERY))[0] == 4 + ERROR
+        assert g.ctx._library.selected == 0
+        # a graph larger than its resource, and one in an unknown resource
+        size = len(g.data) + 1
+        assert g.forward(X.GRAPH_COMPUTE_KEEP, lambda e: (e.u64(1), e.u32(DATA_RES), e.u64(size)))[0] == ERROR
+        assert g.forward(X.GRAPH_COMPUTE_KEEP, lambda e: (e.u64(1), e.u32(99), e.u64(64)))[0] == ERROR
+        assert g.forward(X.GRAPH_RECOMPUTE, lambda e: e.u64(1))[0] == APIR_BACKEND_GRAPH_UNKNOWN
+    finally:
+        g.close()
+
+
+def test_a_graph_naming_two_devices_buffers_is_refused(ggml):
+    g = Guest(HostContext(7, TWO_CPUS))
+    s = GgmlScratch(ggml)
+    try:
+        assert _query(g) == 4
+        graph = add_chain(ggml, s.ctx, 2)
+        remote = RemoteGraph(g, ggml, s.ctx, graph)  # its buffer on device 0
+        lib = g.ctx._library
+        assert remote.handle in lib.devices[0].buffers
+        assert g.forward(X.DEVICE_SELECT, lambda e: e.u32(1))[0] == 0
+        other = g.alloc(4096)  # device 1
+        wire = bytearray(remote.wire)
+        # the last record (the output) moved to device 1's buffer
+        rec = len(wire) - 304
+        wire[rec + 16 : rec + 24] = other.to_bytes(8, "little")
+        g.data[: len(wire)] = bytes(wire)
+        rc, _ = g.forward(X.GRAPH_COMPUTE_KEEP, lambda e: (e.u64(3), e.u32(DATA_RES), e.u64(len(wire))))
+        assert rc == ERROR
+        assert g.forward(X.GRAPH_RECOMPUTE, lambda e: e.u64(3))[0] == APIR_BACKEND_GRAPH_UNKNOWN
+        remote.close()
+    finally:
+        s.close()
+        g.close()
+
+
+@pytest.mark.parametrize("limit", [None, 2000])
+def test_kept_graphs_are_bounded(ggml, limit):
+    """At most MAX_KEPT_GRAPHS graphs and apir.host.kept_graph_bytes bytes (add_chain(2)'s wire
+    is 936 bytes: 2,000 hold two), the least recently used evicted; a graph whose buffer was
+    freed is refused once and then forgotten."""
+    config = {} if limit is None else {"apir.host.kept_graph_bytes": str(limit)}
+    g = Guest(HostContext(7, config))
+    s = GgmlScratch(ggml)
+    try:
+        assert _query(g) == 4
+        remote = RemoteGraph(g, ggml, s.ctx, add_chain(ggml, s.ctx, 2))
+        wire = remote.wire
+        assert len(wire) == 936
+        g.data[: len(wire)] = wire
+        last = MAX_KEPT_GRAPHS + 3
+        for graph_id in range(last + 1):
+            rc, _ = g.forward(X.GRAPH_COMPUTE_KEEP, lambda e: (e.u64(graph_id), e.u32(DATA_RES), e.u64(len(wire))))
+            assert rc == 0
+        lib = g.ctx._library
+        kept = MAX_KEPT_GRAPHS if limit is None else 2
+        assert len(lib._kept) == kept and lib._kept_bytes == kept * len(wire)
+        assert sorted(lib._kept) == list(range(last + 1 - kept, last + 1))
+        assert g.forward(X.GRAPH_RECOMPUTE, lambda e: e.u64(0))[0] == APIR_BACKEND_GRAPH_UNKNOWN  # evicted
+        assert g.forward(X.GRAPH_RECOMPUTE, lambda e: e.u64(last))[0] == 0
+        rc, _ = g.forward(X.GRAPH_COMPUTE_KEEP, lambda e: (e.u64(last), e.u32(DATA_RES), e.u64(len(wire))))
+        assert rc == 0 and len(lib._kept) == kept  # the same id again replaces its graph
+        from apir.codec.constants import ApirBackendCommandType as Cmd
+
+        assert g.forward(Cmd.BUFFER_FREE_BUFFER, lambda e: e.handle(remote.handle))[0] == 0
+        assert g.forward(X.GRAPH_RECOMPUTE, lambda e: e.u64(last))[0] == ERROR
+        assert g.forward(X.GRAPH_RECOMPUTE, lambda e: e.u64(last))[0] == APIR_BACKEND_GRAPH_UNKNOWN
+        remote.close()
+    finally:
+        s.close()
+        g.close()
