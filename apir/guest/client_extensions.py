@@ -16,12 +16,13 @@ from __future__ import annotations
 import collections
 import itertools
 import os
-from typing import Any
+from typing import Any, Tuple, cast
 
 from apir.codec.constants import (
     APIR_BACKEND_FORWARD_INDEX_INVALID,
     APIR_BACKEND_GRAPH_UNKNOWN,
     APIR_EXTENSIONS_ALL,
+    ApirBackendCommandType,
     ApirExtension,
     ApirExtensionCommandType as X,
 )
@@ -47,10 +48,14 @@ class ExtensionCalls(ForwardCaller):
     device_count = 1  # devices the host serves this context
     selected_device = 0
 
+    def _ext(self, function: X, *args: Any, **kwargs: Any) -> Tuple[Any, ...]:
+        # the Forward table (and so `_call`) takes the extensions' ids as it takes 0.2's
+        return self._call(cast(ApirBackendCommandType, function), *args, **kwargs)
+
     def negotiate_extensions(self, wanted: int = APIR_EXTENSIONS_ALL) -> int:
         """EXT_QUERY: the bits of `wanted` the host has too (0 from an APIR 0.2 host)."""
         try:
-            agreed, count = self._call(X.EXT_QUERY, wanted)
+            agreed, count = self._ext(X.EXT_QUERY, wanted)
         except BackendFunctionError as exc:
             if exc.function_code != APIR_BACKEND_FORWARD_INDEX_INVALID:
                 raise
@@ -68,7 +73,7 @@ class ExtensionCalls(ForwardCaller):
         if not 0 <= index < self.device_count:
             raise IndexError(f"device {index} of {self.device_count}")
         if index != self.selected_device:
-            self._call(X.DEVICE_SELECT, index)
+            self._ext(X.DEVICE_SELECT, index)
             self.selected_device = index
 
     def on_device(self, index: int) -> "DeviceView":
@@ -84,7 +89,7 @@ class ExtensionCalls(ForwardCaller):
         if graph_id is not None:
             self._graph_ids.move_to_end(key)
             try:
-                return self._call(X.GRAPH_RECOMPUTE, graph_id)[0]
+                return self._ext(X.GRAPH_RECOMPUTE, graph_id)[0]
             except BackendFunctionError as exc:
                 if exc.function_code != APIR_BACKEND_GRAPH_UNKNOWN:
                     raise
@@ -106,7 +111,7 @@ class ExtensionCalls(ForwardCaller):
         def fill() -> None:
             blob.memory[: graph.nbytes] = graph
 
-        return self._call(X.GRAPH_COMPUTE_KEEP, graph_id, blob.res_id, graph.nbytes, fill=fill)[0]
+        return self._ext(X.GRAPH_COMPUTE_KEEP, graph_id, blob.res_id, graph.nbytes, fill=fill)[0]
 
 
 class DeviceView:
@@ -132,4 +137,3 @@ class DeviceView:
 
     def __repr__(self) -> str:
         return f"DeviceView(device {self.device_index})"
-

@@ -26,6 +26,7 @@ from typing import Dict, Optional, Type
 
 from apir.codec.constants import (
     ApirBackendCommandType,
+    ApirExtensionCommandType,
     ApirBackendInitializeReturnCode,
     ApirForwardReturnCode,
     ApirLoadLibraryReturnCode,
@@ -321,7 +322,10 @@ def forward_error(code: int, function: int) -> Optional[ForwardError]:
     try:
         name = ApirBackendCommandType(function).c_name
     except ValueError:
-        name = f"backend function {function}"
+        try:
+            name = ApirExtensionCommandType(function).c_name
+        except ValueError:
+            name = f"backend function {function}"
     if code > ApirForwardReturnCode.BASE_INDEX:
         return BackendFunctionError(code, name)
     return _FORWARD.get(code, ForwardError)(code, name)

@@ -94,7 +94,7 @@ def test_kept_graphs_are_bounded(ggml, limit):
         g.data[: len(wire)] = wire
         last = MAX_KEPT_GRAPHS + 3
         for graph_id in range(last + 1):
-            rc, _ = g.forward(X.GRAPH_COMPUTE_KEEP, lambda e: (e.u64(graph_id), e.u32(DATA_RES), e.u64(len(wire))))
+            rc, _ = g.forward(X.GRAPH_COMPUTE_KEEP, lambda e, i=graph_id: (e.u64(i), e.u32(DATA_RES), e.u64(len(wire))))
             assert rc == 0
         lib = g.ctx._library
         kept = MAX_KEPT_GRAPHS if limit is None else 2

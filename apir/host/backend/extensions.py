@@ -31,10 +31,11 @@ from apir.codec.constants import (
     ApirExtensionCommandType as X,
     ApirLoadLibraryReturnCode as LoadRc,
 )
+from apir.codec.constants import negotiated_version
+from apir.codec.forward import FORWARD, MalformedMessage, decode_args, encode_reply
 from apir.codec.records import rpc_tensor_dtype
 from apir.codec.wire import Decoder, Encoder
 from apir.host.backend.dispatch_backend import compute_graph, graph_bytes
-from apir.host.backend.forward import args, reply
 from apir.host.backend.library import PythonBackendLibrary
 from apir.host.config import (
     CONFIG_KEY_BACKEND,
@@ -84,8 +85,10 @@ class ExtendedLibrary(PythonBackendLibrary):
     # --- BackendLibrary -------------------------------------------------------------------
     def initialize(self, host: LibraryHost) -> int:
         self.offered = 0 if _off(host.get_config(CONFIG_KEY_EXTENSIONS)) else APIR_EXTENSIONS_ALL
-        self._kept_limit = parse_limit(
-            host.get_config(CONFIG_KEY_KEPT_GRAPH_BYTES), CONFIG_KEY_KEPT_GRAPH_BYTES, DEFAULT_KEPT_GRAPH_BYTES
+        self._kept_limit = int(
+            parse_limit(
+                host.get_config(CONFIG_KEY_KEPT_GRAPH_BYTES), CONFIG_KEY_KEPT_GRAPH_BYTES, DEFAULT_KEPT_GRAPH_BYTES
+            )
         )
         devs = self._device_set(host)
         if devs is None:  # one device, chosen as configured
@@ -216,8 +219,20 @@ class ExtendedLibrary(PythonBackendLibrary):
         return int(buffers[0]) if len(buffers) else 0
 
     # --- the extension functions -----------------------------------------------------------
+    def _version(self) -> Tuple[int, int]:
+        return negotiated_version(self.host.guest_version, self.host.host_version)
+
+    def _args(self, dec: Decoder, function: X) -> Tuple[int, ...]:
+        try:
+            return decode_args(dec, FORWARD[function], self._version())
+        except MalformedMessage as exc:
+            raise Refused(str(exc)) from None
+
+    def _reply(self, enc: Encoder, function: X, *values: int) -> None:
+        encode_reply(enc, FORWARD[function], self._version(), values)
+
     def _ext_query(self, dec: Decoder, enc: Encoder) -> int:
-        (guest,) = args(dec, X.EXT_QUERY, self.checker, self.host)
+        (guest,) = self._args(dec, X.EXT_QUERY)
         self.agreed = guest & self.offered
         if not self.agreed & ApirExtension.DEVICES:
             self.selected = 0
@@ -226,18 +241,18 @@ class ExtendedLibrary(PythonBackendLibrary):
             self._kept_bytes = 0
         count = len(self.devices) if self.agreed & ApirExtension.DEVICES else 1
         log.info("ctx %d: extensions 0x%x agreed (guest 0x%x), %d device(s)", self.ctx_id, self.agreed, guest, count)
-        reply(enc, X.EXT_QUERY, self.host, self.agreed, count)
+        self._reply(enc, X.EXT_QUERY, self.agreed, count)
         return BACKEND_RC_OK
 
     def _device_select(self, dec: Decoder, enc: Encoder) -> int:
-        (device,) = args(dec, X.DEVICE_SELECT, self.checker, self.host)
+        (device,) = self._args(dec, X.DEVICE_SELECT)
         if device >= len(self.devices):
             raise Refused(f"device_select: device {device} of {len(self.devices)}")
         self.selected = device
         return BACKEND_RC_OK
 
     def _graph_compute_keep(self, dec: Decoder, enc: Encoder) -> int:
-        graph_id, res_id, size = args(dec, X.GRAPH_COMPUTE_KEEP, self.checker, self.host)
+        graph_id, res_id, size = self._args(dec, X.GRAPH_COMPUTE_KEEP)
         self._forget(graph_id)
         # the copy is both what computes now and what is kept: the guest's later writes to
         # its memory change neither
@@ -249,11 +264,11 @@ class ExtendedLibrary(PythonBackendLibrary):
                 self._forget(next(iter(self._kept)))
             self._kept[graph_id] = (device, copy)
             self._kept_bytes += size
-        reply(enc, X.GRAPH_COMPUTE_KEEP, self.host, status)
+        self._reply(enc, X.GRAPH_COMPUTE_KEEP, status)
         return BACKEND_RC_OK
 
     def _graph_recompute(self, dec: Decoder, enc: Encoder) -> int:
-        (graph_id,) = args(dec, X.GRAPH_RECOMPUTE, self.checker, self.host)
+        (graph_id,) = self._args(dec, X.GRAPH_RECOMPUTE)
         kept = self._kept.get(graph_id)
         if kept is None:
             return APIR_BACKEND_GRAPH_UNKNOWN
@@ -264,7 +279,7 @@ class ExtendedLibrary(PythonBackendLibrary):
         except Refused:
             self._forget(graph_id)  # (say, a buffer of it freed since): not replayed again
             raise
-        reply(enc, X.GRAPH_RECOMPUTE, self.host, status)
+        self._reply(enc, X.GRAPH_RECOMPUTE, status)
         return BACKEND_RC_OK
 
     def _graph_device(self, memory, size: int) -> int:
@@ -280,4 +295,3 @@ class ExtendedLibrary(PythonBackendLibrary):
         kept = self._kept.pop(graph_id, None)
         if kept is not None:
             self._kept_bytes -= len(kept[1])
-

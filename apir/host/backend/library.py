@@ -109,7 +109,7 @@ class PythonBackendLibrary:
         # one id counter and address space with `shared_with`: handles and bases name one
         # device's buffer among all of a context's devices
         self.bufts, self.buffers = new_tables() if shared_with is None else shared_with.new_tables()
-        self.vspace = VirtualAddressSpace() if shared_with is None else shared_with.vspace
+        self.vspace: VirtualAddressSpace = VirtualAddressSpace() if shared_with is None else shared_with.vspace
         self._abort: Optional[ComputeAbort] = None  # graph time limit and cancellation
         # threads the backend computes with (0: never set, ggml's default), at most with
         # N_THREADS_FREE; the work-size bound plans with this count (apir.host.graph.work_plan),
