@@ -1,6 +1,7 @@
 """The 23 Forward functions of APIR 0.2 and the extensions' four: what each command and reply carries.
 
-Theory of operation: `FORWARD` holds one `Function` per `ApirBackendCommandType` id, with its
+Theory of operation: `FORWARD` holds one `Function` per `ApirBackendCommandType` id (and per
+`ApirExtensionCommandType` id, docs/protocol.md section 12), with its
 arguments and its reply as named, typed `Field`s in wire order, and the first APIR version
 that carries each field (all of them 0.1 but device_get_props' mmap_support, 0.2). The
 names are the C's (the conformance vectors use them). Both sides read this table: the guest

@@ -113,3 +113,25 @@ def test_kept_graphs_are_bounded(ggml, limit):
     finally:
         s.close()
         g.close()
+
+
+def test_a_copy_between_two_devices_buffers_is_refused(ggml):
+    from apir.codec.constants import ApirBackendCommandType as Cmd
+    from tests.host.hostkit import rpc_bytes, rpc_record
+
+    g = Guest(HostContext(7, TWO_CPUS))
+    s = GgmlScratch(ggml)
+    try:
+        assert _query(g) == 4
+        first = g.alloc(4096)
+        assert g.forward(X.DEVICE_SELECT, lambda e: e.u32(1))[0] == 0
+        second, third = g.alloc(4096), g.alloc(4096)
+        t = ggml.ggml_new_tensor_1d(s.ctx, ggml.types["F32"], 16)
+        src, dst, same = (rpc_bytes(rpc_record(ggml, t, buffer=h, data=0)) for h in (first, second, third))
+        rc, dec = g.forward(Cmd.BUFFER_CPY_TENSOR, lambda e: (e.handle(second), e.blob(src), e.blob(dst)))
+        assert rc == ERROR
+        rc, dec = g.forward(Cmd.BUFFER_CPY_TENSOR, lambda e: (e.handle(second), e.blob(same), e.blob(dst)))
+        assert (rc, dec.bool()) == (0, True)
+    finally:
+        s.close()
+        g.close()
