@@ -31,6 +31,7 @@ from apir import __version__
 from apir.codec.constants import (
     APIR_PROTOCOL_MAJOR,
     APIR_PROTOCOL_MINOR,
+    ApirExtension,
 )
 from apir.host.config import (
     CONFIG_KEY_BACKEND,
@@ -194,16 +195,17 @@ def check_host_backend(config: Optional[dict]) -> None:
         return
     from apir.ggml import backend_spec, load
 
-    try:
-        parsed = backend_spec.parse_spec(spec)
-        if parsed.kind == "rpc":
-            # only probe: resolving would add the servers to this process's registry
-            for endpoint in parsed.endpoints:
-                backend_spec.check_reachable(endpoint)
-        else:
-            backend_spec.resolve(load(), spec)
-    except backend_spec.BackendSpecError as exc:
-        raise UsageError(f"--backend {spec}: {exc}{missing_backend_hint(spec)}") from exc
+    for item in backend_spec.split_specs(spec):  # (several: a device set, docs/protocol.md section 12)
+        try:
+            parsed = backend_spec.parse_spec(item)
+            if parsed.kind == "rpc":
+                # only probe: resolving would add the servers to this process's registry
+                for endpoint in parsed.endpoints:
+                    backend_spec.check_reachable(endpoint)
+            else:
+                backend_spec.resolve(load(), item)
+        except backend_spec.BackendSpecError as exc:
+            raise UsageError(f"--backend {spec}: {exc}{missing_backend_hint(item)}") from exc
 
 
 def missing_backend_hint(spec: str) -> str:
@@ -498,6 +500,9 @@ def run_info(args: argparse.Namespace) -> int:
                 "guest": "%d.%d" % tuple(client.protocol),
                 "host": "%d.%d" % tuple(client.host_version),
                 "capset": client.remote.capset_id,
+                # the extensions both sides agreed on (docs/protocol.md section 12)
+                "extensions": [str(bit.name).lower() for bit in ApirExtension if client.extensions & bit],
+                "devices": client.device_count,
             }
             info.update(gather_info(client))
     finally:
@@ -535,6 +540,7 @@ def format_info(info: dict) -> str:
     lines = [
         f"transport:          {info['where']}",
         f"APIR protocol:      guest {p['guest']}, host {p['host']} ({capset}), HandShake ok",
+        f"extensions:         {', '.join(p.get('extensions') or ['none'])} ({p.get('devices', 1)} device(s))",
         f"served by:          {d['name']} ({d['description']})",
         f"device:             {d['name']}",
         f"description:        {d['description']}",

@@ -29,7 +29,8 @@ def test_info_embedded_and_socket(tmp_path, capsys):
     assert main(["info", "--json"]) == 0
     embedded = json.loads(capsys.readouterr().out)
     assert embedded["transport"] == "embedded"
-    assert embedded["protocol"] == {"guest": "0.2", "host": "0.2", "capset": 10}
+    assert embedded["protocol"] == {"guest": "0.2", "host": "0.2", "capset": 10,
+                                    "extensions": ["devices", "graph_replay"], "devices": 1}
     assert (embedded["device"]["name"], embedded["device"]["description"]) == (name, description)
     assert embedded["buffer_type"]["alignment"] > 0
     host = HostProcess(tmp_path / "apir.sock")
