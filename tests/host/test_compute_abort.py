@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 
-from apir.codec.constants import ApirBackendCommandType as Cmd, ApirCommandType
+from apir.codec.constants import ApirBackendCommandType as Cmd, ApirCommandType, ApirExtensionCommandType as X
 from apir.guest.client import ApirClient
 from apir.guest.errors import DeviceError
 from apir.guest.local import HostConnectionLost, LocalDevice
@@ -181,6 +181,10 @@ class _ClientGuest:
         return self.client.buffer_type_alloc_buffer(self.client.device_get_buffer_type(), size)
 
 
+# (apir's guest computes through graph replay when the host has it: docs/protocol.md section 12)
+_GRAPH_COMPUTES = (Cmd.BACKEND_GRAPH_COMPUTE, X.GRAPH_COMPUTE_KEEP, X.GRAPH_RECOMPUTE)
+
+
 class _RecordingContext(HostContext):
     """A HostContext that keeps the ggml status of each graph it computed, and the thread
     that computed it."""
@@ -194,7 +198,7 @@ class _RecordingContext(HostContext):
     def submit(self, command):
         super().submit(command)
         cmd_type, flags, reply_res = struct.unpack_from("<III", command)
-        if cmd_type == ApirCommandType.FORWARD and flags == Cmd.BACKEND_GRAPH_COMPUTE:
+        if cmd_type == ApirCommandType.FORWARD and flags in _GRAPH_COMPUTES:
             reply = self.get_shmem(reply_res)
             if reply is not None:
                 _RecordingContext.statuses.append(struct.unpack_from("<i", reply.memory, 4)[0])
