@@ -15,6 +15,7 @@ from apir.codec.constants import (
     VENUS_COMMAND_TYPE_LENGTH,
     ApirBackendCommandType as F,
     ApirCommandType as T,
+    ApirExtensionCommandType as X,
     ApirForwardReturnCode,
 )
 from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS
@@ -144,7 +145,8 @@ class RecordingContext(HostContext):
 @pytest.mark.parametrize("exec_wait_s", [0.0, 1.0])
 def test_bounded_commands_run_in_the_callers_thread_and_long_ones_on_the_host_thread(exec_wait_s):
     """exec_wait_s > 0: HandShake and Forward device_get_type run in the caller's thread,
-    LoadLibrary and Forward backend_graph_compute on the host thread (the graph is refused
+    and so does the extensions' query; LoadLibrary and Forward backend_graph_compute on the host
+    thread (the graph is refused
     there: no arguments). exec_wait_s 0: every command on the host thread."""
     from apir.guest.client import ApirClient
 
@@ -160,6 +162,7 @@ def test_bounded_commands_run_in_the_callers_thread_and_long_ones_on_the_host_th
         assert dev.kernel.ctx.seen == [
             (inline, T.HANDSHAKE, 0),
             (HOST_THREAD, T.LOADLIBRARY, 0),
+            (inline, T.FORWARD, X.EXT_QUERY),
             (inline, T.FORWARD, F.DEVICE_GET_TYPE),
             (HOST_THREAD, T.FORWARD, F.BACKEND_GRAPH_COMPUTE),
             (inline, T.FORWARD, F.DEVICE_GET_TYPE),
@@ -210,6 +213,7 @@ def test_a_backend_off_host_memory_runs_every_command_on_the_host_thread(monkeyp
         assert ctx.seen == [
             (me, T.HANDSHAKE, 0),
             (HOST_THREAD, T.LOADLIBRARY, 0),
+            (HOST_THREAD, T.FORWARD, X.EXT_QUERY),
             (HOST_THREAD, T.FORWARD, F.DEVICE_GET_TYPE),
         ]
     monkeypatch.setattr(component, "_builtin_library", real)

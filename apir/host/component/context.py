@@ -36,6 +36,7 @@ from apir.codec.constants import (
     VENUS_COMMAND_TYPE_LENGTH,
     ApirBackendCommandType,
     ApirCommandType,
+    ApirExtensionCommandType,
     ApirForwardReturnCode,
     ApirLoadLibraryReturnCode,
     ApirBackendInitializeReturnCode,
@@ -62,9 +63,11 @@ COMMAND_MALFORMED = 1
 _HEADER = struct.Struct("<III")  # command type, flags, reply resource id
 _FORWARD = int(ApirCommandType.FORWARD)  # plain ints: no enum lookups on the hot path
 _HANDSHAKE = int(ApirCommandType.HANDSHAKE)
-# The Forward functions whose host run time the command itself bounds: all but graph_compute.
+# The Forward functions whose host run time the command itself bounds: all but graph_compute,
+# and of the extensions (docs/protocol.md section 12) all but the graph functions.
 _BOUNDED_FORWARD = frozenset(
-    int(f) for f in ApirBackendCommandType if f is not ApirBackendCommandType.BACKEND_GRAPH_COMPUTE
+    [int(f) for f in ApirBackendCommandType if f is not ApirBackendCommandType.BACKEND_GRAPH_COMPUTE]
+    + [int(ApirExtensionCommandType.EXT_QUERY), int(ApirExtensionCommandType.DEVICE_SELECT)]
 )
 
 
