@@ -11,8 +11,9 @@ Specs (`apir host serve --backend SPEC`, config key `apir.host.backend`):
     cpu                           ggml's CPU device (`ggml_backend_dev_by_type(CPU)`)
     NAME[:N]                      device N (default 0) of registration NAME: vulkan, vulkan:1,...
     rpc:HOST:PORT[,HOST:PORT...]  ggml-rpc servers, every device of each, in order
-    SPEC,SPEC[,...]               several devices (`split_specs`): the first serves every guest,
-                                  all of them a guest with the devices extension
+    SPEC,SPEC[,...]               several devices (`split_specs`; two servers as two devices:
+                                  rpc:H:P,rpc:H:P): the first serves every guest, all of them
+                                  a guest with the devices extension
 A path to a ggml backend library is not a spec: it goes to `ggml.library.path`
 (apir.host.backend.library). ggml-rpc aborts its client process when a server does not answer,
 also while adding one, so `resolve` first connects to each server itself and refuses one it
@@ -96,14 +97,17 @@ def parse_spec(spec: str) -> ParsedSpec:
 
 
 def split_specs(spec: str) -> List[str]:
-    """The device specs of a comma-separated list ("cpu,vulkan:0": the devices a host serves
-    to a guest with the devices extension); an rpc spec takes every item after it (its
-    servers are comma-separated too)."""
-    items = [item.strip() for item in spec.split(",")]
-    for i, item in enumerate(items):
-        if item.lower().startswith("rpc:"):
-            return items[:i] + [",".join(items[i:])]
-    return items
+    """The device specs of a comma-separated list ("cpu,vulkan:0,rpc:H:P,rpc:H:P": the devices
+    a host serves to a guest with the devices extension). An rpc spec takes every item after it
+    up to the next "rpc:" (one spec of several servers, whose contexts the host spreads over
+    them), so rpc specs come last."""
+    pieces: List[str] = []
+    for item in (item.strip() for item in spec.split(",")):
+        if pieces and pieces[-1].lower().startswith("rpc:") and not item.lower().startswith("rpc:"):
+            pieces[-1] += "," + item
+        else:
+            pieces.append(item)
+    return pieces
 
 
 def _endpoint_ok(endpoint: str) -> bool:
