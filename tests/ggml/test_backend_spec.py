@@ -85,3 +85,13 @@ def test_missing_backend_hint_names_what_is_missing(ggml, monkeypatch):
                     "found no driver: install the GPU's Vulkan driver (ICD) or point VK_ICD_FILENAMES at its JSON "
                     "file; `vulkaninfo --summary` lists what the loader sees (docs/gpu.md)")
     assert backend_spec.missing_backend_hint(ggml, "cpu") == backend_spec.missing_backend_hint(ggml, "rpc:h:1") == ""
+
+
+def test_split_specs_names_each_device_of_a_list():
+    from apir.ggml.backend_spec import split_specs
+
+    assert split_specs("cpu") == ["cpu"]
+    assert split_specs("cpu,vulkan:0") == ["cpu", "vulkan:0"]
+    assert split_specs("rpc:a:1,b:2") == ["rpc:a:1,b:2"]  # one spec of two servers
+    assert split_specs("rpc:a:1,rpc:b:2") == ["rpc:a:1", "rpc:b:2"]  # two devices
+    assert split_specs("cpu, vulkan:1 ,rpc:a:1,b:2") == ["cpu", "vulkan:1", "rpc:a:1,b:2"]
