@@ -18,7 +18,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
-__all__ = ["CgraphLayout", "fill_use_counts"]
+__all__ = ["CgraphLayout", "fill_use_counts", "share_use_counts"]
 
 
 class _HashSet(ctypes.Structure):
@@ -124,6 +124,19 @@ def fill_use_counts(g, graph: int, host_at: np.ndarray, node_index: np.ndarray, 
     table[slots] = keys
     uses[slots] = counts
     np.bitwise_or.at(used, slots >> 5, (np.uint32(1) << (slots & 31).astype(np.uint32)).astype(np.uint32))
+    return True
+
+
+def share_use_counts(g, part: int, whole: int) -> bool:
+    """Points cgraph `part` (a range of `whole`'s nodes, added with ggml_graph_add_node) at the
+    hash set and use counts of `whole`, as ggml_graph_view does: a backend then fuses within
+    `part` exactly where the whole graph's counts allow (a node read in a later range keeps
+    its count, and is not fused away). False (nothing written) where the layout is not known."""
+    if CgraphLayout.of(g) is None:
+        return False
+    view, of_whole = _view(part), _view(whole)
+    view.use_counts = of_whole.use_counts
+    view.visited_hash_set = of_whole.visited_hash_set  # (a copy of the struct: size, used, keys)
     return True
 
 

@@ -147,7 +147,10 @@ def time_limit(g, backend: str) -> dict:
 def hang_up(g, backend: str) -> dict:
     """The chain on a socket host with no time limit; the guest hangs up once the host's
     compute started: the status its context recorded, and whether the host let go of it."""
-    from apir.codec.constants import ApirBackendCommandType as Cmd, ApirCommandType
+    from apir.codec.constants import ApirBackendCommandType as Cmd, ApirCommandType, ApirExtensionCommandType as X
+
+    # (apir's guest computes through graph replay when the host has it: docs/protocol.md section 12)
+    graph_computes = (Cmd.BACKEND_GRAPH_COMPUTE, X.GRAPH_COMPUTE_KEEP, X.GRAPH_RECOMPUTE)
     from apir.guest.client import ApirClient
     from apir.guest.local import LocalDevice
     from apir.host import HostContext
@@ -170,7 +173,7 @@ def hang_up(g, backend: str) -> dict:
         def submit(self, command):
             super().submit(command)
             cmd_type, flags, reply_res = struct.unpack_from("<III", command)
-            if cmd_type == ApirCommandType.FORWARD and flags == Cmd.BACKEND_GRAPH_COMPUTE:
+            if cmd_type == ApirCommandType.FORWARD and flags in graph_computes:
                 reply = self.get_shmem(reply_res)
                 if reply is not None:
                     statuses.append(struct.unpack_from("<i", reply.memory, 4)[0])

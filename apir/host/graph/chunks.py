@@ -5,15 +5,16 @@ computes a graph one range of nodes at a time and looks at its abort flag betwee
 (apir.host.backend.compute_abort). Each range is a cgraph of its own, made with
 ggml_new_graph_custom and ggml_graph_add_node in a ggml context of the chunks' own, the same
 host tensors as the whole graph's, in the same order: a node reads what the nodes before it
-wrote to memory, whichever cgraph they were in. A cgraph made by ggml_graph_add_node records
-no use counts, so a backend fuses no nodes in it (ggml_can_fuse asks for a use count of 1),
-neither in the whole graph nor in a chunk: each computes the same kernels on the same bytes.
+wrote to memory, whichever cgraph they were in. Each range shares the whole graph's hash set
+and use counts (apir.ggml.cgraph.share_use_counts, as ggml_graph_view does), so a backend
+fuses within a range where it would in the whole graph, and never across a range's end.
 """
 
 from __future__ import annotations
 
 from typing import List
 
+from apir.ggml.cgraph import share_use_counts
 from apir.ggml.lib import InitParams
 
 __all__ = ["GraphChunks"]
@@ -38,6 +39,7 @@ class GraphChunks:
             chunk = g.ggml_new_graph_custom(self.ctx, e - s, False)
             for i in range(s, e):
                 g.ggml_graph_add_node(chunk, g.ggml_graph_node(graph, i))
+            share_use_counts(g, chunk, graph)
             self.graphs.append(chunk)
 
     def close(self) -> None:
