@@ -773,7 +773,8 @@ def first_overlap_kernel(w_buf, w_lo, w_hi, w_pos, q_buf, q_lo, q_hi, out, direc
     query's hi (queries in (buffer, hi) order); a query takes the least over its buffer's
     writes whose hi is above its lo. O((W + Q) log W), where comparing every pair is
     quadratic in a graph of many row-id readers; at most `direct_max` pairs (a graph's few
-    readers: the sweep's sorts would cost more) are compared one by one. Returns 0."""
+    readers: the sweep's sorts would cost more) are compared one by one. Returns 0. The plain
+    twin is apir.host.graph.overlap.first_overlap."""
     nw = w_lo.size
     nq = q_lo.size
     big = np.int64(1) << 62
