@@ -22,6 +22,7 @@ compiled abort callback that never takes the GIL (this one takes it once per ggm
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 import time
 from typing import Optional, Tuple
@@ -72,24 +73,37 @@ def _fence() -> None:
         pass
 
 
+def _spin_deadline(spins: int) -> float:
+    """When `spins` plain loads should be over, by the rate `spins_for` measured: a
+    `time.sleep(0)` naps longer on a loaded machine, and counting loads alone would then make
+    a spin of microseconds last up to a tenth of a second."""
+    return time.perf_counter() + spins / _loads_per_s if _loads_per_s else math.inf
+
+
 def _spin_until_nonzero_plain(arr: np.ndarray, offset: int, spins: int) -> int:
     word = _word(arr, offset)
+    deadline = _spin_deadline(spins)
     for _ in range(spins):
         value = word.value
         if value != 0:
             return value
         time.sleep(0)  # the GIL goes: the thread this waits for may need it
+        if time.perf_counter() > deadline:
+            break
     return 0
 
 
 def _spin_while_equal_plain(arr: np.ndarray, offset: int, old: int, spins: int) -> int:
     word = _word(arr, offset)
+    deadline = _spin_deadline(spins)
     value = old
     for _ in range(spins):
         value = word.value
         if value != old:
             break
         time.sleep(0)
+        if time.perf_counter() > deadline:
+            break
     return value
 
 

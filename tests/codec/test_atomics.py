@@ -197,3 +197,29 @@ def test_store_then_load_and_store_release_both():
             a.store_then_load(bad, b)
         with pytest.raises(ValueError):
             a.store_release_both(1, b, bad)
+
+
+def test_a_plain_spin_ends_at_its_time_not_its_count(monkeypatch):
+    # each time.sleep(0) naps 1 ms (a loaded machine) on a fake clock: a spin of 1,000 loads at
+    # a measured 10**6 loads/s is 1 ms, so it ends after a nap or two, not after 1,000 naps
+    from apir.codec import atomics
+
+    clock = [0.0]
+
+    class LoadedTime:
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+        @staticmethod
+        def sleep(_seconds):
+            clock[0] += 0.001
+
+    monkeypatch.setattr(atomics, "time", LoadedTime)
+    monkeypatch.setattr(atomics, "_loads_per_s", 1e6)
+    arr = np.zeros(8, np.uint8)
+    assert atomics._spin_until_nonzero_plain(arr, 0, 1000) == 0
+    assert clock[0] <= 0.002
+    clock[0] = 0.0
+    assert atomics._spin_while_equal_plain(arr, 0, 0, 1000) == 0
+    assert clock[0] <= 0.002
