@@ -65,7 +65,7 @@ __all__ = [
 log = logging.getLogger("apir.cli")  # its module name, also when run as `python -m apir.cli`
 
 # Modules adding subcommands (each with add_parser(subparsers, parents)); this one first.
-SUBCOMMAND_MODULES = ["apir.cli", "apir.models.cli_embed", "apir.conformance.cli"]
+SUBCOMMAND_MODULES = ["apir.cli", "apir.models.cli_embed", "apir.conformance.cli", "apir.vm.cli"]
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ENV_LOG_LEVEL = "APIR_LOG_LEVEL"

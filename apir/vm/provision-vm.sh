@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# scripts/provision-vm.sh [OUTDIR]
+# apir/vm/provision-vm.sh [OUTDIR]  (run by `apir vm provision`, apir/vm/provision.py)
 #
-# What tests/vm/ needs to boot real Linux guests against apir's virtio-gpu device (docs/vm.md),
-# from Debian packages only, on a Debian 12 (bookworm) host, as root:
+# What `apir vm run` and tests/vm need to boot real Linux guests against apir's virtio-gpu
+# device (docs/vm.md), from Debian packages only, on a Debian 12 (bookworm) host, as root:
 #   OUTDIR/trixie/              a debootstrapped trixie tree with QEMU 11.1 from trixie-backports
 #                               (bookworm's QEMU 7.2 and bookworm-backports' 10.0 lack the generic
 #                               vhost-user-test-device-pci and VHOST_USER_PROTOCOL_F_SHMEM)

@@ -1,17 +1,19 @@
-"""A small VM runner: boots a Debian guest kernel under QEMU 11.1 (TCG) with a virtio-gpu
-device behind vhost-user, runs one shell command in the guest, and keeps its console.
+"""A small VM runner: boots a Debian guest kernel under QEMU 11.1 with apir's virtio-gpu device
+behind vhost-user, runs one shell command in the guest, and keeps its console.
 
-What scripts/provision-vm.sh left in its cache (`Provisioned`): the trixie tree's QEMU
-(`qemu` wrapper), kernels/<suite>/ (a `dpkg -x` of linux-image-*, depmod'ed), busybox.
+What `apir vm provision` left in its cache (`Provisioned`, apir.vm.provision): the trixie tree's
+QEMU (`qemu` wrapper), kernels/<suite>/ (a `dpkg -x` of linux-image-*, depmod'ed), busybox.
 
 The guest (`Vm`): the kernel's uncompressed vmlinux booted directly through its PVH entry
 (Debian's kernels have CONFIG_PVH=y; this skips the xz decompression, slow under TCG), a
 busybox initramfs that insmods virtio_pci, 9pnet_virtio, 9p, virtio-gpu and overlay (busybox
 insmod ignores module options on the kernel command line, so /init passes them), the host's /
 as a read-only 9p root, a tmpfs overlay on /tmp, and one writable 9p work folder at its host
-path. The command runs with that folder as cwd; its exit status comes back on the console as
-MINIVM-RC=N, then the guest powers off. TCG, not KVM: /dev/kvm on the CI machine is kvm_pvm,
-under which stock kernels hang.
+path. The command runs with that folder as cwd, stdin /dev/null, its stdout on the second
+serial port and its stderr on the third (raw ttys: the bytes as written), so they reach the host
+apart from the console; its exit status comes back on the console as MINIVM-RC=N, then the
+guest powers off. KVM only where it runs stock kernels (`default_accel`): /dev/kvm of kvm_pvm
+(a PVM host) hangs them, so TCG there.
 
 Why not virtme-ng: its init spends far longer in udev under TCG than this one takes to reach
 userspace (docs/design.md, Measurements).
@@ -28,11 +30,12 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import IO, List, Optional
 
-REPO = Path(__file__).resolve().parents[2]
-PROVISION_SCRIPT = REPO / "scripts" / "provision-vm.sh"
-VM_VERSION = "qemu-11.1"  # provision-vm.sh's cache folder name
+from apir.errors import ApirError
+
+__all__ = ["NotProvisioned", "Kernel", "Provisioned", "Vm", "cpio", "default_accel", "KERNELS"]
+
 KERNELS = ("bookworm", "trixie")  # 6.1 and 6.12
 MODULES = ("virtio_pci", "9pnet_virtio", "9p", "virtio-gpu", "overlay")
 # kernel command-line options the guest's /init hands to insmod (module -> options)
@@ -54,8 +57,9 @@ WORK=$(cat /work.path)
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 work /newroot$WORK || echo "minivm: 9p work failed"
 mount --bind /proc /newroot/proc; mount --bind /sys /newroot/sys; mount --bind /dev /newroot/dev
 mount -t tmpfs run /newroot/run 2>/dev/null
+stty -F /dev/ttyS1 raw -echo; stty -F /dev/ttyS2 raw -echo
 echo "minivm: userspace at $(cut -d' ' -f1 /proc/uptime) s"
-chroot /newroot /bin/sh -c "cd $WORK && exec /bin/sh $WORK/.minivm-cmd"
+chroot /newroot /bin/sh -c "cd $WORK && exec /bin/sh $WORK/.minivm-cmd" </dev/null >/dev/ttyS1 2>/dev/ttyS2
 echo "MINIVM-RC=$?"
 echo "minivm: done at $(cut -d' ' -f1 /proc/uptime) s"
 sync
@@ -63,38 +67,18 @@ reboot -f
 """
 
 
-class NotProvisioned(RuntimeError):
-    """scripts/provision-vm.sh has not run (or failed); the message says why."""
+class NotProvisioned(ApirError, RuntimeError):
+    """No QEMU and guest kernels where apir looks for them (or provisioning failed); the
+    message says why and what to run."""
 
 
-def cache_dir() -> Path:
-    """provision-vm.sh's folder: $APIR_VM_CACHE, else <user cache>/apir/vm/<VM_VERSION>
-    (<user cache>: $APIR_CACHE_DIR, else $XDG_CACHE_HOME/apir, else ~/.cache/apir)."""
-    if os.environ.get("APIR_VM_CACHE"):
-        return Path(os.environ["APIR_VM_CACHE"])
-    if os.environ.get("APIR_CACHE_DIR"):
-        base = Path(os.environ["APIR_CACHE_DIR"])
-    elif os.environ.get("XDG_CACHE_HOME"):
-        base = Path(os.environ["XDG_CACHE_HOME"]) / "apir"
-    else:
-        base = Path.home() / ".cache" / "apir"
-    return base / "vm" / VM_VERSION
-
-
-def provision() -> Path:
-    """The provisioned cache folder; runs scripts/provision-vm.sh on first use (minutes, root,
-    network). Raises NotProvisioned with the script's last lines when it cannot."""
-    out = cache_dir()
-    if (out / ".complete").exists():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    log = out / "provision.log"
-    with open(log, "w") as fh:
-        done = subprocess.run(["bash", str(PROVISION_SCRIPT), str(out)], stdout=fh, stderr=subprocess.STDOUT)
-    if done.returncode != 0 or not (out / ".complete").exists():
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-        raise NotProvisioned(f"{PROVISION_SCRIPT.name} failed (exit {done.returncode}); log {log}:\n{tail}")
-    return out
+def default_accel() -> str:
+    """ "kvm" where /dev/kvm can be used and is a stock KVM (kvm_intel / kvm_amd), else "tcg"."""
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK) or os.path.exists("/sys/module/kvm_pvm"):
+        return "tcg"
+    if os.path.exists("/sys/module/kvm_intel") or os.path.exists("/sys/module/kvm_amd"):
+        return "kvm"
+    return "tcg"
 
 
 @dataclass
@@ -108,14 +92,17 @@ class Kernel:
     def release(self) -> str:
         return next((self.root / "lib" / "modules").iterdir()).name
 
-    def _locked(self):
+    def _locked(self) -> IO:
         lock = open(self.root.parent / f".{self.suite}.lock", "w")
         fcntl.flock(lock, fcntl.LOCK_EX)
         return lock
 
     def vmlinux(self) -> Path:
-        """The uncompressed ELF kernel, cut out of boot/vmlinuz-* once and cached."""
+        """The uncompressed ELF kernel, cut out of boot/vmlinuz-* once and cached (by
+        provisioning: a user without write access to the cache only reads it)."""
         out = self.root / "vmlinux"
+        if out.exists():
+            return out
         with self._locked():
             if not out.exists():
                 data = (self.root / "boot" / f"vmlinuz-{self.release}").read_bytes()
@@ -127,31 +114,38 @@ class Kernel:
         """The per-kernel part of the initramfs (busybox + MODULES and their dependencies,
         uncompressed, in load order), built once and cached."""
         out = self.root / "minivm-initrd.cpio"
+        if out.exists():
+            return out
         with self._locked():
             if not out.exists():
-                files = {"bin/busybox": (0o100755, busybox.read_bytes())}
-                order = []
-                for mod in MODULES:
-                    deps = subprocess.run(
-                        ["modprobe", "-d", str(self.root), "-S", self.release, "--show-depends", mod],
-                        check=True, capture_output=True, text=True).stdout.splitlines()
-                    for line in deps:
-                        parts = line.split()
-                        if parts[0] != "insmod":
-                            continue  # built in
-                        src = Path(parts[1])
-                        name = src.name[:-3] if src.name.endswith(".xz") else src.name
-                        if name in order:
-                            continue
-                        data = src.read_bytes()
-                        files[f"mods/{name}"] = (0o100644, lzma.decompress(data) if src.name.endswith(".xz") else data)
-                        order.append(name)
-                lines = [f"{n} {MODULE_OPTIONS.get(n[:-3].replace('-', '_'), '')}".rstrip() for n in order]
-                files["modules.order"] = (0o100644, ("\n".join(lines) + "\n").encode())
-                dirs = ["bin", "proc", "sys", "dev", "mods", "newroot"]
-                out.with_suffix(".tmp").write_bytes(cpio(dirs, files))
+                out.with_suffix(".tmp").write_bytes(self._initrd_bytes(busybox))
                 os.replace(out.with_suffix(".tmp"), out)
         return out
+
+    def _initrd_bytes(self, busybox: Path) -> bytes:
+        files = {"bin/busybox": (0o100755, busybox.read_bytes())}
+        order: List[str] = []
+        for mod in MODULES:
+            deps = subprocess.run(
+                ["modprobe", "-d", str(self.root), "-S", self.release, "--show-depends", mod],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.splitlines()
+            for line in deps:
+                parts = line.split()
+                if parts[0] != "insmod":
+                    continue  # built in
+                src = Path(parts[1])
+                name = src.name[:-3] if src.name.endswith(".xz") else src.name
+                if name in order:
+                    continue
+                data = src.read_bytes()
+                files[f"mods/{name}"] = (0o100644, lzma.decompress(data) if src.name.endswith(".xz") else data)
+                order.append(name)
+        lines = [f"{n} {MODULE_OPTIONS.get(n[:-3].replace('-', '_'), '')}".rstrip() for n in order]
+        files["modules.order"] = (0o100644, ("\n".join(lines) + "\n").encode())
+        return cpio(["bin", "proc", "sys", "dev", "mods", "newroot"], files)
 
 
 def _decompress_vmlinux(data: bytes) -> bytes:
@@ -188,7 +182,7 @@ def cpio(dirs: List[str], files: dict) -> bytes:
 
 @dataclass
 class Provisioned:
-    """The cache provision-vm.sh filled."""
+    """The cache `apir vm provision` filled."""
 
     root: Path
 
@@ -211,7 +205,9 @@ class Provisioned:
 class Vm:
     """One guest boot: `start()`, then `wait()`. `socket` is the vhost-user socket of the
     virtio-gpu device (a server must listen there before start); `command` is a /bin/sh line
-    run in the guest with cwd `work`. Console output lands in work/console.log."""
+    run in the guest with cwd `work`. Console output lands in work/console-NAME.log; the
+    command's stdout and stderr on the descriptors `stdout` / `stderr` (QEMU writes them),
+    else in work/NAME.stdout / NAME.stderr. `timeout_s` None: no time limit."""
 
     prov: Provisioned
     kernel: Kernel
@@ -220,8 +216,11 @@ class Vm:
     socket: Optional[Path] = None
     memory: str = "2G"
     smp: int = 2
-    timeout_s: float = 600.0
+    timeout_s: Optional[float] = 600.0
     name: str = "vm"
+    accel: str = "tcg"
+    stdout: Optional[int] = None
+    stderr: Optional[int] = None
     proc: Optional[subprocess.Popen] = field(default=None, repr=False)
     started: float = 0.0
     seconds: float = 0.0
@@ -232,22 +231,30 @@ class Vm:
     def console_path(self) -> Path:
         return self.work / f"console-{self.name}.log"
 
+    def _port(self, fd: Optional[int], suffix: str) -> str:
+        # QEMU opens the descriptor it inherited through its /dev/fd name
+        return f"/dev/fd/{fd}" if fd is not None else str(self.work / f"{self.name}.{suffix}")
+
     def qemu_command(self, initrd: Path) -> List[str]:
         append = "console=ttyS0 panic=-1 quiet loglevel=3 rdinit=/init drm_kms_helper.fbdev_emulation=0"
-        cmd = [str(self.prov.qemu), "-nodefaults", "-nographic", "-no-reboot", "-M", "q35", "-accel", "tcg",
-               "-cpu", "max", "-smp", str(self.smp), "-m", self.memory,
+        cpu = "host" if self.accel == "kvm" else "max"
+        cmd = [str(self.prov.qemu), "-nodefaults", "-nographic", "-no-reboot", "-M", "q35", "-accel", self.accel,
+               "-cpu", cpu, "-smp", str(self.smp), "-m", self.memory,
                # vhost-user needs the guest RAM in a shared file the device can map
                "-object", f"memory-backend-memfd,id=mem,size={self.memory},share=on", "-machine", "memory-backend=mem",
                "-bios", str(self.prov.root / "trixie" / "usr" / "share" / "qemu" / "qboot.rom"),
-               "-serial", "stdio", "-kernel", str(self.kernel.vmlinux()), "-initrd", str(initrd), "-append", append,
+               "-serial", "stdio",
+               "-chardev", f"file,id=out,path={self._port(self.stdout, 'stdout')}", "-serial", "chardev:out",
+               "-chardev", f"file,id=err,path={self._port(self.stderr, 'stderr')}", "-serial", "chardev:err",
+               "-kernel", str(self.kernel.vmlinux()), "-initrd", str(initrd), "-append", append,
                "-fsdev", "local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap",
                "-device", "virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot",
                "-fsdev", f"local,id=work,path={self.work},security_model=none,multidevs=remap",
-               "-device", "virtio-9p-pci,fsdev=work,mount_tag=work"]
+               "-device", "virtio-9p-pci,fsdev=work,mount_tag=work"]  # fmt: skip
         if self.socket is not None:
             # the generic vhost-user device as virtio-gpu (id 16): controlq + cursorq, 16-byte config
-            cmd += ["-chardev", f"socket,id=vgpu,path={self.socket}",
-                    "-device", "vhost-user-test-device-pci,chardev=vgpu,virtio-id=16,num_vqs=2,config_size=16"]
+            device = "vhost-user-test-device-pci,chardev=vgpu,virtio-id=16,num_vqs=2,config_size=16"
+            cmd += ["-chardev", f"socket,id=vgpu,path={self.socket}", "-device", device]
         return cmd
 
     def start(self) -> "Vm":
@@ -262,17 +269,27 @@ class Vm:
         self._initrd = Path(initrd)
         self._console = open(self.console_path, "wb")
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(self.qemu_command(self._initrd), stdin=subprocess.DEVNULL,
-                                     stdout=self._console, stderr=subprocess.STDOUT, start_new_session=True)
+        fds = tuple(fd for fd in (self.stdout, self.stderr) if fd is not None)
+        self.proc = subprocess.Popen(
+            self.qemu_command(self._initrd),
+            stdin=subprocess.DEVNULL,
+            stdout=self._console,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            pass_fds=fds,
+        )
         return self
 
     def wait(self) -> "Vm":
         """Waits for the guest to power off (kills QEMU at timeout_s after start); sets
         console, rc (the command's status, None when it never reported) and seconds."""
         assert self.proc is not None
+        timeout = None if self.timeout_s is None else max(1.0, self.timeout_s - (time.monotonic() - self.started))
+        timed_out = False
         try:
-            self.proc.wait(timeout=max(1.0, self.timeout_s - (time.monotonic() - self.started)))
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            timed_out = True
             self.proc.kill()
             self.proc.wait()
         self.seconds = time.monotonic() - self.started
@@ -282,13 +299,17 @@ class Vm:
         for line in self.console.splitlines():
             if line.startswith("MINIVM-RC="):
                 self.rc = int(line.split("=", 1)[1])
-        if self.proc.returncode == -9:
+        if timed_out:
             self.console += f"\nminivm: killed at the {self.timeout_s:.0f} s timeout\n"
         return self
 
     def kill(self) -> None:
+        """Kills QEMU (if running) and reaps it."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
+            self.proc.wait()
+        if getattr(self, "_initrd", None) is not None:
+            self._initrd.unlink(missing_ok=True)
 
     def boot_seconds(self) -> Optional[float]:
         """Guest uptime when /init reached the command (from the console)."""
