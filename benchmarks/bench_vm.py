@@ -7,7 +7,7 @@ Measures, both ways:
                  allocation, inputs, compute, output): median of --repeats, after a warm-up
 and prints VM / embedded ratios. Under TCG the guest CPU is emulated, so absolute VM figures
 mean little; the ratio says what the virtualized path costs here. Both sides run with the
-guest's Numba settings (NUMBA_CPU_NAME=generic). Needs scripts/provision-vm.sh's cache.
+guest's Numba settings (NUMBA_CPU_NAME=generic). Needs `apir vm provision`'s cache.
 
     PYTHONPATH=. python benchmarks/bench_vm.py [--kernel bookworm|trixie] [--calls N]
                                                [--batch-size N] [--repeats N] [--json]
@@ -96,10 +96,11 @@ def main(argv=None) -> int:
         Path(args.out).write_text(json.dumps(res))
         return 0
 
-    from tests.vm import machine
-    from tests.vm.session import Device, guest_env
+    from apir.vm import machine, provision
+    from apir.vm.host import VhostUserHost
+    from tests.vm.session import guest_env
 
-    prov = machine.Provisioned(machine.provision())
+    prov = provision.find()
     kernel = prov.kernel(args.kernel)
     with tempfile.TemporaryDirectory(prefix="apir-bench-vm-") as tmp:
         work = Path(tmp)
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
                        + sizes, check=True, env=dict(os.environ, **env), cwd=ROOT)
         command = (" ".join(f"{k}={v}" for k, v in env.items()) + f" {sys.executable} {__file__} --measure drm"
                    f" --out {work}/vm.json {' '.join(sizes)} > {work}/guest.log 2>&1")
-        device = Device(work / "vgpu.sock", work / "device.log").start()
+        device = VhostUserHost([work / "vgpu.sock"], work / "device.log").start()
         try:
             vm = machine.Vm(prov, kernel, work, command, socket=device.socket, timeout_s=1200, name="bench").start()
             vm.wait()

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from apir.vm import machine, provision
+from tests.cref import REPO
 from tests.prereq import missing
-from tests.vm import machine
 from tests.vm.session import C_GUEST_OPS, GUEST_PROGRAM, GuestSession, guest_env, run_guest
 
 SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.", "The sky is blue today."]
@@ -35,16 +36,19 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(scope="session")
 def provisioned() -> machine.Provisioned:
-    """scripts/provision-vm.sh's cache, provisioned on first use."""
-    if not (machine.cache_dir() / ".complete").exists():
+    """`apir vm provision`'s cache, provisioned on first use."""
+    out = provision.cache_dir()
+    if not (out / ".complete").exists():
         if os.geteuid() != 0 or not shutil.which("debootstrap"):
-            missing(f"no VM provisioned in {machine.cache_dir()} and provisioning needs root and debootstrap "
-                    "(run scripts/provision-vm.sh)")
+            missing(f"no VM provisioned in {out} and provisioning needs root and debootstrap "
+                    f"(run `{provision.provision_command(out)}`)")
+        out.mkdir(parents=True, exist_ok=True)
         try:
-            machine.provision()
+            with open(out / "provision.log", "w") as log:
+                provision.provision(out, log=log)
         except machine.NotProvisioned as exc:
             missing(str(exc))
-    return machine.Provisioned(machine.cache_dir())
+    return provision.find(out)
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +73,7 @@ def embedded_embeddings(vm_work):
     work = vm_work / "embedded"
     work.mkdir()
     p = subprocess.run([sys.executable, "-m", "apir", "embed", "--json", *SENTENCES], capture_output=True, text=True,
-                       env=dict(os.environ, **guest_env(vm_work)), cwd=machine.REPO, timeout=600)
+                       env=dict(os.environ, **guest_env(vm_work)), cwd=REPO, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     warm = subprocess.run([sys.executable, str(GUEST_PROGRAM), str(work / "warm.json"), "client", "backend"],
                           capture_output=True, text=True, cwd=work, timeout=600,

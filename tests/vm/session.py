@@ -1,20 +1,21 @@
-"""Host-side pieces of a guest session shared by tests/vm's fixtures: the device process
-(`apir host vhost-user`), the guest's environment, one boot running guest_program.py's checks."""
+"""Host-side pieces of a guest session shared by tests/vm's fixtures: the guest's environment,
+one boot running guest_program.py's checks. The VM and the device process are apir's own
+(apir.vm.machine, apir.vm.host: what `apir vm run` runs)."""
 
 from __future__ import annotations
 
 import json
 import shlex
-import os
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
 
-from tests.vm import machine
+from apir.vm import machine
+from apir.vm.host import VhostUserHost
+from tests.cref import REPO
 
 GUEST_PROGRAM = Path(__file__).with_name("guest_program.py")
 # ggml's C guest in the VM (tests/vm/test_c_guest.py): [op, test-backend-ops -p regex], 54 cases
@@ -30,55 +31,11 @@ C_GUEST_OPS = [
 ]
 
 
-def device_command(socket: Path, args=()) -> list:
-    """apir's virtio-gpu device over vhost-user on `socket` (apir/host/vhost_user), with the
-    further `apir host vhost-user` options `args` (--config KEY=VALUE, ...)."""
-    return [sys.executable, "-m", "apir", "host", "vhost-user", "--socket", str(socket), *args]
-
-
 def guest_env(work: Path) -> Dict[str, str]:
     """Environment of Python in the guest (and of the host run that warms its Numba cache):
     this clone's apir, Numba's cache in the writable work folder compiled for a generic CPU
     (the guest's TCG CPU is not the host's)."""
-    return {"PYTHONPATH": str(machine.REPO), "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(work / "numba")}
-
-
-@dataclass
-class Device:
-    """One device process serving `socket` (with the options `args`); its output goes to `log`."""
-
-    socket: Path
-    log: Path
-    args: tuple = ()
-    proc: Optional[subprocess.Popen] = field(default=None, repr=False)
-
-    def start(self, env=None) -> "Device":
-        self.socket.unlink(missing_ok=True)
-        with open(self.log, "wb") as fh:
-            self.proc = subprocess.Popen(device_command(self.socket, self.args), stdout=fh, stderr=subprocess.STDOUT,
-                                         env=dict(os.environ, PYTHONPATH=str(machine.REPO), **(env or {})),
-                                         start_new_session=True, cwd=machine.REPO)
-        deadline = time.monotonic() + 60
-        while not self.socket.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"device did not listen on {self.socket}:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.05)
-        return self
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-        if self.proc is not None:
-            self.proc.wait()
-
-    def stop(self, timeout_s: float = 10) -> None:
-        """The device exits when QEMU closes the socket; kill it if it does not."""
-        if self.proc is None:
-            return
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
+    return {"PYTHONPATH": str(REPO), "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(work / "numba")}
 
 
 @dataclass
@@ -111,7 +68,7 @@ def run_guest(prov, kernel, work: Path, checks, *, kill_device: bool, name: str 
     out = work / "guest.json"
     command = (" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
                + f" {sys.executable} {GUEST_PROGRAM} {out} {' '.join(checks)} > {work}/guest.log 2>&1")
-    device = Device(work / "vgpu.sock", work / "device.log").start()
+    device = VhostUserHost([work / "vgpu.sock"], work / "device.log").start()
     vm = machine.Vm(prov, kernel, work, command, socket=device.socket, timeout_s=timeout_s, name=name)
     killed = []
 

@@ -7,7 +7,7 @@ the N_PREDICT greedy tokens must be those of the same program on local ggml CPU 
 build (tests/llama/runner.py's local run), with no host refusal or failure in the device's log.
 
 The guest runs the host's binaries, libraries and model through the VM's read-only 9p root
-(tests/vm/machine.py), so what runs in the VM is byte for byte what ran locally.
+(apir/vm/machine.py), so what runs in the VM is byte for byte what ran locally.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import pytest
 
 from tests.llama.conftest import llama_paths, smollm2  # noqa: F401 - fixtures of tests/llama
 from tests.llama.runner import HOST_ERROR, generate, local_env, parse_tokens, tokens_command
-from tests.vm import machine
-from tests.vm.session import Device, GuestSession
+from apir.vm import machine
+from apir.vm.host import VhostUserHost
+from tests.vm.session import GuestSession
 
 pytestmark = [pytest.mark.vm, pytest.mark.llama]
 
@@ -50,7 +51,7 @@ def llama_in_vm(provisioned, vm_kernel, vm_work, llama_paths, smollm2) -> GuestS
     argv = tokens_command(llama_paths, smollm2, PROMPT, N_PREDICT, threads=1)
     command = (f"LD_LIBRARY_PATH={shlex.quote(llama_paths['GGML_LIB_DIR'])} "
                f"{' '.join(shlex.quote(a) for a in argv)} > {work}/tokens.out 2> {work}/tokens.err")
-    device = Device(work / "vgpu.sock", work / "device.log", args=DEVICE_ARGS).start(
+    device = VhostUserHost([work / "vgpu.sock"], work / "device.log", args=DEVICE_ARGS).start(
         env={"APIR_GGML_LIB_DIR": llama_paths["GGML_LIB_DIR"], "APIR_GGML_INCLUDE_DIR": llama_paths["GGML_INCLUDE"]})
     vm = machine.Vm(provisioned, vm_kernel, work, command, socket=device.socket, timeout_s=900,
                     name=f"llama-{vm_kernel.suite}")

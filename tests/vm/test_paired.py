@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.vm import machine
+from apir.vm import machine
+from tests.cref import REPO
 from tests.vm.session import GUEST_PROGRAM, GuestSession, guest_env
 
 pytestmark = pytest.mark.vm
@@ -42,7 +43,7 @@ def paired(provisioned, vm_kernel, vm_work, embedded_embeddings):
     host_log = open(root / "host.log", "wb")
     host = subprocess.Popen([sys.executable, str(PAIRED_HOST), str(status_path)]
                             + [f"{r}={sockets[r]}" for r in "ab"], stdout=host_log, stderr=subprocess.STDOUT,
-                            cwd=machine.REPO, env=dict(os.environ, PYTHONPATH=str(machine.REPO)))
+                            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
     vms = {}
     events, counts = {}, {"samples_both_computing": 0}
     t0 = time.monotonic()
