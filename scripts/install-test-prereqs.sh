@@ -5,7 +5,7 @@ set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 # The C reference build (scripts/build-c-reference.sh) needs a C++ toolchain, CMake, Ninja, bc
 # and libdrm; python3-venv gives Debian's python3 its venv module. The VM tests' provisioning
-# (scripts/provision-vm.sh) needs debootstrap, busybox-static, kmod (depmod, modprobe), xz, zstd.
+# (apir/vm/provision-vm.sh, run by `apir vm provision`) needs debootstrap, busybox-static, kmod (depmod, modprobe), xz, zstd.
 packages=(build-essential cmake ninja-build bc pkg-config libdrm-dev python3-venv
     debootstrap busybox-static kmod xz-utils zstd)
 # ggml's Vulkan build (scripts/build-ggml-backends.sh): glslc, SPIR-V headers and the Vulkan
