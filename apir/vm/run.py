@@ -153,9 +153,12 @@ def run(argv: Sequence[str], opts: RunOptions, stdout: BinaryIO, stderr: BinaryI
         for vm in vms:
             if vm.rc is None:
                 tail = "\n".join(vm.console.splitlines()[-20:])
-                raise VmFailed(f"{vm.name} ended without the program's exit status (QEMU exit "
-                               f"{vm.proc.returncode if vm.proc else None}); its console ends:\n{tail}\n"
-                               f"the host's log ends:\n{host.log_tail()}")  # fmt: skip
+                stderr.write(f"--- {vm.name}'s console ends:\n{tail}\n--- the host's log ends:\n"
+                             f"{host.log_tail()}\n".encode())  # fmt: skip
+                stderr.flush()
+                code = vm.proc.returncode if vm.proc else None
+                raise VmFailed(f"{vm.name} ended without the program's exit status (QEMU exit {code}; above: "
+                               "the end of its console and of the host's log)")  # fmt: skip
             status = status or vm.rc
         return status
     finally:

@@ -139,3 +139,14 @@ def test_relay_without_a_label_copies_bytes_as_they_are(tmp_path):
     relay.join()
     out.close()
     assert (tmp_path / "out").read_bytes() == b"a\r\nb\x00c"
+
+
+@pytest.mark.vm
+def test_a_vm_ending_without_the_programs_status_is_an_error_naming_its_console(provisioned):
+    run = subprocess.run(apir("vm", "run", "--timeout", "5", "--", "sleep", "600"), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 1
+    assert run.stderr.endswith("apir: error: vm1 ended without the program's exit status (QEMU exit -9; above: "
+                               "the end of its console and of the host's log)\n"), run.stderr
+    assert "--- vm1's console ends:\n" in run.stderr and "minivm: killed at the 5 s timeout" in run.stderr
+    assert "--- the host's log ends:\napir: virtio-gpu vhost-user device on " in run.stderr
