@@ -32,6 +32,9 @@ __all__ = ["RunOptions", "run", "guest_script", "Relay", "VmFailed", "exit_on_te
 
 # host variables meaningless (or wrong) in the guest's shell
 _NOT_EXPORTED = {"PWD", "OLDPWD", "SHLVL", "_"}
+# Set in the guest unless the host's environment sets them: Numba (apir's kernels) caches what it
+# compiles beside the sources or under ~, read-only in the guest, and fails without a cache.
+GUEST_DEFAULTS = {"NUMBA_CACHE_DIR": "/tmp/numba-cache"}
 
 
 class VmFailed(ApirError, RuntimeError):
@@ -128,7 +131,7 @@ def run(argv: Sequence[str], opts: RunOptions, stdout: BinaryIO, stderr: BinaryI
         host.start()
         lock = threading.Lock()
         for name, sock in zip(names, host.sockets):
-            env = dict(os.environ, APIR_VM_NAME=name)
+            env = dict(GUEST_DEFAULTS, **os.environ, APIR_VM_NAME=name)
             label = f"[{name}] ".encode() if opts.vms > 1 else b""
             pipes = [os.pipe(), os.pipe()]  # (read, write) of stdout, of stderr
             try:
