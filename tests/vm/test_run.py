@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from apir.vm.run import Relay
+from apir.vm.run import Relay, guest_script
 from tests.cref import REPO
 from tests.llama.conftest import llama_paths, smollm2  # noqa: F401 - fixtures of tests/llama
 
@@ -150,3 +150,15 @@ def test_a_vm_ending_without_the_programs_status_is_an_error_naming_its_console(
                                "the end of its console and of the host's log)\n"), run.stderr
     assert "--- vm1's console ends:\n" in run.stderr and "minivm: killed at the 5 s timeout" in run.stderr
     assert "--- the host's log ends:\napir: virtio-gpu vhost-user device on " in run.stderr
+
+
+def test_the_guest_script_exports_the_environment_enters_the_folder_and_execs_the_program(tmp_path):
+    script = guest_script(["printf", "%s|", "a b", "it's", "$HOME"], {"X": "1 2", "PWD": "/elsewhere", "A-B": "no"},
+                          "/work dir")
+    assert script.splitlines() == ["export X='1 2'", "cd '/work dir' || exit 125",
+                                   """exec printf '%s|' 'a b' 'it'"'"'s' '$HOME'"""]
+    # what /bin/sh makes of it
+    (tmp_path / "work dir").mkdir()
+    run = subprocess.run(["sh", "-c", script.replace("/work dir", str(tmp_path / "work dir"))], capture_output=True,
+                         text=True)
+    assert run.stdout == "a b|it's|$HOME|"
