@@ -65,3 +65,33 @@ def test_a_whole_ack_is_taken():
     finally:
         channel.close()
         qemu.close()
+
+
+def test_a_front_end_that_left_is_told_from_one_that_misbehaves():
+    # QEMU powering off closes the channel with unmaps still queued: the device logs those at
+    # info (the mappings went with the front-end), a broken ack stays an error
+    ours, qemu = socket.socketpair()
+    channel = BackendChannel(ours, timeout_s=5)
+    qemu.close()
+    try:
+        (error,) = _ask(channel)
+        assert isinstance(error, BackendError) and error.peer_gone
+        with pytest.raises(BackendError, match="failed earlier") as again:
+            channel.shmem_unmap(1, 0, 4096)
+        assert again.value.peer_gone
+    finally:
+        channel.close()
+    ours, qemu = socket.socketpair()
+    channel = BackendChannel(ours, timeout_s=5)
+
+    def answer():
+        qemu.recv(4096)
+        qemu.send(vu.HEADER.pack(vu.BackendRequest.SHMEM_MAP, vu.FLAG_VERSION | vu.FLAG_REPLY, 8) + vu.U64.pack(0))
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        (error,) = _ask(channel)  # an ack for another request: misbehaving, not gone
+        assert isinstance(error, BackendError) and not error.peer_gone
+    finally:
+        channel.close()
+        qemu.close()

@@ -26,6 +26,7 @@ from apir.host.vhost_user.protocol import (
     SHMEM_MAP,
     U64,
     BackendRequest,
+    PeerClosed,
     ProtocolError,
     recv_message,
     send_message,
@@ -40,7 +41,13 @@ SHMEM_MAP_RW = 1  # VHOST_USER_FLAG_MAP_RW: the guest may read and write the map
 
 
 class BackendError(ApirError):
-    """A back-end request that failed: no channel, no ack in time, a refusal, a closed peer."""
+    """A back-end request that failed: no channel, no ack in time, a refusal, a closed peer.
+    `peer_gone`: the front-end closed the channel (it is going away: what it mapped goes with
+    it), rather than misbehaving."""
+
+    def __init__(self, message: str, peer_gone: bool = False):
+        super().__init__(message)
+        self.peer_gone = peer_gone
 
 
 class BackendChannel:
@@ -52,6 +59,7 @@ class BackendChannel:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._broken = False
+        self._peer_gone = False
 
     def shmem_map(self, shmid: int, fd: int, fd_offset: int, shm_offset: int, length: int) -> None:
         """Maps `length` bytes at `fd_offset` of `fd` at `shm_offset` of region `shmid`,
@@ -66,7 +74,7 @@ class BackendChannel:
     def _request(self, request: int, payload: bytes, fd: Optional[int]) -> None:
         with self._lock:
             if self._broken:
-                raise BackendError("the back-end channel failed earlier")
+                raise BackendError("the back-end channel failed earlier", peer_gone=self._peer_gone)
             try:
                 send_message(self.sock, request, FLAG_NEED_REPLY, payload, () if fd is None else (fd,))
                 reply = recv_message(self.sock, deadline=time.monotonic() + self.timeout_s)
@@ -74,7 +82,8 @@ class BackendChannel:
             except (OSError, ProtocolError) as exc:
                 # A late ack would be taken for the next request's: the channel is done.
                 self._broken = True
-                raise BackendError(f"back-end request {request}: {exc}") from None
+                self._peer_gone = isinstance(exc, (ConnectionResetError, BrokenPipeError, PeerClosed))
+                raise BackendError(f"back-end request {request}: {exc}", peer_gone=self._peer_gone) from None
             if reply.request != request or not reply.flags & FLAG_REPLY or len(reply.payload) < U64.size:
                 self._broken = True
                 raise BackendError(f"back-end request {request}: unexpected answer (request {reply.request})")

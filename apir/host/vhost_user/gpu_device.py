@@ -546,7 +546,10 @@ class GpuDevice:
         try:
             self.backend.shmem_unmap(VIRTIO_GPU_SHM_ID_HOST_VISIBLE, offset, _page_round(blob.size))
         except BackendError as exc:
-            log.error("SHMEM_UNMAP of resource %d: %s", blob.res_id, exc)
+            # (a front-end that left took its mappings with it: nothing went wrong here)
+            log.log(
+                logging.INFO if exc.peer_gone else logging.ERROR, "SHMEM_UNMAP of resource %d: %s", blob.res_id, exc
+            )
             return False
         return True
 
