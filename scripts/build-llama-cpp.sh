@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/build-llama-cpp.sh SDIST OUTDIR
+# scripts/build-llama-cpp.sh [--extensions] SDIST OUTDIR
 #
 # llama.cpp with ggml 0.25 from the llama-cpp-python==0.3.36 sdist (vendor/llama.cpp), built
 # once for three uses:
@@ -33,10 +33,23 @@
 # ggml 0.25, and tools that run on llama.cpp's own Vulkan device locally (-dev Vulkan0) or on
 # the virtgpu device through apir (-dev Virtgpu... or GGML_VK_VISIBLE_DEVICES=""). Its
 # paths.env adds LIBGGML_VULKAN. tests/llama/build.py build_vulkan() drives it.
+#
+# Extended C guest variant (--extensions, or APIR_LLAMA_EXTENSIONS=1): patches/
+# ggml-virtgpu-extensions.patch (apir's extensions in ggml-virtgpu, docs/llama.md) applied to a
+# copy of the tree, OUTDIR/src-extensions (hard links but for ggml-virtgpu, so the unpatched
+# tree stays as is), built into OUTDIR/build-extensions. Only libggml-virtgpu (and the
+# libggml-base it links) by default, a minute or two: the main build's tools and libllama load
+# it when its bin folder (GGML_LIB_DIR of build-extensions/paths.env) comes first in
+# LD_LIBRARY_PATH (the main build's rpath is a RUNPATH). APIR_LLAMA_TARGETS builds more.
 set -euo pipefail
 
+EXTENSIONS=${APIR_LLAMA_EXTENSIONS:-}
+if [ "${1:-}" = "--extensions" ]; then
+    EXTENSIONS=1
+    shift
+fi
 if [ $# -ne 2 ]; then
-    echo "usage: $0 SDIST.tar.gz OUTDIR" >&2
+    echo "usage: $0 [--extensions] SDIST.tar.gz OUTDIR" >&2
     exit 2
 fi
 SDIST=$(realpath "$1")
@@ -69,7 +82,7 @@ pkg-config --exists libdrm || { echo "libdrm (pkg-config libdrm) not found: apt-
 SRC="$OUT/src"
 SUM=$(sha256sum "$SDIST" | cut -c1-16)
 if [ ! -f "$SRC/.extracted-$SUM" ]; then
-    rm -rf "$SRC" "$OUT/build" "$OUT/build-vulkan"
+    rm -rf "$SRC" "$OUT/build" "$OUT/build-vulkan" "$OUT/build-extensions" "$OUT/src-extensions"
     mkdir -p "$SRC"
     tar -xzf "$SDIST" -C "$SRC" --strip-components=1
     touch "$SRC/.extracted-$SUM"
@@ -77,6 +90,30 @@ fi
 LLAMA="$SRC/vendor/llama.cpp"
 GGML="$LLAMA/ggml"
 [ -f "$GGML/src/ggml-virtgpu/CMakeLists.txt" ] || { echo "no vendor/llama.cpp/ggml/src/ggml-virtgpu in $SDIST" >&2; exit 1; }
+
+# --- 1b. the extended C guest: a patched copy of the tree --------------------------------
+if [ -n "$EXTENSIONS" ]; then
+    [ -z "$VULKAN_INCLUDE" ] || { echo "--extensions and APIR_LLAMA_VULKAN_INCLUDE: one at a time" >&2; exit 2; }
+    need patch
+    PATCH=$(dirname "$(realpath "$0")")/../patches/ggml-virtgpu-extensions.patch
+    PATCH_SUM=$(sha256sum "$PATCH" | cut -c1-16)
+    EXT_LLAMA="$OUT/src-extensions/llama.cpp"
+    if [ ! -f "$EXT_LLAMA/.patched-$PATCH_SUM" ]; then
+        rm -rf "$OUT/src-extensions"
+        mkdir -p "$OUT/src-extensions"
+        cp -al "$LLAMA" "$EXT_LLAMA"
+        # a real copy of what the patch changes (patching through a hard link would change the
+        # original), with new times, so that ninja rebuilds it after a change of the patch
+        rm -rf "$EXT_LLAMA/ggml/src/ggml-virtgpu"
+        cp -r "$LLAMA/ggml/src/ggml-virtgpu" "$EXT_LLAMA/ggml/src/"
+        patch -p1 --forward --quiet -d "$EXT_LLAMA" < "$PATCH"
+        touch "$EXT_LLAMA/.patched-$PATCH_SUM"
+    fi
+    LLAMA=$EXT_LLAMA
+    GGML="$LLAMA/ggml"
+    BUILD="$OUT/build-extensions"
+    TARGETS=${APIR_LLAMA_TARGETS:-"ggml-virtgpu"}
+fi
 
 # --- 2./3. the venus_hw.h download -> stub, and a virtgpu_drm.h new enough (scripts/lib) ----
 OFFLINE_CMAKE=$(llama_offline_venus_cmake "$OUT/cmake")

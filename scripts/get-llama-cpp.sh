@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/get-llama-cpp.sh [cpu|vulkan|python|model]
+# scripts/get-llama-cpp.sh [cpu|vulkan|extensions|python|model]
 #
 # llama.cpp as apir's guest, built once into apir's cache and printed as KEY=VALUE lines
 # (docs/llama.md): what a user runs, and what tests/llama/build.py, build_python.py and .ci/run
@@ -11,6 +11,9 @@
 #   vulkan         the same tree with GGML_VULKAN=ON as well (build-vulkan/paths.env); needs
 #                  APIR_LLAMA_VULKAN_INCLUDE (a folder with vulkan/vulkan.h 1.3.290+, e.g.
 #                  scripts/build-ggml-backends.sh's <out>/vulkan-headers/usr/include)
+#   extensions     the cpu build, then its extended C guest (build-llama-cpp.sh --extensions:
+#                  patches/ggml-virtgpu-extensions.patch, a minute or two): prints
+#                  build-extensions/paths.env, whose GGML_LIB_DIR goes first in LD_LIBRARY_PATH
 #   python         scripts/build-llama-cpp-python.sh: a llama-cpp-python wheel with
 #                  GGML_VIRTGPU=ON in a venv of its own, CACHE/llama-cpp-python/0.3.36
 #   model          the model only
@@ -22,7 +25,7 @@
 set -euo pipefail
 
 WHAT=${1:-cpu}
-case "$WHAT" in cpu|vulkan|python|model) ;; *) echo "usage: $0 [cpu|vulkan|python|model]" >&2; exit 2;; esac
+case "$WHAT" in cpu|vulkan|extensions|python|model) ;; *) echo "usage: $0 [cpu|vulkan|extensions|python|model]" >&2; exit 2;; esac
 HERE=$(dirname "$(realpath "$0")")
 if [ -n "${APIR_CACHE_DIR:-}" ]; then CACHE=$APIR_CACHE_DIR
 elif [ -n "${XDG_CACHE_HOME:-}" ]; then CACHE=$XDG_CACHE_HOME/apir
@@ -82,6 +85,12 @@ case "$WHAT" in
             echo "vulkan: set APIR_LLAMA_VULKAN_INCLUDE to a folder with vulkan/vulkan.h 1.3.290 or newer" \
                 "(scripts/build-ggml-backends.sh's <out>/vulkan-headers/usr/include)" >&2; exit 2; }
         build "$TREE" .complete-vulkan "$TREE/build-vulkan.log" "$TREE/build-vulkan/paths.env" "$HERE/build-llama-cpp.sh" ;;
+    extensions)
+        build "$TREE" .complete "$TREE/build.log" "$TREE/build/paths.env" "$HERE/build-llama-cpp.sh" > /dev/null
+        # the marker names the patch, so that a changed patch is built again
+        sum=$(sha256sum "$HERE/../patches/ggml-virtgpu-extensions.patch" | cut -c1-16)
+        APIR_LLAMA_EXTENSIONS=1 build "$TREE" ".complete-extensions-$sum" "$TREE/build-extensions.log" \
+            "$TREE/build-extensions/paths.env" "$HERE/build-llama-cpp.sh" ;;
     python)
         PYTREE=$CACHE/llama-cpp-python/$VERSION
         build "$PYTREE" .complete "$PYTREE/build.log" "$PYTREE/paths.env" "$HERE/build-llama-cpp-python.sh" ;;
