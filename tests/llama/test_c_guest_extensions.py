@@ -1,0 +1,196 @@
+"""llama.cpp with the extended C guest (patches/ggml-virtgpu-extensions.patch, built by
+scripts/build-llama-cpp.sh --extensions): SmolLM2-135M generates the same 64 greedy tokens
+through apir's host as the unpatched C guest and as local ggml CPU; its ext_query,
+graph_compute_keep and graph_recompute carry the bytes of docs/protocol.md section 12; a decode
+token's graph crosses once and is then recomputed by id, in as many round trips as before;
+against a host with the extensions off, or with APIR_EXTENSIONS=off, it sends what the
+unpatched guest sends.
+
+The host records every command's bytes (tests/llama/record_host.py). The guests use the APIR
+capset (GGML_REMOTING_USE_APIR_CAPSET), so command types are the spec's, not Venus-shifted."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+import pytest
+
+from apir.codec.constants import (
+    APIR_BACKEND_FORWARD_INDEX_INVALID,
+    ApirBackendCommandType as Cmd,
+    ApirCommandType,
+    ApirExtension,
+    ApirExtensionCommandType as X,
+    ApirForwardReturnCode,
+)
+from tests.interop.harness import REPO, c_build_env
+from tests.llama.runner import HOST_ERROR, Generation, apir_env, generate, local_env
+from tests.llama.test_generate import LOGITS_ATOL
+
+PROMPT = "The capital of France is"
+BASE = ApirForwardReturnCode.BASE_INDEX
+GRAPH_FUNCTIONS = (Cmd.BACKEND_GRAPH_COMPUTE, X.GRAPH_COMPUTE_KEEP, X.GRAPH_RECOMPUTE)
+
+
+@dataclass
+class Forward:
+    function: int
+    command: bytes
+    rc: int
+    reply: bytes
+
+
+class RecordingHost:
+    """`python -m tests.llama.record_host` on the build's ggml, as a context manager."""
+
+    def __init__(self, paths: Dict[str, str], workdir: Path, config: Dict[str, str]):
+        self.socket, self.out, self.log_path = workdir / "apir.sock", workdir / "record.json", workdir / "host.log"
+        config = {"apir.host.n_threads": "1", "apir.host.device_type": "gpu", **config}
+        cmd = [sys.executable, "-m", "tests.llama.record_host", "--socket", str(self.socket), "--out", str(self.out),
+               *[arg for k, v in config.items() for arg in ("--config", f"{k}={v}")]]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=c_build_env(paths), cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            self.stop()
+            raise RuntimeError(f"recording host did not start: {self.log_path.read_text()}")
+
+    def stop(self) -> List[Forward]:
+        """Stops the host; its Forward commands in order."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+        self._log.close()
+        forwards = []
+        for r in json.loads(self.out.read_text()) if self.out.exists() else []:
+            cmd = bytes.fromhex(r["command"])
+            cmd_type, flags, _ = struct.unpack_from("<III", cmd)
+            if cmd_type == ApirCommandType.FORWARD:
+                forwards.append(Forward(flags, cmd, r["rc"], bytes.fromhex(r["reply"])))
+        return forwards
+
+    @property
+    def errors(self) -> List[str]:
+        return [line for line in self.log_path.read_text().splitlines() if HOST_ERROR.search(line)]
+
+
+@dataclass
+class Run:
+    gen: Generation
+    forwards: List[Forward]
+
+
+def _through_apir(paths, model, workdir: Path, guest_lib_dir: Optional[str] = None,
+                  host_config: Optional[Dict[str, str]] = None, **kw) -> Run:
+    workdir.mkdir()
+    host = RecordingHost(paths, workdir, host_config or {})
+    try:
+        env = apir_env(paths, host.socket)
+        env["GGML_REMOTING_USE_APIR_CAPSET"] = "1"
+        if guest_lib_dir:  # the extended libggml-virtgpu before the main build's
+            env["LD_LIBRARY_PATH"] = f"{guest_lib_dir}:{env['LD_LIBRARY_PATH']}"
+        gen = generate(paths, model, PROMPT, env, **kw)
+    finally:
+        forwards = host.stop()
+    assert host.errors == [], "the host refused or failed commands"
+    assert "[virtgpu] CPU" in gen.stderr
+    return Run(gen, forwards)
+
+
+def per_decode_token(forwards: List[Forward]) -> dict:
+    """Round trips (Forward commands) and graph bytes (in the command's blob) per decode token:
+    from after the prompt's graph to the last graph, over the graphs in between."""
+    graphs = [i for i, f in enumerate(forwards) if f.function in GRAPH_FUNCTIONS]
+    decode = forwards[graphs[0] + 1: graphs[-1] + 1]
+    tokens = len(graphs) - 1
+    graph_bytes = sum(graph_size(f) for f in decode if f.function != X.GRAPH_RECOMPUTE)
+    return {"tokens": tokens, "round_trips": len(decode) / tokens, "graph_bytes": graph_bytes / tokens,
+            "graph_bytes_total": graph_bytes}
+
+
+def graph_size(f: Forward) -> int:
+    """The graph's size argument: after res_id (graph_compute), after graph_id + res_id (keep)."""
+    return struct.unpack_from("<Q", f.command, 16 if f.function == Cmd.BACKEND_GRAPH_COMPUTE else 24)[0]
+
+
+@pytest.fixture(scope="module")
+def local(llama_paths, smollm2, tmp_path_factory) -> Generation:
+    logits = tmp_path_factory.mktemp("local") / "local.f32"
+    return generate(llama_paths, smollm2, PROMPT, local_env(llama_paths), logits_file=logits)
+
+
+@pytest.fixture(scope="module")
+def unpatched(llama_paths, smollm2, tmp_path_factory) -> Run:
+    return _through_apir(llama_paths, smollm2, tmp_path_factory.mktemp("x") / "unpatched")
+
+
+def test_extended_guest_same_tokens_and_replayed_graphs(llama_paths, extended_guest_paths, smollm2, local,
+                                                        unpatched, tmp_path):
+    run = _through_apir(llama_paths, smollm2, tmp_path / "extended", extended_guest_paths["GGML_LIB_DIR"],
+                        logits_file=tmp_path / "extended.f32")
+    assert len(local.generated) == 64
+    assert unpatched.gen.generated == local.generated
+    assert run.gen.generated == local.generated, (local.text, run.gen.text)
+    assert np.abs(run.gen.logits - local.logits).max() <= LOGITS_ATOL
+
+    # negotiation: docs/protocol.md 12.2's example with GRAPH_REPLAY alone, right after LoadLibrary
+    query = run.forwards[0]
+    reply_res = query.command[8:12]
+    assert query.command == bytes.fromhex("02000000" "00010000") + reply_res + bytes.fromhex("02000000")
+    assert query.rc == BASE and query.reply[:4] == struct.pack("<I", ApirExtension.GRAPH_REPLAY)
+    assert sum(f.function == X.EXT_QUERY for f in run.forwards) == 1
+
+    # replay: no 0.2 graph_compute, a keep for each new graph, recomputes of kept ids only
+    functions = [f.function for f in run.forwards]
+    assert Cmd.BACKEND_GRAPH_COMPUTE not in functions
+    graphs = [f for f in run.forwards if f.function in GRAPH_FUNCTIONS]
+    assert len(graphs) == sum(f.function == Cmd.BACKEND_GRAPH_COMPUTE for f in unpatched.forwards)
+    kept = set()
+    for f in graphs:
+        header = struct.pack("<III", ApirCommandType.FORWARD, f.function, int.from_bytes(reply_res, "little"))
+        assert f.command[:12] == header and f.rc == BASE and f.reply[:4] == b"\0\0\0\0"  # GGML_STATUS_SUCCESS
+        graph_id = struct.unpack_from("<Q", f.command, 12)[0]
+        if f.function == X.GRAPH_COMPUTE_KEEP:  # u64 graph_id, u32 res_id, size_t size
+            assert len(f.command) == 12 + 8 + 4 + 8
+            kept.add(graph_id)
+        else:  # u64 graph_id
+            assert len(f.command) == 12 + 8 and graph_id in kept
+    keeps = [f for f in graphs if f.function == X.GRAPH_COMPUTE_KEEP]
+    # the prompt's graph and the first decode graph cross; every later token is recomputed
+    assert len(keeps) == 2 and functions.count(X.GRAPH_RECOMPUTE) == len(graphs) - 2
+    first = next(f for f in unpatched.forwards if f.function == Cmd.BACKEND_GRAPH_COMPUTE)
+    assert graph_size(keeps[0]) == graph_size(first)
+
+    # the same round trips per decode token, and no graph bytes once the decode graph is kept
+    before, after = per_decode_token(unpatched.forwards), per_decode_token(run.forwards)
+    print(f"per decode token: unpatched {before}, extended {after}")
+    assert after["tokens"] == before["tokens"] == len(graphs) - 1
+    assert after["round_trips"] == before["round_trips"]
+    assert after["graph_bytes_total"] == graph_size(keeps[1])
+    assert before["graph_bytes_total"] >= before["tokens"] * graph_size(keeps[1])
+
+
+def test_extended_guest_on_an_unextended_host(llama_paths, extended_guest_paths, smollm2, unpatched, tmp_path):
+    run = _through_apir(llama_paths, smollm2, tmp_path / "off", extended_guest_paths["GGML_LIB_DIR"],
+                        host_config={"apir.host.extensions": "off"})
+    assert run.gen.generated == unpatched.gen.generated
+    query, rest = run.forwards[0], run.forwards[1:]
+    assert query.function == X.EXT_QUERY
+    assert query.rc == BASE + APIR_BACKEND_FORWARD_INDEX_INVALID and query.reply == b""
+    # then APIR 0.2 byte for byte: the unpatched guest's commands
+    assert [f.command for f in rest] == [f.command for f in unpatched.forwards]
+
+
+def test_extended_guest_with_extensions_off_sends_apir_0_2(llama_paths, extended_guest_paths, smollm2, unpatched,
+                                                          tmp_path, monkeypatch):
+    monkeypatch.setenv("APIR_EXTENSIONS", "off")  # the guest's knob, as apir's Python guest's
+    run = _through_apir(llama_paths, smollm2, tmp_path / "guest-off", extended_guest_paths["GGML_LIB_DIR"])
+    assert run.gen.generated == unpatched.gen.generated
+    assert [f.command for f in run.forwards] == [f.command for f in unpatched.forwards]
