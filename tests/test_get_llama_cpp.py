@@ -18,6 +18,7 @@ FAKE_BUILD = """#!/usr/bin/env bash
 echo "$0 $*" >> "$FAKE_LOG"
 [ -z "${FAKE_FAIL:-}" ] || { echo "boom: $FAKE_FAIL"; exit 1; }
 BUILD=$2/build; [ -n "${APIR_LLAMA_VULKAN_INCLUDE:-}" ] && BUILD=$2/build-vulkan
+[ -n "${APIR_LLAMA_EXTENSIONS:-}" ] && BUILD=$2/build-extensions
 case "$(basename "$0")" in *python*) BUILD=$2;; esac
 mkdir -p "$BUILD"; echo "LLAMA_SIMPLE=$BUILD/bin/llama-simple" > "$BUILD/paths.env"
 """
@@ -36,6 +37,8 @@ def kit(tmp_path):
     scripts = tmp_path / "scripts"
     scripts.mkdir()
     shutil.copy(REPO / "scripts" / "get-llama-cpp.sh", scripts)
+    (tmp_path / "patches").mkdir()
+    (tmp_path / "patches" / "ggml-virtgpu-extensions.patch").write_text("the patch\n")
     for name, text in (("build-llama-cpp.sh", FAKE_BUILD), ("build-llama-cpp-python.sh", FAKE_BUILD)):
         (scripts / name).write_text(text)
     bin_dir = tmp_path / "bin"
@@ -102,3 +105,18 @@ def test_model_only_and_bad_usage(kit):
     assert log.read_text() == ""
     bad = run("gpu")
     assert bad.returncode == 2 and "usage:" in bad.stderr
+
+
+def test_extensions_build_the_cpu_tree_then_the_patched_guest_once_per_patch(kit, tmp_path):
+    run, cache, log = kit
+    tree = cache / "llama-cpp" / "0.3.36"
+    first = run("extensions")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.splitlines()[0] == f"LLAMA_SIMPLE={tree}/build-extensions/bin/llama-simple"
+    builds = [c for c in log.read_text().splitlines() if "build-llama-cpp.sh" in c]
+    assert len(builds) == 2 and (tree / ".complete").exists()
+    assert run("extensions").stdout == first.stdout
+    assert len([c for c in log.read_text().splitlines() if "build-llama-cpp.sh" in c]) == 2
+    (tmp_path / "patches" / "ggml-virtgpu-extensions.patch").write_text("a changed patch\n")
+    assert run("extensions").returncode == 0
+    assert len([c for c in log.read_text().splitlines() if "build-llama-cpp.sh" in c]) == 3  # the variant only
