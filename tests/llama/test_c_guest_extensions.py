@@ -24,6 +24,7 @@ import pytest
 
 from apir.codec.constants import (
     APIR_BACKEND_FORWARD_INDEX_INVALID,
+    APIR_BACKEND_GRAPH_UNKNOWN,
     ApirBackendCommandType as Cmd,
     ApirCommandType,
     ApirExtension,
@@ -194,3 +195,21 @@ def test_extended_guest_with_extensions_off_sends_apir_0_2(llama_paths, extended
     run = _through_apir(llama_paths, smollm2, tmp_path / "guest-off", extended_guest_paths["GGML_LIB_DIR"])
     assert run.gen.generated == unpatched.gen.generated
     assert [f.command for f in run.forwards] == [f.command for f in unpatched.forwards]
+
+
+def test_extended_guest_resends_a_graph_the_host_did_not_keep(llama_paths, extended_guest_paths, smollm2, unpatched,
+                                                             tmp_path):
+    # graphs larger than the host's bound are computed and not kept: every recompute is
+    # answered APIR_BACKEND_GRAPH_UNKNOWN and the guest sends the graph again
+    run = _through_apir(llama_paths, smollm2, tmp_path / "unkept", extended_guest_paths["GGML_LIB_DIR"],
+                        host_config={"apir.host.kept_graph_bytes": "4096"})
+    assert run.gen.generated == unpatched.gen.generated
+    graphs = [f for f in run.forwards if f.function in GRAPH_FUNCTIONS]
+    recomputes = [f for f in graphs if f.function == X.GRAPH_RECOMPUTE]
+    assert recomputes and all(f.rc == BASE + APIR_BACKEND_GRAPH_UNKNOWN and f.reply == b"" for f in recomputes)
+    keeps = [f for f in graphs if f.function == X.GRAPH_COMPUTE_KEEP]
+    assert len(keeps) == sum(f.function == Cmd.BACKEND_GRAPH_COMPUTE for f in unpatched.forwards)
+    # each refused recompute is followed by the keep of the same id
+    for i, f in enumerate(graphs):
+        if f.function == X.GRAPH_RECOMPUTE:
+            assert graphs[i + 1].function == X.GRAPH_COMPUTE_KEEP and graphs[i + 1].command[12:20] == f.command[12:20]
