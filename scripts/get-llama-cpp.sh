@@ -50,7 +50,7 @@ build() {
     flock 9
     if ! [ -f "$tree/$marker" ] || ! [ -f "$paths" ]; then
         sdist=$(download "llama-cpp-python==$VERSION" "llama_cpp_python-$VERSION.tar.gz" --no-binary)
-        echo "building $(basename "$script" .sh) into $tree (about 25 minutes on 2 cores; log: $log)" >&2
+        echo "building $(basename "$script" .sh) into $tree (${BUILD_TIME:-about 25 minutes on 2 cores}; log: $log)" >&2
         bash "$script" "$sdist" "$tree" > "$log" 2>&1 || { tail -30 "$log" >&2; echo "failed; log: $log" >&2; exit 1; }
         touch "$tree/$marker"
     fi
@@ -89,7 +89,7 @@ case "$WHAT" in
         build "$TREE" .complete "$TREE/build.log" "$TREE/build/paths.env" "$HERE/build-llama-cpp.sh" > /dev/null
         # the marker names the patch, so that a changed patch is built again
         sum=$(sha256sum "$HERE/../patches/ggml-virtgpu-extensions.patch" | cut -c1-16)
-        APIR_LLAMA_EXTENSIONS=1 build "$TREE" ".complete-extensions-$sum" "$TREE/build-extensions.log" \
+        APIR_LLAMA_EXTENSIONS=1 BUILD_TIME="a minute or two" build "$TREE" ".complete-extensions-$sum" "$TREE/build-extensions.log" \
             "$TREE/build-extensions/paths.env" "$HERE/build-llama-cpp.sh" ;;
     python)
         PYTREE=$CACHE/llama-cpp-python/$VERSION

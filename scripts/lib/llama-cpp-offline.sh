@@ -9,7 +9,7 @@
 # from it.
 llama_offline_venus_cmake() {
     mkdir -p "$1"
-    cat > "$1/offline-venus-hw.cmake" <<'CMAKE'
+    cat > "$1/offline-venus-hw.cmake.new" <<'CMAKE'
 # Injected with -DCMAKE_PROJECT_INCLUDE; ExternalProject has include_guard(GLOBAL), so the
 # include(ExternalProject) in ggml-virtgpu/CMakeLists.txt does not undo this override.
 include_guard(GLOBAL)
@@ -27,6 +27,12 @@ function(ExternalProject_Add name)
     endif()
 endfunction()
 CMAKE
+    # replaced only when it changed: a newer file makes every build tree using it reconfigure
+    if cmp -s "$1/offline-venus-hw.cmake.new" "$1/offline-venus-hw.cmake"; then
+        rm "$1/offline-venus-hw.cmake.new"
+    else
+        mv "$1/offline-venus-hw.cmake.new" "$1/offline-venus-hw.cmake"
+    fi
     echo "$1/offline-venus-hw.cmake"
 }
 
