@@ -50,8 +50,15 @@ def run_vm_run(args: argparse.Namespace) -> int:
         raise UsageError("give the program to run after --: apir vm run [OPTIONS] -- PROGRAM [ARGS...]")
     if args.vms < 1:
         raise UsageError(f"--vms {args.vms}: give at least 1")
+    devices = [Path(d) for d in args.device or ()]
+    if devices and args.vms not in (1, len(devices)):
+        raise UsageError(f"--vms {args.vms} with {len(devices)} --device: give one --device per VM")
+    for device in devices:
+        if not device.is_socket():
+            raise UsageError(f"--device {device}: no socket there (start `apir host vhost-user --socket {device}`)")
     opts = RunOptions(
-        vms=args.vms,
+        vms=len(devices) or args.vms,
+        devices=devices,
         kernel=args.kernel,
         memory=args.memory,
         cpus=args.cpus,
@@ -94,6 +101,13 @@ def add_parser(subparsers, parents) -> None:
     run.add_argument("--cpus", type=int, default=2, metavar="N", help="guest CPUs per VM (default 2)")
     run.add_argument("--accel", choices=("auto", "kvm", "tcg"), default="auto", help="QEMU accelerator")
     run.add_argument("--timeout", type=float, metavar="SECONDS", help="kill a VM running longer (default: none)")
+    run.add_argument(
+        "--device",
+        action="append",
+        metavar="SOCKET",
+        help="attach to the running vhost-user device at SOCKET (apir host vhost-user) instead of starting a "
+        "host; once per VM (the host options below are then the running host's business)",
+    )
     run.add_argument("--host-log", metavar="FILE", help="keep the host's log in FILE (default: discarded)")
     run.add_argument(
         "--host-log-level",

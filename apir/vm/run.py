@@ -44,9 +44,12 @@ class VmFailed(ApirError, RuntimeError):
 @dataclass
 class RunOptions:
     """What `apir vm run` takes besides the program: VM count, guest kernel and size, the
-    accelerator (None: machine.default_accel()), the host's options and log file."""
+    accelerator (None: machine.default_accel()), the host's options and log file, or `devices`:
+    the sockets of running vhost-user devices (`apir host vhost-user`), one per VM, to attach
+    to instead of starting a host."""
 
     vms: int = 1
+    devices: Sequence[Path] = ()
     kernel: str = "bookworm"
     memory: str = "2G"
     cpus: int = 2
@@ -126,13 +129,18 @@ def run(argv: Sequence[str], opts: RunOptions, stdout: BinaryIO, stderr: BinaryI
     vms: List[Vm] = []
     relays: List[Relay] = []
     try:
-        names = [f"vm{i}" for i in range(1, opts.vms + 1)]
-        host = VhostUserHost([tmp / f"{n}.sock" for n in names], opts.host_log or tmp / "host.log", opts.host_args)
-        host.start()
+        if opts.devices:
+            sockets = list(opts.devices)
+        else:
+            host = VhostUserHost([tmp / f"vm{i}.sock" for i in range(1, opts.vms + 1)],
+                                 opts.host_log or tmp / "host.log", opts.host_args)  # fmt: skip
+            host.start()
+            sockets = list(host.sockets)
+        names = [f"vm{i}" for i in range(1, len(sockets) + 1)]
         lock = threading.Lock()
-        for name, sock in zip(names, host.sockets):
+        for name, sock in zip(names, sockets):
             env = dict(GUEST_DEFAULTS, **os.environ, APIR_VM_NAME=name)
-            label = f"[{name}] ".encode() if opts.vms > 1 else b""
+            label = f"[{name}] ".encode() if len(sockets) > 1 else b""
             pipes = [os.pipe(), os.pipe()]  # (read, write) of stdout, of stderr
             try:
                 vm = Vm(prov, kernel, tmp / name, guest_script(argv, env, os.getcwd()), socket=sock,
@@ -156,8 +164,8 @@ def run(argv: Sequence[str], opts: RunOptions, stdout: BinaryIO, stderr: BinaryI
         for vm in vms:
             if vm.rc is None:
                 tail = "\n".join(vm.console.splitlines()[-20:])
-                stderr.write(f"--- {vm.name}'s console ends:\n{tail}\n--- the host's log ends:\n"
-                             f"{host.log_tail()}\n".encode())  # fmt: skip
+                host_log = f"--- the host's log ends:\n{host.log_tail()}\n" if host is not None else ""
+                stderr.write(f"--- {vm.name}'s console ends:\n{tail}\n{host_log}".encode())
                 stderr.flush()
                 code = vm.proc.returncode if vm.proc else None
                 raise VmFailed(f"{vm.name} ended without the program's exit status (QEMU exit {code}; above: "

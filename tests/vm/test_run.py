@@ -162,3 +162,32 @@ def test_the_guest_script_exports_the_environment_enters_the_folder_and_execs_th
     run = subprocess.run(["sh", "-c", script.replace("/work dir", str(tmp_path / "work dir"))], capture_output=True,
                          text=True)
     assert run.stdout == "a b|it's|$HOME|"
+
+
+@pytest.mark.vm
+def test_vm_run_attaches_to_a_running_device_and_leaves_it_serving(provisioned, tmp_path):
+    sock = tmp_path / "vgpu.sock"
+    host = subprocess.Popen(apir("host", "vhost-user", "--socket", str(sock)), stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists() and time.monotonic() < deadline and host.poll() is None:
+            time.sleep(0.1)
+        for status in (3, 0):  # two VMs one after the other on the same device
+            run = subprocess.run(apir("vm", "run", "--device", str(sock), "--", "sh", "-c",
+                                      f"ls /dev/dri; exit {status}"),
+                                 capture_output=True, text=True, timeout=600)  # fmt: skip
+            assert run.returncode == status, run.stderr[-3000:]
+            assert "renderD128" in run.stdout
+        assert host.poll() is None  # the device is the user's: apir vm run leaves it running
+    finally:
+        host.terminate()
+        host.wait(timeout=60)
+
+
+def test_vm_run_device_must_be_a_socket_and_one_per_vm(tmp_path):
+    run = subprocess.run(apir("vm", "run", "--device", str(tmp_path / "none.sock"), "--", "true"),
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 2 and "no socket there" in run.stderr
+    run = subprocess.run(apir("vm", "run", "--vms", "2", "--device", str(tmp_path / "a"), "--", "true"),
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 2 and "one --device per VM" in run.stderr
