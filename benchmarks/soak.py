@@ -4,15 +4,16 @@ Theory of operation: a child process (`soak.py host`) serves a socket host (Loca
 with --vm, a vhost-user virtio-gpu device (VhostUserServer) in the same process, and writes a
 sample every --sample-s seconds: its RSS, open descriptors, threads, and what the guests hold
 (contexts, blobs, blob bytes, ggml buffers). Meanwhile guests join and leave until the time is
-up, each in a process of its own:
+up, each in a process of its own, one loop per kind, the kinds at once:
   llama   llama.cpp (tests/llama's llama_tokens, SmolLM2-135M Q4_1) decoding 16 tokens
           through the socket host with tests/interop's C shim (then the host and the other
           guests load that build's ggml too);
   minilm  `apir embed --socket` of a batch of sentences;
   killed  the same embed, SIGKILLed at a random moment (a guest that dies mid-command);
-  vm      (--vm) `apir vm run` of `apir embed` in a VM on the vhost-user device.
-After the first round of every kind (kernels compiled, caches warm) the first idle sample is
-the start; after the last guest left, the last idle sample is the end. The host is flat when
+  vm      (--vm) `apir vm run --device` of llama.cpp (16 tokens; without llama.cpp, `ls
+          /dev/dri`) in a VM on the vhost-user device of the same host process.
+After a warm-up of one guest of each kind, one at a time (kernels compiled, caches warm), the
+first idle sample is the start; after the last guest left, the first idle sample is the end. The host is flat when
 descriptors, threads, contexts and blobs are back where they started and RSS grew by less
 than --rss-slack-mib. Prints the table and the verdict; exits 1 when not flat or when a
 guest failed.
@@ -62,7 +63,12 @@ def run_host(args: argparse.Namespace) -> int:
     if args.vhost_socket:
         from apir.host.vhost_user import VhostUserServer
 
-        vhost = VhostUserServer(args.vhost_socket, config=config)
+        from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS
+
+        # (llama.cpp's ggml-virtgpu asks for the Venus capset)
+        vhost = VhostUserServer(
+            args.vhost_socket, config=config, capsets=(VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS)
+        )
         vhost.start()
         servers.append(vhost)
     stop = threading.Event()
@@ -98,7 +104,6 @@ class Guests:
         self.stop = threading.Event()
         self.runs: Dict[str, int] = {}
         self.failures: List[str] = []
-        self.rounds_done = threading.Event()  # every kind ran once
         self._kinds: Dict[str, Callable[[], None]] = {"minilm": self.minilm, "killed": self.killed}
         self._llama = llama
         if llama is not None:
@@ -118,15 +123,16 @@ class Guests:
             t.start()
         return threads
 
+    def run_once(self, kind: str) -> None:
+        try:
+            self._kinds[kind]()
+        except Exception as exc:  # noqa: BLE001 - a failed guest is a finding, reported at the end
+            self.failures.append(f"{kind}: {exc}"[:2000])
+        self.runs[kind] = self.runs.get(kind, 0) + 1
+
     def _loop(self, kind: str) -> None:
         while not self.stop.is_set():
-            try:
-                self._kinds[kind]()
-            except Exception as exc:  # noqa: BLE001 - a failed guest is a finding, reported at the end
-                self.failures.append(f"{kind}: {exc}"[:2000])
-            self.runs[kind] = self.runs.get(kind, 0) + 1
-            if all(self.runs.get(k) for k in self._kinds):
-                self.rounds_done.set()
+            self.run_once(kind)
 
     def _embed_command(self, out: Path) -> List[str]:
         return [sys.executable, "-m", "apir", "embed", "--socket", self.socket_path, "-f", str(self.sentences),
@@ -155,9 +161,15 @@ class Guests:
             raise RuntimeError(f"llama.cpp generated {len(gen.generated)} tokens of 16")
 
     def vm(self) -> None:
-        cmd = [sys.executable, "-m", "apir", "vm", "run", "--vhost-user", str(self.vhost_socket), "--",
-               "python3", "-m", "apir", "embed", "--drm", "/dev/dri/renderD128", "a sentence in a VM"]
-        subprocess.run(cmd, env=self.env, check=True, capture_output=True, text=True, timeout=1800)
+        if self._llama is not None:
+            paths, model = self._llama
+            program = [paths["LLAMA_SIMPLE"], "-m", str(model), "-n", "16", "-ngl", "99", "The capital of France is"]
+        else:
+            program = ["ls", "/dev/dri"]
+        cmd = [sys.executable, "-m", "apir", "vm", "run", "--device", str(self.vhost_socket), "--", *program]
+        run = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=1800)
+        if run.returncode != 0:
+            raise RuntimeError(f"apir vm run exited {run.returncode}: {run.stderr[-1500:]}")
 
 
 def _llama_setup():
@@ -219,10 +231,11 @@ def run_soak(args: argparse.Namespace) -> int:
             time.sleep(0.1)
         guests = Guests(socket_path, vhost_socket, workdir, env, llama)
         print(f"soak: {args.minutes:g} min, guests: {', '.join(guests.kinds)}; samples in {samples_path}", flush=True)
+        for kind in guests.kinds:  # the warm-up: one of each, one at a time
+            guests.run_once(kind)
+        start = _wait_idle(samples_path, time.monotonic() - t0, 120 + 2 * args.sample_s)
         threads = guests.start()
-        guests.rounds_done.wait(max(args.minutes * 60, 1))
-        start_after = time.monotonic() - t0
-        time.sleep(max(0.0, args.minutes * 60 - start_after))
+        time.sleep(max(0.0, args.minutes * 60 - (time.monotonic() - t0)))
         guests.stop.set()
         for t in threads:
             t.join(timeout=1800)
@@ -235,10 +248,6 @@ def run_soak(args: argparse.Namespace) -> int:
             host.wait(timeout=60)
         except subprocess.TimeoutExpired:
             host.kill()
-    # the start: the first idle sample once every kind ran (each guest between its runs leaves
-    # the host idle for a moment, but with several kinds at once it may never be: then the first
-    # sample after the first round, counted as is)
-    start = _idle_after(samples, start_after) or next((s for s in samples if s["t"] >= start_after), None)
     report = {"minutes": args.minutes, "guest_runs": guests.runs, "guest_failures": guests.failures,
               "start": start, "end": end, "samples": len(samples),
               "rss_kib_max": max((s["rss_kib"] for s in samples), default=None)}
