@@ -64,8 +64,10 @@ class Result:
     crashes: List[Fault] = field(default_factory=list)
     hangs: List[Fault] = field(default_factory=list)
     memory: List[Fault] = field(default_factory=list)  # inputs that grew the host's peak RSS past the limit
+    oracle: List[Fault] = field(default_factory=list)  # a child's own oracle failed (`b` lines: leaks, ...)
     no_reply: int = 0  # inputs with a command that named the reply blob and got no reply
     not_serving: int = 0  # inputs after which the host did not answer DEVICE_GET_COUNT
+    broken: int = 0  # inputs that broke another oracle of the child (a leak, a wrong result)
     host_exceptions: int = 0  # inputs during which the host logged an internal exception
     harness_errors: List[str] = field(default_factory=list)
     seeds: int = 0
@@ -77,15 +79,16 @@ class Result:
     @property
     def signatures(self) -> Dict[str, int]:
         out: Dict[str, int] = {}
-        for f in self.crashes + self.hangs + self.memory:
+        for f in self.crashes + self.hangs + self.memory + self.oracle:
             out[f.signature] = out.get(f.signature, 0) + 1
         return out
 
     def summary(self) -> dict:
         d = asdict(self)
         d["crash_count"], d["hang_count"], d["memory_count"] = len(self.crashes), len(self.hangs), len(self.memory)
+        d["oracle_count"] = len(self.oracle)
         d["signatures"] = self.signatures
-        for f in d["crashes"] + d["hangs"] + d["memory"]:
+        for f in d["crashes"] + d["hangs"] + d["memory"] + d["oracle"]:
             f["stderr_tail"] = f["stderr_tail"][-1500:]
         return d
 
@@ -94,9 +97,11 @@ class Result:
             self.crashes
             or self.hangs
             or self.memory
+            or self.oracle
             or self.no_reply
             or self.not_serving
             or self.host_exceptions
+            or self.broken
             or self.harness_errors
         )
 
@@ -208,11 +213,20 @@ class _Worker:
         return data[-8000:].decode(errors="replace")
 
 
-def _child_cmd(seed: int, config: dict, rlimit_as: int, extra: List[str] = (), rss_limit: int = 2 << 30) -> List[str]:
+def _child_cmd(
+    seed: int,
+    config: dict,
+    rlimit_as: int,
+    extra: List[str] = (),
+    rss_limit: int = 2 << 30,
+    child: Optional[List[str]] = None,
+) -> List[str]:
+    """The child's command line; `child`: its module and own arguments (default the graph
+    fuzzer's, `tests.fuzz.child`)."""
     cmd = [
         sys.executable,
         "-m",
-        "tests.fuzz.child",
+        *(child or ["tests.fuzz.child"]),
         "--seed",
         str(seed),
         "--config",
@@ -252,11 +266,13 @@ def run_campaign(
     max_seconds: float = 0.0,
     rss_limit: int = 2 << 30,
     progress=None,
+    child: Optional[List[str]] = None,
 ) -> Result:
     """Runs inputs [start, start+n) of `seed` on `workers` children; see the module
     docstring. `max_seconds` (0: none) stops handing out chunks after that long: the
     result then counts fewer inputs. Writes `out_dir/summary.json`, worker stderr logs
-    and reproducers."""
+    and reproducers. `child`: the child's module and its own arguments (default the graph
+    fuzzer's; tests.fuzz.wire_child runs the others)."""
     out = Path(out_dir)
     (out / "reproducers").mkdir(parents=True, exist_ok=True)
     config = dict(config or {})
@@ -264,7 +280,7 @@ def run_campaign(
     cache = str(out / f"seeds-{os.getpid()}.pickle")  # this campaign's: its code, its ggml
     if os.path.exists(cache):
         os.unlink(cache)
-    cmd = _child_cmd(seed, config, rlimit_as, ["--seeds-cache", cache], rss_limit=rss_limit)
+    cmd = _child_cmd(seed, config, rlimit_as, ["--seeds-cache", cache], rss_limit=rss_limit, child=child)
     res = Result(seed=seed, workers=workers)
     t_start = time.monotonic()
     todo = list(range(start, start + n, chunk))
@@ -339,12 +355,13 @@ def run_campaign(
                         pass
                 elif tag == "d":
                     _, i, rest = parts
-                    no_reply, alive, exc, computed = (int(x) for x in rest.split())
+                    no_reply, alive, exc, computed, *broken = (int(x) for x in rest.split())
                     res.inputs += 1
                     res.computed += computed
                     res.no_reply += no_reply > 0
                     res.not_serving += not alive
                     res.host_exceptions += exc > 0
+                    res.broken += bool(broken and broken[0])
                     w.current, w.next = None, int(i) + 1
                 elif tag == "m":
                     i, grown = (int(x) for x in parts[1:3])
@@ -360,6 +377,20 @@ def run_campaign(
                         )
                     )
                     w.exiting = True
+                elif tag == "b":  # b I KIND DETAIL: the child's own oracle failed in input I
+                    i, rest = parts[1], parts[2] if len(parts) > 2 else "?"
+                    kind = rest.split(" ", 1)[0]
+                    res.oracle.append(
+                        Fault(
+                            "oracle",
+                            int(i),
+                            w.case,
+                            kind,
+                            rest[:300],
+                            f"oracle {kind} [{w.case.split(':')[0]}]",
+                            mutations=list(w.mutations),
+                        )
+                    )
                 elif tag == "e":
                     res.inputs += 1
                     res.harness_errors.append(f"input {parts[1]}: {parts[2] if len(parts) > 2 else ''}")
@@ -400,6 +431,7 @@ def run_campaign(
         repro_max,
         workers,
         ["--seeds-cache", cache],
+        child,
     )
     if os.path.exists(cache):
         os.unlink(cache)
@@ -419,11 +451,12 @@ def _reproduce(
     most: int,
     workers: int,
     extra: List[str],
+    child: Optional[List[str]] = None,
 ) -> None:
     """Saves and checks a reproducer for the first faults of each signature."""
     done: Dict[str, int] = {}
     chosen = []
-    for f in res.crashes + res.hangs + res.memory:
+    for f in res.crashes + res.hangs + res.memory + res.oracle:
         if done.get(f.signature, 0) >= per_signature or len(chosen) >= most:
             continue
         done[f.signature] = done.get(f.signature, 0) + 1
@@ -432,16 +465,21 @@ def _reproduce(
     def one(f: Fault) -> None:
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{f.kind}-{f.signal}-{f.case}")[:80]
         path = out / "reproducers" / f"{slug}-s{seed}-i{f.index}.json"
-        record = _child_cmd(seed, config, rlimit_as, ["--only", str(f.index), "--record", str(path)] + extra)
+        record = _child_cmd(
+            seed, config, rlimit_as, ["--only", str(f.index), "--record", str(path)] + extra, child=child
+        )
         _run_alone(record, env, deadline + 30)
         if not path.exists():
             return
         f.reproducer = str(path.relative_to(out))
         if f.kind == "memory":
             return
-        replay = _child_cmd(seed, config, rlimit_as, ["--replay", str(path)])
+        replay = _child_cmd(seed, config, rlimit_as, ["--replay", str(path)], child=child)
         rc, _ = _run_alone(replay, env, deadline + 30)
-        f.reproduced = rc is None if f.kind == "hang" else (rc is not None and rc not in (0, 1))
+        if f.kind == "oracle":  # the file alone fails the oracle again (exit 1), without crashing
+            f.reproduced = rc == 1
+        else:
+            f.reproduced = rc is None if f.kind == "hang" else (rc is not None and rc not in (0, 1))
 
     with ThreadPoolExecutor(max(1, workers)) as pool:
         list(pool.map(one, chosen))
