@@ -11,7 +11,9 @@ Each guest writes only its own 8-byte tag, repeated, so its data is recognisable
 The oracle: every read of a guest's own live buffer gives what it wrote (or cleared); no read
 of any kind (its own buffers, freshly allocated ones, another guest's handle) shows another
 guest's tag; each graph's result equals numpy's on the same float32 inputs (z = (x + y) * x,
-exact); a call on a guest's own live buffer is never refused. After every guest left, a fresh
+exact); a call on a guest's own live buffer is never refused; with APIR_FUZZ_GUEST_IDS=1, the
+fresh guest of every check (the same calls each time) is given the same resource ids and
+buffer handles each time, whatever the guests before it did. After every guest left, a fresh
 guest is served and the host holds no context, blob or ggml buffer; no descriptor or thread is
 left. Timing comes from the input too, but threads race: a reproducer replays the same calls
 and pauses, not necessarily the same interleaving.
@@ -90,6 +92,7 @@ class _Guest:
         self.shared, self.out, self.lock = shared, out, lock
         self.buffers: List[dict] = []  # {"handle", "size", "model": bytearray, "known": bytearray}; None once freed
         self.names: set = set()  # every buffer handle this guest was given
+        self.ids: List[tuple] = []  # every id the host gave it (resources, buffers), in order
         self.path, self.config = path, config
         self.dev = None
         self.client = None
@@ -111,6 +114,8 @@ class _Guest:
             self.dev = EmbeddedDevice(config=self.config, host_spin_s=0)
         self.client = ApirClient.connect(self.dev, data_size=65536)
         self.buft = self.client.device_get_buffer_type()
+        if self.spec["kind"] == "socket":
+            self.ids += [("res", r) for r in sorted(self.dev.blobs)]
 
     # --- raw bytes of a buffer --------------------------------------------------------------
     def _rpc(self, handle: int, size: int):
@@ -152,6 +157,7 @@ class _Guest:
                     b["model"], b["known"] = bytearray(op["size"]), bytearray(op["size"])
                     self.buffers.append(b)
                     self.names.add(handle)
+                    self.ids.append(("buffer", handle))
                     with self.lock:
                         self.shared.setdefault(self.k, []).append(handle)
             elif kind in ("write", "read", "clear", "free") and live:
@@ -333,6 +339,11 @@ class GuestsTarget(Target):
 
         self.g = apir.ggml.load()
         self.config = config
+        # Names a guest is given must reveal nothing of other guests: the fresh guest of every
+        # check, the same calls each time, must be given the same ids each time (opt-in: the
+        # socket host numbers resources per process until per-guest names land).
+        self.check_ids = os.environ.get("APIR_FUZZ_GUEST_IDS") == "1"
+        self.ids_alone = None
         self.path = os.path.join(workdir, "host.sock")
         self.server = LocalServer(self.path, config=config).start()
 
@@ -389,6 +400,11 @@ class GuestsTarget(Target):
         guest.run(threading.Barrier(1))
         failures = [f"not-serving {b}" for b in out.broken]
         alive = not out.broken and out.computed == 1
+        if self.check_ids and alive:
+            if self.ids_alone is None:
+                self.ids_alone = guest.ids
+            elif guest.ids != self.ids_alone:
+                failures.append(f"id-leak a fresh guest was given {guest.ids}, not {self.ids_alone} as before")
         if not settle(lambda: self.server.stats().as_tuple() == (0, 0, 0, 0, 0) and not self.server._conns, 15):
             failures.append(f"held-after-leaving {self.server.stats()} with {len(self.server._conns)} connections")
         return alive, failures
