@@ -5,7 +5,8 @@ HostContexts. An input is one hostile connection: mostly a valid opening (HELLO,
 CONTEXT_INIT, a blob or two, HandShake and LoadLibrary in EXECBUFFERs), then messages of
 every op (apir.local.wire) with mutated sizes, ops, header fields and payload bytes,
 descriptors passed where none is expected (SCM_RIGHTS, more than the host's room for them),
-payloads sent in pieces or cut short, pipelined requests, the exec ring's words and command
+payloads sent in pieces or cut short, pipelined requests (blobs by the hundred), other
+connections of the same peer held idle or mid-HELLO, the exec ring's words and command
 (apir.local.exec_ring) written behind the host's back, and an ending (close, half-close,
 reset, leaving with a command in flight).
 
@@ -283,6 +284,20 @@ class _Peer:
                     except (OSError, ValueError) as exc:
                         self.outcome.broken.append(f"ring-map offset {offset}: {exc}")
 
+    def burst(self, step: dict) -> None:
+        """`n` CREATE_BLOBs sent at once, then their replies read."""
+        if self.state != "open":
+            return
+        body = struct.pack("<IIQQ", VIRTGPU_BLOB_MEM_HOST3D, VIRTGPU_BLOB_FLAG_USE_MAPPABLE, step["size"], 0)
+        msg = HEADER.pack(Op.CREATE_BLOB, 0, len(body), step["seq"]) + body
+        try:
+            self.sock.sendall(msg * step["n"])
+        except OSError:
+            self.state = "dropped"
+            return
+        self.pending += [(int(Op.CREATE_BLOB), step["seq"])] * step["n"]
+        self.drain()
+
     def write_ring(self, step: dict) -> None:
         if self.ring is None:
             return
@@ -364,6 +379,8 @@ class SocketTarget(Target):
             step, _ = _message(rng, Op.HELLO, seq, mutate=rng.random() < 0.7)
             steps.append(step)
             seq += 1
+        if rng.random() < 0.1:  # other connections of the same peer, idle or mid-HELLO, held to the end
+            steps.insert(0, {"op": "lurk", "n": _pick(rng, [1, 2, 8]), "bytes": int(rng.integers(0, 24))})
         framed = True
         ops = [int(o) for o in Op if o != Op.HELLO] + [Op.EXECBUFFER] * 4 + [Op.RING, Op.KICK, 0, 99]
         for _ in range(int(rng.integers(1, 16))):
@@ -377,6 +394,11 @@ class SocketTarget(Target):
                 continue
             if r < 0.2:
                 steps.append({"op": "drain"})
+                continue
+            if r < 0.23:  # blobs by the hundred, pipelined: past the context's count bound at times
+                size = _pick(rng, [4096, 16384, 1 << 20])
+                steps.append({"op": "burst", "n": _pick(rng, [16, 64, 256, 1100]), "size": size, "seq": seq})
+                seq += 1
                 continue
             step, ok = _message(rng, _pick(rng, ops), seq, mutate=rng.random() < 0.35)
             framed = framed and ok
@@ -395,10 +417,15 @@ class SocketTarget(Target):
 
     def run(self, steps):
         peer = _Peer(self.path)
+        lurkers: List[socket.socket] = []
         try:
             for step in steps:
                 kind = step["op"]
-                if kind == "send":
+                if kind == "lurk":
+                    lurkers += self._lurk(step)
+                elif kind == "burst":
+                    peer.burst(step)
+                elif kind == "send":
                     peer.send(step)
                     if step.get("wait"):
                         peer.drain()
@@ -410,7 +437,22 @@ class SocketTarget(Target):
                     peer.end(step["how"])
         finally:
             peer.close()
+            for s in lurkers:
+                s.close()
         return peer.outcome
+
+    def _lurk(self, step: dict) -> List[socket.socket]:
+        hello = HEADER.pack(Op.HELLO, 0, 8, 1) + REQUEST[Op.HELLO].pack(HELLO_MAGIC, WIRE_VERSION)
+        out = []
+        for _ in range(step["n"]):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            out.append(s)
+            try:
+                s.connect(self.path)
+                s.sendall(hello[: step["bytes"]])
+            except OSError:
+                pass
+        return out
 
     def check(self):
         """A fresh client is served; then nothing is held."""
