@@ -377,6 +377,8 @@ def run_campaign(
                         )
                     )
                     w.exiting = True
+                elif tag == "r":  # the child leaves after this chunk, to start afresh: no fault
+                    w.exiting = True
                 elif tag == "b":  # b I KIND DETAIL: the child's own oracle failed in input I
                     i, rest = parts[1], parts[2] if len(parts) > 2 else "?"
                     kind = rest.split(" ", 1)[0]

@@ -1,8 +1,10 @@
 """Several guests racing on one host process: the multi-guest fuzzer.
 
-The target is a `LocalServer` (socket host, real HostContexts) in the fuzzer's child; an
-input is 2-4 guests, each an `ApirClient` over the socket host or over an `EmbeddedDevice`
-(a HostContext of the same process), each on a thread of its own, started together and
+The target is a `LocalServer` (socket host, real HostContexts) and two `VhostUserServer`s in
+the fuzzer's child; an input is 2-4 guests, each an `ApirClient` over the socket host, over
+an `EmbeddedDevice` (a HostContext of the same process), or over a VM's virtio-gpu driver on
+one of the vhost-user devices (tests/vhost_user's fake QEMU and driver), each on a thread of
+its own, started together and
 running its own script with random pauses between calls: allocate, write, read, clear, free,
 compute a graph, touch another guest's buffer handle, leave (closing, or dropping its
 connection, at times in the middle of a compute).
@@ -39,6 +41,40 @@ def _pick(rng, seq):
     return seq[int(rng.integers(len(seq)))]
 
 
+VHOST_VMS = 2  # vhost-user sockets, one VM each at a time
+
+
+class _VhostGuestDevice:
+    """A VM's virtio-gpu driver on a fresh fake QEMU (tests/vhost_user): the guest's device.
+    `drop` is QEMU going away at once (the VM killed)."""
+
+    def __init__(self, path: str):
+        from tests.vhost_user.frontend import FakeFrontend
+        from tests.vhost_user.guest_driver import FrontendDriver
+
+        self.fe = FakeFrontend.connect(path)
+        self.driver = FrontendDriver(self.fe)
+        self.closed = False
+
+    def __getattr__(self, name):  # the VirtgpuDevice seam: the driver's
+        return getattr(self.driver, name)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.driver.close()
+        except (OSError, TimeoutError):
+            pass
+        finally:
+            self.fe.close()
+
+    def drop(self) -> None:
+        self.closed = True
+        self.fe.close()
+
+
 def _script(rng, kind: str) -> List[dict]:
     ops: List[dict] = [{"op": "alloc", "size": _pick(rng, SIZES)}]
     for _ in range(int(rng.integers(2, 12))):
@@ -66,7 +102,7 @@ def _script(rng, kind: str) -> List[dict]:
         if rng.random() < 0.5:
             ops[-1]["pause"] = float(rng.choice([0.0, 0.001, 0.005, 0.02]))
     end = _pick(rng, ["close", "close", "drop", "drop-computing"])
-    if kind == "embedded" and end == "drop-computing":
+    if kind != "socket" and end == "drop-computing":
         end = "drop"
     ops.append({"op": end, "delay": float(rng.choice([0.0, 0.002, 0.02, 0.1]))})
     return ops
@@ -108,6 +144,8 @@ class _Guest:
             from apir.guest.local import LocalDevice
 
             self.dev = LocalDevice(self.path, connect_timeout_s=30)
+        elif self.spec["kind"] == "vhost":
+            self.dev = _VhostGuestDevice(self.spec["vm_path"])
         else:
             from apir.local.embedded import EmbeddedDevice
 
@@ -296,6 +334,9 @@ class _Guest:
 
     def _drop(self) -> None:
         dev = self.dev
+        if self.spec["kind"] == "vhost":
+            dev.drop()
+            return
         if self.spec["kind"] == "socket":
             try:
                 dev.sock.shutdown(socket.SHUT_RDWR)
@@ -308,7 +349,7 @@ class _Guest:
 
         try:
             self.connect()
-        except ApirError as exc:
+        except (ApirError, OSError, TimeoutError) as exc:
             self.fail(f"refused-connect {type(exc).__name__}: {exc}")
             return
         try:
@@ -320,13 +361,13 @@ class _Guest:
                 if not self.run_op(op):
                     return
             self.client.close()
-        except ApirError as exc:
+        except (ApirError, TimeoutError) as exc:  # (the fake QEMU's waits raise TimeoutError)
             self.fail(f"lost {type(exc).__name__}: {exc}")
         finally:
             if self.dev is not None:
                 try:
                     self.dev.close()
-                except ApirError:
+                except (ApirError, OSError, TimeoutError):
                     pass
 
 
@@ -346,19 +387,27 @@ class GuestsTarget(Target):
         self.ids_alone = None
         self.path = os.path.join(workdir, "host.sock")
         self.server = LocalServer(self.path, config=config).start()
+        from apir.host.vhost_user import VhostUserServer
+
+        self.vm_paths = [os.path.join(workdir, f"vgpu-{k}.sock") for k in range(VHOST_VMS)]
+        self.vms = [VhostUserServer(p, config=config, shm_size=64 << 20).start() for p in self.vm_paths]
 
     def generate(self, rng):
         n = int(rng.choice([2, 2, 3, 4]))
-        kinds = [_pick(rng, ["socket", "socket", "embedded"]) for _ in range(n)]
+        kinds = [_pick(rng, ["socket", "socket", "embedded", "vhost"]) for _ in range(n)]
+        while kinds.count("vhost") > VHOST_VMS:
+            kinds[kinds.index("vhost")] = "socket"
         tags = []
         while len(tags) < n:
             t = rng.bytes(8)
             if len(set(t)) >= 6 and t not in tags:  # distinctive: never all one byte, as a clear writes
                 tags.append(t)
+        vm = iter(range(VHOST_VMS))
         steps = [
             {
                 "op": "guest",
                 "kind": kinds[k],
+                "vm": next(vm) if kinds[k] == "vhost" else None,
                 "tag": tags[k].hex(),
                 "others": [t.hex() for t in tags if t != tags[k]],
                 "start": float(rng.choice([0.0, 0.0, 0.005, 0.05])),
@@ -370,6 +419,7 @@ class GuestsTarget(Target):
 
     def run(self, steps):
         out, lock, shared = Outcome(), threading.Lock(), {}
+        steps = [dict(s, vm_path=self.vm_paths[s["vm"]]) if s.get("vm") is not None else s for s in steps]
         guests = [_Guest(k, s, self.path, self.config, self.g, shared, out, lock) for k, s in enumerate(steps)]
         barrier = threading.Barrier(len(guests))
         threads = [threading.Thread(target=gu.run, args=(barrier,), name=f"fuzz-guest-{gu.k}") for gu in guests]
@@ -407,7 +457,11 @@ class GuestsTarget(Target):
                 failures.append(f"id-leak a fresh guest was given {guest.ids}, not {self.ids_alone} as before")
         if not settle(lambda: self.server.stats().as_tuple() == (0, 0, 0, 0, 0) and not self.server._conns, 15):
             failures.append(f"held-after-leaving {self.server.stats()} with {len(self.server._conns)} connections")
+        if not settle(lambda: all(vm.session is None for vm in self.vms), 15):
+            failures.append("held-after-leaving a VM's vhost-user session did not end")
         return alive, failures
 
     def close(self):
         self.server.close()
+        for vm in self.vms:
+            vm.close()

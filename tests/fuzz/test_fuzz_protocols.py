@@ -75,6 +75,14 @@ def test_harness_sees_each_kind_of_fault(tmp_path):
     assert saved[0].reproduced is False
 
 
+def test_a_child_started_afresh_loses_no_input(tmp_path):
+    """A child past its memory mark leaves after its chunk (here after every chunk): the driver
+    starts another, which carries on, and that is no fault."""
+    res = run_campaign(1, 12, 1, tmp_path, chunk=4, child=_child("socket"), extra_env={"APIR_FUZZ_RECYCLE_RSS": "1"})
+    assert (res.inputs, res.restarts, res.harness_errors) == (12, 3, [])
+    assert res.clean()
+
+
 @pytest.mark.parametrize("fuzzer", sorted(CORPUS))
 def test_inputs_are_deterministic_and_replay_alone(fuzzer, tmp_path):
     paths = [tmp_path / "a.json", tmp_path / "b.json"]

@@ -4,7 +4,8 @@ Run by the driver as `python -m tests.fuzz.wire_child --fuzzer NAME --seed S [op
 (NAME: socket, vhost, guests; tests.fuzz.protokit says what a target is). It speaks
 tests.fuzz.child's line protocol: `ready 0 0 0`, then for `run A B` each input I prints `s I
 CASE`, `k I [STEP KINDS]`, a `b I KIND DETAIL` line per oracle failure, and `d I NO_REPLY
-ALIVE EXCEPTIONS COMPUTED BROKEN`; then `ok`. Input I's steps come from
+ALIVE EXCEPTIONS COMPUTED BROKEN`; then `ok` (after `r` when it leaves to be started afresh,
+its resident memory past RECYCLE_RSS). Input I's steps come from
 `numpy.random.default_rng([S, I])` alone. After each input: every hostile peer is gone, a
 fresh well-behaved peer is served (ALIVE), no internal exception was logged, no descriptor or
 thread is left over the baseline taken once the target was warm.
@@ -40,6 +41,18 @@ DEFAULT_CONFIG = {
     "apir.host.graph_time_limit_s": "5",
     "apir.local.hello_timeout_s": "2",
 }
+
+
+# A child whose resident memory passed this after a chunk leaves and the driver starts another:
+# the guests fuzzer's own clients (numpy, ggml contexts, mappings of a process hosting both
+# ends) grow its heap by a few MiB per input, which an address-space limit turns into failures
+# that are the harness's, not the host's.
+RECYCLE_RSS = int(os.environ.get("APIR_FUZZ_RECYCLE_RSS", 1 << 30))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def make_target(name: str, config: dict, workdir: str) -> Target:
@@ -188,8 +201,13 @@ def main(argv=None) -> int:
                 traceback.print_exc()
                 out.write(f"e {i} {type(exc).__name__}: {exc!s:.200}\n".replace("\n", " ").rstrip() + "\n")
                 out.flush()
+        recycle = _rss() > RECYCLE_RSS
+        if recycle:
+            out.write("r\n")
         out.write("ok 0 ''\n")
         out.flush()
+        if recycle:
+            os._exit(0)  # (its threads and mappings go with it)
     target.close()
     return 0
 
