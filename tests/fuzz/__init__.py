@@ -8,5 +8,10 @@ Modules, one job each:
                  reproducer file format and its replay
     child.py     the process that runs inputs (it is the one that crashes)
     driver.py    the parent: workers, deadlines, crash / hang accounting, reproducers
-`scripts/fuzz-host.py` is the command line; `tests/fuzz/test_fuzz_corpus.py` the CI corpus.
+The protocol fuzzers (socket framing, vhost-user, guests racing), on the same driver:
+    protokit.py     their target interface, oracle checks and reproducer format
+    wire_child.py   the process that hosts their target and runs inputs
+    wire_socket.py, wire_vhost.py, guests.py    the three targets
+`scripts/fuzz-host.py` is the command line; `tests/fuzz/test_fuzz_corpus.py` and
+`test_fuzz_protocols.py` the CI corpora.
 """
