@@ -381,8 +381,8 @@ class GuestsTarget(Target):
         self.g = apir.ggml.load()
         self.config = config
         # Names a guest is given must reveal nothing of other guests: the fresh guest of every
-        # check, the same calls each time, must be given the same ids each time (opt-in: the
-        # socket host numbers resources per process until per-guest names land).
+        # check, the same calls each time, must be given the same ids each time (opt-in: a host
+        # that numbers resources per process fails it on every input).
         self.check_ids = os.environ.get("APIR_FUZZ_GUEST_IDS") == "1"
         self.ids_alone = None
         self.path = os.path.join(workdir, "host.sock")

@@ -113,14 +113,10 @@ def test_inputs_are_deterministic_and_replay_alone(fuzzer, tmp_path):
     assert "fresh peer served: True" in run.stdout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the socket host numbers resources per process (apir/host/local/kernel.py next_res_id), so a "
-    "guest's ids count other guests' blobs: per-guest names are socket-serve's and vhost-bounds' to add",
-)
 def test_ids_a_guest_is_given_reveal_nothing_of_the_others(tmp_path):
     """After each input's guests left, a fresh guest making the same calls is given the same
-    resource ids and buffer handles as the first one was (tests.fuzz.guests, APIR_FUZZ_GUEST_IDS)."""
+    resource ids and buffer handles as the first one was (tests.fuzz.guests, APIR_FUZZ_GUEST_IDS).
+    Fails where resource ids are numbered per process, not per guest."""
     res = run_campaign(
         1,
         4,
