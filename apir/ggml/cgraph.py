@@ -101,11 +101,14 @@ def _probe(g) -> bool:
         g.ggml_free(ctx)
 
 
-def fill_use_counts(g, graph: int, host_at: np.ndarray, node_index: np.ndarray, src_index: np.ndarray) -> bool:
+def fill_use_counts(
+    g, graph: int, host_at: np.ndarray, node_index: np.ndarray, src_index: np.ndarray, pinned=None
+) -> bool:
     """Puts the nodes of `graph` (host tensors `host_at[node_index]`) in its hash set with
     their use counts: how many source slots of the graph's tensors (`src_index`, by tensor
-    index, -1 where none) name each. False (nothing written) where the layout of this ggml is
-    not known."""
+    index, -1 where none) name each, plus one for each tensor index in `pinned` (never fused
+    into a consumer: a backend then computes it whole). False (nothing written) where the
+    layout of this ggml is not known."""
     if CgraphLayout.of(g) is None or not len(node_index):
         return CgraphLayout.of(g) is not None
     view = _view(graph)
@@ -113,7 +116,10 @@ def fill_use_counts(g, graph: int, host_at: np.ndarray, node_index: np.ndarray, 
     size = int(h.size)
     if len(node_index) > size:
         return False
-    counts = np.bincount(src_index[src_index >= 0], minlength=len(host_at))[node_index]
+    uses = np.bincount(src_index[src_index >= 0], minlength=len(host_at))
+    if pinned is not None and len(pinned):
+        uses[np.asarray(pinned, np.int64)] += 1
+    counts = uses[node_index]
     keys = host_at[node_index].astype(np.uint64)
     slots = _insert(keys, size)
     used = np.ctypeslib.as_array((ctypes.c_uint32 * ((size + 31) // 32)).from_address(h.used))

@@ -33,7 +33,7 @@ from apir.ggml.cgraph import fill_use_counts
 from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
-from apir.host.graph.computed_ids import candidates, check_computed_reads, computed_by
+from apir.host.graph.computed_ids import candidates, check_computed_reads, computed_by, ids_writer_nodes
 from apir.host.graph.overlap import first_overlap
 from apir.host.graph.rule_memo import check_nodes, rule_groups
 from apir.host.graph.shapes import OpEnums, TensorInfo
@@ -576,7 +576,10 @@ def _node_graph(lib: GraphLibrary, parsed, scratch: Scratch, host_at: np.ndarray
         for j in parsed.node_index.tolist():
             g.ggml_graph_add_node(graph, int(host_at[j]))
     if getattr(lib, "use_counts", False):  # (a library without the setting: none, as before)
-        fill_use_counts(g, graph, host_at, parsed.node_index, parsed.src_index)
+        # ids writers are never fused away: computed_ids relies on every byte of theirs being
+        # written, and ggml-vulkan's fused MoE router writes only the top-k view (and asserts
+        # on its strides, which no single op's rule asks of it)
+        fill_use_counts(g, graph, host_at, parsed.node_index, parsed.src_index, ids_writer_nodes(g, parsed))
     return graph
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from apir.host.errors import Refused
 from apir.host.graph.shapes import TensorInfo
 
-__all__ = ["ID_WRITERS", "candidates", "computed_by", "check_computed_reads", "WINDOW_WORK"]
+__all__ = ["ID_WRITERS", "candidates", "ids_writer_nodes", "computed_by", "check_computed_reads", "WINDOW_WORK"]
 
 ID_WRITERS = frozenset(("ARGSORT", "TOP_K"))
 
@@ -50,6 +50,12 @@ def candidates(g, parsed) -> np.ndarray:
     v = parsed.view_src_index.astype(np.int64)
     root = np.where(v >= 0, v, np.arange(len(t), dtype=np.int64))
     return _writer_ops(g)[t["op"].astype(np.int64)][root]
+
+
+def ids_writer_nodes(g, parsed) -> np.ndarray:
+    """Tensor indices of the nodes of `parsed` whose op is one of `ID_WRITERS`."""
+    nodes = parsed.node_index.astype(np.int64)
+    return nodes[_writer_ops(g)[parsed.tensors["op"][nodes].astype(np.int64)]]
 
 
 def computed_by(g, parsed, recs, i: int) -> Optional[Tuple[int, int]]:
