@@ -125,16 +125,17 @@ class GuestMemory:
         self._lock = threading.Lock()
 
     # --- the table --------------------------------------------------------------------------
-    def map_region(self, fd: int, gpa: int, size: int, uva: int, mmap_offset: int) -> Region:
+    def map_region(self, fd: int, gpa: int, size: int, uva: int, mmap_offset: int, replacing: bool = False) -> Region:
         """Maps `size` bytes at `mmap_offset` of `fd` (the caller closes fd), charged to the
-        share first. Raises GuestMemoryError for an empty or wrapping region, one mmap cannot
-        express or one past the share's bounds, OSError or ValueError (past the file's end)
-        when mmap fails."""
+        share first; `replacing`: a region of a table that will replace this one (set_table),
+        so the bounds do not count what the current table holds. Raises GuestMemoryError for
+        an empty or wrapping region, one mmap cannot express or one past the share's bounds,
+        OSError or ValueError (past the file's end) when mmap fails."""
         if size <= 0 or gpa + size > _ADDR_LIMIT or uva + size > _ADDR_LIMIT or mmap_offset + size > _ADDR_LIMIT:
             raise GuestMemoryError(f"bad memory region gpa={gpa:#x} size={size:#x} offset={mmap_offset:#x}")
         sealed = _shrink_sealed(fd)
         charge = {MEM_REGIONS: 1, MEM_BYTES: size, FDS: 1 if not sealed or MMAP_HOLDS_FD else 0}
-        why = self.share.take(charge)
+        why = self.share.take(charge, self._held() if replacing else None)
         if why is not None:
             raise GuestMemoryError(f"memory region gpa={gpa:#x} size={size:#x}: {why}")
         try:
@@ -217,6 +218,15 @@ class GuestMemory:
             old, self._regions = self._regions, []
         for r in old:
             r.close()
+
+    def _held(self) -> Dict[str, int]:
+        """What the current table's regions hold of the share."""
+        held: Dict[str, int] = {}
+        with self._lock:
+            for r in self._regions:
+                for kind, n in r.charge.items():
+                    held[kind] = held.get(kind, 0) + n
+        return held
 
     @property
     def max_regions(self) -> int:

@@ -109,10 +109,13 @@ class Share:
         self.pool = pool
         self.held: Dict[str, int] = {FDS: 0, BLOB_BYTES: 0, MEM_REGIONS: 0, MEM_BYTES: 0}
 
-    def take(self, amounts: Mapping[str, int]) -> Optional[str]:
-        """Charges `amounts` if each fits both bounds; None, or why not (nothing charged)."""
+    def take(self, amounts: Mapping[str, int], credit: Optional[Mapping[str, int]] = None) -> Optional[str]:
+        """Charges `amounts` if each fits both bounds; None, or why not (nothing charged).
+        `credit`: what the caller holds and is about to give back (a memory table being
+        replaced), not counted against the bounds."""
         with self.pool.lock:
             for kind, n in amounts.items():
+                n -= (credit or {}).get(kind, 0)
                 if self.held[kind] + n > self.own[kind]:
                     return (
                         f"{n} more {kind} over the front-end's limit ({_KEYS[kind][0]}): "
@@ -123,7 +126,7 @@ class Share:
                         f"{n} more {kind} over the process's limit ({_KEYS[kind][1]}): "
                         f"{self.pool.used[kind]} of {self.every[kind]} held by all front-ends"
                     )
-            for kind, n in amounts.items():
+            for kind, n in amounts.items():  # (the credit is given back by its holder)
                 self.held[kind] += n
                 self.pool.used[kind] += n
         return None

@@ -283,7 +283,7 @@ class FrontendSession:
         try:
             for i in range(count):
                 gpa, size, uva, offset = MEMORY_REGION.unpack_from(msg.payload, 8 + i * MEMORY_REGION.size)
-                regions.append(self.memory.map_region(msg.fds[i], gpa, size, uva, offset))
+                regions.append(self.memory.map_region(msg.fds[i], gpa, size, uva, offset, replacing=True))
         except BaseException:
             for r in regions:
                 r.close()
