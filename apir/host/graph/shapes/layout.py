@@ -13,6 +13,7 @@ from apir.host.graph.shapes.base import (
     OpEnums,
     TensorInfo,
     dst_contiguous,
+    extent,
     fail,
     int_counted_rules,
     need,
@@ -246,6 +247,16 @@ def _timestep_embedding(node, srcs, _enums=None):
         fail(node, "rows are not contiguous")
 
 
+def _sorted_apart(node, a) -> None:
+    """ggml-cpu's argsort is std::sort of the result with a comparator reading the input: a
+    result over its input changes the order as it sorts, and std::sort then runs past the
+    row (a segfault). ggml never makes one in place; refused where both addresses are known."""
+    if node.address and a.address:
+        lo, hi = max(node.address, a.address), min(node.address + extent(node), a.address + extent(a))
+        if lo < hi:
+            fail(node, "the result overlaps its input")
+
+
 def _argsort(node, srcs, _enums=None):
     (a,) = need(node, srcs, 1)
     if node.ne != a.ne or node.type_name != "I32" or a.type_name != "F32":
@@ -254,6 +265,7 @@ def _argsort(node, srcs, _enums=None):
         fail(node, f"sort order {param_i32(node, 0)}")
     if a.ne[0] > 0x7FFFFFFF or not (a.rows_packed() and node.rows_packed()):
         fail(node, "rows are not packed")
+    _sorted_apart(node, a)
 
 
 def _top_k(node, srcs, _enums=None):
@@ -264,6 +276,7 @@ def _top_k(node, srcs, _enums=None):
         fail(node, f"types {a.type_name} -> {node.type_name}")
     if not (a.rows_packed() and node.rows_packed()):
         fail(node, "rows are not packed")
+    _sorted_apart(node, a)
 
 
 # Leaves and views are not computed (ggml_op_is_empty): no kernel counts anything of them.
