@@ -12,7 +12,7 @@ N_NODES in-place ADDs (its result counts the nodes that ran) over a 0.5 s limit,
 with GGML_STATUS_ABORTED at a range's end, then a 3-node chain on the same context run to
 its end; the chain on a socket host (apir.host.local) whose guest hangs up mid-compute:
 stopped (the status the host's context recorded). And row ids the graph computes
-(apir.host.graph.computed_ids): MUL_MAT_ID and GET_ROWS of a TOP_K's expert ids, whose
+(apir.host.graph.computed_ids): MUL_MAT_ID and GET_ROWS of an argsort's top-k expert ids, whose
 result must be ggml CPU's (computed in this process). OUT.json: each scenario's figures.
 """
 
@@ -230,7 +230,8 @@ def hang_up(g, backend: str) -> dict:
 
 
 def computed_ids(g, backend: str) -> dict:
-    """A MoE layer's routing: ids = TOP_K(probs, 2) of 6 experts, then MUL_MAT_ID of the
+    """A MoE layer's routing as llama.cpp builds it: ids = the first 2 columns of ARGSORT(probs)
+    (ggml_argsort_top_k; not TOP_K, whose ids ggml-vulkan does not keep in range) of 6 experts, then MUL_MAT_ID of the
     experts' weights and GET_ROWS of the probabilities by those ids; through the host on
     `backend`, and on ggml CPU here."""
     from tests.host.hostkit import GgmlScratch, RemoteGraph, cpu_compute
@@ -240,7 +241,8 @@ def computed_ids(g, backend: str) -> dict:
         experts = g.ggml_new_tensor_3d(ctx, f32, 16, 4, 6)
         x = g.ggml_new_tensor_3d(ctx, f32, 16, 1, 3)  # 3 tokens
         probs = g.ggml_new_tensor_2d(ctx, f32, 6, 3)
-        ids = g.ggml_top_k(ctx, probs, 2)  # [2, 3]
+        order = g.ggml_argsort(ctx, probs, 1)  # (ggml_argsort_top_k: DESC, then a view)
+        ids = g.ggml_view_2d(ctx, order, 2, 3, g.ggml_row_size(g.types["I32"], 6), 0)  # [2, 3]
         mm = g.ggml_mul_mat_id(ctx, experts, x, ids)  # [4, 2, 3]
         w = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, probs, 1, 6, 3), ids)  # [1, 2, 3]
         out = g.ggml_mul(ctx, mm, w)
@@ -266,8 +268,8 @@ def computed_ids(g, backend: str) -> dict:
         assert guest.set_tensor(remote.handle, remote.rpc(t), d) == 0
     status = _compute(guest, remote.wire)
     rc, got = guest.get_tensor(remote.handle, remote.rpc(out), g.ggml_nbytes(out))
-    # (TOP_K's order is not ggml's contract: ggml-cpu swaps its first two, ggml-vulkan does
-    # not; each token's expert slots compared as a set, ordered by their first value)
+    # (each token's expert slots compared as a set, ordered by their first value: the order
+    # of the top k is not ggml's contract)
     def slots(b):
         rows = np.frombuffer(b, np.float32).reshape(3, 2, 4)
         return np.stack([r[np.argsort(r[:, 0])] for r in rows])

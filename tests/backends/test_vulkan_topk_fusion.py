@@ -36,3 +36,16 @@ def test_a_top_k_view_of_another_row_stride_does_not_abort_the_host(backends_bui
     log, out = _run(backends_build, 5, 3)
     assert out["rc"] == "0 status 0"
     assert out["apir"] == out["cpu"]
+
+
+def test_top_k_ids_out_of_range_never_reach_a_reader(backends_build):
+    """ggml-vulkan's TOP_K is no ids writer (apir.host.graph.profiles): ids it computes are
+    read before compute like any others, so its GET_ROWS is refused rather than given the
+    padding's id ne00 (one row past its table)."""
+    env = base_env(backends_build, True)
+    run = subprocess.run([sys.executable, "tests/backends/topk_nan_run.py"], env=env, cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:]
+    out = dict(line.split(" ", 1) for line in run.stdout.splitlines() if line.startswith(("rc ", "ids ")))
+    ids = [int(i) for i in out["ids"].split()]
+    assert out["rc"] == "1 status None" or all(0 <= i < 100 for i in ids), out

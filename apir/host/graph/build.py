@@ -33,7 +33,7 @@ from apir.ggml.cgraph import fill_use_counts
 from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
-from apir.host.graph.computed_ids import candidates, check_computed_reads, computed_by, ids_writer_nodes
+from apir.host.graph.computed_ids import ID_WRITERS, candidates, check_computed_reads, computed_by, ids_writer_nodes
 from apir.host.graph.overlap import first_overlap
 from apir.host.graph.rule_memo import check_nodes, rule_groups
 from apir.host.graph.shapes import OpEnums, TensorInfo
@@ -432,10 +432,11 @@ class TensorInfos(Sequence[TensorInfo]):
     that was made can hold what a rule left on it (`snapshot`, `read_by`, `id_bounds`,
     `one_thread`): `made()` lists those."""
 
-    def __init__(self, lib: GraphLibrary, parsed, recs: _Records, fetch: bool):
+    def __init__(self, lib: GraphLibrary, parsed, recs: _Records, fetch: bool, id_writers: frozenset = ID_WRITERS):
         self._lib, self._t, self._recs, self._fetch = lib, parsed.tensors, recs, fetch
         self._parsed = parsed
-        self._computed = candidates(lib.g, parsed)  # (bool per tensor: see computed_by)
+        self._writers = id_writers  # (the profile's: apir.host.graph.computed_ids)
+        self._computed = candidates(lib.g, parsed, id_writers)  # (bool per tensor: see computed_by)
         # the fields tensor_info reads, as columns (read faster than a record's fields)
         self._columns = tuple(self._t[f] for f in ("type", "op", "ne", "nb", "op_params"))
         self._made: Dict[int, TensorInfo] = {}
@@ -457,7 +458,7 @@ class TensorInfos(Sequence[TensorInfo]):
             info.room = buf.size - offset  # bytes to the end of its buffer (TensorInfo.room)
             info.id_reads = self._id_reads
             if self._computed[i]:
-                info.computed_by = computed_by(self._lib.g, self._parsed, recs, i)
+                info.computed_by = computed_by(self._lib.g, self._parsed, recs, i, self._writers)
             if self._fetch:
                 info.fetch = _Fetcher(self._lib, buf, offset)
             self._made[i] = info
@@ -614,7 +615,7 @@ def build_graph_parts(lib: GraphLibrary, parsed, scratch: Scratch, enums: OpEnum
     if recs is None:  # (the plain path, or a record the kernels left to the exact checks)
         recs = _check_records_one_by_one(lib, parsed)
     profile = profile_of(lib)
-    infos = TensorInfos(lib, parsed, recs, fetch=not profile.host_addressable)
+    infos = TensorInfos(lib, parsed, recs, fetch=not profile.host_addressable, id_writers=profile.id_writers)
     _check_spans(lib, parsed, infos, recs)
     check_nodes(infos, parsed.src_index, enums, profile.rules, groups)
     made = infos.made()

@@ -3,9 +3,10 @@
 A rule reads row ids before compute and the kernel is given that checked copy
 (`TensorInfo.snapshot`); ids a node of the same graph computes (a MoE's expert ids:
 ARGSORT or TOP_K, then GET_ROWS / MUL_MAT_ID) are not there yet. Some ops compute ids in
-range whatever their inputs: `ID_WRITERS`, whose result is I32 ids in [0, src0.ne[0]) on every
-backend's kernels (ggml-cpu's argsort sorts 0..ne00-1, its top_k partially sorts them;
-ggml-vulkan's bitonic sorts write the first ncols of a permutation). A tensor that is such a
+range whatever their inputs: `ID_WRITERS`, whose result is I32 ids in [0, src0.ne[0]) on
+ggml-cpu's kernels (its argsort sorts 0..ne00-1, its top_k partially sorts them); a backend's
+profile names those of its own (`BackendProfile.id_writers`: ggml-vulkan's bitonic argsort
+writes the first ncols of a permutation, its TOP_K does not). A tensor that is such a
 node (flagged to compute), or a view of one, each element on an element of it, in memory the
 guest cannot write during compute (a buffer the host allocated, not a guest resource), holds
 such ids (`computed_by`). A rule whose bound that is takes them unread
@@ -38,18 +39,18 @@ _I32 = 4
 
 
 @functools.lru_cache(maxsize=8)
-def _writer_ops(g) -> np.ndarray:
-    """bool per op of build `g`: the ID_WRITERS."""
-    return np.array([g.op_names.get(o, "") in ID_WRITERS for o in range(g.op_count)], np.bool_)
+def _writer_ops(g, writers: frozenset = ID_WRITERS) -> np.ndarray:
+    """bool per op of build `g`: the `writers`."""
+    return np.array([g.op_names.get(o, "") in writers for o in range(g.op_count)], np.bool_)
 
 
-def candidates(g, parsed) -> np.ndarray:
-    """bool per tensor of `parsed`: itself, or its view source, of an ID_WRITERS op (the only
+def candidates(g, parsed, writers: frozenset = ID_WRITERS) -> np.ndarray:
+    """bool per tensor of `parsed`: itself, or its view source, of a `writers` op (the only
     tensors `computed_by` may answer for; one pass, so that the others cost nothing)."""
     t = parsed.tensors
     v = parsed.view_src_index.astype(np.int64)
     root = np.where(v >= 0, v, np.arange(len(t), dtype=np.int64))
-    return _writer_ops(g)[t["op"].astype(np.int64)][root]
+    return _writer_ops(g, writers)[t["op"].astype(np.int64)][root]
 
 
 def ids_writer_nodes(g, parsed) -> np.ndarray:
@@ -58,15 +59,15 @@ def ids_writer_nodes(g, parsed) -> np.ndarray:
     return nodes[_writer_ops(g)[parsed.tensors["op"][nodes].astype(np.int64)]]
 
 
-def computed_by(g, parsed, recs, i: int) -> Optional[Tuple[int, int]]:
+def computed_by(g, parsed, recs, i: int, writers: frozenset = ID_WRITERS) -> Optional[Tuple[int, int]]:
     """(writer, bound) of tensor `i` of `parsed` (records checked: `recs`, as
-    apir.host.graph.build's `_Records`) where every element it has is one an `ID_WRITERS` node
+    apir.host.graph.build's `_Records`) where every element it has is one a `writers` node
     writes, an id in [0, bound); None otherwise. Whether that node runs, and before its
     readers with nothing written between, is `check_computed_reads`'."""
     t = parsed.tensors
     v = int(parsed.view_src_index[i])
     w = i if v < 0 else v  # (a view's source: ggml makes every view's view_src the root)
-    if g.op_names.get(int(t["op"][w])) not in ID_WRITERS:
+    if g.op_names.get(int(t["op"][w])) not in writers:
         return None
     compute = g.tensor_flags.get("COMPUTE", 0)
     if compute and not int(t["flags"][w]) & compute:

@@ -55,7 +55,9 @@ class BackendProfile:
     context computed before reuses its built host graph (apir.host.graph.cache).
     `async_transfers`: uploads into the backend's default-type buffers are deferred and
     row-id reads batched with its set/get_tensor_async (apir.host.backend.transfers; audited per
-    backend: ggml-vulkan aborts on any other buffer type)."""
+    backend: ggml-vulkan aborts on any other buffer type).
+    `id_writers`: ops whose I32 results are row ids in [0, src0.ne[0]) whatever their inputs
+    on this backend's kernels, taken unread by their readers (apir.host.graph.computed_ids)."""
 
     name: str
     rules: Mapping[str, Callable]
@@ -66,6 +68,7 @@ class BackendProfile:
     device_checks_nodes: bool
     caches_graphs: bool
     async_transfers: bool = False
+    id_writers: frozenset = frozenset(("ARGSORT", "TOP_K"))
 
 
 CPU = BackendProfile(
@@ -92,8 +95,12 @@ VULKAN = BackendProfile(
     device_checks_nodes=True,
     caches_graphs=True,
     async_transfers=True,
+    # not TOP_K: its n-ary search (topk_nary_search.comp) counts no value its ordering maps
+    # outside [-inf, +inf), so a row of -NaN leaves slots holding the padding's id, ne00
+    id_writers=frozenset(("ARGSORT",)),
 )
-# ggml-rpc's memory is another process's, like a GPU's: the same facts as Vulkan.
+# ggml-rpc's memory is another process's, like a GPU's: the same facts as Vulkan (and its
+# server's device may be one).
 RPC = replace(VULKAN, name="RPC", async_transfers=False)
 PROFILES = {p.name.lower(): p for p in (CPU, VULKAN, RPC)}
 
