@@ -137,12 +137,10 @@ def test_a_copy_between_two_devices_buffers_is_refused(ggml):
         g.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kept graphs (up to apir.host.kept_graph_bytes, 64 MiB, per context) are host memory "
-    "charged to no pool: a peer's 16 socket connections keep 1 GiB beyond its peer_memory_limit",
-)
 def test_kept_graphs_count_in_their_peers_memory(ggml):
+    # kept graphs (up to apir.host.kept_graph_bytes per context) are host memory: charged to the
+    # peer's and the process's pools like buffers, or a peer's 16 socket connections would keep
+    # 1 GiB beyond its peer_memory_limit
     from apir.host.backend.budget import HOST_MEMORY
 
     g = Guest(HostContext(7, {"apir.host.peer": "kept-graphs-peer"}))
@@ -156,6 +154,28 @@ def test_kept_graphs_count_in_their_peers_memory(ggml):
         rc, _ = g.forward(X.GRAPH_COMPUTE_KEEP, lambda e: (e.u64(1), e.u32(DATA_RES), e.u64(len(wire))))
         assert rc == 0 and g.ctx._library._kept_bytes == len(wire) > 300_000
         assert HOST_MEMORY.by_peer.get("kept-graphs-peer", 0) - before >= len(wire)
+        remote.close()
+    finally:
+        s.close()
+        g.close()
+    assert HOST_MEMORY.by_peer.get("kept-graphs-peer", 0) == 0  # given back with the context
+
+
+def test_a_graph_over_the_peers_memory_is_computed_but_not_kept(ggml):
+    from apir.host.backend.budget import HOST_MEMORY
+
+    g = Guest(HostContext(8, {"apir.host.peer": "small-peer", "apir.host.peer_memory_limit": "200000"}))
+    s = GgmlScratch(ggml, 1100)
+    try:
+        assert _query(g) == 4
+        remote = RemoteGraph(g, ggml, s.ctx, add_chain(ggml, s.ctx, 1000))
+        wire = remote.wire
+        g.data[: len(wire)] = wire
+        rc, _ = g.forward(X.GRAPH_COMPUTE_KEEP, lambda e: (e.u64(1), e.u32(DATA_RES), e.u64(len(wire))))
+        assert rc == 0 and g.ctx._library._kept_bytes == 0  # computed, not kept
+        rc, _ = g.forward(X.GRAPH_RECOMPUTE, lambda e: e.u64(1))
+        assert rc == APIR_BACKEND_GRAPH_UNKNOWN  # the guest sends it again
+        assert HOST_MEMORY.by_peer.get("small-peer", 0) <= 200000
         remote.close()
     finally:
         s.close()

@@ -150,8 +150,7 @@ class ExtendedLibrary(PythonBackendLibrary):
         return bool(self.agreed & bit)
 
     def deinit(self) -> None:
-        self._kept.clear()
-        self._kept_bytes = 0
+        self._forget_all()
         for lib in self.devices[1:]:
             lib.deinit()
         super().deinit()
@@ -237,8 +236,7 @@ class ExtendedLibrary(PythonBackendLibrary):
         if not self.agreed & ApirExtension.DEVICES:
             self.selected = 0
         if not self.agreed & ApirExtension.GRAPH_REPLAY:
-            self._kept.clear()
-            self._kept_bytes = 0
+            self._forget_all()
         count = len(self.devices) if self.agreed & ApirExtension.DEVICES else 1
         log.info("ctx %d: extensions 0x%x agreed (guest 0x%x), %d device(s)", self.ctx_id, self.agreed, guest, count)
         self._reply(enc, X.EXT_QUERY, self.agreed, count)
@@ -262,8 +260,16 @@ class ExtendedLibrary(PythonBackendLibrary):
         if size <= self._kept_limit:
             while self._kept and (len(self._kept) >= MAX_KEPT_GRAPHS or self._kept_bytes + size > self._kept_limit):
                 self._forget(next(iter(self._kept)))
-            self._kept[graph_id] = (device, copy)
-            self._kept_bytes += size
+            # host memory like a buffer's: within the peer's and the process's pools (apir.host.backend
+            # .budget), or not kept (the guest then sends the graph again)
+            budget = self.budget
+            lim = budget.limits
+            why = budget.host.take(size, lim.host_bytes, lim.peer, lim.peer_bytes)
+            if why is None:
+                self._kept[graph_id] = (device, copy)
+                self._kept_bytes += size
+            else:
+                log.info("ctx %d: graph %d not kept: %s", self.ctx_id, graph_id, why)
         self._reply(enc, X.GRAPH_COMPUTE_KEEP, status)
         return BACKEND_RC_OK
 
@@ -295,3 +301,8 @@ class ExtendedLibrary(PythonBackendLibrary):
         kept = self._kept.pop(graph_id, None)
         if kept is not None:
             self._kept_bytes -= len(kept[1])
+            self.budget.host.give(len(kept[1]), self.budget.limits.peer)
+
+    def _forget_all(self) -> None:
+        for graph_id in list(self._kept):
+            self._forget(graph_id)
