@@ -32,8 +32,7 @@ from apir.codec.constants import (
     ApirForwardReturnCode,
 )
 from tests.interop.harness import REPO, c_build_env
-from tests.llama.runner import HOST_ERROR, Generation, apir_env, generate, local_env
-from tests.llama.test_generate import LOGITS_ATOL
+from tests.llama.runner import HOST_ERROR, LOGITS_ATOL, Generation, apir_env, generate, local_env
 
 PROMPT = "The capital of France is"
 BASE = ApirForwardReturnCode.BASE_INDEX

@@ -11,13 +11,8 @@ import numpy as np
 import pytest
 
 from tests.interop.harness import HostProcess
-from tests.llama.runner import HOST_ERROR, apir_env, generate, local_env
+from tests.llama.runner import HOST_ERROR, LOGITS_ATOL, apir_env, generate, local_env
 
-# Both sides run the same ggml-cpu kernels of one build on the same data, so the logits are
-# expected bit-identical (and were, for all four prompts); the tolerance only allows for a
-# different split of the graph between the guest's CPU backend and the host reordering an F32
-# reduction.
-LOGITS_ATOL = 1e-3
 # One thread on each side: on a shared 2-core machine ggml's spinning worker threads make a
 # 2-thread run many times slower (llama.cpp's -t, apir.host.n_threads); the tokens do not depend
 # on it (ggml splits rows between threads, not reductions).

@@ -29,7 +29,7 @@ from tests import prereq
 from tests.cref import BuildFailed
 from tests.interop.harness import HostProcess, build_shim
 from tests.llama import build_python
-from tests.llama.runner import HOST_ERROR, local_env
+from tests.llama.runner import HOST_ERROR, LOGITS_ATOL, local_env
 
 pytestmark = pytest.mark.llamapy
 
@@ -38,7 +38,6 @@ PROGRAM = HERE / "llamapy_generate.py"
 N_PREDICT = 64
 PROMPT = "The capital of France is"
 # as tests/llama/test_generate.py: the same kernels on the same data, bit-identical in practice
-LOGITS_ATOL = 1e-3
 
 
 @pytest.fixture(scope="session")
