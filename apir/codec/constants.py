@@ -39,6 +39,11 @@ __all__ = [
     "ApirExtension",
     "APIR_EXTENSIONS_ALL",
     "APIR_BACKEND_GRAPH_UNKNOWN",
+    "APIR_FORWARD_POSTED",
+    "APIR_BACKEND_POSTED_FAILED",
+    "APIR_BACKEND_QUEUE_FULL",
+    "APIR_MAX_POSTED",
+    "POSTABLE_FUNCTIONS",
     "CapsetApir",
     "negotiated_version",
 ]
@@ -194,6 +199,13 @@ class ApirExtensionCommandType(enum.IntEnum):
     DEVICE_SELECT = 0x101
     GRAPH_COMPUTE_KEEP = 0x102
     GRAPH_RECOMPUTE = 0x103
+    SYNCHRONIZE = 0x104
+    EVENT_NEW = 0x105
+    EVENT_RECORD = 0x106
+    EVENT_WAIT = 0x107
+    EVENT_SYNCHRONIZE = 0x108
+    EVENT_FREE = 0x109
+    BUFFER_SET_TENSOR_AT = 0x10A
 
     @property
     def c_name(self) -> str:
@@ -205,13 +217,37 @@ class ApirExtension(enum.IntFlag):
 
     DEVICES = 1 << 0  # several host devices: DEVICE_SELECT, handles and graphs name their device
     GRAPH_REPLAY = 1 << 1  # GRAPH_COMPUTE_KEEP / GRAPH_RECOMPUTE
+    ASYNC = 1 << 2  # posted commands, SYNCHRONIZE, events
 
 
-APIR_EXTENSIONS_ALL = int(ApirExtension.DEVICES | ApirExtension.GRAPH_REPLAY)
+APIR_EXTENSIONS_ALL = int(ApirExtension.DEVICES | ApirExtension.GRAPH_REPLAY | ApirExtension.ASYNC)
 
 # GRAPH_RECOMPUTE's function return code (Forward: 4 + 7 = 11) when the host holds no graph of
 # that id (never kept, evicted, or its buffers freed): the guest sends the graph again.
 APIR_BACKEND_GRAPH_UNKNOWN = 7
+
+
+# ASYNC (docs/protocol.md 12.7). A Forward whose function id has this bit is posted: run in
+# order, no reply written; its failure is answered at the next waited-for command.
+APIR_FORWARD_POSTED = 1 << 31
+# The functions that may be posted: they return nothing the guest needs (cpy_tensor's
+# `copied` false is the posted command's failure).
+POSTABLE_FUNCTIONS = frozenset(
+    int(f)
+    for f in (
+        ApirBackendCommandType.BUFFER_SET_TENSOR,
+        ApirBackendCommandType.BUFFER_CPY_TENSOR,
+        ApirBackendCommandType.BUFFER_CLEAR,
+        ApirExtensionCommandType.BUFFER_SET_TENSOR_AT,
+    )
+)
+# A waited-for command's function return code (Forward: 4 + 8 = 12) while a posted command's
+# failure is pending: the command did not run; SYNCHRONIZE tells which posted command failed.
+APIR_BACKEND_POSTED_FAILED = 8
+# A posted command's failure code (Forward 4 + 9 = 13) past APIR_MAX_POSTED since the last
+# waited-for command: it is not run.
+APIR_BACKEND_QUEUE_FULL = 9
+APIR_MAX_POSTED = 256  # posted commands between two waited-for ones
 
 
 class CapsetApir:

@@ -1,4 +1,4 @@
-"""The 23 Forward functions of APIR 0.2 and the extensions' four: what each command and reply carries.
+"""The 23 Forward functions of APIR 0.2 and the extensions': what each command and reply carries.
 
 Theory of operation: `FORWARD` holds one `Function` per `ApirBackendCommandType` id (and per
 `ApirExtensionCommandType` id, docs/protocol.md section 12), with its
@@ -381,6 +381,28 @@ _EXTENSIONS = (
         reply=(Field("status", I32),),
     ),
     Function(X.GRAPH_RECOMPUTE, args=(Field("graph_id", SIZE),), reply=(Field("status", I32),)),
+    # ASYNC: the posted commands since the last waited-for one, and the first that failed
+    # (`code` 0: none; else the Forward return code it would have had, waited for)
+    Function(
+        X.SYNCHRONIZE,
+        reply=(Field("posted", U32), Field("failed_index", U32), Field("function", U32), Field("code", U32)),
+    ),
+    Function(X.EVENT_NEW, reply=(Field("event", HANDLE),)),
+    Function(X.EVENT_RECORD, args=(Field("event", HANDLE),)),
+    Function(X.EVENT_WAIT, args=(Field("event", HANDLE),)),
+    Function(X.EVENT_SYNCHRONIZE, args=(Field("event", HANDLE),)),
+    Function(X.EVENT_FREE, args=(Field("event", HANDLE),)),
+    Function(  # buffer_set_tensor from bytes [shmem_offset, + size) of the resource
+        X.BUFFER_SET_TENSOR_AT,
+        args=(
+            Field("buffer", HANDLE),
+            Field("tensor", RPC_TENSOR),
+            Field("shmem_res_id", RES_ID),
+            Field("shmem_offset", SIZE),
+            Field("offset", SIZE),
+            Field("size", SIZE),
+        ),
+    ),
 )
 
 # By function id (an ApirBackendCommandType or ApirExtensionCommandType, or the int of one).

@@ -9,8 +9,9 @@ function id; they live in four mixins named after the C guest's files
 (client_device, client_buffer_type, client_buffer, client_backend =
 virtgpu-forward-{device,buffer-type,buffer,backend}.cpp) and all go through
 `ForwardCaller._call` (client_forward), which encodes and decodes them as the Forward table
-(apir.codec.forward) lists them. The extensions beyond APIR 0.2 (client_extensions) are
-asked for after LoadLibrary, unless turned off.
+(apir.codec.forward) lists them. The extensions beyond APIR 0.2 (client_extensions, and
+client_async for posted commands and events) are asked for after LoadLibrary, unless
+turned off.
 
 Thread-safe: each call holds the Remote's lock from encoding to the end of decoding.
 Nothing here knows which transport the device uses.
@@ -24,6 +25,7 @@ from typing import Optional, Tuple, cast
 from apir.codec.constants import APIR_HANDSHAKE_MAGIC, APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR, ApirCommandType
 from apir.codec.records import GGML_0_20_LIMITS, GgmlLimits
 from apir.codec.wire import Decoder, Encoder
+from apir.guest.client_async import AsyncCalls
 from apir.guest.client_backend import BackendCalls
 from apir.guest.client_buffer import BufferCalls
 from apir.guest.client_buffer_type import BufferTypeCalls
@@ -38,7 +40,7 @@ __all__ = ["ApirClient", "DeviceProps"]
 log = logging.getLogger(__name__)
 
 
-class ApirClient(ExtensionCalls, DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
+class ApirClient(AsyncCalls, ExtensionCalls, DeviceCalls, BufferTypeCalls, BufferCalls, BackendCalls):
     """The APIR client over `remote` (arguments: `ForwardCaller`'s). `host_version` is
     (major, minor) once `handshake()` ran; `negotiated_version` the one version-dependent
     replies are read in."""

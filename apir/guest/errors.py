@@ -63,6 +63,7 @@ __all__ = [
     "HostForwardTimeout",
     "FailedToSyncStreams",
     "BackendFunctionError",
+    "PostedCommandError",
     "load_library_error",
     "forward_error",
 ]
@@ -304,6 +305,20 @@ class BackendFunctionError(ForwardError):
         self.function_code = code - ApirForwardReturnCode.BASE_INDEX
         super().__init__(code, function)
         self.args = (f"{function}: backend function returned {self.function_code}",)
+
+
+class PostedCommandError(BackendFunctionError):
+    """A posted command (the ASYNC extension) failed: reported at the next synchronization
+    point. `function` names it, `code` is the Forward return code it would have had waited
+    for, `index` its place among the commands posted since the waited-for one before it, and
+    `posted` what the guest sent there (None when the guest does not know)."""
+
+    def __init__(self, code: int, function: str, index: int, posted: Optional[str] = None):
+        super().__init__(code, function)
+        self.index = index
+        self.posted = posted
+        what = posted or function
+        self.args = (f"posted command #{index}, {what}, failed: backend function returned {self.function_code}",)
 
 
 _BASE_INDEX = int(ApirForwardReturnCode.BASE_INDEX)

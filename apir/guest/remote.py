@@ -15,6 +15,10 @@ never interleave on the shared blobs. `call(..., meanwhile=fn)` submits without 
 command to run and runs `fn` (a transfer's copy of its next chunk) before the wait: still one
 command in flight and one reply each, checked before the next is sent.
 
+`post(...)` submits a posted command (the ASYNC extension, docs/protocol.md 12.7): no reply
+word is cleared or waited for; its bytes travel in the post window (`post_window`), a blob of
+its own that no waited-for command uses. `waited` and `posted` count the EXECBUFFERs of each.
+
 A late reply after a timeout can still land in the reply blob, and one arriving during the next
 call would be taken for its own: a host that misses a deadline should be treated as lost.
 """
@@ -47,7 +51,14 @@ from apir.codec.wire import Decoder, Encoder
 from apir.guest.device import Blob, NoWaitDevice, VirtgpuDevice, WatchedDevice
 from apir.guest.errors import ApirTimeout, DeviceError, MissingCapability
 
-__all__ = ["Remote", "select_capset", "DEFAULT_FORWARD_TIMEOUT_S", "COMMAND_BUFFER_SIZE", "TRANSFER_CHUNK"]
+__all__ = [
+    "Remote",
+    "select_capset",
+    "DEFAULT_FORWARD_TIMEOUT_S",
+    "COMMAND_BUFFER_SIZE",
+    "TRANSFER_CHUNK",
+    "POST_WINDOW_SIZE",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +71,9 @@ COMMAND_BUFFER_SIZE = 64 * 1024  # the command itself; bulk bytes go through the
 # enough that a call's round trip, during which the host's copy waits, is small next to its
 # copy (docs/design.md, Measurements).
 TRANSFER_CHUNK = 8 << 20
+# The post window: bytes of posted set_tensors between two waited-for commands (a larger set,
+# or one past a full window, is waited for, which frees the window).
+POST_WINDOW_SIZE = 4 << 20
 
 # Wait tuning: spin at least _SPIN_MIN_S, at most _SPIN_MAX_S (twice the recent reply
 # latency when that fits), in one call (then chunks of _SPIN_CHUNK acquire loads should the
@@ -68,6 +82,7 @@ TRANSFER_CHUNK = 8 << 20
 # (`watch_wakes`, apir.guest.device.WatchedDevice): looking every millisecond through a long
 # compute takes a share of the core the host's threads need (docs/design.md, Measurements).
 _COMMAND_HEADER = struct.Struct("<iiI")  # command type, flags, reply res_id (remote_call_prepare)
+_POST_HEADER = struct.Struct("<iII")  # the same, with a posted function id's top bit
 _SPIN_MIN_S = 20e-6
 _SPIN_MAX_S = 500e-6
 _SPIN_CHUNK = 2048
@@ -132,6 +147,9 @@ class Remote:
         self._spare: Optional[Blob] = None  # the second transfer window, once made
         self._spare_view = _NO_DATA
         self._spare_refused = False  # the device refused it once: transfers go one chunk at a time
+        self._post: Optional[Blob] = None  # the post window, once made
+        self.waited = 0  # EXECBUFFERs whose reply was waited for
+        self.posted = 0  # EXECBUFFERs posted (no reply)
         self._reply: Optional[Blob] = None  # None until made, and once closed
         self._data: Optional[Blob] = None
         self.closed = False
@@ -216,6 +234,7 @@ class Remote:
             enc.check()
             self._reply_word.store_release(0)
             command = self._command_view[: enc.written]
+            self.waited += 1
             if meanwhile is None:
                 self.device.execbuffer(command)
                 word = self._wait(self._reply_word, timeout_s, cmd_type, flags)
@@ -233,6 +252,28 @@ class Remote:
             if decode_fn is None:
                 return ret, dec
             return ret, decode_fn(ret, dec)
+
+    def post(self, flags: int, encode_fn: Callable[[Encoder], None]) -> None:
+        """Submits a posted Forward (`flags`: the function id with APIR_FORWARD_POSTED):
+        header and `encode_fn`'s arguments, without touching or waiting for the reply word
+        (the header still names the reply blob; the host writes nothing there)."""
+        with self.lock:
+            if self.closed or self._reply_word is None:
+                raise RuntimeError("remote call on a closed Remote")
+            enc = self._encoder
+            enc.reset()
+            enc.pack(_POST_HEADER, int(ApirCommandType.FORWARD) + self.command_type_offset, flags, self._reply_res_id)
+            encode_fn(enc)
+            enc.check()
+            self.posted += 1
+            self.device.execbuffer(self._command_view[: enc.written])
+
+    def post_window(self) -> Blob:
+        """The post window (POST_WINDOW_SIZE bytes), made on first use and kept until `close`."""
+        with self.lock:
+            if self._post is None:
+                self._post = self.device.create_blob(blob_size(POST_WINDOW_SIZE))
+            return self._post
 
     def _wait(self, reply_word: Word, limit_s: float, cmd_type: int, flags: int) -> int:
         """The notification word `reply_word` once non-zero; ApirTimeout after `limit_s`
@@ -317,7 +358,7 @@ class Remote:
             self.closed = True
             self._reply_word = self._reply_decoder = None
             self.data_view = self._spare_view = _NO_DATA  # drops the views of the mappings
-            for blob in (self._reply, self._data, self._spare):
+            for blob in (self._reply, self._data, self._spare, self._post):
                 if blob is not None:
                     try:
                         self.device.destroy_blob(blob)
@@ -325,7 +366,7 @@ class Remote:
                         log.warning("%s: blob %d is still in use; left mapped", self.name, blob.res_id)
                     except DeviceError as exc:  # the host is gone, and the blob with it
                         log.info("%s: blob %d not destroyed: %s", self.name, blob.res_id, exc)
-            self._reply = self._data = self._spare = None
+            self._reply = self._data = self._spare = self._post = None
             self.device.close()
 
     def __enter__(self) -> "Remote":

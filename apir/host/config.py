@@ -36,6 +36,7 @@ __all__ = [
     "CONFIG_KEY_KEPT_GRAPH_BYTES",
     "DEFAULT_KEPT_GRAPH_BYTES",
     "MAX_KEPT_GRAPHS",
+    "MAX_EVENTS",
     "CONFIG_KEY_WORK_BUDGET",
     "DEFAULT_WORK_BUDGET",
     "CONFIG_KEY_BUFFER_BUDGET",
@@ -137,6 +138,8 @@ CONFIG_KEY_USE_COUNTS = "apir.host.use_counts"
 CONFIG_KEY_KEPT_GRAPH_BYTES = "apir.host.kept_graph_bytes"
 DEFAULT_KEPT_GRAPH_BYTES = 64 << 20
 MAX_KEPT_GRAPHS = 16
+# events a context holds at once (EVENT_NEW, the ASYNC extension)
+MAX_EVENTS = 64
 # bytes of the CPU backend's planned work buffer per graph (apir.host.graph.work_plan)
 CONFIG_KEY_WORK_BUDGET = "apir.host.work_budget"
 DEFAULT_WORK_BUDGET = 1 << 30

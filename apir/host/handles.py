@@ -15,7 +15,7 @@ from its tensor pointers, so serialized `data` fields arrive as offsets into the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Generic, Iterator, Optional, Tuple, TypeVar
+from typing import Any, Dict, Generic, Iterator, Optional, Tuple, TypeVar
 
 __all__ = ["HandleTable", "VirtualAddressSpace", "HostBuffer", "HostBufferType"]
 
@@ -38,8 +38,9 @@ class HandleTable(Generic[T]):
         self._counter = counter
         self._items: Dict[int, T] = {}
 
-    def sibling(self) -> "HandleTable[T]":
-        """An empty table drawing ids from the same counter (another device of the context)."""
+    def sibling(self) -> "HandleTable[Any]":
+        """An empty table drawing ids from the same counter (another device of the context,
+        or another kind of handle: events)."""
         return HandleTable(self._counter)
 
     def add(self, item: T) -> int:

@@ -21,14 +21,14 @@ by default the C adapter (apir.host.backend.c_library; docs/interop.md).
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Tuple
+from typing import Optional, Protocol, Tuple, runtime_checkable
 
 from apir.codec.constants import ApirLoadLibraryReturnCode
 from apir.codec.wire import Decoder, Encoder
 from apir.errors import ApirError
 from apir.host.resources import Resource
 
-__all__ = ["BackendLibrary", "LibraryHost", "LibraryLoadError"]
+__all__ = ["BackendLibrary", "LibraryHost", "LibraryLoadError", "PostingLibrary"]
 
 
 class LibraryHost(Protocol):
@@ -77,3 +77,14 @@ class LibraryLoadError(ApirError):
     def __init__(self, code: ApirLoadLibraryReturnCode, message: str):
         super().__init__(message)
         self.code = ApirLoadLibraryReturnCode(code)
+
+
+@runtime_checkable
+class PostingLibrary(Protocol):
+    """A library that runs posted commands (the ASYNC extension, docs/protocol.md 12.7): the
+    component hands it a Forward whose function id has APIR_FORWARD_POSTED while
+    `accepts_posted()`, and writes no reply for it."""
+
+    def accepts_posted(self) -> bool: ...
+
+    def post(self, function_id: int, dec: Decoder) -> None: ...

@@ -192,6 +192,7 @@ class Abi:
         self.Backend = struct("ggml_backend", [("guid", P), ("iface", self.BackendI), ("device", P), ("context", P)])
         self.Device = struct("ggml_backend_device", [("iface", self.DeviceI), ("reg", P), ("context", P)])
         self.Reg = struct("ggml_backend_reg", [("api_version", ctypes.c_int), ("iface", self.RegI), ("context", P)])
+        self.Event = struct("ggml_backend_event", [("device", P), ("context", P)])
         self.DevCaps = struct("ggml_backend_dev_caps", [(c, ctypes.c_bool) for c in spec.caps])
         self.DevProps = struct(
             "ggml_backend_dev_props",

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 from apir.errors import ApirError
 from apir.ggml import load as load_ggml
 from apir.guest.backend.abi import abi_for
-from apir.guest.backend.buffer import RemoteBuffer, build_buffer_iface
+from apir.guest.backend.buffer import BufferOps, RemoteBuffer, build_buffer_iface
 from apir.guest.backend.buffer_type import build_buffer_type, build_buffer_type_iface
 from apir.guest.backend.callbacks import CallbackTable, clear_errors, raise_errors
 from apir.guest.backend.device import build_device, build_device_iface
@@ -110,6 +110,7 @@ class ApirBackend:
 
         self._reg = build_reg(self)
         self.reg = ctypes.addressof(self._reg)
+        self.buffer_ops = BufferOps(self)
         self.buffer_iface = build_buffer_iface(self)
         self._backend_iface = build_backend_iface(self)
         dev_iface = build_device_iface(self)

@@ -27,7 +27,7 @@ from typing import Optional
 
 from apir.codec.copy import RawMemory, copy_bytes
 
-__all__ = ["RemoteBuffer", "alloc_buffer", "build_buffer_iface", "memory_address", "tensor_field"]
+__all__ = ["RemoteBuffer", "BufferOps", "alloc_buffer", "build_buffer_iface", "memory_address", "tensor_field"]
 
 
 @dataclass
@@ -117,63 +117,81 @@ def _copy_in_mapping(g, rb: RemoteBuffer, tensor: int, offset: int, data: int, s
         copy_bytes(RawMemory(data or 0, size), mapping, size, src_offset=at)
 
 
-def build_buffer_iface(owner):
-    """The `ggml_backend_buffer_i` shared by all of `owner`'s buffers."""
-    from apir.codec.graph import rpc_tensor_from_ggml
+class BufferOps:
+    """The buffer functions of `owner`'s buffers as Python callables (the buffer iface's
+    callbacks, and the backend's async entries, call them). Before the guest touches a
+    guest-mapped buffer's memory itself, the commands it posted are waited for
+    (`client.synchronize`): one of them may still write or read that memory."""
 
-    g, abi, cb = owner.g, owner.abi, owner.callbacks
+    def __init__(self, owner):
+        from apir.codec.graph import rpc_tensor_from_ggml
 
-    def rpc(tensor):
-        return rpc_tensor_from_ggml(g, tensor, owner.buffer_table)
+        self.owner = owner
+        g = self.g = owner.g
+        self._rpc = lambda tensor: rpc_tensor_from_ggml(g, tensor, owner.buffer_table)
+        sync = getattr(owner.client, "synchronize", None)  # (ASYNC; a no-op with nothing posted)
+        self._settle = sync if sync is not None else (lambda: None)
 
-    def free_buffer(buf):
+    def free_buffer(self, buf):
+        owner = self.owner
         rb = owner.remove_buffer(buf)
         try:
             owner.client.buffer_free_buffer(rb.host_handle)
         finally:
             owner.release_blob(rb.blob)
 
-    def set_tensor(buf, tensor, data, offset, size):
-        rb = owner.buffer(buf)
+    def set_tensor(self, buf, tensor, data, offset, size):
+        rb = self.owner.buffer(buf)
         if rb.is_from_ptr:
-            _copy_in_mapping(g, rb, tensor, offset, data, size, to_tensor=True)
+            self._settle()
+            _copy_in_mapping(self.g, rb, tensor, offset, data, size, to_tensor=True)
         else:
-            owner.client.buffer_set_tensor(rb.host_handle, rpc(tensor), offset, _bytes_at(data, size))
+            self.owner.client.buffer_set_tensor(rb.host_handle, self._rpc(tensor), offset, _bytes_at(data, size))
 
-    def get_tensor(buf, tensor, data, offset, size):
-        rb = owner.buffer(buf)
+    def get_tensor(self, buf, tensor, data, offset, size):
+        rb = self.owner.buffer(buf)
         if rb.is_from_ptr:
-            _copy_in_mapping(g, rb, tensor, offset, data, size, to_tensor=False)
+            self._settle()
+            _copy_in_mapping(self.g, rb, tensor, offset, data, size, to_tensor=False)
         else:
-            owner.client.buffer_get_tensor(rb.host_handle, rpc(tensor), offset, _bytes_at(data, size))
+            self.owner.client.buffer_get_tensor(rb.host_handle, self._rpc(tensor), offset, _bytes_at(data, size))
 
-    def memset_tensor(buf, tensor, value, offset, size):
-        rb = owner.buffer(buf)
+    def memset_tensor(self, buf, tensor, value, offset, size):
+        rb = self.owner.buffer(buf)
         if rb.is_from_ptr:
-            ctypes.memset(_checked_span(g, rb, tensor, offset, size), value, size)
+            self._settle()
+            ctypes.memset(_checked_span(self.g, rb, tensor, offset, size), value, size)
         else:
-            owner.client.buffer_set_tensor(rb.host_handle, rpc(tensor), offset, bytes([value]) * size)
+            self.owner.client.buffer_set_tensor(rb.host_handle, self._rpc(tensor), offset, bytes([value]) * size)
 
-    def cpy_tensor(buf, src, dst):
+    def cpy_tensor(self, buf, src, dst, post: bool = False):
+        owner = self.owner
         rb = owner.buffer(buf)
-        if not owner.has_buffer(tensor_field(g, src, "buffer")):
+        if not owner.has_buffer(tensor_field(self.g, src, "buffer")):
             return False
-        return bool(owner.client.buffer_cpy_tensor(rb.host_handle, rpc(src), rpc(dst)))
+        client, src_rpc, dst_rpc = owner.client, self._rpc(src), self._rpc(dst)
+        if post:
+            return bool(client.buffer_cpy_tensor(rb.host_handle, src_rpc, dst_rpc, post=True))
+        return bool(client.buffer_cpy_tensor(rb.host_handle, src_rpc, dst_rpc))
 
-    def clear(buf, value):
-        owner.client.buffer_clear(owner.buffer(buf).host_handle, value)
+    def clear(self, buf, value):
+        self.owner.client.buffer_clear(self.owner.buffer(buf).host_handle, value)
 
+
+def build_buffer_iface(owner):
+    """The `ggml_backend_buffer_i` shared by all of `owner`'s buffers (over `owner.buffer_ops`)."""
+    abi, cb, ops = owner.abi, owner.callbacks, owner.buffer_ops
     return cb.iface(
         abi.BufferI,
         abi.protos["ggml_backend_buffer_i"],
         {
-            "free_buffer": (free_buffer, None),
+            "free_buffer": (ops.free_buffer, None),
             "get_base": (lambda buf: owner.buffer(buf).base, None),
-            "memset_tensor": (memset_tensor, None),
-            "set_tensor": (set_tensor, None),
-            "get_tensor": (get_tensor, None),
-            "cpy_tensor": (cpy_tensor, False),
-            "clear": (clear, None),
+            "memset_tensor": (ops.memset_tensor, None),
+            "set_tensor": (ops.set_tensor, None),
+            "get_tensor": (ops.get_tensor, None),
+            "cpy_tensor": (lambda buf, src, dst: ops.cpy_tensor(buf, src, dst), False),
+            "clear": (ops.clear, None),
         },
         "buffer",
     )

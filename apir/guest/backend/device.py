@@ -7,8 +7,9 @@ come from the registry's cache (`RemoteInfo`). As in the C:
 - `supports_op` answers true without asking the host (the C's USE_ALWAYS_TRUE_SUPPORTS_OP,
   since the host checks each graph anyway); `ApirBackend(remote_supports_op=True)` asks the
   host with `device_supports_op` instead.
-- `get_props` reports async, events and buffer_from_host_ptr as false whatever the host
-  says: the guest implements none of them through ggml's device API. The zero-copy path the
+- `get_props` reports buffer_from_host_ptr as false whatever the host says, and async and
+  events true exactly when the ASYNC extension was agreed (then event_new / event_free /
+  event_synchronize are the host's events, ggml_backend_event structs owned here). The zero-copy path the
   host may offer is used inside `alloc_buffer` (see buffer_type.py), not here.
 - `supports_buft` accepts exactly the buffer types whose device is this device.
 - `buffer_from_host_ptr` stays NULL. (The C fills it with a function that asks the host for a
@@ -45,9 +46,9 @@ def build_device_iface(owner):
         props.device_id = None
         caps = props.caps
         caps.host_buffer = bool(info.props.host_buffer)
-        setattr(caps, "async", False)  # a keyword in Python; see the module docstring
+        setattr(caps, "async", posting)  # a keyword in Python; see the module docstring
         caps.buffer_from_host_ptr = False
-        caps.events = False
+        caps.events = posting
         if "mmap_support" in dict(type(caps)._fields_):
             caps.mmap_support = bool(getattr(info.props, "mmap_support", False))
 
@@ -61,23 +62,46 @@ def build_device_iface(owner):
     def supports_buft(dev, buft):
         return abi.BufferType.from_address(buft).device == dev
 
-    return cb.iface(
-        abi.DeviceI,
-        abi.protos["ggml_backend_device_i"],
-        {
-            "get_name": (lambda dev: name, None),
-            "get_description": (lambda dev: description, None),
-            "get_memory": (get_memory, None),
-            "get_type": (lambda dev: info.type, 0),
-            "get_props": (get_props, None),
-            "init_backend": (lambda dev, params: owner.init_backend(dev), None),
-            "get_buffer_type": (lambda dev: owner.device_record(dev).buffer_type_ptr, None),
-            "supports_op": (supports_op, False),
-            "supports_buft": (supports_buft, False),
-            "offload_op": (lambda dev, op: False, False),
-        },
-        "device",
-    )
+    posting = bool(getattr(owner.client, "posting", False))
+    impls = {
+        "get_name": (lambda dev: name, None),
+        "get_description": (lambda dev: description, None),
+        "get_memory": (get_memory, None),
+        "get_type": (lambda dev: info.type, 0),
+        "get_props": (get_props, None),
+        "init_backend": (lambda dev, params: owner.init_backend(dev), None),
+        "get_buffer_type": (lambda dev: owner.device_record(dev).buffer_type_ptr, None),
+        "supports_op": (supports_op, False),
+        "supports_buft": (supports_buft, False),
+        "offload_op": (lambda dev, op: False, False),
+    }
+    if posting:
+        impls.update(_event_impls(owner))
+    return cb.iface(abi.DeviceI, abi.protos["ggml_backend_device_i"], impls, "device")
+
+
+def _event_impls(owner):
+    """event_new / event_free / event_synchronize over the host's events (ASYNC)."""
+    client, events = owner.client, {}  # event struct address -> struct, while not freed
+
+    def event_new(dev):
+        event = owner.abi.Event(device=dev, context=client.event_new())
+        address = ctypes.addressof(event)
+        events[address] = event
+        return address
+
+    def event_free(dev, event):
+        struct = events.pop(event)
+        client.event_free(struct.context)
+
+    def event_synchronize(dev, event):
+        client.event_synchronize(events[event].context)
+
+    return {
+        "event_new": (event_new, None),
+        "event_free": (event_free, None),
+        "event_synchronize": (event_synchronize, None),
+    }
 
 
 def build_device(owner, iface, reg_ptr: int):

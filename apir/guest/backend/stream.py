@@ -3,10 +3,13 @@
 Theory of operation: `graph_compute` is the only real work: the cgraph is serialized with
 `apir.codec.graph.serialize_graph` (tensor buffers become host handles through the backend's
 `BufferTable`) and sent with `backend_graph_compute`; the host's `ggml_status` is returned
-as is. Everything else ggml asks of a stream is optional and left NULL as in the C: no async
-tensor access, no synchronize (calls are synchronous), no plans, no events; the C's
-`graph_optimize` is a no-op, which NULL means too. The struct is Python-owned: `free` drops
-it (ggml does not touch it after the call).
+as is. Without the ASYNC extension everything else ggml asks of a stream is left NULL as in
+the C (calls are synchronous; no plans, no events). With it (`client.posting`):
+set_tensor_async posts (apir.guest.client_async), get_tensor_async is a waited-for get (the
+host runs it after every posted command, so the bytes are there when it returns),
+cpy_tensor_async posts a copy between two of this backend's buffers, synchronize waits for
+the posted commands, event_record / event_wait are the host's. The C's `graph_optimize` is a
+no-op, which NULL means too. The struct is Python-owned: `free` drops it.
 """
 
 from __future__ import annotations
@@ -37,16 +40,48 @@ def build_backend_iface(owner):
         scratch.out = graph.base
         return int(owner.client.backend_graph_compute(graph))
 
-    return cb.iface(
-        abi.BackendI,
-        abi.protos["ggml_backend_i"],
-        {
-            "get_name": (lambda backend: name, None),
-            "free": (lambda backend: owner.forget_backend(backend), None),
-            "graph_compute": (graph_compute, g.statuses["FAILED"]),  # on an exception
-        },
-        "backend",
-    )
+    impls = {
+        "get_name": (lambda backend: name, None),
+        "free": (lambda backend: owner.forget_backend(backend), None),
+        "graph_compute": (graph_compute, g.statuses["FAILED"]),  # on an exception
+    }
+    if getattr(owner.client, "posting", False):
+        impls.update(_async_impls(owner))
+    return cb.iface(abi.BackendI, abi.protos["ggml_backend_i"], impls, "backend")
+
+
+def _async_impls(owner):
+    """The ASYNC extension's entries of `ggml_backend_i` (see the module docstring)."""
+    from apir.guest.backend.buffer import tensor_field
+
+    g, client, ops = owner.g, owner.client, owner.buffer_ops
+
+    def buffer_of(tensor):
+        return tensor_field(g, tensor, "buffer")
+
+    def set_tensor_async(backend, tensor, data, offset, size):
+        ops.set_tensor(buffer_of(tensor), tensor, data, offset, size)
+
+    def get_tensor_async(backend, tensor, data, offset, size):
+        ops.get_tensor(buffer_of(tensor), tensor, data, offset, size)
+
+    def cpy_tensor_async(backend_src, backend_dst, src, dst):
+        dst_buf = buffer_of(dst)
+        if len(owner.devices) > 1 or not owner.has_buffer(dst_buf):
+            return False  # ggml copies through the guest
+        return ops.cpy_tensor(dst_buf, src, dst, post=True)
+
+    def event_handle(event):
+        return owner.abi.Event.from_address(event).context
+
+    return {
+        "set_tensor_async": (set_tensor_async, None),
+        "get_tensor_async": (get_tensor_async, None),
+        "cpy_tensor_async": (cpy_tensor_async, False),
+        "synchronize": (lambda backend: client.synchronize(), None),
+        "event_record": (lambda backend, event: client.event_record(event_handle(event)), None),
+        "event_wait": (lambda backend, event: client.event_wait(event_handle(event)), None),
+    }
 
 
 def new_backend(owner, iface, device_ptr: int):

@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import ctypes
 
-from apir.codec.constants import ApirBackendCommandType as F
+from typing import cast
+
+from apir.codec.constants import ApirBackendCommandType as F, ApirExtensionCommandType as X
 from apir.codec.wire import Decoder, Encoder
 from apir.host.backend.forward import args, reply
 from apir.host.backend.seams import HandlerLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused
 
 
-__all__ = ["get_base", "set_tensor", "get_tensor", "cpy_tensor", "clear", "free_buffer"]
+__all__ = ["get_base", "set_tensor", "set_tensor_at", "get_tensor", "cpy_tensor", "clear", "free_buffer"]
 
 
 def get_base(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
@@ -37,16 +39,31 @@ def get_base(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
 
 
 def _transfer(lib: HandlerLibrary, dec: Decoder, function: F, to_tensor: bool) -> None:
-    g, chk, what = lib.g, lib.checker, function.c_name
-    handle, raw, res_id, offset, size = args(dec, function, chk, lib.host)
+    handle, raw, res_id, offset, size = args(dec, function, lib.checker, lib.host)
+    _transfer_at(lib, function.c_name, handle, raw, res_id, 0, offset, size, to_tensor)
+
+
+def set_tensor_at(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
+    """buffer_set_tensor_at (the ASYNC extension): set_tensor from bytes [at, at + size) of
+    the resource, so that posted sets can share one guest window."""
+    function = cast(F, X.BUFFER_SET_TENSOR_AT)  # (the table and `args` take both kinds of id)
+    handle, raw, res_id, at, offset, size = args(dec, function, lib.checker, lib.host)
+    _transfer_at(lib, X.BUFFER_SET_TENSOR_AT.c_name, handle, raw, res_id, at, offset, size, True)
+    return BACKEND_RC_OK
+
+
+def _transfer_at(
+    lib: HandlerLibrary, what: str, handle: int, raw, res_id: int, at: int, offset: int, size: int, to_tensor: bool
+) -> None:
+    g, chk = lib.g, lib.checker
     buf = lib.buffer(handle)
     rec = chk.rpc_tensor(raw)
     tbuf, extent = chk.check_rpc(rec, lib.buffers, what)
     if tbuf is not buf:
         raise Refused(f"{what}: tensor's buffer is not buffer 0x{handle:x}")
     res = lib.shmem(res_id, what)
-    if size > res.size:
-        raise Refused(f"{what}: size {size} exceeds resource {res_id} ({res.size} bytes)")
+    if at > res.size or size > res.size - at:
+        raise Refused(f"{what}: [{at}, +{size}) exceeds resource {res_id} ({res.size} bytes)")
     if size == 0:
         return
     twin = chk.loose_twin(rec, tbuf)
@@ -56,8 +73,8 @@ def _transfer(lib: HandlerLibrary, dec: Decoder, function: F, to_tensor: bool) -
         raise Refused(f"{what}: [{offset}, {offset + size}) outside the tensor's {nbytes} bytes")
     if to_tensor:
         transfers = lib.transfers
-        if transfers is None or not transfers.upload(tbuf, t, res.address, offset, size):
-            g.ggml_backend_tensor_set(t, res.address, offset, size)
+        if transfers is None or not transfers.upload(tbuf, t, res.address + at, offset, size):
+            g.ggml_backend_tensor_set(t, res.address + at, offset, size)
     else:
         g.ggml_backend_tensor_get(t, res.address, offset, size)
 

@@ -13,7 +13,11 @@ owning the handle they name first, a graph to the device of its first record's b
 device's own parse refuses a handle of another). With graph replay, GRAPH_COMPUTE_KEEP keeps
 a copy of the graph's bytes under the guest's id, GRAPH_RECOMPUTE computes it again (bounded:
 MAX_KEPT_GRAPHS and `apir.host.kept_graph_bytes` per context, least recently used evicted;
-an unknown id answers APIR_BACKEND_GRAPH_UNKNOWN and the guest sends the graph).
+an unknown id answers APIR_BACKEND_GRAPH_UNKNOWN and the guest sends the graph). With
+ASYNC, `post` runs a posted command (no reply; a failure is kept as the pending error, later
+posts skipped, past APIR_MAX_POSTED since the last waited-for command refused), and a
+waited-for command answers APIR_BACKEND_POSTED_FAILED while an error is pending; SYNCHRONIZE
+reports and clears it; events are handles whose work is done in order (docs/protocol.md 12.7).
 """
 
 from __future__ import annotations
@@ -24,8 +28,14 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from apir.codec.constants import (
+    APIR_BACKEND_FORWARD_INDEX_INVALID,
     APIR_BACKEND_GRAPH_UNKNOWN,
+    APIR_BACKEND_POSTED_FAILED,
+    APIR_BACKEND_QUEUE_FULL,
     APIR_EXTENSIONS_ALL,
+    APIR_MAX_POSTED,
+    POSTABLE_FUNCTIONS,
+    ApirForwardReturnCode,
     ApirBackendCommandType as F,
     ApirExtension,
     ApirExtensionCommandType as X,
@@ -36,6 +46,7 @@ from apir.codec.forward import FORWARD, MalformedMessage, decode_args, encode_re
 from apir.codec.records import rpc_tensor_dtype
 from apir.codec.wire import Decoder, Encoder
 from apir.host.backend.dispatch_backend import compute_graph, graph_bytes
+from apir.host.backend.dispatch_buffer import set_tensor_at
 from apir.host.backend.library import PythonBackendLibrary
 from apir.host.config import (
     CONFIG_KEY_BACKEND,
@@ -43,9 +54,11 @@ from apir.host.config import (
     CONFIG_KEY_GGML_LIBRARY_PATH,
     CONFIG_KEY_KEPT_GRAPH_BYTES,
     DEFAULT_KEPT_GRAPH_BYTES,
+    MAX_EVENTS,
     MAX_KEPT_GRAPHS,
     parse_limit,
 )
+from apir.host.handles import HandleTable
 from apir.host.errors import BACKEND_RC_ERROR, BACKEND_RC_OK, Refused, log
 from apir.host.library import LibraryHost
 
@@ -55,6 +68,22 @@ _N_FUNCTIONS = len(F)
 _DEVICE_FUNCTIONS = range(int(F.DEVICE_GET_DEVICE_COUNT), int(F.DEVICE_BUFFER_FROM_PTR) + 1)
 _HANDLE_FUNCTIONS = range(int(F.BUFFER_TYPE_GET_NAME), int(F.BUFFER_FREE_BUFFER) + 1)
 _GRAPH_COMPUTE = int(F.BACKEND_GRAPH_COMPUTE)
+_CPY_TENSOR = int(F.BUFFER_CPY_TENSOR)
+_BASE = int(ApirForwardReturnCode.BASE_INDEX)
+_ASYNC_FUNCTIONS = frozenset(
+    int(f)
+    for f in (
+        X.SYNCHRONIZE,
+        X.EVENT_NEW,
+        X.EVENT_RECORD,
+        X.EVENT_WAIT,
+        X.EVENT_SYNCHRONIZE,
+        X.EVENT_FREE,
+        X.BUFFER_SET_TENSOR_AT,
+    )
+)
+# A waited-for command that answers a pending error neither: the query and the report itself
+_NOT_HELD_BY_ERROR = frozenset([int(X.EXT_QUERY), int(X.SYNCHRONIZE)])
 
 
 def _off(value: Optional[str]) -> bool:
@@ -75,11 +104,25 @@ class ExtendedLibrary(PythonBackendLibrary):
         self._kept_bytes = 0
         self._kept_limit = DEFAULT_KEPT_GRAPH_BYTES
         self._spec = ""
+        # ASYNC: posted commands since the last waited-for one; the first failure among
+        # them, (index, function id, Forward return code), until SYNCHRONIZE reports it
+        self._posted = 0
+        self._posted_error: Optional[Tuple[int, int, int]] = None
+        self._cpy_reply = bytearray(16)  # a posted cpy_tensor's `copied`, read here
+        # event handle -> device index, from the context's one handle counter
+        self.events: HandleTable[int] = self.buffers.sibling()
         self._handlers: Dict[int, Callable[[Decoder, Encoder], int]] = {
             int(X.EXT_QUERY): self._ext_query,
             int(X.DEVICE_SELECT): self._device_select,
             int(X.GRAPH_COMPUTE_KEEP): self._graph_compute_keep,
             int(X.GRAPH_RECOMPUTE): self._graph_recompute,
+            int(X.SYNCHRONIZE): self._synchronize,
+            int(X.EVENT_NEW): self._event_new,
+            int(X.EVENT_RECORD): self._event_use,
+            int(X.EVENT_WAIT): self._event_use,
+            int(X.EVENT_SYNCHRONIZE): self._event_use,
+            int(X.EVENT_FREE): self._event_free,
+            int(X.BUFFER_SET_TENSOR_AT): self._set_tensor_at,
         }
 
     # --- BackendLibrary -------------------------------------------------------------------
@@ -123,6 +166,43 @@ class ExtendedLibrary(PythonBackendLibrary):
             return LoadRc.INIT_BASE_INDEX + InitRc.NO_DEVICE
 
     def dispatch(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
+        """A waited-for command: with ASYNC, a synchronization point (docs/protocol.md 12.7)."""
+        if self.agreed & ApirExtension.ASYNC and function_id not in _NOT_HELD_BY_ERROR:
+            self._posted = 0
+            if self._posted_error is not None:
+                return APIR_BACKEND_POSTED_FAILED  # not run: the guest asks SYNCHRONIZE which failed
+        return self._run(function_id, dec, enc)
+
+    # --- ASYNC: posted commands ----------------------------------------------------------
+    def accepts_posted(self) -> bool:
+        return bool(self.agreed & ApirExtension.ASYNC)
+
+    def post(self, function_id: int, dec: Decoder) -> None:
+        """Runs posted command `function_id` (its arguments in `dec`), writing no reply: a
+        failure becomes the pending error unless one is pending already; while one is, or
+        past APIR_MAX_POSTED since the last waited-for command, the command is not run."""
+        index = self._posted
+        self._posted += 1
+        if self._posted_error is not None:
+            return
+        if index >= APIR_MAX_POSTED:
+            self._fail_posted(index, function_id, APIR_BACKEND_QUEUE_FULL)
+            return
+        if function_id not in POSTABLE_FUNCTIONS:
+            self._fail_posted(index, function_id, APIR_BACKEND_FORWARD_INDEX_INVALID)
+            return
+        enc = Encoder(self._cpy_reply)
+        rc = self._run(function_id, dec, enc)
+        if rc == BACKEND_RC_OK and function_id == _CPY_TENSOR and not self._cpy_reply[0]:
+            rc = BACKEND_RC_ERROR  # not copied: the guest posts only copies the host makes
+        if rc != BACKEND_RC_OK:
+            self._fail_posted(index, function_id, rc)
+
+    def _fail_posted(self, index: int, function_id: int, rc: int) -> None:
+        log.warning("ctx %d: posted command #%d (function %#x) failed: %d", self.ctx_id, index, function_id, rc)
+        self._posted_error = (index, function_id, _BASE + rc)
+
+    def _run(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
         if 0 <= function_id < _N_FUNCTIONS:
             lib = self._route(function_id, dec)
             if lib is not self:
@@ -132,8 +212,9 @@ class ExtendedLibrary(PythonBackendLibrary):
             return super().dispatch(function_id, dec, enc)  # (out of range: INDEX_INVALID, logged)
         name = X(function_id).c_name
         try:
-            for lib in self.devices:  # any command may depend on device memory
-                lib.flush_transfers()
+            if function_id != X.BUFFER_SET_TENSOR_AT:  # (a set may be deferred behind others)
+                for lib in self.devices:  # any command may depend on device memory
+                    lib.flush_transfers()
             return handler(dec, enc)
         except Refused as exc:
             log.warning("ctx %d: %s refused: %s", self.ctx_id, name, exc, extra={"refusal": exc})
@@ -146,10 +227,16 @@ class ExtendedLibrary(PythonBackendLibrary):
             return False
         if function_id == X.EXT_QUERY:
             return True
-        bit = ApirExtension.DEVICES if function_id == X.DEVICE_SELECT else ApirExtension.GRAPH_REPLAY
+        if function_id == X.DEVICE_SELECT:
+            bit = ApirExtension.DEVICES
+        elif function_id in _ASYNC_FUNCTIONS:
+            bit = ApirExtension.ASYNC
+        else:
+            bit = ApirExtension.GRAPH_REPLAY
         return bool(self.agreed & bit)
 
     def deinit(self) -> None:
+        self._forget_async()
         self._forget_all()
         for lib in self.devices[1:]:
             lib.deinit()
@@ -237,6 +324,8 @@ class ExtendedLibrary(PythonBackendLibrary):
             self.selected = 0
         if not self.agreed & ApirExtension.GRAPH_REPLAY:
             self._forget_all()
+        if not self.agreed & ApirExtension.ASYNC:
+            self._forget_async()
         count = len(self.devices) if self.agreed & ApirExtension.DEVICES else 1
         log.info("ctx %d: extensions 0x%x agreed (guest 0x%x), %d device(s)", self.ctx_id, self.agreed, guest, count)
         self._reply(enc, X.EXT_QUERY, self.agreed, count)
@@ -306,3 +395,48 @@ class ExtendedLibrary(PythonBackendLibrary):
     def _forget_all(self) -> None:
         for graph_id in list(self._kept):
             self._forget(graph_id)
+
+    # --- ASYNC: synchronize and events -------------------------------------------------------
+    # Every command of a context runs in order, and each flushes the devices' deferred
+    # uploads first (`_run`), so work before an event record is done when the record runs:
+    # an event needs no ggml event, only a handle to check.
+    def _forget_async(self) -> None:
+        self._posted = 0
+        self._posted_error = None
+        for handle, _ in self.events.items():
+            self.events.pop(handle)
+
+    def _synchronize(self, dec: Decoder, enc: Encoder) -> int:
+        self._args(dec, X.SYNCHRONIZE)
+        index, function, code = self._posted_error or (0, 0, 0)
+        self._reply(enc, X.SYNCHRONIZE, min(self._posted, 0xFFFFFFFF), index, function, code)
+        self._posted = 0
+        self._posted_error = None
+        return BACKEND_RC_OK
+
+    def _event_new(self, dec: Decoder, enc: Encoder) -> int:
+        self._args(dec, X.EVENT_NEW)
+        if len(self.events) >= MAX_EVENTS:
+            raise Refused(f"event_new: {MAX_EVENTS} events held already")
+        self._reply(enc, X.EVENT_NEW, self.events.add(self.selected))
+        return BACKEND_RC_OK
+
+    def _event_use(self, dec: Decoder, enc: Encoder) -> int:
+        # event_record / event_wait / event_synchronize: the same argument, one check
+        (event,) = self._args(dec, X.EVENT_RECORD)
+        if self.events.get(event) is None:
+            raise Refused(f"unknown event {event:#x}")
+        return BACKEND_RC_OK
+
+    def _event_free(self, dec: Decoder, enc: Encoder) -> int:
+        (event,) = self._args(dec, X.EVENT_FREE)
+        if self.events.pop(event) is None:
+            raise Refused(f"unknown event {event:#x}")
+        return BACKEND_RC_OK
+
+    def _set_tensor_at(self, dec: Decoder, enc: Encoder) -> int:
+        # on the device owning the buffer named first (as the 0.2 buffer functions)
+        peek = Decoder(dec.buf, dec.pos, dec.end)
+        handle = peek.u64()
+        lib = next((lib for lib in self.devices if handle in lib.buffers), self)
+        return set_tensor_at(lib, dec, enc)

@@ -11,7 +11,8 @@ bytes: the notification word the guest polls.
                      The guest's version is kept so replies match it (device_get_props).
     LoadLibrary (1)  loads the backend library (see `apir.host.library`); the C codes.
     Forward     (2)  flags = backend function id; returns 4 + the function's return code,
-                     or 1 (APIR_FORWARD_NO_DISPATCH_FCT) when no library is loaded.
+                     or 1 (APIR_FORWARD_NO_DISPATCH_FCT) when no library is loaded. With
+                     ASYNC agreed, an id with APIR_FORWARD_POSTED is posted: run, no reply.
 
 Over the Venus capset (4) the guest adds 331 to the command type; it is subtracted here.
 Unlike the C component, every command gets a reply whenever a reply resource is known, a
@@ -25,10 +26,11 @@ import os
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Dict, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Mapping, Optional, Tuple, cast
 
 from apir.codec.atomics import Word
 from apir.codec.constants import (
+    APIR_FORWARD_POSTED,
     APIR_HANDSHAKE_MAGIC,
     APIR_PROTOCOL_MAJOR,
     APIR_PROTOCOL_MINOR,
@@ -46,7 +48,8 @@ from apir.codec.virtgpu import VIRTGPU_DRM_CAPSET_APIR, VIRTGPU_DRM_CAPSET_VENUS
 from apir.codec.wire import Decoder, Encoder
 from apir.host.errors import log
 from apir.host.backend.c_library import c_library_factory
-from apir.host.library import BackendLibrary, LibraryLoadError
+from apir.host.component.seams import conforms
+from apir.host.library import BackendLibrary, LibraryLoadError, PostingLibrary
 from apir.host.resources import NOTIFICATION_SIZE, Resource
 
 if TYPE_CHECKING:  # annotations only
@@ -100,7 +103,7 @@ def may_run_long(command: Buffer, capset_id: int) -> bool:
     cmd_type, flags, _ = _HEADER.unpack_from(command, 0)
     cmd_type = _apir_command_type(cmd_type, capset_id)
     if cmd_type == _FORWARD:
-        return flags not in _BOUNDED_FORWARD
+        return flags & ~APIR_FORWARD_POSTED not in _BOUNDED_FORWARD  # (posted: bounded functions)
     return cmd_type != _HANDSHAKE
 
 
@@ -259,6 +262,9 @@ class HostContext:
             return self._reply_malformed()
         cmd_type, flags, reply_res_id = _HEADER.unpack_from(cmd, 0)
         cmd_type = _apir_command_type(cmd_type, self.capset_id)
+        if cmd_type == _FORWARD and flags & APIR_FORWARD_POSTED and self._posts():
+            cast(PostingLibrary, self._library).post(flags & ~APIR_FORWARD_POSTED, Decoder(cmd, _HEADER.size))
+            return None  # posted: no reply (else, as in APIR 0.2, an unknown function's)
         reply = self._reply_resource(reply_res_id)
         if reply is None:
             return self._reply_malformed()
@@ -285,6 +291,10 @@ class HostContext:
             rc = COMMAND_MALFORMED
         self._send(reply, rc)
         return rc, 0 if enc.fatal else enc.pos - NOTIFICATION_SIZE
+
+    def _posts(self) -> bool:
+        library = self._library
+        return conforms(library, PostingLibrary) and cast(PostingLibrary, library).accepts_posted()
 
     def _reply_resource(self, res_id: int) -> Optional[Resource]:
         res = self._resources.get(res_id)
