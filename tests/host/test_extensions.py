@@ -1,12 +1,18 @@
 """apir.host.backend.extensions: EXT_QUERY's bytes as docs/protocol.md's example gives them,
 a host with the extensions off answering as APIR 0.2, a 0.2 guest of a two-device host served
-by device 0 alone, device routing by handle, and graph replay computing new inputs."""
+by device 0 alone, device routing by handle, graph replay computing new inputs, and ASYNC:
+posted commands run in order without a reply, a posted failure answered at the next waited-for
+command and named by SYNCHRONIZE, the bound on posts, events."""
 
 import numpy as np
 
 from apir.codec.constants import (
     APIR_BACKEND_FORWARD_INDEX_INVALID,
     APIR_BACKEND_GRAPH_UNKNOWN,
+    APIR_BACKEND_POSTED_FAILED,
+    APIR_BACKEND_QUEUE_FULL,
+    APIR_FORWARD_POSTED,
+    APIR_MAX_POSTED,
     ApirBackendCommandType as Cmd,
     ApirCommandType,
     ApirExtensionCommandType as X,
@@ -14,7 +20,8 @@ from apir.codec.constants import (
 from apir.guest.client import ApirClient
 from apir.host import HostContext
 from apir.local.embedded import EmbeddedDevice
-from tests.host.hostkit import DATA_RES, REPLY_RES, Guest, GgmlScratch, RemoteGraph, add_chain
+from apir.host.config import MAX_EVENTS
+from tests.host.hostkit import DATA_RES, REPLY_RES, Guest, GgmlScratch, RemoteGraph, add_chain, rpc_bytes, rpc_record
 
 TWO_CPUS = {"apir.host.backend": "cpu,cpu"}
 
@@ -146,3 +153,133 @@ def _leaf(ggml, graph):
 
     return int(tensor_record(ggml.ggml_graph_node(graph, 0), ggml.tensor_dtype)["src"][0])
 
+
+
+# --- ASYNC (docs/protocol.md 12.7) -----------------------------------------------------------
+ASYNC = 4
+
+
+def _async_guest(ggml, s, n_floats=64):
+    """A host guest with ASYNC agreed, a buffer and an F32 tensor of `n_floats` in it."""
+    g = Guest(HostContext(7))
+    assert _query(g, ASYNC) == (4, (ASYNC, 1))
+    handle = g.alloc(4096)
+    t = ggml.ggml_new_tensor_1d(s.ctx, ggml.types["F32"], n_floats)
+    return g, handle, rpc_bytes(rpc_record(ggml, t, buffer=handle))
+
+
+def _post(g, function, encode):
+    """A posted Forward: the return code the reply word then holds (None: untouched)."""
+    return g.command(ApirCommandType.FORWARD, int(function) | APIR_FORWARD_POSTED, encode)[0]
+
+
+def _set_at(g, handle, rpc, at, data, offset=0):
+    if at + len(data) <= len(g.data):
+        g.data[at : at + len(data)] = data
+    return _post(
+        g,
+        X.BUFFER_SET_TENSOR_AT,
+        lambda e: (e.handle(handle), e.blob(rpc), e.u32(DATA_RES), e.size_t(at), e.size_t(offset), e.size_t(len(data))),
+    )
+
+
+def _synchronize(g):
+    rc, dec = g.forward(X.SYNCHRONIZE)
+    return rc, (dec.u32(), dec.u32(), dec.u32(), dec.u32())
+
+
+def test_synchronize_bytes_are_the_spec_example(ggml):
+    """docs/protocol.md 12.7, "SYNCHRONIZE byte by byte": two posts, the second refused."""
+    s = GgmlScratch(ggml)
+    g, handle, rpc = _async_guest(ggml, s)
+    try:
+        assert _set_at(g, handle, rpc, 0, bytes(16)) is None
+        assert _post(g, Cmd.BUFFER_CLEAR, lambda e: (e.handle(handle + 100), e.u8(0))) is None
+        assert g.raw(bytes.fromhex("02000000" "04010000" "01000000")) == 4
+        assert bytes(g.reply[:20]) == bytes.fromhex("05000000" "02000000" "01000000" "14000000" "05000000")
+    finally:
+        g.close()
+        s.close()
+
+
+def test_posted_sets_then_a_get_see_the_data(ggml):
+    s = GgmlScratch(ggml)
+    g, handle, rpc = _async_guest(ggml, s)
+    try:
+        parts = [np.full(16, k, dtype=np.float32).tobytes() for k in range(1, 5)]
+        for k, part in enumerate(parts):  # each from its own place in one resource
+            assert _set_at(g, handle, rpc, 4096 * (k + 1), part, offset=64 * k) is None
+        assert g.get_tensor(handle, rpc, 256) == (0, b"".join(parts))
+        assert _synchronize(g) == (0, (0, 0, 0, 0))  # the get was the synchronization point
+    finally:
+        g.close()
+        s.close()
+
+
+def test_a_posted_failure_holds_the_next_waited_command_until_synchronize(ggml):
+    s = GgmlScratch(ggml)
+    g, handle, rpc = _async_guest(ggml, s)
+    try:
+        good = np.ones(16, dtype=np.float32).tobytes()
+        assert _set_at(g, handle, rpc, 0, good) is None
+        assert _set_at(g, handle, rpc, (1 << 20) - 32, good) is None  # past the resource: refused
+        assert _set_at(g, handle, rpc, 0, np.full(16, 7, dtype=np.float32).tobytes()) is None  # skipped
+        # the next waited-for command is not run: 12 (4 + POSTED_FAILED), for any command
+        assert g.forward(Cmd.BUFFER_CLEAR, lambda e: (e.handle(handle), e.u8(9)))[0] == APIR_BACKEND_POSTED_FAILED
+        assert g.get_tensor(handle, rpc, 64)[0] == APIR_BACKEND_POSTED_FAILED
+        assert _synchronize(g) == (0, (3, 1, int(X.BUFFER_SET_TENSOR_AT), 5))
+        assert g.get_tensor(handle, rpc, 64) == (0, good)  # neither the skipped set nor the clear ran
+    finally:
+        g.close()
+        s.close()
+
+
+def test_posts_past_the_bound_are_refused(ggml):
+    s = GgmlScratch(ggml)
+    g, handle, rpc = _async_guest(ggml, s)
+    try:
+        for k in range(APIR_MAX_POSTED):
+            assert _post(g, Cmd.BUFFER_CLEAR, lambda e: (e.handle(handle), e.u8(k & 0xFF))) is None
+        assert _synchronize(g) == (0, (APIR_MAX_POSTED, 0, 0, 0))  # at the bound: all ran
+        for k in range(APIR_MAX_POSTED + 1000):
+            _post(g, Cmd.BUFFER_CLEAR, lambda e: (e.handle(handle), e.u8(1)))
+        code = 4 + APIR_BACKEND_QUEUE_FULL
+        assert _synchronize(g) == (0, (APIR_MAX_POSTED + 1000, APIR_MAX_POSTED, int(Cmd.BUFFER_CLEAR), code))
+        assert g.get_tensor(handle, rpc, 4) == (0, b"\1\1\1\1")  # the posts within the bound ran
+    finally:
+        g.close()
+        s.close()
+
+
+def test_without_async_a_posted_id_is_an_unknown_function(ggml):
+    """A 0.2 host, or one that did not agree on ASYNC, answers a posted id as it answers any id
+    beyond its table: INDEX_INVALID in the reply word, nothing run."""
+    for config, wanted in (({"apir.host.extensions": "off"}, ASYNC), ({}, 3)):
+        g = Guest(HostContext(7, config))
+        try:
+            _query(g, wanted)
+            handle = g.alloc(4096)
+            rc = _post(g, Cmd.BUFFER_CLEAR, lambda e: (e.handle(handle), e.u8(1)))
+            assert rc == 4 + APIR_BACKEND_FORWARD_INDEX_INVALID
+            assert g.forward(X.SYNCHRONIZE)[0] == APIR_BACKEND_FORWARD_INDEX_INVALID
+        finally:
+            g.close()
+
+
+def test_events_are_handles_of_the_context(ggml):
+    s = GgmlScratch(ggml)
+    g, handle, rpc = _async_guest(ggml, s)
+    try:
+        rc, dec = g.forward(X.EVENT_NEW)
+        event = dec.handle()
+        assert rc == 0 and event and event != handle
+        for function in (X.EVENT_RECORD, X.EVENT_WAIT, X.EVENT_SYNCHRONIZE, X.EVENT_FREE):
+            assert g.forward(function, lambda e: e.handle(event))[0] == 0
+        for function in (X.EVENT_RECORD, X.EVENT_FREE):  # freed; a buffer handle is no event
+            assert g.forward(function, lambda e: e.handle(event))[0] == 1
+            assert g.forward(function, lambda e: e.handle(handle))[0] == 1
+        events = [g.forward(X.EVENT_NEW)[0] for _ in range(MAX_EVENTS + 1)]
+        assert events == [0] * MAX_EVENTS + [1]  # bounded per context
+    finally:
+        g.close()
+        s.close()

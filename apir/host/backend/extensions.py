@@ -168,9 +168,9 @@ class ExtendedLibrary(PythonBackendLibrary):
     def dispatch(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
         """A waited-for command: with ASYNC, a synchronization point (docs/protocol.md 12.7)."""
         if self.agreed & ApirExtension.ASYNC and function_id not in _NOT_HELD_BY_ERROR:
-            self._posted = 0
             if self._posted_error is not None:
                 return APIR_BACKEND_POSTED_FAILED  # not run: the guest asks SYNCHRONIZE which failed
+            self._posted = 0
         return self._run(function_id, dec, enc)
 
     # --- ASYNC: posted commands ----------------------------------------------------------
