@@ -67,10 +67,15 @@ _HEADER = struct.Struct("<III")  # command type, flags, reply resource id
 _FORWARD = int(ApirCommandType.FORWARD)  # plain ints: no enum lookups on the hot path
 _HANDSHAKE = int(ApirCommandType.HANDSHAKE)
 # The Forward functions whose host run time the command itself bounds: all but graph_compute,
-# and of the extensions (docs/protocol.md section 12) all but the graph functions.
+# and of the extensions (docs/protocol.md section 12) all but the graph functions. A posted
+# command (APIR_FORWARD_POSTED) is bounded as its function is.
 _BOUNDED_FORWARD = frozenset(
     [int(f) for f in ApirBackendCommandType if f is not ApirBackendCommandType.BACKEND_GRAPH_COMPUTE]
-    + [int(ApirExtensionCommandType.EXT_QUERY), int(ApirExtensionCommandType.DEVICE_SELECT)]
+    + [
+        int(f)
+        for f in ApirExtensionCommandType
+        if f not in (ApirExtensionCommandType.GRAPH_COMPUTE_KEEP, ApirExtensionCommandType.GRAPH_RECOMPUTE)
+    ]
 )
 
 
