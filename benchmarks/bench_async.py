@@ -1,38 +1,46 @@
 """Round trips with and without the ASYNC extension (docs/protocol.md 12.7), in one run.
 
-Theory of operation: two apir guests in this process, each over its own embedded host on ggml
-CPU, one agreeing on every extension ("async") and one on every extension but ASYNC ("sync",
-APIR 0.2's waits). Each runs two workloads, alternating rounds so drift hits both alike:
+Theory of operation: two apir guests in this process, each over its own host on ggml CPU
+(embedded, or with --socket an `apir host serve` each), one agreeing on every extension
+("async") and one on every extension but ASYNC ("sync": APIR 0.2's waits). Both run two
+workloads, alternating rounds so drift hits both alike:
 
-  minilm   one all-MiniLM-L6-v2 batch (`MiniLM.embed_tokens`, 8 sentences): 5 input sets, a
-           graph compute, the output's get;
-  decode   a decode-like step: --sets small input tensors set (a token's ids, positions, masks... as llama.cpp's ~14), one small
-           graph computed (GRAPH_RECOMPUTE after the first), the logits read.
+  minilm   one all-MiniLM-L6-v2 batch (`MiniLM.embed_tokens`, 8 sentences): 5 input sets,
+           a graph compute, the output's get;
+  decode   a decode-like step: --sets small inputs set with ggml_backend_tensor_set_async
+           (llama.cpp sets ~14 a token), a small graph computed (GRAPH_RECOMPUTE after the
+           first), the logits read.
 
-For each it reports EXECBUFFERs waited for and posted per step (`Remote.waited` / `posted`,
-exact counts) and the median step time, with the median of the per-round ratios async / sync
-and its 95% interval (benchmarks/paired_stats.py). Round trips are what ASYNC removes; on the
-embedded host a posted command still runs inline in the guest's thread, so the time ratio
-here shows the cost of the waits alone, not a VM's exits (where each round trip is a vCPU
-exit and a host thread's wake-up).
+Per step it reports the calls waited for and the commands posted (`Remote.waited` / `posted`,
+exact counts), the EXECBUFFERs sent, and the median step time with the median of the
+per-round ratios async / sync and its 95% interval (benchmarks/paired_stats.py). Buffers are
+host-only (buffer_type_alloc_buffer), as on a GPU host; --zero-copy takes the guest-mapped
+buffers ggml CPU offers, whose sets are the guest's memmove in both modes.
 
-Measured (2-core machine shared with other work, 30 rounds, --sets 14):
-  minilm  waited/step 7 -> 2 (5 posted), sync 5.0 ms, async 5.1 ms, ratio 1.00 [0.97, 1.04]
-  decode  waited/step 16 -> 2 (14 posted), sync 1.69 ms, async 1.09 ms, ratio 0.66 [0.63, 0.70]
-Buffers are host-only (buffer_type_alloc_buffer), as on a GPU host; with --zero-copy they are
-guest-mapped where the host offers it (ggml CPU does, apir's default there): the sets are then
-the guest's memmove, neither mode sends them, and both wait for 1 EXECBUFFER a step.
+Measured (2-core machine shared with other helpers' work, 30 rounds, --sets 14), round trips:
+  minilm  waited 7 -> 2 per batch (5 posted), EXECBUFFERs 7 -> 2
+  decode  waited 16 -> 2 per step (14 posted), EXECBUFFERs 16 -> 2
+Time, embedded host (a bounded command runs inline in the guest's thread, so a round trip
+costs little there): minilm 34.1 vs 34.0 ms, ratio 1.00 [0.99, 1.01]; decode 1.46 vs 1.16 ms,
+ratio 0.79 [0.76, 0.85]. Socket host (exec ring): minilm 34.8 vs 34.0 ms, 0.98 [0.96, 1.00];
+decode 1.31 vs 1.03 ms, 0.83 [0.52, 1.11]. Runs while the machine's load rose past 6 gave
+wider intervals (one decode run 0.57 [0.38, 0.67] on the socket host). A VM pays a vCPU exit
+and a host thread's wake-up per waited EXECBUFFER, where the removed round trips weigh more.
 
-Run: PYTHONPATH=. python benchmarks/bench_async.py [--rounds 30] [--sets 14] [--zero-copy] [--json]
+Run: PYTHONPATH=. python benchmarks/bench_async.py [--rounds 30] [--sets 14] [--socket]
+         [--zero-copy] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import contextlib
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,11 +63,11 @@ SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.", "The 
 class Guest:
     """One client + ApirBackend over its own embedded host, with the workloads on it."""
 
-    def __init__(self, g, extensions: int, zero_copy, n_sets: int, assets):
+    def __init__(self, g, device, extensions: int, zero_copy, n_sets: int, assets):
         from apir.models.minilm import MiniLM
 
         self.g = g
-        self.client = ApirClient.connect(EmbeddedDevice(), extensions=extensions)
+        self.client = ApirClient.connect(device, extensions=extensions)
         self.backend = ApirBackend(self.client, g, zero_copy=zero_copy)
         self.minilm = MiniLM(self.backend.backend, self.backend.buffer_type, assets=assets, ggml=g)
         self.batch = self.minilm.tokenize(SENTENCES[:8])
@@ -68,7 +76,8 @@ class Guest:
     def _decode_setup(self, n_sets: int) -> None:
         g = self.g
         f32, i32 = g.types["F32"], g.types["I32"]
-        self.ctx = g.ggml_init(InitParams((2 * n_sets + 16) * g.ggml_tensor_overhead() + g.ggml_graph_overhead(), None, True))
+        size = (2 * n_sets + 16) * g.ggml_tensor_overhead() + g.ggml_graph_overhead()
+        self.ctx = g.ggml_init(InitParams(size, None, True))
         w = g.ggml_new_tensor_2d(self.ctx, f32, 64, 64)
         self.inputs = [g.ggml_new_tensor_1d(self.ctx, i32 if k % 2 else f32, 64) for k in range(n_sets)]
         x = self.inputs[0]
@@ -96,10 +105,11 @@ class Guest:
 
     def timed(self, step):
         remote = self.client.remote
-        waited, posted = remote.waited, remote.posted
+        waited, posted, execbuffers = remote.waited, remote.posted, remote.execbuffers
         t0 = time.perf_counter()
         step()
-        return time.perf_counter() - t0, remote.waited - waited, remote.posted - posted
+        seconds = time.perf_counter() - t0
+        return seconds, (remote.waited - waited, remote.posted - posted, remote.execbuffers - execbuffers)
 
     def close(self) -> None:
         self.minilm.close()
@@ -114,16 +124,44 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--sets", type=int, default=14, help="input sets per decode step")
     p.add_argument("--zero-copy", action="store_true", help="guest-mapped buffers where the host offers them")
+    p.add_argument("--socket", action="store_true", help="each guest over an `apir host serve` of its own")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        return _run(args, stack)
 
+
+def _socket_device(stack: contextlib.ExitStack, name: str):
+    """A LocalDevice over an `apir host serve` of its own (one connection: it spins after replies)."""
+    from apir.guest.local import LocalDevice
+
+    tmp = stack.enter_context(tempfile.TemporaryDirectory())
+    path = os.path.join(tmp, f"{name}.sock")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "apir.cli", "host", "serve", "--socket", path], stderr=subprocess.DEVNULL
+    )
+    stack.callback(lambda: (proc.terminate(), proc.wait(10)))
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"apir host serve did not start on {path}")
+        time.sleep(0.05)
+    time.sleep(0.2)
+    return LocalDevice(path)
+
+
+def _run(args, stack: contextlib.ExitStack) -> int:
     import apir.ggml
     from apir.models.assets import load_assets
 
     g = apir.ggml.load()
     assets = load_assets()
     zero_copy = None if args.zero_copy else False
-    guests = {mode: Guest(g, bits, zero_copy, args.sets, assets) for mode, bits in MODES.items()}
+
+    def device(mode):
+        return _socket_device(stack, mode) if args.socket else EmbeddedDevice()
+
+    guests = {mode: Guest(g, device(mode), bits, zero_copy, args.sets, assets) for mode, bits in MODES.items()}
     results = {}
     try:
         for work in ("minilm", "decode"):
@@ -134,13 +172,17 @@ def main(argv=None) -> int:
                 getattr(guests[mode], f"{work}_step")()
             for r in range(args.rounds):
                 for mode in order if r % 2 == 0 else order[::-1]:
-                    seconds, waited, posted = guests[mode].timed(getattr(guests[mode], f"{work}_step"))
+                    seconds, counts[mode] = guests[mode].timed(getattr(guests[mode], f"{work}_step"))
                     times[mode].append(seconds)
-                    counts[mode] = (waited, posted)
             ratios = [a / s for a, s in zip(times["async"], times["sync"])]
             med, lo, hi = median_interval(ratios)
             results[work] = {
-                mode: {"waited": counts[mode][0], "posted": counts[mode][1], "median_s": statistics.median(times[mode])}
+                mode: {
+                    "waited": counts[mode][0],
+                    "posted": counts[mode][1],
+                    "execbuffers": counts[mode][2],
+                    "median_s": statistics.median(times[mode]),
+                }
                 for mode in MODES
             }
             results[work]["ratio"] = {"median": med, "low": lo, "high": hi}
@@ -154,6 +196,7 @@ def main(argv=None) -> int:
         s, a, q = r["sync"], r["async"], r["ratio"]
         print(
             f"{work:7s} waited/step {s['waited']} -> {a['waited']} ({a['posted']} posted), "
+            f"EXECBUFFERs {s['execbuffers']} -> {a['execbuffers']}, "
             f"sync {s['median_s'] * 1e3:.2f} ms, async {a['median_s'] * 1e3:.2f} ms, "
             f"ratio {q['median']:.2f} [{q['low']:.2f}, {q['high']:.2f}]"
         )

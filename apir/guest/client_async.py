@@ -2,7 +2,9 @@
 
 With ASYNC agreed (`posting`), `buffer_set_tensor` of at most POST_WINDOW_SIZE bytes copies
 its bytes into the post window (apir.guest.remote) and posts BUFFER_SET_TENSOR_AT;
-`buffer_clear` and `buffer_cpy_tensor(..., post=True)` are posted as they are. Nothing waits
+`buffer_clear` and `buffer_cpy_tensor(..., post=True)` are posted as they are; sets and clears
+of a guest-mapped buffer (device_buffer_from_ptr) are not, since the guest reads its memory
+directly. Nothing waits
 for them: the host runs a context's commands in order, so the reply of any waited-for command
 (every other one) means they ran, and the window and the count start over. A set that would
 overflow the window, or a post past APIR_MAX_POSTED, is sent waited for instead.
@@ -16,7 +18,7 @@ graph compute). Events (`event_new` ... `event_free`) are waited for.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple, cast
+from typing import Any, Callable, List, Optional, Set, Tuple, cast
 
 import numpy as np
 
@@ -57,11 +59,24 @@ class AsyncCalls(ForwardCaller):
     _posts: List[str] = []  # what was posted since the last reply, in order
     _post_used = 0  # bytes of the post window taken since the last reply
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._mapped: Set[int] = set()  # device_buffer_from_ptr's buffers: the guest reads them itself
+
     def negotiate_extensions(self, wanted: int = APIR_EXTENSIONS_ALL) -> int:
         agreed = super().negotiate_extensions(wanted)  # type: ignore[misc]
         self.posting = bool(agreed & ApirExtension.ASYNC)
         self._settled()
         return agreed
+
+    def device_buffer_from_ptr(self, size: int, max_tensor_size: int):
+        blob, handle, buft = super().device_buffer_from_ptr(size, max_tensor_size)  # type: ignore[misc]
+        self._mapped.add(handle)
+        return blob, handle, buft
+
+    def buffer_free_buffer(self, buffer: int) -> None:
+        super().buffer_free_buffer(buffer)  # type: ignore[misc]
+        self._mapped.discard(buffer)
 
     def _settled(self) -> None:
         self._posts = []
@@ -138,7 +153,7 @@ class AsyncCalls(ForwardCaller):
 
     # --- the posted functions ------------------------------------------------------------------
     def buffer_set_tensor(self, buffer: int, rpc_tensor, offset: int, data) -> None:
-        if self.posting:
+        if self.posting and buffer not in self._mapped:
             src = np.ascontiguousarray(data) if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
             src = src.reshape(-1).view(np.uint8)
             size = src.size
@@ -155,7 +170,7 @@ class AsyncCalls(ForwardCaller):
         super().buffer_set_tensor(buffer, rpc_tensor, offset, data)  # type: ignore[misc]
 
     def buffer_clear(self, buffer: int, value: int) -> None:
-        if self.posting:
+        if self.posting and buffer not in self._mapped:
             with self.remote.lock:
                 if self._post(F.BUFFER_CLEAR, f"buffer_clear(buffer {buffer:#x}, {value})", buffer, value):
                     return

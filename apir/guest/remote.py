@@ -15,9 +15,12 @@ never interleave on the shared blobs. `call(..., meanwhile=fn)` submits without 
 command to run and runs `fn` (a transfer's copy of its next chunk) before the wait: still one
 command in flight and one reply each, checked before the next is sent.
 
-`post(...)` submits a posted command (the ASYNC extension, docs/protocol.md 12.7): no reply
-word is cleared or waited for; its bytes travel in the post window (`post_window`), a blob of
-its own that no waited-for command uses. `waited` and `posted` count the EXECBUFFERs of each.
+`post(...)` queues a posted command (the ASYNC extension, docs/protocol.md 12.7): no reply
+word is cleared or waited for. Posted commands gather at the head of the command buffer and go
+with the next call's EXECBUFFER (or alone once POST_BATCH_BYTES gather, or at `flush_posts`);
+a set's bytes travel in the post window (`post_window`), a blob no waited-for command uses.
+`waited` counts the calls (EXECBUFFERs waited for), `posted` the posted commands,
+`execbuffers` every EXECBUFFER sent.
 
 A late reply after a timeout can still land in the reply blob, and one arriving during the next
 call would be taken for its own: a host that misses a deadline should be treated as lost.
@@ -74,6 +77,9 @@ TRANSFER_CHUNK = 8 << 20
 # The post window: bytes of posted set_tensors between two waited-for commands (a larger set,
 # or one past a full window, is waited for, which frees the window).
 POST_WINDOW_SIZE = 4 << 20
+# Posted commands sent in one EXECBUFFER at most (then the batch goes alone): with the call
+# after them it still fits the local transport's exec ring.
+POST_BATCH_BYTES = 8 << 10
 
 # Wait tuning: spin at least _SPIN_MIN_S, at most _SPIN_MAX_S (twice the recent reply
 # latency when that fits), in one call (then chunks of _SPIN_CHUNK acquire loads should the
@@ -148,8 +154,10 @@ class Remote:
         self._spare_view = _NO_DATA
         self._spare_refused = False  # the device refused it once: transfers go one chunk at a time
         self._post: Optional[Blob] = None  # the post window, once made
-        self.waited = 0  # EXECBUFFERs whose reply was waited for
-        self.posted = 0  # EXECBUFFERs posted (no reply)
+        self.waited = 0  # calls: EXECBUFFERs whose reply was waited for
+        self.posted = 0  # posted commands (no reply)
+        self.execbuffers = 0  # EXECBUFFERs sent
+        self._batched = 0  # bytes of posted commands at the head of the command buffer, not sent yet
         self._reply: Optional[Blob] = None  # None until made, and once closed
         self._data: Optional[Blob] = None
         self.closed = False
@@ -227,14 +235,17 @@ class Remote:
             if self.closed or self._reply_decoder is None or self._reply_word is None:
                 raise RuntimeError("remote call on a closed Remote")
             enc = self._encoder
+            enc.start = self._batched  # after the posted commands that go with it
             enc.reset()
             enc.pack(_COMMAND_HEADER, int(cmd_type) + self.command_type_offset, int(flags), self._reply_res_id)
             if encode_fn is not None:
                 encode_fn(enc)
             enc.check()
             self._reply_word.store_release(0)
-            command = self._command_view[: enc.written]
+            command = self._command_view[: self._batched + enc.written]
+            self._batched = 0
             self.waited += 1
+            self.execbuffers += 1
             if meanwhile is None:
                 self.device.execbuffer(command)
                 word = self._wait(self._reply_word, timeout_s, cmd_type, flags)
@@ -254,19 +265,31 @@ class Remote:
             return ret, decode_fn(ret, dec)
 
     def post(self, flags: int, encode_fn: Callable[[Encoder], None]) -> None:
-        """Submits a posted Forward (`flags`: the function id with APIR_FORWARD_POSTED):
-        header and `encode_fn`'s arguments, without touching or waiting for the reply word
-        (the header still names the reply blob; the host writes nothing there)."""
+        """Queues a posted Forward (`flags`: the function id with APIR_FORWARD_POSTED):
+        header (its third word the command's length) and `encode_fn`'s arguments; sent with
+        the next call, or now with those before it once POST_BATCH_BYTES gathered."""
         with self.lock:
             if self.closed or self._reply_word is None:
                 raise RuntimeError("remote call on a closed Remote")
             enc = self._encoder
+            enc.start = self._batched
             enc.reset()
-            enc.pack(_POST_HEADER, int(ApirCommandType.FORWARD) + self.command_type_offset, flags, self._reply_res_id)
+            enc.pack(_POST_HEADER, int(ApirCommandType.FORWARD) + self.command_type_offset, flags, 0)
             encode_fn(enc)
             enc.check()
+            struct.pack_into("<I", self._command, self._batched + 8, enc.written)
+            self._batched += enc.written
             self.posted += 1
-            self.device.execbuffer(self._command_view[: enc.written])
+            if self._batched >= POST_BATCH_BYTES:
+                self.flush_posts()
+
+    def flush_posts(self) -> None:
+        """Sends the posted commands not sent yet, in one EXECBUFFER, waiting for nothing."""
+        with self.lock:
+            if self._batched:
+                command, self._batched = self._command_view[: self._batched], 0
+                self.execbuffers += 1
+                self.device.execbuffer(command)
 
     def post_window(self) -> Blob:
         """The post window (POST_WINDOW_SIZE bytes), made on first use and kept until `close`."""

@@ -296,13 +296,16 @@ def test_eight_threads_of_mixed_calls(client, g, buffer):
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(n_threads)]
-    before = client.remote.device.submitted
+    remote = client.remote
+    before, commands, execbuffers = remote.device.submitted, remote.waited + remote.posted, remote.execbuffers
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert errors == []
-    assert client.remote.device.submitted - before == n_threads * n_calls
+    # one command per call, waited for or posted (ASYNC: posted ones share EXECBUFFERs)
+    assert remote.waited + remote.posted - commands == n_threads * n_calls
+    assert remote.device.submitted - before == remote.execbuffers - execbuffers
 
 
 def test_venus_capset_offsets_command_types():

@@ -7,7 +7,13 @@ exactly what it sends as an APIR 0.2 guest."""
 import numpy as np
 import pytest
 
-from apir.codec.constants import APIR_FORWARD_POSTED, APIR_MAX_POSTED, ApirExtension
+from apir.codec.constants import (
+    APIR_FORWARD_POSTED,
+    APIR_MAX_POSTED,
+    ApirBackendCommandType as Cmd,
+    ApirExtension,
+    ApirExtensionCommandType as X,
+)
 from apir.guest.client import ApirClient
 from apir.guest.errors import PostedCommandError
 from apir.guest.remote import POST_WINDOW_SIZE
@@ -26,6 +32,22 @@ def _recording(client):
 
     device.execbuffer = record
     return sent
+
+
+def _commands(payloads):
+    """(function id, posted) of each command in the EXECBUFFER `payloads`: posted commands
+    first in a payload, each its length long (its third header word), then at most one other."""
+    out = []
+    for payload in payloads:
+        pos = 0
+        while pos < len(payload):
+            flags, length = (int.from_bytes(payload[pos + k : pos + k + 4], "little") for k in (4, 8))
+            posted = bool(flags & APIR_FORWARD_POSTED)
+            out.append((flags & ~APIR_FORWARD_POSTED, posted))
+            if not posted:
+                break
+            pos += length
+    return out
 
 
 def _tensor(client, n_floats):
@@ -107,16 +129,17 @@ def test_the_guest_keeps_to_the_bound_and_the_window():
         sent = _recording(client)
         for _ in range(APIR_MAX_POSTED + 1):
             client.buffer_clear(handle, 3)
-        posted = [int.from_bytes(c[4:8], "little") & APIR_FORWARD_POSTED != 0 for c in sent]
-        assert posted == [True] * APIR_MAX_POSTED + [False]  # the last one waited for
+        clear = int(Cmd.BUFFER_CLEAR)
+        assert _commands(sent) == [(clear, True)] * APIR_MAX_POSTED + [(clear, False)]  # the last waited for
+        assert len(sent) == 1  # 256 clears fit one batch: they went with the call
         assert client.in_flight == 0
         big = np.zeros(POST_WINDOW_SIZE // 4 + 1, dtype=np.float32)
         big_handle, big_rec = _tensor(client, big.size)
         del sent[:]
         client.buffer_set_tensor(big_handle, big_rec, 0, big[: big.size // 2])
         client.buffer_set_tensor(big_handle, big_rec, 0, big)  # would overflow the window
-        posted = [int.from_bytes(c[4:8], "little") & APIR_FORWARD_POSTED != 0 for c in sent]
-        assert posted == [True, False]
+        assert _commands(sent) == [(int(X.BUFFER_SET_TENSOR_AT), True), (int(Cmd.BUFFER_SET_TENSOR), False)]
+        assert len(sent) == 1  # the post went with the call
     finally:
         client.close()
 

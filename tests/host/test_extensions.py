@@ -17,6 +17,7 @@ from apir.codec.constants import (
     ApirCommandType,
     ApirExtensionCommandType as X,
 )
+from apir.codec.wire import Encoder
 from apir.guest.client import ApirClient
 from apir.host import HostContext
 from apir.local.embedded import EmbeddedDevice
@@ -168,9 +169,22 @@ def _async_guest(ggml, s, n_floats=64):
     return g, handle, rpc_bytes(rpc_record(ggml, t, buffer=handle))
 
 
+def _posted(function, encode) -> bytes:
+    """A posted Forward's bytes: its third header word is its length."""
+    buf = bytearray(1 << 12)
+    enc = Encoder(buf)
+    enc.u32(ApirCommandType.FORWARD)
+    enc.u32(int(function) | APIR_FORWARD_POSTED)
+    enc.u32(0)
+    encode(enc)
+    enc.check()
+    buf[8:12] = enc.written.to_bytes(4, "little")
+    return bytes(buf[: enc.written])
+
+
 def _post(g, function, encode):
     """A posted Forward: the return code the reply word then holds (None: untouched)."""
-    return g.command(ApirCommandType.FORWARD, int(function) | APIR_FORWARD_POSTED, encode)[0]
+    return g.raw(_posted(function, encode))
 
 
 def _set_at(g, handle, rpc, at, data, offset=0):
@@ -197,6 +211,33 @@ def test_synchronize_bytes_are_the_spec_example(ggml):
         assert _post(g, Cmd.BUFFER_CLEAR, lambda e: (e.handle(handle + 100), e.u8(0))) is None
         assert g.raw(bytes.fromhex("02000000" "04010000" "01000000")) == 4
         assert bytes(g.reply[:20]) == bytes.fromhex("05000000" "02000000" "01000000" "14000000" "05000000")
+    finally:
+        g.close()
+        s.close()
+
+
+def test_posted_commands_share_a_payload_with_the_call_after_them(ggml):
+    s = GgmlScratch(ggml)
+    g, handle, rpc = _async_guest(ggml, s)
+    try:
+        g.data[:64] = np.full(16, 3, dtype=np.float32).tobytes()
+        set_at = _posted(
+            X.BUFFER_SET_TENSOR_AT,
+            lambda e: (e.handle(handle), e.blob(rpc), e.u32(DATA_RES), e.size_t(0), e.size_t(0), e.size_t(64)),
+        )
+        clear = _posted(Cmd.BUFFER_CLEAR, lambda e: (e.handle(handle), e.u8(1)))
+        get = bytes.fromhex("02000000" "12000000" "01000000") + _posted(
+            Cmd.BUFFER_GET_TENSOR,
+            lambda e: (e.handle(handle), e.blob(rpc), e.u32(DATA_RES), e.size_t(0), e.size_t(64)),
+        )[12:]
+        assert g.raw(clear + set_at + get) == 4  # the get's reply, after both posts ran
+        assert bytes(g.data[:64]) == np.full(16, 3, dtype=np.float32).tobytes()
+        assert g.raw(set_at + clear) is None  # posts alone: no reply
+        assert g.get_tensor(handle, rpc, 4) == (0, b"\1\1\1\1")
+        bad = bytearray(clear)
+        bad[8:12] = (len(clear) + len(get) + 4).to_bytes(4, "little")  # past the payload: all dropped
+        assert g.raw(bytes(bad) + get) is None
+        assert _synchronize(g) == (0, (1, 0, int(Cmd.BUFFER_CLEAR), 5))
     finally:
         g.close()
         s.close()
@@ -259,7 +300,8 @@ def test_without_async_a_posted_id_is_an_unknown_function(ggml):
         try:
             _query(g, wanted)
             handle = g.alloc(4096)
-            rc = _post(g, Cmd.BUFFER_CLEAR, lambda e: (e.handle(handle), e.u8(1)))
+            flags = int(Cmd.BUFFER_CLEAR) | APIR_FORWARD_POSTED  # (the third word: the reply resource)
+            rc = g.command(ApirCommandType.FORWARD, flags, lambda e: (e.handle(handle), e.u8(1)))[0]
             assert rc == 4 + APIR_BACKEND_FORWARD_INDEX_INVALID
             assert g.forward(X.SYNCHRONIZE)[0] == APIR_BACKEND_FORWARD_INDEX_INVALID
         finally:

@@ -12,7 +12,9 @@ bytes: the notification word the guest polls.
     LoadLibrary (1)  loads the backend library (see `apir.host.library`); the C codes.
     Forward     (2)  flags = backend function id; returns 4 + the function's return code,
                      or 1 (APIR_FORWARD_NO_DISPATCH_FCT) when no library is loaded. With
-                     ASYNC agreed, an id with APIR_FORWARD_POSTED is posted: run, no reply.
+                     ASYNC agreed, an id with APIR_FORWARD_POSTED is posted: run, no reply;
+                     the third header word is then its length, and several posted commands
+                     (and one other command after them) may share a payload.
 
 Over the Venus capset (4) the guest adds 331 to the command type; it is subtracted here.
 Unlike the C component, every command gets a reply whenever a reply resource is known, a
@@ -100,16 +102,24 @@ def may_run_long(command: Buffer, capset_id: int) -> bool:
     header this cannot read: shorter than 12 bytes, an unknown command type or function id.
     A caller that runs bounded commands at once and the others where they can be waited for
     with a timeout and cancelled (apir.local.embedded) thus sends whatever `submit` would
-    refuse the slow way. Never raises for guest bytes."""
+    refuse the slow way. Posted commands at the head of the payload (ASYNC: each bounded as
+    its function is) are stepped over by their lengths, and the command after them decides.
+    Never raises for guest bytes."""
     if type(command) is not bytes:  # (bytes, as the embedded device has it: no view needed)
         command = memoryview(command).cast("B")
-    if len(command) < _HEADER.size:
-        return True
-    cmd_type, flags, _ = _HEADER.unpack_from(command, 0)
-    cmd_type = _apir_command_type(cmd_type, capset_id)
-    if cmd_type == _FORWARD:
-        return flags & ~APIR_FORWARD_POSTED not in _BOUNDED_FORWARD  # (posted: bounded functions)
-    return cmd_type != _HANDSHAKE
+    pos = 0
+    while True:
+        if len(command) - pos < _HEADER.size:
+            return pos == 0 or pos != len(command)  # (posted commands alone: bounded)
+        cmd_type, flags, length = _HEADER.unpack_from(command, pos)
+        cmd_type = _apir_command_type(cmd_type, capset_id)
+        if cmd_type != _FORWARD:
+            return cmd_type != _HANDSHAKE
+        if not flags & APIR_FORWARD_POSTED:
+            return flags not in _BOUNDED_FORWARD
+        if flags & ~APIR_FORWARD_POSTED not in _BOUNDED_FORWARD or length < _HEADER.size:
+            return True
+        pos += length
 
 
 def _builtin_library() -> BackendLibrary:
@@ -268,8 +278,12 @@ class HostContext:
         cmd_type, flags, reply_res_id = _HEADER.unpack_from(cmd, 0)
         cmd_type = _apir_command_type(cmd_type, self.capset_id)
         if cmd_type == _FORWARD and flags & APIR_FORWARD_POSTED and self._posts():
-            cast(PostingLibrary, self._library).post(flags & ~APIR_FORWARD_POSTED, Decoder(cmd, _HEADER.size))
-            return None  # posted: no reply (else, as in APIR 0.2, an unknown function's)
+            rest = self._run_posted(cmd)
+            if rest is None:
+                return None  # posted commands alone: no reply
+            cmd = rest
+            cmd_type, flags, reply_res_id = _HEADER.unpack_from(cmd, 0)
+            cmd_type = _apir_command_type(cmd_type, self.capset_id)
         reply = self._reply_resource(reply_res_id)
         if reply is None:
             return self._reply_malformed()
@@ -296,6 +310,27 @@ class HostContext:
             rc = COMMAND_MALFORMED
         self._send(reply, rc)
         return rc, 0 if enc.fatal else enc.pos - NOTIFICATION_SIZE
+
+    def _run_posted(self, cmd: memoryview) -> Optional[memoryview]:
+        """Runs the posted commands at the head of `cmd` (ASYNC: a posted command's third
+        header word is its length, header included); the command after them, or None when
+        nothing follows or a length is wrong (its command is then the pending error, and the
+        rest of the payload is dropped: no command there can be found)."""
+        library = cast(PostingLibrary, self._library)
+        pos, end = 0, len(cmd)
+        while end - pos >= _HEADER.size:
+            cmd_type, flags, length = _HEADER.unpack_from(cmd, pos)
+            if _apir_command_type(cmd_type, self.capset_id) != _FORWARD or not flags & APIR_FORWARD_POSTED:
+                return cmd[pos:]
+            if not _HEADER.size <= length <= end - pos:
+                log.error("ctx %d: posted command of length %d at byte %d of %d", self.ctx_id, length, pos, end)
+                library.post(flags & ~APIR_FORWARD_POSTED, Decoder(cmd, end, end))  # (no arguments: refused)
+                return None
+            library.post(flags & ~APIR_FORWARD_POSTED, Decoder(cmd, pos + _HEADER.size, pos + length))
+            pos += length
+        if pos != end:
+            log.error("ctx %d: %d bytes after the posted commands", self.ctx_id, end - pos)
+        return None
 
     def _posts(self) -> bool:
         library = self._library
