@@ -130,6 +130,9 @@ def test_the_guest_keeps_to_the_bound_and_the_window():
         for _ in range(APIR_MAX_POSTED + 1):
             client.buffer_clear(handle, 3)
         clear = int(Cmd.BUFFER_CLEAR)
+        # docs/protocol.md 12.7's posted buffer_clear, the guest's handle in it
+        spec = bytes.fromhex("02000000" "14000080" "18000000") + handle.to_bytes(8, "little") + bytes.fromhex("03000000")
+        assert sent[0][:24] == spec
         assert _commands(sent) == [(clear, True)] * APIR_MAX_POSTED + [(clear, False)]  # the last waited for
         assert len(sent) == 1  # 256 clears fit one batch: they went with the call
         assert client.in_flight == 0

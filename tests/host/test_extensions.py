@@ -211,6 +211,8 @@ def test_synchronize_bytes_are_the_spec_example(ggml):
         assert _post(g, Cmd.BUFFER_CLEAR, lambda e: (e.handle(handle + 100), e.u8(0))) is None
         assert g.raw(bytes.fromhex("02000000" "04010000" "01000000")) == 4
         assert bytes(g.reply[:20]) == bytes.fromhex("05000000" "02000000" "01000000" "14000000" "05000000")
+        clear = bytes.fromhex("02000000" "14000080" "18000000" "0200000000000000" "00000000")
+        assert _posted(Cmd.BUFFER_CLEAR, lambda e: (e.handle(2), e.u8(0))) == clear
     finally:
         g.close()
         s.close()

@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from apir.codec.constants import APIR_HANDSHAKE_MAGIC, ApirBackendCommandType, ApirCommandType
+from apir.codec.constants import APIR_FORWARD_POSTED, APIR_HANDSHAKE_MAGIC, ApirBackendCommandType, ApirCommandType
 from apir.devices import open_client
 from apir.host.local.kernel import default_context_factory
 from apir.host.local.server import LocalServer
@@ -172,7 +172,8 @@ def test_tensor_arguments_are_described_by_shape_and_type(tmp_path):
     trace = CommandTrace(str(path))
     host = HostContext(3)
     host.tracer = trace
-    client = ApirClient.connect(SyncDevice(host, owns_host=False), data_size=1 << 16)
+    # (no ASYNC: each command its own record, the 0.2 functions described)
+    client = ApirClient.connect(SyncDevice(host, owns_host=False), data_size=1 << 16, extensions=3)
     try:
         buft = client.device_get_buffer_type()
         buffer = client.buffer_type_alloc_buffer(buft, 1 << 20)
@@ -219,3 +220,17 @@ def test_traced_factory_sets_the_tracer_of_contexts_that_have_one(tmp_path):
         assert isinstance(other, Untraceable) and not hasattr(other, "tracer")  # left untraced
     finally:
         trace.close()
+
+
+def test_posted_commands_are_counted_and_the_call_after_them_described(tmp_path):
+    path = tmp_path / "p.jsonl"
+    trace = CommandTrace(str(path))
+    posted = HEADER.pack(ApirCommandType.FORWARD, ApirBackendCommandType.BUFFER_CLEAR | APIR_FORWARD_POSTED, 24)
+    clear = posted + struct.pack("<QI", 2, 0)
+    call = HEADER.pack(ApirCommandType.FORWARD, ApirBackendCommandType.DEVICE_GET_NAME, 7)
+    trace(1, memoryview(clear + clear + call), (4, 8), 0.0)
+    trace(1, memoryview(clear), None, 0.0)
+    trace.close()
+    with_call, alone = read_trace(str(path))
+    assert (with_call["posted"], with_call["function"], with_call["status"]) == (2, "device_get_name", "ok")
+    assert (alone["posted"], alone["type"], alone["status"]) == (1, "posted", "no reply")

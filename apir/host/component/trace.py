@@ -32,6 +32,7 @@ from typing import IO, Any, Dict, List, Optional, Protocol, Tuple, Union, runtim
 import numpy as np
 
 from apir.codec.constants import (
+    APIR_FORWARD_POSTED,
     APIR_HANDSHAKE_MAGIC,
     APIR_PROTOCOL_MAJOR,
     APIR_PROTOCOL_MINOR,
@@ -207,9 +208,25 @@ class CommandTrace:
             record["type"] = "truncated"
             record["cmd_bytes"] = len(command)
             return record
-        cmd_type, flags, _ = _HEADER.unpack_from(command, 0)
+        cmd_type, flags, length = _HEADER.unpack_from(command, 0)
         if cmd_type >= VENUS_COMMAND_TYPE_LENGTH:  # sent over the Venus capset
             cmd_type -= VENUS_COMMAND_TYPE_LENGTH
+        posted, pos = 0, 0
+        while cmd_type == _FORWARD and flags & APIR_FORWARD_POSTED and _HEADER.size <= length <= len(command) - pos:
+            # posted commands (ASYNC) first: counted; the command after them is described
+            posted, pos = posted + 1, pos + length
+            if len(command) - pos < _HEADER.size:
+                break
+            cmd_type, flags, length = _HEADER.unpack_from(command, pos)
+            if cmd_type >= VENUS_COMMAND_TYPE_LENGTH:
+                cmd_type -= VENUS_COMMAND_TYPE_LENGTH
+        if posted:
+            record["posted"] = posted
+            command = command[pos:]
+            if len(command) < _HEADER.size:
+                record["type"] = "posted"
+                record["cmd_bytes"] = pos
+                return record
         record["type"] = _type_name(cmd_type)
         if cmd_type == _FORWARD:
             record["function"] = _function_name(flags)
