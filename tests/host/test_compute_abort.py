@@ -15,7 +15,12 @@ import threading
 import numpy as np
 import pytest
 
-from apir.codec.constants import ApirBackendCommandType as Cmd, ApirCommandType, ApirExtensionCommandType as X
+from apir.codec.constants import (
+    APIR_FORWARD_POSTED,
+    ApirBackendCommandType as Cmd,
+    ApirCommandType,
+    ApirExtensionCommandType as X,
+)
 from apir.guest.client import ApirClient
 from apir.guest.errors import DeviceError
 from apir.guest.local import HostConnectionLost, LocalDevice
@@ -198,6 +203,10 @@ class _RecordingContext(HostContext):
     def submit(self, command):
         super().submit(command)
         cmd_type, flags, reply_res = struct.unpack_from("<III", command)
+        pos = 0
+        while flags & APIR_FORWARD_POSTED and pos + reply_res < len(command):  # (ASYNC: posts first)
+            pos += reply_res  # a posted command's third word: its length
+            cmd_type, flags, reply_res = struct.unpack_from("<III", command, pos)
         if cmd_type == ApirCommandType.FORWARD and flags in _GRAPH_COMPUTES:
             reply = self.get_shmem(reply_res)
             if reply is not None:
