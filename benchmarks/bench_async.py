@@ -20,12 +20,13 @@ buffers ggml CPU offers, whose sets are the guest's memmove in both modes.
 Measured (2-core machine shared with other helpers' work, 30 rounds, --sets 14), round trips:
   minilm  waited 7 -> 2 per batch (5 posted), EXECBUFFERs 7 -> 2
   decode  waited 16 -> 2 per step (14 posted), EXECBUFFERs 16 -> 2
-Time, embedded host (a bounded command runs inline in the guest's thread, so a round trip
-costs little there): minilm 34.1 vs 34.0 ms, ratio 1.00 [0.99, 1.01]; decode 1.46 vs 1.16 ms,
-ratio 0.79 [0.76, 0.85]. Socket host (exec ring): minilm 34.8 vs 34.0 ms, 0.98 [0.96, 1.00];
-decode 1.31 vs 1.03 ms, 0.83 [0.52, 1.11]. Runs while the machine's load rose past 6 gave
-wider intervals (one decode run 0.57 [0.38, 0.67] on the socket host). A VM pays a vCPU exit
-and a host thread's wake-up per waited EXECBUFFER, where the removed round trips weigh more.
+Time, at load ~6 (two runs, one per host): embedded host (a bounded command runs inline in
+the guest's thread, so a round trip costs little there) minilm 34.1 vs 34.0 ms, ratio 1.00
+[0.99, 1.01], decode 1.46 vs 1.16 ms, ratio 0.79 [0.76, 0.85]; socket host (exec ring) minilm
+34.8 vs 34.0 ms, 0.98 [0.96, 1.00], decode 1.31 vs 1.03 ms, 0.83 [0.52, 1.11]. At load 9-12:
+embedded decode 1.10 vs 0.91 ms, 0.83 [0.78, 0.88]; socket decode 0.80 [0.13, 1.09]; MiniLM's
+batch (0.5-0.9 s there) within noise. A VM pays a vCPU exit and a host thread's wake-up per
+waited EXECBUFFER, where the removed round trips weigh more: not measured here.
 
 Run: PYTHONPATH=. python benchmarks/bench_async.py [--rounds 30] [--sets 14] [--socket]
          [--zero-copy] [--json]

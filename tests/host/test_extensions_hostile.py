@@ -1,12 +1,18 @@
 """apir.host.backend.extensions against hostile guests: extension functions before EXT_QUERY
 agreed on them, devices out of range, truncated arguments, a graph mixing two devices'
-buffers, graphs kept beyond the per-context bounds."""
+buffers, graphs kept beyond the per-context bounds; posted commands (ASYNC) read within their
+length, only postable functions run posted, a wrong length ends its payload."""
 
+import struct
+
+import numpy as np
 import pytest
 
 from apir.codec.constants import (
     APIR_BACKEND_FORWARD_INDEX_INVALID,
     APIR_BACKEND_GRAPH_UNKNOWN,
+    APIR_FORWARD_POSTED,
+    ApirBackendCommandType as Cmd,
     ApirCommandType,
     ApirExtensionCommandType as X,
 )
@@ -180,3 +186,74 @@ def test_a_graph_over_the_peers_memory_is_computed_but_not_kept(ggml):
     finally:
         s.close()
         g.close()
+
+
+# --- ASYNC: posted commands (docs/protocol.md 12.7) --------------------------------------------
+def _posts(*commands) -> bytes:
+    """Posted Forwards, each (function id, argument bytes, length or None for its own)."""
+    out = b""
+    for function, args, length in commands:
+        size = 12 + len(args)
+        out += struct.pack("<III", ApirCommandType.FORWARD, int(function) | APIR_FORWARD_POSTED, size if length is None else length) + args
+    return out
+
+
+def _report(g: Guest):
+    rc, dec = g.forward(X.SYNCHRONIZE)
+    return rc, (dec.u32(), dec.u32(), dec.u32(), dec.u32())
+
+
+def test_a_posted_command_reads_nothing_past_its_length():
+    g = Guest(HostContext(7))
+    try:
+        assert _query(g, 4) == 4
+        handle = g.alloc(4096)
+        clear = struct.pack("<QI", handle, 7)
+        # the first clear's length cuts its value off: refused, not read from the next command
+        payload = _posts((Cmd.BUFFER_CLEAR, clear[:8], None), (Cmd.BUFFER_CLEAR, clear, None))
+        assert g.raw(payload) is None
+        assert _report(g) == (0, (2, 0, int(Cmd.BUFFER_CLEAR), 4 + ERROR))
+    finally:
+        g.close()
+
+
+@pytest.mark.parametrize(
+    "function", [Cmd.BACKEND_GRAPH_COMPUTE, Cmd.BUFFER_GET_TENSOR, Cmd.BUFFER_FREE_BUFFER, X.SYNCHRONIZE, X.EXT_QUERY]
+)
+def test_only_functions_without_a_needed_reply_may_be_posted(function):
+    g = Guest(HostContext(7))
+    try:
+        assert _query(g, 4) == 4
+        handle = g.alloc(4096)
+        assert g.raw(_posts((function, struct.pack("<QQQQ", handle, 0, 0, 0), None))) is None
+        assert _report(g) == (0, (1, 0, int(function), 4 + APIR_BACKEND_FORWARD_INDEX_INVALID))
+        assert g.base(handle)  # not freed, nothing run
+    finally:
+        g.close()
+
+
+@pytest.mark.parametrize("length", [0, 11, 1 << 31])
+def test_a_wrong_length_ends_the_payload(length):
+    g = Guest(HostContext(7))
+    try:
+        assert _query(g, 4) == 4
+        handle = g.alloc(4096)
+        clear = struct.pack("<QI", handle, 7)
+        payload = _posts((Cmd.BUFFER_CLEAR, clear, length), (Cmd.BUFFER_CLEAR, clear, None))
+        assert g.raw(payload) is None
+        rc, (posted, index, function, code) = _report(g)
+        assert (rc, posted, index, function, code) == (0, 1, 0, int(Cmd.BUFFER_CLEAR), 4 + ERROR)
+        assert g.get_tensor(handle, _rpc_u8(handle), 1) == (0, b"\0")  # neither clear ran
+    finally:
+        g.close()
+
+
+def _rpc_u8(handle: int) -> bytes:
+    import apir.ggml
+    from apir.codec.records import rpc_tensor_dtype
+
+    g = apir.ggml.load()
+    rec = np.zeros(1, dtype=rpc_tensor_dtype(g.limits))[0]
+    rec["id"], rec["type"], rec["buffer"] = 1, g.types["I8"], handle
+    rec["ne"], rec["nb"] = [1, 1, 1, 1], [1, 1, 1, 1]
+    return rec.tobytes()
