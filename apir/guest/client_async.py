@@ -4,10 +4,10 @@ With ASYNC agreed (`posting`), `buffer_set_tensor` of at most POST_WINDOW_SIZE b
 its bytes into the post window (apir.guest.remote) and posts BUFFER_SET_TENSOR_AT;
 `buffer_clear` and `buffer_cpy_tensor(..., post=True)` are posted as they are; sets and clears
 of a guest-mapped buffer (device_buffer_from_ptr) are not, since the guest reads its memory
-directly. Nothing waits
-for them: the host runs a context's commands in order, so the reply of any waited-for command
-(every other one) means they ran, and the window and the count start over. A set that would
-overflow the window, or a post past APIR_MAX_POSTED, is sent waited for instead.
+directly. Posts go with the next call's EXECBUFFER and nothing waits for them: the host runs a
+context's commands in order, so the reply of any waited-for command (every other one) means
+they ran, and the window and the count start over. A set that would overflow the window, or a
+post past APIR_MAX_POSTED, is sent waited for instead.
 
 A posted command's failure comes back as POSTED_FAILED from the next waited-for command,
 which did not run: the client then sends SYNCHRONIZE (which names the failed command), sends
