@@ -37,6 +37,7 @@ def _describe(res):
     )
 
 
+@pytest.mark.fuzz
 @pytest.mark.parametrize("fuzzer", sorted(CORPUS))
 def test_seeded_corpus_finds_nothing(fuzzer, tmp_path):
     n = max(1, int(CORPUS[fuzzer] * SCALE))
