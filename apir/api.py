@@ -157,14 +157,9 @@ def _check_backend(spec: str) -> None:
     from apir.ggml import backend_spec, load
 
     try:
-        parsed = backend_spec.parse_spec(spec)
-        if parsed.kind == "rpc":  # only probe: resolving adds the servers to this process's registry
-            for endpoint in parsed.endpoints:
-                backend_spec.check_reachable(endpoint)
-        else:
-            backend_spec.resolve(load(), spec)
+        backend_spec.check_usable(load(), spec)
     except backend_spec.BackendSpecError as exc:
-        raise DeviceError(f"backend {spec!r}: {exc}{backend_spec.missing_backend_hint(load(), spec)}") from None
+        raise DeviceError(f"backend {spec!r}: {exc}") from None
 
 
 def open(  # apir.open, as gzip.open: the module's entry point (no use of the builtin here)

@@ -195,25 +195,10 @@ def check_host_backend(config: Optional[dict]) -> None:
         return
     from apir.ggml import backend_spec, load
 
-    for item in backend_spec.split_specs(spec):  # (several: a device set, docs/protocol.md section 12)
-        try:
-            parsed = backend_spec.parse_spec(item)
-            if parsed.kind == "rpc":
-                # only probe: resolving would add the servers to this process's registry
-                for endpoint in parsed.endpoints:
-                    backend_spec.check_reachable(endpoint)
-            else:
-                backend_spec.resolve(load(), item)
-        except backend_spec.BackendSpecError as exc:
-            raise UsageError(f"--backend {spec}: {exc}{missing_backend_hint(item)}") from exc
-
-
-def missing_backend_hint(spec: str) -> str:
-    """What to do about a --backend the loaded ggml cannot serve ("" when there is no advice):
-    apir.ggml.backend_spec.missing_backend_hint on the loaded build."""
-    from apir.ggml import backend_spec, load
-
-    return backend_spec.missing_backend_hint(load(), spec)
+    try:
+        backend_spec.check_usable(load(), spec)  # (several: a device set, docs/protocol.md section 12)
+    except backend_spec.BackendSpecError as exc:
+        raise UsageError(f"--backend {spec}: {exc}") from exc
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:

@@ -40,6 +40,7 @@ __all__ = [
     "BackendSpecError",
     "BackendChoice",
     "backend_library",
+    "check_usable",
     "missing_backend_hint",
     "parse_spec",
     "split_specs",
@@ -124,6 +125,23 @@ def check_reachable(endpoint: str, timeout: float = RPC_CONNECT_TIMEOUT_S) -> No
             pass
     except OSError as exc:
         raise BackendSpecError(f"ggml-rpc server {endpoint} not reachable: {exc}") from exc
+
+
+def check_usable(g: Ggml, spec: str) -> None:
+    """Refuses, before a host starts, a backend spec (a device list too: `split_specs`) that
+    build `g` cannot serve: BackendSpecError naming what is missing (`missing_backend_hint`).
+    ggml-rpc servers are only probed (`check_reachable`): resolving them would add them to this
+    process's registry."""
+    for item in split_specs(spec):
+        try:
+            parsed = parse_spec(item)
+            if parsed.kind == "rpc":
+                for endpoint in parsed.endpoints:
+                    check_reachable(endpoint)
+            else:
+                resolve(g, item)
+        except BackendSpecError as exc:
+            raise BackendSpecError(f"{exc}{missing_backend_hint(g, item)}") from exc
 
 
 def resolve(g: Ggml, spec: str) -> BackendChoice:
