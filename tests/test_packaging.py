@@ -2,13 +2,13 @@
 and the CLI tests run there against the installed package, outside the clone.
 
 The fresh environment borrows the running one's dependencies (numpy, numba, libggml-python,
-tokenizers, pytest) through a .pth file, so nothing is downloaded; apir itself comes from the
+tokenizers, pytest: the folders on its sys.path) through a .pth file, so nothing is downloaded; apir itself comes from the
 wheel alone (the test checks where `import apir` finds it)."""
 
+import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 from tests import prereq
@@ -31,9 +31,13 @@ def test_a_wheel_passes_the_cli_tests_in_a_fresh_venv(tmp_path):
     assert _run([sys.executable, "-m", "venv", str(venv)]).returncode == 0
     python = str(venv / "bin" / "python")
     site = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
-    deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    Path(site, "apir-test-deps.pth").write_text("\n".join(sorted(deps)) + "\n")
-    installed = _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheels[0])])
+    # every folder this process imports from but the clone (an editable install puts it there)
+    deps = [p for p in sys.path if p and os.path.isdir(p) and Path(p).resolve() != REPO]
+    Path(site, "apir-test-deps.pth").write_text("\n".join(deps) + "\n")
+    # --ignore-installed: the borrowed site-packages may hold apir too (tox installs it there),
+    # which pip would otherwise take for this one and install nothing
+    installed = _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed",
+                      str(wheels[0])])  # fmt: skip
     assert installed.returncode == 0, installed.stderr
 
     work = tmp_path / "work"  # outside the clone: nothing there to import apir from
