@@ -260,6 +260,9 @@ class _Guest:
                 c.buffer_free_buffer(handle)
             else:
                 c.buffer_clear(handle, 0xA5)
+                # (posted, under ASYNC: its refusal comes at the next synchronization point,
+                # which must be this call's, not the next call on the guest's own state)
+                c.synchronize()
         except ApirError:
             pass  # refused: as it should be
 
