@@ -19,7 +19,14 @@ def test_kernel_offers_what_apir_needs(guest):
 def test_info_over_drm(guest):
     info = guest.check("info")
     assert info["transport"] == "drm" and info["node"] == "/dev/dri/renderD128", info
-    assert info["protocol"] == {"guest": "0.2", "host": "0.2", "capset": 10}
+    # apir's guest and host both have the extensions (docs/protocol.md section 12): agreed in a VM too
+    assert info["protocol"] == {
+        "guest": "0.2",
+        "host": "0.2",
+        "capset": 10,
+        "devices": 1,
+        "extensions": ["devices", "graph_replay", "async"],
+    }
     assert info["device"]["name"] == "CPU" and info["device"]["memory_total"] > 0
     assert info["buffer_type"]["alignment"] > 0
 
