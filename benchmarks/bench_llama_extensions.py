@@ -13,8 +13,12 @@ Then one traced tg run (-p 0 -r 1) per guest against a host with --trace: Forwar
 per token and the host's time per graph command (mean, median), over the TG + 1 tokens decoded
 (llama-bench's warm-up decodes one).
 
+On Vulkan (`--backend vulkan[:N]`): the host serves the Vulkan build's ggml-vulkan
+(scripts/get-llama-cpp.sh vulkan), local llama-bench runs on Vulkan N, and the guests open no
+Vulkan device of their own (GGML_VK_VISIBLE_DEVICES=""), as in bench_llama.
+
 Run: PYTHONPATH=. python benchmarks/bench_llama_extensions.py [--threads 1] [--reps 3] [--rounds 2]
-         [--pp 64] [--tg 32] [--json]
+         [--pp 64] [--tg 32] [--backend cpu|vulkan[:N]] [--json]
 """
 
 from __future__ import annotations
@@ -32,9 +36,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from apir.host.component.trace import read_trace  # noqa: E402
-from benchmarks.bench_llama import Host, llama_bench  # noqa: E402
+from benchmarks.bench_llama import Host, list_devices, llama_bench, vulkan_index  # noqa: E402
 from tests.interop.harness import build_shim, guest_env  # noqa: E402
-from tests.llama.build import build, build_extensions, is_built, model  # noqa: E402
+from tests.llama.build import build, build_extensions, build_vulkan, is_built, is_built_vulkan, model  # noqa: E402
 
 GRAPH_FUNCTIONS = ("backend_graph_compute", "graph_compute_keep", "graph_recompute")
 
@@ -63,17 +67,31 @@ def main(argv=None) -> int:
     ap.add_argument("--pp", type=int, default=64)
     ap.add_argument("--tg", type=int, default=32)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--backend", default="cpu",
+                    help="cpu (default) or vulkan[:N]: the host's --backend and the local run's device")
     args = ap.parse_args(argv)
-    if not is_built():
-        print("llama.cpp is not built: python -m tests.llama.build", file=sys.stderr)
+    try:
+        vk_index = vulkan_index(args.backend)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
         return 2
-    paths, ext, gguf = build(), build_extensions(), model()
+    if not (is_built() if vk_index is None else is_built_vulkan()):
+        print("llama.cpp is not built: scripts/get-llama-cpp.sh" + (" vulkan" if vk_index is not None else ""),
+              file=sys.stderr)
+        return 2
+    paths, ext, gguf = (build() if vk_index is None else build_vulkan()), build_extensions(), model()
+    backend = "cpu" if vk_index is None else f"vulkan:{vk_index}"
+    devices = {"local": None if vk_index is None else f"Vulkan{vk_index}"}
     local_env = dict(os.environ, LD_LIBRARY_PATH=paths["GGML_LIB_DIR"])
     local_env.pop("LD_PRELOAD", None)
 
     def guest(shim: Path, host: Host, extended: bool) -> dict:
+        # the extended guest's libggml-virtgpu first; ggml itself from the build measured
         lib_path = f"{ext['GGML_LIB_DIR']}:{paths['GGML_LIB_DIR']}" if extended else paths["GGML_LIB_DIR"]
-        return dict(guest_env(paths, shim, str(host.socket)), LD_LIBRARY_PATH=lib_path)
+        env = dict(guest_env(paths, shim, str(host.socket)), LD_LIBRARY_PATH=lib_path)
+        if vk_index is not None:
+            env["GGML_VK_VISIBLE_DEVICES"] = ""  # ggml-vulkan opens no device in the guest
+        return env
 
     sides = ("local", "unpatched", "extended")
     results: dict = {side: [] for side in sides}
@@ -81,21 +99,27 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-llama-ext-") as tmp:
         shim = build_shim(paths)
         (Path(tmp) / "timed").mkdir()
-        host = Host(paths, Path(tmp) / "timed", args.threads)
+        host = Host(paths, Path(tmp) / "timed", args.threads, backend=backend)
         try:
             envs = {"local": local_env, "unpatched": guest(shim, host, False), "extended": guest(shim, host, True)}
+            for side in ("unpatched", "extended") if vk_index is not None else ():
+                names = [n for n in list_devices(paths, envs[side]) if n.startswith("[virtgpu]")]
+                if len(names) != 1:
+                    raise RuntimeError(f"{side}: expected one [virtgpu] device, llama.cpp sees {names}")
+                devices[side] = names[0]
             for _ in range(args.rounds):
                 for side in sides:
                     results[side].append(llama_bench(paths, gguf, envs[side], args.threads, args.pp, args.tg,
-                                                     args.reps, 0))
+                                                     args.reps, 0, devices.get(side)))
         finally:
             host.stop()
         for side in ("unpatched", "extended") if args.tg else ():
             workdir = Path(tmp) / side
             workdir.mkdir()
-            host = Host(paths, workdir, args.threads, trace=workdir / "trace.jsonl")
+            host = Host(paths, workdir, args.threads, trace=workdir / "trace.jsonl", backend=backend)
             try:
-                llama_bench(paths, gguf, guest(shim, host, side == "extended"), args.threads, 0, args.tg, 1, 0)
+                llama_bench(paths, gguf, guest(shim, host, side == "extended"), args.threads, 0, args.tg, 1, 0,
+                            devices.get(side))
             finally:
                 host.stop()
             stats[side] = trace_stats(workdir / "trace.jsonl", args.tg + 1)
@@ -106,13 +130,19 @@ def main(argv=None) -> int:
                         "extended_over_unpatched": tps["unpatched"] / tps["extended"],
                         "unpatched_over_local": tps["local"] / tps["unpatched"],
                         "extended_over_local": tps["local"] / tps["extended"]}
-    report = {"threads": args.threads, "reps": args.reps, "rounds": args.rounds, "pp": args.pp, "tg": args.tg,
+    test = "tg" if args.tg else "pp"
+    seen = {side: {f: results[side][0].get(f"{test}_{f}", "") for f in ("backend", "gpu_info", "devices")}
+            for side in sides}
+    report = {"backend": backend, "sides": seen, "threads": args.threads, "reps": args.reps, "rounds": args.rounds,
+              "pp": args.pp, "tg": args.tg,
               "summary": summary, "traced": stats, "runs": results}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"llama-bench SmolLM2-135M Q4_1, host --backend cpu, {args.threads} threads, "
+    print(f"llama-bench SmolLM2-135M Q4_1, host --backend {backend}, {args.threads} threads, "
           f"{args.rounds} rounds x -r {args.reps}")
+    for side, f in seen.items():
+        print(f"  {side}: backends {f['backend']!r}, gpu_info {f['gpu_info']!r}, devices {f['devices']!r}")
     print(f"{'test':<8}{'local t/s':>11}{'0.2 t/s':>10}{'ext t/s':>10}{'ext/0.2':>9}{'0.2/local':>11}{'ext/local':>11}")
     for key, s in summary.items():
         n = args.pp if key == "pp" else args.tg
