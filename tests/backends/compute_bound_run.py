@@ -22,7 +22,6 @@ import argparse
 import ctypes
 import json
 import socket
-import struct
 import sys
 import tempfile
 import threading
@@ -147,14 +146,10 @@ def time_limit(g, backend: str) -> dict:
 def hang_up(g, backend: str) -> dict:
     """The chain on a socket host with no time limit; the guest hangs up once the host's
     compute started: the status its context recorded, and whether the host let go of it."""
-    from apir.codec.constants import ApirBackendCommandType as Cmd, ApirCommandType, ApirExtensionCommandType as X
-
-    # (apir's guest computes through graph replay when the host has it: docs/protocol.md section 12)
-    graph_computes = (Cmd.BACKEND_GRAPH_COMPUTE, X.GRAPH_COMPUTE_KEEP, X.GRAPH_RECOMPUTE)
     from apir.guest.client import ApirClient
     from apir.guest.local import LocalDevice
-    from apir.host import HostContext
     from apir.host.local.server import LocalServer
+    from tests.host.hostkit import graph_status_recorder
 
     statuses: list = []
     started = threading.Event()
@@ -166,18 +161,6 @@ def hang_up(g, backend: str) -> dict:
 
     g.ggml_backend_graph_compute = watched
 
-    class Recording(HostContext):
-        def __init__(self, ctx_id, capset_id, config):
-            super().__init__(ctx_id, config, capset_id=capset_id)
-
-        def submit(self, command):
-            super().submit(command)
-            cmd_type, flags, reply_res = struct.unpack_from("<III", command)
-            if cmd_type == ApirCommandType.FORWARD and flags in graph_computes:
-                reply = self.get_shmem(reply_res)
-                if reply is not None:
-                    statuses.append(struct.unpack_from("<i", reply.memory, 4)[0])
-
     config = {
         "apir.host.backend": backend,
         "apir.host.n_threads": "1",
@@ -186,7 +169,8 @@ def hang_up(g, backend: str) -> dict:
     }
     out: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        with LocalServer(str(Path(tmp) / "s.sock"), config=config, context_factory=Recording).start() as srv:
+        recorder = graph_status_recorder(statuses)
+        with LocalServer(str(Path(tmp) / "s.sock"), config=config, context_factory=recorder).start() as srv:
             dev = LocalDevice(srv.path)
             client = ApirClient.connect(dev)
 

@@ -13,13 +13,19 @@ from __future__ import annotations
 import ctypes
 import mmap
 import struct
-from typing import Callable, Optional
+import threading
+from typing import Callable, List, Optional
 
 import numpy as np
 import pytest
 
 from apir import accel
-from apir.codec.constants import ApirBackendCommandType as Cmd, ApirCommandType
+from apir.codec.constants import (
+    APIR_FORWARD_POSTED,
+    ApirBackendCommandType as Cmd,
+    ApirCommandType,
+    ApirExtensionCommandType as X,
+)
 from apir.codec.graph import BufferTable, rpc_tensor_from_ggml, serialize_graph
 from apir.codec.records import rpc_tensor_dtype
 from apir.codec.wire import Decoder, Encoder
@@ -28,6 +34,35 @@ from apir.ggml.lib import InitParams
 from apir.host import HostContext
 
 REPLY_RES, DATA_RES = 1, 2
+# apir's guest computes through graph replay when the host has it (docs/protocol.md section 12)
+GRAPH_COMPUTES = (Cmd.BACKEND_GRAPH_COMPUTE, X.GRAPH_COMPUTE_KEEP, X.GRAPH_RECOMPUTE)
+
+
+def graph_status_recorder(statuses: List[int], threads: Optional[List[str]] = None) -> type:
+    """A HostContext class (a LocalServer's context_factory) that appends the ggml status of
+    each graph it computed to `statuses`, and the name of the thread that computed it to
+    `threads`. Posted commands at the head of a command are skipped (ASYNC: a waited-for
+    command comes after them)."""
+
+    class GraphStatusRecorder(HostContext):
+        def __init__(self, ctx_id, capset_id, config):
+            super().__init__(ctx_id, config, capset_id=capset_id)
+
+        def submit(self, command):
+            super().submit(command)
+            cmd_type, flags, reply_res = struct.unpack_from("<III", command)
+            pos = 0
+            while flags & APIR_FORWARD_POSTED and pos + reply_res < len(command):
+                pos += reply_res  # a posted command's third word: its length
+                cmd_type, flags, reply_res = struct.unpack_from("<III", command, pos)
+            if cmd_type == ApirCommandType.FORWARD and flags in GRAPH_COMPUTES:
+                reply = self.get_shmem(reply_res)
+                if reply is not None:
+                    statuses.append(struct.unpack_from("<i", reply.memory, 4)[0])
+                    if threads is not None:
+                        threads.append(threading.current_thread().name)
+
+    return GraphStatusRecorder
 
 # A test of the host's accelerated path itself (its kernels, or what only they do).
 needs_kernels = pytest.mark.skipif(not accel.enabled(), reason="the host's kernels are off (APIR_ACCEL=0 or no Numba)")

@@ -9,24 +9,20 @@ ggml-rpc: the proc address not found), where the host computes the graph in rang
 and looks at the flag between them (apir.host.backend.compute_abort.compute_graph)."""
 
 import socket
-import struct
 import threading
 
 import numpy as np
 import pytest
 
 from apir.codec.constants import (
-    APIR_FORWARD_POSTED,
     ApirBackendCommandType as Cmd,
-    ApirCommandType,
-    ApirExtensionCommandType as X,
 )
 from apir.guest.client import ApirClient
 from apir.guest.errors import DeviceError
 from apir.guest.local import HostConnectionLost, LocalDevice
 from apir.host import HostContext
 from apir.host.local.server import LocalServer
-from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph
+from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph, graph_status_recorder
 from tests.local.localkit import wait_for
 
 N_ELEMENTS = 1 << 22  # 16 MiB of F32: each node touches all of it
@@ -186,38 +182,11 @@ class _ClientGuest:
         return self.client.buffer_type_alloc_buffer(self.client.device_get_buffer_type(), size)
 
 
-# (apir's guest computes through graph replay when the host has it: docs/protocol.md section 12)
-_GRAPH_COMPUTES = (Cmd.BACKEND_GRAPH_COMPUTE, X.GRAPH_COMPUTE_KEEP, X.GRAPH_RECOMPUTE)
-
-
-class _RecordingContext(HostContext):
-    """A HostContext that keeps the ggml status of each graph it computed, and the thread
-    that computed it."""
-
-    statuses: list = []
-    threads: list = []
-
-    def __init__(self, ctx_id, capset_id, config):
-        super().__init__(ctx_id, config, capset_id=capset_id)
-
-    def submit(self, command):
-        super().submit(command)
-        cmd_type, flags, reply_res = struct.unpack_from("<III", command)
-        pos = 0
-        while flags & APIR_FORWARD_POSTED and pos + reply_res < len(command):  # (ASYNC: posts first)
-            pos += reply_res  # a posted command's third word: its length
-            cmd_type, flags, reply_res = struct.unpack_from("<III", command, pos)
-        if cmd_type == ApirCommandType.FORWARD and flags in _GRAPH_COMPUTES:
-            reply = self.get_shmem(reply_res)
-            if reply is not None:
-                _RecordingContext.statuses.append(struct.unpack_from("<i", reply.memory, 4)[0])
-                _RecordingContext.threads.append(threading.current_thread().name)
-
-
 def test_a_guest_hanging_up_cancels_its_compute_on_the_socket_host(ggml, tmp_path, compute_started, bound_by):
-    _RecordingContext.statuses = []
+    statuses: list = []
     config = {"apir.host.graph_time_limit_s": "0"}  # only the hang-up may stop it
-    with LocalServer(str(tmp_path / "s.sock"), config=config, context_factory=_RecordingContext).start() as srv:
+    recorder = graph_status_recorder(statuses)
+    with LocalServer(str(tmp_path / "s.sock"), config=config, context_factory=recorder).start() as srv:
         dev = LocalDevice(srv.path)
         client = ApirClient.connect(dev)
         scratch = GgmlScratch(ggml, N_NODES + 8)
@@ -231,7 +200,7 @@ def test_a_guest_hanging_up_cancels_its_compute_on_the_socket_host(ggml, tmp_pat
             try:
                 outcome["status"] = client.backend_graph_compute(remote.wire)
             except HostConnectionLost as exc:
-                import traceback; traceback.print_exc(); outcome["error"] = exc
+                outcome["error"] = exc
 
         t = threading.Thread(target=compute, daemon=True)
         t.start()
@@ -240,7 +209,7 @@ def test_a_guest_hanging_up_cancels_its_compute_on_the_socket_host(ggml, tmp_pat
         t.join(BOUND_S)
         assert wait_for(lambda: srv.stats().contexts == 0, BOUND_S)
         # the host's graph stopped: aborted, not run to its end for nobody
-        assert _RecordingContext.statuses == [ggml.statuses["ABORTED"]]
+        assert statuses == [ggml.statuses["ABORTED"]]
         remote.close()
         scratch.close()
 
@@ -251,10 +220,11 @@ def test_closing_an_embedded_device_cancels_its_compute(ggml, compute_started, e
     thread), the graph computes on the host thread, and closing the device stops it."""
     from apir.local.embedded import EmbeddedDevice
 
-    _RecordingContext.statuses = []
-    _RecordingContext.threads = []
-    dev = EmbeddedDevice(config={"apir.host.graph_time_limit_s": "0"}, context_factory=_RecordingContext,
-                         exec_wait_s=exec_wait_s)
+    statuses: list = []
+    threads: list = []
+    recorder = graph_status_recorder(statuses, threads)
+    config = {"apir.host.graph_time_limit_s": "0"}
+    dev = EmbeddedDevice(config=config, context_factory=recorder, exec_wait_s=exec_wait_s)
     client = ApirClient.connect(dev)
     scratch = GgmlScratch(ggml, N_NODES + 8)
     graph, (acc, one), _ = add_chain(ggml, scratch.ctx)
@@ -275,8 +245,8 @@ def test_closing_an_embedded_device_cancels_its_compute(ggml, compute_started, e
     dev.close()  # the host thread stops after the graph's current node, not after the graph
     t.join(BOUND_S)
     assert not t.is_alive()
-    assert _RecordingContext.statuses == [ggml.statuses["ABORTED"]]  # the host's compute stopped
-    assert _RecordingContext.threads == ["apir-embedded-host"]
+    assert statuses == [ggml.statuses["ABORTED"]]  # the host's compute stopped
+    assert threads == ["apir-embedded-host"]
     # the call in flight ends with that status, or, when the closing device freed the reply
     # blob before the caller looked, with the device's error
     assert outcome.get("status") == ggml.statuses["ABORTED"] or "closed" in str(outcome.get("error")), outcome
