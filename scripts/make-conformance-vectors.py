@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Generates apir/conformance/data/*.json, the APIR conformance vectors, from ggml's C implementation.
 
-    scripts/make-conformance-vectors.py [--version 0.20|0.10 ...] [--out apir/conformance/data/]
+    scripts/make-conformance-vectors.py [--version 0.20|0.10|ext ...] [--out apir/conformance/data/]
 
 For each C reference build (tests/cref.py: APIR 0.2 / ggml 0.20.2 and APIR 0.1 / ggml 0.10.1):
 
@@ -22,6 +22,13 @@ apir's own encoder is not involved: the bytes are the C's. HandShake and LoadLib
 from apir's APIR component (the part virglrenderer plays; no C build of it exists here), and the
 C host crashes on buffer_free_buffer of buffer_from_ptr buffers, so apir's adapter serves that
 function with the C's return codes (docs/interop.md); the vectors say so per reply.
+
+`--version ext` captures the extensions beyond APIR 0.2 (docs/protocol.md section 12) from the
+C guest of patches/ggml-virtgpu-extensions.patch (ggml 0.25.3, scripts/get-llama-cpp.sh
+extensions; built on first use), whose replies can only come from apir's host: the driver's
+"ext" session against apir's host with its extensions, then against it with
+apir.host.extensions=off (the 0.2 fallback), both on the llama.cpp build's ggml CPU backend.
+Written to apir-0.2-ext-ggml-0.25.3.json.
 """
 
 from __future__ import annotations
@@ -44,6 +51,10 @@ from tests.interop.harness import build_shim, c_build_env  # noqa: E402
 DRIVER = REPO / "scripts" / "conformance" / "capture_guest.cpp"
 RECORDER = REPO / "scripts" / "conformance" / "record_host.py"
 GGML_VERSIONS = {"0.20": "0.20.2", "0.10": "0.10.1"}
+EXT_GGML = "0.25.3"
+# the extension sessions: name, host configuration (a session's "host_config")
+EXT_SESSIONS = (("apir-capset-extensions", {}),
+                ("apir-capset-0.2-fallback", {"apir.host.extensions": "off"}))
 
 
 def build_driver(paths: dict, out_dir: Path) -> Path:
@@ -63,24 +74,35 @@ def build_driver(paths: dict, out_dir: Path) -> Path:
     return exe
 
 
-def capture(paths: dict, driver: Path, work: Path, apir_capset: bool, short: bool):
-    """Runs the driver against a recording host; returns (driver stdout, recorded contexts)."""
+def capture(paths: dict, driver: Path, work: Path, apir_capset: bool, short: bool, ext_config=None,
+            guest_lib_dir=None):
+    """Runs the driver against a recording host; returns (driver stdout, recorded contexts).
+    The host is the C host library of `paths`, or with `ext_config` (a dict, maybe empty) apir's
+    own host so configured, on the ggml of `paths`; `guest_lib_dir` goes first in the driver's
+    LD_LIBRARY_PATH (the extended C guest's folder)."""
     sock, out = work / "host.sock", work / f"capture-{int(apir_capset)}.json"
+    if ext_config is None:
+        host_args = ["--c-library", paths["LIBGGML_VIRTGPU_BACKEND"], "--ggml-library", paths["LIBGGML_CPU"],
+                     "--ggml-reg", "ggml_backend_cpu_reg"]
+    else:
+        host_args = [arg for k, v in ext_config.items() for arg in ("--config", f"{k}={v}")]
     with open(work / "host.log", "a") as log:
         host = subprocess.Popen([sys.executable, str(RECORDER), "--socket", str(sock), "--out", str(out),
-                                 "--c-library", paths["LIBGGML_VIRTGPU_BACKEND"],
-                                 "--ggml-library", paths["LIBGGML_CPU"], "--ggml-reg", "ggml_backend_cpu_reg"],
+                                 *host_args],
                                 env=c_build_env(paths), stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO)
         try:
             if host.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"recording host did not start; see {work / 'host.log'}")
             env = dict(os.environ)
+            lib_dirs = [str(d) for d in (guest_lib_dir, Path(paths["LIBGGML"]).parent) if d]
             env.update(LD_PRELOAD=str(build_shim(paths)), APIR_SHIM_SOCKET=str(sock),
-                       LD_LIBRARY_PATH=str(Path(paths["LIBGGML"]).parent))
-            env.pop("GGML_REMOTING_USE_APIR_CAPSET", None)
+                       LD_LIBRARY_PATH=os.pathsep.join(lib_dirs))
+            for name in ("GGML_REMOTING_USE_APIR_CAPSET", "APIR_EXTENSIONS"):
+                env.pop(name, None)
             if apir_capset:
                 env["GGML_REMOTING_USE_APIR_CAPSET"] = "1"
-            run = subprocess.run([str(driver)] + (["short"] if short else []), env=env, check=False,
+            mode = ["ext"] if ext_config is not None else ["short"] if short else []
+            run = subprocess.run([str(driver)] + mode, env=env, check=False,
                                  capture_output=True, text=True, timeout=300)
             if run.returncode != 0:
                 raise RuntimeError(f"capture driver failed ({run.returncode}):\n{run.stdout}\n{run.stderr}")
@@ -107,16 +129,45 @@ def generate(version: str, out_dir: Path) -> Path:
     return path
 
 
+def extension_paths() -> tuple:
+    """(paths of the llama.cpp build, paths of its extended C guest): get-llama-cpp.sh's cpu and
+    extensions builds (tests/llama/build.py), built on first use."""
+    from tests.llama import build as llama_build
+
+    return llama_build.build(), llama_build.build_extensions()
+
+
+def generate_ext(out_dir: Path) -> Path:
+    """The extension vectors (module docstring): the patched C guest's headers and library,
+    the llama.cpp build's ggml for apir's host."""
+    host_paths, guest_paths = extension_paths()
+    driver_paths = {**host_paths, **{k: guest_paths[k] for k in ("GGML_SRC", "LIBGGML_VIRTGPU", "LIBGGML_BASE")}}
+    guest_lib_dir = Path(guest_paths["LIBGGML_VIRTGPU"]).parent
+    with tempfile.TemporaryDirectory(prefix="apir-conformance-ext-") as tmp:
+        work = Path(tmp)
+        driver = build_driver(driver_paths, work)
+        sessions = []
+        for name, config in EXT_SESSIONS:
+            stdout, contexts = capture(host_paths, driver, work, True, False, config, guest_lib_dir)
+            if len(contexts) != 1:
+                raise RuntimeError(f"expected one guest context, the host saw {len(contexts)}")
+            sessions.append(annotate.session(name, stdout, contexts[0], host_config=config, ext=True))
+    doc = annotate.document("ext", EXT_GGML, stdout, sessions, ext=True)
+    path = out_dir / f"apir-{doc['apir']}-ext-ggml-{doc['ggml']}.json"
+    path.write_text(annotate.dumps(doc))
+    return path
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--version", action="append", choices=sorted(GGML_VERSIONS),
-                    help="C reference to capture (repeatable; default both)")
+    ap.add_argument("--version", action="append", choices=sorted(GGML_VERSIONS) + ["ext"],
+                    help="C reference to capture (repeatable; default 0.20 and 0.10; ext: the extensions)")
     ap.add_argument("--out", default=str(REPO / "apir" / "conformance" / "data"))
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     for version in args.version or ["0.20", "0.10"]:
-        path = generate(version, out_dir)
+        path = generate_ext(out_dir) if version == "ext" else generate(version, out_dir)
         doc = json.loads(path.read_text())
         n = sum(len(s["steps"]) for s in doc["sessions"])
         print(f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}: {n} vectors")

@@ -13,7 +13,12 @@ Inline tensors are rebuilt in this process's memory from the vector's raw ggml_t
 (pointers patched to the copies); graphs are rebuilt as ggml_tensor structs from the vector's
 records and serialized with apir.codec.graph.serialize_graph, so its walk order, ids and
 records are checked against apir_serialize_graph's. Steps that are not guest commands (the
-error and component steps, encoded by hand with the C helpers) are skipped.
+error, component and forget steps, encoded by hand with the C helpers) are skipped.
+
+Extension vectors: ext_query is driven with the C guest's bits; a graph_recompute step
+computes again the graph kept under its id (the same rebuilt bytes, so apir's guest finds
+its id too); a graph_recompute answered GRAPH_UNKNOWN and the graph_compute_keep after it
+are one guest call.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from apir.codec.constants import APIR_BACKEND_GRAPH_UNKNOWN, ApirForwardReturnCode
 from apir.codec.forward import FORWARD, Kind
 from apir.conformance.host import StepResult
 from apir.conformance.vectors import Context, Session, Step, VectorFile, compare
@@ -36,6 +42,7 @@ _U64 = struct.Struct("<Q")
 _PARAM_SUPPORTED_CAPSET_IDS = 7
 
 _BY_NAME = {function.name: function for function in FORWARD.values()}
+_GRAPH_UNKNOWN_RC = int(ApirForwardReturnCode.BASE_INDEX) + APIR_BACKEND_GRAPH_UNKNOWN
 
 
 class ReplayDevice:
@@ -49,7 +56,7 @@ class ReplayDevice:
         self.roles = list(session.resources.items())
         self.blobs: Dict[str, Any] = {}
         self.sent: List[bytes] = []
-        self.step: Optional[Step] = None
+        self.steps: List[Step] = []  # the steps that answer the next commands, in order
 
     def get_param(self, param: int) -> int:
         return 1 << self.session.capset if param == _PARAM_SUPPORTED_CAPSET_IDS else 0
@@ -79,9 +86,9 @@ class ReplayDevice:
 
     def execbuffer(self, payload, ring_idx: int = 0) -> None:
         self.sent.append(bytes(memoryview(payload).cast("B")))
-        step = self.step
-        if step is None:
+        if not self.steps:
             return  # not answered: the client times out
+        step = self.steps.pop(0)
         reply = step.raw["reply"]
         mem = self.blobs["reply"].memory
         data = bytes.fromhex(reply["hex"])
@@ -210,7 +217,24 @@ def serialize_vector_graph(vf: VectorFile, graph: bytes) -> np.ndarray:
     return out
 
 
-def _call(client, vf: VectorFile, step: Step, dev: ReplayDevice) -> Optional[str]:
+_NOT_GUEST_COMMANDS = ("error.", "component.", "forget.")
+
+
+def _graph(vf: VectorFile, step: Step, graphs: Dict[int, np.ndarray]) -> np.ndarray:
+    """The graph a graph step computes: rebuilt from its records, or for a graph_recompute the
+    graph kept under its id, the same bytes again (so apir's guest finds its own id for it)."""
+    if step.function == "graph_recompute":
+        graph_id = step.arg("graph_id")
+        if graph_id not in graphs:
+            raise ValueError(f"graph_recompute of graph id {graph_id:#x}, which no earlier step kept")
+        return graphs[graph_id]
+    graph = serialize_vector_graph(vf, bytes.fromhex(step.raw["shmem_in"]["hex"]))
+    if step.function == "graph_compute_keep":
+        graphs[step.arg("graph_id")] = graph
+    return graph
+
+
+def _call(client, vf: VectorFile, step: Step, graphs: Dict[int, np.ndarray]) -> Optional[str]:
     """Drives the client for one step; returns a note for a step it cannot drive."""
     f, a = step.function, step.arg
     if step.raw["command_type"] == "HandShake":
@@ -227,9 +251,10 @@ def _call(client, vf: VectorFile, step: Step, dev: ReplayDevice) -> Optional[str
         client.buffer_get_tensor(a("buffer"), _rpc_bytes(vf, step, "tensor"), a("offset"), out)
         if out.tobytes() != bytes.fromhex(step.raw["shmem_out"]["hex"]):
             return "the bytes the client returned are not the shared memory's"
-    elif f == "backend_graph_compute":
-        graph = serialize_vector_graph(vf, bytes.fromhex(step.raw["shmem_in"]["hex"]))
-        client.backend_graph_compute(graph)
+    elif f in ("backend_graph_compute", "graph_compute_keep", "graph_recompute"):
+        client.backend_graph_compute(_graph(vf, step, graphs))
+    elif f == "ext_query":
+        client.negotiate_extensions(a("guest_extensions"))
     elif f in _BY_NAME:
         # the client method takes the table's arguments in order; an inline tensor as its
         # address and its buffer's handle
@@ -264,40 +289,55 @@ def check_session(vf: VectorFile, session: Session) -> List[StepResult]:
             if len(item) > 5 and item[5] == "handle":
                 ctx.handles[f"{step.name}.{item[2]}"] = item[4]
     results = []
+    graphs: Dict[int, np.ndarray] = {}
+    steps = list(session.steps)
     try:
-        for step in session.steps:
-            if step.name.startswith(("error.", "component.")):
+        while steps:
+            step = steps.pop(0)
+            if step.name.startswith(_NOT_GUEST_COMMANDS):
                 results.append(
                     StepResult(str(vf), session.name, step.name, True, "not a command apir's guest sends", True)
                 )
                 continue
-            dev.step = step
+            call = [step]
+            if step.function == "graph_recompute" and step.raw["reply"]["return_code"] == _GRAPH_UNKNOWN_RC and steps:
+                call.append(steps.pop(0))  # the graph sent again, by the same call
+            dev.steps = list(call)
             n_sent = len(dev.sent)
             try:
-                note = _call(client, vf, step, dev)
+                note = _call(client, vf, step, graphs)
             except Exception as exc:  # noqa: BLE001 - reported per step
                 note = f"{type(exc).__name__}: {exc}"
-            if note is None and len(dev.sent) != n_sent + 1:
-                note = f"the client sent {len(dev.sent) - n_sent} commands, expected 1"
-            if note is None:
-                note = compare(step.raw["command"]["fields"], dev.sent[-1], ctx, step.name)
-                if note:
-                    note = f"command {note}"
-            shmem_in = step.raw.get("shmem_in")
-            if note is None and shmem_in:
-                want = bytes.fromhex(shmem_in["hex"])
-                got = bytes(dev.blobs[shmem_in["res"]].memory[0 : len(want)])
-                if "fields" in shmem_in:
-                    note = compare(shmem_in["fields"], got, ctx, step.name)
-                elif got != want:
-                    note = "shared memory in differs"
-                if note:
-                    note = f"shared memory in: {note}"
-            results.append(StepResult(str(vf), session.name, step.name, note is None, note or ""))
+            if note is None and len(dev.sent) != n_sent + len(call):
+                note = f"the client sent {len(dev.sent) - n_sent} commands, expected {len(call)}"
+            for i, st in enumerate(call):
+                if note is None:
+                    note = _compare_sent(st, dev.sent[n_sent + i], dev, ctx)
+                results.append(StepResult(str(vf), session.name, st.name, note is None, note or ""))
     finally:
-        dev.step = None
+        dev.steps = []
         remote.close()
     return results
+
+
+def _compare_sent(step: Step, sent: bytes, dev: ReplayDevice, ctx: Context) -> Optional[str]:
+    """The command the client sent for `step` and what it put in shared memory, against the
+    vector's (the blob holds the last command's bytes: a step's own when it is a call's last
+    or the only one with shared memory)."""
+    note = compare(step.raw["command"]["fields"], sent, ctx, step.name)
+    if note:
+        return f"command {note}"
+    shmem_in = step.raw.get("shmem_in")
+    if shmem_in:
+        want = bytes.fromhex(shmem_in["hex"])
+        got = bytes(dev.blobs[shmem_in["res"]].memory[0 : len(want)])
+        if "fields" in shmem_in:
+            note = compare(shmem_in["fields"], got, ctx, step.name)
+        elif got != want:
+            note = "shared memory in differs"
+        if note:
+            return f"shared memory in: {note}"
+    return None
 
 
 def check_guest(files: List[VectorFile]) -> List[StepResult]:

@@ -10,7 +10,10 @@ then the return code, the reply payload (by fields) and any shared-memory output
 
 Targets: `EmbeddedTarget` (a HostContext in this process: apir's Python dispatcher, or with
 config the C host library through apir.host.backend.c_library) and `SocketTarget` (any host serving
-apir's local transport, `apir host serve --socket PATH`).
+apir's local transport, `apir host serve --socket PATH`). A session that needs host
+configuration (`host_config`: the extension vectors' APIR 0.2 fallback) gets it from the
+embedded target and is skipped by the socket target, which cannot set it; the extension
+sessions are skipped with the C host library, which has no extensions.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from apir.conformance.vectors import Context, Session, Step, VectorFile, compare
+from apir.host.config import CONFIG_KEY_EXTENSIONS, CONFIG_KEY_LOAD_LIBRARY_PATH
 
 __all__ = ["EmbeddedTarget", "SocketTarget", "StepResult", "check_host"]
 
@@ -51,13 +55,20 @@ class EmbeddedTarget:
         self.blobs: Dict[int, mmap.mmap] = {}
         self._next_ctx = 1
 
-    def open(self, capset: int) -> None:
+    def skip_reason(self, vf: VectorFile, session: Session) -> Optional[str]:
+        extensions_off = (session.host_config or {}).get(CONFIG_KEY_EXTENSIONS) == "off"
+        if vf.extensions and not extensions_off and CONFIG_KEY_LOAD_LIBRARY_PATH in self.config:
+            return "the extensions' replies are apir's host's (a backend library has no extensions)"
+        return None
+
+    def open(self, capset: int, host_config: Optional[dict] = None) -> None:
         from apir.host.component.context import HostContext
 
+        config = {**self.config, **(host_config or {})}
         if self.library_factory is None:
-            self.ctx = HostContext(self._next_ctx, self.config, capset_id=capset)
+            self.ctx = HostContext(self._next_ctx, config, capset_id=capset)
         else:
-            self.ctx = HostContext(self._next_ctx, self.config, capset_id=capset, library_factory=self.library_factory)
+            self.ctx = HostContext(self._next_ctx, config, capset_id=capset, library_factory=self.library_factory)
         self._next_ctx += 1
         self._res = 0
 
@@ -92,7 +103,12 @@ class SocketTarget:
         self.path = path
         self.dev: Any = None
 
-    def open(self, capset: int) -> None:
+    def skip_reason(self, vf: VectorFile, session: Session) -> Optional[str]:
+        if session.host_config:
+            return f"needs a host configured with {session.host_config}; a socket host's is its own"
+        return None
+
+    def open(self, capset: int, host_config: Optional[dict] = None) -> None:
         from apir.guest.local import LocalDevice
 
         self.dev = LocalDevice(self.path)
@@ -189,7 +205,10 @@ def check_session(
 ) -> List[StepResult]:
     ctx = Context()
     results = []
-    target.open(session.capset)
+    why_not = target.skip_reason(vf, session)
+    if why_not:
+        return [StepResult(str(vf), session.name, step.name, True, why_not, True) for step in session.steps]
+    target.open(session.capset, session.host_config)
     try:
         blobs = {}
         for role, info in session.resources.items():

@@ -16,6 +16,11 @@ field that differs, applying the rule of each field (conformance/README.md):
     res:ROLE    the res_id of the blob with that role (reply, data, blob.<step>)
     id          a tensor id: non-zero and unique in the message; the vector's id maps to it
     id-ref      0 where the vector has 0, else the id the vector's id mapped to (elementwise)
+    guest-id    a value the guest picks (graph ids of graph replay): non-zero; within a session
+                one vector value maps to one actual value, and different ones to different ones
+
+A session may carry `host_config`: the host configuration its replies need (apir's host keys,
+e.g. {"apir.host.extensions": "off"} for the APIR 0.2 fallback of the extension vectors).
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class Session:
     capset: int
     resources: Dict[str, dict]
     steps: List[Step]
+    host_config: Optional[Dict[str, str]] = None
 
 
 @dataclass
@@ -82,6 +88,7 @@ class VectorFile:
     layouts: dict
     constants: dict
     sessions: List[Session]
+    extensions: bool = False  # vectors of the extensions beyond APIR 0.2, answered by apir's host
 
     @property
     def minor(self) -> int:
@@ -98,9 +105,12 @@ def load(path) -> VectorFile:
     if doc.get("format") != VECTOR_FORMAT:
         raise ValueError(f"{path}: not an {VECTOR_FORMAT} file")
     sessions = [
-        Session(s["name"], s["capset"], s["resources"], [Step(st) for st in s["steps"]]) for s in doc["sessions"]
+        Session(s["name"], s["capset"], s["resources"], [Step(st) for st in s["steps"]], s.get("host_config"))
+        for s in doc["sessions"]
     ]
-    return VectorFile(path, doc["apir"], doc["ggml"], doc["layouts"], doc["constants"], sessions)
+    return VectorFile(
+        path, doc["apir"], doc["ggml"], doc["layouts"], doc["constants"], sessions, bool(doc.get("extensions"))
+    )
 
 
 def load_all(paths: Iterable) -> List[VectorFile]:
@@ -125,6 +135,7 @@ class Context:
     res: Dict[str, int] = field(default_factory=dict)  # role -> actual res_id
     handles: Dict[str, int] = field(default_factory=dict)  # "step.field" -> actual handle
     ids: Dict[int, int] = field(default_factory=dict)  # vector id -> actual id (one message)
+    guest_ids: Dict[int, int] = field(default_factory=dict)  # vector guest-id -> actual (one session)
 
 
 def _ints(raw: bytes, size: int) -> List[int]:
@@ -193,6 +204,17 @@ def compare(fields: list, actual: bytes, ctx: Context, step: str = "", strict_le
                     return f"{label}: {g:#x} does not name the tensor the vector's id {w:#x} names"
             continue
         if rule == "id":
+            continue
+        if rule == "guest-id":
+            sent = int.from_bytes(got_raw, "little")
+            mapped = ctx.guest_ids.get(value)
+            if not sent:
+                return f"{name}: 0, expected a non-zero id"
+            if mapped is None and sent in ctx.guest_ids.values():
+                return f"{name}: {sent:#x} is already the id of another vector value"
+            if mapped is not None and sent != mapped:
+                return f"{name}: {sent:#x}, expected {mapped:#x} (the id sent for the vector's {value:#x} before)"
+            ctx.guest_ids[value] = sent
             continue
         raise ValueError(f"unknown rule {rule!r} in field {name}")
     if strict_length and len(actual) != end:

@@ -24,6 +24,13 @@ FUNCTIONS = [
     "buffer_type_get_alloc_size", "buffer_get_base", "buffer_set_tensor", "buffer_get_tensor",
     "buffer_cpy_tensor", "buffer_clear", "buffer_free_buffer", "backend_graph_compute",
 ]
+# the extensions beyond APIR 0.2 (docs/protocol.md 12.1), by function id
+EXT_FUNCTIONS = {
+    0x100: "ext_query", 0x101: "device_select", 0x102: "graph_compute_keep", 0x103: "graph_recompute",
+    0x104: "synchronize", 0x105: "event_new", 0x106: "event_record", 0x107: "event_wait",
+    0x108: "event_synchronize", 0x109: "event_free", 0x10A: "buffer_set_tensor_at",
+}
+POSTED = 1 << 31  # APIR_FORWARD_POSTED: the header's third word is the command's length
 
 U32 = ("apir_encode_uint32_t", "u32")
 BUFT = ("apir_encode_apir_buffer_type_host_handle", "handle")
@@ -32,6 +39,8 @@ SIZE = ("apir_encode_size_t", "u64")
 RES = ("apir_encode_virtgpu_shmem_res_id", "res_id")
 RPC = ("apir_encode_ggml_tensor", "rpc_tensor")
 INLINE = ("apir_encode_ggml_tensor_inline", "inline_tensor")
+GRAPH_ID = ("apir_encode_uint64_t", "guest_id")
+EVENT = ("apir_encode_uint64_t", "handle")
 
 # command arguments after the 12-byte header: (name, C encode helper, kind)
 ARGS = {
@@ -54,6 +63,16 @@ ARGS = {
     "buffer_clear": [("buffer",) + BUFFER, ("value", "apir_encode_uint8_t", "u8")],
     "buffer_free_buffer": [("buffer",) + BUFFER],
     "backend_graph_compute": [("shmem_res_id",) + RES, ("size",) + SIZE],
+    "ext_query": [("guest_extensions",) + U32],
+    "device_select": [("device",) + U32],
+    "graph_compute_keep": [("graph_id",) + GRAPH_ID, ("shmem_res_id",) + RES, ("size",) + SIZE],
+    "graph_recompute": [("graph_id",) + GRAPH_ID],
+    "event_record": [("event",) + EVENT],
+    "event_wait": [("event",) + EVENT],
+    "event_synchronize": [("event",) + EVENT],
+    "event_free": [("event",) + EVENT],
+    "buffer_set_tensor_at": [("buffer",) + BUFFER, ("tensor",) + RPC, ("shmem_res_id",) + RES,
+                             ("shmem_offset",) + SIZE, ("offset",) + SIZE, ("size",) + SIZE],
 }
 
 STRING = ("apir_encode_array_size + apir_encode_char_array", "string")
@@ -83,6 +102,12 @@ REPLIES = {
     "buffer_get_base": [("base", "apir_encode_uintptr_t", "u64", "nonzero")],
     "buffer_cpy_tensor": [("copied", "apir_encode_bool_t", "bool", None)],
     "backend_graph_compute": [("status", "apir_encode_ggml_status", "i32", None)],
+    "ext_query": [("extensions", "apir_encode_uint32_t", "u32", None),
+                  ("device_count", "apir_encode_uint32_t", "u32", None)],
+    "graph_compute_keep": [("status", "apir_encode_ggml_status", "i32", None)],
+    "graph_recompute": [("status", "apir_encode_ggml_status", "i32", None)],
+    "synchronize": [(n, "apir_encode_uint32_t", "u32", None) for n in ("posted", "failed_index", "function", "code")],
+    "event_new": [("event", "apir_encode_uint64_t", "u64", "handle")],
 }
 
 RC_MEANING = {
@@ -90,10 +115,13 @@ RC_MEANING = {
     "LoadLibrary": {0: "APIR_LOAD_LIBRARY_SUCCESS", 2: "APIR_LOAD_LIBRARY_ALREADY_LOADED"},
     "Forward": {4: "APIR_FORWARD_BASE_INDEX + 0 (success)", 5: "APIR_FORWARD_BASE_INDEX + 1 (the function failed)",
                 10: "APIR_FORWARD_BASE_INDEX + APIR_BACKEND_FORWARD_INDEX_INVALID (6)",
-                1: "APIR_FORWARD_NO_DISPATCH_FCT"},
+                1: "APIR_FORWARD_NO_DISPATCH_FCT",
+                11: "APIR_FORWARD_BASE_INDEX + APIR_BACKEND_GRAPH_UNKNOWN (7): the host holds no graph of that id",
+                12: "APIR_FORWARD_BASE_INDEX + APIR_BACKEND_POSTED_FAILED (8)",
+                13: "APIR_FORWARD_BASE_INDEX + APIR_BACKEND_QUEUE_FULL (9)"},
 }
 
-KIND_SIZE = {"u32": 4, "i32": 4, "u8": 4, "bool": 4, "u64": 8, "handle": 8, "res_id": 4}
+KIND_SIZE = {"u32": 4, "i32": 4, "u8": 4, "bool": 4, "u64": 8, "handle": 8, "res_id": 4, "guest_id": 8}
 
 
 class Layout:
@@ -255,6 +283,8 @@ def annotate_args(raw: bytes, pos: int, args, layout: Layout, refs, res_role) ->
                 rule = refs(value)
                 if rule:
                     item.append(rule)
+            elif kind == "guest_id":
+                item.append("guest-id")
             elif kind == "res_id" and res_role(value):
                 item.append(f"res:{res_role(value)}")  # else a deliberately unknown res_id: exact
             out.append(item)
@@ -323,8 +353,9 @@ def _steps(stdout: str) -> list:
     return [line.split(None, 1)[1] for line in stdout.splitlines() if line.startswith("STEP ")]
 
 
-def session(name: str, stdout: str, context: dict) -> dict:
-    """One capture (the driver's stdout, the recorder's events of its one context) as vectors."""
+def session(name: str, stdout: str, context: dict, host_config=None, ext: bool = False) -> dict:
+    """One capture (the driver's stdout, the recorder's events of its one context) as vectors.
+    `ext`: the extended C guest against apir's host, configured with `host_config`."""
     layout = Layout(stdout)
     minor = layout.consts["APIR_PROTOCOL_MINOR"]
     names = _steps(stdout)
@@ -341,18 +372,29 @@ def session(name: str, stdout: str, context: dict) -> dict:
             continue
         step_name = names[submits]
         submits += 1
-        steps.append(_step(step_name, event, layout, minor, context["capset"], roles, handles))
+        steps.append(_step(step_name, event, layout, minor, roles, handles, host_config if ext else None))
     if submits != len(names):
         raise ValueError(f"{name}: the driver announced {len(names)} commands, the host saw {submits}")
-    return {"name": name, "capset": context["capset"], "resources": resources, "steps": steps}
+    out = {"name": name, "capset": context["capset"]}
+    if ext:
+        out["host_config"] = dict(host_config or {})
+    return {**out, "resources": resources, "steps": steps}
 
 
-def _step(step_name, event, layout, minor, capset, roles, handles) -> dict:
+def _function(command: str, flags: int):
+    if command != "Forward":
+        return None
+    fid = flags & ~POSTED
+    return FUNCTIONS[fid] if fid < len(FUNCTIONS) else EXT_FUNCTIONS.get(fid)
+
+
+def _step(step_name, event, layout, minor, roles, handles, apir_host_config=None) -> dict:
+    """One step; `apir_host_config` (not None) when apir's host, so configured, answered."""
     raw = bytes.fromhex(event["command"])
     cmd_type, flags, reply_res = struct.unpack_from("<III", raw, 0)
     base_type = cmd_type - VENUS_OFFSET if cmd_type >= VENUS_OFFSET else cmd_type
     command = CMD_NAMES[base_type]
-    function = FUNCTIONS[flags] if command == "Forward" and flags < len(FUNCTIONS) else None
+    function = _function(command, flags)
     key = function or command
 
     def refs(value):
@@ -364,20 +406,35 @@ def _step(step_name, event, layout, minor, capset, roles, handles) -> dict:
     fields = [[0, 4, "command type" + (" (+331: Venus capset)" if cmd_type >= VENUS_OFFSET else ""),
                "apir_encode_int32_t", cmd_type],
               [4, 4, "flags" + (" (backend function id)" if command == "Forward" else ""),
-               "apir_encode_int32_t", flags],
-              [8, 4, "reply resource id", "u32", reply_res, f"res:{res_role(reply_res)}"]]
+               "apir_encode_int32_t", flags]]
+    if command == "Forward" and flags & POSTED:
+        fields.append([8, 4, "length (posted: header included, no reply)", "u32", reply_res])
+    else:
+        fields.append([8, 4, "reply resource id", "u32", reply_res, f"res:{res_role(reply_res)}"])
     fields += annotate_args(raw, 12, ARGS.get(key, []), layout, refs, res_role)
     if step_name.startswith(("error.", "component.")):
         encoder = "remote_call_prepare + apir_cs.h helpers (a deliberately wrong or repeated command)"
+    elif step_name.startswith("forget."):
+        encoder = "remote_call_prepare + apir_cs.h helpers (ext_query sent again, to make the host forget its graphs)"
     elif function in ("device_get_device_count", "buffer_type_is_host"):
         encoder = "remote_call_prepare + apir_cs.h helpers (the C guest has no function for it)"
+    elif function == "ext_query":
+        encoder = "virtgpu_ext_query (ggml-virtgpu/virtgpu.cpp, patches/ggml-virtgpu-extensions.patch)"
+    elif function in ("graph_compute_keep", "graph_recompute"):
+        encoder = ("apir_backend_graph_compute (ggml-virtgpu/virtgpu-forward-backend.cpp, "
+                   "patches/ggml-virtgpu-extensions.patch)")
     elif command == "Forward":
         encoder = f"apir_{function} (ggml-virtgpu/virtgpu-forward-*.cpp)"
     else:
         encoder = "virtgpu_handshake / virtgpu_load_library (ggml-virtgpu/virtgpu.cpp)"
     rc = event["return_code"]
     reply_raw = bytes.fromhex(event["reply"])
-    if command != "Forward":
+    if apir_host_config is not None and command == "Forward":
+        settings = ", ".join(f"{k}={v}" for k, v in apir_host_config.items())
+        source = ("apir's host (apir.host.backend.extensions, ggml's CPU backend" +
+                  (f"; {settings})" if settings else "; extensions on)") +
+                  ": the C host library has no extensions")
+    elif command != "Forward":
         source = "apir component (virglrenderer's role: no C build of the component exists)"
     elif function == "buffer_free_buffer":
         source = "apir.host.backend.c_library adapter, with the C handler's checks and return codes (docs/interop.md)"
@@ -403,7 +460,7 @@ def _step(step_name, event, layout, minor, capset, roles, handles) -> dict:
     if "shmem_in" in event:
         blob = bytes.fromhex(event["shmem_in"]["hex"])
         shmem = {"res": roles.get(event["shmem_in"]["res_id"], "unknown"), "hex": blob.hex()}
-        if function == "backend_graph_compute" and blob:
+        if function in ("backend_graph_compute", "graph_compute_keep") and blob:
             shmem["fields"] = graph_fields(blob, layout, refs)
         step["shmem_in"] = shmem
     step["reply"] = reply
@@ -413,14 +470,21 @@ def _step(step_name, event, layout, minor, capset, roles, handles) -> dict:
     return step
 
 
-def document(version: str, ggml_version: str, stdout: str, sessions: list) -> dict:
+def document(version: str, ggml_version: str, stdout: str, sessions: list, ext: bool = False) -> dict:
     layout = Layout(stdout)
+    if ext:
+        by = ("scripts/make-conformance-vectors.py --version ext (the C guest libggml-virtgpu.so of this ggml "
+              "with patches/ggml-virtgpu-extensions.patch, apir's host with and without extensions, on ggml's "
+              "CPU backend)")
+    else:
+        by = ("scripts/make-conformance-vectors.py (C guest libggml-virtgpu.so and C host library "
+              "libggml-virtgpu-backend.so of this ggml, on ggml's CPU backend)")
     return {
         "format": "apir-conformance/1",
         "apir": f"{layout.consts['APIR_PROTOCOL_MAJOR']}.{layout.consts['APIR_PROTOCOL_MINOR']}",
+        **({"extensions": True} if ext else {}),
         "ggml": ggml_version,
-        "generated_by": "scripts/make-conformance-vectors.py (C guest libggml-virtgpu.so and C host library "
-                        "libggml-virtgpu-backend.so of this ggml, on ggml's CPU backend)",
+        "generated_by": by,
         "readme": "conformance/README.md (fields, rules, how to replay)",
         "constants": layout.consts,
         "layouts": layout.as_json(),

@@ -10,7 +10,9 @@
 //
 // Built by the generator against the C reference's headers (the C guest's internal headers
 // included), run with the apir DRM shim preloaded. APIR_MINOR_0_1 selects the ggml 0.10 guest's
-// 4-flag apir_device_get_props.
+// 4-flag apir_device_get_props. Built against the C guest of patches/ggml-virtgpu-extensions.patch
+// (its apir_backend.h defines APIR_COMMAND_TYPE_EXT_QUERY), "ext" runs the extension session
+// instead (run_ext, at the end).
 #include "virtgpu-forward-impl.h"
 
 #include <cinttypes>
@@ -170,8 +172,17 @@ static void print_layouts(void) {
     printf("CONST GGML_TYPE_F32 %d\nCONST GGML_TYPE_Q4_0 %d\n", GGML_TYPE_F32, GGML_TYPE_Q4_0);
 }
 
+#ifdef APIR_COMMAND_TYPE_EXT_QUERY
+static int run_ext(void);
+#endif
+
 int main(int argc, char ** argv) {
     print_layouts();
+#ifdef APIR_COMMAND_TYPE_EXT_QUERY
+    if (argc > 1 && strcmp(argv[1], "ext") == 0) {
+        return run_ext();
+    }
+#endif
     // "short": only HandShake, LoadLibrary and one query (for the Venus capset session; the
     // capset is the environment's choice, GGML_REMOTING_USE_APIR_CAPSET).
     const bool short_session = argc > 1 && strcmp(argv[1], "short") == 0;
@@ -404,3 +415,106 @@ int main(int argc, char ** argv) {
     printf("DONE\n");
     return 0;
 }
+
+#ifdef APIR_COMMAND_TYPE_EXT_QUERY
+static void enc_u32(apir_encoder * enc, const void * arg) {
+    apir_encode_uint32_t(enc, (const uint32_t *) arg);
+}
+
+// The extension session of the patched C guest: the same program against a host with the
+// extensions (graph replay agreed: graph_compute_keep, graph_recompute) and against one without
+// (ext_query answered INDEX_INVALID: the guest then sends APIR 0.2 only). Graphs get a uid as
+// ggml's scheduler gives them (ggml_graph_next_uid), which the guest takes as the graph's id.
+// Steps for further extensions of the patch go in here, each under the #ifdef of the macro the
+// patch defines for it, so that this file still builds against an older patch.
+static int run_ext(void) {
+    printf("CONST APIR_COMMAND_TYPE_EXT_QUERY %d\nCONST APIR_COMMAND_TYPE_GRAPH_COMPUTE_KEEP %d\n"
+           "CONST APIR_COMMAND_TYPE_GRAPH_RECOMPUTE %d\nCONST APIR_EXTENSION_GRAPH_REPLAY %u\n"
+           "CONST APIR_BACKEND_GRAPH_UNKNOWN %d\n",
+           APIR_COMMAND_TYPE_EXT_QUERY, APIR_COMMAND_TYPE_GRAPH_COMPUTE_KEEP, APIR_COMMAND_TYPE_GRAPH_RECOMPUTE,
+           APIR_EXTENSION_GRAPH_REPLAY, APIR_BACKEND_GRAPH_UNKNOWN);
+    step("handshake");  // create_virtgpu sends all three, in this order
+    step("load_library");
+    step("ext_query");
+    virtgpu * gpu = create_virtgpu();
+    if (!gpu) {
+        return 1;
+    }
+    printf("GOT extensions %u\n", gpu->extensions);
+    const bool replay = gpu->extensions & APIR_EXTENSION_GRAPH_REPLAY;
+
+    step("device_get_buffer_type");
+    apir_buffer_type_host_handle_t buft = apir_device_get_buffer_type(gpu);
+    step("buffer_type_alloc_buffer.a");
+    apir_buffer_context_t apir_a = apir_buffer_type_alloc_buffer(gpu, buft, 4096);
+    step("buffer_get_base.a");
+    void * base_a = apir_buffer_get_base(gpu, &apir_a);
+    static remote_buffer A;
+    remote_buffer_init(&A, gpu, apir_a, base_a, 4096);
+
+    ggml_init_params params = { 16 * 1024 * 1024, NULL, true };
+    ggml_context *   ctx    = ggml_init(params);
+    ggml_tensor *    x      = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 4, 3);
+    ggml_tensor *    y      = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 4, 3);
+    ggml_set_name(x, "x");
+    ggml_set_name(y, "y");
+    place(x, &A, 0);
+    place(y, &A, 64);
+    ggml_tensor * s = ggml_add(ctx, x, y);
+    ggml_set_name(s, "s");
+    place(s, &A, 128);
+    ggml_tensor * m = ggml_mul(ctx, x, y);
+    ggml_set_name(m, "m");
+    place(m, &A, 192);
+    ggml_cgraph * gf_add = graph_of(ctx, s);
+    gf_add->uid          = ggml_graph_next_uid();
+    ggml_cgraph * gf_mul = graph_of(ctx, m);
+    gf_mul->uid          = ggml_graph_next_uid();
+
+    float xv[12], yv[12], out[12];
+    fill(xv, 12, 1);
+    fill(yv, 12, 2);
+    step("buffer_set_tensor.x");
+    apir_buffer_set_tensor(gpu, &apir_a, x, xv, 0, sizeof xv);
+    step("buffer_set_tensor.y");
+    apir_buffer_set_tensor(gpu, &apir_a, y, yv, 0, sizeof yv);
+
+    // a new graph; the same graph again (new input first); another graph
+    step(replay ? "graph_compute_keep.add" : "backend_graph_compute.add");
+    printf("GOT status_add %d\n", (int) apir_backend_graph_compute(gpu, gf_add));
+    step("buffer_get_tensor.s");
+    apir_buffer_get_tensor(gpu, &apir_a, s, out, 0, sizeof out);
+    fill(xv, 12, 3);
+    step("buffer_set_tensor.x_again");
+    apir_buffer_set_tensor(gpu, &apir_a, x, xv, 0, sizeof xv);
+    step(replay ? "graph_recompute.add" : "backend_graph_compute.add_again");
+    printf("GOT status_add_again %d\n", (int) apir_backend_graph_compute(gpu, gf_add));
+    step("buffer_get_tensor.s_again");
+    apir_buffer_get_tensor(gpu, &apir_a, s, out, 0, sizeof out);
+    step(replay ? "graph_compute_keep.mul" : "backend_graph_compute.mul");
+    printf("GOT status_mul %d\n", (int) apir_backend_graph_compute(gpu, gf_mul));
+    step("buffer_get_tensor.m");
+    apir_buffer_get_tensor(gpu, &apir_a, m, out, 0, sizeof out);
+
+    if (replay) {
+        // the host forgets its kept graphs when an ext_query drops GRAPH_REPLAY; the guest,
+        // not told, asks for the add graph by id, is answered GRAPH_UNKNOWN and sends it again
+        uint32_t none = 0, bits = gpu->extensions;
+        step("forget.ext_query.none");
+        printf("GOT rc %u\n", raw_forward(gpu, APIR_COMMAND_TYPE_EXT_QUERY, enc_u32, &none));
+        step("forget.ext_query.again");
+        printf("GOT rc %u\n", raw_forward(gpu, APIR_COMMAND_TYPE_EXT_QUERY, enc_u32, &bits));
+        step("graph_recompute.add.unknown");  // one call, two commands
+        step("graph_compute_keep.add.resend");
+        printf("GOT status_add_resend %d\n", (int) apir_backend_graph_compute(gpu, gf_add));
+        step("buffer_get_tensor.s_resend");
+        apir_buffer_get_tensor(gpu, &apir_a, s, out, 0, sizeof out);
+    }
+
+    step("buffer_free_buffer.a");
+    apir_buffer_free_buffer(gpu, &apir_a);
+    ggml_free(ctx);
+    printf("DONE\n");
+    return 0;
+}
+#endif

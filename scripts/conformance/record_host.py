@@ -1,14 +1,16 @@
 """A recording APIR host for scripts/make-conformance-vectors.py.
 
     python scripts/conformance/record_host.py --socket PATH --out CAPTURE.json \
-        --c-library LIB --ggml-library LIB --ggml-reg SYM
+        [--c-library LIB --ggml-library LIB --ggml-reg SYM] [--config KEY=VALUE ...]
 
 Serves the local transport (apir.host.local.server) with one HostContext per guest, whose
 backend library is the C host library (libggml-virtgpu-backend.so through
-apir.host.backend.c_library), and records, per context and in order: every blob the guest creates
-(res_id, size) and every EXECBUFFER payload with the bytes it left in shared memory (for the
-commands that carry data there), the return code and the reply payload the host wrote. Run on
-the C build's ggml (APIR_GGML_LIB_DIR), as every host process that loads the C library.
+apir.host.backend.c_library) or, without --c-library, apir's own (its extensions included;
+--config sets host configuration such as apir.host.extensions=off), and records, per context
+and in order: every blob the guest creates (res_id, size) and every EXECBUFFER payload with the
+bytes it left in shared memory (for the commands that carry data there), the return code and
+the reply payload the host wrote. Run on the C build's ggml (APIR_GGML_LIB_DIR), as every host
+process that loads the C library.
 
 Writes CAPTURE.json when it receives SIGTERM; prints "ready" once the socket listens.
 """
@@ -37,11 +39,13 @@ _U64 = struct.Struct("<Q")
 # Forward function ids whose data travels in a blob: where the res_id and size sit in the
 # command (byte offsets from the payload start), and whether the host reads or writes it.
 # From the C guest encoders (virtgpu-forward-buffer.cpp, -backend.cpp): set/get_tensor send
-# handle (8) + apir_rpc_tensor (304) + res_id + offset + size; graph_compute res_id + size.
+# handle (8) + apir_rpc_tensor (304) + res_id + offset + size; graph_compute res_id + size;
+# graph_compute_keep (docs/protocol.md 12.4) the graph id (8) first.
 _RPC = 304
 _BLOB_ARGS = {17: (12 + 8 + _RPC, 12 + 8 + _RPC + 12, "in"),
               18: (12 + 8 + _RPC, 12 + 8 + _RPC + 12, "out"),
-              22: (12, 16, "in")}
+              22: (12, 16, "in"),
+              0x102: (20, 24, "in")}
 
 
 class RecordingContext(HostContext):
@@ -111,13 +115,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--socket", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--c-library", required=True)
-    ap.add_argument("--ggml-library", required=True)
-    ap.add_argument("--ggml-reg", required=True)
+    ap.add_argument("--c-library")
+    ap.add_argument("--ggml-library")
+    ap.add_argument("--ggml-reg")
+    ap.add_argument("--config", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
 
-    config = {"apir.load_library.path": args.c_library, "ggml.library.path": args.ggml_library,
-              "ggml.library.reg": args.ggml_reg}
+    config = dict(item.split("=", 1) for item in args.config)
+    if args.c_library:
+        config.update({"apir.load_library.path": args.c_library, "ggml.library.path": args.ggml_library,
+                       "ggml.library.reg": args.ggml_reg})
     contexts = []
 
     def factory(ctx_id, capset_id, cfg):

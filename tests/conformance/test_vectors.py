@@ -1,6 +1,7 @@
 """The conformance vectors (apir/conformance/data/*.json, captured from ggml's C guest and C host
-library) against apir's host, apir's guest encoder and the C host library; and the runner's
-rules, which must catch a difference."""
+library, and the extension vectors from the C guest of patches/ggml-virtgpu-extensions.patch
+against apir's host) against apir's host, apir's guest encoder and the C host library; and the
+runner's rules, which must catch a difference."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import pytest
 from apir.conformance import guest, host, vectors
 from apir.conformance.cli import format_report
 
-FILES = sorted(vectors.default_vector_dir().glob("*.json"))
+ALL_FILES = sorted(vectors.default_vector_dir().glob("*.json"))
+EXT_FILE = vectors.default_vector_dir() / "apir-0.2-ext-ggml-0.25.3.json"
+FILES = [f for f in ALL_FILES if f != EXT_FILE]  # the C guest and C host library's, 0.1 and 0.2
 IDS = [f.stem for f in FILES]
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,7 +44,7 @@ def _failures(results):
 def test_vectors_cover_the_protocol():
     """Both APIR versions; all 23 functions, HandShake over both capsets, LoadLibrary, graphs
     with views and two buffers, inline tensors, and error replies of the C host library."""
-    assert {f.stem for f in FILES} == {"apir-0.1-ggml-0.10.1", "apir-0.2-ggml-0.20.2"}
+    assert {f.stem for f in ALL_FILES} == {"apir-0.1-ggml-0.10.1", "apir-0.2-ggml-0.20.2", EXT_FILE.stem}
     for path in FILES:
         vf = vectors.load(path)
         steps = [s for sess in vf.sessions for s in sess.steps]
@@ -208,7 +211,7 @@ def test_the_vectors_ship_with_the_package(tmp_path):
     run = subprocess.run([sys.executable, "-m", "apir", "conformance", "--guest-only"], env=env,
                          check=False, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "guest: apir's encoder: 92 passed, 0 failed, 22 skipped" in run.stdout
+    assert "guest: apir's encoder: 127 passed, 0 failed, 24 skipped" in run.stdout
 
 
 # --- the C host library, and the vectors against a fresh capture ---------------------------------
@@ -235,28 +238,151 @@ def test_c_host_library_passes(version):
 def test_committed_vectors_match_a_fresh_capture(version, tmp_path):
     """scripts/make-conformance-vectors.py still produces the committed vectors: same steps,
     same fields and the same values wherever the rules compare values."""
-    run = subprocess.run([sys.executable, "scripts/make-conformance-vectors.py", "--version", version,
-                          "--out", str(tmp_path)], check=False, capture_output=True, text=True, cwd=REPO, timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    fresh = json.loads(next(tmp_path.glob("*.json")).read_text())
+    fresh = _fresh_capture(version, tmp_path)
     committed = json.loads(next(f for f in FILES if f"ggml-{version}" in f.name).read_text())
+    assert _comparable(fresh) == _comparable(committed)
+
+
+def _fresh_capture(version: str, out: Path) -> dict:
+    run = subprocess.run([sys.executable, "scripts/make-conformance-vectors.py", "--version", version,
+                          "--out", str(out)], check=False, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    return json.loads(next(out.glob("*.json")).read_text())
+
+
+def _comparable(doc: dict) -> list:
+    """Every step's fields (position, size, name, helper, and the value or the rule), name,
+    return code and shared-memory output: what a re-capture must reproduce."""
 
     def field(f):
-        # a field's position, size, name and helper, with its value or its rule; an any-string
-        # (the device description: the CPU's model name) without its size, which is the
-        # string's length on the machine that captured it
+        # an any-string (the device description: the CPU's model name) without its size,
+        # which is the string's length on the machine that captured it
         if len(f) > 5 and f[5] == "any-string":
             return [f[0], None, f[2], f[3], f[5]]
         return f[:4] + ([f[4]] if len(f) == 5 else [f[5]])
 
-    def comparable(doc):
-        out = []
-        for sess in doc["sessions"]:
-            for st in sess["steps"]:
-                parts = [st["command"]["fields"], st["reply"]["fields"], st.get("shmem_in", {}).get("fields", [])]
-                for fields in parts:
-                    out.append([field(f) for f in fields])
-                out.append((st["name"], st["reply"]["return_code"], st.get("shmem_out", {}).get("hex")))
-        return out
+    out = []
+    for sess in doc["sessions"]:
+        out.append((sess["name"], sess["capset"], sess.get("host_config")))
+        for st in sess["steps"]:
+            parts = [st["command"]["fields"], st["reply"]["fields"], st.get("shmem_in", {}).get("fields", [])]
+            for fields in parts:
+                out.append([field(f) for f in fields])
+            out.append((st["name"], st["reply"]["return_code"], st.get("shmem_out", {}).get("hex")))
+    return out
 
-    assert comparable(fresh) == comparable(committed)
+
+# --- the extension vectors (docs/protocol.md section 12) ----------------------------------------
+def _ext_steps(session: int) -> dict:
+    return {s["name"]: s for s in json.loads(EXT_FILE.read_text())["sessions"][session]["steps"]}
+
+
+def test_extension_vectors_cover_what_the_c_guest_sends():
+    """ext_query agreeing on graph replay, graph_compute_keep, graph_recompute of a kept graph
+    and one the host forgot (GRAPH_UNKNOWN, then the graph again under its id), and the 0.2
+    fallback: ext_query answered 10 by a host with extensions off, then no extension id."""
+    vf = vectors.load(EXT_FILE)
+    assert vf.extensions and [(s.name, s.host_config) for s in vf.sessions] == [
+        ("apir-capset-extensions", {}), ("apir-capset-0.2-fallback", {"apir.host.extensions": "off"})]
+    ext = _ext_steps(0)
+    query = ext["ext_query"]
+    assert (query["function_id"], vectors.field_value(query["command"]["fields"], "guest_extensions")) == (0x100, 2)
+    assert [f[4] for f in query["reply"]["fields"]] == [2, 1]  # graph replay agreed, one device
+    keep, again = ext["graph_compute_keep.add"], ext["graph_recompute.add"]
+    assert (keep["function_id"], again["function_id"]) == (0x102, 0x103)
+    graph_id = vectors.field_value(keep["command"]["fields"], "graph_id")
+    assert graph_id and vectors.field_value(again["command"]["fields"], "graph_id") == graph_id
+    assert len(bytes.fromhex(again["command"]["hex"])) == 20  # the id instead of the graph
+    assert again["reply"]["return_code"] == 4
+    names = list(ext)
+    unknown = names.index("graph_recompute.add.unknown")
+    assert ext[names[unknown]]["reply"]["return_code"] == 11 and ext[names[unknown]]["reply"]["hex"] == ""
+    resend = ext[names[unknown + 1]]
+    assert resend["function"] == "graph_compute_keep"
+    assert vectors.field_value(resend["command"]["fields"], "graph_id") == graph_id
+    # the same graph's bytes again (by the rules: the names' tails are the C's stack garbage)
+    buffer = vectors.field_value(ext["buffer_type_alloc_buffer.a"]["reply"]["fields"], "buffer")
+    ctx = vectors.Context(handles={"buffer_type_alloc_buffer.a.buffer": buffer})
+    assert vectors.compare(resend["shmem_in"]["fields"], bytes.fromhex(keep["shmem_in"]["hex"]), ctx) is None
+    # the graph computed again sees the new input: s_again differs from s, the resend equals it
+    s1, s2, s3 = (ext[n]["shmem_out"]["hex"] for n in ("buffer_get_tensor.s", "buffer_get_tensor.s_again",
+                                                        "buffer_get_tensor.s_resend"))
+    assert s1 != s2 == s3
+    fallback = _ext_steps(1)
+    assert fallback["ext_query"]["reply"]["return_code"] == 10
+    after = list(fallback)[list(fallback).index("ext_query") + 1:]
+    assert max(fallback[n]["function_id"] for n in after) < 23  # APIR 0.2's functions only
+    assert sum(s.get("function") == "backend_graph_compute" for s in fallback.values()) == 3
+    assert [s["shmem_out"]["hex"] for n, s in fallback.items() if n.startswith("buffer_get_tensor.s")] == [s1, s2]
+
+
+def test_apir_host_passes_the_extension_vectors():
+    results = host.check_host(host.EmbeddedTarget(), [vectors.load(EXT_FILE)])
+    assert _failures(results) == []
+    assert (len(results), sum(r.skipped for r in results)) == (37, 0)
+
+
+def test_apir_guest_encoder_passes_the_extension_vectors():
+    results = guest.check_guest([vectors.load(EXT_FILE)])
+    assert _failures(results) == []
+    assert [r.step for r in results if r.skipped] == ["forget.ext_query.none", "forget.ext_query.again"]
+    assert sum(not r.skipped for r in results) == 35
+
+
+def test_fallback_session_needs_its_host_config(tmp_path):
+    """Without the session's host_config (extensions off) apir's host agrees on graph replay:
+    the runner reports the fallback's ext_query; a socket host, which the runner cannot
+    configure, skips that session; the C host library skips the extension session."""
+
+    def mutate(doc):
+        del doc["sessions"][1]["host_config"]
+
+    fails = _failures(host.check_host(host.EmbeddedTarget(), [_load(EXT_FILE, mutate, tmp_path)]))
+    assert fails[0] == ("ext_query", "return code 4, expected 10 (APIR_FORWARD_BASE_INDEX + "
+                                     "APIR_BACKEND_FORWARD_INDEX_INVALID (6))")
+    vf = vectors.load(EXT_FILE)
+    assert host.SocketTarget("unused").skip_reason(vf, vf.sessions[0]) is None
+    assert "apir.host.extensions" in host.SocketTarget("unused").skip_reason(vf, vf.sessions[1])
+    c_library = host.EmbeddedTarget({"apir.load_library.path": "libggml-virtgpu-backend.so"})
+    assert "no extensions" in c_library.skip_reason(vf, vf.sessions[0])
+    assert c_library.skip_reason(vf, vf.sessions[1]) is None
+
+
+def test_guest_check_reports_graph_id_of_another_graph(tmp_path):
+    """guest-id: a vector whose second graph carries the first one's id: apir's guest, which
+    gives the new graph a new id, is reported."""
+
+    def mutate(doc):
+        add = _step(doc, "graph_compute_keep.add")
+        mul = next(f for f in _step(doc, "graph_compute_keep.mul")["command"]["fields"] if f[2] == "graph_id")
+        mul[4] = next(f for f in add["command"]["fields"] if f[2] == "graph_id")[4]
+
+    fails = _failures(guest.check_guest([_load(EXT_FILE, mutate, tmp_path)]))
+    assert fails[0] == ("graph_compute_keep.mul", "command graph_id: 0x2, expected 0x1 (the id sent for the "
+                                                  "vector's 0x1 before)")
+
+
+def test_compare_guest_id_rule():
+    ctx = vectors.Context()
+    field = [[0, 8, "graph_id", "u64", 7, "guest-id"]]
+    other = [[0, 8, "graph_id", "u64", 8, "guest-id"]]
+    pack = lambda v: v.to_bytes(8, "little")  # noqa: E731
+    assert vectors.compare(field, pack(1), ctx) is None
+    assert vectors.compare(field, pack(1), ctx) is None  # the same graph, the same id
+    assert "expected 0x1" in vectors.compare(field, pack(2), ctx)
+    assert "another vector value" in vectors.compare(other, pack(1), ctx)
+    assert vectors.compare(other, pack(2), ctx) is None
+    assert "non-zero" in vectors.compare(other, pack(0), ctx)
+
+
+@pytest.mark.llama
+@pytest.mark.interop
+def test_committed_extension_vectors_match_a_fresh_capture(tmp_path):
+    """make-conformance-vectors.py --version ext (the extended C guest, built by
+    scripts/get-llama-cpp.sh extensions) still produces the committed extension vectors."""
+    from tests import prereq
+    from tests.llama import build as llama_build
+
+    if not llama_build.is_built() and not prereq.required():
+        prereq.missing("llama.cpp is not built: run `python -m tests.llama.build` (about 25 minutes)")
+    assert _comparable(_fresh_capture("ext", tmp_path)) == _comparable(json.loads(EXT_FILE.read_text()))
