@@ -234,6 +234,24 @@ def test_c_host_library_passes(version):
 
 @pytest.mark.cref
 @pytest.mark.interop
+def test_c_host_library_answers_the_extension_fallback():
+    """The extension vectors' 0.2 fallback session (recorded from apir's host with extensions
+    off) is what a host without extensions answers: the C host library passes it; the
+    extension session is skipped (its replies are apir's host's)."""
+    from tests import cref
+    from tests.interop.harness import c_build_env
+
+    paths = cref.build("0.20")
+    run = subprocess.run([sys.executable, "-m", "apir", "conformance", "--host-only", "--vectors", str(EXT_FILE),
+                          "--backend-library", paths["LIBGGML_VIRTGPU_BACKEND"],
+                          "--ggml-library", paths["LIBGGML_CPU"], "--ggml-reg", "ggml_backend_cpu_reg"],
+                         env=c_build_env(paths), check=False, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert ": 16 passed, 0 failed, 21 skipped" in run.stdout
+
+
+@pytest.mark.cref
+@pytest.mark.interop
 @pytest.mark.parametrize("version", ["0.20", "0.10"])
 def test_committed_vectors_match_a_fresh_capture(version, tmp_path):
     """scripts/make-conformance-vectors.py still produces the committed vectors: same steps,
