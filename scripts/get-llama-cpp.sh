@@ -87,8 +87,10 @@ case "$WHAT" in
         build "$TREE" .complete-vulkan "$TREE/build-vulkan.log" "$TREE/build-vulkan/paths.env" "$HERE/build-llama-cpp.sh" ;;
     extensions)
         build "$TREE" .complete "$TREE/build.log" "$TREE/build/paths.env" "$HERE/build-llama-cpp.sh" > /dev/null
-        # the marker names the patch, so that a changed patch is built again
+        # the marker names the patch, so that a changed patch is built again; the build folder
+        # is one, so another patch's marker no longer tells the truth
         sum=$(sha256sum "$HERE/../patches/ggml-virtgpu-extensions.patch" | cut -c1-16)
+        [ -f "$TREE/.complete-extensions-$sum" ] || rm -f "$TREE"/.complete-extensions-*
         APIR_LLAMA_EXTENSIONS=1 BUILD_TIME="a minute or two" build "$TREE" ".complete-extensions-$sum" "$TREE/build-extensions.log" \
             "$TREE/build-extensions/paths.env" "$HERE/build-llama-cpp.sh" ;;
     python)

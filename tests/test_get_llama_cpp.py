@@ -120,3 +120,8 @@ def test_extensions_build_the_cpu_tree_then_the_patched_guest_once_per_patch(kit
     (tmp_path / "patches" / "ggml-virtgpu-extensions.patch").write_text("a changed patch\n")
     assert run("extensions").returncode == 0
     assert len([c for c in log.read_text().splitlines() if "build-llama-cpp.sh" in c]) == 3  # the variant only
+    # back to the first patch: its build was replaced in the one build-extensions folder
+    (tmp_path / "patches" / "ggml-virtgpu-extensions.patch").write_text("the patch\n")
+    assert run("extensions").returncode == 0
+    assert len([c for c in log.read_text().splitlines() if "build-llama-cpp.sh" in c]) == 4
+    assert len(list(tree.glob(".complete-extensions-*"))) == 1
