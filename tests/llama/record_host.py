@@ -4,7 +4,8 @@ the tests of the extended C guest (tests/llama/test_c_guest_extensions.py).
     python -m tests.llama.record_host --socket PATH --out RECORD.json [--config KEY=VALUE ...]
 
 Each context's tracer (HostContext.tracer, the hook of `apir host serve --trace`) notes, in
-order, the EXECBUFFER payload as the guest wrote it, the return code, and the reply payload.
+order, the EXECBUFFER payload as the guest wrote it, the return code, the reply payload, and
+for a kept graph (graph_compute_keep, graph_recompute) the host device that computed it.
 Run on the guest build's ggml (APIR_GGML_LIB_DIR). Prints "ready" once the socket listens and
 writes RECORD.json (a list of {"command", "rc", "reply"} hex records) on SIGTERM.
 """
@@ -20,6 +21,7 @@ import threading
 from pathlib import Path
 
 _HEADER = struct.Struct("<III")
+_KEPT_GRAPH_FUNCTIONS = (0x102, 0x103)  # graph_compute_keep, graph_recompute: u64 graph_id first
 _REPLY_KEEP = 64  # reply bytes kept per command: enough for every reply the tests read
 
 
@@ -41,8 +43,13 @@ class ByteRecorder:
             res = ctx.get_shmem(_HEADER.unpack_from(cmd, 0)[2])
             if res is not None:
                 reply = bytes(res.memory[4: 4 + min(reply_len, _REPLY_KEEP)])
+        record = {"command": cmd.hex(), "rc": rc, "reply": reply.hex()}
+        if len(cmd) >= _HEADER.size + 8 and _HEADER.unpack_from(cmd, 0)[1] in _KEPT_GRAPH_FUNCTIONS:
+            # the extended library's kept graphs: graph id -> (device index, graph bytes)
+            kept = getattr(ctx._library, "_kept", {}).get(struct.unpack_from("<Q", cmd, _HEADER.size)[0])
+            record["device"] = None if kept is None else kept[0]
         with self._lock:
-            self.records.append({"command": cmd.hex(), "rc": rc, "reply": reply.hex()})
+            self.records.append(record)
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,9 @@ through apir's host as the unpatched C guest and as local ggml CPU; its ext_quer
 graph_compute_keep and graph_recompute carry the bytes of docs/protocol.md section 12; a decode
 token's graph crosses once and is then recomputed by id, in as many round trips as before;
 against a host with the extensions off, or with APIR_EXTENSIONS=off, it sends what the
-unpatched guest sends.
+unpatched guest sends. Against a host serving two CPU devices (DEVICES), llama.cpp splits the
+model's layers over two ggml devices, device_select precedes device functions when the
+selection changes, and both host devices compute graphs; the tokens stay local CPU's.
 
 The host records every command's bytes (tests/llama/record_host.py). The guests use the APIR
 capset (GGML_REMOTING_USE_APIR_CAPSET), so command types are the spec's, not Venus-shifted."""
@@ -37,6 +39,8 @@ from tests.llama.runner import HOST_ERROR, LOGITS_ATOL, Generation, apir_env, ge
 PROMPT = "The capital of France is"
 BASE = ApirForwardReturnCode.BASE_INDEX
 GRAPH_FUNCTIONS = (Cmd.BACKEND_GRAPH_COMPUTE, X.GRAPH_COMPUTE_KEEP, X.GRAPH_RECOMPUTE)
+WANTED = ApirExtension.DEVICES | ApirExtension.GRAPH_REPLAY  # the extensions the guest asks for
+TWO_CPUS = {"apir.host.backend": "cpu,cpu"}
 
 
 @dataclass
@@ -45,6 +49,7 @@ class Forward:
     command: bytes
     rc: int
     reply: bytes
+    device: Optional[int] = None  # the host device of a kept graph (graph_compute_keep, graph_recompute)
 
 
 class RecordingHost:
@@ -73,7 +78,7 @@ class RecordingHost:
             cmd = bytes.fromhex(r["command"])
             cmd_type, flags, _ = struct.unpack_from("<III", cmd)
             if cmd_type == ApirCommandType.FORWARD:
-                forwards.append(Forward(flags, cmd, r["rc"], bytes.fromhex(r["reply"])))
+                forwards.append(Forward(flags, cmd, r["rc"], bytes.fromhex(r["reply"]), r.get("device")))
         return forwards
 
     @property
@@ -140,11 +145,12 @@ def test_extended_guest_same_tokens_and_replayed_graphs(llama_paths, extended_gu
     assert run.gen.generated == local.generated, (local.text, run.gen.text)
     assert np.abs(run.gen.logits - local.logits).max() <= LOGITS_ATOL
 
-    # negotiation: docs/protocol.md 12.2's example with GRAPH_REPLAY alone, right after LoadLibrary
+    # negotiation: docs/protocol.md 12.2's example, right after LoadLibrary; one host device
     query = run.forwards[0]
     reply_res = query.command[8:12]
-    assert query.command == bytes.fromhex("02000000" "00010000") + reply_res + bytes.fromhex("02000000")
-    assert query.rc == BASE and query.reply[:4] == struct.pack("<I", ApirExtension.GRAPH_REPLAY)
+    assert query.command == bytes.fromhex("02000000" "00010000") + reply_res + struct.pack("<I", WANTED)
+    assert query.rc == BASE and query.reply[:8] == struct.pack("<II", WANTED, 1)
+    assert X.DEVICE_SELECT not in [f.function for f in run.forwards]
     assert sum(f.function == X.EXT_QUERY for f in run.forwards) == 1
 
     # replay: no 0.2 graph_compute, a keep for each new graph, recomputes of kept ids only
@@ -212,3 +218,37 @@ def test_extended_guest_resends_a_graph_the_host_did_not_keep(llama_paths, exten
     for i, f in enumerate(graphs):
         if f.function == X.GRAPH_RECOMPUTE:
             assert graphs[i + 1].function == X.GRAPH_COMPUTE_KEEP and graphs[i + 1].command[12:20] == f.command[12:20]
+
+
+def test_extended_guest_splits_the_model_over_two_host_devices(llama_paths, extended_guest_paths, smollm2, local,
+                                                              tmp_path):
+    run = _through_apir(llama_paths, smollm2, tmp_path / "two", extended_guest_paths["GGML_LIB_DIR"],
+                        host_config=TWO_CPUS, logits_file=tmp_path / "two.f32")
+    assert run.gen.generated == local.generated, (local.text, run.gen.text)
+    assert np.abs(run.gen.logits - local.logits).max() <= LOGITS_ATOL
+    query = run.forwards[0]
+    assert query.function == X.EXT_QUERY and query.reply[:8] == struct.pack("<II", WANTED, 2)
+    # llama.cpp's layer split put weights and KV cache on both (distinctly named) devices
+    for name in ("[virtgpu] CPU", "[virtgpu1] CPU"):
+        assert f"{name} model buffer size" in run.gen.stderr and f"{name} KV buffer size" in run.gen.stderr
+
+    # device_select(i), 16 bytes answered 4, only when the selection changes (device 0 first)
+    selected, selects = 0, []
+    for f in run.forwards:
+        if f.function == X.DEVICE_SELECT:
+            (device,) = struct.unpack_from("<I", f.command, 12)
+            assert len(f.command) == 16 and f.rc == BASE and device != selected
+            selected = device
+            selects.append(device)
+    assert set(selects) == {0, 1}
+    # each device's information fetched once, under its own selection
+    names = [f for f in run.forwards if f.function == Cmd.DEVICE_GET_NAME]
+    assert len(names) == 2
+
+    # graphs on both host devices: each decode token's graph is split over them
+    graphs = [f for f in run.forwards if f.function in GRAPH_FUNCTIONS]
+    assert all(f.rc == BASE for f in graphs) and Cmd.BACKEND_GRAPH_COMPUTE not in [f.function for f in graphs]
+    devices = [f.device for f in graphs]
+    assert set(devices) == {0, 1}, devices
+    recomputed = [f.device for f in graphs if f.function == X.GRAPH_RECOMPUTE]
+    assert recomputed.count(0) >= 60 and recomputed.count(1) >= 60
