@@ -106,7 +106,8 @@ DEFAULT_GGML_LIBRARY_REG = "ggml_backend_init"
 # ggml.library.path is set; default: the CPU device
 CONFIG_KEY_BACKEND = "apir.host.backend"
 # "1" offers buffer_from_ptr (guest blobs imported as device buffers) on a device that can
-# import host memory although its props do not say so (ggml-vulkan: external memory host)
+# import host memory although its props do not say so (ggml-vulkan: external memory host);
+# "0" / "off" offers it on no device (ggml CPU's guests then send tensors as a GPU's do)
 CONFIG_KEY_IMPORT_HOST_MEMORY = "apir.host.import_host_memory"
 # Threads of a CPU-like backend (one that offers ggml_backend_set_n_threads); default: the
 # machine's cores. ggml's own default (GGML_DEFAULT_N_THREADS = 4) oversubscribes small

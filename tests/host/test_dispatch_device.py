@@ -123,6 +123,23 @@ def test_buffer_from_ptr(guest, ggml):
     assert guest.forward(Cmd.BUFFER_GET_BASE, lambda e: e.handle(buffer))[0] == 1
 
 
+def test_import_host_memory_off_offers_no_buffer_from_ptr(ggml):
+    """apir.host.import_host_memory=0: props say no buffer_from_host_ptr although ggml CPU's
+    do, and device_buffer_from_ptr is refused (5): the guest allocates device buffers."""
+    from apir.host import HostContext
+    from tests.host.hostkit import Guest
+
+    assert get_dev_props(ggml, _cpu(ggml))["buffer_from_host_ptr"]
+    g = Guest(HostContext(7, {"apir.host.import_host_memory": "0"}))
+    try:
+        rc, d = g.forward(Cmd.DEVICE_GET_PROPS)
+        assert rc == 0 and [d.bool() for _ in range(3)][2] is False
+        rc, _ = g.forward(Cmd.DEVICE_BUFFER_FROM_PTR, lambda e: (e.u32(DATA_RES), e.size_t(65536), e.size_t(65536)))
+        assert rc == 1
+    finally:
+        g.close()
+
+
 @pytest.mark.parametrize("name", ["gpu", "ACCEL"])
 def test_configured_device_type(ggml, name):
     """apir.host.device_type: device_get_type reports that `enum ggml_backend_dev_type` value

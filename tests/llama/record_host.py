@@ -4,8 +4,9 @@ the tests of the extended C guest (tests/llama/test_c_guest_extensions.py).
     python -m tests.llama.record_host --socket PATH --out RECORD.json [--config KEY=VALUE ...]
 
 Each context's tracer (HostContext.tracer, the hook of `apir host serve --trace`) notes, in
-order, the EXECBUFFER payload as the guest wrote it, the return code, the reply payload, and
-for a kept graph (graph_compute_keep, graph_recompute) the host device that computed it.
+order, each command of an EXECBUFFER payload as the guest wrote it, the return code, the reply
+payload, and for a kept graph (graph_compute_keep, graph_recompute) the host device that
+computed it.
 Run on the guest build's ggml (APIR_GGML_LIB_DIR). Prints "ready" once the socket listens and
 writes RECORD.json (a list of {"command", "rc", "reply"} hex records) on SIGTERM.
 """
@@ -20,36 +21,58 @@ import sys
 import threading
 from pathlib import Path
 
+from apir.codec.constants import APIR_FORWARD_POSTED, ApirExtensionCommandType as X
+
 _HEADER = struct.Struct("<III")
-_KEPT_GRAPH_FUNCTIONS = (0x102, 0x103)  # graph_compute_keep, graph_recompute: u64 graph_id first
+_KEPT_GRAPH_FUNCTIONS = (X.GRAPH_COMPUTE_KEEP, X.GRAPH_RECOMPUTE)  # a u64 graph_id first
 _REPLY_KEEP = 64  # reply bytes kept per command: enough for every reply the tests read
 
 
 class ByteRecorder:
-    """A HostContext tracer that keeps the raw command and reply bytes."""
+    """A HostContext tracer that keeps the raw command and reply bytes: a record per command,
+    the posted commands at the head of an EXECBUFFER payload (ASYNC) each on their own, with
+    the index of the payload (`execbuffer`) they came in."""
 
     def __init__(self) -> None:
         self.records: list = []
         self._lock = threading.Lock()
+        self._execbuffers = 0
 
     def describe(self, ctx, cmd) -> dict:
         return {"ctx": ctx, "command": bytes(cmd)}
 
     def finish(self, record: dict, result, seconds: float) -> None:
-        ctx, cmd = record.pop("ctx"), record.pop("command")
+        ctx, payload = record.pop("ctx"), record.pop("command")
+        with self._lock:
+            execbuffer = self._execbuffers
+            self._execbuffers += 1
+        records, at = [], 0
+        while at + _HEADER.size <= len(payload):  # posted commands (ASYNC): their length in the third word
+            _, flags, length = _HEADER.unpack_from(payload, at)
+            if not flags & APIR_FORWARD_POSTED or length < _HEADER.size or at + length > len(payload):
+                break
+            records.append({"command": payload[at: at + length].hex(), "rc": None, "reply": "", "posted": True,
+                            "execbuffer": execbuffer})
+            at += length
+        cmd = payload[at:]
+        if cmd:
+            records.append(self._waited(ctx, cmd, result, execbuffer))
+        with self._lock:
+            self.records.extend(records)
+
+    def _waited(self, ctx, cmd: bytes, result, execbuffer: int) -> dict:
         rc, reply_len = result if result is not None else (None, 0)
         reply = b""
         if len(cmd) >= _HEADER.size:
             res = ctx.get_shmem(_HEADER.unpack_from(cmd, 0)[2])
             if res is not None:
                 reply = bytes(res.memory[4: 4 + min(reply_len, _REPLY_KEEP)])
-        record = {"command": cmd.hex(), "rc": rc, "reply": reply.hex()}
+        record = {"command": cmd.hex(), "rc": rc, "reply": reply.hex(), "posted": False, "execbuffer": execbuffer}
         if len(cmd) >= _HEADER.size + 8 and _HEADER.unpack_from(cmd, 0)[1] in _KEPT_GRAPH_FUNCTIONS:
             # the extended library's kept graphs: graph id -> (device index, graph bytes)
             kept = getattr(ctx._library, "_kept", {}).get(struct.unpack_from("<Q", cmd, _HEADER.size)[0])
             record["device"] = None if kept is None else kept[0]
-        with self._lock:
-            self.records.append(record)
+        return record
 
 
 def main(argv=None) -> int:

@@ -6,7 +6,9 @@ token's graph crosses once and is then recomputed by id, in as many round trips 
 against a host with the extensions off, or with APIR_EXTENSIONS=off, it sends what the
 unpatched guest sends. Against a host serving two CPU devices (DEVICES), llama.cpp splits the
 model's layers over two ggml devices, device_select precedes device functions when the
-selection changes, and both host devices compute graphs; the tokens stay local CPU's.
+selection changes, and both host devices compute graphs. Against a host that offers no
+device_buffer_from_ptr (so that tensors cross as to a GPU), a decode token's sets are posted
+(ASYNC) with its graph: two round trips instead of eight. The tokens stay local CPU's.
 
 The host records every command's bytes (tests/llama/record_host.py). The guests use the APIR
 capset (GGML_REMOTING_USE_APIR_CAPSET), so command types are the spec's, not Venus-shifted."""
@@ -27,6 +29,7 @@ import pytest
 from apir.codec.constants import (
     APIR_BACKEND_FORWARD_INDEX_INVALID,
     APIR_BACKEND_GRAPH_UNKNOWN,
+    APIR_FORWARD_POSTED,
     ApirBackendCommandType as Cmd,
     ApirCommandType,
     ApirExtension,
@@ -39,7 +42,7 @@ from tests.llama.runner import HOST_ERROR, LOGITS_ATOL, Generation, apir_env, ge
 PROMPT = "The capital of France is"
 BASE = ApirForwardReturnCode.BASE_INDEX
 GRAPH_FUNCTIONS = (Cmd.BACKEND_GRAPH_COMPUTE, X.GRAPH_COMPUTE_KEEP, X.GRAPH_RECOMPUTE)
-WANTED = ApirExtension.DEVICES | ApirExtension.GRAPH_REPLAY  # the extensions the guest asks for
+WANTED = ApirExtension.DEVICES | ApirExtension.GRAPH_REPLAY | ApirExtension.ASYNC  # what the guest asks for
 TWO_CPUS = {"apir.host.backend": "cpu,cpu"}
 
 
@@ -50,6 +53,8 @@ class Forward:
     rc: int
     reply: bytes
     device: Optional[int] = None  # the host device of a kept graph (graph_compute_keep, graph_recompute)
+    posted: bool = False  # ASYNC: sent without waiting, at the head of EXECBUFFER `execbuffer`
+    execbuffer: int = 0
 
 
 class RecordingHost:
@@ -78,7 +83,8 @@ class RecordingHost:
             cmd = bytes.fromhex(r["command"])
             cmd_type, flags, _ = struct.unpack_from("<III", cmd)
             if cmd_type == ApirCommandType.FORWARD:
-                forwards.append(Forward(flags, cmd, r["rc"], bytes.fromhex(r["reply"]), r.get("device")))
+                forwards.append(Forward(flags & ~APIR_FORWARD_POSTED, cmd, r["rc"], bytes.fromhex(r["reply"]),
+                                        r.get("device"), r["posted"], r["execbuffer"]))
         return forwards
 
     @property
@@ -110,14 +116,16 @@ def _through_apir(paths, model, workdir: Path, guest_lib_dir: Optional[str] = No
 
 
 def per_decode_token(forwards: List[Forward]) -> dict:
-    """Round trips (Forward commands) and graph bytes (in the command's blob) per decode token:
-    from after the prompt's graph to the last graph, over the graphs in between."""
+    """Round trips (Forward commands waited for), posted commands and graph bytes (in the
+    command's blob) per decode token: from after the prompt's graph to the last graph, over the
+    graphs in between."""
     graphs = [i for i, f in enumerate(forwards) if f.function in GRAPH_FUNCTIONS]
     decode = forwards[graphs[0] + 1: graphs[-1] + 1]
     tokens = len(graphs) - 1
-    graph_bytes = sum(graph_size(f) for f in decode if f.function != X.GRAPH_RECOMPUTE)
-    return {"tokens": tokens, "round_trips": len(decode) / tokens, "graph_bytes": graph_bytes / tokens,
-            "graph_bytes_total": graph_bytes}
+    graph_bytes = sum(graph_size(f) for f in decode if f.function in GRAPH_FUNCTIONS[:2])
+    waited = sum(not f.posted for f in decode)
+    return {"tokens": tokens, "round_trips": waited / tokens, "posted": (len(decode) - waited) / tokens,
+            "graph_bytes": graph_bytes / tokens, "graph_bytes_total": graph_bytes}
 
 
 def graph_size(f: Forward) -> int:
@@ -151,6 +159,8 @@ def test_extended_guest_same_tokens_and_replayed_graphs(llama_paths, extended_gu
     assert query.command == bytes.fromhex("02000000" "00010000") + reply_res + struct.pack("<I", WANTED)
     assert query.rc == BASE and query.reply[:8] == struct.pack("<II", WANTED, 1)
     assert X.DEVICE_SELECT not in [f.function for f in run.forwards]
+    # ggml CPU's buffers are the guest's memory (device_buffer_from_ptr): nothing to post
+    assert not any(f.posted for f in run.forwards)
     assert sum(f.function == X.EXT_QUERY for f in run.forwards) == 1
 
     # replay: no 0.2 graph_compute, a keep for each new graph, recomputes of kept ids only
@@ -252,3 +262,42 @@ def test_extended_guest_splits_the_model_over_two_host_devices(llama_paths, exte
     assert set(devices) == {0, 1}, devices
     recomputed = [f.device for f in graphs if f.function == X.GRAPH_RECOMPUTE]
     assert recomputed.count(0) >= 60 and recomputed.count(1) >= 60
+
+
+def test_extended_guest_posts_tensor_sets(llama_paths, extended_guest_paths, smollm2, local, tmp_path):
+    # a host that offers no device_buffer_from_ptr: the guest allocates device buffers and
+    # sends every tensor's bytes, as to a GPU
+    config = {"apir.host.import_host_memory": "0"}
+    unpatched = _through_apir(llama_paths, smollm2, tmp_path / "sync", host_config=config)
+    run = _through_apir(llama_paths, smollm2, tmp_path / "async", extended_guest_paths["GGML_LIB_DIR"],
+                        host_config=config)
+    assert unpatched.gen.generated == run.gen.generated == local.generated, (local.text, run.gen.text)
+    assert Cmd.DEVICE_BUFFER_FROM_PTR not in [f.function for f in run.forwards]
+
+    # posted: buffer_set_tensor_at (the bytes in the guest's post window) and buffer_clear, at
+    # the head of the next waited command's EXECBUFFER, their length in the third word
+    posted = [f for f in run.forwards if f.posted]
+    assert posted and {f.function for f in posted} == {X.BUFFER_SET_TENSOR_AT, Cmd.BUFFER_CLEAR}
+    windows, last_offset = set(), {}
+    for f in posted:
+        assert struct.unpack_from("<III", f.command) == (
+            ApirCommandType.FORWARD, f.function | APIR_FORWARD_POSTED, len(f.command))
+        if f.function == X.BUFFER_SET_TENSOR_AT:  # ..., u32 res_id, size_t res_offset, offset, size
+            res_id, res_offset, _, size = struct.unpack_from("<IQQQ", f.command, len(f.command) - 28)
+            windows.add(res_id)
+            # increasing 16-aligned offsets in the window until a reply frees it
+            assert res_offset % 16 == 0 and res_offset >= last_offset.get(f.execbuffer, 0)
+            last_offset[f.execbuffer] = res_offset + size
+    assert len(windows) == 1
+    by_execbuffer: Dict[int, List[Forward]] = {}
+    for f in run.forwards:
+        by_execbuffer.setdefault(f.execbuffer, []).append(f)
+    # each EXECBUFFER: posted commands, then at most one waited for
+    assert all(f.posted for fs in by_execbuffer.values() for f in fs[:-1])
+
+    # a decode token: the unpatched guest's sets, its graph and its read each waited for; the
+    # extended guest's sets posted with the graph: two round trips
+    before, after = per_decode_token(unpatched.forwards), per_decode_token(run.forwards)
+    print(f"per decode token: unpatched {before}, extended {after}")
+    assert before["posted"] == 0 and before["round_trips"] >= 4
+    assert after["round_trips"] == 2 and after["posted"] == before["round_trips"] - 2

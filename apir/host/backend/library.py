@@ -300,11 +300,15 @@ class PythonBackendLibrary:
         """The device's `buffer_from_host_ptr` cap; else, under config
         `apir.host.import_host_memory=1`, whether it imports a page-aligned probe mapping
         (ggml-vulkan implements buffer_from_host_ptr with VK_EXT_external_memory_host but its
-        props say false: the import fails on devices without the extension)."""
+        props say false: the import fails on devices without the extension); never under
+        `apir.host.import_host_memory=0`."""
         g = self.g
+        setting = (host.get_config(CONFIG_KEY_IMPORT_HOST_MEMORY) or "").lower()
+        if setting in ("0", "false", "off", "no"):
+            return False
         if get_dev_props(g, self.dev).get("buffer_from_host_ptr", False):
             return True
-        if (host.get_config(CONFIG_KEY_IMPORT_HOST_MEMORY) or "").lower() not in ("1", "true", "on", "yes"):
+        if setting not in ("1", "true", "on", "yes"):
             return False
         probe = mmap.mmap(-1, _IMPORT_PROBE_SIZE)
         try:
