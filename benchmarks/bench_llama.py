@@ -113,17 +113,18 @@ def vulkan_index(backend: str) -> Optional[int]:
 
 class Host:
     """`apir host serve --backend BACKEND` on the build's ggml, traced into `trace` when given;
-    `env`: variables over os.environ (the Vulkan driver's)."""
+    `env`: variables over os.environ (the Vulkan driver's); `config`: more --config KEY=VALUE."""
 
     def __init__(self, paths: dict, workdir: Path, threads: int, trace: Optional[Path] = None,
-                 backend: str = "cpu", env: Optional[dict] = None):
+                 backend: str = "cpu", env: Optional[dict] = None, config: Optional[dict] = None):
         self.socket = workdir / "apir.sock"
         env = dict(os.environ, **(env or {}), APIR_GGML_LIB_DIR=paths["GGML_LIB_DIR"],
                    APIR_GGML_INCLUDE_DIR=paths["GGML_INCLUDE"], PYTHONPATH=str(REPO))
         cmd = [sys.executable, "-m", "apir", "host", "serve", "--socket", str(self.socket), "--backend", backend,
                *(["--trace", str(trace)] if trace else []),
                "--config", f"apir.host.n_threads={threads}", "--config", "apir.host.device_type=gpu",
-               "--config", "apir.local.max_blobs=16384"]
+               "--config", "apir.local.max_blobs=16384",
+               *[arg for k, v in (config or {}).items() for arg in ("--config", f"{k}={v}")]]
         self.log = open(workdir / "host.log", "w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         for _ in range(600):
