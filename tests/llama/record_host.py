@@ -8,7 +8,8 @@ order, each command of an EXECBUFFER payload as the guest wrote it, the return c
 payload, and for a kept graph (graph_compute_keep, graph_recompute) the host device that
 computed it.
 Run on the guest build's ggml (APIR_GGML_LIB_DIR). Prints "ready" once the socket listens and
-writes RECORD.json (a list of {"command", "rc", "reply"} hex records) on SIGTERM.
+writes RECORD.json (a list of {"command", "rc", "reply"} hex records, with "posted",
+"execbuffer" and, for kept graphs, "device") on SIGTERM.
 """
 
 from __future__ import annotations
