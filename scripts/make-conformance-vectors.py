@@ -27,7 +27,8 @@ function with the C's return codes (docs/interop.md); the vectors say so per rep
 C guest of patches/ggml-virtgpu-extensions.patch (ggml 0.25.3, scripts/get-llama-cpp.sh
 extensions; built on first use), whose replies can only come from apir's host: the driver's
 "ext" session against apir's host with its extensions, then against it with
-apir.host.extensions=off (the 0.2 fallback), both on the llama.cpp build's ggml CPU backend.
+apir.host.extensions=off (the 0.2 fallback), then its "devices" session against apir's host
+with two devices (apir.host.backend=cpu,cpu), all on the llama.cpp build's ggml CPU backend.
 Written to apir-0.2-ext-ggml-0.25.3.json.
 """
 
@@ -52,9 +53,10 @@ DRIVER = REPO / "scripts" / "conformance" / "capture_guest.cpp"
 RECORDER = REPO / "scripts" / "conformance" / "record_host.py"
 GGML_VERSIONS = {"0.20": "0.20.2", "0.10": "0.10.1"}
 EXT_GGML = "0.25.3"
-# the extension sessions: name, host configuration (a session's "host_config")
-EXT_SESSIONS = (("apir-capset-extensions", {}),
-                ("apir-capset-0.2-fallback", {"apir.host.extensions": "off"}))
+# the extension sessions: name, host configuration (a session's "host_config"), driver mode
+EXT_SESSIONS = (("apir-capset-extensions", {}, "ext"),
+                ("apir-capset-0.2-fallback", {"apir.host.extensions": "off"}, "ext"),
+                ("apir-capset-devices", {"apir.host.backend": "cpu,cpu"}, "devices"))
 
 
 def build_driver(paths: dict, out_dir: Path) -> Path:
@@ -75,11 +77,11 @@ def build_driver(paths: dict, out_dir: Path) -> Path:
 
 
 def capture(paths: dict, driver: Path, work: Path, apir_capset: bool, short: bool, ext_config=None,
-            guest_lib_dir=None):
+            guest_lib_dir=None, ext_mode="ext"):
     """Runs the driver against a recording host; returns (driver stdout, recorded contexts).
     The host is the C host library of `paths`, or with `ext_config` (a dict, maybe empty) apir's
-    own host so configured, on the ggml of `paths`; `guest_lib_dir` goes first in the driver's
-    LD_LIBRARY_PATH (the extended C guest's folder)."""
+    own host so configured, on the ggml of `paths`, and the driver runs in `ext_mode`;
+    `guest_lib_dir` goes first in the driver's LD_LIBRARY_PATH (the extended C guest's folder)."""
     sock, out = work / "host.sock", work / f"capture-{int(apir_capset)}.json"
     if ext_config is None:
         host_args = ["--c-library", paths["LIBGGML_VIRTGPU_BACKEND"], "--ggml-library", paths["LIBGGML_CPU"],
@@ -101,7 +103,7 @@ def capture(paths: dict, driver: Path, work: Path, apir_capset: bool, short: boo
                 env.pop(name, None)
             if apir_capset:
                 env["GGML_REMOTING_USE_APIR_CAPSET"] = "1"
-            mode = ["ext"] if ext_config is not None else ["short"] if short else []
+            mode = [ext_mode] if ext_config is not None else ["short"] if short else []
             run = subprocess.run([str(driver)] + mode, env=env, check=False,
                                  capture_output=True, text=True, timeout=300)
             if run.returncode != 0:
@@ -146,13 +148,14 @@ def generate_ext(out_dir: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="apir-conformance-ext-") as tmp:
         work = Path(tmp)
         driver = build_driver(driver_paths, work)
-        sessions = []
-        for name, config in EXT_SESSIONS:
-            stdout, contexts = capture(host_paths, driver, work, True, False, config, guest_lib_dir)
+        sessions, outputs = [], []
+        for name, config, mode in EXT_SESSIONS:
+            stdout, contexts = capture(host_paths, driver, work, True, False, config, guest_lib_dir, mode)
             if len(contexts) != 1:
                 raise RuntimeError(f"expected one guest context, the host saw {len(contexts)}")
             sessions.append(annotate.session(name, stdout, contexts[0], host_config=config, ext=True))
-    doc = annotate.document("ext", EXT_GGML, stdout, sessions, ext=True)
+            outputs.append(stdout)
+    doc = annotate.document("ext", EXT_GGML, "\n".join(outputs), sessions, ext=True)
     path = out_dir / f"apir-{doc['apir']}-ext-ggml-{doc['ggml']}.json"
     path.write_text(annotate.dumps(doc))
     return path

@@ -18,7 +18,10 @@ error, component and forget steps, encoded by hand with the C helpers) are skipp
 Extension vectors: ext_query is driven with the C guest's bits; a graph_recompute step
 computes again the graph kept under its id (the same rebuilt bytes, so apir's guest finds
 its id too); a graph_recompute answered GRAPH_UNKNOWN and the graph_compute_keep after it
-are one guest call.
+are one guest call; device_select steps select the device. With ASYNC agreed the client
+decides itself what it posts, as the C guest does: a posted step (`sent_with`) is driven and
+must send nothing, then the EXECBUFFER of the step it was sent with must hold its command
+first, byte for byte, and its bytes where the vector's are in the post window.
 """
 
 from __future__ import annotations
@@ -30,7 +33,12 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from apir.codec.constants import APIR_BACKEND_GRAPH_UNKNOWN, ApirForwardReturnCode
+from apir.codec.constants import (
+    APIR_BACKEND_GRAPH_UNKNOWN,
+    APIR_FORWARD_POSTED,
+    ApirCommandType,
+    ApirForwardReturnCode,
+)
 from apir.codec.forward import FORWARD, Kind
 from apir.conformance.host import StepResult
 from apir.conformance.vectors import Context, Session, Step, VectorFile, compare
@@ -85,9 +93,10 @@ class ReplayDevice:
         pass
 
     def execbuffer(self, payload, ring_idx: int = 0) -> None:
-        self.sent.append(bytes(memoryview(payload).cast("B")))
-        if not self.steps:
-            return  # not answered: the client times out
+        commands = split_commands(bytes(memoryview(payload).cast("B")))
+        self.sent += commands
+        if not self.steps or _posted(commands[-1]):
+            return  # not answered: the client times out, or posted (no reply)
         step = self.steps.pop(0)
         reply = step.raw["reply"]
         mem = self.blobs["reply"].memory
@@ -101,6 +110,27 @@ class ReplayDevice:
 
     def close(self) -> None:
         pass
+
+
+def _posted(cmd: bytes) -> bool:
+    return (
+        len(cmd) >= 12
+        and _U32.unpack_from(cmd, 0)[0] == ApirCommandType.FORWARD
+        and bool(_U32.unpack_from(cmd, 4)[0] & APIR_FORWARD_POSTED)
+    )
+
+
+def split_commands(payload: bytes) -> List[bytes]:
+    """The commands of one EXECBUFFER payload: the posted ones at its head (their length in
+    the third header word, docs/protocol.md 12.7), then the rest as one."""
+    out, pos = [], 0
+    while _posted(payload[pos:]) and 12 <= _U32.unpack_from(payload, pos + 8)[0] <= len(payload) - pos:
+        length = _U32.unpack_from(payload, pos + 8)[0]
+        out.append(payload[pos : pos + length])
+        pos += length
+    if pos < len(payload) or not out:
+        out.append(payload[pos:])
+    return out
 
 
 def _field_offset(fields: list, name: str) -> int:
@@ -243,7 +273,7 @@ def _call(client, vf: VectorFile, step: Step, graphs: Dict[int, np.ndarray]) -> 
         client.load_library()
     elif f == "device_buffer_from_ptr":
         client.device_buffer_from_ptr(a("size"), a("max_tensor_size"))
-    elif f == "buffer_set_tensor":
+    elif f in ("buffer_set_tensor", "buffer_set_tensor_at"):  # posted or not: the client's choice
         data = np.frombuffer(bytes.fromhex(step.raw["shmem_in"]["hex"]), dtype=np.uint8)
         client.buffer_set_tensor(a("buffer"), _rpc_bytes(vf, step, "tensor"), a("offset"), data)
     elif f == "buffer_get_tensor":
@@ -255,6 +285,10 @@ def _call(client, vf: VectorFile, step: Step, graphs: Dict[int, np.ndarray]) -> 
         client.backend_graph_compute(_graph(vf, step, graphs))
     elif f == "ext_query":
         client.negotiate_extensions(a("guest_extensions"))
+    elif f == "device_select":
+        client.select_device(a("device"))
+    elif f == "synchronize":
+        client.synchronize()
     elif f in _BY_NAME:
         # the client method takes the table's arguments in order; an inline tensor as its
         # address and its buffer's handle
@@ -285,12 +319,14 @@ def check_session(vf: VectorFile, session: Session) -> List[StepResult]:
     client = ApirClient(remote, protocol=(0, vf.minor))
     ctx = Context(res={role: info["res_id"] for role, info in session.resources.items()})
     for step in session.steps:  # the handles the vector's host gave: what the client gets
-        for item in step.raw["reply"].get("fields") or []:
+        for item in step.raw.get("reply", {}).get("fields") or []:
             if len(item) > 5 and item[5] == "handle":
                 ctx.handles[f"{step.name}.{item[2]}"] = item[4]
     results = []
     graphs: Dict[int, np.ndarray] = {}
     steps = list(session.steps)
+    posted: List[Step] = []  # posted steps driven, their EXECBUFFER not sent yet
+    n_sent = 0
     try:
         while steps:
             step = steps.pop(0)
@@ -299,15 +335,21 @@ def check_session(vf: VectorFile, session: Session) -> List[StepResult]:
                     StepResult(str(vf), session.name, step.name, True, "not a command apir's guest sends", True)
                 )
                 continue
+            if not posted:
+                n_sent = len(dev.sent)
             call = [step]
             if step.function == "graph_recompute" and step.raw["reply"]["return_code"] == _GRAPH_UNKNOWN_RC and steps:
                 call.append(steps.pop(0))  # the graph sent again, by the same call
-            dev.steps = list(call)
-            n_sent = len(dev.sent)
+            dev.steps = [st for st in call if "reply" in st.raw]
             try:
                 note = _call(client, vf, step, graphs)
             except Exception as exc:  # noqa: BLE001 - reported per step
                 note = f"{type(exc).__name__}: {exc}"
+            if note is None and "sent_with" in step.raw:
+                posted.append(step)  # compared with the EXECBUFFER of the step it was sent with
+                continue
+            call = posted + call
+            posted = []
             if note is None and len(dev.sent) != n_sent + len(call):
                 note = f"the client sent {len(dev.sent) - n_sent} commands, expected {len(call)}"
             for i, st in enumerate(call):
@@ -330,7 +372,8 @@ def _compare_sent(step: Step, sent: bytes, dev: ReplayDevice, ctx: Context) -> O
     shmem_in = step.raw.get("shmem_in")
     if shmem_in:
         want = bytes.fromhex(shmem_in["hex"])
-        got = bytes(dev.blobs[shmem_in["res"]].memory[0 : len(want)])
+        at = shmem_in.get("offset", 0)
+        got = bytes(dev.blobs[shmem_in["res"]].memory[at : at + len(want)])
         if "fields" in shmem_in:
             note = compare(shmem_in["fields"], got, ctx, step.name)
         elif got != want:

@@ -5,13 +5,17 @@ on the session's capset and one blob per resource role the session used (reply, 
 buffer_from_ptr blobs). Each step's command is the C guest's bytes with the run-dependent
 values put back: the blob res_ids of this run ("res:" fields) and the handles this host gave in
 earlier replies ("ref:" fields, in the command and in graph records). The step's shared-memory
-input is copied to the start of its blob, the notification word zeroed, the command submitted;
-then the return code, the reply payload (by fields) and any shared-memory output are compared.
+input is copied to its blob (at its start, or at the vector's `offset`), the notification word
+zeroed, the command submitted; then the return code, the reply payload (by fields) and any
+shared-memory output are compared.
+Posted commands (ASYNC, docs/protocol.md 12.7: steps with `sent_with`) have no reply: they go
+at the head of the EXECBUFFER of the step they were sent with, as the C guest sent them, and
+share its outcome (their effects show in later replies: synchronize, buffer_get_tensor).
 
 Targets: `EmbeddedTarget` (a HostContext in this process: apir's Python dispatcher, or with
 config the C host library through apir.host.backend.c_library) and `SocketTarget` (any host serving
 apir's local transport, `apir host serve --socket PATH`). A session that needs host
-configuration (`host_config`: the extension vectors' APIR 0.2 fallback) gets it from the
+configuration (`host_config`: the extension vectors' APIR 0.2 fallback, two devices) gets it from the
 embedded target and is skipped by the socket target, which cannot set it; the extension
 sessions are skipped with the C host library, which has no extensions.
 """
@@ -21,7 +25,7 @@ from __future__ import annotations
 import mmap
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from apir.conformance.vectors import Context, Session, Step, VectorFile, compare
 from apir.host.config import CONFIG_KEY_EXTENSIONS, CONFIG_KEY_LOAD_LIBRARY_PATH
@@ -157,24 +161,37 @@ def _wait_word(mem, timeout_s: float = 60.0) -> int:
     return word
 
 
-def run_step(target, step: Step, ctx: Context, blobs: dict) -> Optional[str]:
-    """One step against `target`; None when the host's answer conforms, else the first
-    difference."""
+def _prepare(step: Step, ctx: Context, blobs: dict) -> Tuple[Optional[bytes], Optional[str]]:
+    """The step's command with this run's values, its shared-memory input written to its blob
+    (at the vector's offset): (command, None), or (None, why not)."""
     cmd = bytearray(step.command)
     why = _patch(cmd, step.raw["command"]["fields"], ctx)
     if why:
-        return why
+        return None, why
     shmem_in = step.raw.get("shmem_in")
     if shmem_in:
         data = bytearray.fromhex(shmem_in["hex"])
         if "fields" in shmem_in:
             why = _patch(data, shmem_in["fields"], ctx)
             if why:
-                return why
-        blobs[shmem_in["res"]][0 : len(data)] = bytes(data)
+                return None, why
+        at = shmem_in.get("offset", 0)
+        blobs[shmem_in["res"]][at : at + len(data)] = bytes(data)
+    return bytes(cmd), None
+
+
+def run_step(target, step: Step, ctx: Context, blobs: dict, posted: Sequence[bytes] = ()) -> Optional[str]:
+    """One step against `target`, after the posted commands `posted` in its EXECBUFFER; None
+    when the host's answer conforms, else the first difference. A posted step (no reply) is
+    only submitted."""
+    cmd, why = _prepare(step, ctx, blobs)
+    if cmd is None:
+        return why
     reply_mem = blobs["reply"]
     _U32.pack_into(reply_mem, 0, 0)
-    target.submit(bytes(cmd))
+    target.submit(b"".join(posted) + cmd)
+    if "reply" not in step.raw:
+        return None
     word = _wait_word(reply_mem)
     if not word:
         return "no reply (the notification word stayed 0)"
@@ -215,11 +232,24 @@ def check_session(
             res_id, mem = target.create_blob(info["size"])
             ctx.res[role] = res_id
             blobs[role] = mem
+        # posted steps wait for the step they were sent with: one EXECBUFFER, its outcome theirs
+        posted: List[Tuple[Step, bytes]] = []
         for step in session.steps:
             if select is not None and not select(step):
                 results.append(StepResult(str(vf), session.name, step.name, True, "not selected", True))
                 continue
-            why = run_step(target, step, ctx, blobs)
+            if "sent_with" in step.raw:
+                cmd, why = _prepare(step, ctx, blobs)
+                if cmd is None:
+                    results.append(StepResult(str(vf), session.name, step.name, False, why or ""))
+                else:
+                    posted.append((step, cmd))
+                continue
+            why = run_step(target, step, ctx, blobs, [cmd for _, cmd in posted])
+            for before, _ in posted:
+                detail = f"sent with {step.name}: {why}" if why else ""
+                results.append(StepResult(str(vf), session.name, before.name, why is None, detail))
+            posted = []
             results.append(StepResult(str(vf), session.name, step.name, why is None, why or ""))
         del blobs
     finally:

@@ -370,9 +370,18 @@ def session(name: str, stdout: str, context: dict, host_config=None, ext: bool =
             roles[event["res_id"]] = role
             resources[role] = {"res_id": event["res_id"], "size": event["size"]}
             continue
-        step_name = names[submits]
-        submits += 1
-        steps.append(_step(step_name, event, layout, minor, roles, handles, host_config if ext else None))
+        # posted commands first, each its own step, sent with the last (docs/protocol.md 12.7)
+        commands = event["commands"]
+        batch = names[submits: submits + len(commands)]
+        for i, command in enumerate(commands):
+            step_name = names[submits]
+            submits += 1
+            last = i == len(commands) - 1
+            step = _step(step_name, command, event if last else None, layout, minor, roles, handles,
+                         host_config if ext else None)
+            if not last:
+                step["sent_with"] = batch[-1]
+            steps.append(step)
     if submits != len(names):
         raise ValueError(f"{name}: the driver announced {len(names)} commands, the host saw {submits}")
     out = {"name": name, "capset": context["capset"]}
@@ -388,9 +397,11 @@ def _function(command: str, flags: int):
     return FUNCTIONS[fid] if fid < len(FUNCTIONS) else EXT_FUNCTIONS.get(fid)
 
 
-def _step(step_name, event, layout, minor, roles, handles, apir_host_config=None) -> dict:
-    """One step; `apir_host_config` (not None) when apir's host, so configured, answered."""
-    raw = bytes.fromhex(event["command"])
+def _step(step_name, command_event, event, layout, minor, roles, handles, apir_host_config=None) -> dict:
+    """One step: one command of an EXECBUFFER (`command_event`), with the reply and shared
+    memory out of `event` (None for a posted command before the waited one: no reply);
+    `apir_host_config` (not None) when apir's host, so configured, answered."""
+    raw = bytes.fromhex(command_event["command"])
     cmd_type, flags, reply_res = struct.unpack_from("<III", raw, 0)
     base_type = cmd_type - VENUS_OFFSET if cmd_type >= VENUS_OFFSET else cmd_type
     command = CMD_NAMES[base_type]
@@ -412,7 +423,10 @@ def _step(step_name, event, layout, minor, roles, handles, apir_host_config=None
     else:
         fields.append([8, 4, "reply resource id", "u32", reply_res, f"res:{res_role(reply_res)}"])
     fields += annotate_args(raw, 12, ARGS.get(key, []), layout, refs, res_role)
-    if step_name.startswith(("error.", "component.")):
+    if step_name.startswith("error.") and command == "Forward" and flags & POSTED:
+        encoder = ("apir_buffer_post_clear + remote_call_post (patches/ggml-virtgpu-extensions.patch), "
+                   "of a buffer the host never gave: posted, a deliberately wrong command")
+    elif step_name.startswith(("error.", "component.")):
         encoder = "remote_call_prepare + apir_cs.h helpers (a deliberately wrong or repeated command)"
     elif step_name.startswith("forget."):
         encoder = "remote_call_prepare + apir_cs.h helpers (ext_query sent again, to make the host forget its graphs)"
@@ -423,10 +437,35 @@ def _step(step_name, event, layout, minor, roles, handles, apir_host_config=None
     elif function in ("graph_compute_keep", "graph_recompute"):
         encoder = ("apir_backend_graph_compute (ggml-virtgpu/virtgpu-forward-backend.cpp, "
                    "patches/ggml-virtgpu-extensions.patch)")
+    elif function == "device_select":
+        encoder = "apir_device_lock (ggml-virtgpu/virtgpu-forward-device.cpp, patches/ggml-virtgpu-extensions.patch)"
+    elif function == "synchronize":
+        encoder = ("apir_backend_synchronize (ggml-virtgpu/virtgpu-forward-backend.cpp, "
+                   "patches/ggml-virtgpu-extensions.patch)")
+    elif command == "Forward" and flags & POSTED:
+        post = "set_tensor" if function == "buffer_set_tensor_at" else function.removeprefix("buffer_")
+        encoder = (f"apir_buffer_post_{post} + remote_call_post (ggml-virtgpu/virtgpu-forward-buffer.cpp, "
+                   "virtgpu.cpp, patches/ggml-virtgpu-extensions.patch): posted")
     elif command == "Forward":
         encoder = f"apir_{function} (ggml-virtgpu/virtgpu-forward-*.cpp)"
     else:
         encoder = "virtgpu_handshake / virtgpu_load_library (ggml-virtgpu/virtgpu.cpp)"
+    step = {"name": step_name, "command_type": command, "encoder": encoder}
+    if function or command == "Forward":
+        step["function"] = function or f"(id {flags}: out of range)"
+        step["function_id"] = flags
+    step["command"] = {"hex": raw.hex(), "fields": fields}
+    if "shmem_in" in command_event:
+        blob = bytes.fromhex(command_event["shmem_in"]["hex"])
+        shmem = {"res": roles.get(command_event["shmem_in"]["res_id"], "unknown")}
+        if command_event["shmem_in"].get("offset"):
+            shmem["offset"] = command_event["shmem_in"]["offset"]
+        shmem["hex"] = blob.hex()
+        if function in ("backend_graph_compute", "graph_compute_keep") and blob:
+            shmem["fields"] = graph_fields(blob, layout, refs)
+        step["shmem_in"] = shmem
+    if event is None:
+        return step
     rc = event["return_code"]
     reply_raw = bytes.fromhex(event["reply"])
     if apir_host_config is not None and command == "Forward":
@@ -452,17 +491,6 @@ def _step(step_name, event, layout, minor, roles, handles, apir_host_config=None
         reply["fields"] = [[0, len(reply_raw), "(payload of a failed command: meaningless)", "-", None, "any"]]
     else:
         reply["fields"] = []
-    step = {"name": step_name, "command_type": command, "encoder": encoder}
-    if function or command == "Forward":
-        step["function"] = function or f"(id {flags}: out of range)"
-        step["function_id"] = flags
-    step["command"] = {"hex": raw.hex(), "fields": fields}
-    if "shmem_in" in event:
-        blob = bytes.fromhex(event["shmem_in"]["hex"])
-        shmem = {"res": roles.get(event["shmem_in"]["res_id"], "unknown"), "hex": blob.hex()}
-        if function in ("backend_graph_compute", "graph_compute_keep") and blob:
-            shmem["fields"] = graph_fields(blob, layout, refs)
-        step["shmem_in"] = shmem
     step["reply"] = reply
     if "shmem_out" in event:
         step["shmem_out"] = {"res": roles.get(event["shmem_out"]["res_id"], "unknown"),

@@ -12,7 +12,8 @@
 // included), run with the apir DRM shim preloaded. APIR_MINOR_0_1 selects the ggml 0.10 guest's
 // 4-flag apir_device_get_props. Built against the C guest of patches/ggml-virtgpu-extensions.patch
 // (its apir_backend.h defines APIR_COMMAND_TYPE_EXT_QUERY), "ext" runs the extension session
-// instead (run_ext, at the end).
+// instead (run_ext, at the end), and "devices" the device selection of a two-device host
+// (run_devices).
 #include "virtgpu-forward-impl.h"
 
 #include <cinttypes>
@@ -175,12 +176,20 @@ static void print_layouts(void) {
 #ifdef APIR_COMMAND_TYPE_EXT_QUERY
 static int run_ext(void);
 #endif
+#ifdef APIR_COMMAND_TYPE_DEVICE_SELECT
+static int run_devices(void);
+#endif
 
 int main(int argc, char ** argv) {
     print_layouts();
 #ifdef APIR_COMMAND_TYPE_EXT_QUERY
     if (argc > 1 && strcmp(argv[1], "ext") == 0) {
         return run_ext();
+    }
+#endif
+#ifdef APIR_COMMAND_TYPE_DEVICE_SELECT
+    if (argc > 1 && strcmp(argv[1], "devices") == 0) {
+        return run_devices();
     }
 #endif
     // "short": only HandShake, LoadLibrary and one query (for the Venus capset session; the
@@ -421,9 +430,31 @@ static void enc_u32(apir_encoder * enc, const void * arg) {
     apir_encode_uint32_t(enc, (const uint32_t *) arg);
 }
 
+// ggml's set_tensor as the patched guest does it (ggml-backend-buffer.cpp): posted
+// buffer_set_tensor_at with ASYNC agreed, else buffer_set_tensor, waited. The step is named
+// after what is sent: "buffer_set_tensor_at.<what>" or "buffer_set_tensor.<what>".
+static void set_tensor(virtgpu * gpu, apir_buffer_context_t * apir, ggml_tensor * t, const void * data,
+                       size_t size, const char * what) {
+    char name[64];
+#ifdef APIR_COMMAND_TYPE_BUFFER_SET_TENSOR_AT
+    const bool posting = gpu->extensions & APIR_EXTENSION_ASYNC;
+#else
+    const bool posting = false;
+#endif
+    snprintf(name, sizeof name, "%s.%s", posting ? "buffer_set_tensor_at" : "buffer_set_tensor", what);
+    step(name);
+#ifdef APIR_COMMAND_TYPE_BUFFER_SET_TENSOR_AT
+    if (apir_buffer_post_set_tensor(gpu, apir, t, data, 0, size)) {
+        return;
+    }
+#endif
+    apir_buffer_set_tensor(gpu, apir, t, data, 0, size);
+}
+
 // The extension session of the patched C guest: the same program against a host with the
-// extensions (graph replay agreed: graph_compute_keep, graph_recompute) and against one without
-// (ext_query answered INDEX_INVALID: the guest then sends APIR 0.2 only). Graphs get a uid as
+// extensions (graph replay agreed: graph_compute_keep, graph_recompute; ASYNC: sets and clears
+// posted, gathered into the EXECBUFFER of the next waited command, and synchronize) and against
+// one without (ext_query answered INDEX_INVALID: the guest then sends APIR 0.2 only). Graphs get a uid as
 // ggml's scheduler gives them (ggml_graph_next_uid), which the guest takes as the graph's id.
 // Steps for further extensions of the patch go in here, each under the #ifdef of the macro the
 // patch defines for it, so that this file still builds against an older patch.
@@ -433,6 +464,12 @@ static int run_ext(void) {
            "CONST APIR_BACKEND_GRAPH_UNKNOWN %d\n",
            APIR_COMMAND_TYPE_EXT_QUERY, APIR_COMMAND_TYPE_GRAPH_COMPUTE_KEEP, APIR_COMMAND_TYPE_GRAPH_RECOMPUTE,
            APIR_EXTENSION_GRAPH_REPLAY, APIR_BACKEND_GRAPH_UNKNOWN);
+#ifdef APIR_COMMAND_TYPE_SYNCHRONIZE
+    printf("CONST APIR_COMMAND_TYPE_SYNCHRONIZE %d\nCONST APIR_COMMAND_TYPE_BUFFER_SET_TENSOR_AT %d\n"
+           "CONST APIR_EXTENSION_ASYNC %u\nCONST APIR_FORWARD_POSTED %u\n",
+           APIR_COMMAND_TYPE_SYNCHRONIZE, APIR_COMMAND_TYPE_BUFFER_SET_TENSOR_AT, APIR_EXTENSION_ASYNC,
+           APIR_FORWARD_POSTED);
+#endif
     step("handshake");  // create_virtgpu sends all three, in this order
     step("load_library");
     step("ext_query");
@@ -474,10 +511,9 @@ static int run_ext(void) {
     float xv[12], yv[12], out[12];
     fill(xv, 12, 1);
     fill(yv, 12, 2);
-    step("buffer_set_tensor.x");
-    apir_buffer_set_tensor(gpu, &apir_a, x, xv, 0, sizeof xv);
-    step("buffer_set_tensor.y");
-    apir_buffer_set_tensor(gpu, &apir_a, y, yv, 0, sizeof yv);
+    // posted with ASYNC: both go in the EXECBUFFER of the graph after them
+    set_tensor(gpu, &apir_a, x, xv, sizeof xv, "x");
+    set_tensor(gpu, &apir_a, y, yv, sizeof yv, "y");
 
     // a new graph; the same graph again (new input first); another graph
     step(replay ? "graph_compute_keep.add" : "backend_graph_compute.add");
@@ -485,8 +521,7 @@ static int run_ext(void) {
     step("buffer_get_tensor.s");
     apir_buffer_get_tensor(gpu, &apir_a, s, out, 0, sizeof out);
     fill(xv, 12, 3);
-    step("buffer_set_tensor.x_again");
-    apir_buffer_set_tensor(gpu, &apir_a, x, xv, 0, sizeof xv);
+    set_tensor(gpu, &apir_a, x, xv, sizeof xv, "x_again");
     step(replay ? "graph_recompute.add" : "backend_graph_compute.add_again");
     printf("GOT status_add_again %d\n", (int) apir_backend_graph_compute(gpu, gf_add));
     step("buffer_get_tensor.s_again");
@@ -511,9 +546,76 @@ static int run_ext(void) {
         apir_buffer_get_tensor(gpu, &apir_a, s, out, 0, sizeof out);
     }
 
+#ifdef APIR_COMMAND_TYPE_SYNCHRONIZE
+    if (gpu->extensions & APIR_EXTENSION_ASYNC) {
+        // a posted clear and a posted set in one EXECBUFFER with synchronize (nothing failed)
+        step("buffer_clear.a");
+        apir_buffer_post_clear(gpu, &apir_a, 0x11);
+        set_tensor(gpu, &apir_a, x, xv, sizeof xv, "x_after_clear");
+        step("synchronize");
+        apir_backend_synchronize(gpu);
+        step("buffer_get_tensor.s_cleared");
+        apir_buffer_get_tensor(gpu, &apir_a, s, out, 0, sizeof out);
+        step("buffer_get_tensor.x_after_clear");
+        apir_buffer_get_tensor(gpu, &apir_a, x, out, 0, sizeof out);
+        // a posted clear of a buffer the host never gave, then synchronize reporting it (the C
+        // guest's apir_backend_synchronize sends these bytes, then aborts on the failure)
+        apir_buffer_context_t unknown = apir_a;
+        unknown.host_handle           = 0x7e57ab1e0000ull;
+        step("error.buffer_clear.posted_unknown_buffer");
+        apir_buffer_post_clear(gpu, &unknown, 1);
+        step("error.synchronize.pending_error");
+        printf("GOT rc %u\n", raw_forward(gpu, APIR_COMMAND_TYPE_SYNCHRONIZE, NULL, NULL));
+    }
+#endif
+
     step("buffer_free_buffer.a");
     apir_buffer_free_buffer(gpu, &apir_a);
     ggml_free(ctx);
+    printf("DONE\n");
+    return 0;
+}
+#endif
+
+#ifdef APIR_COMMAND_TYPE_DEVICE_SELECT
+// Device selection against a host with two devices: the device functions of host device 1,
+// then of device 0, each under the guest's device lock (apir_device_lock sends device_select
+// when the selection changes, as the patched guest's ggml devices do); a buffer of each
+// device's buffer type (buffer-type functions route by their handle: no device_select).
+static int run_devices(void) {
+    printf("CONST APIR_COMMAND_TYPE_DEVICE_SELECT %d\nCONST APIR_EXTENSION_DEVICES %u\n",
+           APIR_COMMAND_TYPE_DEVICE_SELECT, APIR_EXTENSION_DEVICES);
+    step("handshake");
+    step("load_library");
+    step("ext_query");
+    virtgpu * gpu = create_virtgpu();
+    if (!gpu) {
+        return 1;
+    }
+    printf("GOT extensions %u\nGOT devices %u\n", gpu->extensions, gpu->ext_device_count);
+
+    apir_buffer_type_host_handle_t buft[2];
+    apir_buffer_context_t          buffer[2];
+    for (int device = 1; device >= 0; device--) {
+        char name[64];
+        snprintf(name, sizeof name, "device_select.%d", device);
+        step(name);
+        snprintf(name, sizeof name, "device_get_name.%d", device);
+        step(name);
+        apir_device_lock(gpu, device);
+        free(apir_device_get_name(gpu));
+        snprintf(name, sizeof name, "device_get_buffer_type.%d", device);
+        step(name);  // the same device again: no device_select
+        buft[device] = apir_device_get_buffer_type(gpu);
+        apir_device_unlock(gpu);
+        snprintf(name, sizeof name, "buffer_type_alloc_buffer.%d", device);
+        step(name);
+        buffer[device] = apir_buffer_type_alloc_buffer(gpu, buft[device], 4096);
+    }
+    step("buffer_free_buffer.1");
+    apir_buffer_free_buffer(gpu, &buffer[1]);
+    step("buffer_free_buffer.0");
+    apir_buffer_free_buffer(gpu, &buffer[0]);
     printf("DONE\n");
     return 0;
 }

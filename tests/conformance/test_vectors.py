@@ -211,7 +211,7 @@ def test_the_vectors_ship_with_the_package(tmp_path):
     run = subprocess.run([sys.executable, "-m", "apir", "conformance", "--guest-only"], env=env,
                          check=False, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "guest: apir's encoder: 127 passed, 0 failed, 24 skipped" in run.stdout
+    assert "guest: apir's encoder: 145 passed, 0 failed, 26 skipped" in run.stdout
 
 
 # --- the C host library, and the vectors against a fresh capture ---------------------------------
@@ -237,7 +237,7 @@ def test_c_host_library_passes(version):
 def test_c_host_library_answers_the_extension_fallback():
     """The extension vectors' 0.2 fallback session (recorded from apir's host with extensions
     off) is what a host without extensions answers: the C host library passes it; the
-    extension session is skipped (its replies are apir's host's)."""
+    extension and devices sessions are skipped (their replies are apir's host's)."""
     from tests import cref
     from tests.interop.harness import c_build_env
 
@@ -247,7 +247,7 @@ def test_c_host_library_answers_the_extension_fallback():
                           "--ggml-library", paths["LIBGGML_CPU"], "--ggml-reg", "ggml_backend_cpu_reg"],
                          env=c_build_env(paths), check=False, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert ": 16 passed, 0 failed, 21 skipped" in run.stdout
+    assert ": 16 passed, 0 failed, 41 skipped" in run.stdout
 
 
 @pytest.mark.cref
@@ -269,8 +269,9 @@ def _fresh_capture(version: str, out: Path) -> dict:
 
 
 def _comparable(doc: dict) -> list:
-    """Every step's fields (position, size, name, helper, and the value or the rule), name,
-    return code and shared-memory output: what a re-capture must reproduce."""
+    """Every session's blobs, every step's fields (position, size, name, helper, and the value
+    or the rule), name, return code, shared-memory output, and for posted commands the step
+    they were sent with and their offset in the post window: what a re-capture must reproduce."""
 
     def field(f):
         # an any-string (the device description: the CPU's model name) without its size,
@@ -281,12 +282,14 @@ def _comparable(doc: dict) -> list:
 
     out = []
     for sess in doc["sessions"]:
-        out.append((sess["name"], sess["capset"], sess.get("host_config")))
+        out.append((sess["name"], sess["capset"], sess.get("host_config"), list(sess["resources"])))
         for st in sess["steps"]:
-            parts = [st["command"]["fields"], st["reply"]["fields"], st.get("shmem_in", {}).get("fields", [])]
+            reply = st.get("reply", {})  # none for a posted command
+            parts = [st["command"]["fields"], reply.get("fields", []), st.get("shmem_in", {}).get("fields", [])]
             for fields in parts:
                 out.append([field(f) for f in fields])
-            out.append((st["name"], st["reply"]["return_code"], st.get("shmem_out", {}).get("hex")))
+            out.append((st["name"], reply.get("return_code"), st.get("shmem_out", {}).get("hex"), st.get("sent_with"),
+                        st.get("shmem_in", {}).get("offset")))
     return out
 
 
@@ -301,11 +304,12 @@ def test_extension_vectors_cover_what_the_c_guest_sends():
     fallback: ext_query answered 10 by a host with extensions off, then no extension id."""
     vf = vectors.load(EXT_FILE)
     assert vf.extensions and [(s.name, s.host_config) for s in vf.sessions] == [
-        ("apir-capset-extensions", {}), ("apir-capset-0.2-fallback", {"apir.host.extensions": "off"})]
+        ("apir-capset-extensions", {}), ("apir-capset-0.2-fallback", {"apir.host.extensions": "off"}),
+        ("apir-capset-devices", {"apir.host.backend": "cpu,cpu"})]
     ext = _ext_steps(0)
     query = ext["ext_query"]
-    assert (query["function_id"], vectors.field_value(query["command"]["fields"], "guest_extensions")) == (0x100, 2)
-    assert [f[4] for f in query["reply"]["fields"]] == [2, 1]  # graph replay agreed, one device
+    assert (query["function_id"], vectors.field_value(query["command"]["fields"], "guest_extensions")) == (0x100, 7)
+    assert [f[4] for f in query["reply"]["fields"]] == [7, 1]  # all three agreed, one device
     keep, again = ext["graph_compute_keep.add"], ext["graph_recompute.add"]
     assert (keep["function_id"], again["function_id"]) == (0x102, 0x103)
     graph_id = vectors.field_value(keep["command"]["fields"], "graph_id")
@@ -334,17 +338,61 @@ def test_extension_vectors_cover_what_the_c_guest_sends():
     assert [s["shmem_out"]["hex"] for n, s in fallback.items() if n.startswith("buffer_get_tensor.s")] == [s1, s2]
 
 
+def test_extension_vectors_cover_async_and_devices():
+    """ASYNC: sets posted as buffer_set_tensor_at (their bytes at increasing offsets of the
+    post window) and a posted clear, each gathered into the EXECBUFFER of the waited command
+    after it; synchronize clean and with the pending error of a posted clear of an unknown
+    buffer. DEVICES: device_select before the device functions of device 1, then of device 0,
+    sent only when the selection changes."""
+    ext = _ext_steps(0)
+    x, y = ext["buffer_set_tensor_at.x"], ext["buffer_set_tensor_at.y"]
+    for step in (x, y):
+        assert (step["function_id"], step["sent_with"]) == (0x8000010A, "graph_compute_keep.add")
+        assert "reply" not in step  # posted
+        command = bytes.fromhex(step["command"]["hex"])
+        assert int.from_bytes(command[8:12], "little") == len(command) == 12 + 8 + 304 + 4 + 24
+    window = x["shmem_in"]["res"]
+    assert window == y["shmem_in"]["res"] == "blob.buffer_set_tensor_at.x"
+    assert json.loads(EXT_FILE.read_text())["sessions"][0]["resources"][window]["size"] == 4 << 20
+    assert (x["shmem_in"].get("offset"), y["shmem_in"]["offset"]) == (None, 48)  # 48 bytes, 16-aligned
+    assert vectors.field_value(y["command"]["fields"], "shmem_offset") == 48
+    clear, sync = ext["buffer_clear.a"], ext["synchronize"]
+    assert (clear["function_id"], clear["sent_with"]) == (0x80000014, "synchronize")
+    assert ext["buffer_set_tensor_at.x_after_clear"]["sent_with"] == "synchronize"
+    assert (sync["function_id"], len(bytes.fromhex(sync["command"]["hex"]))) == (0x104, 12)
+    assert [f[4] for f in sync["reply"]["fields"]] == [2, 0, 0, 0]  # posted 2, nothing failed
+    assert ext["buffer_get_tensor.s_cleared"]["shmem_out"]["hex"] == "11" * 48
+    assert ext["buffer_get_tensor.x_after_clear"]["shmem_out"]["hex"] == \
+        ext["buffer_set_tensor_at.x_after_clear"]["shmem_in"]["hex"]
+    failed = ext["error.synchronize.pending_error"]
+    assert ext["error.buffer_clear.posted_unknown_buffer"]["sent_with"] == failed["name"]
+    assert [f[4] for f in failed["reply"]["fields"]] == [1, 0, 20, 5]  # the clear, answered 5
+    devices = list(_ext_steps(2).values())
+    query = devices[2]
+    assert [f[4] for f in query["reply"]["fields"]] == [7, 2]
+    order = [(s["name"], s["function"]) for s in devices[3:11]]
+    assert [f for _, f in order] == ["device_select", "device_get_name", "device_get_buffer_type",
+                                     "buffer_type_alloc_buffer"] * 2
+    assert [vectors.field_value(s["command"]["fields"], "device") for s in devices
+            if s.get("function") == "device_select"] == [1, 0]
+    bufts = [vectors.field_value(s["reply"]["fields"], "buft") for s in devices
+             if s.get("function") == "device_get_buffer_type"]
+    assert len(set(bufts)) == 2
+
+
 def test_apir_host_passes_the_extension_vectors():
     results = host.check_host(host.EmbeddedTarget(), [vectors.load(EXT_FILE)])
     assert _failures(results) == []
-    assert (len(results), sum(r.skipped for r in results)) == (37, 0)
+    assert (len(results), sum(r.skipped for r in results)) == (57, 0)
 
 
 def test_apir_guest_encoder_passes_the_extension_vectors():
     results = guest.check_guest([vectors.load(EXT_FILE)])
     assert _failures(results) == []
-    assert [r.step for r in results if r.skipped] == ["forget.ext_query.none", "forget.ext_query.again"]
-    assert sum(not r.skipped for r in results) == 35
+    assert [r.step for r in results if r.skipped] == ["forget.ext_query.none", "forget.ext_query.again",
+                                                      "error.buffer_clear.posted_unknown_buffer",
+                                                      "error.synchronize.pending_error"]
+    assert sum(not r.skipped for r in results) == 53
 
 
 def test_fallback_session_needs_its_host_config(tmp_path):
@@ -361,9 +409,56 @@ def test_fallback_session_needs_its_host_config(tmp_path):
     vf = vectors.load(EXT_FILE)
     assert host.SocketTarget("unused").skip_reason(vf, vf.sessions[0]) is None
     assert "apir.host.extensions" in host.SocketTarget("unused").skip_reason(vf, vf.sessions[1])
+    assert "apir.host.backend" in host.SocketTarget("unused").skip_reason(vf, vf.sessions[2])
     c_library = host.EmbeddedTarget({"apir.load_library.path": "libggml-virtgpu-backend.so"})
     assert "no extensions" in c_library.skip_reason(vf, vf.sessions[0])
+    assert "no extensions" in c_library.skip_reason(vf, vf.sessions[2])
     assert c_library.skip_reason(vf, vf.sessions[1]) is None
+
+
+def test_guest_check_reports_posted_difference(tmp_path):
+    """A posted set's command and its bytes in the post window are the client's, checked
+    when the EXECBUFFER of the command they were sent with comes."""
+
+    def window(doc):  # the bytes elsewhere in the window than the client put them
+        _step(doc, "buffer_set_tensor_at.y")["shmem_in"]["offset"] = 64
+
+    fails = _failures(guest.check_guest([_load(EXT_FILE, window, tmp_path)]))
+    assert fails[0] == ("buffer_set_tensor_at.y", "shared memory in: shared memory in differs")
+
+    def offset(doc):
+        field = next(f for f in _step(doc, "buffer_set_tensor_at.y")["command"]["fields"] if f[2] == "shmem_offset")
+        field[4] = 64
+
+    fails = _failures(guest.check_guest([_load(EXT_FILE, offset, tmp_path)]))
+    assert fails[0] == ("buffer_set_tensor_at.y", "command shmem_offset: 48, expected 64")
+
+    def waited(doc):  # a vector whose set was not posted: the client's posted set is reported
+        del _step(doc, "buffer_set_tensor_at.x")["sent_with"]
+
+    fails = _failures(guest.check_guest([_load(EXT_FILE, waited, tmp_path)]))
+    assert fails[0] == ("buffer_set_tensor_at.x", "the client sent 0 commands, expected 1")
+
+
+def test_host_check_reports_posted_difference(tmp_path):
+    """A posted clear of another value shows in the bytes read after it; a synchronize reply
+    counting another number of posts is reported."""
+
+    def clear(doc):
+        step = _step(doc, "buffer_clear.a")
+        step["command"]["hex"] = step["command"]["hex"][:-8] + "22000000"
+
+    fails = _failures(host.check_host(host.EmbeddedTarget(), [_load(EXT_FILE, clear, tmp_path)]))
+    assert [f[0] for f in fails] == ["buffer_get_tensor.s_cleared"]
+    assert fails[0][1] == "shared memory out: byte 0 is 0x22, expected 0x11"
+
+    def posted(doc):
+        _step(doc, "synchronize")["reply"]["fields"][0][4] = 3
+
+    fails = _failures(host.check_host(host.EmbeddedTarget(), [_load(EXT_FILE, posted, tmp_path)]))
+    assert fails == [("buffer_clear.a", "sent with synchronize: reply posted: 2, expected 3"),
+                     ("buffer_set_tensor_at.x_after_clear", "sent with synchronize: reply posted: 2, expected 3"),
+                     ("synchronize", "reply posted: 2, expected 3")]
 
 
 def test_guest_check_reports_graph_id_of_another_graph(tmp_path):
