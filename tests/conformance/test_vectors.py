@@ -83,8 +83,12 @@ def test_socket_host_passes(tmp_path):
 
     with LocalServer(str(tmp_path / "h.sock")) as server:
         server.start()
-        results = host.check_host(host.SocketTarget(server.path), [vectors.load(FILES[0])])
+        results = host.check_host(host.SocketTarget(server.path), [vectors.load(FILES[0]), vectors.load(EXT_FILE)])
     assert _failures(results) == []
+    # the extension session's posted commands travel in one payload with their waited command;
+    # the sessions needing a host configuration are skipped
+    assert sum(r.skipped for r in results) == 29 and sum(r.step.startswith("buffer_set_tensor_at") for r in results
+                                                         if not r.skipped) == 4
 
 
 # --- the runner catches differences ------------------------------------------------------------
