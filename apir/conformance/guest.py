@@ -43,7 +43,7 @@ from apir.codec.forward import FORWARD, Kind
 from apir.conformance.host import StepResult
 from apir.conformance.vectors import Context, Session, Step, VectorFile, compare
 
-__all__ = ["ReplayDevice", "check_guest", "serialize_vector_graph"]
+__all__ = ["ReplayDevice", "check_guest", "serialize_vector_graph", "split_commands"]
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")

@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from apir.codec.constants import VENUS_COMMAND_TYPE_LENGTH, VIRTGPU_DRM_CAPSET_VENUS  # noqa: E402
+from apir.conformance.guest import split_commands  # noqa: E402
 from apir.host.backend.c_library import c_library_factory  # noqa: E402
 from apir.host.component.context import HostContext  # noqa: E402
 from apir.host.local.server import LocalServer  # noqa: E402
@@ -56,21 +57,6 @@ _POSTED = 1 << 31  # APIR_FORWARD_POSTED: the third header word is the command's
 def _posted(cmd: bytes) -> bool:
     cmd_type, flags, _length = _HDR.unpack_from(cmd, 0)
     return cmd_type == 2 and bool(flags & _POSTED)
-
-
-def split_commands(payload: bytes) -> list:
-    """The commands of one EXECBUFFER payload: posted Forwards (their length in the third
-    header word), then the rest as one command (docs/protocol.md 12.7)."""
-    out, pos = [], 0
-    while len(payload) - pos >= _HDR.size:
-        length = _HDR.unpack_from(payload, pos)[2]
-        if not _posted(payload[pos:]) or not _HDR.size <= length <= len(payload) - pos:
-            break
-        out.append(payload[pos: pos + length])
-        pos += length
-    if pos < len(payload):
-        out.append(payload[pos:])
-    return out
 
 
 class RecordingContext(HostContext):
