@@ -8,7 +8,9 @@ unpatched guest sends. Against a host serving two CPU devices (DEVICES), llama.c
 model's layers over two ggml devices, device_select precedes device functions when the
 selection changes, and both host devices compute graphs. Against a host that offers no
 device_buffer_from_ptr (so that tensors cross as to a GPU), a decode token's sets are posted
-(ASYNC) with its graph: two round trips instead of eight. The tokens stay local CPU's.
+(ASYNC) with its graph: two round trips instead of eight. With two host devices and ASYNC's
+events, llama.cpp turns on pipeline parallelism and ggml's scheduler records, waits for and
+synchronizes the host's events. The tokens stay local CPU's.
 
 The host records every command's bytes (tests/llama/record_host.py). The guests use the APIR
 capset (GGML_REMOTING_USE_APIR_CAPSET), so command types are the spec's, not Venus-shifted."""
@@ -301,3 +303,51 @@ def test_extended_guest_posts_tensor_sets(llama_paths, extended_guest_paths, smo
     print(f"per decode token: unpatched {before}, extended {after}")
     assert before["posted"] == 0 and before["round_trips"] >= 4
     assert after["round_trips"] == 2 and after["posted"] == before["round_trips"] - 2
+
+
+def test_extended_guest_pipelines_over_two_host_devices_with_events(llama_paths, extended_guest_paths, smollm2,
+                                                                     local, tmp_path):
+    # two host devices whose buffers are device buffers: every device has async and events, so
+    # llama.cpp turns on pipeline parallelism and ggml's scheduler uses the host's events
+    config = {**TWO_CPUS, "apir.host.import_host_memory": "0"}
+    run = _through_apir(llama_paths, smollm2, tmp_path / "events", extended_guest_paths["GGML_LIB_DIR"],
+                        host_config=config, logits_file=tmp_path / "events.f32")
+    assert run.gen.generated == local.generated, (local.text, run.gen.text)
+    assert np.abs(run.gen.logits - local.logits).max() <= LOGITS_ATOL
+    assert "pipeline parallelism enabled" in run.gen.stderr
+    waited = [f for f in run.forwards if not f.posted]
+    graphs = [f for f in waited if f.function in GRAPH_FUNCTIONS]
+    assert {f.device for f in graphs} == {0, 1}
+
+    # each waited for and answered 4: event_new 12 bytes answered a u64 handle, the others
+    # 12 + 8 bytes naming a handle event_new answered and event_free did not free yet
+    events = [f for f in run.forwards if X.EVENT_NEW <= f.function <= X.EVENT_FREE]
+    live, made = set(), []
+    for f in events:
+        assert not f.posted and f.rc == BASE
+        if f.function == X.EVENT_NEW:
+            assert len(f.command) == 12
+            made.append(struct.unpack_from("<Q", f.reply)[0])
+            live.add(made[-1])
+        else:
+            assert len(f.command) == 20
+            handle = struct.unpack_from("<Q", f.command, 12)[0]
+            assert handle in live
+            if f.function == X.EVENT_FREE:
+                live.remove(handle)
+    functions = [f.function for f in events]
+    print("events:", {X(fn).name: functions.count(fn) for fn in sorted(set(functions))})
+    # ggml's scheduler: an event per copy (GGML_SCHED_MAX_COPIES, 4) of each virtgpu backend,
+    # all freed with the context
+    assert len(made) == len(set(made)) == 8 and not live
+    # a record right after each split's graph, of an event of that split's backend (made
+    # backend by backend: the first four the first backend's)
+    records = [i for i, f in enumerate(waited) if f.function == X.EVENT_RECORD]
+    assert len(records) == len(graphs) and all(waited[i - 1].function in GRAPH_FUNCTIONS for i in records)
+    for i in records:
+        backend = made.index(struct.unpack_from("<Q", waited[i].command, 12)[0]) // 4
+        assert backend == waited[i - 1].device
+    # before a split copies its inputs: a wait for its event (an input from the other split)
+    # or a synchronize (llama.cpp's inputs)
+    assert functions.count(X.EVENT_WAIT) == len(graphs)
+    assert functions.count(X.EVENT_SYNCHRONIZE) > len(graphs)
