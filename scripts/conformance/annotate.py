@@ -442,6 +442,8 @@ def _step(step_name, command_event, event, layout, minor, roles, handles, apir_h
     elif function == "synchronize":
         encoder = ("apir_backend_synchronize (ggml-virtgpu/virtgpu-forward-backend.cpp, "
                    "patches/ggml-virtgpu-extensions.patch)")
+    elif function and function.startswith("event_"):
+        encoder = f"apir_{function} (ggml-virtgpu/virtgpu-forward-backend.cpp, patches/ggml-virtgpu-extensions.patch)"
     elif command == "Forward" and flags & POSTED:
         post = "set_tensor" if function == "buffer_set_tensor_at" else function.removeprefix("buffer_")
         encoder = (f"apir_buffer_post_{post} + remote_call_post (ggml-virtgpu/virtgpu-forward-buffer.cpp, "

@@ -430,6 +430,10 @@ static void enc_u32(apir_encoder * enc, const void * arg) {
     apir_encode_uint32_t(enc, (const uint32_t *) arg);
 }
 
+static void enc_u64(apir_encoder * enc, const void * arg) {
+    apir_encode_uint64_t(enc, (const uint64_t *) arg);
+}
+
 // ggml's set_tensor as the patched guest does it (ggml-backend-buffer.cpp): posted
 // buffer_set_tensor_at with ASYNC agreed, else buffer_set_tensor, waited. The step is named
 // after what is sent: "buffer_set_tensor_at.<what>" or "buffer_set_tensor.<what>".
@@ -453,7 +457,7 @@ static void set_tensor(virtgpu * gpu, apir_buffer_context_t * apir, ggml_tensor 
 
 // The extension session of the patched C guest: the same program against a host with the
 // extensions (graph replay agreed: graph_compute_keep, graph_recompute; ASYNC: sets and clears
-// posted, gathered into the EXECBUFFER of the next waited command, and synchronize) and against
+// posted, gathered into the EXECBUFFER of the next waited command, synchronize, and events) and against
 // one without (ext_query answered INDEX_INVALID: the guest then sends APIR 0.2 only). Graphs
 // get a uid as ggml's scheduler gives them (ggml_graph_next_uid), which the guest takes as the
 // graph's id.
@@ -470,6 +474,10 @@ static int run_ext(void) {
            "CONST APIR_EXTENSION_ASYNC %u\nCONST APIR_FORWARD_POSTED %u\n",
            APIR_COMMAND_TYPE_SYNCHRONIZE, APIR_COMMAND_TYPE_BUFFER_SET_TENSOR_AT, APIR_EXTENSION_ASYNC,
            APIR_FORWARD_POSTED);
+#endif
+#ifdef APIR_COMMAND_TYPE_EVENT_NEW
+    printf("CONST APIR_COMMAND_TYPE_EVENT_NEW %d\nCONST APIR_COMMAND_TYPE_EVENT_FREE %d\n", APIR_COMMAND_TYPE_EVENT_NEW,
+           APIR_COMMAND_TYPE_EVENT_FREE);
 #endif
     step("handshake");  // create_virtgpu sends all three, in this order
     step("load_library");
@@ -567,6 +575,25 @@ static int run_ext(void) {
         apir_buffer_post_clear(gpu, &unknown, 1);
         step("error.synchronize.pending_error");
         printf("GOT rc %u\n", raw_forward(gpu, APIR_COMMAND_TYPE_SYNCHRONIZE, NULL, NULL));
+    }
+#endif
+#ifdef APIR_COMMAND_TYPE_EVENT_NEW
+    if (gpu->extensions & APIR_EXTENSION_ASYNC) {
+        // an event's life as ggml's scheduler leads it (all waited for), then a record of the
+        // freed event: refused, the C's apir_event_record would abort there
+        step("event_new");
+        uint64_t event = apir_event_new(gpu);
+        printf("GOT event %" PRIu64 "\n", event);
+        step("event_record");
+        apir_event_record(gpu, event);
+        step("event_wait");
+        apir_event_wait(gpu, event);
+        step("event_synchronize");
+        apir_event_synchronize(gpu, event);
+        step("event_free");
+        apir_event_free(gpu, event);
+        step("error.event_record.freed_event");
+        printf("GOT rc %u\n", raw_forward(gpu, APIR_COMMAND_TYPE_EVENT_RECORD, enc_u64, &event));
     }
 #endif
 

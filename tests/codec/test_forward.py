@@ -123,7 +123,8 @@ def test_the_extension_vectors_cover_what_the_c_guest_sends():
     (vf,) = [vectors.load(f) for f in FILES if f not in C_FILES]
     ext = {fn.name for _, fn in _steps(vf) if not isinstance(fn.id, ApirBackendCommandType)}
     assert ext == {"ext_query", "device_select", "graph_compute_keep", "graph_recompute", "synchronize",
-                   "buffer_set_tensor_at"}
+                   "buffer_set_tensor_at", "event_new", "event_record", "event_wait", "event_synchronize",
+                   "event_free"}
     posted = {fn.name for step, fn in _steps(vf) if step.raw["function_id"] & APIR_FORWARD_POSTED}
     assert posted == {"buffer_set_tensor_at", "buffer_clear"}
 

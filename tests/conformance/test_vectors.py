@@ -215,7 +215,7 @@ def test_the_vectors_ship_with_the_package(tmp_path):
     run = subprocess.run([sys.executable, "-m", "apir", "conformance", "--guest-only"], env=env,
                          check=False, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "guest: apir's encoder: 145 passed, 0 failed, 26 skipped" in run.stdout
+    assert "guest: apir's encoder: 150 passed, 0 failed, 27 skipped" in run.stdout
 
 
 # --- the C host library, and the vectors against a fresh capture ---------------------------------
@@ -251,7 +251,7 @@ def test_c_host_library_answers_the_extension_fallback():
                           "--ggml-library", paths["LIBGGML_CPU"], "--ggml-reg", "ggml_backend_cpu_reg"],
                          env=c_build_env(paths), check=False, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert ": 16 passed, 0 failed, 41 skipped" in run.stdout
+    assert ": 16 passed, 0 failed, 47 skipped" in run.stdout
 
 
 @pytest.mark.cref
@@ -384,10 +384,36 @@ def test_extension_vectors_cover_async_and_devices():
     assert len(set(bufts)) == 2
 
 
+def test_extension_vectors_cover_events():
+    """ASYNC's events as the C guest's apir_event_* send them, each waited for: event_new (no
+    arguments) answered a handle, then record, wait, synchronize and free naming it; a record of
+    the freed event refused (5)."""
+    ext = _ext_steps(0)
+    names = list(ext)
+    life = ["event_new", "event_record", "event_wait", "event_synchronize", "event_free"]
+    at = names.index("event_new")
+    assert names[at: at + 6] == life + ["error.event_record.freed_event"]
+    new = ext["event_new"]
+    assert (new["function_id"], new["command"]["hex"][:16]) == (0x105, "0200000005010000")
+    assert len(bytes.fromhex(new["command"]["hex"])) == 12 and "sent_with" not in new
+    assert [f[2:4] for f in new["reply"]["fields"]] == [["event", "apir_encode_uint64_t"]]
+    handle = vectors.field_value(new["reply"]["fields"], "event")
+    assert handle and new["reply"]["return_code"] == 4
+    for function_id, name in enumerate(life[1:], 0x106):
+        step = ext[name]
+        command = bytes.fromhex(step["command"]["hex"])
+        assert (step["function_id"], len(command), step["reply"]["return_code"]) == (function_id, 20, 4)
+        assert int.from_bytes(command[12:], "little") == handle and step["reply"]["hex"] == ""
+        assert step["command"]["fields"][3][5] == "ref:event_new.event"  # the handle event_new answered
+    freed = ext["error.event_record.freed_event"]
+    assert freed["command"]["hex"] == ext["event_record"]["command"]["hex"]
+    assert freed["reply"]["return_code"] == 5
+
+
 def test_apir_host_passes_the_extension_vectors():
     results = host.check_host(host.EmbeddedTarget(), [vectors.load(EXT_FILE)])
     assert _failures(results) == []
-    assert (len(results), sum(r.skipped for r in results)) == (57, 0)
+    assert (len(results), sum(r.skipped for r in results)) == (63, 0)
 
 
 def test_apir_guest_encoder_passes_the_extension_vectors():
@@ -395,8 +421,9 @@ def test_apir_guest_encoder_passes_the_extension_vectors():
     assert _failures(results) == []
     assert [r.step for r in results if r.skipped] == ["forget.ext_query.none", "forget.ext_query.again",
                                                       "error.buffer_clear.posted_unknown_buffer",
-                                                      "error.synchronize.pending_error"]
-    assert sum(not r.skipped for r in results) == 53
+                                                      "error.synchronize.pending_error",
+                                                      "error.event_record.freed_event"]
+    assert sum(not r.skipped for r in results) == 58
 
 
 def test_fallback_session_needs_its_host_config(tmp_path):
