@@ -457,8 +457,8 @@ static void set_tensor(virtgpu * gpu, apir_buffer_context_t * apir, ggml_tensor 
 
 // The extension session of the patched C guest: the same program against a host with the
 // extensions (graph replay agreed: graph_compute_keep, graph_recompute; ASYNC: sets and clears
-// posted, gathered into the EXECBUFFER of the next waited command, synchronize, and events) and against
-// one without (ext_query answered INDEX_INVALID: the guest then sends APIR 0.2 only). Graphs
+// posted, gathered into the EXECBUFFER of the next waited command, synchronize, and events)
+// and against one without (ext_query answered INDEX_INVALID: the guest then sends APIR 0.2 only). Graphs
 // get a uid as ggml's scheduler gives them (ggml_graph_next_uid), which the guest takes as the
 // graph's id.
 // Steps for further extensions of the patch go in here, each under the #ifdef of the macro the
