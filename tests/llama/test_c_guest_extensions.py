@@ -308,7 +308,8 @@ def test_extended_guest_posts_tensor_sets(llama_paths, extended_guest_paths, smo
 def test_extended_guest_pipelines_over_two_host_devices_with_events(llama_paths, extended_guest_paths, smollm2,
                                                                      local, tmp_path):
     # two host devices whose buffers are device buffers: every device has async and events, so
-    # llama.cpp turns on pipeline parallelism and ggml's scheduler uses the host's events
+    # llama.cpp turns on pipeline parallelism and ggml's scheduler makes, records and waits for
+    # events
     config = {**TWO_CPUS, "apir.host.import_host_memory": "0"}
     run = _through_apir(llama_paths, smollm2, tmp_path / "events", extended_guest_paths["GGML_LIB_DIR"],
                         host_config=config, logits_file=tmp_path / "events.f32")
@@ -319,9 +320,11 @@ def test_extended_guest_pipelines_over_two_host_devices_with_events(llama_paths,
     graphs = [f for f in waited if f.function in GRAPH_FUNCTIONS]
     assert {f.device for f in graphs} == {0, 1}
 
-    # each waited for and answered 4: event_new 12 bytes answered a u64 handle, the others
-    # 12 + 8 bytes naming a handle event_new answered and event_free did not free yet
+    # only event_new (12 bytes, answered a u64 handle) and event_free (12 + 8 bytes naming a
+    # live handle) travel, waited for and answered 4: record, wait and synchronize have nothing
+    # to wait for in a context whose computes and reads are all waited for
     events = [f for f in run.forwards if X.EVENT_NEW <= f.function <= X.EVENT_FREE]
+    assert {f.function for f in events} == {X.EVENT_NEW, X.EVENT_FREE}
     live, made = set(), []
     for f in events:
         assert not f.posted and f.rc == BASE
@@ -333,21 +336,7 @@ def test_extended_guest_pipelines_over_two_host_devices_with_events(llama_paths,
             assert len(f.command) == 20
             handle = struct.unpack_from("<Q", f.command, 12)[0]
             assert handle in live
-            if f.function == X.EVENT_FREE:
-                live.remove(handle)
-    functions = [f.function for f in events]
-    print("events:", {X(fn).name: functions.count(fn) for fn in sorted(set(functions))})
+            live.remove(handle)
     # ggml's scheduler: an event per copy (GGML_SCHED_MAX_COPIES, 4) of each virtgpu backend,
     # all freed with the context
     assert len(made) == len(set(made)) == 8 and not live
-    # a record right after each split's graph, of an event of that split's backend (made
-    # backend by backend: the first four the first backend's)
-    records = [i for i, f in enumerate(waited) if f.function == X.EVENT_RECORD]
-    assert len(records) == len(graphs) and all(waited[i - 1].function in GRAPH_FUNCTIONS for i in records)
-    for i in records:
-        backend = made.index(struct.unpack_from("<Q", waited[i].command, 12)[0]) // 4
-        assert backend == waited[i - 1].device
-    # before a split copies its inputs: a wait for its event (an input from the other split)
-    # or a synchronize (llama.cpp's inputs)
-    assert functions.count(X.EVENT_WAIT) == len(graphs)
-    assert functions.count(X.EVENT_SYNCHRONIZE) > len(graphs)
