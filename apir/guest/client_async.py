@@ -94,18 +94,18 @@ class AsyncCalls(ForwardCaller):
         fill: Optional[Callable[[], None]] = None,
         meanwhile: Optional[Callable[[], None]] = None,
     ) -> Tuple[Any, ...]:
-        if not self.posting:
-            return super()._call(function, *args, fill=fill, meanwhile=meanwhile)
         with self.remote.lock:
+            if not self._posts:  # nothing posted since the last reply (never without ASYNC)
+                return self._forward(function, args, fill, meanwhile)
             try:
-                values = super()._call(function, *args, fill=fill, meanwhile=meanwhile)
+                values = self._forward(function, args, fill, meanwhile)
             except BackendFunctionError as exc:
                 if exc.function_code != APIR_BACKEND_POSTED_FAILED:
                     self._settled()
                     raise
                 error = self._report()
                 try:  # the command itself, now that no failure holds it
-                    values = super()._call(function, *args, fill=fill, meanwhile=meanwhile)
+                    values = self._forward(function, args, fill, meanwhile)
                 except ApirError:
                     if error is None:
                         raise
@@ -118,8 +118,9 @@ class AsyncCalls(ForwardCaller):
             return values
 
     def _report(self) -> Optional[PostedCommandError]:
-        """SYNCHRONIZE: the failure it reports (None when none), the window freed."""
-        _posted, index, function, code = super()._call(cast(ApirBackendCommandType, X.SYNCHRONIZE))
+        """SYNCHRONIZE: the failure it reports (None when none), the window freed. The caller
+        holds the Remote's lock."""
+        _posted, index, function, code = self._forward(cast(ApirBackendCommandType, X.SYNCHRONIZE), (), None, None)
         posts = self._posts
         self._settled()
         if not code:

@@ -21,7 +21,7 @@ from apir.codec.constants import (
 )
 from apir.codec.forward import MalformedMessage, TensorLayouts, layouts_between
 from apir.codec.records import GGML_0_20_LIMITS, GgmlLimits
-from apir.codec.wire import Decoder, Encoder
+from apir.codec.wire import Encoder
 from apir.guest.errors import ReplyError, forward_error
 from apir.guest.remote import Remote
 
@@ -83,22 +83,35 @@ class ForwardCaller:
         host runs the call (Remote.call's). Raises the Forward return code's ForwardError
         (`forward_error`), ReplyError when the reply lacks a value, and what Remote.call
         raises (ApirTimeout, DeviceError)."""
+        with self.remote.lock:
+            return self._forward(function, args, fill, meanwhile)
+
+    def _forward(
+        self,
+        function: ApirBackendCommandType,
+        args: Tuple[Any, ...],
+        fill: Optional[Callable[[], None]],
+        meanwhile: Optional[Callable[[], None]],
+    ) -> Tuple[Any, ...]:
+        """`_call`, its arguments positional, under the Remote's lock (the reply Decoder is
+        the Remote's until its next call): what an override of `_call` sends with (no keyword
+        arguments to pass on, no `super()` on every call)."""
         args_layout, reply_layout = self._layouts[function]
+        encode: Optional[Callable[[Encoder], None]] = None
+        if fill is not None or args or args_layout.fields:  # (else nothing to write: most queries)
 
-        def encode(enc: Encoder) -> None:
-            if fill is not None:
-                fill()
-            args_layout.encode(enc, args)
+            def encode(enc: Encoder) -> None:
+                if fill is not None:
+                    fill()
+                args_layout.encode(enc, args)
 
-        def decode(ret: int, dec: Decoder) -> Tuple[Any, ...]:
-            if ret != _SUCCESS:
-                error = forward_error(ret, function)
-                if error is not None:
-                    raise error
-            try:
-                return reply_layout.decode(dec)
-            except MalformedMessage as exc:
-                raise ReplyError(f"{exc} (reply too short or malformed)") from None
-
-        _, values = self.remote.call(_FORWARD, function, encode, None, decode, meanwhile)
-        return values  # type: ignore[return-value]  # (decode's result)
+        remote = self.remote
+        ret, dec = remote.call(_FORWARD, function, encode, remote.forward_timeout_s, None, meanwhile)
+        if ret != _SUCCESS:
+            error = forward_error(ret, function)
+            if error is not None:
+                raise error
+        try:
+            return reply_layout.decode(dec)  # type: ignore[arg-type]  # (no decode_fn: the Decoder)
+        except MalformedMessage as exc:
+            raise ReplyError(f"{exc} (reply too short or malformed)") from None

@@ -12,18 +12,20 @@ and what the component asks of it that the C seam has no symbol for: `cancel_com
 and `commands_bounded_in_time` (a C library: no-op, None, False). `host` is the `LibraryHost`
 the component passes, the twin of `virgl_apir_callbacks`: `get_config(key)`, `get_shmem(res_id)`
 (a `Resource`, with its size, where the C gives a bare pointer), `ctx_id`, `guest_version`,
-`host_version`. `initialize` returns the C's codes: 3/4/5 for a missing configuration, an
-unopenable library or a missing symbol, 6 + n for the ggml dispatcher's own code n (6 is
-success, like 0). Without a configured library the built-in `apir.host.backend.library.
-PythonBackendLibrary` serves; a configured path goes to the `HostContext`'s `library_factory`,
-by default the C adapter (apir.host.backend.c_library; docs/interop.md).
+`host_version` and the `forward_layouts` of their version. `initialize` returns the C's codes:
+3/4/5 for a missing configuration, an unopenable library or a missing symbol, 6 + n for the
+ggml dispatcher's own code n (6 is success, like 0). Without a configured library the built-in
+`apir.host.backend.library.PythonBackendLibrary` serves; a configured path goes to the
+`HostContext`'s `library_factory`, by default the C adapter (apir.host.backend.c_library;
+docs/interop.md).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Tuple, runtime_checkable
+from typing import Dict, Optional, Protocol, Tuple, runtime_checkable
 
 from apir.codec.constants import ApirLoadLibraryReturnCode
+from apir.codec.forward import Layout
 from apir.codec.wire import Decoder, Encoder
 from apir.errors import ApirError
 from apir.host.resources import Resource
@@ -37,6 +39,8 @@ class LibraryHost(Protocol):
     ctx_id: int
     guest_version: Tuple[int, int]  # (major, minor) the guest sent in HandShake
     host_version: Tuple[int, int]  # (major, minor) of the protocol this host speaks
+    # each function's (arguments, reply) Layouts in the version the two negotiated, by id
+    forward_layouts: Dict[int, Tuple[Layout, Layout]]
 
     def get_config(self, key: str) -> Optional[str]: ...
 

@@ -41,10 +41,10 @@ from apir.codec.constants import (
     ApirExtensionCommandType as X,
     ApirLoadLibraryReturnCode as LoadRc,
 )
-from apir.codec.constants import negotiated_version
-from apir.codec.forward import FORWARD, MalformedMessage, decode_args, encode_reply
+from apir.codec.forward import MalformedMessage
 from apir.codec.records import rpc_tensor_dtype
 from apir.codec.wire import Decoder, Encoder
+from apir.host.backend import dispatcher
 from apir.host.backend.dispatch_backend import compute_graph, graph_bytes
 from apir.host.backend.dispatch_buffer import set_tensor_at
 from apir.host.backend.library import PythonBackendLibrary
@@ -84,6 +84,11 @@ _ASYNC_FUNCTIONS = frozenset(
 )
 # A waited-for command that answers a pending error neither: the query and the report itself
 _NOT_HELD_BY_ERROR = frozenset([int(X.EXT_QUERY), int(X.SYNCHRONIZE)])
+# The ApirExtension bits as plain ints: `agreed` is tested on every command, and `&` with an IntFlag
+# is a Python-level call that builds a new flag
+_DEVICES = int(ApirExtension.DEVICES)
+_GRAPH_REPLAY = int(ApirExtension.GRAPH_REPLAY)
+_ASYNC = int(ApirExtension.ASYNC)
 
 
 def _off(value: Optional[str]) -> bool:
@@ -167,7 +172,7 @@ class ExtendedLibrary(PythonBackendLibrary):
 
     def dispatch(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
         """A waited-for command: with ASYNC, a synchronization point (docs/protocol.md 12.7)."""
-        if self.agreed & ApirExtension.ASYNC and function_id not in _NOT_HELD_BY_ERROR:
+        if self.agreed & _ASYNC and function_id not in _NOT_HELD_BY_ERROR:
             if self._posted_error is not None:
                 return APIR_BACKEND_POSTED_FAILED  # not run: the guest asks SYNCHRONIZE which failed
             self._posted = 0
@@ -175,7 +180,7 @@ class ExtendedLibrary(PythonBackendLibrary):
 
     # --- ASYNC: posted commands ----------------------------------------------------------
     def accepts_posted(self) -> bool:
-        return bool(self.agreed & ApirExtension.ASYNC)
+        return bool(self.agreed & _ASYNC)
 
     def post(self, function_id: int, dec: Decoder) -> None:
         """Runs posted command `function_id` (its arguments in `dec`), writing no reply: a
@@ -203,23 +208,21 @@ class ExtendedLibrary(PythonBackendLibrary):
         self._posted_error = (index, function_id, _BASE + rc)
 
     def _run(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
-        if 0 <= function_id < _N_FUNCTIONS:
-            lib = self._route(function_id, dec)
-            if lib is not self:
-                return lib.dispatch(function_id, dec, enc)
+        if 0 <= function_id < _N_FUNCTIONS:  # a 0.2 function: the handler, on its device's library
+            lib = self._route(function_id, dec) if self.agreed & _DEVICES and len(self.devices) > 1 else self
+            return dispatcher.dispatch(lib, function_id, dec, enc)
         handler = self._handlers.get(function_id)
         if handler is None or not self._may_call(function_id):
             return super().dispatch(function_id, dec, enc)  # (out of range: INDEX_INVALID, logged)
-        name = X(function_id).c_name
         try:
             if function_id != X.BUFFER_SET_TENSOR_AT:  # (a set may be deferred behind others)
                 for lib in self.devices:  # any command may depend on device memory
                     lib.flush_transfers()
             return handler(dec, enc)
         except Refused as exc:
-            log.warning("ctx %d: %s refused: %s", self.ctx_id, name, exc, extra={"refusal": exc})
+            log.warning("ctx %d: %s refused: %s", self.ctx_id, X(function_id).c_name, exc, extra={"refusal": exc})
         except Exception:  # noqa: BLE001 - a host bug is this command's failure, not the host's
-            log.exception("ctx %d: %s failed", self.ctx_id, name)
+            log.exception("ctx %d: %s failed", self.ctx_id, X(function_id).c_name)
         return BACKEND_RC_ERROR
 
     def _may_call(self, function_id: int) -> bool:
@@ -228,11 +231,11 @@ class ExtendedLibrary(PythonBackendLibrary):
         if function_id == X.EXT_QUERY:
             return True
         if function_id == X.DEVICE_SELECT:
-            bit = ApirExtension.DEVICES
+            bit = _DEVICES
         elif function_id in _ASYNC_FUNCTIONS:
-            bit = ApirExtension.ASYNC
+            bit = _ASYNC
         else:
-            bit = ApirExtension.GRAPH_REPLAY
+            bit = _GRAPH_REPLAY
         return bool(self.agreed & bit)
 
     def deinit(self) -> None:
@@ -262,10 +265,9 @@ class ExtendedLibrary(PythonBackendLibrary):
 
     # --- routing -------------------------------------------------------------------------------
     def _route(self, function_id: int, dec: Decoder) -> PythonBackendLibrary:
-        """The device a 0.2 function runs on (see the module docstring)."""
+        """The device a 0.2 function runs on (see the module docstring), with the devices
+        extension agreed."""
         devices = self.devices
-        if len(devices) == 1 or not self.agreed & ApirExtension.DEVICES:
-            return devices[0]
         selected = devices[self.selected]
         if function_id in _DEVICE_FUNCTIONS:
             return selected
@@ -305,28 +307,25 @@ class ExtendedLibrary(PythonBackendLibrary):
         return int(buffers[0]) if len(buffers) else 0
 
     # --- the extension functions -----------------------------------------------------------
-    def _version(self) -> Tuple[int, int]:
-        return negotiated_version(self.host.guest_version, self.host.host_version)
-
     def _args(self, dec: Decoder, function: X) -> Tuple[int, ...]:
         try:
-            return decode_args(dec, FORWARD[function], self._version())
+            return self.host.forward_layouts[function][0].decode(dec)
         except MalformedMessage as exc:
             raise Refused(str(exc)) from None
 
     def _reply(self, enc: Encoder, function: X, *values: int) -> None:
-        encode_reply(enc, FORWARD[function], self._version(), values)
+        self.host.forward_layouts[function][1].encode(enc, values)
 
     def _ext_query(self, dec: Decoder, enc: Encoder) -> int:
         (guest,) = self._args(dec, X.EXT_QUERY)
         self.agreed = guest & self.offered
-        if not self.agreed & ApirExtension.DEVICES:
+        if not self.agreed & _DEVICES:
             self.selected = 0
-        if not self.agreed & ApirExtension.GRAPH_REPLAY:
+        if not self.agreed & _GRAPH_REPLAY:
             self._forget_all()
-        if not self.agreed & ApirExtension.ASYNC:
+        if not self.agreed & _ASYNC:
             self._forget_async()
-        count = len(self.devices) if self.agreed & ApirExtension.DEVICES else 1
+        count = len(self.devices) if self.agreed & _DEVICES else 1
         log.info("ctx %d: extensions 0x%x agreed (guest 0x%x), %d device(s)", self.ctx_id, self.agreed, guest, count)
         self._reply(enc, X.EXT_QUERY, self.agreed, count)
         return BACKEND_RC_OK
@@ -378,7 +377,7 @@ class ExtendedLibrary(PythonBackendLibrary):
         return BACKEND_RC_OK
 
     def _graph_device(self, memory, size: int) -> int:
-        if len(self.devices) == 1 or not self.agreed & ApirExtension.DEVICES:
+        if len(self.devices) == 1 or not self.agreed & _DEVICES:
             return 0
         handle = self._graph_buffer(0, size, memory)
         for i, lib in enumerate(self.devices):

@@ -1,9 +1,9 @@
 """The handlers' side of the Forward table (apir.codec.forward).
 
 `args` decodes a command's arguments as the table lists them, in the version the HandShake
-negotiated; a command that ends before its last argument is refused (`Refused`: the
-function's BACKEND_RC_ERROR, as any other malformed argument). `reply` encodes the reply
-values the same way. What the values may be is each handler's own check.
+negotiated (the host's `forward_layouts`); a command that ends before its last argument is
+refused (`Refused`: the function's BACKEND_RC_ERROR, as any other malformed argument). `reply`
+encodes the reply values the same way. What the values may be is each handler's own check.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Tuple
 
 from apir.codec.constants import ApirBackendCommandType
-from apir.codec.forward import MalformedMessage, layouts_between
+from apir.codec.forward import MalformedMessage
 from apir.codec.wire import Decoder, Encoder
 from apir.host.errors import Refused
 from apir.host.library import LibraryHost
@@ -23,11 +23,11 @@ __all__ = ["args", "reply"]
 def args(dec: Decoder, function: ApirBackendCommandType, chk: TensorChecker, host: LibraryHost) -> Tuple[Any, ...]:
     """The arguments of `function`, one value per field of the table. Raises Refused."""
     try:
-        return layouts_between(host.guest_version, host.host_version)[function][0].decode(dec, chk.layouts)
+        return host.forward_layouts[function][0].decode(dec, chk.layouts)
     except MalformedMessage as exc:
         raise Refused(str(exc)) from None
 
 
 def reply(enc: Encoder, function: ApirBackendCommandType, host: LibraryHost, *values: Any) -> None:
     """Appends the reply of `function`: one value per field of the table."""
-    layouts_between(host.guest_version, host.host_version)[function][1].encode(enc, values)
+    host.forward_layouts[function][1].encode(enc, values)

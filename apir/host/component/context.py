@@ -31,6 +31,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Dict, Mapping, Optional, Tuple, cast
 
 from apir.codec.atomics import Word
+from apir.codec.forward import layouts_between
 from apir.codec.constants import (
     APIR_FORWARD_POSTED,
     APIR_HANDSHAKE_MAGIC,
@@ -154,8 +155,8 @@ class HostContext:
         self.ctx_id = ctx_id
         self.capset_id = capset_id
         self.config: Dict[str, str] = dict(config or {})
-        self.guest_version: Tuple[int, int] = (APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR)
         self.host_version: Tuple[int, int] = (APIR_PROTOCOL_MAJOR, APIR_PROTOCOL_MINOR)
+        self.guest_version = self.host_version  # until the HandShake
         self._library_factory = library_factory
         self._library: Optional[BackendLibrary] = None
         self._resources: Dict[int, Resource] = {}
@@ -249,6 +250,17 @@ class HostContext:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @property
+    def guest_version(self) -> Tuple[int, int]:
+        """(major, minor) the guest sent in HandShake; ours before."""
+        return self._guest_version
+
+    @guest_version.setter
+    def guest_version(self, version: Tuple[int, int]) -> None:
+        self._guest_version = version
+        # what every Forward handler encodes and decodes by, looked up once per HandShake
+        self.forward_layouts = layouts_between(version, self.host_version)
 
     # --- commands ---------------------------------------------------------------------------
     def submit(self, command: Buffer) -> None:
