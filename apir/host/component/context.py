@@ -69,6 +69,7 @@ COMMAND_MALFORMED = 1
 _HEADER = struct.Struct("<III")  # command type, flags, reply resource id
 _FORWARD = int(ApirCommandType.FORWARD)  # plain ints: no enum lookups on the hot path
 _HANDSHAKE = int(ApirCommandType.HANDSHAKE)
+_FORWARD_BASE = int(ApirForwardReturnCode.BASE_INDEX)
 # The Forward functions whose host run time the command itself bounds: all but graph_compute,
 # and of the extensions (docs/protocol.md section 12) all but the graph functions. A posted
 # command (APIR_FORWARD_POSTED) is bounded as its function is.
@@ -436,4 +437,4 @@ class HostContext:
         if self._library is None:
             log.error("ctx %d: Forward before LoadLibrary", self.ctx_id)
             return ApirForwardReturnCode.NO_DISPATCH_FCT
-        return ApirForwardReturnCode.BASE_INDEX + self._library.dispatch(function_id, dec, enc)
+        return _FORWARD_BASE + self._library.dispatch(function_id, dec, enc)
