@@ -109,6 +109,8 @@ class ServerStats:
 # While it polls the exec ring, a connection thread looks at its socket this often (a request
 # there waits at most this long; each look is a system call).
 _RING_SLICE_S = 20e-6
+# Each message's op by its number: a dict lookup, where `Op(n)` is a Python-level call
+_OPS = {int(op): op for op in Op}
 
 # Longer spins never pay: a guest that takes this long to send its next request is not in a loop of
 # small calls.
@@ -307,10 +309,9 @@ class _Connection:
     def _handle(self, k: KernelContext, wire_op: int, payload: bytes) -> bytes:
         """The reply payload of one request to kernel context `k`; KernelError for an errno
         reply."""
-        try:
-            op = Op(wire_op)
-        except ValueError:
-            raise KernelError(errno.ENOSYS, f"unknown op {wire_op}") from None
+        op = _OPS.get(wire_op)
+        if op is None:
+            raise KernelError(errno.ENOSYS, f"unknown op {wire_op}")
         fmt = REQUEST[op]
         if op == Op.HELLO:
             raise KernelError(errno.EINVAL, "HELLO twice")
