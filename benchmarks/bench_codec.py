@@ -95,7 +95,7 @@ def bench_host_build(g, ref) -> None:
     from apir.codec.graph import BufferTable
     from apir import accel
     from apir.host.backend.dispatch_backend import prepare_graph
-    from apir.host.graph.build import build_graph_parts, graph_scratch, lib_op_enums
+    from apir.host.graph.build import build_graph_parts, graph_scratch
     from apir.host.graph.cache import GraphCache, graph_wire
     from tests.host.hostkit import Guest
 
@@ -117,7 +117,7 @@ def bench_host_build(g, ref) -> None:
         n_nodes = g.ggml_graph_n_nodes(bg.cgraph)
         lib = guest.ctx._library
         kw = dict(limits=g.limits, op_count=g.op_count, type_valid=lib.checker.valid_types)
-        enums = lib_op_enums(lib)
+        enums = lib.op_enums
 
         def first() -> float:
             """Seconds of one parse + build, the context's ggml_free left out (as the C's
