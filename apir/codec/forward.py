@@ -413,7 +413,8 @@ FORWARD: Dict[int, Function] = {int(f.id): f for f in _TABLE + _EXTENSIONS}
 def layouts_between(guest: Version, host: Version) -> Dict[int, Tuple[Layout, Layout]]:
     """Every function's (arguments, reply) Layouts, by function id, in the version a guest
     speaking `guest` and a host speaking `host` negotiate (`negotiated_version`). Both sides
-    ask on every call: the answer is kept per pair of versions."""
+    ask once per HandShake and keep the answer (the host context's `forward_layouts`, the
+    client's `ForwardCaller`); it is kept here too, per pair of versions."""
     version = negotiated_version(guest, host)
     return {fid: f.layouts(version) for fid, f in FORWARD.items()}
 
