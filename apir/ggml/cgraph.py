@@ -18,7 +18,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
-__all__ = ["CgraphLayout", "fill_use_counts", "share_use_counts"]
+__all__ = ["CgraphLayout", "fill_use_counts", "share_use_counts", "write_hash_set"]
 
 
 class _HashSet(ctypes.Structure):
@@ -102,13 +102,14 @@ def _probe(g) -> bool:
 
 
 def fill_use_counts(
-    g, graph: int, host_at: np.ndarray, node_index: np.ndarray, src_index: np.ndarray, pinned=None
+    g, graph: int, host_at: np.ndarray, node_index: np.ndarray, src_index: np.ndarray, pinned=None, write=None
 ) -> bool:
     """Puts the nodes of `graph` (host tensors `host_at[node_index]`) in its hash set with
     their use counts: how many source slots of the graph's tensors (`src_index`, by tensor
     index, -1 where none) name each, plus one for each tensor index in `pinned` (never fused
     into a consumer: a backend then computes it whole). False (nothing written) where the
-    layout of this ggml is not known."""
+    layout of this ggml is not known. `write`: `write_hash_set`'s accelerated twin
+    (apir.host.graph.kernels.use_counts_kernel), same arguments."""
     if CgraphLayout.of(g) is None or not len(node_index):
         return CgraphLayout.of(g) is not None
     view = _view(graph)
@@ -116,21 +117,31 @@ def fill_use_counts(
     size = int(h.size)
     if len(node_index) > size:
         return False
-    uses = np.bincount(src_index[src_index >= 0], minlength=len(host_at))
-    if pinned is not None and len(pinned):
-        uses[np.asarray(pinned, np.int64)] += 1
-    counts = uses[node_index]
-    keys = host_at[node_index].astype(np.uint64)
-    slots = _insert(keys, size)
     used = np.ctypeslib.as_array((ctypes.c_uint32 * ((size + 31) // 32)).from_address(h.used))
-    table = np.ctypeslib.as_array((ctypes.c_uint64 * size).from_address(h.keys))
-    uses = np.ctypeslib.as_array((ctypes.c_int32 * size).from_address(view.use_counts))
     if (used != 0).any():  # (a fresh graph's set is empty: never mix with another's entries)
         return False
-    table[slots] = keys
-    uses[slots] = counts
-    np.bitwise_or.at(used, slots >> 5, (np.uint32(1) << (slots & 31).astype(np.uint32)).astype(np.uint32))
+    table = np.ctypeslib.as_array((ctypes.c_uint64 * size).from_address(h.keys))
+    counts = np.ctypeslib.as_array((ctypes.c_int32 * size).from_address(view.use_counts))
+    pinned = np.asarray(pinned if pinned is not None else (), np.int64)
+    (write or write_hash_set)(
+        host_at.astype(np.uint64), node_index.astype(np.int64), src_index.reshape(-1), pinned, used, table, counts
+    )
     return True
+
+
+def write_hash_set(host_at, node_index, src_index, pinned, used, table, counts) -> None:
+    """Into an empty hash set (bit words `used`, `table` of keys, `counts` per slot): each node
+    `host_at[j]` (j of `node_index`) with its count, the times `src_index` (flat) names j plus
+    the times `pinned` does."""
+    uses = np.bincount(src_index[src_index >= 0], minlength=len(host_at))
+    np.add.at(uses, pinned, 1)
+    keys = host_at[node_index]
+    slots = _insert(keys, len(table))
+    table[slots] = keys
+    counts[slots] = uses[node_index]
+    # one bit per slot, the slots distinct: a word's bits add up without a carry
+    bits = np.left_shift(np.uint64(1), (slots & 31).astype(np.uint64)).astype(np.float64)
+    used |= np.bincount(slots >> 5, weights=bits, minlength=len(used)).astype(np.uint32)
 
 
 def share_use_counts(g, part: int, whole: int) -> bool:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
-from apir.ggml.cgraph import CgraphLayout, _insert, _use_count
+from apir.ggml.cgraph import CgraphLayout, _insert, _use_count, write_hash_set
 from apir.host import HostContext
 from tests.host.hostkit import DATA_RES, Guest, GgmlScratch, RemoteGraph
 
@@ -64,3 +64,48 @@ def test_insert_places_every_key_where_linear_probing_finds_it():
         while i != slot:  # every slot between home and its own is taken (ggml_hash_find's walk)
             assert taken[i]
             i = (i + 1) % size
+
+
+def _hash_set(size):
+    return np.zeros((size + 31) // 32, np.uint32), np.zeros(size, np.uint64), np.zeros(size, np.int32)
+
+
+def _found(used, table, counts, key):
+    """ggml_hash_find's walk from `key`'s home: its count, or None where it is not in the set."""
+    size = len(table)
+    i = (key >> 4) % size
+    while used[i >> 5] >> (i & 31) & 1:
+        if int(table[i]) == key:
+            return int(counts[i])
+        i = (i + 1) % size
+    return None
+
+
+@pytest.mark.parametrize("writer", ["plain", "kernel"])
+def test_write_hash_set_plain_and_kernel_give_every_node_its_count(writer):
+    """The same inputs through write_hash_set and its Numba twin: every node found by ggml's
+    walk with the number of source slots (and pins) naming it, no other key in the set.
+    Clustered keys make long probe runs, wrapping past the table's end."""
+    if writer == "kernel":
+        pytest.importorskip("numba")
+        from apir.host.graph.kernels import use_counts_kernel as write
+    else:
+        write = write_hash_set
+    rng = np.random.default_rng(7)
+    size = 67
+    n_tensors = 50
+    host_at = (rng.choice(8, n_tensors) * size + 60 + rng.choice(12, n_tensors)).astype(np.uint64) << np.uint64(4)
+    host_at = np.unique(host_at)[:40]
+    n_tensors = len(host_at)
+    src_index = rng.integers(-1, n_tensors, (n_tensors, 4)).astype(np.int32)
+    node_index = rng.permutation(n_tensors)[: n_tensors // 2 + 3].astype(np.int64)
+    pinned = node_index[:3].copy()
+    used, table, counts = _hash_set(size)
+    write(host_at, node_index, src_index.reshape(-1), pinned, used, table, counts)
+    want = np.bincount(src_index[src_index >= 0], minlength=n_tensors)
+    want[pinned] += 1
+    for j in node_index.tolist():
+        assert _found(used, table, counts, int(host_at[j])) == want[j]
+    others = np.setdiff1d(np.arange(n_tensors), node_index)
+    assert all(_found(used, table, counts, int(host_at[j])) is None for j in others.tolist())
+    assert int(np.unpackbits(used.view(np.uint8)).sum()) == len(node_index)

@@ -47,6 +47,7 @@ if accel.enabled():  # (the plain path imports no Numba)
     from apir.host.graph.kernels import (
         TABLE_KEY,
         add_nodes_kernel,
+        use_counts_kernel,
         first_overlap_kernel,
         graph_writes_kernel,
         record_bounds_kernel,
@@ -580,7 +581,8 @@ def _node_graph(lib: GraphLibrary, parsed, scratch: Scratch, host_at: np.ndarray
         # ids writers are never fused away: computed_ids relies on every byte of theirs being
         # written, and ggml-vulkan's fused MoE router writes only the top-k view (and asserts
         # on its strides, which no single op's rule asks of it)
-        fill_use_counts(g, graph, host_at, parsed.node_index, parsed.src_index, ids_writer_nodes(g, parsed))
+        write = use_counts_kernel if accel.enabled() else None
+        fill_use_counts(g, graph, host_at, parsed.node_index, parsed.src_index, ids_writer_nodes(g, parsed), write)
     return graph
 
 

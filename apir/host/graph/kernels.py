@@ -66,6 +66,7 @@ __all__ = [
     "call_void_ptr_ptr",
     "new_tensors_kernel",
     "add_nodes_kernel",
+    "use_counts_kernel",
     "write_tensors_kernel",
     "record_fields_kernel",
     "record_bounds_kernel",
@@ -526,6 +527,29 @@ def add_nodes_kernel(add_node, graph, nodes, host):
     (`add_node` the function's address). Returns 0."""
     for k in range(nodes.size):
         call_void_ptr_ptr(add_node, graph, host[nodes[k]])
+    return 0
+
+
+@jit
+def use_counts_kernel(host_at, node_index, src_index, pinned, used, table, counts):
+    """apir.ggml.cgraph.write_hash_set, as ggml_hash_insert does it: each node's key at the
+    first free slot from its home, (key >> 4) % size, on. The set is empty and larger than the
+    nodes (fill_use_counts checks both), so every walk ends. Returns 0."""
+    uses = np.zeros(host_at.size, dtype=np.int32)
+    for k in range(src_index.size):
+        if src_index[k] >= 0:
+            uses[src_index[k]] += 1
+    for k in range(pinned.size):
+        uses[pinned[k]] += 1
+    size = table.size
+    for k in range(node_index.size):
+        key = host_at[node_index[k]]
+        i = np.int64((key >> np.uint64(4)) % np.uint64(size))
+        while used[i >> 5] >> np.uint32(i & 31) & np.uint32(1):
+            i = (i + 1) % size
+        used[i >> 5] |= np.uint32(1) << np.uint32(i & 31)
+        table[i] = key
+        counts[i] = uses[node_index[k]]
     return 0
 
 
