@@ -1,7 +1,7 @@
 """apir.guest.backend.stream: ggml's async entries of apir's backend. With the ASYNC extension
 agreed, ggml_backend_tensor_set_async posts (no EXECBUFFER waited for), a get after it sees the
 bytes, ggml_backend_tensor_copy_async copies on the host, and ggml's events work (the
-scheduler's pattern: record after a copy, wait, synchronize). Without ASYNC the entries are
+scheduler's pattern: record after a copy, wait, synchronize; only new and free reach the host). Without ASYNC the entries are
 NULL, as in the C guest of APIR 0.2, and every set is waited for."""
 
 import ctypes
@@ -77,12 +77,16 @@ def test_copy_async_and_events(setup):
     g.ggml_backend_tensor_copy_async(backend.backend, backend.backend, a, b)
     if client.extensions:
         assert client.remote.posted - posted == 1  # the copy, on the host
+        waited = client.remote.waited
         event = g.ggml_backend_event_new(backend.device)
-        assert event
+        assert event and client.remote.waited == waited + 1  # event_new, with the copy posted before it
+        # in order, every compute and read waited for: record, wait and synchronize send nothing
         g.ggml_backend_event_record(event, backend.backend)
         g.ggml_backend_event_wait(backend.backend, event)
         g.ggml_backend_event_synchronize(event)
+        assert client.remote.waited == waited + 1 and client.remote.posted == posted + 1
         g.ggml_backend_event_free(event)
+        assert client.remote.waited == waited + 2
     else:
         assert not g.ggml_backend_event_new(backend.device)  # no events in APIR 0.2
     g.ggml_backend_synchronize(backend.backend)

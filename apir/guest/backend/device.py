@@ -8,9 +8,10 @@ come from the registry's cache (`RemoteInfo`). As in the C:
   since the host checks each graph anyway); `ApirBackend(remote_supports_op=True)` asks the
   host with `device_supports_op` instead.
 - `get_props` reports buffer_from_host_ptr as false whatever the host says, and async and
-  events true exactly when the ASYNC extension was agreed (then event_new / event_free /
-  event_synchronize are the host's events, ggml_backend_event structs owned here). The zero-copy path the
-  host may offer is used inside `alloc_buffer` (see buffer_type.py), not here.
+  events true exactly when the ASYNC extension was agreed (then event_new / event_free are
+  the host's, ggml_backend_event structs owned here, and event_synchronize, like the stream's
+  record and wait, sends nothing: see stream.py). The zero-copy path the host may offer is
+  used inside `alloc_buffer` (see buffer_type.py), not here.
 - `supports_buft` accepts exactly the buffer types whose device is this device.
 - `buffer_from_host_ptr` stays NULL. (The C fills it with a function that asks the host for a
   new shared blob but then uses the caller's pointer as base, so the two sides see different
@@ -95,7 +96,7 @@ def _event_impls(owner):
         client.event_free(struct.context)
 
     def event_synchronize(dev, event):
-        client.event_synchronize(events[event].context)
+        pass  # (in order, and every compute and read waited for: nothing to wait for)
 
     return {
         "event_new": (event_new, None),

@@ -8,8 +8,10 @@ the C (calls are synchronous; no plans, no events). With it (`client.posting`):
 set_tensor_async posts (apir.guest.client_async), get_tensor_async is a waited-for get (the
 host runs it after every posted command, so the bytes are there when it returns),
 cpy_tensor_async posts a copy between two of this backend's buffers, synchronize waits for
-the posted commands, event_record / event_wait are the host's. The C's `graph_optimize` is a
-no-op, which NULL means too. The struct is Python-owned: `free` drops it.
+the posted commands, and event_record / event_wait send nothing: the host runs a context's
+commands in order and every graph compute and read is waited for, so there is nothing to
+record or wait for (the patched C guest does the same). The C's `graph_optimize` is a no-op,
+which NULL means too. The struct is Python-owned: `free` drops it.
 """
 
 from __future__ import annotations
@@ -71,16 +73,13 @@ def _async_impls(owner):
             return False  # ggml copies through the guest
         return ops.cpy_tensor(dst_buf, src, dst, post=True)
 
-    def event_handle(event):
-        return owner.abi.Event.from_address(event).context
-
     return {
         "set_tensor_async": (set_tensor_async, None),
         "get_tensor_async": (get_tensor_async, None),
         "cpy_tensor_async": (cpy_tensor_async, False),
         "synchronize": (lambda backend: client.synchronize(), None),
-        "event_record": (lambda backend, event: client.event_record(event_handle(event)), None),
-        "event_wait": (lambda backend, event: client.event_wait(event_handle(event)), None),
+        "event_record": (lambda backend, event: None, None),
+        "event_wait": (lambda backend, event: None, None),
     }
 
 
