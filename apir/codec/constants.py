@@ -218,9 +218,17 @@ class ApirExtension(enum.IntFlag):
     DEVICES = 1 << 0  # several host devices: DEVICE_SELECT, handles and graphs name their device
     GRAPH_REPLAY = 1 << 1  # GRAPH_COMPUTE_KEEP / GRAPH_RECOMPUTE
     ASYNC = 1 << 2  # posted commands, SYNCHRONIZE, events
+    USE_COUNTS = 1 << 3  # a graph record's `padding`: the tensor's use count in the guest's cgraph
 
 
-APIR_EXTENSIONS_ALL = int(ApirExtension.DEVICES | ApirExtension.GRAPH_REPLAY | ApirExtension.ASYNC)
+# A use count from the wire above this is taken as this (docs/protocol.md 12.5): counts only
+# compare with uses inside the graph, so any count above those fuses the same
+APIR_WIRE_USE_COUNT_MAX = 1 << 24
+
+
+APIR_EXTENSIONS_ALL = int(
+    ApirExtension.DEVICES | ApirExtension.GRAPH_REPLAY | ApirExtension.ASYNC | ApirExtension.USE_COUNTS
+)
 
 # GRAPH_RECOMPUTE's function return code (Forward: 4 + 7 = 11) when the host holds no graph of
 # that id (never kept, evicted, or its buffers freed): the guest sends the graph again.

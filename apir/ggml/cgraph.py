@@ -5,7 +5,8 @@ in the graph's `visited_hash_set` (open addressing on `tensor >> 4`, linear prob
 counts in `use_counts[slot]` how many source slots name it. Backends fuse a node into its
 consumer only where that count says one use (`ggml_node_get_use_count`, ggml-impl.h; ggml-cpu
 fuses RMS_NORM + MUL, ggml-vulkan many more), so a graph made with ggml_graph_add_node alone
-never fuses. `fill_use_counts` writes the hash set and counts of a graph's nodes. The struct
+never fuses. `fill_use_counts` writes the hash set and counts of a graph's nodes (raised to
+the guest's own counts where the guest sends them, docs/protocol.md 12.5). The struct
 is private to ggml (ggml-impl.h: the same fields in ggml 0.20 and 0.25), so `CgraphLayout.of`
 checks the layout against a graph the loaded build made itself, and answers None where it
 does not match (then nothing is written and the graph runs unfused, as before).
@@ -17,6 +18,8 @@ import ctypes
 from typing import Dict, Optional
 
 import numpy as np
+
+from apir.codec.constants import APIR_WIRE_USE_COUNT_MAX
 
 __all__ = ["CgraphLayout", "fill_use_counts", "share_use_counts", "write_hash_set"]
 
@@ -102,14 +105,24 @@ def _probe(g) -> bool:
 
 
 def fill_use_counts(
-    g, graph: int, host_at: np.ndarray, node_index: np.ndarray, src_index: np.ndarray, pinned=None, write=None
+    g,
+    graph: int,
+    host_at: np.ndarray,
+    node_index: np.ndarray,
+    src_index: np.ndarray,
+    pinned=None,
+    write=None,
+    guest_counts: Optional[np.ndarray] = None,
 ) -> bool:
     """Puts the nodes of `graph` (host tensors `host_at[node_index]`) in its hash set with
     their use counts: how many source slots of the graph's tensors (`src_index`, by tensor
     index, -1 where none) name each, plus one for each tensor index in `pinned` (never fused
-    into a consumer: a backend then computes it whole). False (nothing written) where the
-    layout of this ggml is not known. `write`: `write_hash_set`'s accelerated twin
-    (apir.host.graph.kernels.use_counts_kernel), same arguments."""
+    into a consumer: a backend then computes it whole). `guest_counts` (int32 by tensor
+    index, the guest's whole-graph counts) raises a node's count to its guest count (at most
+    APIR_WIRE_USE_COUNT_MAX), never lowers it: a guest can make the host fuse less, never more, than this graph's
+    own links allow. False (nothing written) where the layout of this ggml is not known.
+    `write`: `write_hash_set`'s accelerated twin (apir.host.graph.kernels.use_counts_kernel),
+    same arguments."""
     if CgraphLayout.of(g) is None or not len(node_index):
         return CgraphLayout.of(g) is not None
     view = _view(graph)
@@ -126,7 +139,26 @@ def fill_use_counts(
     (write or write_hash_set)(
         host_at.astype(np.uint64), node_index.astype(np.int64), src_index.reshape(-1), pinned, used, table, counts
     )
+    if guest_counts is not None:
+        _raise_counts(host_at, node_index, src_index, pinned, guest_counts, used, table, counts)
     return True
+
+
+def _raise_counts(host_at, node_index, src_index, pinned, guest_counts, used, table, counts) -> None:
+    """Each node's count in the written hash set raised to its guest count (at most
+    APIR_WIRE_USE_COUNT_MAX) where that is higher: few nodes (those a later split of the
+    guest's graph reads too), each found by ggml_hash_find's walk."""
+    uses = np.bincount(src_index[src_index >= 0], minlength=len(host_at))
+    np.add.at(uses, pinned, 1)
+    nodes = np.asarray(node_index, np.int64)
+    wanted = np.minimum(guest_counts[nodes].astype(np.int64), APIR_WIRE_USE_COUNT_MAX)
+    size = len(table)
+    for j, count in zip(nodes[wanted > uses[nodes]].tolist(), wanted[wanted > uses[nodes]].tolist()):
+        key = int(host_at[j])
+        i = (key >> 4) % size
+        while int(table[i]) != key:  # (written above: the walk finds it)
+            i = (i + 1) % size
+        counts[i] = count
 
 
 def write_hash_set(host_at, node_index, src_index, pinned, used, table, counts) -> None:

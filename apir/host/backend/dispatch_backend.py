@@ -67,7 +67,7 @@ def compute_graph(lib: HandlerLibrary, memory, size: int) -> int:
             parsed = parse_graph(memory, 0, size, limits=g.limits, op_count=g.op_count, type_valid=chk.valid_types)
         except GraphError as exc:
             raise Refused(f"backend_graph_compute: {exc}") from None
-        wire = graph_wire(parsed) if cache is not None else None
+        wire = graph_wire(parsed, _counts(lib)) if cache is not None else None
         entry = prepare_graph(lib, parsed, cache, wire)
         if wire is not None:
             entry.remember_wire(wire)
@@ -103,7 +103,7 @@ def prepare_graph(
         key = link_key(parsed)
         cache.misses += 1  # (take_same found none: the miss `take` would have counted)
     else:
-        key = graph_key(parsed) if cache is not None else b""
+        key = graph_key(parsed, _counts(lib)) if cache is not None else b""
         entry = _rechecked(lib, cache.take(key, lib) if cache is not None else None, enums)
         if entry is not None:
             return entry
@@ -115,6 +115,12 @@ def prepare_graph(
         scratch.close()
         raise
     return _entry(key, scratch, built, parsed)
+
+
+def _counts(lib: HandlerLibrary) -> bool:
+    """Whether `lib` builds graphs with the guest's use counts (USE_COUNTS): then the records'
+    `padding` is part of a graph's key (a library without the setting: never)."""
+    return bool(getattr(lib, "wire_use_counts", False))
 
 
 def _same_graph_again(lib: HandlerLibrary, cache: Optional[GraphCache], memory, size: int) -> Optional[GraphCacheEntry]:

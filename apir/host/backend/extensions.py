@@ -18,6 +18,7 @@ ASYNC, `post` runs a posted command (no reply; a failure is kept as the pending 
 posts skipped, past APIR_MAX_POSTED since the last waited-for command refused), and a
 waited-for command answers APIR_BACKEND_POSTED_FAILED while an error is pending; SYNCHRONIZE
 reports and clears it; events are handles whose work is done in order (docs/protocol.md 12.7).
+With USE_COUNTS, each device builds graphs with the guest's use counts (`wire_use_counts`).
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ _NOT_HELD_BY_ERROR = frozenset([int(X.EXT_QUERY), int(X.SYNCHRONIZE)])
 _DEVICES = int(ApirExtension.DEVICES)
 _GRAPH_REPLAY = int(ApirExtension.GRAPH_REPLAY)
 _ASYNC = int(ApirExtension.ASYNC)
+_USE_COUNTS = int(ApirExtension.USE_COUNTS)
 
 
 def _off(value: Optional[str]) -> bool:
@@ -325,6 +327,11 @@ class ExtendedLibrary(PythonBackendLibrary):
             self._forget_all()
         if not self.agreed & _ASYNC:
             self._forget_async()
+        counts = bool(self.agreed & _USE_COUNTS)
+        for lib in self.devices:
+            if lib.wire_use_counts != counts:  # (built graphs hold the counts of the old rule)
+                lib.graph_cache.clear()
+                lib.wire_use_counts = counts
         count = len(self.devices) if self.agreed & _DEVICES else 1
         log.info("ctx %d: extensions 0x%x agreed (guest 0x%x), %d device(s)", self.ctx_id, self.agreed, guest, count)
         self._reply(enc, X.EXT_QUERY, self.agreed, count)

@@ -127,6 +127,9 @@ class PythonBackendLibrary:
         # whether built graphs carry use counts (apir.ggml.cgraph), so the backend fuses ops as
         # it does locally (config apir.host.use_counts)
         self.use_counts = False
+        # whether those counts are raised to the guest's, from its records (the USE_COUNTS
+        # extension: set by apir.host.backend.extensions)
+        self.wire_use_counts = False
 
     # --- what initialize set ---------------------------------------------------------------
     @property

@@ -62,6 +62,7 @@ __all__ = [
     "tensor_info",
     "point_at_device_copies",
     "fetch_row_ids",
+    "guest_use_counts",
 ]
 
 _NE_MAX = 1 << 62  # as apir.host.tensors
@@ -582,8 +583,17 @@ def _node_graph(lib: GraphLibrary, parsed, scratch: Scratch, host_at: np.ndarray
         # written, and ggml-vulkan's fused MoE router writes only the top-k view (and asserts
         # on its strides, which no single op's rule asks of it)
         write = use_counts_kernel if accel.enabled() else None
-        fill_use_counts(g, graph, host_at, parsed.node_index, parsed.src_index, ids_writer_nodes(g, parsed), write)
+        pinned = ids_writer_nodes(g, parsed)
+        wire = guest_use_counts(parsed) if getattr(lib, "wire_use_counts", False) else None
+        fill_use_counts(g, graph, host_at, parsed.node_index, parsed.src_index, pinned, write, wire)
     return graph
+
+
+def guest_use_counts(parsed) -> np.ndarray:
+    """Each record's `padding` as a little-endian int32: the tensor's use count in the guest's
+    whole graph, under the USE_COUNTS extension (docs/protocol.md 12.5)."""
+    t = parsed.tensors
+    return np.ascontiguousarray(t["padding"]).view("<i4").reshape(len(t))
 
 
 class BuiltGraph(NamedTuple):

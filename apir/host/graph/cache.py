@@ -70,15 +70,16 @@ DEFAULT_MAX_BYTES = 64 << 20
 
 
 @functools.lru_cache(maxsize=16)
-def _key_mask(rpc: np.dtype, ids: bool = False) -> np.ndarray:
+def _key_mask(rpc: np.dtype, ids: bool = False, counts: bool = False) -> np.ndarray:
     """0xFF for each byte of an apir_rpc_tensor record the host reads, except (unless `ids`)
     the ids (`id`, `src`, `view_src`, which `graph_key` replaces by indices); 0 for those, for
-    `padding` and for the holes between fields, which no check, rule or build step reads (the
-    C guest leaves them uninitialized, so keying on them would only make equal graphs differ).
-    Read-only: the one array every caller gets."""
+    `padding` (unless `counts`: the guest's use counts, under USE_COUNTS) and for the holes
+    between fields, which no check, rule or build step reads (the C guest leaves them
+    uninitialized, so keying on them would only make equal graphs differ). Read-only: the one
+    array every caller gets."""
     mask = np.zeros(rpc.itemsize, np.uint8)
     fields: Mapping[str, tuple] = rpc.fields or {}
-    skip = ("padding",) if ids else ("id", "src", "view_src", "padding")
+    skip = ("id", "src", "view_src")[: 0 if ids else 3] + (() if counts else ("padding",))
     for name, spec in fields.items():
         if name not in skip:
             mask[spec[1] : spec[1] + spec[0].itemsize] = 0xFF
@@ -86,7 +87,7 @@ def _key_mask(rpc: np.dtype, ids: bool = False) -> np.ndarray:
     return mask
 
 
-def graph_key(parsed) -> bytes:
+def graph_key(parsed, counts: bool = False) -> bytes:
     """The structure of a parsed graph as bytes: its records' bytes with `id`, `src`,
     `view_src`, `padding`, the holes between fields (`_key_mask`) and each name's bytes after
     its first NUL zeroed (`apir.host.graph.kernels.record_key_kernel`), then its node, src and
@@ -95,8 +96,9 @@ def graph_key(parsed) -> bytes:
 
     A name is read up to its first NUL (build_graph copies it as ggml_set_name would); the C
     guest sends the bytes after it uninitialized, different for every token of a decode. A
-    name without a NUL (refused by the checks) is kept whole."""
-    return _key(parsed, records=True)
+    name without a NUL (refused by the checks) is kept whole. `counts`: `padding` kept (the
+    host builds with the guest's use counts)."""
+    return _key(parsed, records=True, counts=counts)
 
 
 def link_key(parsed) -> bytes:
@@ -107,7 +109,7 @@ def link_key(parsed) -> bytes:
     return _key(parsed, records=False)
 
 
-def _key(parsed, records: bool) -> bytes:
+def _key(parsed, records: bool, counts: bool = False) -> bytes:
     t = parsed.tensors
     size = t.dtype.itemsize
     rows = np.ascontiguousarray(t).view(np.uint8).reshape(len(t), size)
@@ -120,7 +122,7 @@ def _key(parsed, records: bool) -> bytes:
     out = np.empty(at + sum(a.size for a in links), np.uint8)
     out[:16].view(np.int64)[:] = (len(t), len(parsed.node_index))
     if records:
-        _record_key(rows, _key_mask(t.dtype), name_at, name_dtype.itemsize, out[16:at])
+        _record_key(rows, _key_mask(t.dtype, counts=counts), name_at, name_dtype.itemsize, out[16:at])
     for a in links:
         out[at : at + a.size] = a
         at += a.size
@@ -288,12 +290,13 @@ _memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 _memcmp.restype = ctypes.c_int
 
 
-def graph_wire(parsed) -> GraphWire:
+def graph_wire(parsed, counts: bool = False) -> GraphWire:
     """The bytes of a parsed graph that the host reads, as the guest sent them: its header
     (n_nodes, node ids, n_tensors) and its records with ids kept but `padding`, the holes
     between fields and each name's bytes after its first NUL zeroed. A later graph whose
     bytes match these (`GraphCache.take_same`) is the same graph, ids and all: its key is
-    this one's, and parsing it would give the same ParsedGraph."""
+    this one's, and parsing it would give the same ParsedGraph. `counts`: `padding` kept and
+    compared (the host builds with the guest's use counts)."""
     t = parsed.tensors
     size = t.dtype.itemsize
     n_nodes = len(parsed.node_ids)
@@ -304,7 +307,7 @@ def graph_wire(parsed) -> GraphWire:
     out[head - 4 : head].view("<u4")[0] = len(t)
     rows = np.ascontiguousarray(t).view(np.uint8).reshape(len(t), size)
     name_at, name_len = t.dtype.fields["name"][1], t.dtype.fields["name"][0].itemsize
-    mask = _key_mask(t.dtype, ids=True)
+    mask = _key_mask(t.dtype, ids=True, counts=counts)
     _record_key(rows, mask, name_at, name_len, out[head:])
     # bytes before each name's first NUL (a name without one, which the checks refuse, is
     # compared whole)
@@ -313,7 +316,7 @@ def graph_wire(parsed) -> GraphWire:
         name_lens_kernel(rows, name_at, name_len, name_lens)
     else:
         name_lens[:] = _name_lens_plain(rows[:, name_at : name_at + name_len])
-    outside, links = mask.copy(), _key_mask(t.dtype).copy()  # (the cached masks stay as they are)
+    outside, links = mask.copy(), _key_mask(t.dtype, counts=counts).copy()  # (the cached masks stay as they are)
     # the name is compared apart, up to its NUL
     outside[name_at : name_at + name_len] = links[name_at : name_at + name_len] = 0
     if size % 8:  # never matched in place (apir_rpc_tensor holds 8-byte fields: its size never is)
