@@ -8,7 +8,8 @@ Theory of operation. The guest sends a `ggml_cgraph` as
 are the guest's tensor addresses; the tensors are every tensor reachable from the nodes through
 src[] and view_src in depth-first post-order (for each node src[0..GGML_MAX_SRC), view_src,
 then the tensor itself, each once). Unlike the C, `serialize_graph` zeroes every hole and the
-name's tail, and raises instead of truncating.
+name's tail, and raises instead of truncating. Under the USE_COUNTS extension `write_use_counts`
+puts each tensor's use count in its record's `padding` (docs/protocol.md 12.5).
 
 `parse_graph` is the host's: it copies the bytes out of guest-writable shared memory, then
 validates the copy (counts against the size, ids non-zero and unique, every referenced id
@@ -23,14 +24,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
 from apir import accel
 from apir.codec import graph_types as T
 from apir.codec.graph_types import BufferTable, GraphError, GraphWindow, ParsedGraph, graph_size, graph_window
-from apir.codec.records import GGML_0_20_LIMITS, GgmlLimits, rpc_tensor_dtype
+from apir.codec.records import GGML_0_20_LIMITS, GgmlLimits, field_offset, rpc_tensor_dtype
 
 __all__ = [
     "BufferTable",
@@ -43,6 +44,7 @@ __all__ = [
     "serialize_graph_plain",
     "rpc_tensor_from_ggml_plain",
     "parse_graph_plain",
+    "write_use_counts",
 ]
 
 _U32_MAX = 0xFFFFFFFF
@@ -82,6 +84,20 @@ def serialize_graph(
     if _kernel is not None or accel.enabled():
         return _accelerated().serialize_graph(g, cgraph_addr, buffers, out, _kernel)
     return serialize_graph_plain(g, cgraph_addr, buffers, out=out)
+
+
+def write_use_counts(graph: np.ndarray, limits: GgmlLimits, counts_of: Callable[[np.ndarray], np.ndarray]) -> None:
+    """The USE_COUNTS extension (docs/protocol.md 12.5): each record's `padding` in serialized
+    `graph` (as `serialize_graph` gives it) set to the int32 little-endian use count that
+    `counts_of` gives for the records' tensor ids (the guest's tensor addresses), in order."""
+    n_nodes = int(graph[:4].view("<u4")[0])
+    at = 8 + 8 * n_nodes
+    dt = rpc_tensor_dtype(limits)
+    n = int(graph[at - 4 : at].view("<u4")[0])
+    rows = graph[at : at + n * dt.itemsize].reshape(n, dt.itemsize)
+    id_at, pad = field_offset(dt, "id"), field_offset(dt, "padding")
+    ids = rows[:, id_at : id_at + 8].copy().view("<u8").reshape(n)
+    rows[:, pad : pad + 4] = np.asarray(counts_of(ids), "<i4").reshape(n, 1).view(np.uint8)
 
 
 def _read_tensor(address: int, tensor_dtype: np.dtype) -> np.void:

@@ -21,7 +21,7 @@ import numpy as np
 
 from apir.codec.constants import APIR_WIRE_USE_COUNT_MAX
 
-__all__ = ["CgraphLayout", "fill_use_counts", "share_use_counts", "write_hash_set"]
+__all__ = ["CgraphLayout", "fill_use_counts", "share_use_counts", "tensor_use_counts", "write_hash_set"]
 
 
 class _HashSet(ctypes.Structure):
@@ -174,6 +174,35 @@ def write_hash_set(host_at, node_index, src_index, pinned, used, table, counts) 
     # one bit per slot, the slots distinct: a word's bits add up without a carry
     bits = np.left_shift(np.uint64(1), (slots & 31).astype(np.uint64)).astype(np.float64)
     used |= np.bincount(slots >> 5, weights=bits, minlength=len(used)).astype(np.uint32)
+
+
+def tensor_use_counts(g, graph: int, tensors: np.ndarray) -> np.ndarray:
+    """The use count in cgraph `graph` of each tensor address in `tensors`, as ggml-rpc's
+    add_tensor reads it: the count of the tensor's slot in the graph's hash set, 0 for a tensor
+    not in it; all 0 where the layout of this ggml is not known. Every key walks from its home
+    slot at once, one slot a round, as ggml_hash_find does."""
+    out = np.zeros(len(tensors), np.int32)
+    view = _view(graph) if CgraphLayout.of(g) is not None else None
+    if view is None or not len(tensors) or not view.visited_hash_set.size or not view.use_counts:
+        return out
+    h = view.visited_hash_set
+    size = int(h.size)
+    used = np.ctypeslib.as_array((ctypes.c_uint32 * ((size + 31) // 32)).from_address(h.used))
+    table = np.ctypeslib.as_array((ctypes.c_uint64 * size).from_address(h.keys))
+    counts = np.ctypeslib.as_array((ctypes.c_int32 * size).from_address(view.use_counts))
+    keys = np.asarray(tensors, np.uint64)
+    pos = ((keys >> np.uint64(4)) % np.uint64(size)).astype(np.int64)
+    pending = np.arange(len(keys))
+    for _ in range(size):  # (a full table: ggml_hash_find gives up after one turn, so does this)
+        if not len(pending):
+            break
+        at = pos[pending]
+        taken = (used[at >> 5] >> (at & 31).astype(np.uint32)) & 1 != 0
+        hit = taken & (table[at] == keys[pending])
+        out[pending[hit]] = counts[at[hit]]
+        pending = pending[taken & ~hit]  # (a free slot: not in the set)
+        pos[pending] = (pos[pending] + 1) % size
+    return out
 
 
 def share_use_counts(g, part: int, whole: int) -> bool:

@@ -118,3 +118,55 @@ def test_a_failed_post_surfaces_at_synchronize(ggml):
         backend.remove_buffer(buf)
         backend.close()
         client.close()
+
+
+@pytest.mark.parametrize("extensions", [None, 0], ids=["use-counts", "apir-0.2"])
+def test_a_split_carries_the_whole_graphs_use_counts(ggml, extensions):
+    """A split of a graph (its first two nodes, sharing the whole graph's counts as
+    ggml_graph_view does): under USE_COUNTS each record carries its count in the whole graph,
+    and the host's graph keeps the second node's use by a later split (1, where the split
+    alone says 0); without it the records' padding is zero and the host counts the split's."""
+    from apir.codec.constants import ApirExtension
+    from apir.codec.records import rpc_tensor_dtype
+    from apir.ggml.cgraph import _use_count, share_use_counts
+    from tests.host.hostkit import GgmlScratch
+
+    g = ggml
+    client = ApirClient.connect(EmbeddedDevice(), extensions=extensions)
+    backend = ApirBackend(client, g, zero_copy=False)
+    s = GgmlScratch(g)
+    try:
+        on = bool(client.extensions & ApirExtension.USE_COUNTS)
+        assert on == (extensions is None)
+        f32 = g.types["F32"]
+        x, w = g.ggml_new_tensor_2d(s.ctx, f32, 16, 2), g.ggml_new_tensor_1d(s.ctx, f32, 16)
+        n = g.ggml_rms_norm(s.ctx, x, 1e-6)
+        y = g.ggml_mul(s.ctx, n, w)
+        z = g.ggml_add(s.ctx, g.ggml_rms_norm(s.ctx, y, 1e-6), x)
+        whole = g.ggml_new_graph(s.ctx)
+        g.ggml_build_forward_expand(whole, z)
+        buf = g.ggml_backend_alloc_ctx_tensors_from_buft(s.ctx, backend.buffer_type)
+        part = g.ggml_new_graph_custom(s.ctx, 8, False)
+        for t in (n, y):
+            g.ggml_graph_add_node(part, t)
+        assert share_use_counts(g, part, whole)
+        sent = []
+        compute = client.backend_graph_compute
+        client.backend_graph_compute = lambda graph: (sent.append(bytes(graph)), compute(graph))[1]
+        assert g.ggml_backend_graph_compute(backend.backend, part) == 0
+        (wire,) = sent
+        at = 8 + 8 * 2
+        recs = np.frombuffer(wire, rpc_tensor_dtype(g.limits), offset=at)
+        padding = np.ascontiguousarray(recs["padding"]).view("<i4").reshape(-1)
+        want = [_use_count(whole, int(t)) for t in recs["id"]] if on else [0] * len(recs)
+        assert padding.tolist() == want
+        if on:
+            assert dict(zip(recs["id"].tolist(), want)) == {x: 2, w: 1, n: 1, y: 1}
+        (entry,) = client.remote.device.kernel.ctx._library.graph_cache._entries.values()
+        built = [_use_count(entry.graph, g.ggml_graph_node(entry.graph, i)) for i in range(2)]
+        assert built == ([1, 1] if on else [1, 0])
+        g.ggml_backend_buffer_free(buf)
+    finally:
+        s.close()
+        backend.close()
+        client.close()

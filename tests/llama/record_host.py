@@ -9,7 +9,8 @@ payload, and for a kept graph (graph_compute_keep, graph_recompute) the host dev
 computed it.
 Run on the guest build's ggml (APIR_GGML_LIB_DIR). Prints "ready" once the socket listens and
 writes RECORD.json (a list of {"command", "rc", "reply"} hex records, with "posted",
-"execbuffer" and, for kept graphs, "device") on SIGTERM.
+"execbuffer" and, for kept graphs, "device", and for graph_compute_keep "graph", its bytes) on
+SIGTERM.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class ByteRecorder:
             # the extended library's kept graphs: graph id -> (device index, graph bytes)
             kept = getattr(ctx._library, "_kept", {}).get(struct.unpack_from("<Q", cmd, _HEADER.size)[0])
             record["device"] = None if kept is None else kept[0]
+            if kept is not None and _HEADER.unpack_from(cmd, 0)[1] == X.GRAPH_COMPUTE_KEEP:
+                record["graph"] = kept[1].tobytes().hex()  # the graph's bytes, as the host computed them
         return record
 
 

@@ -1,7 +1,8 @@
 """llama.cpp with the extended C guest (patches/ggml-virtgpu-extensions.patch, built by
 scripts/build-llama-cpp.sh --extensions): SmolLM2-135M generates the same 64 greedy tokens
 through apir's host as the unpatched C guest and as local ggml CPU; its ext_query,
-graph_compute_keep and graph_recompute carry the bytes of docs/protocol.md section 12; a decode
+graph_compute_keep and graph_recompute carry the bytes of docs/protocol.md section 12 (each
+record with its tensor's use count, USE_COUNTS); a decode
 token's graph crosses once and is then recomputed by id, in as many round trips as before;
 against a host with the extensions off, or with APIR_EXTENSIONS=off, it sends what the
 unpatched guest sends. Against a host serving two CPU devices (DEVICES), llama.cpp splits the
@@ -38,13 +39,15 @@ from apir.codec.constants import (
     ApirExtensionCommandType as X,
     ApirForwardReturnCode,
 )
+from apir.codec.records import rpc_tensor_dtype
 from tests.interop.harness import REPO, c_build_env
 from tests.llama.runner import HOST_ERROR, LOGITS_ATOL, Generation, apir_env, generate, local_env
 
 PROMPT = "The capital of France is"
 BASE = ApirForwardReturnCode.BASE_INDEX
 GRAPH_FUNCTIONS = (Cmd.BACKEND_GRAPH_COMPUTE, X.GRAPH_COMPUTE_KEEP, X.GRAPH_RECOMPUTE)
-WANTED = ApirExtension.DEVICES | ApirExtension.GRAPH_REPLAY | ApirExtension.ASYNC  # what the guest asks for
+# what the guest asks for
+WANTED = ApirExtension.DEVICES | ApirExtension.GRAPH_REPLAY | ApirExtension.ASYNC | ApirExtension.USE_COUNTS
 TWO_CPUS = {"apir.host.backend": "cpu,cpu"}
 
 
@@ -55,6 +58,7 @@ class Forward:
     rc: int
     reply: bytes
     device: Optional[int] = None  # the host device of a kept graph (graph_compute_keep, graph_recompute)
+    graph: bytes = b""  # graph_compute_keep: the graph's bytes
     posted: bool = False  # ASYNC: sent without waiting, at the head of EXECBUFFER `execbuffer`
     execbuffer: int = 0
 
@@ -86,7 +90,8 @@ class RecordingHost:
             cmd_type, flags, _ = struct.unpack_from("<III", cmd)
             if cmd_type == ApirCommandType.FORWARD:
                 forwards.append(Forward(flags & ~APIR_FORWARD_POSTED, cmd, r["rc"], bytes.fromhex(r["reply"]),
-                                        r.get("device"), r["posted"], r["execbuffer"]))
+                                        r.get("device"), bytes.fromhex(r.get("graph", "")), r["posted"],
+                                        r["execbuffer"]))
         return forwards
 
     @property
@@ -128,6 +133,21 @@ def per_decode_token(forwards: List[Forward]) -> dict:
     waited = sum(not f.posted for f in decode)
     return {"tokens": tokens, "round_trips": waited / tokens, "posted": (len(decode) - waited) / tokens,
             "graph_bytes": graph_bytes / tokens, "graph_bytes_total": graph_bytes}
+
+
+def use_counts(graph: bytes):
+    """(the records' padding as int32, the times the graph's own src slots name each record),
+    for the graph's nodes."""
+    n_nodes = struct.unpack_from("<I", graph)[0]
+    node_ids = np.frombuffer(graph, "<u8", n_nodes, 4)
+    at = 8 + 8 * n_nodes
+    dt = rpc_tensor_dtype()
+    recs = np.frombuffer(graph, dt, struct.unpack_from("<I", graph, at - 4)[0], at)
+    index = {int(t): i for i, t in enumerate(recs["id"])}
+    srcs = [index[int(s)] for s in recs["src"].reshape(-1) if s]
+    uses = np.bincount(np.array(srcs, np.int64), minlength=len(recs))
+    nodes = [index[int(t)] for t in node_ids]
+    return np.ascontiguousarray(recs["padding"]).view("<i4").reshape(-1)[nodes], uses[nodes]
 
 
 def graph_size(f: Forward) -> int:
@@ -181,6 +201,10 @@ def test_extended_guest_same_tokens_and_replayed_graphs(llama_paths, extended_gu
         else:  # u64 graph_id
             assert len(f.command) == 12 + 8 and graph_id in kept
     keeps = [f for f in graphs if f.function == X.GRAPH_COMPUTE_KEEP]
+    for f in keeps:  # USE_COUNTS: ggml's counts of the whole graph, in each record's padding
+        wire, own = use_counts(f.graph)
+        # one split here: each node's count is the times the graph's own records name it
+        assert len(wire) > 100 and own.max() > 1 and (wire == own).all()
     # the prompt's graph and the first decode graph cross; every later token is recomputed
     assert len(keeps) == 2 and functions.count(X.GRAPH_RECOMPUTE) == len(graphs) - 2
     first = next(f for f in unpatched.forwards if f.function == Cmd.BACKEND_GRAPH_COMPUTE)

@@ -2,9 +2,10 @@
 
 Theory of operation: `graph_compute` is the only real work: the cgraph is serialized with
 `apir.codec.graph.serialize_graph` (tensor buffers become host handles through the backend's
-`BufferTable`) and sent with `backend_graph_compute`; the host's `ggml_status` is returned
-as is. Without the ASYNC extension everything else ggml asks of a stream is left NULL as in
-the C (calls are synchronous; no plans, no events). With it (`client.posting`):
+`BufferTable`), with each tensor's use count under the USE_COUNTS extension, and sent with
+`backend_graph_compute`; the host's `ggml_status` is returned as is. Without the ASYNC
+extension everything else ggml asks of a stream is left NULL as in the C (calls are
+synchronous; no plans, no events). With it (`client.posting`):
 set_tensor_async posts (apir.guest.client_async), get_tensor_async is a waited-for get (the
 host runs it after every posted command, so the bytes are there when it returns),
 cpy_tensor_async posts a copy between two of this backend's buffers, synchronize waits for
@@ -29,7 +30,9 @@ _GUID_C = (ctypes.c_uint8 * 16).from_buffer_copy(GUID)  # static, as in the C
 
 def build_backend_iface(owner):
     """The `ggml_backend_i` of `owner`'s backends."""
-    from apir.codec.graph import serialize_graph
+    from apir.codec.constants import ApirExtension
+    from apir.codec.graph import serialize_graph, write_use_counts
+    from apir.ggml.cgraph import tensor_use_counts
 
     g, abi, cb = owner.g, owner.abi, owner.callbacks
     name = cb.cstring(BACKEND_NAME)
@@ -37,9 +40,15 @@ def build_backend_iface(owner):
     # a fresh array per graph may fault its pages in again each time (serialize_graph's `out`).
     scratch = threading.local()
 
+    # USE_COUNTS: each record carries its tensor's count in the cgraph (a split's view shares
+    # the whole graph's), so the host fuses no node that another split reads
+    counts = bool(getattr(owner.client, "extensions", 0) & ApirExtension.USE_COUNTS)
+
     def graph_compute(backend, cgraph):
         graph = serialize_graph(g, cgraph, owner.buffer_table, out=getattr(scratch, "out", None))
         scratch.out = graph.base
+        if counts:
+            write_use_counts(graph, g.limits, lambda ids: tensor_use_counts(g, cgraph, ids))
         return int(owner.client.backend_graph_compute(graph))
 
     impls = {
