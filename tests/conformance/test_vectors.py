@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -312,8 +313,8 @@ def test_extension_vectors_cover_what_the_c_guest_sends():
         ("apir-capset-devices", {"apir.host.backend": "cpu,cpu"})]
     ext = _ext_steps(0)
     query = ext["ext_query"]
-    assert (query["function_id"], vectors.field_value(query["command"]["fields"], "guest_extensions")) == (0x100, 7)
-    assert [f[4] for f in query["reply"]["fields"]] == [7, 1]  # all three agreed, one device
+    assert (query["function_id"], vectors.field_value(query["command"]["fields"], "guest_extensions")) == (0x100, 15)
+    assert [f[4] for f in query["reply"]["fields"]] == [15, 1]  # all four agreed, one device
     keep, again = ext["graph_compute_keep.add"], ext["graph_recompute.add"]
     assert (keep["function_id"], again["function_id"]) == (0x102, 0x103)
     graph_id = vectors.field_value(keep["command"]["fields"], "graph_id")
@@ -340,6 +341,21 @@ def test_extension_vectors_cover_what_the_c_guest_sends():
     assert max(fallback[n]["function_id"] for n in after) < 23  # APIR 0.2's functions only
     assert sum(s.get("function") == "backend_graph_compute" for s in fallback.values()) == 3
     assert [s["shmem_out"]["hex"] for n, s in fallback.items() if n.startswith("buffer_get_tensor.s")] == [s1, s2]
+
+
+def _record_paddings(step: dict) -> list:
+    """The int32 in each graph record's `padding` of a graph step's shared memory."""
+    raw = bytes.fromhex(step["shmem_in"]["hex"])
+    return [struct.unpack_from("<i", raw, f[0])[0] for f in step["shmem_in"]["fields"] if f[2].endswith("].padding + tail hole")]
+
+
+def test_extension_vectors_carry_use_counts():
+    """USE_COUNTS agreed: each record of a + b carries its use count in the graph (a and b one
+    each, the node none), as ggml-rpc's add_tensor; the 0.2 fallback's padding is the C's stack
+    garbage, which no host reads."""
+    for name in ("graph_compute_keep.add", "graph_compute_keep.mul", "graph_compute_keep.add.resend"):
+        assert _record_paddings(_ext_steps(0)[name]) == [1, 1, 0], name
+    assert _record_paddings(_ext_steps(1)["backend_graph_compute.add"]) != [1, 1, 0]
 
 
 def test_extension_vectors_cover_async_and_devices():
@@ -373,7 +389,7 @@ def test_extension_vectors_cover_async_and_devices():
     assert [f[4] for f in failed["reply"]["fields"]] == [1, 0, 20, 5]  # the clear, answered 5
     devices = list(_ext_steps(2).values())
     query = devices[2]
-    assert [f[4] for f in query["reply"]["fields"]] == [7, 2]
+    assert [f[4] for f in query["reply"]["fields"]] == [15, 2]
     order = [(s["name"], s["function"]) for s in devices[3:11]]
     assert [f for _, f in order] == ["device_select", "device_get_name", "device_get_buffer_type",
                                      "buffer_type_alloc_buffer"] * 2
