@@ -119,8 +119,9 @@ def fill_use_counts(
     index, -1 where none) name each, plus one for each tensor index in `pinned` (never fused
     into a consumer: a backend then computes it whole). `guest_counts` (int32 by tensor
     index, the guest's whole-graph counts) raises a node's count to its guest count (at most
-    APIR_WIRE_USE_COUNT_MAX), never lowers it: a guest can make the host fuse less, never more, than this graph's
-    own links allow. False (nothing written) where the layout of this ggml is not known.
+    APIR_WIRE_USE_COUNT_MAX), never lowers it: a guest can make the host fuse less, never
+    more, than this graph's own links allow. False (nothing written) where the layout of this
+    ggml is not known.
     `write`: `write_hash_set`'s accelerated twin (apir.host.graph.kernels.use_counts_kernel),
     same arguments."""
     if CgraphLayout.of(g) is None or not len(node_index):
