@@ -8,22 +8,7 @@ import pytest
 from apir.codec.constants import ApirBackendCommandType as Cmd
 from apir.ggml.cgraph import CgraphLayout, _insert, _use_count, write_hash_set
 from apir.host import HostContext
-from tests.host.hostkit import DATA_RES, Guest, GgmlScratch, RemoteGraph
-
-
-def _graph(g, ctx):
-    """rms_norm -> mul -> rms_norm -> mul -> add: twice the RMS_NORM + MUL pair ggml-cpu
-    fuses where the norm has one use."""
-    f32 = g.types["F32"]
-    x = g.ggml_new_tensor_2d(ctx, f32, 16, 2)
-    w = g.ggml_new_tensor_1d(ctx, f32, 16)
-    n = g.ggml_rms_norm(ctx, x, 1e-6)
-    y = g.ggml_mul(ctx, n, w)
-    m = g.ggml_rms_norm(ctx, y, 1e-6)
-    z = g.ggml_add(ctx, g.ggml_mul(ctx, m, w), x)
-    gf = g.ggml_new_graph(ctx)
-    g.ggml_build_forward_expand(gf, z)
-    return gf
+from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph, norm_mul_graph
 
 
 @pytest.mark.parametrize("config", [{}, {"apir.host.use_counts": "off"}], ids=["on", "off"])
@@ -33,7 +18,7 @@ def test_host_graphs_carry_ggmls_use_counts(ggml, config):
     guest = Guest(HostContext(7, config))
     s = GgmlScratch(g)
     try:
-        gf = _graph(g, s.ctx)
+        gf = norm_mul_graph(g, s.ctx)
         n = g.ggml_graph_n_nodes(gf)
         local = [_use_count(gf, g.ggml_graph_node(gf, i)) for i in range(n)]
         assert local == [1, 1, 1, 1, 0]

@@ -154,6 +154,21 @@ class GgmlScratch:
         self.g.ggml_free(self.ctx)
 
 
+def norm_mul_graph(g, ctx: int) -> int:
+    """rms_norm -> mul -> rms_norm -> mul -> add, built by ggml (its use counts filled): twice
+    the RMS_NORM + MUL pair ggml-cpu fuses where the norm has one use."""
+    f32 = g.types["F32"]
+    x = g.ggml_new_tensor_2d(ctx, f32, 16, 2)
+    w = g.ggml_new_tensor_1d(ctx, f32, 16)
+    n = g.ggml_rms_norm(ctx, x, 1e-6)
+    y = g.ggml_mul(ctx, n, w)
+    m = g.ggml_rms_norm(ctx, y, 1e-6)
+    z = g.ggml_add(ctx, g.ggml_mul(ctx, m, w), x)
+    gf = g.ggml_new_graph(ctx)
+    g.ggml_build_forward_expand(gf, z)
+    return gf
+
+
 def add_chain(g, ctx: int, n: int, graph_size: int = 0) -> int:
     """A graph in no_alloc `ctx` of `n` ADD nodes, each adding an 8x4 F32 input x to the node
     before (x itself first): n + 1 tensors. `graph_size`: the cgraph's room in nodes (0:

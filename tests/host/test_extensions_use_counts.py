@@ -16,24 +16,9 @@ from apir.codec.constants import (
 from apir.codec.records import rpc_tensor_dtype
 from apir.ggml.cgraph import _raise_counts, _use_count, write_hash_set
 from apir.host import HostContext
-from tests.host.hostkit import DATA_RES, Guest, GgmlScratch, RemoteGraph
+from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph, norm_mul_graph
 
 USE_COUNTS = int(ApirExtension.USE_COUNTS)
-
-
-def _graph(g, ctx):
-    """rms_norm -> mul -> rms_norm -> mul -> add: each norm has one use (its mul), which
-    ggml-cpu fuses with it."""
-    f32 = g.types["F32"]
-    x = g.ggml_new_tensor_2d(ctx, f32, 16, 2)
-    w = g.ggml_new_tensor_1d(ctx, f32, 16)
-    n = g.ggml_rms_norm(ctx, x, 1e-6)
-    y = g.ggml_mul(ctx, n, w)
-    m = g.ggml_rms_norm(ctx, y, 1e-6)
-    z = g.ggml_add(ctx, g.ggml_mul(ctx, m, w), x)
-    gf = g.ggml_new_graph(ctx)
-    g.ggml_build_forward_expand(gf, z)
-    return gf
 
 
 def _with_counts(g, wire: bytes, counts: dict) -> bytes:
@@ -60,7 +45,7 @@ class _Setup:
             rc, dec = self.guest.command(ApirCommandType.FORWARD, int(X.EXT_QUERY), lambda e: e.u32(wanted))
             assert (rc, dec.u32()) == (4, wanted)
         self.s = GgmlScratch(g)
-        self.gf = _graph(g, self.s.ctx)
+        self.gf = norm_mul_graph(g, self.s.ctx)
         self.n = g.ggml_graph_n_nodes(self.gf)
         self.nodes = [g.ggml_graph_node(self.gf, i) for i in range(self.n)]
         self.remote = RemoteGraph(self.guest, g, self.s.ctx, self.gf)
