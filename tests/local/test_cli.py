@@ -30,7 +30,7 @@ def test_info_embedded_and_socket(tmp_path, capsys):
     embedded = json.loads(capsys.readouterr().out)
     assert embedded["transport"] == "embedded"
     assert embedded["protocol"] == {"guest": "0.2", "host": "0.2", "capset": 10,
-                                    "extensions": ["devices", "graph_replay", "async"], "devices": 1}
+                                    "extensions": ["devices", "graph_replay", "async", "use_counts"], "devices": 1}
     assert (embedded["device"]["name"], embedded["device"]["description"]) == (name, description)
     assert embedded["buffer_type"]["alignment"] > 0
     host = HostProcess(tmp_path / "apir.sock")

@@ -25,7 +25,7 @@ def test_info_over_drm(guest):
         "host": "0.2",
         "capset": 10,
         "devices": 1,
-        "extensions": ["devices", "graph_replay", "async"],
+        "extensions": ["devices", "graph_replay", "async", "use_counts"],
     }
     assert info["device"]["name"] == "CPU" and info["device"]["memory_total"] > 0
     assert info["buffer_type"]["alignment"] > 0
