@@ -49,6 +49,7 @@ __all__ = [
     "Layout",
     "FORWARD",
     "layouts_between",
+    "reply_writers",
     "InlineTensor",
     "TensorLayouts",
     "MalformedMessage",
@@ -206,9 +207,10 @@ class Layout:
     field has a fixed size (most functions), they are also read as one `struct.Struct`, in one
     step: the same values as field by field (tests/codec/test_forward.py holds them equal).
     Writing stays field by field: the Encoder cuts each value to its field as the C's cast
-    does, where a struct would refuse it."""
+    does, where a struct would refuse it. `write(enc, *values)` is `encode` in one call: for
+    one field (most replies) the field's Encoder step itself, no frame of its own."""
 
-    __slots__ = ("function", "fields", "_what", "_ends", "_writes", "_reads", "_struct", "_offsets")
+    __slots__ = ("function", "fields", "write", "_what", "_ends", "_writes", "_reads", "_struct", "_offsets")
 
     def __init__(self, function: str, fields: Tuple[Field, ...], what: str, ends: str):
         self.function = function
@@ -216,6 +218,7 @@ class Layout:
         self._what = what  # "arguments", "reply values": for a wrong count
         self._ends = ends  # "arguments end", "reply ends": for a short message
         self._writes = tuple(_WRITE[f.kind] for f in fields)
+        self.write: Callable[..., None] = self._writes[0] if len(self._writes) == 1 else self._write_all
         # (field, reader, whether the reader takes the TensorLayouts)
         self._reads: Tuple[Tuple[Field, Callable[..., Any], bool], ...] = tuple(
             (f, _READ_TENSOR[f.kind], True) if f.kind in _READ_TENSOR else (f, _READ[f.kind], False) for f in fields
@@ -238,6 +241,9 @@ class Layout:
         for write in self._writes:
             write(enc, values[i])
             i += 1
+
+    def _write_all(self, enc: Encoder, *values: Any) -> None:
+        self.encode(enc, values)
 
     def decode(self, dec: Decoder, layouts: Optional[TensorLayouts] = None) -> Tuple[Any, ...]:
         """One value per field: ints, bools, str, a memoryview over an rpc_tensor's bytes, an
@@ -417,6 +423,14 @@ def layouts_between(guest: Version, host: Version) -> Dict[int, Tuple[Layout, La
     client's `ForwardCaller`); it is kept here too, per pair of versions."""
     version = negotiated_version(guest, host)
     return {fid: f.layouts(version) for fid, f in FORWARD.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def reply_writers(guest: Version, host: Version) -> Dict[str, Callable[..., None]]:
+    """Each function's reply writer (`Layout.write`) by the C name, in the version of
+    `layouts_between(guest, host)`: `writers["device_get_type"](enc, type)`. The host asks
+    once per HandShake (its context's `forward_replies`)."""
+    return {FORWARD[fid].name: reply.write for fid, (_, reply) in layouts_between(guest, host).items()}
 
 
 def encode_args(enc: Encoder, function: Function, version: Version, args: Sequence[Any]) -> None:

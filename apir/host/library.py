@@ -12,17 +12,17 @@ and what the component asks of it that the C seam has no symbol for: `cancel_com
 and `commands_bounded_in_time` (a C library: no-op, None, False). `host` is the `LibraryHost`
 the component passes, the twin of `virgl_apir_callbacks`: `get_config(key)`, `get_shmem(res_id)`
 (a `Resource`, with its size, where the C gives a bare pointer), `ctx_id`, `guest_version`,
-`host_version` and the `forward_layouts` of their version. `initialize` returns the C's codes:
-3/4/5 for a missing configuration, an unopenable library or a missing symbol, 6 + n for the
-ggml dispatcher's own code n (6 is success, like 0). Without a configured library the built-in
-`apir.host.backend.library.PythonBackendLibrary` serves; a configured path goes to the
-`HostContext`'s `library_factory`, by default the C adapter (apir.host.backend.c_library;
-docs/interop.md).
+`host_version`, and the `forward_layouts` and `forward_replies` of their version. `initialize`
+returns the C's codes: 3/4/5 for a missing configuration, an unopenable library or a missing
+symbol, 6 + n for the ggml dispatcher's own code n (6 is success, like 0). Without a
+configured library the built-in `apir.host.backend.library.PythonBackendLibrary` serves; a
+configured path goes to the `HostContext`'s `library_factory`, by default the C adapter
+(apir.host.backend.c_library; docs/interop.md).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Protocol, Tuple, runtime_checkable
+from typing import Callable, Dict, Optional, Protocol, Tuple, runtime_checkable
 
 from apir.codec.constants import ApirLoadLibraryReturnCode
 from apir.codec.forward import Layout
@@ -41,6 +41,8 @@ class LibraryHost(Protocol):
     host_version: Tuple[int, int]  # (major, minor) of the protocol this host speaks
     # each function's (arguments, reply) Layouts in the version the two negotiated, by id
     forward_layouts: Dict[int, Tuple[Layout, Layout]]
+    # each function's reply writer in that version, by C name (apir.codec.forward.reply_writers)
+    forward_replies: Dict[str, Callable[..., None]]
 
     def get_config(self, key: str) -> Optional[str]: ...
 

@@ -25,6 +25,7 @@ from apir.codec.forward import (
     decode_reply,
     encode_args,
     encode_reply,
+    reply_writers,
 )
 from apir.codec.records import GGML_0_20_LIMITS
 from apir.codec.wire import Decoder, Encoder
@@ -173,10 +174,14 @@ def test_replies_decode_and_encode_as_the_c_host_wrote_them(path):
         assert dec.pos == len(raw) and not dec.fatal, step.name
         for field, value in zip(function.reply_in(version), got):
             assert value == named[field.name], (step.name, field.name)
-        # the host's side: the table's encoding is the C host's reply
+        # the host's side: the table's encoding is the C host's reply, and so is what a
+        # handler's reply writer (one call, by the function's C name) appends
         buf = bytearray(len(raw))
         encode_reply(Encoder(buf), function, version, got)
         assert _masked(bytes(buf), fields) == _masked(raw, fields), step.name
+        written = bytearray(len(raw))
+        reply_writers(version, version)[function.name](Encoder(written), *got)
+        assert _masked(bytes(written), fields) == _masked(raw, fields), step.name
         checked += 1
     assert checked >= 16
 
@@ -201,6 +206,11 @@ def test_encoding_checks_the_number_of_values():
     clear = FORWARD[ApirBackendCommandType.BUFFER_CLEAR]
     with pytest.raises(TypeError, match=r"buffer_clear: 1 arguments given, the table has 2 \(buffer, value\)"):
         encode_args(Encoder(bytearray(64)), clear, APIR_PROTOCOL_0_2, [1])
+    writers = reply_writers(APIR_PROTOCOL_0_2, APIR_PROTOCOL_0_2)
+    with pytest.raises(TypeError, match=r"device_get_memory: 1 reply values given, the table has 2 \(free, total\)"):
+        writers["device_get_memory"](Encoder(bytearray(64)), 1)
+    with pytest.raises(TypeError):  # one field: the Encoder's own step, which takes one value
+        writers["device_get_type"](Encoder(bytearray(64)), 1, 2)
 
 
 _SCALAR_READS = {

@@ -26,7 +26,7 @@ from typing import Optional
 from apir.codec.constants import ApirBackendCommandType as F
 from apir.codec.graph import GraphError, ParsedGraph, parse_graph
 from apir.codec.wire import Decoder, Encoder
-from apir.host.backend.forward import args, reply
+from apir.host.backend.forward import args
 from apir.host.backend.seams import HandlerLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.graph.build import BuiltGraph, build_graph_parts, graph_scratch
@@ -41,7 +41,7 @@ __all__ = ["graph_compute", "compute_graph", "graph_bytes", "prepare_graph"]
 
 def graph_compute(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     res_id, size = args(dec, F.BACKEND_GRAPH_COMPUTE, lib.checker, lib.host)
-    reply(enc, F.BACKEND_GRAPH_COMPUTE, lib.host, compute_graph(lib, graph_bytes(lib, res_id, size), size))
+    lib.host.forward_replies["backend_graph_compute"](enc, compute_graph(lib, graph_bytes(lib, res_id, size), size))
     return BACKEND_RC_OK
 
 

@@ -24,7 +24,7 @@ from typing import cast
 
 from apir.codec.constants import ApirBackendCommandType as F, ApirExtensionCommandType as X
 from apir.codec.wire import Decoder, Encoder
-from apir.host.backend.forward import args, reply
+from apir.host.backend.forward import args
 from apir.host.backend.seams import HandlerLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused
 
@@ -34,7 +34,7 @@ __all__ = ["get_base", "set_tensor", "set_tensor_at", "get_tensor", "cpy_tensor"
 
 def get_base(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     (handle,) = args(dec, F.BUFFER_GET_BASE, lib.checker, lib.host)
-    reply(enc, F.BUFFER_GET_BASE, lib.host, lib.buffer(handle).virtual_base)
+    lib.host.forward_replies["buffer_get_base"](enc, lib.buffer(handle).virtual_base)
     return BACKEND_RC_OK
 
 
@@ -106,7 +106,7 @@ def cpy_tensor(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     if need > room:
         raise Refused(f"buffer_cpy_tensor: {need} source bytes, {room} bytes left in the destination buffer")
     copied = bool(g.ggml_backend_buffer_copy_tensor(ctypes.addressof(src), ctypes.addressof(dst)))
-    reply(enc, F.BUFFER_CPY_TENSOR, lib.host, copied)
+    lib.host.forward_replies["buffer_cpy_tensor"](enc, copied)
     return BACKEND_RC_OK
 
 

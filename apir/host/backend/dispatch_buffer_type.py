@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from apir.codec.constants import ApirBackendCommandType as F
 from apir.codec.wire import Decoder, Encoder
-from apir.host.backend.forward import args, reply
+from apir.host.backend.forward import args
 from apir.host.backend.seams import HandlerLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.handles import HostBufferType
@@ -34,24 +34,24 @@ def _buft(lib: HandlerLibrary, dec: Decoder, function: F) -> HostBufferType:
 
 def get_name(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     buft = _buft(lib, dec, F.BUFFER_TYPE_GET_NAME)
-    reply(enc, F.BUFFER_TYPE_GET_NAME, lib.host, lib.g.ggml_backend_buft_name(buft.ptr))
+    lib.host.forward_replies["buffer_type_get_name"](enc, lib.g.ggml_backend_buft_name(buft.ptr))
     return BACKEND_RC_OK
 
 
 def get_alignment(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     buft = _buft(lib, dec, F.BUFFER_TYPE_GET_ALIGNMENT)
-    reply(enc, F.BUFFER_TYPE_GET_ALIGNMENT, lib.host, lib.g.ggml_backend_buft_get_alignment(buft.ptr))
+    lib.host.forward_replies["buffer_type_get_alignment"](enc, lib.g.ggml_backend_buft_get_alignment(buft.ptr))
     return BACKEND_RC_OK
 
 
 def get_max_size(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     buft = _buft(lib, dec, F.BUFFER_TYPE_GET_MAX_SIZE)
-    reply(enc, F.BUFFER_TYPE_GET_MAX_SIZE, lib.host, lib.g.ggml_backend_buft_get_max_size(buft.ptr))
+    lib.host.forward_replies["buffer_type_get_max_size"](enc, lib.g.ggml_backend_buft_get_max_size(buft.ptr))
     return BACKEND_RC_OK
 
 
 def is_host(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
-    reply(enc, F.BUFFER_TYPE_IS_HOST, lib.host, False)
+    lib.host.forward_replies["buffer_type_is_host"](enc, False)
     return BACKEND_RC_OK
 
 
@@ -68,11 +68,11 @@ def alloc_buffer(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
         log.warning(
             "ctx %d: buffer_type_alloc_buffer: %d bytes over the type's max size %d", lib.host.ctx_id, size, max_size
         )
-        reply(enc, F.BUFFER_TYPE_ALLOC_BUFFER, lib.host, 0)
+        lib.host.forward_replies["buffer_type_alloc_buffer"](enc, 0)
         return BACKEND_RC_OK
     align = g.ggml_backend_buft_get_alignment(buft.ptr)
     buffer = lib.hold_buffer(size, align, lambda: g.ggml_backend_buft_alloc_buffer(buft.ptr, size))
-    reply(enc, F.BUFFER_TYPE_ALLOC_BUFFER, lib.host, buffer)
+    lib.host.forward_replies["buffer_type_alloc_buffer"](enc, buffer)
     return BACKEND_RC_OK
 
 
@@ -82,5 +82,5 @@ def get_alloc_size(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     buft = lib.buft(handle)
     with Scratch(lib.g, 2 + chk.limits.max_src) as scratch:
         t = inline_twin(chk, op, scratch, "buffer_type_get_alloc_size")
-        reply(enc, F.BUFFER_TYPE_GET_ALLOC_SIZE, lib.host, lib.g.ggml_backend_buft_get_alloc_size(buft.ptr, t))
+        lib.host.forward_replies["buffer_type_get_alloc_size"](enc, lib.g.ggml_backend_buft_get_alloc_size(buft.ptr, t))
     return BACKEND_RC_OK

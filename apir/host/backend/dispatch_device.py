@@ -28,7 +28,7 @@ from apir.codec.forward import FORWARD
 from apir.codec.wire import Decoder, Encoder
 from apir.ggml.backend_props import get_dev_props
 from apir.ggml.layout import tensor_record
-from apir.host.backend.forward import args, reply
+from apir.host.backend.forward import args
 from apir.host.backend.seams import HandlerLibrary
 from apir.host.errors import BACKEND_RC_OK, Refused, log
 from apir.host.graph.build import tensor_info
@@ -51,36 +51,36 @@ __all__ = [
 
 
 def get_device_count(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
-    reply(enc, F.DEVICE_GET_DEVICE_COUNT, lib.host, _device_count(lib))
+    lib.host.forward_replies["device_get_device_count"](enc, _device_count(lib))
     return BACKEND_RC_OK
 
 
 def get_count(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
-    reply(enc, F.DEVICE_GET_COUNT, lib.host, _device_count(lib))
+    lib.host.forward_replies["device_get_count"](enc, _device_count(lib))
     return BACKEND_RC_OK
 
 
 def get_name(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
-    reply(enc, F.DEVICE_GET_NAME, lib.host, lib.g.ggml_backend_dev_name(lib.dev))
+    lib.host.forward_replies["device_get_name"](enc, lib.g.ggml_backend_dev_name(lib.dev))
     return BACKEND_RC_OK
 
 
 def get_description(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
-    reply(enc, F.DEVICE_GET_DESCRIPTION, lib.host, lib.g.ggml_backend_dev_description(lib.dev))
+    lib.host.forward_replies["device_get_description"](enc, lib.g.ggml_backend_dev_description(lib.dev))
     return BACKEND_RC_OK
 
 
 def get_type(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     # the device's own type, unless configured otherwise (apir.host.device_type)
     dev_type = lib.g.ggml_backend_dev_type(lib.dev) if lib.device_type is None else lib.device_type
-    reply(enc, F.DEVICE_GET_TYPE, lib.host, dev_type)
+    lib.host.forward_replies["device_get_type"](enc, dev_type)
     return BACKEND_RC_OK
 
 
 def get_memory(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
     lib.g.ggml_backend_dev_memory(lib.dev, ctypes.byref(free), ctypes.byref(total))
-    reply(enc, F.DEVICE_GET_MEMORY, lib.host, free.value, total.value)
+    lib.host.forward_replies["device_get_memory"](enc, free.value, total.value)
     return BACKEND_RC_OK
 
 
@@ -96,13 +96,13 @@ def supports_op(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
             and bool(lib.g.ggml_backend_dev_supports_op(lib.dev, op))
             and _rule_accepts(lib, op, profile.rules)
         )
-        reply(enc, F.DEVICE_SUPPORTS_OP, lib.host, ok)
+        lib.host.forward_replies["device_supports_op"](enc, ok)
     return BACKEND_RC_OK
 
 
 def get_buffer_type(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     buft = lib.buft_handle(lib.g.ggml_backend_dev_buffer_type(lib.dev), allocatable=True)
-    reply(enc, F.DEVICE_GET_BUFFER_TYPE, lib.host, buft)
+    lib.host.forward_replies["device_get_buffer_type"](enc, buft)
     return BACKEND_RC_OK
 
 
@@ -111,7 +111,7 @@ def get_props(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     caps["buffer_from_host_ptr"] = lib.host_ptr_buffers
     host = lib.host
     fields = FORWARD[F.DEVICE_GET_PROPS].reply_in(negotiated_version(host.guest_version, host.host_version))
-    reply(enc, F.DEVICE_GET_PROPS, host, *(caps.get(field.name, False) for field in fields))
+    host.forward_replies["device_get_props"](enc, *(caps.get(field.name, False) for field in fields))
     return BACKEND_RC_OK
 
 
@@ -137,7 +137,7 @@ def buffer_from_ptr(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     )
     log.debug("ctx %d: device_buffer_from_ptr: resource %d, %d bytes wrapped", lib.host.ctx_id, res_id, wrap)
     buf = lib.buffers.get(handle) if handle else None
-    reply(enc, F.DEVICE_BUFFER_FROM_PTR, lib.host, handle, buf.buft_handle if buf is not None else 0)
+    lib.host.forward_replies["device_buffer_from_ptr"](enc, handle, buf.buft_handle if buf is not None else 0)
     return BACKEND_RC_OK
 
 

@@ -107,6 +107,7 @@ class ExtendedLibrary(PythonBackendLibrary):
         self.offered = 0  # ApirExtension bits this host offers (0: APIR 0.2 only)
         self.agreed = 0  # bits EXT_QUERY agreed on
         self.selected = 0  # DEVICE_SELECT's device
+        self._routed = False  # devices agreed, and several: a 0.2 function runs where `_route` says
         self._kept: "collections.OrderedDict[int, Tuple[int, np.ndarray]]" = collections.OrderedDict()
         self._kept_bytes = 0
         self._kept_limit = DEFAULT_KEPT_GRAPH_BYTES
@@ -178,6 +179,8 @@ class ExtendedLibrary(PythonBackendLibrary):
             if self._posted_error is not None:
                 return APIR_BACKEND_POSTED_FAILED  # not run: the guest asks SYNCHRONIZE which failed
             self._posted = 0
+        if function_id < _N_FUNCTIONS and not self._routed:  # a 0.2 function, on this device
+            return dispatcher.dispatch(self, function_id, dec, enc)
         return self._run(function_id, dec, enc)
 
     # --- ASYNC: posted commands ----------------------------------------------------------
@@ -211,7 +214,7 @@ class ExtendedLibrary(PythonBackendLibrary):
 
     def _run(self, function_id: int, dec: Decoder, enc: Encoder) -> int:
         if 0 <= function_id < _N_FUNCTIONS:  # a 0.2 function: the handler, on its device's library
-            lib = self._route(function_id, dec) if self.agreed & _DEVICES and len(self.devices) > 1 else self
+            lib = self._route(function_id, dec) if self._routed else self
             return dispatcher.dispatch(lib, function_id, dec, enc)
         handler = self._handlers.get(function_id)
         if handler is None or not self._may_call(function_id):
@@ -315,12 +318,10 @@ class ExtendedLibrary(PythonBackendLibrary):
         except MalformedMessage as exc:
             raise Refused(str(exc)) from None
 
-    def _reply(self, enc: Encoder, function: X, *values: int) -> None:
-        self.host.forward_layouts[function][1].encode(enc, values)
-
     def _ext_query(self, dec: Decoder, enc: Encoder) -> int:
         (guest,) = self._args(dec, X.EXT_QUERY)
         self.agreed = guest & self.offered
+        self._routed = bool(self.agreed & _DEVICES) and len(self.devices) > 1
         if not self.agreed & _DEVICES:
             self.selected = 0
         if not self.agreed & _GRAPH_REPLAY:
@@ -334,7 +335,7 @@ class ExtendedLibrary(PythonBackendLibrary):
                 lib.wire_use_counts = counts
         count = len(self.devices) if self.agreed & _DEVICES else 1
         log.info("ctx %d: extensions 0x%x agreed (guest 0x%x), %d device(s)", self.ctx_id, self.agreed, guest, count)
-        self._reply(enc, X.EXT_QUERY, self.agreed, count)
+        self.host.forward_replies["ext_query"](enc, self.agreed, count)
         return BACKEND_RC_OK
 
     def _device_select(self, dec: Decoder, enc: Encoder) -> int:
@@ -365,7 +366,7 @@ class ExtendedLibrary(PythonBackendLibrary):
                 self._kept_bytes += size
             else:
                 log.info("ctx %d: graph %d not kept: %s", self.ctx_id, graph_id, why)
-        self._reply(enc, X.GRAPH_COMPUTE_KEEP, status)
+        self.host.forward_replies["graph_compute_keep"](enc, status)
         return BACKEND_RC_OK
 
     def _graph_recompute(self, dec: Decoder, enc: Encoder) -> int:
@@ -380,7 +381,7 @@ class ExtendedLibrary(PythonBackendLibrary):
         except Refused:
             self._forget(graph_id)  # (say, a buffer of it freed since): not replayed again
             raise
-        self._reply(enc, X.GRAPH_RECOMPUTE, status)
+        self.host.forward_replies["graph_recompute"](enc, status)
         return BACKEND_RC_OK
 
     def _graph_device(self, memory, size: int) -> int:
@@ -415,7 +416,7 @@ class ExtendedLibrary(PythonBackendLibrary):
     def _synchronize(self, dec: Decoder, enc: Encoder) -> int:
         self._args(dec, X.SYNCHRONIZE)
         index, function, code = self._posted_error or (0, 0, 0)
-        self._reply(enc, X.SYNCHRONIZE, min(self._posted, 0xFFFFFFFF), index, function, code)
+        self.host.forward_replies["synchronize"](enc, min(self._posted, 0xFFFFFFFF), index, function, code)
         self._posted = 0
         self._posted_error = None
         return BACKEND_RC_OK
@@ -424,7 +425,7 @@ class ExtendedLibrary(PythonBackendLibrary):
         self._args(dec, X.EVENT_NEW)
         if len(self.events) >= MAX_EVENTS:
             raise Refused(f"event_new: {MAX_EVENTS} events held already")
-        self._reply(enc, X.EVENT_NEW, self.events.add(self.selected))
+        self.host.forward_replies["event_new"](enc, self.events.add(self.selected))
         return BACKEND_RC_OK
 
     def _event_use(self, dec: Decoder, enc: Encoder) -> int:

@@ -31,7 +31,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Dict, Mapping, Optional, Tuple, cast
 
 from apir.codec.atomics import Word
-from apir.codec.forward import layouts_between
+from apir.codec.forward import layouts_between, reply_writers
 from apir.codec.constants import (
     APIR_FORWARD_POSTED,
     APIR_HANDSHAKE_MAGIC,
@@ -262,6 +262,7 @@ class HostContext:
         self._guest_version = version
         # what every Forward handler encodes and decodes by, looked up once per HandShake
         self.forward_layouts = layouts_between(version, self.host_version)
+        self.forward_replies = reply_writers(version, self.host_version)
 
     # --- commands ---------------------------------------------------------------------------
     def submit(self, command: Buffer) -> None:
