@@ -156,7 +156,7 @@ class Remote:
         self._post: Optional[Blob] = None  # the post window, once made
         self.waited = 0  # calls: EXECBUFFERs whose reply was waited for
         self.posted = 0  # posted commands (no reply)
-        self.execbuffers = 0  # EXECBUFFERs sent
+        self._flushes = 0  # EXECBUFFERs of posted commands alone (`flush_posts`)
         self._batched = 0  # bytes of posted commands at the head of the command buffer, not sent yet
         self._reply: Optional[Blob] = None  # None until made, and once closed
         self._data: Optional[Blob] = None
@@ -194,6 +194,11 @@ class Remote:
         if self._data is None:
             raise RuntimeError("the Remote is closed")
         return self._data
+
+    @property
+    def execbuffers(self) -> int:
+        """EXECBUFFERs sent: one per call, and one per flush of posted commands alone."""
+        return self.waited + self._flushes
 
     @property
     def data_size(self) -> int:
@@ -242,10 +247,9 @@ class Remote:
                 encode_fn(enc)
             enc.check()
             self._reply_word.store_release(0)
-            command = self._command_view[: self._batched + enc.written]
+            command = self._command_view[: enc.pos]  # the posted commands batched, then this one
             self._batched = 0
             self.waited += 1
-            self.execbuffers += 1
             if meanwhile is None:
                 self.device.execbuffer(command)
                 word = self._wait(self._reply_word, timeout_s, cmd_type, flags)
@@ -288,7 +292,7 @@ class Remote:
         with self.lock:
             if self._batched:
                 command, self._batched = self._command_view[: self._batched], 0
-                self.execbuffers += 1
+                self._flushes += 1
                 self.device.execbuffer(command)
 
     def post_window(self) -> Blob:
