@@ -33,7 +33,14 @@ from apir.ggml.cgraph import fill_use_counts
 from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
-from apir.host.graph.computed_ids import ID_WRITERS, candidates, check_computed_reads, computed_by, ids_writer_nodes
+from apir.host.graph.computed_ids import (
+    ID_WRITERS,
+    candidate,
+    check_computed_reads,
+    computed_by,
+    ids_writer_nodes,
+    writer_ops,
+)
 from apir.host.graph.overlap import first_overlap
 from apir.host.graph.rule_memo import check_nodes, rule_groups
 from apir.host.graph.shapes import OpEnums, TensorInfo
@@ -47,6 +54,7 @@ if accel.enabled():  # (the plain path imports no Numba)
     from apir.host.graph.kernels import (
         TABLE_KEY,
         add_nodes_kernel,
+        copy_written_kernel,
         use_counts_kernel,
         first_overlap_kernel,
         graph_writes_kernel,
@@ -167,30 +175,42 @@ def _check_copies_unwritten(lib: GraphLibrary, parsed, nodes: np.ndarray, read: 
     before the last reader is refused anyway; this is one after it)."""
     g, ops = lib.g, parsed.tensors["op"]
     empty, opt_step = _write_ops(g)
-    node_ops = ops[nodes].astype(np.int64)
-    written = [nodes[~empty[node_ops]]]  # (each node writes itself, unless its op writes nothing)
-    writer = list(written)
-    steps = nodes[opt_step[node_ops]]
-    if len(steps):  # (OPT_STEP_* updates its sources in place)
-        srcs = parsed.src_index[steps]
-        written.append(srcs[srcs >= 0].astype(np.int64))
-        writer.append(np.repeat(steps, (srcs >= 0).sum(axis=1)))
-    w, by = np.concatenate(written), np.concatenate(writer)
     copied = np.zeros(len(parsed.tensors), np.bool_)
     copied[[info.index for info in read]] = True
-    through = copied[w]
-    if not profile.host_addressable:
-        v = parsed.view_src_index[w].astype(np.int64)
-        through |= (v >= 0) & copied[np.maximum(v, 0)]
-    hit = np.flatnonzero(through)
-    if len(hit):
-        t, j = int(w[hit[0]]), int(by[hit[0]])
+    find = copy_written_kernel if accel.enabled() else _copy_written_plain
+    views = not profile.host_addressable
+    t, j = find(nodes, ops, empty, opt_step, parsed.src_index, parsed.view_src_index, copied, views)
+    if t >= 0:
         op = g.op_names[int(ops[j])]
         why = (
             f"row ids read before compute are written by node {j} ({op}) after their readers, "
             f"through the tensor given the checked copy"
         )
         raise Refused(f"graph tensor {t}: {why}", node=j, op=op, reason=why, rule=_GRAPH_NEEDS)
+
+
+def _copy_written_plain(nodes, ops, empty, opt_step, src_index, view_src, copied, views: bool) -> tuple:
+    """(tensor, node) of the first write of `nodes` (int64 tensor indices, in graph order)
+    into a tensor `copied` marks (bool per tensor), or with `views` into a view of one
+    (`view_src`: int32 per tensor, -1 none); (-1, -1) where none is. The writes: each node
+    itself unless its op (`ops`, per tensor) writes nothing (`empty[op]`), then the sources
+    (`src_index`, int32[n, S], -1 none) of each node whose op updates them in place
+    (`opt_step[op]`: OPT_STEP_*), both in graph order."""
+    node_ops = ops[nodes].astype(np.int64)
+    written = [nodes[~empty[node_ops]]]  # (each node writes itself, unless its op writes nothing)
+    writer = list(written)
+    steps = nodes[opt_step[node_ops]]
+    if len(steps):  # (OPT_STEP_* updates its sources in place)
+        srcs = src_index[steps]
+        written.append(srcs[srcs >= 0].astype(np.int64))
+        writer.append(np.repeat(steps, (srcs >= 0).sum(axis=1)))
+    w, by = np.concatenate(written), np.concatenate(writer)
+    through = copied[w]
+    if views:
+        v = view_src[w].astype(np.int64)
+        through |= (v >= 0) & copied[np.maximum(v, 0)]
+    hit = np.flatnonzero(through)
+    return (int(w[hit[0]]), int(by[hit[0]])) if len(hit) else (-1, -1)
 
 
 @functools.lru_cache(maxsize=8)
@@ -438,7 +458,7 @@ class TensorInfos(Sequence[TensorInfo]):
         self._lib, self._t, self._recs, self._fetch = lib, parsed.tensors, recs, fetch
         self._parsed = parsed
         self._writers = id_writers  # (the profile's: apir.host.graph.computed_ids)
-        self._computed = candidates(lib.g, parsed, id_writers)  # (bool per tensor: see computed_by)
+        self._writer_ops = writer_ops(lib.g, id_writers)  # (bool per op: see computed_by)
         # the fields tensor_info reads, as columns (read faster than a record's fields)
         self._columns = tuple(self._t[f] for f in ("type", "op", "ne", "nb", "op_params"))
         self._made: Dict[int, TensorInfo] = {}
@@ -459,7 +479,7 @@ class TensorInfos(Sequence[TensorInfo]):
             info = _tensor_info(self._lib, i, type_[i], op[i], ne[i], nb[i], params[i], buf.base + offset)
             info.room = buf.size - offset  # bytes to the end of its buffer (TensorInfo.room)
             info.id_reads = self._id_reads
-            if self._computed[i]:
+            if candidate(self._writer_ops, op, self._parsed.view_src_index, i):
                 info.computed_by = computed_by(self._lib.g, self._parsed, recs, i, self._writers)
             if self._fetch:
                 info.fetch = _Fetcher(self._lib, buf, offset)
@@ -567,9 +587,11 @@ def _create_tensors(lib: GraphLibrary, parsed, scratch: Scratch, recs: _Records)
     return host
 
 
-def _node_graph(lib: GraphLibrary, parsed, scratch: Scratch, host_at: np.ndarray) -> int:
+def _node_graph(lib: GraphLibrary, parsed, scratch: Scratch, host_at: np.ndarray, pinned: Optional[np.ndarray]) -> int:
     """A cgraph in the scratch's context with the guest's nodes (host tensors `host_at`, by
-    tensor index), in its order; MemoryError when the context has no room for it."""
+    tensor index), in its order, and their use counts with one more for each node of `pinned`
+    (tensor indices; None: no use counts, for a library without the setting); MemoryError
+    when the context has no room for it."""
     g, size = lib.g, max(len(parsed.node_index), 1)
     scratch.check_room(0, size)
     graph = g.ggml_new_graph_custom(scratch.ctx, size, False)
@@ -578,12 +600,11 @@ def _node_graph(lib: GraphLibrary, parsed, scratch: Scratch, host_at: np.ndarray
     else:
         for j in parsed.node_index.tolist():
             g.ggml_graph_add_node(graph, int(host_at[j]))
-    if getattr(lib, "use_counts", False):  # (a library without the setting: none, as before)
+    if pinned is not None:
         # ids writers are never fused away: computed_ids relies on every byte of theirs being
         # written, and ggml-vulkan's fused MoE router writes only the top-k view (and asserts
         # on its strides, which no single op's rule asks of it)
         write = use_counts_kernel if accel.enabled() else None
-        pinned = ids_writer_nodes(g, parsed)
         wire = guest_use_counts(parsed) if getattr(lib, "wire_use_counts", False) else None
         fill_use_counts(g, graph, host_at, parsed.node_index, parsed.src_index, pinned, write, wire)
     return graph
@@ -632,8 +653,11 @@ def build_graph_parts(lib: GraphLibrary, parsed, scratch: Scratch, enums: OpEnum
     check_nodes(infos, parsed.src_index, enums, profile.rules, groups)
     made = infos.made()
     _check_graph_needs(lib, parsed, made, recs, profile)
+    # ids writers are pinned (_node_graph), found before the host tensors are written: the
+    # records they read are then still in the CPU's cache
+    pinned = ids_writer_nodes(lib.g, parsed) if getattr(lib, "use_counts", False) else None
     host_at = _create_tensors(lib, parsed, scratch, recs)  # int64 per tensor
-    graph = _node_graph(lib, parsed, scratch, host_at)
+    graph = _node_graph(lib, parsed, scratch, host_at, pinned)
 
     # row ids: the kernel reads the copy the rule checked (the guest may write the original,
     # e.g. in a buffer of its memory, between the check and the kernel)

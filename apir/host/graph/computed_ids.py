@@ -26,7 +26,15 @@ import numpy as np
 from apir.host.errors import Refused
 from apir.host.graph.shapes import TensorInfo
 
-__all__ = ["ID_WRITERS", "candidates", "ids_writer_nodes", "computed_by", "check_computed_reads", "WINDOW_WORK"]
+__all__ = [
+    "ID_WRITERS",
+    "writer_ops",
+    "candidate",
+    "ids_writer_nodes",
+    "computed_by",
+    "check_computed_reads",
+    "WINDOW_WORK",
+]
 
 ID_WRITERS = frozenset(("ARGSORT", "TOP_K"))
 
@@ -39,24 +47,26 @@ _I32 = 4
 
 
 @functools.lru_cache(maxsize=8)
-def _writer_ops(g, writers: frozenset = ID_WRITERS) -> np.ndarray:
-    """bool per op of build `g`: the `writers`."""
-    return np.array([g.op_names.get(o, "") in writers for o in range(g.op_count)], np.bool_)
+def writer_ops(g, writers: frozenset = ID_WRITERS) -> np.ndarray:
+    """bool per op of build `g`: the `writers` (read-only)."""
+    flags = np.array([g.op_names.get(o, "") in writers for o in range(g.op_count)], np.bool_)
+    flags.flags.writeable = False
+    return flags
 
 
-def candidates(g, parsed, writers: frozenset = ID_WRITERS) -> np.ndarray:
-    """bool per tensor of `parsed`: itself, or its view source, of a `writers` op (the only
-    tensors `computed_by` may answer for; one pass, so that the others cost nothing)."""
-    t = parsed.tensors
-    v = parsed.view_src_index.astype(np.int64)
-    root = np.where(v >= 0, v, np.arange(len(t), dtype=np.int64))
-    return _writer_ops(g, writers)[t["op"].astype(np.int64)][root]
+def candidate(writers: np.ndarray, ops, view_src, i: int) -> bool:
+    """Whether tensor `i` (of a graph whose tensors have ops `ops` and view sources
+    `view_src`, -1 none) is, or views, a tensor of an op `writers` flags (`writer_ops`): the
+    only tensors `computed_by` may answer for, told in two look-ups so that the others cost
+    nothing (a graph's rules see few of its tensors: no pass over all of them)."""
+    v = int(view_src[i])
+    return bool(writers[ops[i if v < 0 else v]])
 
 
 def ids_writer_nodes(g, parsed) -> np.ndarray:
     """Tensor indices of the nodes of `parsed` whose op is one of `ID_WRITERS`."""
     nodes = parsed.node_index.astype(np.int64)
-    return nodes[_writer_ops(g)[parsed.tensors["op"][nodes].astype(np.int64)]]
+    return nodes[writer_ops(g)[parsed.tensors["op"][nodes].astype(np.int64)]]
 
 
 def computed_by(g, parsed, recs, i: int, writers: frozenset = ID_WRITERS) -> Optional[Tuple[int, int]]:

@@ -72,6 +72,7 @@ __all__ = [
     "record_bounds_kernel",
     "graph_writes_kernel",
     "first_overlap_kernel",
+    "copy_written_kernel",
 ]
 
 
@@ -785,6 +786,32 @@ def graph_writes_kernel(nodes, ops, empty, opt_step, src_index, buf, offsets, ex
                     w_buf[m], w_lo[m], w_hi[m], w_pos[m] = buf[t], offsets[t], offsets[t] + extents[t], p
                     m += 1
     return m
+
+
+@jit
+def copy_written_kernel(nodes, ops, empty, opt_step, src_index, view_src, copied, views):
+    """apir.host.graph.build's `_copy_written_plain` in one pass over the nodes: (tensor,
+    node) of the first write into a tensor `copied` marks (or with `views` into a view of
+    one), the nodes' own writes before the sources an OPT_STEP_* updates; (-1, -1) where
+    none is."""
+    step_t, step_j = -1, -1  # (the first source written: the answer if no node writes itself there)
+    for p in range(nodes.size):
+        j = nodes[p]
+        op = ops[j]
+        if not empty[op]:
+            v = view_src[j]
+            if copied[j] or (views and v >= 0 and copied[v]):
+                return j, j
+        if opt_step[op] and step_t < 0:
+            for k in range(src_index.shape[1]):
+                t = src_index[j, k]
+                if t < 0:
+                    continue
+                v = view_src[t]
+                if copied[t] or (views and v >= 0 and copied[v]):
+                    step_t, step_j = t, j
+                    break
+    return step_t, step_j
 
 
 @jit
