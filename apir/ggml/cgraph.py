@@ -132,13 +132,19 @@ def fill_use_counts(
     if len(node_index) > size:
         return False
     used = np.ctypeslib.as_array((ctypes.c_uint32 * ((size + 31) // 32)).from_address(h.used))
-    if (used != 0).any():  # (a fresh graph's set is empty: never mix with another's entries)
+    if used.any():  # (a fresh graph's set is empty: never mix with another's entries)
         return False
     table = np.ctypeslib.as_array((ctypes.c_uint64 * size).from_address(h.keys))
     counts = np.ctypeslib.as_array((ctypes.c_int32 * size).from_address(view.use_counts))
     pinned = np.asarray(pinned if pinned is not None else (), np.int64)
     (write or write_hash_set)(
-        host_at.astype(np.uint64), node_index.astype(np.int64), src_index.reshape(-1), pinned, used, table, counts
+        np.ascontiguousarray(host_at, np.int64).view(np.uint64),  # (the addresses' bits: no copy)
+        node_index.astype(np.int64),
+        src_index.reshape(-1),
+        pinned,
+        used,
+        table,
+        counts,
     )
     if guest_counts is not None:
         _raise_counts(host_at, node_index, src_index, pinned, guest_counts, used, table, counts)
