@@ -18,20 +18,7 @@ from apir.guest.client import ApirClient
 from apir.guest.errors import PostedCommandError
 from apir.guest.remote import POST_WINDOW_SIZE
 from apir.local.embedded import EmbeddedDevice
-
-
-def _recording(client):
-    """The function ids of the Forward EXECBUFFERs the client sends from now on."""
-    sent = []
-    device = client.remote.device
-    execbuffer = device.execbuffer
-
-    def record(payload, ring_idx=0):
-        sent.append(bytes(payload))
-        return execbuffer(payload, ring_idx)
-
-    device.execbuffer = record
-    return sent
+from tests.local.localkit import record_execbuffers
 
 
 def _commands(payloads):
@@ -126,7 +113,7 @@ def test_the_guest_keeps_to_the_bound_and_the_window():
     client = _connect()
     try:
         handle, rec = _tensor(client, 64)
-        sent = _recording(client)
+        sent = record_execbuffers(client.remote.device)
         for _ in range(APIR_MAX_POSTED + 1):
             client.buffer_clear(handle, 3)
         clear = int(Cmd.BUFFER_CLEAR)
@@ -160,7 +147,7 @@ def test_without_async_on_either_side_every_byte_is_apir_0_2(host, guest):
         try:
             assert not client.posting
             handle, rec = _tensor(client, 64)
-            sent = _recording(client)
+            sent = record_execbuffers(client.remote.device)
             waited = client.remote.waited
             client.buffer_set_tensor(handle, rec, 0, np.ones(64, dtype=np.float32))
             client.buffer_clear(handle, 1)

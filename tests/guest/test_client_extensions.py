@@ -7,6 +7,7 @@ from apir.codec.constants import ApirBackendCommandType as Cmd, ApirExtensionCom
 from apir.guest.client import ApirClient
 from apir.guest.client_extensions import default_extensions
 from apir.local.embedded import EmbeddedDevice
+from tests.local.localkit import record_execbuffers
 from tests.host.hostkit import GgmlScratch, add_chain
 from apir.codec.graph import BufferTable, serialize_graph
 
@@ -53,17 +54,15 @@ def test_a_graph_sent_before_is_recomputed_by_id(ggml):
 def test_without_extensions_the_guest_sends_apir_0_2(ggml, monkeypatch):
     monkeypatch.setenv("APIR_EXTENSIONS", "off")
     assert default_extensions() == 0
-    sent = []
     device = EmbeddedDevice(config={"apir.host.backend": "cpu,cpu"})
-    execbuffer = device.execbuffer
-    device.execbuffer = lambda payload, ring_idx=0: (sent.append(bytes(payload[4:8])), execbuffer(payload, ring_idx))
+    sent = record_execbuffers(device)
     client = ApirClient.connect(device)
     s = GgmlScratch(ggml)
     try:
         assert client.extensions == 0 and client.device_count == 1
         wire, local = _wire(ggml, client, s)
         assert client.backend_graph_compute(wire) == 0
-        functions = [int.from_bytes(f, "little") for f in sent[2:]]  # after HandShake, LoadLibrary
+        functions = [int.from_bytes(f[4:8], "little") for f in sent[2:]]  # after HandShake, LoadLibrary
         assert functions and all(f < len(Cmd) for f in functions)
         assert functions[-1] == Cmd.BACKEND_GRAPH_COMPUTE
         ggml.ggml_backend_buffer_free(local)

@@ -23,6 +23,7 @@ from apir.host import HostContext
 from apir.local.embedded import EmbeddedDevice
 from apir.host.config import MAX_EVENTS
 from tests.host.hostkit import DATA_RES, REPLY_RES, Guest, GgmlScratch, RemoteGraph, add_chain, rpc_bytes, rpc_record
+from tests.local.localkit import record_execbuffers
 
 TWO_CPUS = {"apir.host.backend": "cpu,cpu"}
 
@@ -46,17 +47,9 @@ def test_ext_query_bytes_are_the_spec_example():
 
 
 def test_the_guest_sends_the_spec_example():
-    sent = []
     client = ApirClient.connect(EmbeddedDevice(config=TWO_CPUS), extensions=0)
     try:
-        device = client.remote.device
-        execbuffer = device.execbuffer
-
-        def record(payload, ring_idx=0):
-            sent.append(bytes(payload))
-            return execbuffer(payload, ring_idx)
-
-        device.execbuffer = record
+        sent = record_execbuffers(client.remote.device)
         assert client.negotiate_extensions(3) == 3 and client.device_count == 2
         reply_res = client.remote.reply.res_id
     finally:

@@ -56,6 +56,19 @@ def request(s, op, payload, seq=2):
     return header.err, body
 
 
+def record_execbuffers(device) -> list:
+    """The payloads of the EXECBUFFERs sent through `device` from now on (a list that grows)."""
+    sent = []
+    execbuffer = device.execbuffer
+
+    def record(payload, ring_idx=0):
+        sent.append(bytes(payload))
+        return execbuffer(payload, ring_idx)
+
+    device.execbuffer = record
+    return sent
+
+
 def wait_for(predicate, timeout_s=10.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
