@@ -76,6 +76,7 @@ def _one_by_one(lib, parsed):
 def _same(a, b):
     assert all(x is y for x, y in zip(a.bufs, b.bufs)) and len(a.bufs) == len(b.bufs)
     assert np.array_equal(a.offsets, b.offsets) and np.array_equal(a.extents, b.extents)
+    assert a.ops.dtype == b.ops.dtype == np.int64 and np.array_equal(a.ops, b.ops)
 
 
 @needs_kernels

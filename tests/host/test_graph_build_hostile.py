@@ -298,7 +298,7 @@ def test_plain_first_writes_with_many_readers_is_not_quadratic(ggml, overwrite):
     get_rows, none = g.ops["GET_ROWS"], g.ops["NONE"]
 
     def case(n):
-        ops = np.full(2 * n, none, np.int32)
+        ops = np.full(2 * n, none, np.int64)
         ops[n:] = get_rows
         src = np.full((2 * n, g.limits.max_src), -1, np.int32)
         src[n:, 0] = 2 * n - 1  # (a table: any tensor)
@@ -310,7 +310,7 @@ def test_plain_first_writes_with_many_readers_is_not_quadratic(ggml, overwrite):
             for p in range(0, n - 3, 7):
                 offsets[n + p], extents[n + p] = offsets[p + 3] + 8, 16
             want[3 : n : 7][: len(range(0, n - 3, 7))] = np.arange(0, n - 3, 7)
-        recs = hg._Records([], [], np.zeros(2 * n, np.int64), offsets, extents)
+        recs = hg._Records([], [], np.zeros(2 * n, np.int64), offsets, extents, ops)
         args = (g, np.arange(n, 2 * n, dtype=np.int64), ops, src, np.zeros(2 * n, np.int64), recs)
         return args + (np.arange(n, dtype=np.int64),), want
 
@@ -340,13 +340,13 @@ def test_plain_first_writes_match_the_kernels(ggml, direct_pairs, monkeypatch):
     rng = np.random.default_rng(41)
     for trial in range(300):
         n = int(rng.integers(1, 60))
-        ops = rng.choice(op_set, n).astype(np.int32)
+        ops = rng.choice(op_set, n).astype(np.int64)
         src = rng.integers(-1, n, (n, g.limits.max_src)).astype(np.int32)
         src[rng.random((n, g.limits.max_src)) < 0.6] = -1
         nodes = rng.permutation(n)[: int(rng.integers(0, n + 1))].astype(np.int64)
         offsets = rng.integers(0, 64, n).astype(np.int64)
         extents = (rng.integers(0, 12, n) * (rng.random(n) < 0.85)).astype(np.int64)
-        recs = hg._Records([], [], np.zeros(n, np.int64), offsets, extents)
+        recs = hg._Records([], [], np.zeros(n, np.int64), offsets, extents, ops)
         buf = rng.integers(0, 3, n).astype(np.int64)
         q_t = np.sort(rng.permutation(n)[: int(rng.integers(1, n + 1))]).astype(np.int64)
         args = (g, nodes, ops, src, buf, recs, q_t)

@@ -153,8 +153,8 @@ def test_the_plain_host_imports_no_host_kernel():
 def test_copy_written_kernel_finds_the_plain_search_s_write(kernels_on, twin):
     """copy_written_kernel (and its Python twin) against apir.host.graph.build's
     `_copy_written_plain` on random graphs: nodes in any order, ops that write nothing or
-    update their sources in place, views of the copied tensors counted or not, the ops read
-    from a column of records (as the build passes them)."""
+    update their sources in place, views of the copied tensors counted or not, the ops int64
+    side by side (as the build passes them: its records check's `ops`)."""
     from apir.host.graph import build as hg
     from apir.host.graph.kernels import copy_written_kernel
 
@@ -163,14 +163,13 @@ def test_copy_written_kernel_finds_the_plain_search_s_write(kernels_on, twin):
     seen = {"none": 0, "node": 0, "source": 0}
     for trial in range(300 if twin else 3000):
         n, n_ops, max_src = int(rng.integers(1, 30)), 6, 3
-        records = np.zeros(n, [("id", "<u8"), ("op", "<u4"), ("flags", "<u4")])
-        records["op"] = rng.integers(0, n_ops, n)
+        ops = rng.integers(0, n_ops, n).astype(np.int64)
         empty, opt_step = rng.random(n_ops) < 0.3, rng.random(n_ops) < 0.3
         src = np.where(rng.random((n, max_src)) < 0.5, rng.integers(0, n, (n, max_src)), -1).astype(np.int32)
         view_src = np.where(rng.random(n) < 0.3, rng.integers(0, n, n), -1).astype(np.int32)
         nodes = rng.permutation(n)[: int(rng.integers(0, n + 1))].astype(np.int64)
         copied = rng.random(n) < 0.1
-        args = (nodes, records["op"], empty, opt_step, src, view_src, copied, bool(rng.integers(2)))
+        args = (nodes, ops, empty, opt_step, src, view_src, copied, bool(rng.integers(2)))
         want = hg._copy_written_plain(*args)
         got = tuple(int(x) for x in kernel(*args))
         assert got == want, (trial, got, want)

@@ -427,7 +427,7 @@ def _fields_args(lib, rows: np.ndarray):
     f = rpc.fields
     off = np.array([f[k][1] for k in ("type", "op", "ne", "nb", "name", "data", "view_offs", "buffer")], np.int64)
     n = len(rows)
-    arrays = [np.zeros(n, np.int64) for _ in range(4)] + [np.zeros(n, np.float64), np.zeros(n, np.int64)]
+    arrays = [np.zeros(n, np.int64) for _ in range(5)] + [np.zeros(n, np.float64), np.zeros(n, np.int64)]
     return (rows.ctypes.data, n, rpc.itemsize, off, 4, f["name"][0].itemsize, chk.valid_types.astype(np.uint8),
             chk.custom_op_mask[: chk.g.op_count].astype(np.uint8), chk.type_size_arr, chk.blck_size_arr,
             *arrays, K.TABLE_KEY)
@@ -615,7 +615,7 @@ _GUARD_CHILD = textwrap.dedent(
         head[:] = np.frombuffer(rec.tobytes()[: name_at + 64], np.uint8)
         mm[page - 64 : page] = name
         for fn in (K.record_fields_kernel, K.record_fields_kernel.py_func):
-            arrays = [np.zeros(1, np.int64) for _ in range(4)] + [np.zeros(1), np.zeros(1, np.int64)]
+            arrays = [np.zeros(1, np.int64) for _ in range(5)] + [np.zeros(1), np.zeros(1, np.int64)]
             got = fn(r_addr, 1, rpc.itemsize, off.astype(np.int64), 4, 64, np.ones(40, np.uint8),
                      np.zeros(100, np.uint8), np.full(40, 4, np.int64), np.ones(40, np.int64), *arrays, K.TABLE_KEY)
             assert got == want, (name, got)

@@ -119,8 +119,8 @@ def prepare_graph(
 
 def _counts(lib: HandlerLibrary) -> bool:
     """Whether `lib` builds graphs with the guest's use counts (USE_COUNTS): then the records'
-    `padding` is part of a graph's key (a library without the setting: never)."""
-    return bool(getattr(lib, "wire_use_counts", False))
+    `padding` is part of a graph's key."""
+    return lib.wire_use_counts
 
 
 def _same_graph_again(lib: HandlerLibrary, cache: Optional[GraphCache], memory, size: int) -> Optional[GraphCacheEntry]:

@@ -116,7 +116,7 @@ def _check_graph_needs(
     writes them before their readers (`check_computed_reads`). And a kernel that is
     only safe on one thread is in a graph that the CPU runs on one thread (the profile's
     `one_task_ops`)."""
-    op_names, ops = lib.g.op_names, parsed.tensors["op"]
+    op_names, ops = lib.g.op_names, recs.ops
     nodes = parsed.node_index.astype(np.int64)
     one_thread = [info for info in made if info.one_thread]
     if one_thread:
@@ -164,16 +164,18 @@ def _check_graph_needs(
         op = op_names[int(ops[j])]
         why = f"row ids read before compute, but node {j} ({op}) writes over them before they are read"
         raise Refused(f"graph tensor {i}: {why}", node=j, op=op, reason=why, rule=_GRAPH_NEEDS)
-    _check_copies_unwritten(lib, parsed, nodes, read, profile)
+    _check_copies_unwritten(lib, parsed, nodes, ops, read, profile)
 
 
-def _check_copies_unwritten(lib: GraphLibrary, parsed, nodes: np.ndarray, read: List[TensorInfo], profile) -> None:
+def _check_copies_unwritten(
+    lib: GraphLibrary, parsed, nodes: np.ndarray, ops: np.ndarray, read: List[TensorInfo], profile
+) -> None:
     """Refuses a node writing through a host tensor that the build points at the checked copy
     of its row ids (`read`): itself or, where a backend addresses views through their source
     (a profile without `host_addressable`: ggml-vulkan), a view of it. Its result would land
     in the copy and the guest's tensor keep what it held, where ggml writes the tensor (a write
-    before the last reader is refused anyway; this is one after it)."""
-    g, ops = lib.g, parsed.tensors["op"]
+    before the last reader is refused anyway; this is one after it). `ops`: each tensor's."""
+    g = lib.g
     empty, opt_step = _write_ops(g)
     copied = np.zeros(len(parsed.tensors), np.bool_)
     copied[[info.index for info in read]] = True
@@ -289,14 +291,17 @@ _GRAPH_NEEDS = f"{__name__}._check_graph_needs"
 
 
 class _Records(NamedTuple):
-    """What the record checks found: per tensor its buffer (`found[inverse[i]]`), data offset
-    and extent."""
+    """What the record checks found: per tensor its buffer (`found[inverse[i]]`), data offset,
+    extent and op."""
 
     handles: List[int]  # the graph's buffer handles, each once
     found: List[HostBuffer]  # the HostBuffer of each of `handles`
     inverse: np.ndarray  # int64 per tensor: its handle's index in `handles`
     offsets: np.ndarray  # int64
     extents: np.ndarray  # int64
+    # int64: the records' ops side by side (the whole-graph checks read each node's; read from
+    # the records, a record apart, each read misses the CPU's cache)
+    ops: np.ndarray
     # the tensors whose span may not fit their buffer (_check_spans), None: not yet sought
     suspects: Optional[List[int]] = None
 
@@ -386,7 +391,8 @@ def _check_records_one_by_one(lib: GraphLibrary, parsed) -> _Records:
             handles[rec] = len(found)
             found.append(b)
     inverse = np.array([handles[h] for h in recs["buffer"].tolist()], dtype=np.int64)
-    return _Records(list(handles), found, inverse, np.array(offsets, dtype=np.int64), np.array(extents, dtype=np.int64))
+    ops = recs["op"].astype(np.int64)
+    return _Records(list(handles), found, inverse, np.array(offsets, np.int64), np.array(extents, np.int64), ops)
 
 
 def _check_records(lib: GraphLibrary, parsed) -> Optional[_Records]:
@@ -399,14 +405,15 @@ def _check_records(lib: GraphLibrary, parsed) -> Optional[_Records]:
     chk, t = lib.checker, parsed.tensors
     n = len(t)
     if n == 0:
-        return _Records([], [], np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+        none = np.zeros(0, np.int64)
+        return _Records([], [], none, none, none, none)
     fields: Mapping[str, tuple] = t.dtype.fields or {}
     width = _entries(fields["ne"][0])[0]
     if width not in (4, 8) or {_entries(fields["ne"][0]), _entries(fields["nb"][0])} != {(width, 4)}:
         return None  # (the kernel reads GGML_MAX_DIMS = 4 entries of 4 or 8 bytes)
     rows = np.ascontiguousarray(t)
     off = np.array([fields[f][1] for f in ("type", "op", "ne", "nb", "name", "data", "view_offs", "buffer")], np.int64)
-    extents, offsets, voffs, handle_of, handles, suspects = (np.empty(n, np.int64) for _ in range(6))
+    extents, offsets, voffs, ops, handle_of, handles, suspects = (np.empty(n, np.int64) for _ in range(7))
     spans = np.empty(n, np.float64)
     n_handles = record_fields_kernel(
         rows.ctypes.data,
@@ -422,6 +429,7 @@ def _check_records(lib: GraphLibrary, parsed) -> Optional[_Records]:
         extents,
         offsets,
         voffs,
+        ops,
         handle_of,
         spans,
         handles,
@@ -444,7 +452,7 @@ def _check_records(lib: GraphLibrary, parsed) -> Optional[_Records]:
     n_suspects = record_bounds_kernel(extents, offsets, voffs, handle_of, sizes, same, view_src, spans, suspects)
     if n_suspects < 0:
         return None
-    return _Records(keys, found, handle_of, offsets, extents, suspects[:n_suspects].tolist())
+    return _Records(keys, found, handle_of, offsets, extents, ops, suspects[:n_suspects].tolist())
 
 
 class TensorInfos(Sequence[TensorInfo]):
@@ -605,7 +613,7 @@ def _node_graph(lib: GraphLibrary, parsed, scratch: Scratch, host_at: np.ndarray
         # written, and ggml-vulkan's fused MoE router writes only the top-k view (and asserts
         # on its strides, which no single op's rule asks of it)
         write = use_counts_kernel if accel.enabled() else None
-        wire = guest_use_counts(parsed) if getattr(lib, "wire_use_counts", False) else None
+        wire = guest_use_counts(parsed) if lib.wire_use_counts else None
         fill_use_counts(g, graph, host_at, parsed.node_index, parsed.src_index, pinned, write, wire)
     return graph
 
@@ -653,9 +661,8 @@ def build_graph_parts(lib: GraphLibrary, parsed, scratch: Scratch, enums: OpEnum
     check_nodes(infos, parsed.src_index, enums, profile.rules, groups)
     made = infos.made()
     _check_graph_needs(lib, parsed, made, recs, profile)
-    # ids writers are pinned (_node_graph), found before the host tensors are written: the
-    # records they read are then still in the CPU's cache
-    pinned = ids_writer_nodes(lib.g, parsed) if getattr(lib, "use_counts", False) else None
+    # ids writers are pinned (_node_graph)
+    pinned = ids_writer_nodes(lib.g, parsed.node_index, recs.ops) if lib.use_counts else None
     host_at = _create_tensors(lib, parsed, scratch, recs)  # int64 per tensor
     graph = _node_graph(lib, parsed, scratch, host_at, pinned)
 

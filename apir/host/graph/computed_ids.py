@@ -63,10 +63,10 @@ def candidate(writers: np.ndarray, ops, view_src, i: int) -> bool:
     return bool(writers[ops[i if v < 0 else v]])
 
 
-def ids_writer_nodes(g, parsed) -> np.ndarray:
-    """Tensor indices of the nodes of `parsed` whose op is one of `ID_WRITERS`."""
-    nodes = parsed.node_index.astype(np.int64)
-    return nodes[writer_ops(g)[parsed.tensors["op"][nodes].astype(np.int64)]]
+def ids_writer_nodes(g, node_index: np.ndarray, ops: np.ndarray) -> np.ndarray:
+    """The tensor indices of `node_index` whose op (`ops`, per tensor) is one of `ID_WRITERS`."""
+    nodes = node_index.astype(np.int64)
+    return nodes[writer_ops(g)[ops[nodes]]]
 
 
 def computed_by(g, parsed, recs, i: int, writers: frozenset = ID_WRITERS) -> Optional[Tuple[int, int]]:

@@ -645,6 +645,7 @@ def record_fields_kernel(
     extents,
     offsets,
     voffs,
+    ops,
     handle_of,
     spans,
     handles,
@@ -657,7 +658,7 @@ def record_fields_kernel(
     name, every extent intermediate below 2**60 (float bound, then exact), data and view_offs
     below 2**62. `off` (int64[8]): the records' offsets of type, op, ne, nb, name, data,
     view_offs and buffer; `width`: the bytes of one ne / nb entry (4 or 8). Fills per record
-    its extent (TensorChecker.extent), data offset, view_offs, the index of its buffer
+    its extent (TensorChecker.extent), data offset, view_offs, op, the index of its buffer
     handle in `handles` (each handle once, in order of first use, as int64 bit patterns) and
     its span in float (`spans`: apir.host.graph.shapes.base.span_nbytes, a 0 dimension taken as 1).
     `key`: the multiplier of the handles' hash table (TABLE_KEY). Returns the number of
@@ -674,6 +675,7 @@ def record_fields_kernel(
         op = load_u32(r + off[1])
         if ty >= valid.size or valid[ty] == 0 or op >= custom.size or custom[op] != 0:
             return -1
+        ops[i] = op
         ts = type_size[ty]
         blck = blck_size[ty]
         ne0 = _load_wide(r + off[2], width)

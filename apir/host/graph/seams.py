@@ -70,6 +70,17 @@ class GraphLibrary(Protocol):
     def op_enums(self) -> OpEnums: ...
 
     @property
+    def use_counts(self) -> bool:
+        """Whether built graphs carry ggml's use counts (apir.ggml.cgraph), so the backend
+        fuses ops as it does locally."""
+        ...
+
+    @property
+    def wire_use_counts(self) -> bool:
+        """Whether those counts are raised to the guest's own, from its records (USE_COUNTS)."""
+        ...
+
+    @property
     def n_threads(self) -> int:
         """The threads the backend computes with (0: ggml's default)."""
         ...
