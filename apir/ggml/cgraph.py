@@ -21,7 +21,7 @@ import numpy as np
 
 from apir.codec.constants import APIR_WIRE_USE_COUNT_MAX
 
-__all__ = ["CgraphLayout", "fill_use_counts", "share_use_counts", "tensor_use_counts", "write_hash_set"]
+__all__ = ["CgraphLayout", "fill_use_counts", "share_use_counts", "source_uses", "tensor_use_counts", "write_hash_set"]
 
 
 class _HashSet(ctypes.Structure):
@@ -104,19 +104,25 @@ def _probe(g) -> bool:
         g.ggml_free(ctx)
 
 
+def source_uses(src_index: np.ndarray, n_tensors: int) -> np.ndarray:
+    """int32[n_tensors]: how many slots of `src_index` (tensor indices, -1 where none) name
+    each tensor index."""
+    return np.bincount(src_index[src_index >= 0], minlength=n_tensors).astype(np.int32)
+
+
 def fill_use_counts(
     g,
     graph: int,
     host_at: np.ndarray,
     node_index: np.ndarray,
-    src_index: np.ndarray,
+    uses: np.ndarray,
     pinned=None,
     write=None,
     guest_counts: Optional[np.ndarray] = None,
 ) -> bool:
     """Puts the nodes of `graph` (host tensors `host_at[node_index]`) in its hash set with
-    their use counts: how many source slots of the graph's tensors (`src_index`, by tensor
-    index, -1 where none) name each, plus one for each tensor index in `pinned` (never fused
+    their use counts: how many source slots of the graph's tensors name each (`uses`, int32
+    by tensor index: `source_uses`), plus one for each tensor index in `pinned` (never fused
     into a consumer: a backend then computes it whole). `guest_counts` (int32 by tensor
     index, the guest's whole-graph counts) raises a node's count to its guest count (at most
     APIR_WIRE_USE_COUNT_MAX), never lowers it: a guest can make the host fuse less, never
@@ -136,27 +142,26 @@ def fill_use_counts(
         return False
     table = np.ctypeslib.as_array((ctypes.c_uint64 * size).from_address(h.keys))
     counts = np.ctypeslib.as_array((ctypes.c_int32 * size).from_address(view.use_counts))
-    pinned = np.asarray(pinned if pinned is not None else (), np.int64)
+    if pinned is not None and len(pinned):
+        uses = uses.copy()  # (the caller's counts stay as they were)
+        np.add.at(uses, np.asarray(pinned, np.int64), 1)
     (write or write_hash_set)(
         np.ascontiguousarray(host_at, np.int64).view(np.uint64),  # (the addresses' bits: no copy)
         node_index.astype(np.int64),
-        src_index.reshape(-1),
-        pinned,
+        uses,
         used,
         table,
         counts,
     )
     if guest_counts is not None:
-        _raise_counts(host_at, node_index, src_index, pinned, guest_counts, used, table, counts)
+        _raise_counts(host_at, node_index, uses, guest_counts, used, table, counts)
     return True
 
 
-def _raise_counts(host_at, node_index, src_index, pinned, guest_counts, used, table, counts) -> None:
-    """Each node's count in the written hash set raised to its guest count (at most
-    APIR_WIRE_USE_COUNT_MAX) where that is higher: few nodes (those a later split of the
-    guest's graph reads too), each found by ggml_hash_find's walk."""
-    uses = np.bincount(src_index[src_index >= 0], minlength=len(host_at))
-    np.add.at(uses, pinned, 1)
+def _raise_counts(host_at, node_index, uses, guest_counts, used, table, counts) -> None:
+    """Each node's count in the written hash set (`uses`, by tensor index, as written) raised
+    to its guest count (at most APIR_WIRE_USE_COUNT_MAX) where that is higher: few nodes
+    (those a later split of the guest's graph reads too), each found by ggml_hash_find's walk."""
     nodes = np.asarray(node_index, np.int64)
     wanted = np.minimum(guest_counts[nodes].astype(np.int64), APIR_WIRE_USE_COUNT_MAX)
     size = len(table)
@@ -168,12 +173,9 @@ def _raise_counts(host_at, node_index, src_index, pinned, guest_counts, used, ta
         counts[i] = count
 
 
-def write_hash_set(host_at, node_index, src_index, pinned, used, table, counts) -> None:
+def write_hash_set(host_at, node_index, uses, used, table, counts) -> None:
     """Into an empty hash set (bit words `used`, `table` of keys, `counts` per slot): each node
-    `host_at[j]` (j of `node_index`) with its count, the times `src_index` (flat) names j plus
-    the times `pinned` does."""
-    uses = np.bincount(src_index[src_index >= 0], minlength=len(host_at))
-    np.add.at(uses, pinned, 1)
+    `host_at[j]` (j of `node_index`) with its count `uses[j]`."""
     keys = host_at[node_index]
     slots = _insert(keys, len(table))
     table[slots] = keys

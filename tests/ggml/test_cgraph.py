@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from apir.codec.constants import ApirBackendCommandType as Cmd
-from apir.ggml.cgraph import CgraphLayout, _insert, _use_count, write_hash_set
+from apir.ggml.cgraph import CgraphLayout, _insert, _use_count, source_uses, write_hash_set
 from apir.host import HostContext
 from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph, norm_mul_graph
 
@@ -69,7 +69,7 @@ def _found(used, table, counts, key):
 @pytest.mark.parametrize("writer", ["plain", "kernel"])
 def test_write_hash_set_plain_and_kernel_give_every_node_its_count(writer):
     """The same inputs through write_hash_set and its Numba twin: every node found by ggml's
-    walk with the number of source slots (and pins) naming it, no other key in the set.
+    walk with its count (source_uses of the graph's source slots), no other key in the set.
     Clustered keys make long probe runs, wrapping past the table's end."""
     if writer == "kernel":
         pytest.importorskip("numba")
@@ -84,11 +84,10 @@ def test_write_hash_set_plain_and_kernel_give_every_node_its_count(writer):
     n_tensors = len(host_at)
     src_index = rng.integers(-1, n_tensors, (n_tensors, 4)).astype(np.int32)
     node_index = rng.permutation(n_tensors)[: n_tensors // 2 + 3].astype(np.int64)
-    pinned = node_index[:3].copy()
     used, table, counts = _hash_set(size)
-    write(host_at, node_index, src_index.reshape(-1), pinned, used, table, counts)
-    want = np.bincount(src_index[src_index >= 0], minlength=n_tensors)
-    want[pinned] += 1
+    uses = source_uses(src_index, n_tensors)
+    write(host_at, node_index, uses, used, table, counts)
+    want = [sum(int(s) == j for s in src_index.reshape(-1)) for j in range(n_tensors)]
     for j in node_index.tolist():
         assert _found(used, table, counts, int(host_at[j])) == want[j]
     others = np.setdiff1d(np.arange(n_tensors), node_index)

@@ -14,7 +14,7 @@ from apir.codec.constants import (
     ApirExtensionCommandType as X,
 )
 from apir.codec.records import rpc_tensor_dtype
-from apir.ggml.cgraph import _raise_counts, _use_count, write_hash_set
+from apir.ggml.cgraph import _use_count, fill_use_counts, source_uses
 from apir.host import HostContext
 from tests.host.hostkit import DATA_RES, GgmlScratch, Guest, RemoteGraph, norm_mul_graph
 
@@ -101,21 +101,28 @@ def test_the_same_graph_with_other_counts_is_built_again(agreed):
     assert agreed.built_counts({0: 1}) == [1, 1, 1, 1, 0]
 
 
-def test_a_pinned_node_stays_above_its_uses_whatever_the_guest_says():
-    """An ids writer (pinned: one more than its uses) keeps its count under a guest count of
-    its uses or less, and takes a higher one."""
-    host_at = (np.arange(1, 5, dtype=np.uint64) * np.uint64(4096)) << np.uint64(4)
-    node_index = np.arange(4, dtype=np.int64)
-    src_index = np.array([[-1], [0], [1], [1]], np.int32).reshape(-1)  # 0 used once, 1 twice
-    pinned = np.array([0], np.int64)
-    size = 67
-    used, table, counts = np.zeros(3, np.uint32), np.zeros(size, np.uint64), np.zeros(size, np.int32)
-    write_hash_set(host_at, node_index, src_index, pinned, used, table, counts)
-
-    def count(j):
-        (slot,) = np.flatnonzero(table == host_at[j])
-        return int(counts[slot])
-
-    assert [count(j) for j in range(4)] == [2, 2, 0, 0]
-    _raise_counts(host_at, node_index, src_index, pinned, np.array([1, 5, -1, 0], np.int32), used, table, counts)
-    assert [count(j) for j in range(4)] == [2, 5, 0, 0]
+@pytest.mark.parametrize("writer", ["plain", "kernel"])
+def test_a_pinned_node_stays_above_its_uses_whatever_the_guest_says(ggml, writer):
+    """fill_use_counts on a ggml graph of 4 nodes: an ids writer (pinned: one more than its
+    uses) keeps its count under a guest count of its uses or less, and takes a higher one;
+    the caller's `uses` stay as they were."""
+    g = ggml
+    write = None
+    if writer == "kernel":
+        pytest.importorskip("numba")
+        from apir.host.graph.kernels import use_counts_kernel as write
+    s = GgmlScratch(g)
+    try:
+        tensors = [g.ggml_new_tensor_1d(s.ctx, g.types["F32"], 4) for _ in range(4)]
+        host_at = np.array(tensors, np.int64)
+        node_index = np.arange(4, dtype=np.int64)
+        uses = source_uses(np.array([[-1], [0], [1], [1]], np.int32), 4)  # 0 used once, 1 twice
+        for guest_counts, want in ((None, [2, 2, 0, 0]), (np.array([1, 5, -1, 0], np.int32), [2, 5, 0, 0])):
+            graph = g.ggml_new_graph_custom(s.ctx, 8, False)
+            for t in tensors:
+                g.ggml_graph_add_node(graph, t)
+            assert fill_use_counts(g, graph, host_at, node_index, uses, np.array([0]), write, guest_counts)
+            assert [_use_count(graph, t) for t in tensors] == want
+        assert uses.tolist() == [1, 2, 0, 0]
+    finally:
+        s.close()

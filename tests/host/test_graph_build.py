@@ -16,6 +16,7 @@ import pytest
 
 from apir import accel
 from apir.codec.graph import parse_graph
+from apir.ggml.cgraph import _use_count, source_uses
 from apir.host.graph import build as hg
 from apir.host.errors import Refused
 from apir.host.graph.shapes.base import IdReads
@@ -262,6 +263,12 @@ def test_host_tensors_equal_the_one_by_one_twins(setup, monkeypatch, bulk):
             if v >= 0:
                 host[v] = int(rec["view_src"])
         assert all(host) and len(nodes) == len(parsed.node_index)
+        # each node's use count: the source slots naming it (on the bulk path counted by
+        # write_tensors_kernel), one more for an ids writer
+        assert lib.use_counts
+        want = source_uses(parsed.src_index, n)
+        want[hg.ids_writer_nodes(lib.g, parsed.node_index, parsed.tensors["op"].astype(np.int64))] += 1
+        assert [_use_count(graph, a) for a in nodes] == want[parsed.node_index].tolist()
         # row ids are read from the copy their rule checked (TensorInfo.snapshot): the same
         # bytes at another address; everything else as the one-by-one twins
         pinned = {ctypes.addressof(s): ctypes.sizeof(s) for s in new.pinned}

@@ -375,7 +375,7 @@ def test_host_tensor_names_are_what_ggml_set_name_stores(session, ggml, monkeypa
     if twin:  # (src and view_src as int64: the twin fails on the int32 ones, see the BUG test below)
         def twin_kernel(*args):
             args = list(args)
-            args[-3], args[-2] = args[-3].astype(np.int64), args[-2].astype(np.int64)
+            args[-4], args[-3] = args[-4].astype(np.int64), args[-3].astype(np.int64)
             return K.write_tensors_kernel.py_func(*args)
 
         monkeypatch.setattr(hg, "write_tensors_kernel", twin_kernel)
@@ -624,7 +624,7 @@ _GUARD_CHILD = textwrap.dedent(
             host = np.zeros(1, np.int64)
             fn(block.ctypes.data, tl.itemsize, w_off, r_addr, rpc.itemsize, roff, width, np.zeros(1, np.int64),
                np.zeros(1, np.int64), np.array([5], np.int64), np.array([4096], np.int64), np.zeros(1, np.int64),
-               np.full((1, 10), -1, np.int32), np.full(1, -1, np.int32), host)
+               np.full((1, 10), -1, np.int32), np.full(1, -1, np.int32), host, np.zeros(1, np.int32))
             got = np.frombuffer(block.tobytes(), tl)[0]["name"].tobytes()
             assert got == name.split(b"\\0")[0].ljust(64, b"\\0"), (name, got)
         done += 1
@@ -693,16 +693,16 @@ def test_write_tensors_twin_runs_on_the_int32_src_indices_the_host_passes():
     got = []
     for fn in (K.write_tensors_kernel, K.write_tensors_kernel.py_func):
         block = np.zeros(2 * tl.itemsize, np.uint8)
-        host = np.zeros(2, np.int64)
+        host, uses = np.zeros(2, np.int64), np.zeros(2, np.int32)
         assert block.ctypes.data > 1 << 31
         try:
             fn(block.ctypes.data, tl.itemsize, off, recs.ctypes.data, rpc.itemsize, roff, width, np.zeros(2, np.int64),
                np.zeros(2, np.int64), np.array([5], np.int64), np.array([4096], np.int64), np.zeros(2, np.int64), src,
-               view_src, host)
+               view_src, host, uses)
         except OverflowError as exc:
             got.append(f"OverflowError: {exc}")
             continue
         out = np.frombuffer(block.tobytes(), tl)
-        got.append((int(out[1]["src"][0]) - block.ctypes.data, out[1]["name"].tobytes()[:2]))
-    assert got[0] == (0, b"a\0")
+        got.append((int(out[1]["src"][0]) - block.ctypes.data, out[1]["name"].tobytes()[:2], uses.tolist()))
+    assert got[0] == (0, b"a\0", [1, 0])
     assert got[1] == got[0], got[1]

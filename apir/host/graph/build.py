@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
 from apir import accel
 from apir.codec.copy import copy_bytes
-from apir.ggml.cgraph import fill_use_counts
+from apir.ggml.cgraph import fill_use_counts, source_uses
 from apir.ggml.layout import tensor_record
 from apir.host.errors import Refused
 from apir.host.handles import HostBuffer
@@ -539,9 +539,10 @@ def _kernel_layout(tensor: np.dtype, rpc: np.dtype, max_src: int) -> Optional[tu
     return off, roff, width
 
 
-def _create_tensors(lib: GraphLibrary, parsed, scratch: Scratch, recs: _Records) -> np.ndarray:
+def _create_tensors(lib: GraphLibrary, parsed, scratch: Scratch, recs: _Records) -> Tuple[np.ndarray, np.ndarray]:
     """The host twins of the checked records (as `TensorChecker.host_from_rpc`, with src and
-    view_src pointing at the twins); their addresses (int64) by tensor index. Created in
+    view_src pointing at the twins): their addresses (int64) by tensor index, and how many
+    source slots name each (int32, `source_uses`: the kernel counts them on its way). Created in
     sources-first order by ggml_new_tensor_1d in the scratch's context and written field by
     field through numpy; where the kernels run and ggml's tensor layout is the one they
     write (`_kernel_layout`), written whole by `write_tensors_kernel` side by side in the
@@ -561,8 +562,9 @@ def _create_tensors(lib: GraphLibrary, parsed, scratch: Scratch, recs: _Records)
         base = scratch.tensor_block(n, stride)
         rows = np.ascontiguousarray(t)  # (kept alive through the call: the kernel reads its address)
         record = (off, rows.ctypes.data, t.dtype.itemsize, roff, width, type_)
-        write_tensors_kernel(base, stride, *record, recs.inverse, buffers, bases, recs.offsets, src, v, host)
-        return host
+        uses = np.zeros(n, np.int32)
+        write_tensors_kernel(base, stride, *record, recs.inverse, buffers, bases, recs.offsets, src, v, host, uses)
+        return host, uses
     order = parsed.order.astype(np.int64)
     blocks = np.asarray(chk.blck_size_arr, np.int64)[type_]
     scratch.check_room(n)  # (ggml aborts on a full context: its NULL below is never seen)
@@ -592,14 +594,16 @@ def _create_tensors(lib: GraphLibrary, parsed, scratch: Scratch, recs: _Records)
         for name, values in fields.items():
             rec[name] = values[k]
         rec["name"].view(np.uint8)[...] = names[k]
-    return host
+    return host, source_uses(src, n)
 
 
-def _node_graph(lib: GraphLibrary, parsed, scratch: Scratch, host_at: np.ndarray, pinned: Optional[np.ndarray]) -> int:
+def _node_graph(
+    lib: GraphLibrary, parsed, scratch: Scratch, host_at: np.ndarray, uses: np.ndarray, pinned: Optional[np.ndarray]
+) -> int:
     """A cgraph in the scratch's context with the guest's nodes (host tensors `host_at`, by
-    tensor index), in its order, and their use counts with one more for each node of `pinned`
-    (tensor indices; None: no use counts, for a library without the setting); MemoryError
-    when the context has no room for it."""
+    tensor index), in its order, and their use counts (`uses`, by tensor index) with one more
+    for each node of `pinned` (tensor indices; None: no use counts, for a library without the
+    setting); MemoryError when the context has no room for it."""
     g, size = lib.g, max(len(parsed.node_index), 1)
     scratch.check_room(0, size)
     graph = g.ggml_new_graph_custom(scratch.ctx, size, False)
@@ -614,7 +618,7 @@ def _node_graph(lib: GraphLibrary, parsed, scratch: Scratch, host_at: np.ndarray
         # on its strides, which no single op's rule asks of it)
         write = use_counts_kernel if accel.enabled() else None
         wire = guest_use_counts(parsed) if lib.wire_use_counts else None
-        fill_use_counts(g, graph, host_at, parsed.node_index, parsed.src_index, pinned, write, wire)
+        fill_use_counts(g, graph, host_at, parsed.node_index, uses, pinned, write, wire)
     return graph
 
 
@@ -663,8 +667,8 @@ def build_graph_parts(lib: GraphLibrary, parsed, scratch: Scratch, enums: OpEnum
     _check_graph_needs(lib, parsed, made, recs, profile)
     # ids writers are pinned (_node_graph)
     pinned = ids_writer_nodes(lib.g, parsed.node_index, recs.ops) if lib.use_counts else None
-    host_at = _create_tensors(lib, parsed, scratch, recs)  # int64 per tensor
-    graph = _node_graph(lib, parsed, scratch, host_at, pinned)
+    host_at, uses = _create_tensors(lib, parsed, scratch, recs)  # per tensor: address, source slots naming it
+    graph = _node_graph(lib, parsed, scratch, host_at, uses, pinned)
 
     # row ids: the kernel reads the copy the rule checked (the guest may write the original,
     # e.g. in a buffer of its memory, between the check and the kernel)

@@ -532,16 +532,10 @@ def add_nodes_kernel(add_node, graph, nodes, host):
 
 
 @jit
-def use_counts_kernel(host_at, node_index, src_index, pinned, used, table, counts):
+def use_counts_kernel(host_at, node_index, uses, used, table, counts):
     """apir.ggml.cgraph.write_hash_set, as ggml_hash_insert does it: each node's key at the
     first free slot from its home, (key >> 4) % size, on. The set is empty and larger than the
     nodes (fill_use_counts checks both), so every walk ends. Returns 0."""
-    uses = np.zeros(host_at.size, dtype=np.int32)
-    for k in range(src_index.size):
-        if src_index[k] >= 0:
-            uses[src_index[k]] += 1
-    for k in range(pinned.size):
-        uses[pinned[k]] += 1
     size = table.size
     for k in range(node_index.size):
         key = host_at[node_index[k]]
@@ -588,6 +582,7 @@ def write_tensors_kernel(
     src,
     view_src,
     host,
+    uses,
 ):
     """The host twin of each apir_rpc_tensor record i (records at address `rows`, `size`
     bytes each, a copy the host owns) written whole at `base` + i * `stride` (room for a
@@ -602,7 +597,8 @@ def write_tensors_kernel(
     ggml_set_name leaves it). Stored: buffer and data (`buffers[h]`, `bases[h]` +
     `offsets[i]` for handle h = `handle_of[i]`); src (int32[n, S]) and view_src (int32[n])
     tensor indices, as the twins' addresses (the absent ones stay NULL); view_offs for views
-    only. Returns 0."""
+    only. Counts in `uses` (int32[n], zeroed) the source slots naming each tensor, on the way
+    (apir.ggml.cgraph.source_uses). Returns 0."""
     for i in range(host.size):
         a = base + i * stride
         host[i] = a
@@ -617,6 +613,7 @@ def write_tensors_kernel(
             j = int(src[i, s])  # (int: in the twin, an int32 times the address would overflow)
             if j >= 0:
                 store_i64(a + off[8] + 8 * s, base + j * stride)
+                uses[j] += 1
         v = int(view_src[i])
         if v >= 0:
             store_i64(a + off[9], base + v * stride)
