@@ -168,8 +168,11 @@ def test_compare_rules():
 
 
 def test_report_format():
-    results = [host.StepResult("f.json", "s", "a", True), host.StepResult("f.json", "s", "b", False, "x: 1, expected 2"),
-               host.StepResult("f.json", "s", "c", True, "not a guest command", True)]
+    results = [
+        host.StepResult("f.json", "s", "a", True),
+        host.StepResult("f.json", "s", "b", False, "x: 1, expected 2"),
+        host.StepResult("f.json", "s", "c", True, "not a guest command", True),
+    ]
     assert format_report("t", results, False) == ["== t", "FAIL f.json s b: x: 1, expected 2",
                                                    "t: 1 passed, 1 failed, 1 skipped"]
 
@@ -346,7 +349,8 @@ def test_extension_vectors_cover_what_the_c_guest_sends():
 def _record_paddings(step: dict) -> list:
     """The int32 in each graph record's `padding` of a graph step's shared memory."""
     raw = bytes.fromhex(step["shmem_in"]["hex"])
-    return [struct.unpack_from("<i", raw, f[0])[0] for f in step["shmem_in"]["fields"] if f[2].endswith("].padding + tail hole")]
+    fields = step["shmem_in"]["fields"]
+    return [struct.unpack_from("<i", raw, f[0])[0] for f in fields if f[2].endswith("].padding + tail hole")]
 
 
 def test_extension_vectors_carry_use_counts():
