@@ -17,8 +17,10 @@ import pytest
 from apir import accel
 from apir.codec.graph import parse_graph
 from apir.ggml.cgraph import _use_count, source_uses
+from apir.ggml.layout import tensor_record
 from apir.host.graph import build as hg
 from apir.host.errors import Refused
+from apir.host.graph.chunks import GraphChunks
 from apir.host.graph.shapes.base import IdReads
 from apir.host.tensors import Scratch
 from tests.host.hostilekit import host_tensors
@@ -435,3 +437,82 @@ def test_a_record_is_refused_before_any_node(chain, host_path):
     with Scratch(lib.g, len(parsed.tensors), len(parsed.node_index)) as scratch:
         with pytest.raises(Refused, match="graph tensor 5"):
             hg.build_graph_parts(lib, parsed, scratch, lib.op_enums)
+
+
+def _uses_graph(g, ctx):
+    """Source slots that name one tensor twice (ADD(a, a), MUL(v, v), ADD(y, y)), a view
+    read as a source and as a view's source, and an ids writer (ARGSORT) whose view GET_ROWS
+    reads; built by ggml (its use counts filled)."""
+    f32 = g.types["F32"]
+    a = g.ggml_new_tensor_2d(ctx, f32, 8, 6)
+    x = g.ggml_new_tensor_1d(ctx, f32, 6)
+    for i, t in enumerate((a, x)):
+        g.ggml_set_name(t, f"in{i}".encode())
+        g.ggml_set_input(t)
+    ids = g.ggml_view_1d(ctx, g.ggml_argsort(ctx, x, 0), 3, 0)  # ids in [0, 6): a's rows
+    d = g.ggml_add(ctx, a, a)
+    v = g.ggml_view_2d(ctx, d, 8, 3, 8 * 4, 0)
+    y = g.ggml_add(ctx, g.ggml_mul(ctx, v, v), g.ggml_get_rows(ctx, d, ids))
+    out = g.ggml_add(ctx, y, y)
+    g.ggml_set_output(out)
+    graph = g.ggml_new_graph(ctx)
+    g.ggml_build_forward_expand(graph, out)
+    return graph
+
+
+@pytest.mark.parametrize("way", ["kernels", "kernels, exact record checks", "kernels, one by one", "plain"])
+@pytest.mark.parametrize("wire_counts", [False, True], ids=["own", "guest"])
+def test_use_counts_are_ggmls_on_every_build_path(guest, ggml, monkeypatch, way, wire_counts):
+    """The built graph's use counts on each path (source slots counted by write_tensors_kernel
+    or by source_uses, the records' ops from the array or the per-tensor checks): each node's
+    ggml count of the guest's graph, one more for the ids writer; under USE_COUNTS the
+    guest's counts (hostile: negative, huge) raise them, capped, never lower them; the
+    graph's ranges (apir.host.graph.chunks) read the same."""
+    from apir.codec.constants import APIR_WIRE_USE_COUNT_MAX
+
+    g = ggml
+    if way != "plain" and not accel.enabled():
+        pytest.skip("the kernels are off in this process (APIR_ACCEL=0 or no Numba)")
+    if way == "plain":
+        monkeypatch.setattr(accel, "enabled", lambda: False)
+    elif way == "kernels, exact record checks":  # (as on a record the kernels leave)
+        monkeypatch.setattr(hg, "_check_records", lambda lib, parsed: None)
+    elif way == "kernels, one by one":  # (a ggml layout write_tensors_kernel does not write)
+        monkeypatch.setattr(hg, "_kernel_layout", lambda tensor, rpc, max_src: None)
+    s = GgmlScratch(g)
+    remote = None
+    try:
+        gf = _uses_graph(g, s.ctx)
+        n_nodes = g.ggml_graph_n_nodes(gf)
+        local = [g.ggml_graph_node(gf, k) for k in range(n_nodes)]
+        own = np.array([_use_count(gf, t) for t in local])
+        ops = [g.op_names[int(tensor_record(t, g.tensor_dtype)["op"])] for t in local]
+        assert own.tolist() == [2, 2, 1, 1, 1, 1, 2, 0] and ops.count("ARGSORT") == 1
+        want = own + [op == "ARGSORT" for op in ops]
+        remote = RemoteGraph(guest, g, s.ctx, gf)
+        lib = guest.ctx._library
+        assert lib.use_counts
+        monkeypatch.setattr(lib, "wire_use_counts", wire_counts)
+        parsed = _parse(lib, remote.wire)
+        nodes = parsed.node_index.astype(np.int64)
+        # hostile counts in the padding: below the graph's own (the ids writer's: its uses,
+        # not its pin), above it, above the cap, int32's ends
+        guest_counts = np.array([-(2**31), 0, 1, 1, 2**31 - 1, -1, 3, 1 << 20], np.int32)
+        parsed.tensors["padding"].view("<i4").reshape(len(parsed.tensors))[nodes] = guest_counts
+        if wire_counts:
+            want = np.maximum(want, np.minimum(guest_counts.astype(np.int64), APIR_WIRE_USE_COUNT_MAX))
+        with hg.graph_scratch(lib, parsed) as scratch:
+            built = hg.build_graph_parts(lib, parsed, scratch, lib.op_enums)
+            got = [_use_count(built.graph, g.ggml_graph_node(built.graph, k)) for k in range(n_nodes)]
+            # ranges of 3 nodes (a backend without an abort callback) read the same counts
+            chunks = GraphChunks(g, built.graph, 3)
+            try:
+                ranges = [(c, k) for c in chunks.graphs for k in range(g.ggml_graph_n_nodes(c))]
+                in_ranges = [_use_count(c, g.ggml_graph_node(c, k)) for c, k in ranges]
+            finally:
+                chunks.close()
+        assert got == want.tolist() and in_ranges == got
+    finally:
+        if remote is not None:
+            remote.close()
+        s.close()
