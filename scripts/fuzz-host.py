@@ -132,7 +132,7 @@ def main() -> int:
         f"{len(res.memory)} memory faults, {len(res.oracle)} oracle failures, "
         f"{len(res.signatures)} signatures; no reply {res.no_reply}, not serving {res.not_serving}, "
         f"host exceptions {res.host_exceptions}, harness errors {len(res.harness_errors)}; "
-        f"{res.seeds} seed graphs ({res.seeds_skipped} skipped)"
+        f"{res.use_counts} inputs with USE_COUNTS agreed; {res.seeds} seed graphs ({res.seeds_skipped} skipped)"
     )
     for sig, n in sorted(res.signatures.items(), key=lambda x: -x[1]):
         first = next(f for f in res.crashes + res.hangs + res.memory + res.oracle if f.signature == sig)

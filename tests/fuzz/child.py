@@ -4,12 +4,14 @@ Run by the driver as `python -m tests.fuzz.child --seed S [options]`. It loads g
 installs the fences (`FencedBuffers`, `Fences`), builds the seed graphs, prints `ready
 N_SEEDS N_SKIPPED`, then serves lines on stdin: `run A B` runs inputs A..B-1 and prints `s I
 CASE` before, `k I MUTATIONS` (JSON) before each command, and `d I NO_REPLY ALIVE EXCEPTIONS
-COMPUTED` after each, then `ok`. An exception of the harness itself (not of the host, whose
-`submit` never raises) is reported as `e I MESSAGE` instead of `d`. Input I is
-`make_input(numpy.random.default_rng([S, I]), seed graph, fresh Env)`: the same on every run
-and in every worker. `--record PATH --only I` runs input I alone, rewriting the reproducer
-at PATH before each step (the driver's way to save a crash); `--replay PATH` runs a saved
-reproducer (exit status 1 when the host failed without crashing).
+COMPUTED 0 USE_COUNTS` after each (0: no oracle of its own fails; USE_COUNTS 1 when the host
+built the input's graphs with the guest's use counts), then `ok`. An exception of the
+harness itself (not of the host, whose `submit` never raises) is reported as `e I MESSAGE`
+instead of `d`. Input I is `make_input(numpy.random.default_rng([S, I]), seed graph, fresh
+Env, agrees_use_counts(I))`: the same on every run and in every worker. `--record PATH
+--only I` runs input I alone, rewriting the reproducer at PATH before each step (the
+driver's way to save a crash); `--replay PATH` runs a saved reproducer
+(exit status 1 when the host failed without crashing).
 
 An input after which this process's peak RSS is more than `--rss-limit` bytes (2 GiB) above
 what it was once the seeds were built is reported as `m I BYTES` (a memory fault: the host
@@ -80,11 +82,11 @@ def _replay_all(paths, fences, errors) -> int:
         print(f"replaying {path}", flush=True)
         with open(path) as fh:
             rec = Recording.from_json(fh.read())
-        no_reply, alive, exceptions = replay(rec, fences)
+        no_reply, alive, exceptions, use_counts = replay(rec, fences)
         ok = (no_reply, alive, exceptions) == (0, True, 0)
         print(
             f"replayed: {no_reply} commands without a reply, host alive: {alive}, "
-            f"internal exceptions: {exceptions} ({errors.last})",
+            f"internal exceptions: {exceptions} ({errors.last}), use counts: {use_counts}",
             flush=True,
         )
         worst = worst or (0 if ok else 1)
@@ -145,7 +147,7 @@ def main(argv=None) -> int:
     from tests.fuzz.corpus import load_or_build_seeds
     from tests.fuzz.fence import FencedBuffers
     from tests.fuzz.inputs import Env, Fences, HostErrors
-    from tests.fuzz.mutate import Mutator
+    from tests.fuzz.mutate import Mutator, agrees_use_counts
     from tests.host.hostkit import Guest
 
     config = {**DEFAULT_CONFIG, **json.loads(args.config)}
@@ -181,11 +183,12 @@ def main(argv=None) -> int:
         try:
             if i in selftest:
                 _selftest(selftest[i], env, fences, fenced)
-            mut.make_input(rng, seed, env)
+            mut.make_input(rng, seed, env, use_counts=agrees_use_counts(i))
             alive = env.alive()
+            use_counts = env.use_counts()
         finally:
             env.close()
-        out.write(f"d {i} {env.no_reply} {int(alive)} {errors.count - before} {env.computed}\n")
+        out.write(f"d {i} {env.no_reply} {int(alive)} {errors.count - before} {env.computed} 0 {int(use_counts)}\n")
         grown = _peak_rss() - baseline
         if args.rss_limit and grown > args.rss_limit:
             # ru_maxrss only grows: report the input that raised it, then start afresh

@@ -7,8 +7,8 @@ input is a **hang** (it is killed); an input that raised the child's peak RSS by
 `rss_limit` is a **memory** fault (the host committed that much for one input). Either way
 the child is replaced and carries on at I+1, so one fault costs one input, not the campaign.
 Every input that finishes reports whether a command went unanswered, whether the host still
-served afterwards, how many internal exceptions the host logged, and how many graphs it
-computed.
+served afterwards, how many internal exceptions the host logged, how many graphs it
+computed, and whether it built them with the guest's use counts (USE_COUNTS agreed).
 
 A fault's signature is the signal and where it struck, read from the child's stderr (the
 GGML_ASSERT line, the C++ exception, or the innermost Python frame that faulthandler
@@ -69,6 +69,7 @@ class Result:
     not_serving: int = 0  # inputs after which the host did not answer DEVICE_GET_COUNT
     broken: int = 0  # inputs that broke another oracle of the child (a leak, a wrong result)
     host_exceptions: int = 0  # inputs during which the host logged an internal exception
+    use_counts: int = 0  # inputs whose graphs the host built with the guest's use counts (USE_COUNTS)
     harness_errors: List[str] = field(default_factory=list)
     seeds: int = 0
     seeds_skipped: int = 0
@@ -355,13 +356,15 @@ def run_campaign(
                         pass
                 elif tag == "d":
                     _, i, rest = parts
-                    no_reply, alive, exc, computed, *broken = (int(x) for x in rest.split())
+                    no_reply, alive, exc, computed, *more = (int(x) for x in rest.split())
+                    broken, use_counts = (more + [0, 0])[:2]
                     res.inputs += 1
                     res.computed += computed
                     res.no_reply += no_reply > 0
                     res.not_serving += not alive
                     res.host_exceptions += exc > 0
-                    res.broken += bool(broken and broken[0])
+                    res.broken += bool(broken)
+                    res.use_counts += bool(use_counts)
                     w.current, w.next = None, int(i) + 1
                 elif tag == "m":
                     i, grown = (int(x) for x in parts[1:3])

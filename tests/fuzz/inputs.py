@@ -5,8 +5,9 @@ alone: a fresh `HostContext` (HandShake 0.2, LoadLibrary), its three blobs in fe
 (reply, data, and a graph blob sized to the input's graph, ending at its guard), the host
 buffers the input asks for allocated through `buffer_type_alloc_buffer` (fenced by
 `FencedBuffers` when installed) with their images written, then the input's steps: blob
-writes and raw EXECBUFFER payloads, each payload itself placed against a guard. Handles are
-therefore the same on every run. After the steps the host must still answer a command.
+writes and raw EXECBUFFER payloads (an EXT_QUERY among them where the input agrees an
+extension), each payload itself placed against a guard. Handles are therefore the same on
+every run. After the steps the host must still answer a command.
 
 What `Env` checks on every command, besides the process surviving: a command whose header
 names the reply blob gets a reply; the host raised no internal exception (it logs one and
@@ -27,7 +28,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from apir.codec.constants import ApirBackendCommandType as Cmd, ApirCommandType
+from apir.codec.constants import ApirBackendCommandType as Cmd, ApirCommandType, ApirExtensionCommandType
 from apir.host import HostContext
 from tests.fuzz.fence import Fenced
 
@@ -207,6 +208,13 @@ class Env:
         self._step("blob", res_id, data)
         view[: len(data)] = data
 
+    def agree(self, extensions: int) -> int:
+        """EXT_QUERY asking for these ApirExtension bits (a recorded step, so a replay agrees
+        them too); the bits the host agreed, 0 when it did not answer."""
+        ext_query = payload(_FORWARD, int(ApirExtensionCommandType.EXT_QUERY), struct.pack("<I", extensions))
+        rc, reply = self.submit(ext_query)
+        return struct.unpack_from("<I", reply, 0)[0] if rc == 4 else 0
+
     def submit(self, cmd: bytes) -> Tuple[Optional[int], memoryview]:
         """Submits a raw payload; (return code or None when no reply came, reply payload)."""
         self._step("cmd", 0, cmd)
@@ -245,14 +253,19 @@ class Env:
             return False
         return rc == 4 and struct.unpack_from("<i", reply, 0)[0] >= 1
 
+    def use_counts(self) -> bool:
+        """Whether the host builds this context's graphs with the guest's use counts (the
+        records' padding: USE_COUNTS agreed)."""
+        return bool(self.ctx._library.wire_use_counts)
+
     def close(self) -> None:
         self.ctx.close()
 
 
-def replay(rec: Recording, fences: Fences) -> Tuple[int, bool, int]:
+def replay(rec: Recording, fences: Fences) -> Tuple[int, bool, int, bool]:
     """Runs a recording on a fresh context: (commands without a reply, host alive after,
-    internal exceptions). Raises AssertionError when setup gives other handles than recorded
-    (a reproducer from another host version or fence mode)."""
+    internal exceptions, USE_COUNTS agreed at the end). Raises AssertionError when setup
+    gives other handles than recorded (a reproducer from another host version or fence mode)."""
     errors = HostErrors.install()
     before = errors.count
     env = Env(fences, rec.config, rec.graph_size, meta=rec.meta)
@@ -265,6 +278,6 @@ def replay(rec: Recording, fences: Fences) -> Tuple[int, bool, int]:
                 env.write(res, data)
             else:
                 env.submit(data)
-        return env.no_reply, env.alive(), errors.count - before
+        return env.no_reply, env.alive(), errors.count - before, env.use_counts()
     finally:
         env.close()

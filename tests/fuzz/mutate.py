@@ -24,7 +24,9 @@ dimension), swapped dims, op_params slots (0, -1, INT32_MAX, INT32_MIN, ..., and
 +-inf, +-3.4e38, denormals), type, op (any, custom ones included), src links (another tensor, none,
 itself, an unknown id), data offset, view_src / view_offs, buffer handle, flags, an unterminated
 name, the node list (dropped, duplicated, reversed, unknown ids), the input data (row ids and values
-in the buffer image) and raw byte flips of the wire.
+in the buffer image) and raw byte flips of the wire. An input that agrees USE_COUNTS (EXT_QUERY
+after setup: `agrees_use_counts`) also has use counts in its records' padding (0, -1, 2^24,
+2^31-1, INT32_MIN, ...), in every graph it sends.
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ from typing import List
 
 import numpy as np
 
-from apir.codec.constants import ApirBackendCommandType as Cmd, ApirCommandType
+from apir.codec.constants import ApirBackendCommandType as Cmd, ApirCommandType, ApirExtension
 from apir.host.tensors import CUSTOM_OPS
 from tests.fuzz.corpus import Seed, join_wire, record_bytes
 from tests.fuzz.inputs import DATA_RES, GRAPH_RES, REPLY_RES, Env, forward, payload
 
-__all__ = ["Mutator"]
+__all__ = ["Mutator", "agrees_use_counts"]
 
 U32 = 1 << 32
 U64 = 1 << 64
@@ -86,6 +88,17 @@ _INTS = [
     256,
     65535,
 ]
+
+
+# Use counts a record's padding says (USE_COUNTS): the host takes max(its own, min(this, 2^24)).
+_COUNTS = [0, 1, 2, 3, -1, 1 << 24, (1 << 24) + 1, I32_MAX, I32_MIN]
+USE_COUNTS = int(ApirExtension.USE_COUNTS)
+
+
+def agrees_use_counts(index: int) -> bool:
+    """Whether input `index` agrees USE_COUNTS before its commands: the odd ones, so that
+    a campaign covers both, and the even ones are the inputs they were before the extension."""
+    return index % 2 == 1
 
 
 def _fbits(x: float) -> int:
@@ -430,6 +443,22 @@ class Mutator:
         image[off : off + len(data)] = data
         return "image"
 
+    def m_counts(self, rng, ctx):
+        """Use counts in the padding of one record, of the nodes' or of every record's
+        (read only with USE_COUNTS agreed): hostile values, and sometimes any int32."""
+        recs = ctx["recs"]
+        r = rng.random()
+        if r < 0.5:
+            targets = [self._tensor(rng, recs)]
+        elif r < 0.75:
+            targets = [int(i) for i in np.nonzero(recs["op"] != 0)[0]]
+        else:
+            targets = list(range(len(recs)))
+        for t in targets:
+            v = self._pick(rng, _COUNTS) if rng.random() < 0.9 else int(rng.integers(I32_MIN, I32_MAX + 1))
+            recs["padding"][t] = np.frombuffer(struct.pack("<i", v), "S1")
+        return f"counts x{len(targets)}"
+
     def mutate_graph(self, rng, ctx) -> List[str]:
         kinds = []
         n = 1 + min(int(rng.geometric(0.5)) - 1, 5)
@@ -476,8 +505,9 @@ class Mutator:
         return out
 
     # --- inputs ---------------------------------------------------------------------------
-    def make_input(self, rng, seed: Seed, env: Env) -> dict:
-        """Runs one input on `env` (setup done here); returns its meta (kinds of mutation)."""
+    def make_input(self, rng, seed: Seed, env: Env, use_counts: bool = False) -> dict:
+        """Runs one input on `env` (setup done here); returns its meta (kinds of mutation).
+        `use_counts`: the input agrees USE_COUNTS first and its records' padding says use counts."""
         image = bytearray(seed.image)
         images = [image]
         second = rng.random() < 0.15
@@ -495,13 +525,18 @@ class Mutator:
             "buft": env.buft,
         }
         kinds: List[str] = []
-        env.rec.meta.update(case=seed.name, kind=kind, mutations=kinds)  # kept current: a crash
+        # kept current: a crash may come at any step
+        env.rec.meta.update(case=seed.name, kind=kind, mutations=kinds, use_counts=use_counts)
         if kind == "graph":
             # mutate before setup: the image mutation goes into what setup writes; handles
             # are filled in after
             pre = self.mutate_graph(rng, ctx)
             kinds += pre
+        if use_counts:  # (every graph of the input uses these records)
+            kinds.append(self.m_counts(rng, ctx))
         handles = env.alloc([bytes(i) for i in images])
+        if use_counts and not env.agree(USE_COUNTS) & USE_COUNTS:
+            raise RuntimeError("the host did not agree USE_COUNTS")
         ctx["handle"], ctx["other_handles"] = handles[0], handles[1:]
         recs = ctx["recs"]
         recs["buffer"][recs["buffer"] == seed.handle] = handles[0]

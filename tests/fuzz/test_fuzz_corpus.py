@@ -1,5 +1,6 @@
 """The fenced fuzzer in CI: a short seeded corpus faults nothing on this host, and the harness
-sees every kind of fault it counts (docs/security.md, "Fuzzing").
+sees every kind of fault it counts, and inputs that agree USE_COUNTS reach the host with it
+(docs/security.md, "Fuzzing").
 
 The corpus: `APIR_FUZZ_CORPUS` inputs (default 1,000) of seed 1 on two child processes, each
 input a mutated graph or command sequence on a fresh host context in fenced memory
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.fuzz.driver import REPO, _child_cmd, _child_env, run_campaign
+from tests.fuzz.mutate import agrees_use_counts
 
 CORPUS_SEED = 1
 CORPUS_INPUTS = int(os.environ.get("APIR_FUZZ_CORPUS", "1000"))
@@ -34,6 +36,21 @@ def test_seeded_corpus_faults_nothing(tmp_path):
     assert res.seeds > 100  # every op family's cases became seed graphs
     assert res.inputs == CORPUS_INPUTS
     assert res.computed > CORPUS_INPUTS // 10  # the mutations reach ggml, not only the checks
+    faults = res.crashes + res.hangs + res.memory
+    assert not faults, _describe(faults)
+    assert (res.no_reply, res.not_serving, res.host_exceptions) == (0, 0, 0)
+
+
+def test_use_counts_inputs_agree_it_and_fault_nothing(tmp_path):
+    """The inputs that agree USE_COUNTS (the odd ones) send hostile use counts in their
+    records' padding: the host agreed it in each of those sessions and in no other (its
+    library's `wire_use_counts` at the input's end, reported per input), and answered them all."""
+    n = 200
+    res = run_campaign(3, n, 2, tmp_path, deadline=60, chunk=50)
+    assert not res.harness_errors, res.harness_errors
+    assert res.inputs == n
+    assert res.use_counts == sum(agrees_use_counts(i) for i in range(n)) == n // 2
+    assert res.computed > n // 10
     faults = res.crashes + res.hangs + res.memory
     assert not faults, _describe(faults)
     assert (res.no_reply, res.not_serving, res.host_exceptions) == (0, 0, 0)
@@ -113,6 +130,7 @@ def test_inputs_are_deterministic_and_replay_alone(tmp_path):
     assert a == b
     rec = json.loads(a)
     assert rec["meta"]["index"] == 17 and rec["steps"]
+    assert rec["meta"]["use_counts"] is agrees_use_counts(17) is True  # its EXT_QUERY is a step
     run = subprocess.run(
         _child_cmd(CORPUS_SEED, {}, 0, ["--replay", str(paths[0])]),
         env=env,
@@ -123,6 +141,7 @@ def test_inputs_are_deterministic_and_replay_alone(tmp_path):
     )
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
     assert "host alive: True" in run.stdout
+    assert "use counts: True" in run.stdout  # the replay agreed USE_COUNTS as the input did
 
 
 if __name__ == "__main__":  # pragma: no cover
