@@ -451,7 +451,7 @@ class Mutator:
         if r < 0.5:
             targets = [self._tensor(rng, recs)]
         elif r < 0.75:
-            targets = [int(i) for i in np.nonzero(recs["op"] != 0)[0]]
+            targets = [int(i) for i in np.nonzero(recs["op"] != self.g.ops["NONE"])[0]]
         else:
             targets = list(range(len(recs)))
         for t in targets:
