@@ -79,7 +79,9 @@ def _key_mask(rpc: np.dtype, ids: bool = False, counts: bool = False) -> np.ndar
     array every caller gets."""
     mask = np.zeros(rpc.itemsize, np.uint8)
     fields: Mapping[str, tuple] = rpc.fields or {}
-    skip = ("id", "src", "view_src")[: 0 if ids else 3] + (() if counts else ("padding",))
+    skip: Tuple[str, ...] = () if ids else ("id", "src", "view_src")
+    if not counts:
+        skip += ("padding",)
     for name, spec in fields.items():
         if name not in skip:
             mask[spec[1] : spec[1] + spec[0].itemsize] = 0xFF
