@@ -385,7 +385,7 @@ class ExtendedLibrary(PythonBackendLibrary):
         return BACKEND_RC_OK
 
     def _graph_device(self, memory, size: int) -> int:
-        if len(self.devices) == 1 or not self.agreed & _DEVICES:
+        if not self._routed:
             return 0
         handle = self._graph_buffer(0, size, memory)
         for i, lib in enumerate(self.devices):
