@@ -23,8 +23,7 @@ import ctypes
 import mmap
 from typing import Mapping, Optional
 
-from apir.codec.constants import ApirBackendCommandType as F, negotiated_version
-from apir.codec.forward import FORWARD
+from apir.codec.constants import ApirBackendCommandType as F
 from apir.codec.wire import Decoder, Encoder
 from apir.ggml.backend_props import get_dev_props
 from apir.ggml.layout import tensor_record
@@ -110,7 +109,7 @@ def get_props(lib: HandlerLibrary, dec: Decoder, enc: Encoder) -> int:
     caps = get_dev_props(lib.g, lib.dev)
     caps["buffer_from_host_ptr"] = lib.host_ptr_buffers
     host = lib.host
-    fields = FORWARD[F.DEVICE_GET_PROPS].reply_in(negotiated_version(host.guest_version, host.host_version))
+    fields = host.forward_layouts[F.DEVICE_GET_PROPS][1].fields  # (the reply's, in the negotiated version)
     host.forward_replies["device_get_props"](enc, *(caps.get(field.name, False) for field in fields))
     return BACKEND_RC_OK
 
