@@ -223,19 +223,26 @@ def test_the_vectors_ship_with_the_package(tmp_path):
 
 
 # --- the C host library, and the vectors against a fresh capture ---------------------------------
-@pytest.mark.cref
-@pytest.mark.interop
-@pytest.mark.parametrize("version", ["0.20", "0.10"])
-def test_c_host_library_passes(version):
+def _c_host_conformance(version: str, vectors) -> subprocess.CompletedProcess:
+    """`apir conformance --host-only` on `vectors` against the C host library (ggml `version`,
+    built by tests.cref) on ggml CPU."""
     from tests import cref
     from tests.interop.harness import c_build_env
 
     paths = cref.build(version)
+    cmd = [sys.executable, "-m", "apir", "conformance", "--host-only", "--vectors", str(vectors),
+           "--backend-library", paths["LIBGGML_VIRTGPU_BACKEND"],
+           "--ggml-library", paths["LIBGGML_CPU"], "--ggml-reg", "ggml_backend_cpu_reg"]
+    return subprocess.run(cmd, env=c_build_env(paths), check=False, capture_output=True, text=True, cwd=REPO,
+                          timeout=300)
+
+
+@pytest.mark.cref
+@pytest.mark.interop
+@pytest.mark.parametrize("version", ["0.20", "0.10"])
+def test_c_host_library_passes(version):
     path = next(f for f in FILES if f"ggml-{version}" in f.name)
-    run = subprocess.run([sys.executable, "-m", "apir", "conformance", "--host-only", "--vectors", str(path),
-                          "--backend-library", paths["LIBGGML_VIRTGPU_BACKEND"],
-                          "--ggml-library", paths["LIBGGML_CPU"], "--ggml-reg", "ggml_backend_cpu_reg"],
-                         env=c_build_env(paths), check=False, capture_output=True, text=True, cwd=REPO, timeout=300)
+    run = _c_host_conformance(version, path)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert ": 57 passed, 0 failed, 0 skipped" in run.stdout
 
@@ -246,14 +253,7 @@ def test_c_host_library_answers_the_extension_fallback():
     """The extension vectors' 0.2 fallback session (recorded from apir's host with extensions
     off) is what a host without extensions answers: the C host library passes it; the
     extension and devices sessions are skipped (their replies are apir's host's)."""
-    from tests import cref
-    from tests.interop.harness import c_build_env
-
-    paths = cref.build("0.20")
-    run = subprocess.run([sys.executable, "-m", "apir", "conformance", "--host-only", "--vectors", str(EXT_FILE),
-                          "--backend-library", paths["LIBGGML_VIRTGPU_BACKEND"],
-                          "--ggml-library", paths["LIBGGML_CPU"], "--ggml-reg", "ggml_backend_cpu_reg"],
-                         env=c_build_env(paths), check=False, capture_output=True, text=True, cwd=REPO, timeout=300)
+    run = _c_host_conformance("0.20", EXT_FILE)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert ": 16 passed, 0 failed, 47 skipped" in run.stdout
 
